@@ -1,0 +1,1 @@
+"""Thin click front end: parse, build a config, call one library function."""

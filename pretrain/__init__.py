@@ -1,0 +1,1 @@
+"""relicv2 pretrain stage."""

@@ -1,0 +1,39 @@
+"""The `relicv2` entry points: console script, `python -m cli`, the default `pretrain` sub-command."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from click.testing import CliRunner
+
+from cli.main import cli
+
+
+def test_python_dash_m_cli_lists_every_stage():
+    result = subprocess.run([sys.executable, "-m", "cli", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    for group in ("shards", "saliency", "pretrain", "eval", "demo-data"):
+        assert group in result.stdout
+
+
+def test_pretrain_without_subcommand_dispatches_to_run():
+    runner = CliRunner()
+    explicit = runner.invoke(cli, ["pretrain", "run", "--help"])
+    implicit = runner.invoke(cli, ["pretrain", "--help"])
+    assert explicit.exit_code == 0 and implicit.exit_code == 0
+    assert "preview-views" in implicit.output
+    # An option meant for `run` reaches `run` when the sub-command is left out.
+    assert runner.invoke(cli, ["pretrain", "--no-such-option"]).output == \
+        runner.invoke(cli, ["pretrain", "run", "--no-such-option"]).output
+
+
+def test_demo_data_writes_a_labelled_tree(tmp_path):
+    result = CliRunner().invoke(cli, ["demo-data", str(tmp_path), "--train-per-class", "2",
+                                      "--val-per-class", "1", "--size", "48"])
+    assert result.exit_code == 0, result.output
+    classes = sorted(p.name for p in (tmp_path / "val").iterdir())
+    assert len(classes) == 8
+    assert all(len(list((tmp_path / "val" / c).glob("*.jpg"))) == 1 for c in classes)
+    # The awkward inputs that `shards build` must convert or reject are there too.
+    assert (tmp_path / "train" / "astronaut" / "empty.jpg").stat().st_size == 0
