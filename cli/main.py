@@ -1,52 +1,72 @@
-"""The `relicv2` command: one click group per stage, each defined in its own module."""
+"""The `relicv2` command: one click group per stage, each defined in its own module.
+
+Sub-command modules are imported only when their command runs (or its help is shown), so that
+`relicv2 shards build` does not pay for importing torch, DALI and the trainer.
+"""
 
 from __future__ import annotations
 
+import importlib
+
 import click
 
-from cli.demo import demo_data
-from cli.eval import eval_group
-from cli.pretrain import run as pretrain_run
-from cli.saliency import saliency_group
-from cli.shards import shards_group
-from cli.views import preview_views
 
+class LazyGroup(click.Group):
+    """A click group whose sub-commands are named as "module:attribute" and imported on first use.
 
-class DefaultCommandGroup(click.Group):
-    """A group that runs `default_command` when the first argument is not a sub-command.
-
-    `relicv2 pretrain --config X` trains, while `relicv2 pretrain preview-views ...` previews;
-    click has no built-in default sub-command, so the dispatch is done here.
+    With `default_command`, arguments that do not start with a sub-command name go to that command:
+    `relicv2 pretrain --config X` trains, `relicv2 pretrain preview-views ...` previews. click has
+    neither lazy loading nor default sub-commands built in, hence this small class.
     """
 
-    def __init__(self, *args, default_command: str, **kwargs):
+    def __init__(self, *args, lazy_commands: dict[str, tuple[str, str]] | None = None,
+                 default_command: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.lazy_commands = dict(lazy_commands or {})  # name -> (import path, short help)
         self.default_command = default_command
 
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(set(super().list_commands(ctx)) | set(self.lazy_commands))
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in self.lazy_commands and name not in self.commands:
+            module_name, attribute = self.lazy_commands[name][0].split(":")
+            self.add_command(getattr(importlib.import_module(module_name), attribute), name=name)
+        return super().get_command(ctx, name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        # Short help comes from the table, so `--help` imports nothing heavy.
+        rows = [(name, self.lazy_commands[name][1] if name in self.lazy_commands
+                 else self.commands[name].get_short_help_str())
+                for name in self.list_commands(ctx)]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        if not args or args[0] not in self.commands:
-            if not (args and args[0] in ("--help", "-h")):
-                args = [self.default_command, *args]
+        if self.default_command and args and args[0] not in self.list_commands(ctx) \
+                and args[0] not in ("--help", "-h"):
+            args = [self.default_command, *args]
         return super().parse_args(ctx, args)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]}, lazy_commands={
+    "shards": ("cli.shards:shards_group", "Build, verify and merge WebDataset shard sets."),
+    "saliency": ("cli.saliency:saliency_group", "Handcrafted saliency maps, evaluation and previews."),
+    "eval": ("cli.eval:eval_group", "Evaluate pretrained encoders (kNN)."),
+    "demo-data": ("cli.demo:demo_data", "Write the built-in demo image tree (no download)."),
+})
 @click.version_option(package_name="relicv2")
 def cli() -> None:
     """ReLICv2 pretraining with saliency masking: shards, saliency, pretrain, eval."""
 
 
-@cli.group(cls=DefaultCommandGroup, default_command="run")
+@cli.group(cls=LazyGroup, default_command="run", lazy_commands={
+    "run": ("cli.pretrain:run", "Pretrain with ReLICv2 (the default: `relicv2 pretrain --config ...`)."),
+    "preview-views": ("cli.views:preview_views", "Write a PNG grid of the augmented views of a few images."),
+})
 def pretrain() -> None:
     """Pretrain a ResNet with ReLICv2 (`relicv2 pretrain [run] ...`), or preview its views."""
-
-
-pretrain.add_command(pretrain_run, name="run")
-pretrain.add_command(preview_views, name="preview-views")
-cli.add_command(shards_group, name="shards")
-cli.add_command(saliency_group, name="saliency")
-cli.add_command(eval_group, name="eval")
-cli.add_command(demo_data, name="demo-data")
 
 
 def main() -> None:

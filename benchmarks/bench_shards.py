@@ -1,0 +1,91 @@
+"""Shard-building throughput: `shards.build` vs a plain `webdataset.ShardWriter` loop.
+
+Both read the 1,000 JPEGs of ../shared/data/msra-unlabeled and decode-verify every image the same
+way: PIL `Image.open(...).load()`, a full decode (no `draft()` reduced-size shortcut). Both store
+the original bytes. `shards.build` also shuffles, hashes, writes DALI indices, manifests and
+done-markers; it runs with --workers processes, the baseline in one process (a plain loop).
+
+    .venv/bin/python benchmarks/bench_shards.py [--workers 2] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from PIL import Image
+
+from shards.build import BuildConfig, build_shards
+
+DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "msra-unlabeled"
+
+
+def baseline(images: list[Path], out: Path) -> int:
+    """A plain webdataset.ShardWriter loop with the same decode check."""
+    import webdataset as wds
+
+    written = 0
+    with wds.ShardWriter(str(out / "base-%06d.tar"), maxsize=1 << 30, verbose=0) as sink:
+        for path in images:
+            data = path.read_bytes()
+            try:
+                Image.open(io.BytesIO(data)).load()
+            except Exception:
+                continue
+            sink.write({"__key__": path.stem, "jpg": data})
+            written += 1
+    return written
+
+
+def ours(source: Path, out: Path, workers: int) -> int:
+    """`relicv2 shards build SOURCE --out OUT --workers N` as a library call."""
+    report = build_shards(BuildConfig(input=source, out_dir=out, workers=workers, progress=False))
+    return report.merge.written
+
+
+def timed(run, out: Path) -> tuple[float, int]:
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    start = time.perf_counter()
+    count = run(out)
+    return time.perf_counter() - start, count
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", type=Path, default=DATA)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    images = sorted(args.data.glob("*.jpg"))
+    if not images:
+        print(f"no JPEGs in {args.data}; the benchmark needs ../shared/data/msra-unlabeled", file=sys.stderr)
+        return 1
+    for p in images:  # warm the page cache so neither side pays the first disk read
+        p.read_bytes()
+    import webdataset  # noqa: F401  (imported once here so neither timing includes it)
+
+    results: dict[str, list[float]] = {"shards build": [], "ShardWriter loop": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for _ in range(args.repeats):  # interleaved, so machine load affects both alike
+            seconds, n = timed(lambda out: ours(args.data, out, args.workers), Path(tmp) / "ours")
+            results["shards build"].append(n / seconds)
+            seconds, n = timed(lambda out: baseline(images, out), Path(tmp) / "base")
+            results["ShardWriter loop"].append(n / seconds)
+    print(f"{len(images)} images from {args.data.name}, decode check: PIL Image.open().load() (full decode)")
+    print(f"{'method':<20} {'workers':>7} {'median img/s':>13} {'best img/s':>11}")
+    for name, rates in results.items():
+        workers = args.workers if name == "shards build" else 1
+        print(f"{name:<20} {workers:>7} {statistics.median(rates):>13.0f} {max(rates):>11.0f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

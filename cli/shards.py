@@ -1,0 +1,128 @@
+"""`relicv2 shards build | verify | merge`."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import click
+
+from shards.build import BuildConfig, build_shards, ranks_from_env
+from shards.merge import merge_shard_set
+from shards.sources import LAYOUTS, InputError
+from shards.verify import verify_shard_set
+
+SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'1G', '500M', '1048576' -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", text, re.IGNORECASE)
+    if not match:
+        raise click.BadParameter(f"{text!r} is not a size; write e.g. 1G, 500M or 1048576")
+    return int(float(match.group(1)) * SIZE_UNITS[match.group(2).upper()])
+
+
+@click.group()
+def shards_group() -> None:
+    """Build and verify WebDataset shard sets."""
+
+
+@shards_group.command("build")
+@click.argument("input_path", metavar="INPUT", type=click.Path(path_type=Path))
+@click.argument("out_arg", metavar="OUT", required=False, type=click.Path(path_type=Path))
+@click.option("--out", "out_opt", type=click.Path(path_type=Path), help="Output folder (instead of the OUT argument).")
+@click.option("--prefix", default="images", show_default=True, help="Shard names: PREFIX-000000.tar ...")
+@click.option("--seed", default=0, show_default=True, help="Seed of the shuffle across shards.")
+@click.option("--max-bytes", default="1G", show_default=True, help="Target shard size (e.g. 1G, 200M).")
+@click.option("--max-count", type=int, default=None, help="Also cap each shard at this many samples.")
+@click.option("--min-side", default=32, show_default=True, help="Reject images whose shorter side is below this.")
+@click.option("--quality", default=95, show_default=True, help="JPEG quality for converted (non-JPEG/non-RGB) images.")
+@click.option("--layout", type=click.Choice(LAYOUTS), default="auto", show_default=True,
+              help="Folder input: classes = one sub-folder per class; flat = unlabeled (recursive); auto = classes when sub-folders exist.")
+@click.option("--workers", default=os.cpu_count() or 1, show_default=True, help="Decoding processes.")
+@click.option("--overwrite", is_flag=True, help="Replace a different shard set already in --out.")
+@click.option("--merge-timeout", default=3600.0, show_default=True, help="Under torchrun: seconds rank 0 waits for the other ranks before merging.")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar.")
+def build(input_path: Path, out_arg: Path | None, out_opt: Path | None, max_bytes: str, merge_timeout: float,
+          **options) -> None:
+    """Build shuffled, decode-verified WebDataset shards in OUT from INPUT: an image folder (one
+    sub-folder per class, or flat = unlabeled) or a CSV/parquet file list (`path`, optional `label`
+    or `class`).
+
+    Rerun the same command after an interruption to resume. Under torchrun each rank builds its
+    own shard range and rank 0 merges the manifests.
+    """
+    if (out_arg is None) == (out_opt is None):
+        raise click.UsageError("give the output folder once: as OUT or as --out")
+    out_dir = out_arg or out_opt
+    config = BuildConfig(
+        input=input_path,
+        out_dir=out_dir,
+        max_bytes=parse_size(max_bytes),
+        merge_timeout_s=merge_timeout,
+        command=shlex.join(["relicv2", "shards", "build", *sys.argv[sys.argv.index("build") + 1 :]])
+        if "build" in sys.argv
+        else "",
+        **options,
+    )
+    try:
+        ranks = ranks_from_env()
+        click.echo(f"config: {json.dumps(asdict(config), default=str)}", err=True)
+        report = build_shards(config, ranks)
+    except (InputError, FileNotFoundError, RuntimeError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(
+        f"rank {ranks.rank}/{ranks.world_size}: {report.shards_built} shard(s) built, {report.shards_kept} kept "
+        f"from an earlier run, {report.written} images written, {report.rejected} rejected while decoding"
+    )
+    if report.merge is not None:
+        echo_merge(out_dir, report.merge)
+
+
+def echo_merge(out_dir: Path, merge) -> None:
+    """Print the merged totals."""
+    reasons = ", ".join(f"{k} {v}" for k, v in merge.rejected_by_reason.items()) or "none"
+    click.echo(f"{out_dir}: {merge.shards} shards, {merge.written} samples, {merge.rejected} rejected ({reasons})")
+    if merge.empty_shards:
+        click.echo(f"note: every input of {', '.join(merge.empty_shards)} was rejected; no file was written for it")
+    if merge.rejected:
+        click.echo(f"see {out_dir / 'rejected.parquet'} for each rejected file and why")
+
+
+@shards_group.command("merge")
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--wait", default=0.0, show_default=True, help="Seconds to wait for unfinished shards.")
+def merge(directory: Path, wait: float) -> None:
+    """Merge the per-shard records of a (multi-rank) build into manifest.parquet, rejected.parquet, info.json."""
+    try:
+        report = merge_shard_set(directory, wait_s=wait)
+    except (FileNotFoundError, RuntimeError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    echo_merge(directory, report)
+
+
+@shards_group.command("verify")
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--workers", default=os.cpu_count() or 1, show_default=True, help="Processes checking shards.")
+@click.option("--decode/--no-decode", default=True, show_default=True, help="Fully decode every image.")
+def verify(directory: Path, workers: int, decode: bool) -> None:
+    """Check every shard against the manifest: counts, keys, hashes, decodability, index files."""
+    if not directory.is_dir():
+        raise click.ClickException(f"{directory} is not a folder; give the shard set's folder")
+    try:
+        report = verify_shard_set(directory, workers=workers, decode_images=decode)
+    except FileNotFoundError as exc:
+        raise click.ClickException(str(exc)) from exc
+    for problem in report.problems:
+        click.echo(problem)
+    if not report.ok:
+        raise click.ClickException(
+            f"{len(report.problems)} problem(s) in {directory} ({report.shards} shards, {report.samples} samples)"
+        )
+    click.echo(f"{directory}: OK, {report.shards} shards, {report.samples} samples verified")

@@ -1,0 +1,69 @@
+"""Atomic file output: write to a hidden temporary name, fsync, rename over the final name.
+
+Every job in this project may be killed at any moment (DESIGN.md), so a final name must only ever
+hold a complete file. A temporary name starts with "." so directory listings of shards ignore it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+TEMP_MARK = ".tmp-"
+
+
+def temp_path_for(path: Path) -> Path:
+    """A hidden temporary name beside `path`, unique per process and host (ranks share a file system)."""
+    return path.with_name(f".{path.name}{TEMP_MARK}{socket.gethostname()}-{os.getpid()}")
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename inside `directory` durable (POSIX needs the directory itself synced)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_output(path: Path) -> Iterator[Path]:
+    """Yield a temporary path to write; on success fsync it and rename it to `path`.
+
+    On an exception the temporary file is removed and `path` is left untouched.
+    """
+    path = Path(path)
+    tmp = temp_path_for(path)
+    try:
+        yield tmp
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write `data` to `path` atomically."""
+    with atomic_output(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def remove_stale_temps(directory: Path, names: set[str]) -> int:
+    """Delete temporary files left by killed writers for the final names in `names`.
+
+    Only the caller's own final names: other ranks may be writing other files in the same folder.
+    """
+    removed = 0
+    for p in Path(directory).glob(f".*{TEMP_MARK}*"):
+        final = p.name[1 : p.name.index(TEMP_MARK)]
+        if final in names:
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+                removed += 1
+    return removed

@@ -1,0 +1,94 @@
+"""Manifest and rejection tables of a shard set (parquet, DESIGN.md Formats)."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from shards.atomic import atomic_write_bytes
+
+MANIFEST_NAME = "manifest.parquet"
+REJECTED_NAME = "rejected.parquet"
+
+MANIFEST_SCHEMA = pa.schema(
+    [
+        ("key", pa.string()),
+        ("shard", pa.string()),  # tar file name, relative to the shard set's folder
+        ("position", pa.int32()),  # index of the sample inside its tar
+        ("label", pa.int64()),
+        ("width", pa.int32()),
+        ("height", pa.int32()),
+        ("byte_size", pa.int64()),  # payload bytes of all members of the sample
+        ("content_hash", pa.string()),  # shards.sample.content_hash of the members
+        ("status", pa.string()),
+    ]
+)
+
+REJECTED_SCHEMA = pa.schema(
+    [
+        ("source", pa.string()),
+        ("reason", pa.string()),  # a short code, e.g. "truncated", "too_small"
+        ("detail", pa.string()),  # one human sentence
+    ]
+)
+
+CORE_COLUMNS = set(MANIFEST_SCHEMA.names)
+
+
+def manifest_table(rows: Sequence[dict]) -> pa.Table:
+    """Manifest rows -> table: the core columns typed, extra scalar columns inferred, sorted by name."""
+    extras = sorted({k for row in rows for k in row} - CORE_COLUMNS)
+    core = pa.Table.from_pylist([{k: row.get(k) for k in MANIFEST_SCHEMA.names} for row in rows], MANIFEST_SCHEMA)
+    for name in extras:
+        values = [row.get(name) for row in rows]
+        try:
+            column = pa.array(values)
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+            raise ValueError(f"manifest column {name!r} mixes value types ({exc}); keep one type per meta key") from exc
+        core = core.append_column(name, column)
+    return core
+
+
+def rejected_table(rows: Iterable[dict]) -> pa.Table:
+    """Rejection rows (source, reason, detail) -> table."""
+    return pa.Table.from_pylist([{k: r.get(k) for k in REJECTED_SCHEMA.names} for r in rows], REJECTED_SCHEMA)
+
+
+def table_bytes(table: pa.Table) -> bytes:
+    """A parquet file's bytes; the same table gives the same bytes (no timestamps are stored)."""
+    sink = io.BytesIO()
+    pq.write_table(table, sink, compression="zstd")
+    return sink.getvalue()
+
+
+def write_table(table: pa.Table, path: Path) -> Path:
+    """Write a table as parquet atomically."""
+    atomic_write_bytes(Path(path), table_bytes(table))
+    return Path(path)
+
+
+def write_manifest(rows: Sequence[dict], directory: Path) -> Path:
+    """Write `manifest.parquet` for the rows (sorted by shard, position) into `directory`."""
+    ordered = sorted(rows, key=lambda r: (r["shard"], r["position"]))
+    return write_table(manifest_table(ordered), Path(directory) / MANIFEST_NAME)
+
+
+def read_manifest(directory: Path) -> pa.Table:
+    """The manifest of a shard set; a clear error when the folder has none."""
+    path = Path(directory) / MANIFEST_NAME
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} does not exist; build the shard set first (relicv2 shards build) "
+            "or, after a multi-rank build, run relicv2 shards merge"
+        )
+    return pq.read_table(path)
+
+
+def read_rejected(directory: Path) -> pa.Table:
+    """The rejection list of a shard set (empty when the set has none)."""
+    path = Path(directory) / REJECTED_NAME
+    return pq.read_table(path) if path.is_file() else rejected_table([])

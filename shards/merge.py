@@ -1,0 +1,117 @@
+"""The final step of a build: per-shard done-markers -> manifest.parquet, rejected.parquet, info.json.
+
+Run by rank 0 at the end of `relicv2 shards build` (it waits for the other ranks' markers), or on
+its own as `relicv2 shards merge DIR` once every rank has finished.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from shards.manifest import REJECTED_NAME, rejected_table, write_manifest, write_table
+from shards.writer import write_info
+
+WORK_DIR = ".build"
+POLL_S = 2.0
+
+
+@dataclass(frozen=True)
+class MergeReport:
+    """Totals of a merged shard set."""
+
+    shards: int
+    written: int
+    rejected: int
+    rejected_by_reason: dict[str, int]
+    empty_shards: list[str]
+
+
+def work_dir(out: Path) -> Path:
+    """The hidden folder holding a build's plan and done-markers."""
+    return Path(out) / WORK_DIR
+
+
+def plan_file(out: Path) -> Path:
+    """The plan record of a build."""
+    return work_dir(out) / "plan.json"
+
+
+def done_marker(out: Path, shard) -> Path:
+    """The done-marker of a planned shard (a ShardPlan, or a plan.json entry)."""
+    name, digest = (shard["name"], shard["digest"]) if isinstance(shard, dict) else (shard.name, shard.digest)
+    return work_dir(out) / f"{name}.{digest[:16]}.done.json"
+
+
+def wait_for_markers(out: Path, shards: list[dict], wait_s: float) -> list[dict]:
+    """Wait up to `wait_s` seconds for every shard's marker; raise naming the missing ones."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        missing = [s["name"] for s in shards if not done_marker(out, s).is_file()]
+        if not missing:
+            return [json.loads(done_marker(out, s).read_text()) for s in shards]
+        if time.monotonic() >= deadline:
+            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+            raise RuntimeError(
+                f"{len(missing)} shard(s) of {out} are not finished ({shown}); rerun the build for the "
+                "ranks that own them, then run: relicv2 shards merge " + str(out)
+            )
+        time.sleep(POLL_S)
+
+
+def merge_shard_set(out: Path, *, wait_s: float = 0.0) -> MergeReport:
+    """Merge the done-markers of a planned build into the shard set's manifest, rejections and info."""
+    out = Path(out)
+    if not plan_file(out).is_file():
+        raise FileNotFoundError(f"{out} holds no build plan ({plan_file(out)}); run relicv2 shards build first")
+    plan = json.loads(plan_file(out).read_text())
+    markers = wait_for_markers(out, plan["shards"], wait_s)
+    rows = [row for m in markers for row in m["manifest"]]
+    plan_rejected = pq.read_table(work_dir(out) / "plan-rejected.parquet").to_pylist()
+    rejected = sorted(plan_rejected + [r for m in markers for r in m["rejected"]], key=lambda r: (r["source"], r["reason"]))
+    _remove_unplanned_shards(out, plan)
+    write_manifest(rows, out)
+    write_table(rejected_table(rejected), out / REJECTED_NAME)
+    by_reason = dict(sorted(Counter(r["reason"] for r in rejected).items()))
+    tars = [out / m["shard"] for m in markers if not m["empty"]]
+    sizes = [p.stat().st_size for p in tars]
+    empty = [m["shard"] for m in markers if m["empty"]]
+    write_info(
+        out,
+        {
+            "prefix": plan["settings"]["prefix"],
+            "shards": len(tars),
+            "empty_shards": empty,
+            "samples": len(rows),
+            "labelled": sum(r["label"] is not None for r in rows),
+            "converted": sum(r["status"] == "converted" for r in rows),
+            "inputs": plan["inputs"],
+            "rejected": len(rejected),
+            "rejected_by_reason": by_reason,
+            "classes": plan["classes"],
+            "num_classes": len(plan["classes"]),
+            "layout": plan["layout"],
+            "bytes": sum(sizes),
+            "shard_bytes": {"min": min(sizes, default=0), "max": max(sizes, default=0)},
+            "settings": plan["settings"],
+            "plan_digest": plan["digest"],
+            "command": plan["command"],
+            "version": plan["version"],
+        },
+    )
+    return MergeReport(len(tars), len(rows), len(rejected), by_reason, empty)
+
+
+def _remove_unplanned_shards(out: Path, plan: dict) -> None:
+    """Delete `{prefix}-NNNNNN.tar/.idx` files the plan does not contain (e.g. from an overwritten build)."""
+    planned = {s["name"] for s in plan["shards"]}
+    pattern = re.compile(re.escape(plan["settings"]["prefix"]) + r"-\d{6}\.(tar|idx)")
+    for p in out.iterdir():
+        if pattern.fullmatch(p.name) and p.with_suffix(".tar").name not in planned:
+            p.unlink()

@@ -1,0 +1,92 @@
+"""The deterministic build plan: seeded shuffle of the sorted inputs, then shard assignment.
+
+Planning needs no image decoding, so every rank of a multi-node build computes the same plan on
+its own, and every shard can be (re)built independently. A shard is finished when its done-marker
+carries the shard's digest, which covers its inputs and the settings that shape its bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from shards.sources import SourceImage
+from shards.writer import TAR_BLOCK, shard_name
+
+PLAN_VERSION = 1
+# Per-sample tar overhead besides the image: headers of jpg/cls/json plus the json payload block.
+SAMPLE_OVERHEAD = 5 * TAR_BLOCK
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """One planned shard: its number, file name, inputs in write order, digest."""
+
+    number: int
+    name: str
+    images: tuple[SourceImage, ...]
+    digest: str
+
+
+def shuffled(images: list[SourceImage], seed: int) -> list[SourceImage]:
+    """The inputs (already sorted by source) in a seeded random order."""
+    order = np.random.default_rng(seed).permutation(len(images))
+    return [images[i] for i in order]
+
+
+def estimated_bytes(image: SourceImage) -> int:
+    """Tar bytes of a sample, estimated from the source file size (exact for pass-through JPEGs,
+    approximate for converted images)."""
+    return -(-image.size // TAR_BLOCK) * TAR_BLOCK + SAMPLE_OVERHEAD
+
+
+def shard_digest(images: list[SourceImage], settings: dict) -> str:
+    """SHA-256 over the settings and each input's key, source, label, class and size."""
+    h = hashlib.sha256(json.dumps({"plan_version": PLAN_VERSION, **settings}, sort_keys=True).encode())
+    for im in images:
+        h.update(json.dumps([im.key, im.source, im.label, im.class_name, im.size]).encode("utf-8"))
+    return h.hexdigest()
+
+
+def plan_shards(
+    images: list[SourceImage],
+    *,
+    seed: int,
+    prefix: str,
+    max_bytes: int,
+    max_count: int | None,
+    settings: dict,
+) -> list[ShardPlan]:
+    """Shuffle the inputs and cut them into shards of at most `max_bytes` (estimated) and
+    `max_count` samples; a single oversized image still gets a shard of its own."""
+    groups: list[list[SourceImage]] = []
+    current: list[SourceImage] = []
+    current_bytes = 0
+    for im in shuffled(images, seed):
+        size = estimated_bytes(im)
+        if current and (current_bytes + size > max_bytes or (max_count is not None and len(current) >= max_count)):
+            groups.append(current)
+            current, current_bytes = [], 0
+        current.append(im)
+        current_bytes += size
+    if current:
+        groups.append(current)
+    return [
+        ShardPlan(n, shard_name(prefix, n), tuple(g), shard_digest(g, {**settings, "name": shard_name(prefix, n)}))
+        for n, g in enumerate(groups)
+    ]
+
+
+def rank_shards(num_shards: int, rank: int, world_size: int) -> range:
+    """The contiguous shard numbers rank `rank` of `world_size` builds; ranks cover all, disjointly."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world size {world_size}")
+    return range(num_shards * rank // world_size, num_shards * (rank + 1) // world_size)
+
+
+def plan_digest(shards: list[ShardPlan]) -> str:
+    """One digest for the whole plan."""
+    return hashlib.sha256("".join(s.digest for s in shards).encode()).hexdigest()

@@ -1,0 +1,75 @@
+"""One sample of a shard set, and the rules its key and member names follow (DESIGN.md, Formats)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+
+# Keys become tar member names `{key}.{ext}`; webdataset and DALI split a name at its first dot,
+# and ustar headers hold 100 bytes, so keys are short ASCII words without dots.
+KEY_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,80}")
+EXT_PATTERN = re.compile(r"[a-z0-9_]+(\.[a-z0-9_]+)*")
+GENERATED_MEMBERS = ("cls", "json")
+
+
+@dataclass(frozen=True)
+class ShardSample:
+    """A sample to write: `key`, image and other members by extension, class index, json metadata.
+
+    `members` maps an extension to bytes, e.g. {"jpg": ..., "mask.png": ...}; the writer adds
+    `{key}.cls` from `label` (absent when None) and `{key}.json` from `meta` itself.
+    `meta` must be JSON-serialisable; its scalar entries (width, height, source, status, mask
+    coverage, ...) also become manifest columns.
+    """
+
+    key: str
+    members: dict[str, bytes]
+    label: int | None = None
+    meta: dict = field(default_factory=dict)
+
+
+def check_sample(sample: ShardSample) -> None:
+    """Raise ValueError naming the sample when its key or members break the format rules."""
+    if not KEY_PATTERN.fullmatch(sample.key):
+        raise ValueError(
+            f"sample key {sample.key!r} is not 1-80 characters of [A-Za-z0-9_-]; "
+            "normalise it (shards.sources.normalise_stem does) before writing"
+        )
+    if not sample.members:
+        raise ValueError(f"sample {sample.key!r} has no members")
+    for ext, data in sample.members.items():
+        if ext in GENERATED_MEMBERS:
+            raise ValueError(
+                f"sample {sample.key!r}: member {ext!r} is generated from label/meta; do not pass it"
+            )
+        if not EXT_PATTERN.fullmatch(ext):
+            raise ValueError(f"sample {sample.key!r}: member extension {ext!r} is not lower-case [a-z0-9_.]")
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise ValueError(f"sample {sample.key!r}: member {ext!r} is {type(data).__name__}, not bytes")
+    if sample.label is not None and (isinstance(sample.label, bool) or not isinstance(sample.label, int)):
+        raise ValueError(f"sample {sample.key!r}: label {sample.label!r} is not an int or None")
+
+
+def sample_members(sample: ShardSample) -> list[tuple[str, bytes]]:
+    """All members of a sample as (extension, bytes), sorted by extension: the order in the tar."""
+    members = {ext: bytes(data) for ext, data in sample.members.items()}
+    if sample.label is not None:
+        members["cls"] = str(sample.label).encode("ascii")
+    try:
+        members["json"] = json.dumps(
+            sample.meta, sort_keys=True, separators=(",", ":"), ensure_ascii=False
+        ).encode("utf-8")
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"sample {sample.key!r}: meta is not JSON-serialisable ({exc})") from exc
+    return sorted(members.items())
+
+
+def content_hash(members: list[tuple[str, bytes]]) -> str:
+    """SHA-256 over a sample's members in tar order (extension, length, bytes): what verify recomputes."""
+    h = hashlib.sha256()
+    for ext, data in members:
+        h.update(ext.encode("ascii") + b"\0" + len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()

@@ -1,0 +1,206 @@
+"""Finding the input images of a build: class-folder tree, flat folder, or CSV/parquet file list.
+
+Cheap checks happen here (no image is opened): unsupported extensions, empty files, missing or
+unreadable entries, duplicate list entries, files outside class folders. Keys are assigned here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import unicodedata
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+IMAGE_EXTENSIONS = frozenset(
+    {".jpg", ".jpeg", ".jpe", ".jfif", ".png", ".bmp", ".tif", ".tiff", ".webp", ".gif", ".ppm", ".pgm", ".pbm"}
+)
+LIST_SUFFIXES = (".csv", ".parquet")
+MAX_STEM = 64  # leaves room for "_" + 8 hex digits within the 80-character key limit
+LAYOUTS = ("auto", "classes", "flat")
+SAFE_STEM = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+class InputError(ValueError):
+    """A job-level problem with the input (missing path, unreadable list, no images at all)."""
+
+
+@dataclass(frozen=True)
+class SourceImage:
+    """One input file planned for writing."""
+
+    source: str  # as recorded in json/manifest: relative to the input folder, or as listed
+    path: str  # where to read it
+    label: int | None
+    class_name: str | None
+    size: int  # bytes on disk, for planning shard sizes
+    key: str = ""
+
+
+@dataclass(frozen=True)
+class Listing:
+    """What the input holds: usable images (sorted by source), rejections, class names."""
+
+    images: list[SourceImage]
+    rejected: list[dict]
+    classes: list[str]
+    layout: str
+
+
+def normalise_stem(stem: str) -> str:
+    """A file stem -> key stem: accents folded to ASCII, every other character outside
+    [A-Za-z0-9_-] (dots, spaces, non-Latin letters) replaced by "_"; at most 64 characters."""
+    if SAFE_STEM.fullmatch(stem):
+        return stem  # the common case, e.g. ImageNet's n01440764_10026
+    parts = []
+    for ch in stem:
+        folded = unicodedata.normalize("NFKD", ch).encode("ascii", "ignore").decode("ascii")
+        parts.append(re.sub(r"[^A-Za-z0-9_-]", "_", folded) or "_")
+    return "".join(parts)[:MAX_STEM] or "_"
+
+
+def short_hash(text: str) -> str:
+    """8 hex digits identifying a source path (stable across runs and machines)."""
+    return hashlib.sha1(text.encode("utf-8")).hexdigest()[:8]
+
+
+def stem_of(source: str) -> str:
+    """The file stem of a source path (string operations: this runs once per input)."""
+    name = source.rsplit("/", 1)[-1]
+    dot = name.rfind(".")
+    return name[:dot] if dot > 0 else name
+
+
+def assign_keys(images: list[SourceImage]) -> list[SourceImage]:
+    """Give every image a unique key: its normalised stem, plus a hash of its source when stems collide.
+
+    All members of a colliding group get the hash, so a key never depends on listing order.
+    """
+    stems = [normalise_stem(stem_of(im.source)) for im in images]
+    counts: dict[str, int] = {}
+    for s in stems:
+        counts[s] = counts.get(s, 0) + 1
+    return [
+        replace(im, key=s if counts[s] == 1 else f"{s}_{short_hash(im.source)}")
+        for im, s in zip(images, stems, strict=True)
+    ]
+
+
+def reject(source: str, reason: str, detail: str) -> dict:
+    """A rejection row."""
+    return {"source": source, "reason": reason, "detail": detail}
+
+
+def check_file(source: str, path: str, label: int | None, class_name: str | None) -> SourceImage | dict:
+    """Cheap checks of one candidate file: extension, existence, size."""
+    suffix = os.path.splitext(path)[1]
+    if suffix.lower() not in IMAGE_EXTENSIONS:
+        return reject(source, "unsupported_extension", f"extension {suffix or '(none)'!r} is not an image type")
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        return reject(source, "missing", "file does not exist (or is a broken link)")
+    except OSError as exc:
+        return reject(source, "unreadable", f"file cannot be read ({exc.strerror or exc})")
+    if size == 0:
+        return reject(source, "empty_file", "file is empty (0 bytes)")
+    return SourceImage(source, path, label, class_name, size)
+
+
+def walk_files(root: Path) -> list[tuple[str, str]]:
+    """(relative posix path, full path) of every non-directory entry under root, broken links
+    included (they are reported); hidden folders are skipped."""
+    found = []
+    base = str(root)
+    for dirpath, dirnames, filenames in os.walk(base, followlinks=True):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        rel = os.path.relpath(dirpath, base).replace(os.sep, "/")
+        prefix = "" if rel == "." else rel + "/"
+        found += [(prefix + f, os.path.join(dirpath, f)) for f in filenames]
+    return found
+
+
+def list_folder(root: Path, layout: str) -> Listing:
+    """A class-folder tree (sub-folders = classes) or a flat folder (unlabeled, searched recursively)."""
+    subdirs = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if layout == "classes" and not subdirs:
+        raise InputError(f"{root} has no class sub-folders; use --layout flat for an unlabeled folder")
+    by_class = layout == "classes" or (layout == "auto" and bool(subdirs))
+    classes = subdirs if by_class else []
+    index = {name: i for i, name in enumerate(classes)}
+    images, rejected = [], []
+    for source, path in walk_files(root):
+        name = source.split("/", 1)[0] if by_class and "/" in source else None
+        if by_class and name is None:
+            rejected.append(reject(source, "outside_class_folder", "file lies beside the class folders, not in one"))
+            continue
+        result = check_file(source, path, index[name] if by_class else None, name)
+        (images if isinstance(result, SourceImage) else rejected).append(result)
+    return Listing(images, rejected, classes, "classes" if by_class else "flat")
+
+
+def list_table(list_file: Path) -> Listing:
+    """A CSV or parquet file list: column `path` (relative to the list's folder or absolute),
+    optional integer `label` and/or `class` (names, mapped to indices in sorted order)."""
+    import pyarrow.csv as pacsv
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(list_file) if list_file.suffix == ".parquet" else pacsv.read_csv(list_file)
+    except Exception as exc:
+        raise InputError(f"cannot read the file list {list_file} ({exc}); give a CSV or parquet file") from exc
+    if "path" not in table.column_names:
+        raise InputError(f"file list {list_file} has no 'path' column (columns: {', '.join(table.column_names)})")
+    rows = table.to_pylist()
+    names = [r.get("class") for r in rows]
+    labels = [r.get("label") for r in rows]
+    if any(isinstance(v, str) for v in labels):  # a textual label column holds class names
+        names, labels = labels, [None] * len(rows)
+    classes = sorted({str(n) for n in names if n is not None and n != ""})
+    index = {name: i for i, name in enumerate(classes)}
+    images, rejected, seen = [], [], set()
+    for row, name, label in zip(rows, names, labels, strict=True):
+        source = str(row["path"] or "")
+        if not source:
+            rejected.append(reject(source, "missing", "empty path in the file list"))
+            continue
+        if source in seen:
+            rejected.append(reject(source, "duplicate_entry", "path listed more than once; kept the first"))
+            continue
+        seen.add(source)
+        name = None if name in (None, "") else str(name)
+        if isinstance(label, float) and label != label:  # NaN: parquet's missing label
+            label = None
+        if label is None and name is not None:
+            label = index[name]
+        path = source if os.path.isabs(source) else os.path.join(list_file.parent, source)
+        result = check_file(source, path, None if label is None else int(label), name)
+        (images if isinstance(result, SourceImage) else rejected).append(result)
+    return Listing(images, rejected, classes, "list")
+
+
+def list_inputs(source: Path, layout: str = "auto") -> Listing:
+    """Find the inputs of a build; keys assigned, images sorted by source. Raises InputError on job-level problems."""
+    source = Path(source)
+    if layout not in LAYOUTS:
+        raise InputError(f"unknown layout {layout!r}; use one of {', '.join(LAYOUTS)}")
+    if source.is_dir():
+        listing = list_folder(source, layout)
+    elif source.is_file() and source.suffix.lower() in LIST_SUFFIXES:
+        listing = list_table(source)
+    elif source.exists():
+        raise InputError(f"{source} is neither a folder nor a .csv/.parquet file list")
+    else:
+        raise InputError(f"input {source} does not exist; give an image folder or a .csv/.parquet file list")
+    if not listing.images and not listing.rejected:
+        raise InputError(f"no files found in {source}; nothing to build")
+    images, rejected, keys = [], list(listing.rejected), set()
+    for im in assign_keys(sorted(listing.images, key=lambda im: im.source)):
+        if im.key in keys:  # only if a file is literally named like another's hashed key
+            rejected.append(reject(im.source, "duplicate_key", f"key {im.key!r} is already taken"))
+            continue
+        keys.add(im.key)
+        images.append(im)
+    rejected.sort(key=lambda r: (r["source"], r["reason"]))
+    return replace(listing, images=images, rejected=rejected)

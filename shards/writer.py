@@ -1,0 +1,245 @@
+"""Writing WebDataset tars (byte-reproducible, atomic) with their DALI index files and manifests."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tarfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from shards.atomic import atomic_write_bytes, fsync_dir, remove_stale_temps, temp_path_for
+from shards.index import INDEX_VERSION, index_path
+from shards.manifest import CORE_COLUMNS, write_manifest
+from shards.sample import ShardSample, check_sample, content_hash, sample_members
+
+# Fixed header fields make a rebuilt tar byte-identical (DESIGN.md: mtime 0, fixed owner).
+OWNER_NAME = "relicv2"
+MEMBER_MODE = 0o444
+TAR_BLOCK = 512
+
+
+def shard_name(prefix: str, number: int) -> str:
+    """`images-000012.tar` for prefix "images" and shard 12."""
+    return f"{prefix}-{number:06d}.tar"
+
+
+def package_version() -> str:
+    """The installed relicv2 version, for info.json."""
+    try:
+        return metadata.version("relicv2")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def tar_footprint(members: list[tuple[str, bytes]]) -> int:
+    """Bytes the members take in a tar: one header block each plus data padded to whole blocks."""
+    return sum(TAR_BLOCK + -(-len(data) // TAR_BLOCK) * TAR_BLOCK for _, data in members)
+
+
+def manifest_row(sample: ShardSample, members: list[tuple[str, bytes]]) -> dict:
+    """The manifest row of a sample, without its place (shard, position): core columns plus the
+    scalar entries of its meta."""
+    row = {
+        "key": sample.key,
+        "label": sample.label,
+        "width": sample.meta.get("width"),
+        "height": sample.meta.get("height"),
+        "byte_size": sum(len(data) for _, data in members),
+        "content_hash": content_hash(members),
+        "status": sample.meta.get("status", "ok"),
+    }
+    for name, value in sample.meta.items():
+        if name not in CORE_COLUMNS and (value is None or isinstance(value, str | int | float | bool)):
+            row[name] = value
+    return row
+
+
+@dataclass(frozen=True)
+class SampleRecord:
+    """A sample serialised for a tar: its member blocks, manifest row and index entries
+    (extension, data offset relative to the record's start, size). Built wherever the sample is
+    made (e.g. in a worker process) so the process writing the tar only copies bytes."""
+
+    key: str
+    blob: bytes
+    row: dict
+    entries: tuple[tuple[str, int, int], ...]
+
+
+def sample_record(sample: ShardSample, members: list[tuple[str, bytes]] | None = None) -> SampleRecord:
+    """Serialise a sample into ustar blocks: per member a 512-byte header, then data padded to 512."""
+    check_sample(sample)
+    members = sample_members(sample) if members is None else members
+    parts, entries, offset = [], [], 0
+    for ext, data in members:
+        info = tarfile.TarInfo(f"{sample.key}.{ext}")
+        info.size = len(data)
+        info.mtime = 0
+        info.mode = MEMBER_MODE
+        info.uid = info.gid = 0
+        info.uname = info.gname = OWNER_NAME
+        header = info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "strict")
+        padding = -len(data) % TAR_BLOCK
+        parts += [header, data, b"\0" * padding]
+        entries.append((ext, offset + len(header), len(data)))
+        offset += len(header) + len(data) + padding
+    return SampleRecord(sample.key, b"".join(parts), manifest_row(sample, members), tuple(entries))
+
+
+class TarShard:
+    """One tar being written under a temporary name; `close()` publishes it with its index.
+
+    The tar is assembled from SampleRecords rather than through tarfile.TarFile so that records can
+    be serialised in worker processes; the bytes equal what tarfile writes for the same members.
+    Publishing order: the index is renamed into place first, then the tar, so a final tar name
+    always has an index beside it.
+    """
+
+    def __init__(self, tar: Path):
+        self.path = Path(tar)
+        self.tmp = temp_path_for(self.path)
+        self._file = open(self.tmp, "wb")  # noqa: SIM115 (closed in close/abort)
+        self.size = 0
+        self.rows: list[dict] = []
+        self.keys: set[str] = set()
+        self._index: list[str] = []
+
+    def add(self, sample: ShardSample, members: list[tuple[str, bytes]] | None = None) -> dict:
+        """Append a sample (its members adjacent, sorted by extension); return its manifest row."""
+        return self.add_record(sample_record(sample, members))
+
+    def add_record(self, record: SampleRecord) -> dict:
+        """Append a serialised sample; return its manifest row with shard and position filled in."""
+        if record.key in self.keys:
+            raise ValueError(f"duplicate key {record.key!r} in {self.path.name}; keys must be unique")
+        self._index.append(
+            " ".join(f"{ext} {self.size + off} {size} {record.key}.{ext}" for ext, off, size in record.entries)
+        )
+        self._file.write(record.blob)
+        self.size += len(record.blob)
+        row = {**record.row, "shard": self.path.name, "position": len(self.rows)}
+        self.rows.append(row)
+        self.keys.add(record.key)
+        return row
+
+    def close(self) -> list[dict]:
+        """Finish the tar, fsync, write its index, rename both into place; return the rows."""
+        # End of archive as tarfile writes it: two zero blocks, then zeros up to a whole record.
+        end = 2 * TAR_BLOCK
+        end += -(self.size + end) % tarfile.RECORDSIZE
+        self._file.write(b"\0" * end)
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        text = "\n".join([f"{INDEX_VERSION} {len(self._index)}", *self._index]) + "\n"
+        atomic_write_bytes(index_path(self.path), text.encode("utf-8"))
+        os.replace(self.tmp, self.path)
+        fsync_dir(self.path.parent)
+        return self.rows
+
+    def abort(self) -> None:
+        """Drop the partial tar."""
+        self._file.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def write_shard(samples: Iterable[ShardSample], tar: Path) -> list[dict]:
+    """Write exactly these samples into one tar (+ `.idx`) atomically; return the manifest rows.
+
+    At least one sample is required: DALI refuses an index of zero samples.
+    """
+    shard = TarShard(tar)
+    try:
+        for sample in samples:
+            shard.add(sample)
+        if not shard.rows:
+            raise ValueError(f"no samples to write into {shard.path}; DALI cannot read an empty shard")
+    except BaseException:
+        shard.abort()
+        raise
+    return shard.close()
+
+
+def write_info(directory: Path, info: dict) -> Path:
+    """Write `info.json` (sorted keys, so equal content gives equal bytes) atomically."""
+    path = Path(directory) / "info.json"
+    atomic_write_bytes(path, (json.dumps(info, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+    return path
+
+
+def write_shard_set(
+    samples: Iterable[ShardSample],
+    out_dir: Path,
+    *,
+    prefix: str = "images",
+    max_bytes: int = 1 << 30,
+    max_count: int | None = None,
+) -> list[Path]:
+    """Write samples, in the given order, as `{prefix}-000000.tar ...` shards in `out_dir`.
+
+    A new shard starts when the next sample would push the current one past `max_bytes` (tar
+    bytes) or `max_count` samples. Writes a `.idx` beside each tar, `manifest.parquet` and
+    `info.json`; every file appears atomically. Afterwards `out_dir` holds exactly this set under
+    `prefix` (older shards of that prefix beyond it are removed). Returns the tar paths.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if max_bytes <= 0 or (max_count is not None and max_count <= 0):
+        raise ValueError("max_bytes and max_count must be positive")
+    written: list[Path] = []
+    rows: list[dict] = []
+    keys: set[str] = set()
+    current: TarShard | None = None
+    try:
+        for sample in samples:
+            check_sample(sample)
+            if sample.key in keys:
+                raise ValueError(f"duplicate key {sample.key!r}; keys must be unique in a shard set")
+            keys.add(sample.key)
+            members = sample_members(sample)
+            if current is not None and (
+                current.size + tar_footprint(members) > max_bytes
+                or (max_count is not None and len(current.rows) >= max_count)
+            ):
+                rows += current.close()
+                written.append(current.path)
+                current = None
+            if current is None:
+                current = TarShard(out_dir / shard_name(prefix, len(written)))
+            current.add_record(sample_record(sample, members))
+        if current is not None:
+            rows += current.close()
+            written.append(current.path)
+            current = None
+    finally:
+        if current is not None:
+            current.abort()
+    if not written:
+        raise ValueError(f"no samples to write into {out_dir}")
+    _remove_other_shards(out_dir, prefix, {p.name for p in written})
+    write_manifest(rows, out_dir)
+    write_info(
+        out_dir,
+        {
+            "prefix": prefix,
+            "shards": len(written),
+            "samples": len(rows),
+            "bytes": sum(p.stat().st_size for p in written),
+            "labelled": sum(r["label"] is not None for r in rows),
+            "version": package_version(),
+        },
+    )
+    return written
+
+
+def _remove_other_shards(out_dir: Path, prefix: str, keep: set[str]) -> None:
+    """Delete `{prefix}-NNNNNN.tar/.idx` files of an older, larger set in the same folder."""
+    pattern = re.compile(re.escape(prefix) + r"-\d{6}\.(tar|idx)")
+    for p in out_dir.iterdir():
+        if pattern.fullmatch(p.name) and p.with_suffix(".tar").name not in keep:
+            p.unlink()
+    remove_stale_temps(out_dir, keep | {index_path(Path(n)).name for n in keep})
