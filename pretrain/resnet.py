@@ -1,0 +1,161 @@
+"""ResNet encoders (18 to 200 layers, width 1/2/4) whose width-1 weights are torchvision's.
+
+The residual blocks are torchvision's own `BasicBlock` / `Bottleneck`. Only the skeleton is
+written here, because torchvision's `ResNet` cannot express the SimCLR/BYOL width multiplier:
+its `width_per_group` widens the inner 3x3 convolution of a bottleneck only, keeps the stem at
+64 channels and the block outputs at 256..2048, so a "wide" torchvision ResNet-50 still has 2048
+features. SimCLR/BYOL widen every layer, stem included (2x ResNet-50 -> 4096 features). Passing
+`planes = base_planes * width` to torchvision's blocks with the default `base_width=64` gives
+exactly that, and at width 1 the module tree (and therefore every state-dict name) is
+torchvision's, minus the classifier `fc`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torchvision.models.resnet import BasicBlock, Bottleneck
+
+# Blocks per stage. ResNet-200 is not in torchvision; its layout is the one of He et al. 2016
+# ("Identity Mappings in Deep Residual Networks") used by BYOL/ReLICv2 for their largest encoder.
+STAGE_BLOCKS: dict[int, tuple[type[BasicBlock] | type[Bottleneck], tuple[int, int, int, int]]] = {
+    18: (BasicBlock, (2, 2, 2, 2)),
+    34: (BasicBlock, (3, 4, 6, 3)),
+    50: (Bottleneck, (3, 4, 6, 3)),
+    101: (Bottleneck, (3, 4, 23, 3)),
+    152: (Bottleneck, (3, 8, 36, 3)),
+    200: (Bottleneck, (3, 24, 36, 3)),
+}
+WIDTHS = (1, 2, 4)
+STAGE_PLANES = (64, 128, 256, 512)
+
+
+class ResNet(nn.Module):
+    """ResNet trunk: stem, four residual stages, global average pooling; no classifier.
+
+    `forward(x)` maps images [B, 3, H, W] to pooled features [B, num_features].
+    """
+
+    def __init__(
+        self,
+        block: type[BasicBlock] | type[Bottleneck],
+        stage_blocks: tuple[int, int, int, int],
+        width: int = 1,
+        *,
+        zero_init_residual: bool = False,
+    ) -> None:
+        super().__init__()
+        stem_channels = 64 * width
+        self.conv1 = nn.Conv2d(3, stem_channels, kernel_size=7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(stem_channels)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
+        in_channels = stem_channels
+        stages = []
+        for index, (planes, blocks) in enumerate(zip(STAGE_PLANES, stage_blocks, strict=True)):
+            stage, in_channels = _make_stage(
+                block, in_channels, planes * width, blocks, stride=1 if index == 0 else 2
+            )
+            stages.append(stage)
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.num_features: int = in_channels
+        _initialise(self, zero_init_residual)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return torch.flatten(self.avgpool(x), 1)
+
+
+def _make_stage(
+    block: type[BasicBlock] | type[Bottleneck],
+    in_channels: int,
+    planes: int,
+    blocks: int,
+    stride: int,
+) -> tuple[nn.Sequential, int]:
+    """One stage as torchvision builds it (projection shortcut `downsample` = conv1x1 + BN)."""
+    out_channels = planes * block.expansion
+    downsample = None
+    if stride != 1 or in_channels != out_channels:
+        downsample = nn.Sequential(
+            nn.Conv2d(in_channels, out_channels, kernel_size=1, stride=stride, bias=False),
+            nn.BatchNorm2d(out_channels),
+        )
+    layers = [block(in_channels, planes, stride, downsample)]
+    layers += [block(out_channels, planes) for _ in range(1, blocks)]
+    return nn.Sequential(*layers), out_channels
+
+
+def _initialise(model: nn.Module, zero_init_residual: bool) -> None:
+    """torchvision's initialisation: He-normal (fan-out) convolutions, BN scale 1 and shift 0."""
+    for module in model.modules():
+        if isinstance(module, nn.Conv2d):
+            nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+        elif isinstance(module, nn.BatchNorm2d):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+    if zero_init_residual:
+        # Each residual branch then starts as zero, so every block starts as the identity
+        # (Goyal et al. 2017, "Accurate, Large Minibatch SGD").
+        for module in model.modules():
+            if isinstance(module, Bottleneck):
+                nn.init.zeros_(module.bn3.weight)
+            elif isinstance(module, BasicBlock):
+                nn.init.zeros_(module.bn2.weight)
+
+
+def resnet(depth: int, width: int = 1, *, zero_init_residual: bool = False) -> ResNet:
+    """ResNet-`depth` encoder with every layer `width` times wider (SimCLR/BYOL convention).
+
+    depth is one of 18, 34, 50, 101, 152, 200; width one of 1, 2, 4. The result returns pooled
+    features of size `num_features` (512 * width for 18/34, 2048 * width for 50 and deeper).
+    """
+    if depth not in STAGE_BLOCKS:
+        raise ValueError(f"ResNet depth {depth} is not supported; choose one of {sorted(STAGE_BLOCKS)}")
+    if width not in WIDTHS:
+        raise ValueError(f"ResNet width {width} is not supported; choose one of {list(WIDTHS)}")
+    block, stage_blocks = STAGE_BLOCKS[depth]
+    return ResNet(block, stage_blocks, width, zero_init_residual=zero_init_residual)
+
+
+def to_torchvision_state_dict(model: ResNet) -> dict[str, Tensor]:
+    """The encoder's weights under torchvision's names (no `fc.*`; load with strict=False).
+
+    Only width-1 encoders have a torchvision counterpart.
+    """
+    if model.conv1.out_channels != 64:
+        raise ValueError(
+            f"only width-1 ResNets have torchvision weights (this one has a {model.conv1.out_channels}-"
+            "channel stem); export wider encoders with model.state_dict() instead"
+        )
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+def load_torchvision_state_dict(model: ResNet, state_dict: dict[str, Tensor]) -> None:
+    """Load a `torchvision.models.resnet*` state dict into `model` (its `fc.*` entries are dropped).
+
+    Raises ValueError naming the missing, unexpected or wrongly shaped entries when the state
+    dict is not for this depth and width.
+    """
+    own = model.state_dict()
+    incoming = {name: t for name, t in state_dict.items() if not name.startswith("fc.")}
+    missing = sorted(set(own) - set(incoming))
+    unexpected = sorted(set(incoming) - set(own))
+    wrong_shape = sorted(
+        f"{name} {tuple(incoming[name].shape)} != {tuple(own[name].shape)}"
+        for name in set(own) & set(incoming)
+        if incoming[name].shape != own[name].shape
+    )
+    if missing or unexpected or wrong_shape:
+        problems = []
+        for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong_shape)):
+            if items:
+                problems.append(f"{len(items)} {label} (e.g. {', '.join(items[:3])})")
+        raise ValueError(
+            "state dict does not fit this ResNet (" + "; ".join(problems) + "); check that the "
+            "weights are a torchvision resnet of the same depth, at width 1, and without a "
+            "'module.' prefix"
+        )
+    model.load_state_dict(incoming, strict=True)

@@ -1,0 +1,40 @@
+"""Learning-rate and EMA schedules as pure functions of the global step (BYOL/ReLICv2 recipe)."""
+
+from __future__ import annotations
+
+import math
+
+
+def learning_rate(
+    step: int, *, base_lr: float, global_batch: int, warmup_steps: int, total_steps: int
+) -> float:
+    """lr at `step`: peak = base_lr * global_batch / 256, linear warmup from 0, then cosine to 0.
+
+    lr(0) = 0, lr(warmup_steps) = peak, lr(total_steps) = 0; steps past the end stay at 0.
+    """
+    if total_steps <= 0 or not 0 <= warmup_steps <= total_steps:
+        raise ValueError(
+            f"need 0 <= warmup_steps <= total_steps and total_steps > 0, got "
+            f"warmup_steps={warmup_steps}, total_steps={total_steps}"
+        )
+    if global_batch <= 0:
+        raise ValueError(f"global_batch must be positive, got {global_batch}")
+    peak = base_lr * global_batch / 256
+    step = min(max(step, 0), total_steps)
+    if step < warmup_steps:
+        return peak * step / warmup_steps
+    decay_steps = total_steps - warmup_steps
+    if decay_steps == 0:
+        return 0.0
+    progress = (step - warmup_steps) / decay_steps
+    return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def ema_coefficient(step: int, *, base: float, total_steps: int) -> float:
+    """Target EMA coefficient gamma_k = 1 - (1 - base) (cos(pi k / K) + 1) / 2: base at 0, 1 at K."""
+    if total_steps <= 0:
+        raise ValueError(f"total_steps must be positive, got {total_steps}")
+    if not 0.0 <= base <= 1.0:
+        raise ValueError(f"EMA base coefficient must be in [0, 1], got {base}")
+    step = min(max(step, 0), total_steps)
+    return 1.0 - (1.0 - base) * (math.cos(math.pi * step / total_steps) + 1.0) / 2.0
