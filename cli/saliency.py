@@ -1,8 +1,105 @@
-"""`relicv2 saliency ...` commands."""
+"""`relicv2 saliency handcrafted | evaluate | preview`."""
+
+from __future__ import annotations
+
+from pathlib import Path
 
 import click
+
+from saliency.batch import HandcraftedConfig, run_handcrafted
+from saliency.evaluate import (
+    EvaluateConfig,
+    EvaluationError,
+    evaluate,
+    format_table,
+    write_csv,
+    write_json,
+)
+from saliency.methods import METHODS, resolve_methods
+from saliency.preview import PreviewConfig, write_preview
+
+METHOD_HELP = f"One of {', '.join(METHODS)}, a comma-separated list, or 'all'."
+
+
+def _methods(name: str) -> tuple[str, ...]:
+    try:
+        return tuple(resolve_methods(name))
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--method") from error
 
 
 @click.group()
 def saliency_group() -> None:
     """Handcrafted saliency maps, evaluation and previews."""
+
+
+@saliency_group.command("handcrafted")
+@click.option("--method", "method", default="all", show_default=True, help=METHOD_HELP)
+@click.option("--input", "input_path", required=True, type=click.Path(path_type=Path),
+              help="Image folder, shard folder (*-NNNNNN.tar) or one shard .tar.")
+@click.option("--output", required=True, type=click.Path(path_type=Path),
+              help="Output folder; maps go to OUTPUT/<method>/<name>.png.")
+@click.option("--workers", default=1, show_default=True, help="Worker processes (one core each).")
+@click.option("--overwrite", is_flag=True, help="Recompute maps that already exist (default: skip them, so reruns resume).")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar.")
+def handcrafted(method: str, input_path: Path, output: Path, workers: int, overwrite: bool, progress: bool) -> None:
+    """Write 8-bit PNG saliency maps of RBD, MR, DSR and/or MC for every input image."""
+    config = HandcraftedConfig(
+        methods=_methods(method),
+        input=input_path,
+        output=output,
+        workers=max(1, workers),
+        overwrite=overwrite,
+        progress=progress,
+    )
+    try:
+        report = run_handcrafted(config)
+    except (FileNotFoundError, ValueError) as error:
+        raise click.ClickException(str(error)) from error
+    written = ", ".join(f"{m} {report.written[m]}" for m in config.methods)
+    click.echo(
+        f"{report.inputs} inputs: maps written ({written}), {report.already_done} already complete, "
+        f"{len(report.failed)} failed -> {output}"
+    )
+    for name, reason in report.failed[:20]:
+        click.echo(f"  failed {name}: {reason}", err=True)
+
+
+@saliency_group.command("evaluate")
+@click.option("--pred", required=True, type=click.Path(path_type=Path),
+              help="Folder of maps, or of per-method sub-folders of maps.")
+@click.option("--gt", required=True, type=click.Path(path_type=Path), help="Folder of ground-truth masks (same stems).")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write the scores as JSON.")
+@click.option("--csv", "csv_path", type=click.Path(path_type=Path), help="Also write the scores as CSV.")
+@click.option("--allow-missing", is_flag=True, help="Score only images that have both a map and a mask.")
+def evaluate_command(pred: Path, gt: Path, json_path: Path | None, csv_path: Path | None, allow_missing: bool) -> None:
+    """Print MAE, max-F, adaptive-F (beta^2 = 0.3) and S-measure per method."""
+    try:
+        results = evaluate(EvaluateConfig(pred=pred, gt=gt, allow_missing=allow_missing))
+    except (EvaluationError, ValueError) as error:
+        raise click.ClickException(str(error)) from error
+    click.echo(format_table(results))
+    if json_path:
+        write_json(results, json_path)
+    if csv_path:
+        write_csv(results, csv_path)
+
+
+@saliency_group.command("preview")
+@click.option("--input", "input_path", required=True, type=click.Path(path_type=Path),
+              help="Image folder or shard set.")
+@click.option("--output", required=True, type=click.Path(path_type=Path), help="PNG file to write.")
+@click.option("--method", "method", default="all", show_default=True, help=METHOD_HELP)
+@click.option("--count", default=6, show_default=True, help="Number of images (the first ones).")
+@click.option("--gt", type=click.Path(path_type=Path), help="Folder of ground-truth masks to show too.")
+@click.option("--maps", type=click.Path(path_type=Path), help="Read maps written by `handcrafted` instead of computing them.")
+def preview(input_path: Path, output: Path, method: str, count: int, gt: Path | None, maps: Path | None) -> None:
+    """Write a contact sheet: image | each method's map | GT, one row per image."""
+    config = PreviewConfig(
+        input=input_path, output=output, methods=_methods(method), count=max(1, count), gt=gt, maps=maps
+    )
+    try:
+        path = write_preview(config)
+    except (FileNotFoundError, ValueError) as error:
+        raise click.ClickException(str(error)) from error
+    click.echo(f"wrote {path}")

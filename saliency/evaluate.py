@@ -1,0 +1,119 @@
+"""Evaluate folders of saliency maps against ground-truth masks (``relicv2 saliency evaluate``).
+
+``pred`` is either a folder of maps (one method) or a folder of per-method sub-folders (the
+layout ``relicv2 saliency handcrafted`` writes). Maps and masks are matched by file stem.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from saliency.images import list_images, read_gray
+from saliency.metrics import DatasetScores, aggregate, score_image
+
+
+class EvaluationError(ValueError):
+    """Missing, mismatched or unreadable files; the message says which and what to do."""
+
+
+@dataclass(frozen=True)
+class EvaluateConfig:
+    pred: Path
+    gt: Path
+    allow_missing: bool = False
+
+
+def _by_stem(folder: Path) -> dict[str, Path]:
+    files: dict[str, Path] = {}
+    for path in list_images(folder):
+        if path.stem in files:
+            raise EvaluationError(f"{folder}: two files named {path.stem}.*; keep one per image")
+        files[path.stem] = path
+    return files
+
+
+def prediction_sets(pred: Path) -> dict[str, Path]:
+    """Name -> folder of maps: ``pred`` itself if it holds images, else its sub-folders that do."""
+    pred = Path(pred)
+    if not pred.is_dir():
+        raise EvaluationError(f"prediction folder {pred} does not exist; check --pred")
+    if list_images(pred):
+        return {pred.name: pred}
+    sets = {d.name: d for d in sorted(pred.iterdir()) if d.is_dir() and list_images(d)}
+    if not sets:
+        raise EvaluationError(f"no saliency maps in {pred} or its sub-folders; check --pred")
+    return sets
+
+
+def evaluate_folder(maps: Path, gt: Path, allow_missing: bool = False) -> DatasetScores:
+    """Score every map of ``maps`` against the mask of the same stem in ``gt``."""
+    predictions, masks = _by_stem(maps), _by_stem(gt)
+    missing = sorted(set(masks) - set(predictions))
+    extra = sorted(set(predictions) - set(masks))
+    common = sorted(set(masks) & set(predictions))
+    if not common:
+        raise EvaluationError(
+            f"no map in {maps} has a mask of the same name in {gt} (e.g. {sorted(predictions)[:3]}"
+            f" vs {sorted(masks)[:3]}); check --pred/--gt"
+        )
+    if extra and not allow_missing:
+        raise EvaluationError(
+            f"{len(extra)} map(s) in {maps} have no ground truth in {gt}: {', '.join(extra[:5])}; "
+            "pass --allow-missing to score only the images that have both"
+        )
+    if missing and not allow_missing:
+        raise EvaluationError(
+            f"{len(missing)} mask(s) in {gt} have no map in {maps}: {', '.join(missing[:5])}; "
+            "compute them or pass --allow-missing to score the others"
+        )
+    scores = []
+    for stem in common:
+        prediction, mask = read_gray(predictions[stem]), read_gray(masks[stem])
+        if prediction.shape != mask.shape:
+            raise EvaluationError(
+                f"{predictions[stem]} is {prediction.shape[1]}x{prediction.shape[0]} but its mask "
+                f"{masks[stem]} is {mask.shape[1]}x{mask.shape[0]}; maps must have the image's size"
+            )
+        scores.append(score_image(prediction, mask))
+    return aggregate(scores)
+
+
+def evaluate(config: EvaluateConfig) -> dict[str, DatasetScores]:
+    """Scores of every prediction set under ``config.pred`` against ``config.gt``."""
+    if not Path(config.gt).is_dir():
+        raise EvaluationError(f"ground-truth folder {config.gt} does not exist; check --gt")
+    return {
+        name: evaluate_folder(folder, config.gt, config.allow_missing)
+        for name, folder in prediction_sets(config.pred).items()
+    }
+
+
+COLUMNS = ("method", "mae", "max_f", "adaptive_f", "s_measure", "count")
+
+
+def format_table(results: dict[str, DatasetScores]) -> str:
+    """A Markdown table, one row per prediction set."""
+    lines = [
+        "| method | MAE | max-F | adaptive-F | S-measure | count |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, s in results.items():
+        lines.append(
+            f"| {name} | {s.mae:.3f} | {s.max_f:.3f} | {s.adaptive_f:.3f} | {s.s_measure:.3f} | {s.count} |"
+        )
+    return "\n".join(lines)
+
+
+def write_json(results: dict[str, DatasetScores], path: Path) -> None:
+    Path(path).write_text(json.dumps({n: s.as_dict() for n, s in results.items()}, indent=2) + "\n")
+
+
+def write_csv(results: dict[str, DatasetScores], path: Path) -> None:
+    with Path(path).open("w", newline="") as stream:
+        writer = csv.writer(stream)
+        writer.writerow(COLUMNS)
+        for name, s in results.items():
+            writer.writerow([name, s.mae, s.max_f, s.adaptive_f, s.s_measure, s.count])

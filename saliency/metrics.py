@@ -1,0 +1,208 @@
+"""Salient-object evaluation: MAE, max F-measure, adaptive F-measure and S-measure.
+
+Protocol (``shared/data/README.md``, the standard one): each prediction is min-max normalised
+to [0, 1] per image; ground truth is binarised at >= 128 (graded masks); beta^2 = 0.3.
+- MAE: mean |S - G| per image, averaged over images;
+- max F: per image, precision/recall/F at the 256 thresholds t/255 (t = 0..255, positive where
+  S >= t/255); the F curves are averaged over images and the maximum is taken;
+- adaptive F: per image, threshold min(2 mean(S), 1); F averaged over images;
+- S-measure (Fan et al., ICCV 2017, alpha = 0.5): object- and region-aware structural
+  similarity, following the authors' MATLAB ``StructureMeasure`` including its special cases.
+A precision or recall with a zero denominator counts as 0, so an empty prediction scores F = 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+BETA2 = 0.3
+THRESHOLDS = 256
+EPS = np.finfo(np.float64).eps
+
+
+def normalise_prediction(prediction: np.ndarray) -> np.ndarray:
+    """Min-max normalise a map to float64 [0, 1]; a constant map becomes all zeros."""
+    s = np.asarray(prediction, dtype=np.float64)
+    if s.ndim == 3:
+        s = s[..., 0]
+    lo, hi = float(s.min()), float(s.max())
+    if hi - lo <= 0:
+        return np.zeros_like(s)
+    return (s - lo) / (hi - lo)
+
+
+def binarise_ground_truth(gt: np.ndarray) -> np.ndarray:
+    """Ground truth as bool: uint8/graded masks at >= 128, bool masks as they are."""
+    g = np.asarray(gt)
+    if g.ndim == 3:
+        g = g[..., 0]
+    if g.dtype == bool:
+        return g
+    if np.issubdtype(g.dtype, np.floating) and g.max() <= 1.0:
+        return g >= 0.5
+    return g >= 128
+
+
+def _f_measure(precision: np.ndarray, recall: np.ndarray, beta2: float) -> np.ndarray:
+    numerator = (1.0 + beta2) * precision * recall
+    denominator = beta2 * precision + recall
+    return np.divide(numerator, denominator, out=np.zeros_like(numerator), where=denominator > 0)
+
+
+def precision_recall_curve(s: np.ndarray, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Precision and recall at thresholds t/255, t = 0..255, for a normalised map ``s``."""
+    # S >= t/255  <=>  floor(255 S) >= t for integer t; the tiny offset absorbs rounding
+    # of values that are exactly k/255 (as in maps read from 8-bit PNGs).
+    level = np.clip(np.floor(s * 255.0 + 1e-7), 0, 255).astype(np.int64)
+    fg_hist = np.bincount(level[g], minlength=THRESHOLDS)
+    bg_hist = np.bincount(level[~g], minlength=THRESHOLDS)
+    true_pos = np.cumsum(fg_hist[::-1])[::-1].astype(np.float64)  # count with level >= t
+    false_pos = np.cumsum(bg_hist[::-1])[::-1].astype(np.float64)
+    predicted = true_pos + false_pos
+    positives = float(g.sum())
+    precision = np.divide(true_pos, predicted, out=np.zeros_like(true_pos), where=predicted > 0)
+    recall = true_pos / positives if positives > 0 else np.zeros_like(true_pos)
+    return precision, recall
+
+
+def f_measure_curve(s: np.ndarray, g: np.ndarray, beta2: float = BETA2) -> np.ndarray:
+    """F-measure at the 256 thresholds (see :func:`precision_recall_curve`)."""
+    return _f_measure(*precision_recall_curve(s, g), beta2)
+
+
+def adaptive_f_measure(s: np.ndarray, g: np.ndarray, beta2: float = BETA2) -> float:
+    """F-measure at the threshold min(2 mean(S), 1)."""
+    predicted = s >= min(2.0 * float(s.mean()), 1.0)
+    true_pos = float(np.logical_and(predicted, g).sum())
+    precision = true_pos / predicted.sum() if predicted.any() else 0.0
+    recall = true_pos / g.sum() if g.any() else 0.0
+    return float(_f_measure(np.array([precision]), np.array([recall]), beta2)[0])
+
+
+def mae(s: np.ndarray, g: np.ndarray) -> float:
+    """Mean absolute error between a normalised map and a binary mask."""
+    return float(np.abs(s - g).mean())
+
+
+def s_measure(s: np.ndarray, g: np.ndarray, alpha: float = 0.5) -> float:
+    """Structure measure of Fan et al. 2017 for a normalised map ``s`` and bool mask ``g``."""
+    coverage = float(g.mean())
+    if coverage == 0.0:
+        return 1.0 - float(s.mean())
+    if coverage == 1.0:
+        return float(s.mean())
+    score = alpha * _s_object(s, g) + (1.0 - alpha) * _s_region(s, g)
+    return max(0.0, float(score))
+
+
+def _object_score(values: np.ndarray) -> float:
+    if values.size == 0:
+        return 0.0
+    x = float(values.mean())
+    sigma = float(values.std(ddof=1)) if values.size > 1 else 0.0
+    return 2.0 * x / (x * x + 1.0 + sigma + EPS)
+
+
+def _s_object(s: np.ndarray, g: np.ndarray) -> float:
+    coverage = float(g.mean())
+    foreground = _object_score(s[g])
+    background = _object_score(1.0 - s[~g])
+    return coverage * foreground + (1.0 - coverage) * background
+
+
+def _ssim(s: np.ndarray, g: np.ndarray) -> float:
+    n = s.size
+    if n == 0:
+        return 0.0
+    gf = g.astype(np.float64)
+    x, y = float(s.mean()), float(gf.mean())
+    sigma_x2 = float(((s - x) ** 2).sum()) / (n - 1 + EPS)
+    sigma_y2 = float(((gf - y) ** 2).sum()) / (n - 1 + EPS)
+    sigma_xy = float(((s - x) * (gf - y)).sum()) / (n - 1 + EPS)
+    a = 4.0 * x * y * sigma_xy
+    b = (x * x + y * y) * (sigma_x2 + sigma_y2)
+    if a != 0.0:
+        return a / (b + EPS)
+    return 1.0 if b == 0.0 else 0.0
+
+
+def _s_region(s: np.ndarray, g: np.ndarray) -> float:
+    height, width = g.shape
+    total = float(g.sum())
+    # Centroid in 1-based MATLAB coordinates, rounded half away from zero like MATLAB's round
+    # (numpy rounds half to even, which would move the split for symmetric masks).
+    cx = int(np.floor((g.sum(axis=0) * np.arange(1, width + 1)).sum() / total + 0.5))
+    cy = int(np.floor((g.sum(axis=1) * np.arange(1, height + 1)).sum() / total + 0.5))
+    area = float(width * height)
+    w1 = cx * cy / area
+    w2 = (width - cx) * cy / area
+    w3 = cx * (height - cy) / area
+    w4 = 1.0 - w1 - w2 - w3
+    quadrants = [
+        (slice(0, cy), slice(0, cx), w1),
+        (slice(0, cy), slice(cx, width), w2),
+        (slice(cy, height), slice(0, cx), w3),
+        (slice(cy, height), slice(cx, width), w4),
+    ]
+    return sum(w * _ssim(s[r, c], g[r, c]) for r, c, w in quadrants if w > 0)
+
+
+@dataclass(frozen=True)
+class ImageScores:
+    """Scores of one image (the F curve is kept so max-F can be taken after averaging)."""
+
+    mae: float
+    f_curve: np.ndarray
+    adaptive_f: float
+    s_measure: float
+
+
+@dataclass(frozen=True)
+class DatasetScores:
+    """Scores over a set of images, averaged as the protocol says."""
+
+    mae: float
+    max_f: float
+    adaptive_f: float
+    s_measure: float
+    count: int
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {
+            "mae": self.mae,
+            "max_f": self.max_f,
+            "adaptive_f": self.adaptive_f,
+            "s_measure": self.s_measure,
+            "count": self.count,
+        }
+
+
+def score_image(prediction: np.ndarray, ground_truth: np.ndarray) -> ImageScores:
+    """All per-image scores of a raw map (any range) against a raw mask (same HxW)."""
+    s = normalise_prediction(prediction)
+    g = binarise_ground_truth(ground_truth)
+    if s.shape != g.shape:
+        raise ValueError(f"prediction shape {s.shape} differs from ground truth shape {g.shape}")
+    return ImageScores(
+        mae=mae(s, g),
+        f_curve=f_measure_curve(s, g),
+        adaptive_f=adaptive_f_measure(s, g),
+        s_measure=s_measure(s, g),
+    )
+
+
+def aggregate(scores: Iterable[ImageScores]) -> DatasetScores:
+    """Average per-image scores; max-F is the maximum of the mean F curve."""
+    items = list(scores)
+    if not items:
+        return DatasetScores(float("nan"), float("nan"), float("nan"), float("nan"), 0)
+    return DatasetScores(
+        mae=float(np.mean([i.mae for i in items])),
+        max_f=float(np.max(np.mean([i.f_curve for i in items], axis=0))),
+        adaptive_f=float(np.mean([i.adaptive_f for i in items])),
+        s_measure=float(np.mean([i.s_measure for i in items])),
+        count=len(items),
+    )

@@ -1,0 +1,91 @@
+"""Contact sheet for eyeballing saliency maps: one row per image, image | each method | GT."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import cv2
+import numpy as np
+
+from saliency.batch import iter_items, map_path
+from saliency.images import ImageReadError, decode_rgb, list_images, read_gray, read_rgb, write_png
+from saliency.methods import METHODS
+
+HEADER = 22
+
+
+@dataclass(frozen=True)
+class PreviewConfig:
+    """One ``relicv2 saliency preview`` job."""
+
+    input: Path
+    output: Path
+    methods: tuple[str, ...]
+    count: int = 6
+    gt: Path | None = None
+    maps: Path | None = None  # read maps written by `handcrafted` instead of computing them
+    tile_height: int = 160
+
+
+def _tile(image: np.ndarray, height: int) -> np.ndarray:
+    if image.ndim == 2:
+        image = np.repeat(image[:, :, None], 3, axis=2)
+    width = max(1, round(image.shape[1] * height / image.shape[0]))
+    return cv2.resize(image, (width, height), interpolation=cv2.INTER_AREA)
+
+
+def _label(tile: np.ndarray, text: str) -> np.ndarray:
+    header = np.full((HEADER, tile.shape[1], 3), 255, np.uint8)
+    cv2.putText(header, text, (4, HEADER - 7), cv2.FONT_HERSHEY_SIMPLEX, 0.45, (0, 0, 0), 1, cv2.LINE_AA)
+    return np.concatenate([header, tile], axis=0)
+
+
+def contact_sheet(rows: list[list[tuple[str, np.ndarray]]], tile_height: int = 160) -> np.ndarray:
+    """Stack labelled tiles (title, uint8 image or map) into one RGB sheet, rows left-aligned."""
+    built = []
+    for row in rows:
+        tiles = [_label(_tile(image, tile_height), title) for title, image in row]
+        gap = np.full((tile_height + HEADER, 4, 3), 255, np.uint8)
+        parts = [p for t in tiles for p in (t, gap)][:-1]
+        built.append(np.concatenate(parts, axis=1))
+    width = max(r.shape[1] for r in built)
+    padded = [
+        np.pad(r, ((0, 4), (0, width - r.shape[1]), (0, 0)), constant_values=255) for r in built
+    ]
+    return np.concatenate(padded, axis=0)
+
+
+def build_preview(config: PreviewConfig) -> np.ndarray:
+    """Compute (or read) the maps of the first ``count`` inputs and return the sheet."""
+    masks = {p.stem: p for p in list_images(config.gt)} if config.gt else {}
+    rows = []
+    for item in iter_items(config.input):
+        if len(rows) >= config.count:
+            break
+        try:
+            rgb = read_rgb(item.path) if item.path is not None else decode_rgb(item.data or b"", item.name)
+        except ImageReadError as error:
+            warnings.warn(f"preview skips {error}", stacklevel=2)
+            continue
+        row = [(item.name, rgb)]
+        for method in config.methods:
+            stored = map_path(config.maps, method, item.name) if config.maps else None
+            if stored is not None and stored.exists():
+                saliency = read_gray(stored)
+            else:
+                saliency = np.rint(METHODS[method](rgb) * 255).astype(np.uint8)
+            row.append((method, saliency))
+        if item.name in masks:
+            row.append(("GT", read_gray(masks[item.name])))
+        rows.append(row)
+    if not rows:
+        raise ValueError(f"no readable image in {config.input}")
+    return contact_sheet(rows, config.tile_height)
+
+
+def write_preview(config: PreviewConfig) -> Path:
+    """Build the sheet and write it as a PNG at ``config.output``."""
+    write_png(config.output, build_preview(config))
+    return Path(config.output)
