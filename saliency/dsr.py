@@ -12,7 +12,8 @@ quirks kept on purpose because they shape the output: the pixel-level fusion wei
 pixel coordinates in pixels with superpixel centres in [0, 1] (so it is essentially an
 inverse distance to the top-left corner, nearly equal across scales), and the Bayesian
 likelihood of the inner region looks up the outer histogram with the inner bin indices.
-Deviations: scikit-image SLIC instead of the authors' SLIC executable; K-means seeded (the
+Superpixels: the reimplementation of the authors' SLIC (``saliency.slic``; the reference run used
+the SLIC of MC's code in place of DSR's Windows executable). Deviations: K-means seeded (the
 reference is not) and run once per scale for both errors instead of twice. No frame removal
 (the authors' ``deletebd.m`` is an offline step that needs a Pb edge map).
 """

@@ -47,7 +47,7 @@ def mr_saliency(rgb: np.ndarray, config: MRConfig = MRConfig()) -> np.ndarray:
     image = prepared.rgb
     if is_flat(image):
         return prepared.finish(np.zeros(image.shape[:2], np.float32))
-    sp = segment(image, config.superpixels, config.compactness)
+    sp = segment(image, config.superpixels, config.compactness, gmr_variant=True)
     if sp.count < 3:
         return prepared.finish(np.zeros(image.shape[:2], np.float32))
     affinity = ranking_matrix(
