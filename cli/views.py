@@ -1,9 +1,32 @@
-"""`relicv2 pretrain preview-views`."""
+"""`relicv2 pretrain preview-views`: a PNG grid of the augmented views of a few images."""
+
+from __future__ import annotations
+
+from pathlib import Path
 
 import click
 
 
 @click.command()
-def preview_views() -> None:
-    """Write a PNG grid of the augmented views of a few images."""
-    raise click.ClickException("view preview is not available yet")
+@click.option("--shards", "shards", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Shard set folder (images-*.tar or masked-*.tar with .idx and manifest.parquet).")
+@click.option("--output", required=True, type=click.Path(dir_okay=False, path_type=Path), help="PNG file to write.")
+@click.option("--count", default=4, show_default=True, type=click.IntRange(1, 64), help="Images (grid rows).")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--mask-probability", default=0.5, show_default=True, type=click.FloatRange(0, 1),
+              help="p_m for the preview (the paper trains with 0.1); masked views get an orange frame.")
+@click.option("--backend", default="dali", show_default=True, type=click.Choice(["dali", "reference"]))
+@click.option("--large-size", default=224, show_default=True, type=int)
+@click.option("--small-size", default=96, show_default=True, type=int)
+def preview_views(shards: Path, output: Path, count: int, seed: int, mask_probability: float, backend: str,
+                  large_size: int, small_size: int) -> None:
+    """Write a PNG grid of the augmented views of a few images (rows: images; columns: views)."""
+    from pretrain.view_preview import write_view_grid
+
+    try:
+        summary = write_view_grid(shards, output, count=count, seed=seed, mask_probability=mask_probability,
+                                  backend=backend, large_size=large_size, small_size=small_size)
+    except (ValueError, FileNotFoundError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    click.echo(f"wrote {summary['output']}: {count} images x {summary['views']} views, {summary['masked_views']} masked "
+               f"({summary['backend']}); keys: {', '.join(summary['keys'])}")

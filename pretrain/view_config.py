@@ -1,0 +1,188 @@
+"""Options of the multi-view augmentation (DESIGN.md "Views and augmentations", paper Table "aug").
+
+One frozen dataclass holds every view option; the trainer's config embeds it. `view_specs` turns it
+into one `ViewSpec` per output view, so the DALI pipeline and the PIL reference read the paper's
+odd/even table from a single place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+GRAYSCALE_WEIGHTS = (0.2989, 0.5870, 0.1140)  # paper and torchvision's rgb_to_grayscale
+BACKENDS = ("dali", "reference")
+OUTPUT_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ViewConfig:
+    """Every option of the view pipeline; defaults are the paper's settings.
+
+    Views are numbered from 1: large views 1 and 3 and small view 1 use the "odd" column of the
+    paper's table, large views 2 and 4 and small view 2 the "even" column.
+    """
+
+    large_views: int = 4
+    small_views: int = 2
+    large_size: int = 224
+    small_size: int = 96
+    # Random-resized-crop area fractions per column; aspect ratio log-uniform in `crop_ratio`.
+    crop_scale_even: tuple[float, float] = (0.08, 1.0)
+    crop_scale_odd_large: tuple[float, float] = (0.14, 1.0)
+    crop_scale_odd_small: tuple[float, float] = (0.05, 0.14)
+    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    flip_probability: float = 0.5
+    jitter_probability: float = 0.8
+    brightness: float = 0.4
+    contrast: float = 0.4
+    saturation: float = 0.2
+    hue: float = 0.1  # fraction of the colour circle, as in torchvision
+    # "hsv": torchvision's exact HSV hue shift; "yiq": DALI's faster linear approximation (DALI only)
+    hue_model: str = "hsv"
+    grayscale_probability: float = 0.2
+    blur_probability_even: float = 1.0
+    blur_probability_odd: float = 0.1
+    blur_kernel: int = 23
+    blur_sigma: tuple[float, float] = (0.1, 2.0)
+    solarize_probability_even: float = 0.0
+    solarize_probability_odd: float = 0.2
+    # Saliency masking of large views (paper appendix "Saliency Masking").
+    mask_probability: float = 0.1
+    mask_min_coverage: float = 0.05
+    mask_grey_range: tuple[float, float] = (0.0, 1.0)  # the per-image background grey level
+    mean: tuple[float, float, float] = IMAGENET_MEAN
+    std: tuple[float, float, float] = IMAGENET_STD
+    # Loading.
+    backend: str = "dali"  # "reference": PIL/torchvision on a torch DataLoader (no DALI needed)
+    output_dtype: str = "float32"  # "bfloat16" halves host->device traffic on GPU
+    num_threads: int = 2  # DALI CPU threads, or DataLoader workers for the reference
+    shuffle_buffer: int = 1024  # reader's in-memory shuffle buffer (samples)
+    prefetch: int = 2  # batches prepared ahead
+    hw_decoder_load: float = 0.65  # share of JPEG decoding given to the GPU's hardware decoder
+    debug_params: bool = False  # also return the drawn augmentation parameters per view
+
+    def __post_init__(self) -> None:
+        check_view_config(self)
+
+
+def check_view_config(cfg: ViewConfig) -> None:
+    """Raise ValueError with one sentence naming the option when a value is out of range."""
+    if cfg.large_views < 1 or cfg.small_views < 0:
+        raise ValueError("large_views must be >= 1 and small_views >= 0")
+    if cfg.large_size < 8 or (cfg.small_views and cfg.small_size < 8):
+        raise ValueError("large_size and small_size must be at least 8 pixels")
+    for name in ("crop_scale_even", "crop_scale_odd_large", "crop_scale_odd_small"):
+        lo, hi = getattr(cfg, name)
+        if not 0 < lo <= hi <= 1:
+            raise ValueError(f"{name} must satisfy 0 < min <= max <= 1, got {(lo, hi)}")
+    lo, hi = cfg.crop_ratio
+    if not 0 < lo <= hi:
+        raise ValueError(f"crop_ratio must satisfy 0 < min <= max, got {(lo, hi)}")
+    for name in (
+        "flip_probability",
+        "jitter_probability",
+        "grayscale_probability",
+        "blur_probability_even",
+        "blur_probability_odd",
+        "solarize_probability_even",
+        "solarize_probability_odd",
+        "mask_probability",
+        "mask_min_coverage",
+    ):
+        value = getattr(cfg, name)
+        if not 0.0 <= value <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {value}")
+    if not 0 <= cfg.hue <= 0.5:
+        raise ValueError(f"hue must be in [0, 0.5], got {cfg.hue}")
+    if min(cfg.brightness, cfg.contrast, cfg.saturation) < 0:
+        raise ValueError("brightness, contrast and saturation must be >= 0")
+    if cfg.blur_kernel < 1 or cfg.blur_kernel % 2 == 0:
+        raise ValueError(f"blur_kernel must be odd and positive, got {cfg.blur_kernel}")
+    if not 0 < cfg.blur_sigma[0] <= cfg.blur_sigma[1]:
+        raise ValueError(f"blur_sigma must satisfy 0 < min <= max, got {cfg.blur_sigma}")
+    if cfg.hue_model not in ("hsv", "yiq"):
+        raise ValueError(f"hue_model must be 'hsv' or 'yiq', got {cfg.hue_model!r}")
+    if cfg.backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {cfg.backend!r}")
+    if cfg.output_dtype not in OUTPUT_DTYPES:
+        raise ValueError(f"output_dtype must be one of {OUTPUT_DTYPES}, got {cfg.output_dtype!r}")
+    if cfg.num_threads < 1 or cfg.shuffle_buffer < 1 or cfg.prefetch < 1:
+        raise ValueError("num_threads, shuffle_buffer and prefetch must be >= 1")
+
+
+def view_config_from_options(**options) -> ViewConfig:
+    """Build a ViewConfig from keyword options; unknown names are an error listing the valid ones."""
+    names = {f.name for f in dataclasses.fields(ViewConfig)}
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise ValueError(f"unknown view options {unknown}; valid options: {sorted(names)}")
+    tuples = {k: tuple(v) for k, v in options.items() if isinstance(v, list)}
+    return ViewConfig(**{**options, **tuples})
+
+
+@dataclass(frozen=True)
+class ViewSpec:
+    """The parameters of one output view, resolved from its size class and table column."""
+
+    index: int  # position in the output list (large views first)
+    large: bool
+    odd: bool  # the paper's "odd" column (view numbers 1, 3, ... counted from 1)
+    size: int
+    crop_scale: tuple[float, float]
+    blur_probability: float
+    solarize_probability: float
+    mask_probability: float  # 0 for small views: masking applies to large views only
+
+
+def view_specs(cfg: ViewConfig) -> tuple[ViewSpec, ...]:
+    """One spec per output view, large views first, following the paper's odd/even table."""
+    specs = []
+    for large, count in ((True, cfg.large_views), (False, cfg.small_views)):
+        for number in range(1, count + 1):
+            odd = number % 2 == 1
+            if not odd:
+                scale = cfg.crop_scale_even
+            else:
+                scale = cfg.crop_scale_odd_large if large else cfg.crop_scale_odd_small
+            specs.append(
+                ViewSpec(
+                    index=len(specs),
+                    large=large,
+                    odd=odd,
+                    size=cfg.large_size if large else cfg.small_size,
+                    crop_scale=scale,
+                    blur_probability=cfg.blur_probability_odd if odd else cfg.blur_probability_even,
+                    solarize_probability=cfg.solarize_probability_odd if odd else cfg.solarize_probability_even,
+                    mask_probability=cfg.mask_probability if large else 0.0,
+                )
+            )
+    return tuple(specs)
+
+
+# Order of the columns of the per-view debug parameter vector (both backends fill it the same way).
+PARAM_NAMES = (
+    "area",  # crop area / image area
+    "ratio",  # crop width / height
+    "flip",
+    "masked",
+    "jitter",
+    "order",  # index into JITTER_ORDERS (-1 when no jitter)
+    "brightness",
+    "contrast",
+    "saturation",
+    "hue",
+    "grayscale",
+    "blur",
+    "sigma",
+    "solarize",
+    "coverage",  # mask coverage of the sample (0 when it has no mask)
+    "grey",  # the sample's background grey level in [0, 1]
+)
+
+
+# All 24 orders of the colour-jitter operations (0 brightness, 1 contrast, 2 saturation, 3 hue).
+JITTER_ORDERS: tuple[tuple[int, ...], ...] = tuple(itertools.permutations(range(4)))

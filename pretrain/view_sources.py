@@ -1,0 +1,204 @@
+"""The samples a view loader reads: a shard set's index, checked, split by rank.
+
+Bad-data policy (the DALI decoder stops the whole pipeline on an undecodable JPEG, so bad samples
+must never reach it):
+1. `relicv2 shards build` decodes every image before writing it, so a fresh shard set is clean.
+2. When a loader opens a shard set, every sample is checked cheaply from its index: a `jpg` member
+   must exist, be non-empty, start with the JPEG SOI marker and end with EOI (catches truncated,
+   empty and non-JPEG data); a `mask.png` member, when present, must carry the PNG signature.
+   `verify="decode"` additionally
+   decodes every image and mask with the same decoder as DALI (exact, but as slow as an epoch of
+   decoding).
+3. Failing samples are left out of a filtered copy of the index files (the tars are not touched),
+   counted by reason in `SampleSet.skipped`, and reported once as a warning with a few keys.
+4. If DALI still fails to decode during a run (corruption the cheap check cannot see), the DALI
+   backend decodes every sample once to find the culprits, leaves them out as in 3 and rebuilds
+   its pipeline at the same batch of the epoch (see `DaliBackend`). The left-out keys are part of
+   the loader's state, so a resumed run leaves them out too.
+A sample without a `mask.png` member is valid: it is never masked (counted in `without_mask`).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shards import index_path, list_shards, read_index, read_manifest
+
+JPEG_SOI = b"\xff\xd8"
+JPEG_EOI = b"\xff\xd9"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+IMAGE_EXT = "jpg"
+MASK_EXT = "mask.png"
+
+
+@dataclass(frozen=True)
+class SampleRef:
+    """Where one sample's members are: the tar and, per extension, (offset, size, member name)."""
+
+    key: str
+    tar: Path
+    members: dict[str, tuple[int, int, str]]
+
+    def read(self, ext: str) -> bytes | None:
+        """The bytes of member `ext`, or None when the sample has no such member."""
+        if ext not in self.members:
+            return None
+        offset, size, _ = self.members[ext]
+        with open(self.tar, "rb") as f:
+            return os.pread(f.fileno(), size, offset)
+
+
+@dataclass
+class SampleSet:
+    """The usable samples of a shard set in reader order, and the index files that list them."""
+
+    directory: Path
+    tars: list[Path]
+    index_files: list[Path]
+    samples: list[SampleRef]
+    skipped: Counter = field(default_factory=Counter)
+    skipped_keys: list[str] = field(default_factory=list)
+    has_masks: bool = False
+    without_mask: int = 0  # usable samples that have no mask member (never masked)
+    labelled: bool = False
+    _tmp: tempfile.TemporaryDirectory | None = None  # owns filtered index files
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
+def rank_slice(count: int, rank: int, world_size: int) -> range:
+    """The sample positions DALI's reader gives shard `rank` of `world_size` (contiguous ranges)."""
+    return range(count * rank // world_size, count * (rank + 1) // world_size)
+
+
+def samples_per_rank(count: int, world_size: int) -> int:
+    """Samples each rank reads per epoch with `pad_last_batch` (the largest rank's share)."""
+    return -(-count // world_size)
+
+
+def structural_problem(sample: SampleRef, handle) -> str | None:
+    """A short reason code when the sample's members are visibly broken, else None."""
+    if IMAGE_EXT not in sample.members:
+        return "no_image"
+    offset, size, _ = sample.members[IMAGE_EXT]
+    if size < 4:
+        return "empty_image"
+    head = os.pread(handle.fileno(), 2, offset)
+    tail = os.pread(handle.fileno(), 2, offset + size - 2)
+    if head != JPEG_SOI:
+        return "not_jpeg"
+    if tail != JPEG_EOI:
+        return "truncated_jpeg"
+    if MASK_EXT in sample.members:
+        offset, size, _ = sample.members[MASK_EXT]
+        if os.pread(handle.fileno(), len(PNG_SIGNATURE), offset) != PNG_SIGNATURE:
+            return "bad_mask"
+    return None
+
+
+def check_manifest(directory: Path, indexed: int) -> None:
+    """The manifest must exist and list as many samples as the index files (a complete set)."""
+    listed = read_manifest(directory).num_rows
+    if listed != indexed:
+        raise ValueError(
+            f"{directory}: manifest.parquet lists {listed} samples but the .idx files {indexed}; "
+            "the shard set is incomplete or mixed, rebuild it (relicv2 shards build) or merge it"
+        )
+
+
+def load_sample_set(
+    directory: Path | str,
+    *,
+    decode_check: Callable[[Sequence[SampleRef]], dict[str, str]] | None = None,
+) -> SampleSet:
+    """Read and check a shard set; write filtered index files when samples must be left out.
+
+    `decode_check(samples) -> {key: reason}` (e.g. `dali_views.find_undecodable`) is run on the
+    structurally sound samples when given.
+    """
+    directory = Path(directory)
+    tars = list_shards(directory)
+    per_tar: list[list[SampleRef]] = []
+    skipped: Counter = Counter()
+    skipped_keys: list[str] = []
+    for tar in tars:
+        idx = index_path(tar)
+        if not idx.is_file():
+            raise FileNotFoundError(f"{idx} is missing; rewrite it with shards.write_index({tar})")
+        kept = []
+        with open(tar, "rb") as handle:
+            for entries in read_index(idx):
+                name = entries[0][3]
+                key = name.rsplit("/", 1)[-1].split(".", 1)[0]
+                ref = SampleRef(key, tar, {ext: (off, size, nm) for ext, off, size, nm in entries})
+                reason = structural_problem(ref, handle)
+                if reason is None:
+                    kept.append(ref)
+                else:
+                    skipped[reason] += 1
+                    skipped_keys.append(key)
+        per_tar.append(kept)
+    check_manifest(directory, sum(len(kept) for kept in per_tar) + sum(skipped.values()))
+    if decode_check is not None:
+        bad = decode_check([s for kept in per_tar for s in kept])
+        for reason in bad.values():
+            skipped[reason] += 1
+        skipped_keys += sorted(bad)
+        per_tar = [[s for s in kept if s.key not in bad] for kept in per_tar]
+    samples = [s for kept in per_tar for s in kept]
+    if not samples:
+        raise ValueError(f"no usable samples in {directory} (left out: {dict(skipped)}); rebuild the shard set")
+    sample_set = SampleSet(directory, tars, [index_path(t) for t in tars], samples, skipped, skipped_keys)
+    sample_set.has_masks = any(MASK_EXT in s.members for s in samples)
+    sample_set.labelled = any("cls" in s.members for s in samples)
+    sample_set.without_mask = sum(MASK_EXT not in s.members for s in samples)
+    if skipped:
+        warnings.warn(
+            f"{directory}: left out {sum(skipped.values())} bad samples {dict(skipped)}, "
+            f"e.g. {skipped_keys[:5]}; rebuild the shards to recover them",
+            stacklevel=2,
+        )
+        write_filtered_indexes(sample_set, per_tar)
+    return sample_set
+
+
+def exclude_samples(sample_set: SampleSet, bad: dict[str, str]) -> None:
+    """Leave the samples named in `bad` ({key: reason}) out of the set and its index files."""
+    bad = {k: r for k, r in bad.items() if k not in sample_set.skipped_keys}
+    if not bad:
+        return
+    for reason in bad.values():
+        sample_set.skipped[reason] += 1
+    sample_set.skipped_keys += sorted(bad)
+    sample_set.samples = [s for s in sample_set.samples if s.key not in bad]
+    all_tars = list_shards(sample_set.directory)
+    write_filtered_indexes(sample_set, [[s for s in sample_set.samples if s.tar == t] for t in all_tars], all_tars)
+
+
+def write_filtered_indexes(
+    sample_set: SampleSet, per_tar: list[list[SampleRef]], tars: list[Path] | None = None
+) -> None:
+    """Index files listing only the kept samples, in a temporary folder owned by the set.
+
+    Tars left empty are dropped: DALI's reader rejects an index with no samples.
+    """
+    sample_set._tmp = tempfile.TemporaryDirectory(prefix="relicv2-index-")
+    kept_tars, indexes = [], []
+    for tar, kept in zip(sample_set.tars if tars is None else tars, per_tar, strict=True):
+        if not kept:
+            continue
+        lines = [f"v1.2 {len(kept)}"]
+        for s in kept:
+            lines.append(" ".join(f"{ext} {off} {size} {nm}" for ext, (off, size, nm) in s.members.items()))
+        path = Path(sample_set._tmp.name) / index_path(tar).name
+        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        kept_tars.append(tar)
+        indexes.append(path)
+    sample_set.tars, sample_set.index_files = kept_tars, indexes
