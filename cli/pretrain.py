@@ -1,9 +1,41 @@
 """`relicv2 pretrain run` (the default of `relicv2 pretrain`)."""
 
+from __future__ import annotations
+
+from pathlib import Path
+
 import click
 
+from pretrain.checkpoint import CheckpointError
+from pretrain.config import ConfigError, load_config
+from pretrain.trainer import NonFiniteLossError
 
-@click.command()
-def run() -> None:
-    """Pretrain with ReLICv2."""
-    raise click.ClickException("pretraining is not available yet")
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--config", "config_path", type=click.Path(path_type=Path), required=True,
+              help="YAML preset, e.g. configs/imagenet-r50-1000ep.yaml or configs/demo-cpu.yaml.")
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
+              help="Override one config value (repeatable), e.g. --set optim.base_lr=0.2.")
+@click.option("--output", type=click.Path(path_type=Path), default=None,
+              help="Output folder (checkpoints, metrics.jsonl, tensorboard/, config.yaml); same as --set run.output_dir=...")
+@click.option("--resume", type=click.Path(path_type=Path), default=None,
+              help="Checkpoint to resume from. Default: the newest checkpoint in the output folder, if any.")
+@click.option("--fresh", is_flag=True, help="Ignore checkpoints already in the output folder (they are overwritten as the run goes).")
+def run(config_path: Path, overrides: tuple[str, ...], output: Path | None, resume: Path | None, fresh: bool) -> None:
+    """Pretrain a ResNet with ReLICv2 (one process, or every rank under torchrun).
+
+    \b
+    relicv2 pretrain --config configs/demo-cpu.yaml
+    torchrun --nproc_per_node 8 -m cli pretrain --config configs/imagenet-r50-1000ep.yaml \\
+        --set data.train_shards=/data/shards/masked-train
+    """
+    from pretrain.run import run_pretraining  # imported here so `relicv2 --help` stays fast
+
+    if output is not None:
+        overrides = (*overrides, f"run.output_dir={output}")
+    try:
+        config = load_config(config_path, overrides)
+        result = run_pretraining(config, resume=resume, auto_resume=not fresh)
+    except (ConfigError, CheckpointError, NonFiniteLossError) as error:
+        raise click.ClickException(str(error)) from None
+    click.echo(f"done: {result.step} steps ({result.skipped_steps} skipped); last checkpoint {result.last_checkpoint}")

@@ -1,0 +1,327 @@
+"""The pretraining job's configuration: one frozen, typed dataclass tree, YAML presets, `--set` overrides.
+
+A config is built from defaults, then a YAML file (`configs/*.yaml`), then `key=value` overrides
+(`optim.base_lr=0.2`). Unknown keys and values of the wrong type are errors that name the key, the
+file and the fix. Values that depend on the run (world size, data-set size) are derived once by
+`derive()` and printed next to the config at start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from pretrain.view_config import ViewConfig
+
+
+class ConfigError(ValueError):
+    """A user-fixable configuration problem (unknown key, wrong type, impossible value)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    depth: int = 50  # ResNet depth: 18, 34, 50, 101, 152 or 200
+    width: int = 1  # width multiplier (1, 2 or 4), every layer widened
+    hidden_dim: int = 4096  # projector / predictor hidden size
+    out_dim: int = 256  # projector / predictor output size
+    zero_init_residual: bool = False  # zero-init the last BN of each residual block
+    sync_batchnorm: bool | None = None  # None: on when world_size > 1 (BN statistics over the global batch)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: Literal["shards", "synthetic"] = "shards"
+    train_shards: str = ""  # masked shard set folder (data.source = shards)
+    synthetic_images: int = 1024  # data.source = synthetic: size of the generated data set
+    synthetic_classes: int = 10
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    temperature: float = 0.2  # tau
+    num_negatives: int = 10  # n_e; >= global batch - 1 means every other image (deterministic)
+    contrast_weight: float = 0.3  # the paper's "contrast scale"
+    invariance_weight: float = 2.0  # beta, the paper's "invariance scale"
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    global_batch: int = 4096  # images per step over all ranks
+    epochs: int = 1000
+    warmup_epochs: float = 10.0
+    base_lr: float = 0.3  # peak lr = base_lr * global_batch / 256
+    weight_decay: float = 1.5e-6
+    momentum: float = 0.9
+    trust_coefficient: float = 1e-3
+    ema_base: float = 0.996  # gamma_base; cosine schedule to 1
+    clip_grad_norm: float = 0.0  # 0: no clipping
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    output_dir: str = "runs/relicv2"
+    seed: int = 0
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    bf16: bool | None = None  # None: bf16 autocast on GPU, fp32 on CPU
+    channels_last: bool | None = None  # None: on GPU only
+    compile: bool = False  # torch.compile the networks
+    max_steps: int = 0  # stop after this many steps (schedules unchanged); 0: run the whole schedule
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    checkpoint_every: int = 1000  # steps
+    keep_checkpoints: int = 3
+    log_every: int = 10  # steps
+    progress_bar: bool = True
+
+
+@dataclass(frozen=True)
+class KnnConfig:
+    train_shards: str = ""  # labelled shard set used as the kNN bank ("" : no kNN monitor)
+    val_shards: str = ""
+    every_epochs: int = 10
+    k: int = 20
+    temperature: float = 0.07
+    crop_size: int = 224
+    resize_size: int = 0  # short side before the centre crop; 0: crop_size / 0.875 (256 for 224)
+    batch_size: int = 256
+
+
+@dataclass(frozen=True)
+class PretrainConfig:
+    """Everything a pretraining run needs; sections mirror the YAML presets."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    views: ViewConfig = field(default_factory=ViewConfig)  # view counts, sizes, augmentations, p_m
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    knn: KnnConfig = field(default_factory=KnnConfig)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+
+@dataclass(frozen=True)
+class DerivedValues:
+    """Values computed once from the config and the run (printed and saved with the config)."""
+
+    world_size: int
+    per_rank_batch: int
+    dataset_size: int
+    steps_per_epoch: int
+    total_steps: int
+    warmup_steps: int
+    peak_lr: float  # base_lr * global_batch / 256
+
+
+def per_rank_batch(config: PretrainConfig, world_size: int) -> int:
+    """optim.global_batch split over the ranks; an error when it does not divide evenly."""
+    batch = config.optim.global_batch
+    if batch % world_size:
+        raise ConfigError(
+            f"optim.global_batch={batch} is not divisible by the world size {world_size}; "
+            f"set optim.global_batch to a multiple of {world_size}"
+        )
+    return batch // world_size
+
+
+def derive(
+    config: PretrainConfig, *, world_size: int, dataset_size: int, steps_per_epoch: int | None = None
+) -> DerivedValues:
+    """Per-rank batch, steps per epoch, total/warmup steps and peak lr, computed once per run.
+
+    steps_per_epoch defaults to dataset_size // global_batch (incomplete last batch dropped); a data
+    source that drops more (per-rank remainders) passes its own count.
+    """
+    batch = config.optim.global_batch
+    rank_batch = per_rank_batch(config, world_size)
+    if steps_per_epoch is None:
+        steps_per_epoch = dataset_size // batch
+    if steps_per_epoch <= 0:
+        raise ConfigError(
+            f"the data set has {dataset_size} images, fewer than one global batch of {batch}; "
+            "lower optim.global_batch or use more data"
+        )
+    return DerivedValues(
+        world_size=world_size,
+        per_rank_batch=rank_batch,
+        dataset_size=dataset_size,
+        steps_per_epoch=steps_per_epoch,
+        total_steps=steps_per_epoch * config.optim.epochs,
+        warmup_steps=round(steps_per_epoch * config.optim.warmup_epochs),
+        peak_lr=config.optim.base_lr * batch / 256,
+    )
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> PretrainConfig:
+    """Defaults <- YAML file at `path` (if given) <- `section.key=value` overrides, type-checked."""
+    tree: dict[str, Any] = {}
+    source = "--set overrides"
+    if path is not None:
+        path = Path(path)
+        source = str(path)
+        try:
+            loaded = yaml.safe_load(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist; pass a file from configs/") from None
+        except yaml.YAMLError as error:
+            raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections (model:, data:, ...)")
+        tree = loaded or {}
+        if overrides:
+            source = f"{path} with --set overrides"
+    for override in overrides:
+        key, sep, text = override.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {override!r} is not of the form section.key=value")
+        _set_path(tree, key.strip().split("."), yaml.safe_load(text) if text.strip() else "")
+    return from_dict(tree, source=source)
+
+
+def from_dict(tree: Mapping[str, Any], *, source: str = "config") -> PretrainConfig:
+    """Build a config from a nested mapping (YAML or a checkpoint's embedded copy); strict keys and types."""
+    return _build(PretrainConfig, tree, prefix="", source=source)
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """Plain nested dict of builtins, tuples as lists (safe for YAML, JSON and `weights_only` loading)."""
+    return dataclasses.asdict(config, dict_factory=lambda items: {k: _plain(v) for k, v in items})
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def describe(config: PretrainConfig, derived: DerivedValues | None = None, version: str = "") -> str:
+    """Human-readable resolved config (and derived values) as printed at start and saved to config.yaml."""
+    tree: dict[str, Any] = {}
+    if version:
+        tree["version"] = version
+    tree.update(to_dict(config))
+    if derived is not None:
+        tree["derived"] = dataclasses.asdict(derived)
+    return yaml.safe_dump(tree, sort_keys=False)
+
+
+def _set_path(tree: dict[str, Any], keys: list[str], value: Any) -> None:
+    node = tree
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot set {'.'.join(keys)}: {key} is a value, not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def _build(cls: type, tree: Mapping[str, Any], *, prefix: str, source: str) -> Any:
+    if not isinstance(tree, Mapping):
+        raise ConfigError(f"{source}: {prefix.rstrip('.') or 'the config'} must be a mapping")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(tree) - names)
+    if unknown:
+        raise ConfigError(
+            f"{source}: unknown key {prefix}{unknown[0]}; valid keys here are: {', '.join(sorted(names))}"
+        )
+    values: dict[str, Any] = {}
+    for name, value in tree.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            values[name] = _build(hint, value or {}, prefix=f"{prefix}{name}.", source=source)
+        else:
+            values[name] = _coerce(value, hint, key=f"{prefix}{name}", source=source)
+    try:
+        return cls(**values)
+    except (ConfigError, ValueError) as error:
+        raise ConfigError(f"{source}: {prefix}{error}" if prefix else f"{source}: {error}") from None
+
+
+def _coerce(value: Any, hint: Any, *, key: str, source: str) -> Any:
+    """Check `value` against a field's type; ints are accepted for floats, nothing else is converted."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        if value not in typing.get_args(hint):
+            choices = ", ".join(repr(c) for c in typing.get_args(hint))
+            raise ConfigError(f"{source}: {key} must be one of {choices}, got {value!r}")
+        return value
+    if origin is tuple:
+        element_types = typing.get_args(hint)
+        if not isinstance(value, list | tuple) or len(value) != len(element_types):
+            raise ConfigError(f"{source}: {key} must be a list of {len(element_types)} values, got {value!r}")
+        return tuple(
+            _coerce(v, t, key=f"{key}[{i}]", source=source) for i, (v, t) in enumerate(zip(value, element_types, strict=True))
+        )
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        (hint,) = [option for option in options if option is not type(None)]
+    ok = (
+        (hint is bool and isinstance(value, bool))
+        or (hint is int and isinstance(value, int) and not isinstance(value, bool))
+        or (hint is float and isinstance(value, int | float) and not isinstance(value, bool))
+        or (hint is str and isinstance(value, str))
+    )
+    if not ok:
+        raise ConfigError(
+            f"{source}: {key} must be of type {hint.__name__}, got {value!r} ({type(value).__name__})"
+        )
+    return float(value) if hint is float else value
+
+
+def _validate(config: PretrainConfig) -> None:
+    positive = {
+        "model.width": config.model.width,
+        "model.hidden_dim": config.model.hidden_dim,
+        "model.out_dim": config.model.out_dim,
+        "data.synthetic_images": config.data.synthetic_images,
+        "data.synthetic_classes": config.data.synthetic_classes,
+        "loss.temperature": config.loss.temperature,
+        "loss.num_negatives": config.loss.num_negatives,
+        "optim.global_batch": config.optim.global_batch,
+        "optim.epochs": config.optim.epochs,
+        "optim.base_lr": config.optim.base_lr,
+        "run.checkpoint_every": config.run.checkpoint_every,
+        "run.keep_checkpoints": config.run.keep_checkpoints,
+        "run.log_every": config.run.log_every,
+        "knn.every_epochs": config.knn.every_epochs,
+        "knn.k": config.knn.k,
+        "knn.temperature": config.knn.temperature,
+        "knn.crop_size": config.knn.crop_size,
+        "knn.batch_size": config.knn.batch_size,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key} must be positive, got {value}")
+    non_negative = {
+        "optim.warmup_epochs": config.optim.warmup_epochs,
+        "optim.weight_decay": config.optim.weight_decay,
+        "optim.clip_grad_norm": config.optim.clip_grad_norm,
+        "loss.contrast_weight": config.loss.contrast_weight,
+        "loss.invariance_weight": config.loss.invariance_weight,
+        "run.max_steps": config.run.max_steps,
+        "knn.resize_size": config.knn.resize_size,
+    }
+    for key, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"{key} must be >= 0, got {value}")
+    if config.model.depth not in (18, 34, 50, 101, 152, 200):
+        raise ConfigError(f"model.depth must be one of 18, 34, 50, 101, 152, 200, got {config.model.depth}")
+    for key, value in {"optim.ema_base": config.optim.ema_base,
+                       "optim.momentum": config.optim.momentum}.items():
+        if not 0.0 <= value <= 1.0:
+            raise ConfigError(f"{key} must lie in [0, 1], got {value}")
+    if config.optim.warmup_epochs > config.optim.epochs:
+        raise ConfigError(
+            f"optim.warmup_epochs={config.optim.warmup_epochs} exceeds optim.epochs={config.optim.epochs}"
+        )
+    if bool(config.knn.train_shards) != bool(config.knn.val_shards):
+        raise ConfigError("knn.train_shards and knn.val_shards must be given together (or neither)")

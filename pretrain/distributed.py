@@ -1,0 +1,203 @@
+"""The distributed set-up in one place: read torchrun's environment, init/teardown, collectives.
+
+`torchrun` exports RANK, WORLD_SIZE and LOCAL_RANK (and the rendezvous address); a plain `python`
+run has none of them and is a world of one. NCCL is used on GPUs, gloo on CPU, so the same code
+runs 2 CPU processes in the tests and many GPUs on a cluster.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str  # "nccl" on GPU, "gloo" on CPU
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 logs, writes checkpoints and runs the kNN monitor."""
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def describe_environment(device: str = "auto", env: dict[str, str] | None = None) -> DistributedContext:
+    """The context implied by torchrun's variables in `env` (default: os.environ); pure, starts nothing.
+
+    device: "auto" (CUDA when available), "cpu" or "cuda".
+    """
+    env = dict(os.environ) if env is None else env
+    try:
+        rank = int(env.get("RANK", "0"))
+        world_size = int(env.get("WORLD_SIZE", "1"))
+        local_rank = int(env.get("LOCAL_RANK", "0"))
+    except ValueError as error:
+        raise RuntimeError(f"malformed torchrun environment (RANK/WORLD_SIZE/LOCAL_RANK): {error}") from None
+    if not 0 <= rank < world_size:
+        raise RuntimeError(f"RANK={rank} is outside WORLD_SIZE={world_size}; launch with torchrun")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("run.device=cuda but no CUDA device is visible; use run.device=cpu")
+        return DistributedContext(rank, world_size, local_rank, torch.device("cuda", local_rank), "nccl")
+    return DistributedContext(rank, world_size, local_rank, torch.device("cpu"), "gloo")
+
+
+def init(device: str = "auto") -> DistributedContext:
+    """Describe the environment and, in a multi-process job, join the process group."""
+    ctx = describe_environment(device)
+    if ctx.device.type == "cuda":
+        torch.cuda.set_device(ctx.device)
+    if ctx.is_distributed and not dist.is_initialized():
+        # torchrun provides MASTER_ADDR/MASTER_PORT, so the default env:// rendezvous works.
+        kwargs: dict[str, Any] = {"device_id": ctx.device} if ctx.device.type == "cuda" else {}
+        dist.init_process_group(backend=ctx.backend, rank=ctx.rank, world_size=ctx.world_size, **kwargs)
+    return ctx
+
+
+def teardown(ctx: DistributedContext) -> None:
+    """Leave the process group (no-op for a world of one)."""
+    if ctx.is_distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(ctx: DistributedContext) -> None:
+    if ctx.is_distributed:
+        dist.barrier()
+
+
+def all_gather_tensor(tensor: Tensor, ctx: DistributedContext) -> Tensor:
+    """Concatenate every rank's `tensor` along dim 0 in rank order, without gradient."""
+    if not ctx.is_distributed:
+        return tensor
+    parts = [torch.empty_like(tensor) for _ in range(ctx.world_size)]
+    dist.all_gather(parts, tensor.contiguous())
+    return torch.cat(parts)
+
+
+def all_gather_object(obj: Any, ctx: DistributedContext) -> list[Any]:
+    """Every rank's picklable `obj`, in rank order (used for per-rank data and RNG states)."""
+    if not ctx.is_distributed:
+        return [obj]
+    gathered: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def all_reduce_mean(tensor: Tensor, ctx: DistributedContext) -> Tensor:
+    """Mean over ranks of `tensor` (a new tensor, no gradient)."""
+    if not ctx.is_distributed:
+        return tensor.detach().clone()
+    out = tensor.detach().clone()
+    dist.all_reduce(out)
+    return out / ctx.world_size
+
+
+def convert_sync_batchnorm(module: nn.Module, ctx: DistributedContext) -> nn.Module:
+    """Replace every BatchNorm so that batch statistics are computed over the global batch.
+
+    On GPU this is torch's `SyncBatchNorm`; torch's version refuses CPU tensors, so on CPU the
+    layers become `CrossRankBatchNorm` below (same maths, gloo collectives).
+    """
+    if ctx.device.type == "cuda":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(module)
+    return _convert_cross_rank(module)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over ranks whose backward is again a sum over ranks (every rank's loss uses the total).
+
+    Written here because `torch.distributed.nn.functional.all_reduce` is deprecated.
+    """
+
+    @staticmethod
+    def forward(ctx, tensor: Tensor) -> Tensor:  # type: ignore[override]
+        out = tensor.clone()
+        dist.all_reduce(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[override]
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+def all_reduce_sum_with_grad(tensor: Tensor) -> Tensor:
+    """Differentiable sum of `tensor` over all ranks (the identity in a world of one)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return tensor
+    return _AllReduceSum.apply(tensor)
+
+
+class CrossRankBatchNorm(nn.modules.batchnorm._BatchNorm):
+    """BatchNorm whose training-mode statistics span all ranks, for CPU (gloo) process groups.
+
+    Hand-written because `nn.SyncBatchNorm` only accepts GPU inputs. The statistics are
+    differentiable all-reduces (`all_reduce_sum_with_grad`), so gradients flow through the global
+    mean and variance exactly as in `SyncBatchNorm`. Two passes (mean, then centred squares)
+    keep the variance as accurate as `F.batch_norm`'s.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not (self.training and dist.is_initialized() and dist.get_world_size() > 1):
+            return super().forward(x)
+        dims = [0, *range(2, x.dim())]
+        shape = [1, -1, *([1] * (x.dim() - 2))]
+        count = torch.tensor([x.numel() / x.shape[1]], dtype=x.dtype, device=x.device)
+        total = all_reduce_sum_with_grad(torch.cat([x.sum(dims), count]))
+        count = total[-1]
+        mean = total[:-1] / count
+        centred = x - mean.view(shape)
+        var = all_reduce_sum_with_grad((centred * centred).sum(dims)) / count
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
+                unbiased = var * count / (count - 1).clamp(min=1)
+                self.running_mean.lerp_(mean.detach(), momentum)
+                self.running_var.lerp_(unbiased.detach(), momentum)
+        y = centred * torch.rsqrt(var + self.eps).view(shape)
+        if self.affine:
+            y = y * self.weight.view(shape) + self.bias.view(shape)
+        return y
+
+    def _check_input_dim(self, x: Tensor) -> None:
+        if x.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {x.dim()}D input)")
+
+
+def _convert_cross_rank(module: nn.Module) -> nn.Module:
+    out = module
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, CrossRankBatchNorm):
+        out = CrossRankBatchNorm(
+            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
+        )
+        if module.affine:
+            with torch.no_grad():
+                out.weight.copy_(module.weight)
+                out.bias.copy_(module.bias)
+        if module.track_running_stats:
+            out.running_mean.copy_(module.running_mean)
+            out.running_var.copy_(module.running_var)
+            out.num_batches_tracked.copy_(module.num_batches_tracked)
+        out.train(module.training)
+    for name, child in module.named_children():
+        out.add_module(name, _convert_cross_rank(child))
+    return out

@@ -1,0 +1,60 @@
+"""Rank-0 metrics output: JSONL file, TensorBoard scalars and a tqdm progress bar."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+# Shown in the progress bar, in this order (the JSONL and TensorBoard get every metric).
+BAR_FIELDS = ("loss", "contrastive", "invariance", "lr", "ema", "img/s", "knn_top1")
+
+
+class MetricsLogger:
+    """Appends one JSON object per logged step to `metrics.jsonl` and mirrors it to TensorBoard.
+
+    Create it on rank 0 only. On resume it appends, so the file holds the whole run; records
+    carry their step, and a resumed run re-logs the steps after its checkpoint.
+    """
+
+    def __init__(self, output_dir: str | Path, *, total_steps: int, initial_step: int, progress_bar: bool) -> None:
+        from torch.utils.tensorboard import SummaryWriter  # imported late: it pulls in tensorboard
+
+        self.output_dir = Path(output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self._jsonl = open(self.output_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        self._tensorboard = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"), purge_step=initial_step)
+        self._bar = tqdm(total=total_steps, initial=initial_step, desc="pretrain", unit="step",
+                         dynamic_ncols=True, disable=not progress_bar)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """Record `metrics` (numbers) for global step `step`."""
+        record = {"step": step, "time": round(time.time(), 3), **metrics}
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        for name, value in metrics.items():
+            if isinstance(value, int | float):
+                self._tensorboard.add_scalar(f"pretrain/{name}", value, step)
+        shown = {k: _short(metrics[k]) for k in BAR_FIELDS if k in metrics}
+        self._bar.set_postfix(shown, refresh=False)
+
+    def advance(self, steps: int = 1) -> None:
+        self._bar.update(steps)
+
+    def message(self, text: str) -> None:
+        """Print a line without breaking the progress bar."""
+        self._bar.write(text)
+
+    def close(self) -> None:
+        self._bar.close()
+        self._tensorboard.close()
+        self._jsonl.close()
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)

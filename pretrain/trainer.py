@@ -1,0 +1,235 @@
+"""Training state and the single, visible ReLICv2 train step.
+
+The step reads top to bottom in the order of DINO's `train_one_epoch`: schedule -> forward of all
+views -> loss -> non-finite check -> backward -> clip -> optimizer step -> EMA -> metrics.
+Everything it changes lives in one `TrainState`, which is saved and restored as a unit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from pretrain.config import DerivedValues, PretrainConfig
+from pretrain.distributed import (
+    DistributedContext,
+    all_gather_tensor,
+    all_reduce_mean,
+    convert_sync_batchnorm,
+)
+from pretrain.heads import OnlineNetwork, TargetNetwork, build_networks, ema_update
+from pretrain.lars import LARS, parameter_groups
+from pretrain.loss import gather_with_grad, relicv2_loss
+from pretrain.schedules import ema_coefficient, learning_rate
+from pretrain.synthetic import derive_seed
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss of step `step` (counted from 1, as logged) became NaN or infinite, with `run.on_nonfinite=stop`."""
+
+    def __init__(self, step: int, value: float, message: str = "") -> None:
+        self.step = step
+        self.value = value
+        super().__init__(message or f"loss is {value} at step {step}")
+
+
+@dataclass
+class TrainState:
+    """Everything a step changes. `online`/`target` are the bare networks (not DDP-wrapped)."""
+
+    online: OnlineNetwork
+    target: TargetNetwork
+    optimizer: torch.optim.Optimizer
+    # Draws the negatives. Re-seeded from (seed, step) at every step, identically on every rank
+    # (the loss draws for the whole global batch and each rank keeps its rows), so a resumed or
+    # re-sharded run draws exactly the negatives an uninterrupted single-process run draws.
+    generator: torch.Generator
+    step: int = 0
+    skipped_steps: int = 0
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """The constants one step needs, resolved once from the config and the derived values."""
+
+    large_views: int
+    temperature: float
+    num_negatives: int
+    contrast_weight: float
+    invariance_weight: float
+    base_lr: float
+    global_batch: int
+    warmup_steps: int
+    total_steps: int
+    ema_base: float
+    clip_grad_norm: float
+    skip_nonfinite: bool
+    seed: int
+    bf16: bool
+    channels_last: bool
+
+    @classmethod
+    def from_config(cls, config: PretrainConfig, derived: DerivedValues, ctx: DistributedContext) -> StepSettings:
+        on_gpu = ctx.device.type == "cuda"
+        return cls(
+            large_views=config.views.large_views,
+            temperature=config.loss.temperature,
+            num_negatives=config.loss.num_negatives,
+            contrast_weight=config.loss.contrast_weight,
+            invariance_weight=config.loss.invariance_weight,
+            base_lr=config.optim.base_lr,
+            global_batch=config.optim.global_batch,
+            warmup_steps=derived.warmup_steps,
+            total_steps=derived.total_steps,
+            ema_base=config.optim.ema_base,
+            clip_grad_norm=config.optim.clip_grad_norm,
+            skip_nonfinite=config.run.on_nonfinite == "skip",
+            seed=config.run.seed,
+            bf16=on_gpu if config.run.bf16 is None else config.run.bf16,
+            channels_last=on_gpu if config.run.channels_last is None else config.run.channels_last,
+        )
+
+
+class MultiViewForward(nn.Module):
+    """Online network applied to the large views (one call) and the small views (another call).
+
+    One module call per step, so DDP sees a single forward before each backward.
+    """
+
+    def __init__(self, online: OnlineNetwork) -> None:
+        super().__init__()
+        self.online = online
+
+    def forward(self, large: Tensor, small: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        return self.online(large), (self.online(small) if small is not None else None)
+
+
+def use_sync_batchnorm(config: PretrainConfig, ctx: DistributedContext) -> bool:
+    """BN statistics over the global batch: on by default whenever there are several ranks (BYOL recipe)."""
+    return ctx.is_distributed if config.model.sync_batchnorm is None else config.model.sync_batchnorm
+
+
+def build_state(config: PretrainConfig, ctx: DistributedContext, settings: StepSettings) -> TrainState:
+    """Fresh networks, LARS optimizer and generator on `ctx.device`; identical weights on every rank."""
+    torch.manual_seed(config.run.seed)  # every rank builds the same initial weights
+    model = config.model
+    online, target = build_networks(
+        model.depth, model.width, hidden_dim=model.hidden_dim, out_dim=model.out_dim,
+        zero_init_residual=model.zero_init_residual,
+    )
+    if use_sync_batchnorm(config, ctx) and ctx.is_distributed:
+        online = convert_sync_batchnorm(online, ctx)
+        target = convert_sync_batchnorm(target, ctx)
+    memory_format = torch.channels_last if settings.channels_last else torch.preserve_format
+    online = online.to(ctx.device, memory_format=memory_format)
+    target = target.to(ctx.device, memory_format=memory_format)
+    target.train()  # the target normalises with batch statistics, as in BYOL
+    optimizer = LARS(
+        parameter_groups(online, config.optim.weight_decay),
+        lr=0.0,  # set from the schedule at every step
+        momentum=config.optim.momentum,
+        weight_decay=config.optim.weight_decay,
+        trust_coefficient=config.optim.trust_coefficient,
+    )
+    return TrainState(online, target, optimizer, generator=torch.Generator(device=ctx.device))
+
+
+def wrap_networks(
+    state: TrainState, ctx: DistributedContext, *, compile: bool = False
+) -> tuple[Callable[[Tensor, Tensor | None], tuple[Tensor, Tensor | None]], Callable[[Tensor], Tensor]]:
+    """(online forward over large+small views, target forward): DDP on the online network, optional compile."""
+    online_forward: nn.Module = MultiViewForward(state.online)
+    if ctx.is_distributed:
+        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        online_forward = DistributedDataParallel(online_forward, device_ids=device_ids)
+    target_forward: nn.Module = state.target
+    if compile:
+        online_forward = torch.compile(online_forward)
+        target_forward = torch.compile(target_forward)
+    return online_forward, target_forward
+
+
+def train_step(
+    state: TrainState,
+    views: Sequence[Tensor],
+    *,
+    online_forward: Callable[[Tensor, Tensor | None], tuple[Tensor, Tensor | None]],
+    target_forward: Callable[[Tensor], Tensor],
+    settings: StepSettings,
+    ctx: DistributedContext,
+) -> dict[str, float]:
+    """One ReLICv2 update on this rank's views (L large then S small, each [B, 3, H, W]).
+
+    Returns the step's metrics averaged over ranks. Raises `NonFiniteLossError` on a NaN/inf loss
+    unless `settings.skip_nonfinite`, in which case the update is skipped and counted.
+    """
+    step, num_large = state.step, settings.large_views
+    batch = views[0].shape[0]
+
+    # 1. schedules: pure functions of the global step
+    lr = learning_rate(step, base_lr=settings.base_lr, global_batch=settings.global_batch,
+                       warmup_steps=settings.warmup_steps, total_steps=settings.total_steps)
+    ema = ema_coefficient(step, base=settings.ema_base, total_steps=settings.total_steps)
+    for group in state.optimizer.param_groups:
+        group["lr"] = lr
+
+    # 2. forward: the large views go through each network as one batch, the small views as another
+    # Without autocast the networks are fp32, so bf16 views (ViewLoader output_dtype) are widened.
+    dtype = None if settings.bf16 else torch.float32
+    memory_format = torch.channels_last if settings.channels_last else torch.contiguous_format
+    large = torch.cat(list(views[:num_large])).to(ctx.device, dtype, non_blocking=True, memory_format=memory_format)
+    small = (torch.cat(list(views[num_large:])).to(ctx.device, dtype, non_blocking=True, memory_format=memory_format)
+             if len(views) > num_large else None)
+    with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=settings.bf16):
+        online_large, online_small = online_forward(large, small)
+        with torch.no_grad():
+            target_large = target_forward(large)
+    online_views = list(online_large.float().chunk(num_large))
+    if online_small is not None:
+        online_views += list(online_small.float().chunk(len(views) - num_large))
+    target_views = list(target_large.float().chunk(num_large))
+
+    # 3. loss over the global batch: gathered targets give the negatives, gathered online
+    #    embeddings (with gradient) the reverse distribution p(b; a)
+    gathered_online = None
+    if ctx.is_distributed:
+        target_views = list(all_gather_tensor(torch.stack(target_views, dim=1), ctx).unbind(1))
+        gathered_online = list(gather_with_grad(torch.stack(online_views, dim=1)).unbind(1))
+    state.generator.manual_seed(derive_seed(settings.seed, 5, step))
+    loss, parts = relicv2_loss(
+        online_views[:num_large], online_views[num_large:], target_views,
+        temperature=settings.temperature, num_negatives=settings.num_negatives,
+        contrast_weight=settings.contrast_weight, invariance_weight=settings.invariance_weight,
+        generator=state.generator, anchor_offset=ctx.rank * batch, gathered_online=gathered_online,
+    )
+
+    # 4. non-finite check. This reads the loss on the host (a sync point, as in DINO). The values
+    #    are averaged over ranks first: a NaN on any rank makes the mean NaN everywhere, so every
+    #    rank takes the same branch and no collective is left waiting.
+    reduced = all_reduce_mean(torch.stack([loss.detach(), parts["contrastive"].detach(),
+                                           parts["invariance"].detach()]), ctx).tolist()
+    metrics = {"loss": reduced[0], "contrastive": reduced[1], "invariance": reduced[2], "lr": lr, "ema": ema}
+    state.optimizer.zero_grad(set_to_none=True)
+    if not all(math.isfinite(v) for v in reduced):
+        if not settings.skip_nonfinite:
+            raise NonFiniteLossError(step + 1, reduced[0])  # counted from 1, as in the logs
+        state.step += 1
+        state.skipped_steps += 1
+        return {**metrics, "skipped": 1.0, "skipped_steps": float(state.skipped_steps)}
+
+    # 5. backward, clip, step (DDP averages the gradients over ranks during backward)
+    loss.backward()
+    if settings.clip_grad_norm > 0:
+        metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(state.online.parameters(), settings.clip_grad_norm))
+    state.optimizer.step()
+
+    # 6. EMA of the target network
+    ema_update(state.target, state.online, ema)
+
+    state.step += 1
+    return {**metrics, "skipped": 0.0, "skipped_steps": float(state.skipped_steps)}
