@@ -32,7 +32,7 @@ relicv2 pretrain --config configs/demo-cpu.yaml --output "$OUT/run" \
 
 echo "== 6. kNN evaluation of the final checkpoint vs a random-init encoder"
 relicv2 eval knn --checkpoint "$OUT/run" --train "$OUT/shards/train" --val "$OUT/shards/val" \
-    --crop-size 64 --device cpu
+    --crop-size 64 --resize-size 64 --device cpu
 relicv2 eval knn --random-init 18 --train "$OUT/shards/train" --val "$OUT/shards/val" \
-    --crop-size 64 --device cpu
+    --crop-size 64 --resize-size 64 --device cpu
 echo "demo finished: outputs under $OUT/"
