@@ -53,6 +53,20 @@ def test_demo_preset_loads_and_is_small():
     assert config.views.large_size <= 96
 
 
+@pytest.mark.parametrize("preset", sorted(p.name for p in CONFIGS.glob("*.yaml")))
+def test_every_preset_loads(preset):
+    config = load_config(CONFIGS / preset)  # unknown keys or wrong types would raise
+    assert config.optim.warmup_epochs <= config.optim.epochs
+
+
+def test_imagenette_preset_is_a_short_cpu_run_with_its_own_knn_protocol():
+    config = load_config(CONFIGS / "imagenette-r18-cpu.yaml")
+    assert config.run.device == "cpu" and config.model.depth == 18
+    # kNN at the training resolution: the random-init baseline must use the same crop/resize
+    assert config.knn.crop_size == config.views.large_size == config.knn.resize_size
+    assert config.loss.num_negatives >= config.optim.global_batch - 1
+
+
 def test_overrides_are_typed_and_applied_after_the_file():
     config = load_config(
         CONFIGS / "imagenet-r50-1000ep.yaml",
