@@ -100,6 +100,15 @@ def all_gather_object(obj: Any, ctx: DistributedContext) -> list[Any]:
     return gathered
 
 
+def gather_object(obj: Any, ctx: DistributedContext) -> list[Any] | None:
+    """Every rank's picklable `obj` in rank order on rank 0; None on the other ranks."""
+    if not ctx.is_distributed:
+        return [obj]
+    gathered: list[Any] | None = [None] * ctx.world_size if ctx.is_main else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered
+
+
 def all_reduce_mean(tensor: Tensor, ctx: DistributedContext) -> Tensor:
     """Mean over ranks of `tensor` (a new tensor, no gradient)."""
     if not ctx.is_distributed:

@@ -23,6 +23,7 @@ from torchvision.transforms import InterpolationMode
 
 from pretrain.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 from pretrain.config import from_dict
+from pretrain.distributed import DistributedContext, gather_object
 from pretrain.resnet import ResNet, resnet
 from shards import iter_samples
 
@@ -76,8 +77,13 @@ def preprocess(jpeg: bytes, *, crop_size: int, resize_size: int) -> Tensor:
     return TF.normalize(TF.to_dtype(TF.pil_to_tensor(image), torch.float32, scale=True), IMAGENET_MEAN, IMAGENET_STD)
 
 
-def _labelled_images(source: str | Path, *, crop_size: int, resize_size: int, skipped: list[str]) -> Iterator[tuple[Tensor, int]]:
-    for sample in iter_samples(Path(source)):
+def _labelled_images(
+    source: str | Path, *, crop_size: int, resize_size: int, skipped: list[str], part: tuple[int, int]
+) -> Iterator[tuple[Tensor, int]]:
+    index, parts = part
+    for position, sample in enumerate(iter_samples(Path(source))):
+        if position % parts != index:
+            continue
         if sample["label"] is None:
             raise ValueError(
                 f"sample {sample['key']} in {sample['shard']} has no class label; kNN needs shard sets "
@@ -102,8 +108,15 @@ def extract_features(
     batch_size: int = 256,
     device: str | torch.device = "cpu",
     skipped: list[str] | None = None,
+    part: tuple[int, int] = (0, 1),
 ) -> tuple[Tensor, Tensor]:
-    """(features [N, F] float32 on CPU, labels [N]) of every decodable sample of a labelled shard set."""
+    """(features [N, F] float32 on CPU, labels [N]) of every decodable sample of a labelled shard set.
+
+    part = (index, parts): only the samples at positions p (shard-set order) with p % parts ==
+    index, so `parts` ranks together extract each sample once. Only a split set's part may be empty.
+    """
+    if not 0 <= part[0] < part[1]:
+        raise ValueError(f"part must be (index, parts) with 0 <= index < parts, got {part}")
     resize_size = resize_size or round(crop_size / 0.875)
     device = torch.device(device)
     was_training = encoder.training
@@ -120,7 +133,8 @@ def extract_features(
         batch_labels.clear()
 
     try:
-        for image, label in _labelled_images(source, crop_size=crop_size, resize_size=resize_size, skipped=skipped):
+        for image, label in _labelled_images(source, crop_size=crop_size, resize_size=resize_size,
+                                             skipped=skipped, part=part):
             images.append(image)
             batch_labels.append(label)
             if len(images) == batch_size:
@@ -130,6 +144,8 @@ def extract_features(
     finally:
         encoder.train(was_training)
     if not features:
+        if part[1] > 1:  # the other ranks may hold this set's images; evaluate_knn checks the union
+            return torch.empty(0, 0), torch.empty(0, dtype=torch.long)
         raise ValueError(f"no decodable labelled images in {source}")
     return torch.cat(features), torch.tensor(labels, dtype=torch.long)
 
@@ -145,17 +161,39 @@ def evaluate_knn(
     resize_size: int = 0,
     batch_size: int = 256,
     device: str | torch.device = "cpu",
-) -> KnnResult:
-    """Top-1 accuracy on `val_shards` of the kNN classifier whose bank is `train_shards`' features."""
+    ctx: DistributedContext | None = None,
+) -> KnnResult | None:
+    """Top-1 accuracy on `val_shards` of the kNN classifier whose bank is `train_shards`' features.
+
+    With a multi-rank `ctx` every rank must call it: each extracts the features of 1/W of the
+    samples, rank 0 gathers them, classifies and returns the result; the other ranks return None.
+    """
+    rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
     skipped: list[str] = []
     options = {"crop_size": crop_size, "resize_size": resize_size, "batch_size": batch_size,
-               "device": device, "skipped": skipped}
+               "device": device, "skipped": skipped, "part": (rank, world)}
     bank, bank_labels = extract_features(encoder, train_shards, **options)
     queries, query_labels = extract_features(encoder, val_shards, **options)
+    skipped_count = len(skipped)
+    if world > 1:
+        gathered = gather_object((bank, bank_labels, queries, query_labels, skipped_count), ctx)
+        if gathered is None:
+            return None
+        bank, bank_labels = _join_parts([(g[0], g[1]) for g in gathered], train_shards)
+        queries, query_labels = _join_parts([(g[2], g[3]) for g in gathered], val_shards)
+        skipped_count = sum(g[4] for g in gathered)
     num_classes = int(max(bank_labels.max(), query_labels.max())) + 1
     predicted = knn_predict(bank, bank_labels, queries, num_classes=num_classes, k=k, temperature=temperature)
     top1 = float((predicted == query_labels).float().mean())
-    return KnnResult(top1=top1, num_train=len(bank_labels), num_val=len(query_labels), skipped=len(skipped))
+    return KnnResult(top1=top1, num_train=len(bank_labels), num_val=len(query_labels), skipped=skipped_count)
+
+
+def _join_parts(parts: list[tuple[Tensor, Tensor]], source: str | Path) -> tuple[Tensor, Tensor]:
+    """Concatenate the ranks' (features, labels); parts without images are left out."""
+    kept = [(features, labels) for features, labels in parts if labels.numel()]
+    if not kept:
+        raise ValueError(f"no decodable labelled images in {source}")
+    return torch.cat([f for f, _ in kept]), torch.cat([labels for _, labels in kept])
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
+import os
+import socket
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from click.testing import CliRunner
 from PIL import Image
 from torch import nn
@@ -15,6 +19,7 @@ from torch import nn
 from cli.eval import eval_group
 from pretrain.checkpoint import save_checkpoint
 from pretrain.config import load_config, to_dict
+from pretrain.distributed import init, teardown
 from pretrain.heads import build_networks
 from pretrain.knn import (
     encoder_from_checkpoint,
@@ -94,6 +99,37 @@ def test_knn_on_labelled_shards_skips_corrupt_images(colour_shards, capsys):
     assert result.top1 == 1.0 and (result.num_train, result.num_val) == (10, 6)
     assert result.skipped == 1  # the broken bank sample
     assert "skipping trainbroken" in capsys.readouterr().err
+
+
+def _knn_rank(rank: int, world_size: int, port: int, train, val, out) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    ctx = init("cpu")
+    try:
+        result = evaluate_knn(MeanColour(), train, val, k=3, crop_size=32, batch_size=2, ctx=ctx)
+    finally:
+        teardown(ctx)
+    if rank == 0:
+        out.write_text(json.dumps(dataclasses.asdict(result)))
+    else:
+        assert result is None  # only rank 0 classifies
+
+
+def test_ranks_split_the_knn_images_and_rank_0_gets_the_single_process_result(colour_shards, tmp_path):
+    train, val = colour_shards
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "two-ranks.json"
+    mp.spawn(_knn_rank, args=(2, port, train, val, out), nprocs=2, join=True)
+    one = evaluate_knn(MeanColour(), train, val, k=3, crop_size=32, batch_size=2)
+    # every image counted once over the ranks (10 bank, 6 val), the corrupt one skipped once
+    assert json.loads(out.read_text()) == dataclasses.asdict(one)
+    assert (one.num_train, one.num_val, one.skipped) == (10, 6, 1)
+    halves = [extract_features(MeanColour(), train, crop_size=32, part=(i, 2))[0] for i in range(2)]
+    whole = extract_features(MeanColour(), train, crop_size=32)[0]
+    assert torch.equal(torch.cat(halves).sort(dim=0).values, whole.sort(dim=0).values)
 
 
 def test_unlabelled_shards_are_refused(tmp_path):
