@@ -227,3 +227,14 @@ def test_cli_pretrain_runs_the_demo_preset_on_generated_data(tmp_path):
     assert (out / "checkpoint-000000002.pt").is_file()
     bad = CliRunner().invoke(pretrain_command, ["--config", args[1], "--set", "optim.base_rate=1"])
     assert bad.exit_code != 0 and "unknown key optim.base_rate" in bad.output
+
+
+@pytest.mark.slow  # ~1 min: inductor compiles the forward and backward graphs
+def test_compiled_networks_train_like_eager_ones(tmp_path):
+    # run.compile=true goes through torch.compile (inductor, which needs the C compiler every
+    # supported machine has); the compiled step must give the eager step's losses.
+    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
+    quiet_run(tiny_config(eager, "run.max_steps=3"), auto_resume=False)
+    quiet_run(tiny_config(compiled, "run.max_steps=3", "run.compile=true"), auto_resume=False)
+    assert sorted(logged(compiled)) == [1, 2, 3]
+    assert list(logged(compiled).values()) == pytest.approx(list(logged(eager).values()), rel=1e-3)
