@@ -26,8 +26,8 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from saliency.handcrafted.methods import METHODS, resolve_methods  # noqa: E402
 from saliency.images import read_rgb  # noqa: E402
-from saliency.methods import METHODS, resolve_methods  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "pascal-s-dev" / "images"
 # data/README.md: one thread, ECSSD-sized images; MR is the authors' C++, the others their

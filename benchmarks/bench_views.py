@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from pretrain.data import ViewLoader
+from pretrain.views.loader import ViewLoader
 from shards import ShardSample, write_shard_set
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "msra-unlabeled"

@@ -22,8 +22,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from saliency.handcrafted.methods import METHODS, resolve_methods  # noqa: E402
 from saliency.images import read_gray, read_rgb  # noqa: E402
-from saliency.methods import METHODS, resolve_methods  # noqa: E402
 from saliency.metrics import aggregate, normalise_prediction, score_image  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "pascal-s-dev"

@@ -37,7 +37,7 @@ def knn(checkpoint: Path | None, random_depth: int | None, network: str, train_s
     import torch
 
     from pretrain.checkpoint import CheckpointError
-    from pretrain.knn import (
+    from pretrain.eval.knn import (
         encoder_from_checkpoint,
         evaluate_knn,
         random_encoder,

@@ -15,7 +15,7 @@ from saliency.evaluate import (
     write_csv,
     write_json,
 )
-from saliency.methods import METHODS, resolve_methods
+from saliency.handcrafted.methods import METHODS, resolve_methods
 from saliency.preview import PreviewConfig, write_preview
 
 METHOD_HELP = f"One of {', '.join(METHODS)}, a comma-separated list, or 'all'."

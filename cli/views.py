@@ -21,7 +21,7 @@ import click
 def preview_views(shards: Path, output: Path, count: int, seed: int, mask_probability: float, backend: str,
                   large_size: int, small_size: int) -> None:
     """Write a PNG grid of the augmented views of a few images (rows: images; columns: views)."""
-    from pretrain.view_preview import write_view_grid
+    from pretrain.views.preview import write_view_grid
 
     try:
         summary = write_view_grid(shards, output, count=count, seed=seed, mask_probability=mask_probability,

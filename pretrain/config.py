@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
-from pretrain.view_config import ViewConfig
+from pretrain.views.config import ViewConfig
 
 
 class ConfigError(ValueError):

@@ -18,9 +18,8 @@ import torch
 from pretrain.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from pretrain.config import ConfigError, PretrainConfig, derive, describe, per_rank_batch, to_dict
 from pretrain.distributed import DistributedContext, all_gather_object, barrier, init, teardown
-from pretrain.knn import evaluate_knn
+from pretrain.eval.knn import evaluate_knn
 from pretrain.metrics_log import MetricsLogger
-from pretrain.synthetic import SyntheticViews
 from pretrain.trainer import (
     NonFiniteLossError,
     StepSettings,
@@ -29,6 +28,7 @@ from pretrain.trainer import (
     train_step,
     wrap_networks,
 )
+from pretrain.views.synthetic import SyntheticViews
 from shards.atomic import atomic_write_bytes
 
 
@@ -54,7 +54,7 @@ def run_pretraining(
 
 
 def build_view_source(config: PretrainConfig, ctx: DistributedContext) -> Any:
-    """This rank's multi-view batches: `pretrain.data.ViewLoader` over shards, or generated data."""
+    """This rank's multi-view batches: `pretrain.views.loader.ViewLoader` over shards, or generated data."""
     batch = per_rank_batch(config, ctx.world_size)
     views = config.views
     if config.data.source == "synthetic":
@@ -66,7 +66,7 @@ def build_view_source(config: PretrainConfig, ctx: DistributedContext) -> Any:
         )
     if not config.data.train_shards:
         raise ConfigError("data.train_shards is empty; set it to a shard set folder (or data.source=synthetic)")
-    from pretrain.data import ViewLoader  # imported here: it loads DALI
+    from pretrain.views.loader import ViewLoader  # imported here: it loads DALI
 
     try:
         return ViewLoader(

@@ -22,11 +22,11 @@ from pretrain.distributed import (
     all_reduce_mean,
     convert_sync_batchnorm,
 )
-from pretrain.heads import OnlineNetwork, TargetNetwork, build_networks, ema_update
 from pretrain.lars import LARS, parameter_groups
 from pretrain.loss import gather_with_grad, relicv2_loss
+from pretrain.model.heads import OnlineNetwork, TargetNetwork, build_networks, ema_update
 from pretrain.schedules import ema_coefficient, learning_rate
-from pretrain.synthetic import derive_seed
+from pretrain.views.synthetic import derive_seed
 
 
 class NonFiniteLossError(RuntimeError):

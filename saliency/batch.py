@@ -18,8 +18,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from saliency.handcrafted.methods import METHODS
 from saliency.images import ImageReadError, decode_rgb, list_images, read_rgb, write_map
-from saliency.methods import METHODS
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ import cv2
 import numpy as np
 
 from saliency.batch import iter_items, map_path
+from saliency.handcrafted.methods import METHODS
 from saliency.images import ImageReadError, decode_rgb, list_images, read_gray, read_rgb, write_png
-from saliency.methods import METHODS
 
 HEADER = 22
 

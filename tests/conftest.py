@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+from tests.paths import SHARED_DATA
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,1 @@
+"""pretrain.eval."""

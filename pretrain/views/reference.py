@@ -1,0 +1,217 @@
+"""The view augmentations with PIL/torchvision on a torch DataLoader.
+
+The independent check of the DALI pipeline (tests compare their statistics) and the fallback when
+DALI is not installed (`backend="reference"`). Every random draw comes from a generator seeded by
+(seed, epoch, sample position), so batches do not depend on worker scheduling and a resumed run
+continues with the same batches.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+import numpy as np
+import torch
+import torchvision.transforms.functional as F
+from PIL import Image, ImageFile
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from pretrain.views.config import JITTER_ORDERS, ViewConfig, ViewSpec, view_specs
+from pretrain.views.loader import assemble_params, labels_tensor
+from pretrain.views.sources import MASK_EXT, SampleRef, rank_slice
+
+ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated JPEG is an error, as in DALI
+
+
+def random_resized_crop(width: int, height: int, scale, ratio, rng: np.random.Generator) -> tuple[int, int, int, int]:
+    """(left, top, w, h) of a random crop, torchvision's algorithm on a seeded numpy generator.
+
+    Re-implemented (10 tries of area/log-ratio, then a centre crop of clamped ratio) because
+    torchvision's `get_params` draws from torch's global generator, not one seeded per sample.
+    """
+    area = width * height
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target = area * rng.uniform(scale[0], scale[1])
+        aspect = math.exp(rng.uniform(*log_ratio))
+        w = int(round(math.sqrt(target * aspect)))
+        h = int(round(math.sqrt(target / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            return int(rng.integers(0, width - w + 1)), int(rng.integers(0, height - h + 1)), w, h
+    in_ratio = width / height
+    if in_ratio < ratio[0]:
+        w, h = width, int(round(width / ratio[0]))
+    elif in_ratio > ratio[1]:
+        h, w = height, int(round(height * ratio[1]))
+    else:
+        w, h = width, height
+    return (width - w) // 2, (height - h) // 2, w, h
+
+
+def _jitter(view: Image.Image, op: int, factors: tuple[float, float, float, float]) -> Image.Image:
+    if op == 0:
+        return F.adjust_brightness(view, factors[0])
+    if op == 1:
+        return F.adjust_contrast(view, factors[1])
+    if op == 2:
+        return F.adjust_saturation(view, factors[2])
+    return F.adjust_hue(view, factors[3])
+
+
+def augment_view(
+    image: Image.Image, mask: Image.Image | None, maskable: bool, grey: int, spec: ViewSpec, cfg: ViewConfig,
+    rng: np.random.Generator,
+) -> tuple[torch.Tensor, np.ndarray, bool]:
+    """One view (CHW float, normalised), its drawn parameters (PARAM_NAMES minus masked/coverage/grey)
+    and whether it was masked."""
+    left, top, w, h = random_resized_crop(image.width, image.height, spec.crop_scale, cfg.crop_ratio, rng)
+    flip = rng.random() < cfg.flip_probability
+    box = (left, top, left + w, top + h)
+    view = image.resize((spec.size, spec.size), Image.BICUBIC, box=box)
+    if flip:
+        view = view.transpose(Image.FLIP_LEFT_RIGHT)
+    masked = bool(rng.random() < spec.mask_probability) and maskable
+    if masked:
+        sx, sy = mask.width / image.width, mask.height / image.height  # masks may be downscaled
+        soft = mask.resize((spec.size, spec.size), Image.BILINEAR, box=(box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy))
+        if flip:
+            soft = soft.transpose(Image.FLIP_LEFT_RIGHT)
+        view = Image.composite(view, Image.new("RGB", view.size, (grey,) * 3), soft)
+    jitter = rng.random() < cfg.jitter_probability
+    order = int(rng.integers(0, len(JITTER_ORDERS)))
+    factors = (
+        rng.uniform(max(0.0, 1 - cfg.brightness), 1 + cfg.brightness),
+        rng.uniform(max(0.0, 1 - cfg.contrast), 1 + cfg.contrast),
+        rng.uniform(max(0.0, 1 - cfg.saturation), 1 + cfg.saturation),
+        rng.uniform(-cfg.hue, cfg.hue),
+    )
+    if jitter:
+        for op in JITTER_ORDERS[order]:
+            view = _jitter(view, op, factors)
+    gray = rng.random() < cfg.grayscale_probability
+    if gray:
+        view = F.rgb_to_grayscale(view, num_output_channels=3)
+    sigma = rng.uniform(*cfg.blur_sigma)
+    blur = rng.random() < spec.blur_probability
+    if blur:
+        view = F.gaussian_blur(view, [cfg.blur_kernel] * 2, [sigma, sigma])
+    solarize = rng.random() < spec.solarize_probability
+    if solarize:
+        view = F.solarize(view, 128)  # x >= 0.5 -> 1 - x on 8-bit values
+    tensor = F.normalize(F.to_tensor(view), cfg.mean, cfg.std)
+    params = np.array(
+        [w * h / (image.width * image.height), w / h, flip, jitter, order, *factors, gray, blur, sigma, solarize],
+        np.float32,
+    )
+    return tensor, params, masked
+
+
+def augment_sample(jpg: bytes, mask_png: bytes | None, cfg: ViewConfig, rng: np.random.Generator) -> dict:
+    """All views of one sample, with coverage, grey level and per-view parameters."""
+    image = Image.open(io.BytesIO(jpg)).convert("RGB")
+    mask, coverage = None, 0.0
+    if mask_png:
+        mask = Image.open(io.BytesIO(mask_png)).convert("L")
+        coverage = float((np.asarray(mask) >= 128).mean())
+    grey_level = rng.uniform(*cfg.mask_grey_range)
+    grey = int(round(grey_level * 255))
+    maskable = mask is not None and coverage >= cfg.mask_min_coverage
+    views, params, masked = [], [], []
+    for spec in view_specs(cfg):
+        v, p, m = augment_view(image, mask, maskable, grey, spec, cfg, rng)
+        views.append(v)
+        params.append(p)
+        masked.append(m)
+    return {"views": views, "params": params, "masked": masked, "coverage": coverage, "grey": grey / 255}
+
+
+class ViewDataset(Dataset):
+    """Samples of a shard set addressed by (epoch, position); returns None for an unreadable one."""
+
+    def __init__(self, samples: list[SampleRef], cfg: ViewConfig, seed: int, rank: int):
+        self.samples, self.cfg, self.seed, self.rank = samples, cfg, seed, rank
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, item: tuple[int, int, int]) -> dict | None:
+        epoch, slot, position = item
+        ref = self.samples[position]
+        rng = np.random.default_rng([self.seed, self.rank, epoch, slot])
+        try:
+            out = augment_sample(ref.read("jpg"), ref.read(MASK_EXT), self.cfg, rng)
+        except (OSError, ValueError, SyntaxError):  # what PIL raises for corrupt image data
+            return None
+        cls = ref.read("cls")
+        out["key"], out["label"] = ref.key, (int(cls) if cls and cls.strip() else None)
+        return out
+
+
+class RankBatches(Sampler):
+    """This rank's batches of one epoch, DALI-like: a global per-epoch permutation shared by all
+    ranks, a contiguous share per rank padded to ceil(N / ranks) with its last sample, full batches."""
+
+    def __init__(self, count: int, batch_size: int, rank: int, world_size: int, seed: int, epoch: int, start: int):
+        order = np.random.default_rng([seed, epoch]).permutation(count)
+        mine = list(order[rank_slice(count, rank, world_size).start : rank_slice(count, rank, world_size).stop])
+        mine += mine[-1:] * (-(-count // world_size) - len(mine))
+        self.batches = [
+            [(epoch, i * batch_size + j, int(p)) for j, p in enumerate(mine[i * batch_size : (i + 1) * batch_size])]
+            for i in range(start, len(mine) // batch_size)
+        ]
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def collate(items: list[dict | None]) -> dict:
+    """Stack views; unreadable samples (None) are dropped from the batch and counted."""
+    good = [it for it in items if it is not None]
+    v = len(good[0]["views"]) if good else 0
+    per_view = [np.stack([it["params"][j] for it in good]) for j in range(v)]
+    return {
+        "views": [torch.stack([it["views"][j] for it in good]) for j in range(v)],
+        "keys": [it["key"] for it in good],
+        "labels": labels_tensor([it["label"] for it in good]),
+        "params": assemble_params(
+            per_view,
+            [np.array([it["masked"][j] for it in good], np.float32) for j in range(v)],
+            np.array([it["coverage"] for it in good], np.float32),
+            np.array([it["grey"] for it in good], np.float32),
+        ),
+        "unreadable": len(items) - len(good),
+    }
+
+
+class ReferenceBackend:
+    """Feeds a ViewLoader from a torch DataLoader; the position is the loader's epoch and batch."""
+
+    def __init__(self, loader, restore: dict | None):
+        self.loader = loader
+        self.dataset = ViewDataset(loader.samples.samples, loader.config, loader.seed, loader.rank)
+        self.iterator = None
+
+    def next_batch(self) -> dict:
+        if self.iterator is None:
+            ld = self.loader
+            sampler = RankBatches(len(ld.samples), ld.batch_size, ld.rank, ld.world_size, ld.seed, ld.epoch, ld.batch_in_epoch)
+            workers = ld.config.num_threads if ld.config.num_threads > 1 else 0
+            self.iterator = iter(
+                DataLoader(self.dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
+                           prefetch_factor=ld.config.prefetch if workers else None)
+            )
+        batch = next(self.iterator)
+        if batch["unreadable"]:
+            self.loader.samples.skipped["unreadable"] += batch["unreadable"]
+        return batch
+
+    def end_epoch(self) -> None:
+        self.iterator = None
+
+    def state(self) -> dict:
+        return {}
+

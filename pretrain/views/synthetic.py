@@ -1,0 +1,147 @@
+"""A small generated view source with `pretrain.views.loader.ViewLoader`'s item format, for tests and smoke runs.
+
+Each image is a smooth class pattern plus a smooth per-image pattern (so both instance
+discrimination and kNN by class are learnable); each view is a random resized crop, flip and
+brightness/contrast change of it. Everything is a pure function of (seed, epoch, image index, view
+index), never of the rank layout: a global batch is the same images with the same views whether
+it is served by one process or split over W ranks, which is what the distributed equality test
+relies on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant to spread (seed, epoch, index) over the seed space
+
+
+def derive_seed(*parts: int) -> int:
+    """A deterministic 63-bit seed from integers (seed, purpose, epoch, index, ...)."""
+    value = 0
+    for part in parts:
+        value = (value * _MIX + part + 1) % (2**63 - 1)
+    return value
+
+
+def _smooth_noise(generator: torch.Generator, size: int, cells: int) -> Tensor:
+    coarse = torch.randn(1, 3, cells, cells, generator=generator)
+    return F.interpolate(coarse, size=(size, size), mode="bicubic", align_corners=False)[0]
+
+
+class SyntheticViews:
+    """Generated labelled images served as multi-view batches, sharded over ranks like the ViewLoader.
+
+    Iterating yields the remaining batches of the current epoch as dicts
+    {"views": [L + S tensors [B, 3, H, W]] (large first), "keys": [str] * B, "labels": int64 [B]};
+    the next iteration starts the next epoch (a fresh seeded permutation). The incomplete last
+    global batch is dropped. `state_dict()` after a batch makes a restored source continue with the
+    following batch.
+    """
+
+    def __init__(
+        self,
+        num_images: int,
+        batch_size: int,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        large_views: int = 4,
+        small_views: int = 2,
+        large_size: int = 32,
+        small_size: int = 16,
+        num_classes: int = 10,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if num_images < batch_size * world_size:
+            raise ValueError(f"{num_images} synthetic images cannot fill one global batch of {batch_size * world_size}")
+        self.num_images = num_images
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.seed = seed
+        self.large_views = large_views
+        self.small_views = small_views
+        self.large_size = large_size
+        self.small_size = small_size
+        self.num_classes = num_classes
+        self.device = torch.device(device)
+        self.epoch = 0
+        self.position = 0  # batches of the current epoch already served
+        classes = torch.stack(
+            [_smooth_noise(torch.Generator().manual_seed(derive_seed(seed, 1, c)), large_size, 4) for c in range(num_classes)]
+        )
+        self.labels = torch.arange(num_images) % num_classes
+        self.images = torch.stack(
+            [
+                classes[self.labels[i]] + 0.8 * _smooth_noise(torch.Generator().manual_seed(derive_seed(seed, 2, i)), large_size, 6)
+                for i in range(num_images)
+            ]
+        )
+
+    @property
+    def epoch_size(self) -> int:
+        """Images per rank per epoch (as `ViewLoader.epoch_size`)."""
+        return self.num_images // self.world_size
+
+    def __len__(self) -> int:
+        """Batches per epoch (the same on every rank)."""
+        return self.num_images // (self.batch_size * self.world_size)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self.position >= len(self):
+            self.epoch, self.position = self.epoch + 1, 0
+        order = torch.randperm(self.num_images, generator=torch.Generator().manual_seed(derive_seed(self.seed, 3, self.epoch)))
+        global_batch = self.batch_size * self.world_size
+        while self.position < len(self):
+            start = self.position * global_batch + self.rank * self.batch_size
+            indices = order[start : start + self.batch_size].tolist()
+            self.position += 1
+            yield self._batch(indices)
+
+    def _batch(self, indices: list[int]) -> dict[str, Any]:
+        views: list[list[Tensor]] = [[] for _ in range(self.large_views + self.small_views)]
+        for index in indices:
+            generator = torch.Generator().manual_seed(derive_seed(self.seed, 4, self.epoch, index))
+            for v in range(self.large_views + self.small_views):
+                large = v < self.large_views
+                views[v].append(
+                    self._view(
+                        self.images[index],
+                        generator,
+                        size=self.large_size if large else self.small_size,
+                        area=(0.35, 1.0) if large else (0.1, 0.35),
+                    )
+                )
+        return {
+            "views": [torch.stack(v).to(self.device) for v in views],
+            "keys": [f"synthetic{index:06d}" for index in indices],
+            "labels": self.labels[indices].to(self.device),
+        }
+
+    @staticmethod
+    def _view(image: Tensor, generator: torch.Generator, *, size: int, area: tuple[float, float]) -> Tensor:
+        side = image.shape[-1]
+        u = torch.rand(6, generator=generator).tolist()
+        crop = max(2, min(side, round(side * math.sqrt(area[0] + (area[1] - area[0]) * u[0]))))
+        top = int(u[1] * (side - crop + 1))
+        left = int(u[2] * (side - crop + 1))
+        view = image[:, top : top + crop, left : left + crop].unsqueeze(0)
+        view = F.interpolate(view, size=(size, size), mode="bilinear", align_corners=False)[0]
+        if u[3] < 0.5:
+            view = view.flip(-1)
+        # brightness / contrast change, like a mild colour jitter
+        return view * (0.7 + 0.6 * u[4]) + (u[5] - 0.5) * 0.6

@@ -1,0 +1,1 @@
+"""saliency.handcrafted."""

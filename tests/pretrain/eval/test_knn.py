@@ -1,0 +1,191 @@
+"""Weighted cosine kNN: hand-checked votes, feature extraction from labelled shards, the eval CLI."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from click.testing import CliRunner
+from PIL import Image
+from torch import nn
+
+from cli.eval import eval_group
+from pretrain.checkpoint import save_checkpoint
+from pretrain.config import load_config, to_dict
+from pretrain.distributed import init, teardown
+from pretrain.eval.knn import (
+    encoder_from_checkpoint,
+    evaluate_knn,
+    extract_features,
+    knn_predict,
+    preprocess,
+)
+from pretrain.model.heads import build_networks
+from pretrain.run import run_pretraining
+from shards import ShardSample, write_shard_set
+
+
+def test_votes_are_weighted_by_exp_similarity_over_temperature():
+    # Query along x. Bank: one class-1 item almost on x (cos 0.99), two class-0 items at cos 0.8.
+    bank = torch.tensor([[0.99, 0.141], [0.8, 0.6], [0.8, -0.6], [-1.0, 0.0]])
+    labels = torch.tensor([1, 0, 0, 2])
+    query = torch.tensor([[1.0, 0.0]])
+    # k = 3, T = 0.07: class 1 weight exp(0.99/0.07) = 1.4e6 beats 2 * exp(0.8/0.07) = 1.8e5
+    assert knn_predict(bank, labels, query, num_classes=3, k=3, temperature=0.07).tolist() == [1]
+    # T = 1: exp(0.99) = 2.7 loses to 2 * exp(0.8) = 4.5, so the majority wins
+    assert knn_predict(bank, labels, query, num_classes=3, k=3, temperature=1.0).tolist() == [0]
+    # k = 1: nearest neighbour; features need not be normalised (cosine)
+    assert knn_predict(bank * 5, labels, -query * 3, num_classes=3, k=1).tolist() == [2]
+
+
+def test_queries_are_processed_in_chunks_with_the_same_answer():
+    generator = torch.Generator().manual_seed(0)
+    bank, queries = torch.randn(50, 8, generator=generator), torch.randn(37, 8, generator=generator)
+    labels = torch.randint(0, 5, (50,), generator=generator)
+    whole = knn_predict(bank, labels, queries, num_classes=5, chunk_size=1000)
+    assert torch.equal(whole, knn_predict(bank, labels, queries, num_classes=5, chunk_size=4))
+
+
+def _jpeg(colour: tuple[int, int, int], size: tuple[int, int]) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, colour).save(buffer, format="JPEG", quality=95)
+    return buffer.getvalue()
+
+
+class MeanColour(nn.Module):
+    """A stand-in encoder whose features are the mean colour: red and blue images separate exactly."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(dim=(2, 3))
+
+
+@pytest.fixture()
+def colour_shards(tmp_path):
+    """Labelled shard sets: class 0 reddish, class 1 bluish images of various sizes; one corrupt JPEG."""
+    def samples(split: str, count: int, corrupt: bool):
+        for i in range(count):
+            shade = 40 + 20 * i
+            label = i % 2
+            colour = (220, shade % 120, 30) if label == 0 else (30, shade % 120, 220)
+            yield ShardSample(f"{split}{i:03d}", {"jpg": _jpeg(colour, (48 + 8 * i, 40))}, label=label)
+        if corrupt:
+            yield ShardSample(f"{split}broken", {"jpg": b"\xff\xd8\xff not really a jpeg"}, label=0)
+
+    write_shard_set(samples("train", 10, corrupt=True), tmp_path / "train")
+    write_shard_set(samples("val", 6, corrupt=False), tmp_path / "val")
+    return tmp_path / "train", tmp_path / "val"
+
+
+def test_preprocess_resizes_the_short_side_and_centre_crops():
+    image = preprocess(_jpeg((255, 0, 0), (80, 40)), crop_size=32, resize_size=36)
+    assert image.shape == (3, 32, 32)
+    # pure red, ImageNet-normalised
+    assert image[0].mean().item() == pytest.approx((1.0 - 0.485) / 0.229, abs=0.05)
+    assert image[2].mean().item() == pytest.approx((0.0 - 0.406) / 0.225, abs=0.05)
+
+
+def test_knn_on_labelled_shards_skips_corrupt_images(colour_shards, capsys):
+    train, val = colour_shards
+    features, labels = extract_features(MeanColour(), train, crop_size=32, batch_size=4)
+    assert features.shape == (10, 3) and labels.tolist() == [i % 2 for i in range(10)]
+    result = evaluate_knn(MeanColour(), train, val, k=3, crop_size=32, batch_size=4)
+    assert result.top1 == 1.0 and (result.num_train, result.num_val) == (10, 6)
+    assert result.skipped == 1  # the broken bank sample
+    assert "skipping trainbroken" in capsys.readouterr().err
+
+
+def _knn_rank(rank: int, world_size: int, port: int, train, val, out) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    ctx = init("cpu")
+    try:
+        result = evaluate_knn(MeanColour(), train, val, k=3, crop_size=32, batch_size=2, ctx=ctx)
+    finally:
+        teardown(ctx)
+    if rank == 0:
+        out.write_text(json.dumps(dataclasses.asdict(result)))
+    else:
+        assert result is None  # only rank 0 classifies
+
+
+def test_ranks_split_the_knn_images_and_rank_0_gets_the_single_process_result(colour_shards, tmp_path):
+    train, val = colour_shards
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "two-ranks.json"
+    mp.spawn(_knn_rank, args=(2, port, train, val, out), nprocs=2, join=True)
+    one = evaluate_knn(MeanColour(), train, val, k=3, crop_size=32, batch_size=2)
+    # every image counted once over the ranks (10 bank, 6 val), the corrupt one skipped once
+    assert json.loads(out.read_text()) == dataclasses.asdict(one)
+    assert (one.num_train, one.num_val, one.skipped) == (10, 6, 1)
+    halves = [extract_features(MeanColour(), train, crop_size=32, part=(i, 2))[0] for i in range(2)]
+    whole = extract_features(MeanColour(), train, crop_size=32)[0]
+    assert torch.equal(torch.cat(halves).sort(dim=0).values, whole.sort(dim=0).values)
+
+
+def test_unlabelled_shards_are_refused(tmp_path):
+    write_shard_set([ShardSample("a", {"jpg": _jpeg((1, 2, 3), (16, 16))})], tmp_path / "unlabelled")
+    with pytest.raises(ValueError, match="has no class label"):
+        extract_features(MeanColour(), tmp_path / "unlabelled", crop_size=16)
+
+
+def _tiny_checkpoint(out) -> None:
+    config = load_config(None, ["model.depth=18", "model.hidden_dim=16", "model.out_dim=8"])
+    online, target = build_networks(18, 1, hidden_dim=16, out_dim=8)
+    with torch.no_grad():
+        online.encoder.conv1.weight.fill_(0.01)  # recognisable weights
+    save_checkpoint(out, {"config": to_dict(config), "step": 1, "online": online.state_dict(),
+                          "target": target.state_dict(), "optimizer": {}, "rng": [], "data": []}, keep=1)
+
+
+def test_encoder_from_checkpoint_and_eval_cli(colour_shards, tmp_path):
+    _tiny_checkpoint(tmp_path / "run")
+    checkpoint = tmp_path / "run" / "checkpoint-000000001.pt"
+    encoder = encoder_from_checkpoint(checkpoint)
+    assert torch.all(encoder.conv1.weight == 0.01)
+    train, val = colour_shards
+    result = CliRunner().invoke(eval_group, ["knn", "--checkpoint", str(checkpoint), "--train", str(train),
+                                             "--val", str(val), "--crop-size", "32", "--batch-size", "8"])
+    assert result.exit_code == 0, result.output
+    assert "kNN top-1" in result.output and "10 train" in result.output
+    from_folder = CliRunner().invoke(eval_group, ["knn", "--checkpoint", str(tmp_path / "run"), "--train", str(train),
+                                                  "--val", str(val), "--crop-size", "32", "--network", "target"])
+    assert from_folder.exit_code == 0 and "checkpoint-000000001.pt (target)" in from_folder.output
+    empty = CliRunner().invoke(eval_group, ["knn", "--checkpoint", str(tmp_path), "--train", str(train),
+                                            "--val", str(val)])
+    assert empty.exit_code != 0 and "no checkpoint-*.pt in" in empty.output
+    missing = CliRunner().invoke(eval_group, ["knn", "--checkpoint", str(tmp_path / "nope.pt"),
+                                              "--train", str(train), "--val", str(val)])
+    assert missing.exit_code != 0 and "does not exist" in missing.output
+
+
+def test_knn_monitor_runs_at_epoch_ends_during_pretraining(colour_shards, tmp_path):
+    train, val = colour_shards
+    config = load_config(None, [
+        "data.source=synthetic", "data.synthetic_images=16", "model.depth=18", "model.hidden_dim=16",
+        "model.out_dim=8", "views.large_views=2", "views.small_views=0", "views.large_size=16",
+        "optim.global_batch=8", "optim.epochs=2", "optim.warmup_epochs=0", "loss.num_negatives=7",
+        f"run.output_dir={tmp_path / 'run'}", "run.device=cpu", "run.progress_bar=false", "run.log_every=1",
+        f"knn.train_shards={train}", f"knn.val_shards={val}", "knn.every_epochs=1", "knn.crop_size=16",
+        "knn.k=3",
+    ])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            run_pretraining(config, auto_resume=False)
+    finally:
+        torch.set_num_threads(threads)
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    knn_steps = [r["step"] for r in records if "knn_top1" in r]
+    assert knn_steps == [2, 4]  # 2 steps per epoch, every epoch
+    assert all(0.0 <= r["knn_top1"] <= 1.0 for r in records if "knn_top1" in r)

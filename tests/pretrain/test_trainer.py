@@ -1,0 +1,241 @@
+"""The trainer end to end on generated data: learning, exact resume, non-finite losses, checkpoints, CLI."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from cli.pretrain import run as pretrain_command
+from pretrain.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
+from pretrain.config import PretrainConfig, derive, load_config
+from pretrain.distributed import describe_environment
+from pretrain.run import run_pretraining
+from pretrain.trainer import (
+    NonFiniteLossError,
+    StepSettings,
+    build_state,
+    train_step,
+    wrap_networks,
+)
+from pretrain.views.synthetic import SyntheticViews
+from tests.paths import CONFIGS
+
+
+def tiny_config(out: Path, *extra: str) -> PretrainConfig:
+    """ResNet-18 with small heads at 16/8 px, 2 + 1 views, 8 images per step, on generated data."""
+    return load_config(None, [
+        "data.source=synthetic", "data.synthetic_images=32", "data.synthetic_classes=4",
+        "model.depth=18", "model.hidden_dim=32", "model.out_dim=16",
+        "views.large_views=2", "views.small_views=1", "views.large_size=16", "views.small_size=8",
+        "optim.global_batch=8", "optim.epochs=3", "optim.warmup_epochs=1", "optim.base_lr=1.0",
+        "loss.num_negatives=3", f"run.output_dir={out}", "run.device=cpu", "run.log_every=1",
+        "run.progress_bar=false", "run.checkpoint_every=3", "run.keep_checkpoints=5", *extra,
+    ])
+
+
+def quiet_run(config: PretrainConfig, **kwargs):
+    with contextlib.redirect_stdout(io.StringIO()):
+        return run_pretraining(config, **kwargs)
+
+
+def logged(out: Path, name: str = "loss") -> dict[int, float]:
+    """step -> metric from metrics.jsonl (a resumed run's later records win)."""
+    values = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if name in record:
+            values[record["step"]] = record[name]
+    return values
+
+
+def test_fifty_steps_on_generated_data_lower_the_loss(tmp_path):
+    config = tiny_config(
+        tmp_path, "data.synthetic_images=64", "views.large_size=32", "views.small_size=16",
+        "optim.epochs=7", "run.max_steps=50", "optim.base_lr=2.0", "optim.ema_base=0.99",
+        "loss.num_negatives=7", "loss.contrast_weight=1.0", "loss.invariance_weight=1.0",
+        "run.checkpoint_every=1000",
+    )
+    result = quiet_run(config, auto_resume=False)
+    assert result.step == 50 and result.skipped_steps == 0
+    loss, contrastive = logged(tmp_path, "loss"), logged(tmp_path, "contrastive")
+    assert sorted(loss) == list(range(1, 51))
+    first = sum(loss[s] for s in range(1, 6)) / 5
+    last = sum(loss[s] for s in range(46, 51)) / 5
+    assert last < first - 0.2, (first, last)
+    # the instance-discrimination term itself improves, not only the invariance term
+    assert sum(contrastive[s] for s in range(46, 51)) / 5 < sum(contrastive[s] for s in range(1, 6)) / 5 - 0.05
+    # the schedule ran: warmup to the peak, then cosine decay
+    lrs = logged(tmp_path, "lr")
+    assert lrs[1] == 0.0 and max(lrs.values()) == pytest.approx(2.0 * 8 / 256, rel=0.05)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """One intra-op thread: on a shared 2-core machine two threads mostly wait for each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory) -> Path:
+    """An uninterrupted 8-step run (2 epochs of 4 steps), checkpoints every 2 steps, the last 2 kept."""
+    out = tmp_path_factory.mktemp("whole")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    quiet_run(tiny_config(out, *RESUME_OPTIONS), auto_resume=False)
+    torch.set_num_threads(threads)
+    return out
+
+
+RESUME_OPTIONS = ("optim.epochs=2", "run.checkpoint_every=2", "run.keep_checkpoints=2")
+
+
+def test_kill_and_resume_equals_an_uninterrupted_run(tmp_path, finished_run):
+    killed = tmp_path / "killed"
+    quiet_run(tiny_config(killed, *RESUME_OPTIONS, "run.max_steps=5"), auto_resume=False)  # saves 2, 4, 5
+    # The job "dies" after step 5 but before its step-5 checkpoint reached the disk.
+    (killed / "checkpoint-000000005.pt").unlink()
+    resumed = quiet_run(tiny_config(killed, *RESUME_OPTIONS))  # automatic resume from checkpoint 4
+    assert resumed.step == 8
+    expected, got = logged(finished_run), logged(killed)
+    assert sorted(got) == list(range(1, 9))
+    for step in range(5, 9):  # every step after the resume point, bit for bit on CPU
+        assert got[step] == expected[step], step
+    a = load_checkpoint(finished_run / "checkpoint-000000008.pt")
+    b = load_checkpoint(killed / "checkpoint-000000008.pt")
+    for name in ("online", "target"):
+        for key, value in a[name].items():
+            assert torch.equal(value, b[name][key]), (name, key)
+    assert a["data"] == b["data"]
+
+
+def test_checkpoint_contents_and_rotation(finished_run):
+    files = list_checkpoints(finished_run)
+    assert [p.name for p in files] == ["checkpoint-000000006.pt", "checkpoint-000000008.pt"]
+    assert not [p for p in finished_run.iterdir() if p.name.startswith(".")]  # no temporary files left
+    payload = load_checkpoint(files[-1])
+    assert payload["step"] == 8 and payload["config"]["optim"]["global_batch"] == 8
+    assert payload["data"] == [{"epoch": 1, "position": 4}]
+    assert set(payload["rng"][0]) == {"torch", "cuda"}
+    assert "encoder.conv1.weight" in payload["online"] and "predictor.linear1.weight" in payload["online"]
+    assert "predictor.linear1.weight" not in payload["target"]
+    assert (finished_run / "config.yaml").read_text().startswith("version:")
+
+
+def test_foreign_and_corrupt_checkpoints_give_one_clear_error(tmp_path, finished_run):
+    real = finished_run / "checkpoint-000000008.pt"
+
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(real.read_bytes()[:5000])
+    with pytest.raises(CheckpointError, match=r"truncated\.pt is not a readable relicv2 pretraining checkpoint"):
+        load_checkpoint(truncated)
+
+    foreign = tmp_path / "torchvision.pt"
+    torch.save({"conv1.weight": torch.zeros(1)}, foreign)
+    with pytest.raises(CheckpointError, match=r"torchvision\.pt is not a relicv2 pretraining checkpoint"):
+        load_checkpoint(foreign)
+
+    pickled = tmp_path / "pickled.pt"
+    torch.save({"format": "relicv2-pretrain-checkpoint", "evil": Path("/")}, pickled)  # not weights-only
+    with pytest.raises(CheckpointError, match="not a readable"):
+        load_checkpoint(pickled)
+
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_checkpoint(tmp_path / "missing.pt")
+
+    # automatic resume meets a corrupt newest file: the error names it, nothing trains
+    corrupt_run = tmp_path / "corrupt"
+    corrupt_run.mkdir()
+    (corrupt_run / "checkpoint-000000009.pt").write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match=r"checkpoint-000000009\.pt is not a readable"):
+        quiet_run(tiny_config(corrupt_run))
+    assert not (corrupt_run / "metrics.jsonl").exists()
+
+    # a checkpoint of another architecture
+    with pytest.raises(CheckpointError, match="does not fit this run's networks"):
+        quiet_run(tiny_config(tmp_path / "other", "model.hidden_dim=64"), resume=real)
+
+
+def test_save_checkpoint_is_atomic_and_refuses_incomplete_payloads(tmp_path):
+    with pytest.raises(ValueError, match="lacks"):
+        save_checkpoint(tmp_path, {"step": 1}, keep=1)
+    assert list(tmp_path.iterdir()) == []
+
+
+class _PoisonedViews(SyntheticViews):
+    """Generated views whose 4th batch holds a NaN pixel."""
+
+    def _batch(self, indices):
+        batch = super()._batch(indices)
+        if self.epoch == 0 and self.position == 4:
+            batch["views"][0][0, 0, 0, 0] = float("nan")
+        return batch
+
+
+def test_nonfinite_loss_stops_naming_the_step_and_last_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setattr("pretrain.run.SyntheticViews", _PoisonedViews)
+    with pytest.raises(NonFiniteLossError, match=r"loss is nan at step 4; last good checkpoint: .*checkpoint-000000003\.pt"):
+        quiet_run(tiny_config(tmp_path), auto_resume=False)
+
+
+def test_nonfinite_loss_can_be_skipped_and_counted(tmp_path, monkeypatch):
+    monkeypatch.setattr("pretrain.run.SyntheticViews", _PoisonedViews)
+    result = quiet_run(tiny_config(tmp_path, "run.on_nonfinite=skip", "run.max_steps=4",
+                                    "run.checkpoint_every=1000"), auto_resume=False)
+    assert result.step == 4 and result.skipped_steps == 1
+    skipped = logged(tmp_path, "skipped")
+    assert [s for s, v in skipped.items() if v] == [4]
+    assert load_checkpoint(tmp_path / "checkpoint-000000004.pt")["skipped_steps"] == 1
+
+
+def test_a_skipped_step_leaves_the_weights_untouched(tmp_path):
+    config = tiny_config(tmp_path, "run.on_nonfinite=skip")
+    ctx = describe_environment("cpu", env={})
+    source = SyntheticViews(32, 8, large_views=2, small_views=1, large_size=16, small_size=8)
+    derived = derive(config, world_size=1, dataset_size=32)
+    settings = StepSettings.from_config(config, derived, ctx)
+    state = build_state(config, ctx, settings)
+    online_forward, target_forward = wrap_networks(state, ctx)
+    views = next(iter(source))["views"]
+    before = {k: v.clone() for k, v in state.online.state_dict().items()}
+    views[1][2, 1, 3, 3] = float("inf")
+    metrics = train_step(state, views, online_forward=online_forward, target_forward=target_forward,
+                         settings=settings, ctx=ctx)
+    assert metrics["skipped"] == 1.0 and state.step == 1 and state.skipped_steps == 1
+    for key, value in state.online.state_dict().items():
+        if not key.endswith(("running_mean", "running_var", "num_batches_tracked")):
+            assert torch.equal(value, before[key]), key
+
+
+def test_cli_pretrain_runs_the_demo_preset_on_generated_data(tmp_path):
+    out = tmp_path / "demo"
+    args = ["--config", str(CONFIGS / "demo-cpu.yaml"),
+            "--set", "data.source=synthetic", "--set", "data.synthetic_images=64",
+            "--set", "views.large_size=16", "--set", "views.small_size=8", "--set", "model.hidden_dim=32",
+            "--set", "knn.train_shards=", "--set", "knn.val_shards=",
+            "--set", "run.max_steps=2", "--set", "run.progress_bar=false", "--output", str(out)]
+    result = CliRunner().invoke(pretrain_command, args)
+    assert result.exit_code == 0, result.output
+    assert "peak_lr:" in result.output and "total_steps: 20" in result.output
+    assert (out / "checkpoint-000000002.pt").is_file()
+    bad = CliRunner().invoke(pretrain_command, ["--config", args[1], "--set", "optim.base_rate=1"])
+    assert bad.exit_code != 0 and "unknown key optim.base_rate" in bad.output
+
+
+@pytest.mark.slow  # ~1 min: inductor compiles the forward and backward graphs
+def test_compiled_networks_train_like_eager_ones(tmp_path):
+    # run.compile=true goes through torch.compile (inductor, which needs the C compiler every
+    # supported machine has); the compiled step must give the eager step's losses.
+    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
+    quiet_run(tiny_config(eager, "run.max_steps=3"), auto_resume=False)
+    quiet_run(tiny_config(compiled, "run.max_steps=3", "run.compile=true"), auto_resume=False)
+    assert sorted(logged(compiled)) == [1, 2, 3]
+    assert list(logged(compiled).values()) == pytest.approx(list(logged(eager).values()), rel=1e-3)

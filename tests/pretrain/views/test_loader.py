@@ -1,0 +1,198 @@
+"""ViewLoader: epochs, ranks, resume, labels, and the bad-data policy (both backends)."""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from pretrain.views.loader import ViewLoader
+from shards import ShardSample, write_shard_set
+
+TINY = dict(large_views=2, small_views=1, large_size=24, small_size=16, num_threads=1)
+BACKENDS = ["dali", "reference"]
+
+
+def jpeg(seed: int, size: int = 40) -> bytes:
+    rng = np.random.default_rng(seed)
+    buffer = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (size, size + 8, 3), dtype=np.uint8)).save(buffer, "JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def png(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def plain_set(directory, count: int, labelled: bool = True):
+    samples = [ShardSample(f"k{i:03d}", {"jpg": jpeg(i)}, i % 7 if labelled else None, {}) for i in range(count)]
+    write_shard_set(samples, directory, prefix="images", max_count=9)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def forty(tmp_path_factory):
+    return plain_set(tmp_path_factory.mktemp("forty"), 40)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_ranks_see_disjoint_samples_covering_the_epoch(forty, backend):
+    seen, seen_next = [], []
+    for rank in range(2):
+        loader = ViewLoader(forty, 4, rank=rank, world_size=2, seed=3, backend=backend, **TINY)
+        assert len(loader) == 5 and loader.epoch_size == 20
+        batches = list(loader)  # the iteration ends by itself after one epoch
+        assert len(batches) == 5
+        keys = [k for b in batches for k in b["keys"]]
+        assert len(set(keys)) == 20
+        seen.append(set(keys))
+        seen_next.append({k for b in loader for k in b["keys"]})  # epoch 2: a new shared order
+        labels = torch.cat([b["labels"] for b in batches])
+        assert labels.dtype == torch.int64
+        assert labels.tolist() == [int(k[1:]) % 7 for k in keys]  # labels travel with their keys
+        for b in batches:
+            assert [v.shape for v in b["views"]] == [(4, 3, 24, 24)] * 2 + [(4, 3, 16, 16)]
+    everything = {f"k{i:03d}" for i in range(40)}
+    for epoch in (seen, seen_next):
+        assert not epoch[0] & epoch[1]
+        assert epoch[0] | epoch[1] == everything
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_epochs_end_reshuffle_and_drop_the_incomplete_batch(tmp_path, backend):
+    plain_set(tmp_path, 22, labelled=False)
+    loader = ViewLoader(tmp_path, 4, seed=1, backend=backend, **TINY)
+    assert len(loader) == 5  # 22 samples: 5 full batches, 2 left over are dropped
+    first = [k for b in loader for k in b["keys"]]
+    second_batches = list(loader)
+    second = [k for b in second_batches for k in b["keys"]]
+    assert len(first) == len(second) == 20 and len(set(first)) == 20
+    assert first != second  # a new order each epoch
+    assert loader.epoch == 2
+    assert second_batches[0]["labels"] is None  # unlabelled shards give no labels
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_resume_gives_exactly_the_next_batch(forty, backend):
+    loader = ViewLoader(forty, 4, seed=9, backend=backend, **TINY)
+    batches = iter(loader)
+    for _ in range(2):
+        next(batches)
+    state = loader.state_dict()
+    expected = [next(batches) for _ in range(4)]  # crosses into the next epoch's reader state too
+    resumed = ViewLoader(forty, 4, seed=9, backend=backend, **TINY)
+    resumed.load_state_dict(state)
+    got = list(resumed)
+    assert len(got) == 8  # the rest of the epoch
+    for want, have in zip(expected, got[:4], strict=True):
+        assert want["keys"] == have["keys"]
+        for a, b in zip(want["views"], have["views"], strict=True):
+            assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="seed"):
+        ViewLoader(forty, 4, seed=10, backend=backend, **TINY).load_state_dict(state)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_resume_across_an_epoch_boundary(tmp_path, backend):
+    plain_set(tmp_path, 10)
+    loader = ViewLoader(tmp_path, 4, seed=2, backend=backend, **TINY)
+    list(loader)  # epoch 0 (2 batches, 2 samples dropped)
+    state = loader.state_dict()
+    expected = list(loader)
+    resumed = ViewLoader(tmp_path, 4, seed=2, backend=backend, **TINY)
+    resumed.load_state_dict(state)
+    got = list(resumed)
+    assert [b["keys"] for b in got] == [b["keys"] for b in expected]
+    assert all(torch.equal(a["views"][0], b["views"][0]) for a, b in zip(expected, got, strict=True))
+
+
+@pytest.fixture(scope="module")
+def bad_set(tmp_path_factory):
+    """24 good masked samples plus: a truncated JPEG, a non-JPEG, an empty JPEG, a corrupt mask,
+    a JPEG corrupted in the middle (only a decode finds it) and a sample without a mask member."""
+    mask = np.zeros((40, 48), np.uint8)
+    mask[10:30, 10:30] = 255
+    good = [ShardSample(f"g{i:02d}", {"jpg": jpeg(i), "mask.png": png(mask)}, 1, {}) for i in range(24)]
+    body = jpeg(100)
+    bad = [
+        ShardSample("truncated", {"jpg": body[: len(body) // 2], "mask.png": png(mask)}, 1, {}),
+        ShardSample("notjpeg", {"jpg": b"GIF89a" + bytes(200), "mask.png": png(mask)}, 1, {}),
+        ShardSample("empty", {"jpg": b"", "mask.png": png(mask)}, 1, {}),
+        ShardSample("badmask", {"jpg": jpeg(101), "mask.png": b"not a png at all"}, 1, {}),
+        ShardSample("midcorrupt", {"jpg": body[:2] + bytes(40) + body[42:], "mask.png": png(mask)}, 1, {}),
+        ShardSample("nomask", {"jpg": jpeg(102)}, 1, {}),
+    ]
+    out = tmp_path_factory.mktemp("bad")
+    write_shard_set(good[:10] + bad[:3] + good[10:] + bad[3:], out, prefix="masked", max_count=8)
+    return out
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bad_samples_are_skipped_counted_and_never_crash(bad_set, backend):
+    with pytest.warns(UserWarning, match="left out 5 bad samples"):
+        loader = ViewLoader(bad_set, 5, seed=0, backend=backend, verify="decode", mask_probability=1.0, **TINY)
+    assert loader.skipped == {"truncated_jpeg": 1, "not_jpeg": 1, "empty_image": 1, "bad_mask": 1,
+                              "undecodable_jpeg": 1}
+    assert loader.samples.without_mask == 1
+    keys = [k for b in loader for k in b["keys"]]
+    assert len(keys) == 25 and set(keys) == {f"g{i:02d}" for i in range(24)} | {"nomask"}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_corruption_found_only_by_decoding_is_skipped_during_the_run(bad_set, backend):
+    with pytest.warns(UserWarning, match="left out 4 bad samples"):
+        loader = ViewLoader(bad_set, 5, seed=0, backend=backend, **TINY)  # structural checks only
+    assert "undecodable_jpeg" not in loader.skipped
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        keys = [k for b in loader for k in b["keys"]]
+        state = loader.state_dict()
+    assert "midcorrupt" not in keys and len(set(keys)) == len(keys)
+    if backend == "dali":  # the pipeline failed, found the sample, left it out, went on
+        assert loader.skipped["undecodable_jpeg"] == 1 and state["excluded"] == {"midcorrupt": "undecodable_jpeg"}
+        assert len(keys) == 25 and len(loader) == 5
+        with pytest.warns(UserWarning, match="left out 4"):
+            resumed = ViewLoader(bad_set, 5, seed=0, backend=backend, **TINY)
+        resumed.load_state_dict(state)  # re-applies the exclusion, so the checkpoint fits
+        assert len(resumed) == 5 and len(list(resumed)) == 5
+    else:  # PIL drops the unreadable sample from its batch and counts it
+        assert len(keys) + loader.skipped.get("unreadable", 0) == 25
+
+
+def test_bad_arguments_are_clear_errors(forty, tmp_path):
+    with pytest.raises(ValueError, match="unknown view options"):
+        ViewLoader(forty, 4, large_view=3)
+    with pytest.raises(ValueError, match="mask_probability"):
+        ViewLoader(forty, 4, mask_probability=1.5)
+    with pytest.raises(ValueError, match="fewer than one batch"):
+        ViewLoader(forty, 64)
+    with pytest.raises(FileNotFoundError, match="no shards"):
+        ViewLoader(tmp_path, 4)
+
+
+def test_preview_views_command_writes_a_grid(tmp_path):
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    mask = np.zeros((40, 48), np.uint8)
+    mask[5:35, 5:40] = 255
+    samples = [ShardSample(f"m{i}", {"jpg": jpeg(i), "mask.png": png(mask)}, None, {}) for i in range(6)]
+    write_shard_set(samples, tmp_path / "set", prefix="masked")
+    out = tmp_path / "grid.png"
+    result = CliRunner().invoke(cli, ["pretrain", "preview-views", "--shards", str(tmp_path / "set"), "--output",
+                                      str(out), "--count", "3", "--mask-probability", "1", "--large-size", "32",
+                                      "--small-size", "16"])
+    assert result.exit_code == 0, result.output
+    assert "12 masked" in result.output  # p_m = 1: all 4 large views of the 3 images
+    grid = np.asarray(Image.open(out))
+    assert grid.shape == (4 + 3 * 36, 4 + 6 * 36, 3)
+    assert (grid == (255, 140, 0)).all(axis=-1).sum() > 4 * 3 * 4 * 32  # orange frames drawn
+    missing = CliRunner().invoke(cli, ["pretrain", "preview-views", "--shards", str(tmp_path), "--output", str(out)])
+    assert missing.exit_code != 0 and "no shards" in missing.output
