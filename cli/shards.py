@@ -12,8 +12,9 @@ from pathlib import Path
 
 import click
 
-from shards.build import BuildConfig, build_shards, ranks_from_env
+from shards.build import BuildConfig, build_shards
 from shards.merge import merge_shard_set
+from shards.ranks import RanksError, ranks_from_env  # noqa: F401
 from shards.sources import LAYOUTS, InputError
 from shards.verify import verify_shard_set
 

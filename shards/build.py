@@ -14,11 +14,10 @@ import concurrent.futures as cf
 import functools
 import json
 import multiprocessing
-import os
 import shutil
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from PIL import Image
@@ -36,9 +35,11 @@ from shards.merge import (
     work_dir,
 )
 from shards.plan import ShardPlan, plan_digest, plan_shards, rank_shards
+from shards.ranks import Ranks, ranks_from_env  # noqa: F401 (re-exported for callers of shards.build)
 from shards.sample import ShardSample
 from shards.sources import InputError, Listing, SourceImage, list_inputs
-from shards.writer import SampleRecord, TarShard, package_version, sample_record
+from shards.version import package_version
+from shards.writer import SampleRecord, TarShard, sample_record
 
 CHUNK = 16  # images per worker task: amortises inter-process overhead, keeps order cheap
 
@@ -64,14 +65,6 @@ class BuildConfig:
 
 
 @dataclass(frozen=True)
-class Ranks:
-    """This process's place in a multi-node build (torchrun's RANK and WORLD_SIZE)."""
-
-    rank: int = 0
-    world_size: int = 1
-
-
-@dataclass(frozen=True)
 class BuildReport:
     """What one rank did, and the merged totals when this rank merged."""
 
@@ -81,18 +74,6 @@ class BuildReport:
     written: int
     rejected: int
     merge: MergeReport | None
-
-
-def ranks_from_env(env: dict | None = None) -> Ranks:
-    """Ranks from torchrun's environment (RANK, WORLD_SIZE); a single process when unset."""
-    env = os.environ if env is None else env
-    try:
-        ranks = Ranks(int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1")))
-    except ValueError as exc:
-        raise InputError(f"RANK/WORLD_SIZE must be integers ({exc}); launch with torchrun or unset them") from exc
-    if not 0 <= ranks.rank < ranks.world_size:
-        raise InputError(f"RANK={ranks.rank} is outside WORLD_SIZE={ranks.world_size}")
-    return ranks
 
 
 def settings_of(config: BuildConfig) -> dict:
@@ -290,7 +271,3 @@ def counting(results: Iterator, bar: tqdm) -> Iterator:
         bar.update(1)
         yield item
 
-
-def report_dict(report: BuildReport) -> dict:
-    """A build report as plain data (for printing)."""
-    return asdict(report)

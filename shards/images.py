@@ -1,25 +1,37 @@
-"""Decode-verify one input image and turn it into the bytes of a `{key}.jpg` member.
+"""The one image loader for untrusted images, and decode-verification for `shards build`.
 
-A valid RGB JPEG passes through byte-for-byte; any other readable image is converted to RGB and
-encoded as JPEG (quality 95 by default). Every image is fully decoded once (PIL `load()`, no
-`draft()` shortcut), so truncated or corrupt files are caught here rather than in training.
+Every reader goes through :func:`open_checked` (header read, pixel limit checked before any pixel is
+decoded, then a full decode) and :func:`displayed` (EXIF orientation applied, 16-bit scaled,
+transparency composited over white, palette/CMYK/GIF flattened to RGB). `shards build` passes an
+RGB JPEG through untouched (no re-encoding) unless its EXIF tag rotates it; any other readable
+image is converted to RGB and encoded as JPEG (quality 95 by default). Every image is fully
+decoded once, so truncated or corrupt files are caught here rather than in training.
 This module runs inside worker processes: it stays light (PIL and numpy only).
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
+import math
+import os
 import re
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from shards.limits import DEFAULT_LIMITS, ImageLimits
 
 # JPEG-coded formats PIL may report for a valid JPEG file (MPO: camera multi-picture JPEG,
 # whose first frame is what every JPEG decoder reads).
 JPEG_FORMATS = ("JPEG", "MPO")
 SIXTEEN_BIT_MODES = ("I", "I;16", "I;16B", "I;16L", "I;16N")
+ORIENTATION_TAG = 0x0112
+# What PIL raises for undecodable data (SyntaxError: some plugins' header parsers).
+DECODE_ERRORS = (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError)
 
 
 @dataclass(frozen=True)
@@ -27,11 +39,12 @@ class PreparedImage:
     """The `.jpg` member of a sample and what the json/manifest say about it."""
 
     jpg: bytes
-    width: int
+    width: int  # as displayed (EXIF orientation applied)
     height: int
     converted: bool
     source_format: str
     source_mode: str
+    orientation: int = 1  # the source's EXIF orientation (1: none); the output is always upright
 
 
 @dataclass(frozen=True)
@@ -42,8 +55,18 @@ class Rejection:
     detail: str
 
 
+class ImageLoadError(ValueError):
+    """An image could not be loaded: `name` (file or sample), a reason code and one sentence."""
+
+    def __init__(self, name: str, rejection: Rejection):
+        super().__init__(f"{name}: {rejection.detail}")
+        self.name = name
+        self.reason = rejection.reason
+        self.detail = rejection.detail
+
+
 def to_rgb(image: Image.Image) -> Image.Image:
-    """Any PIL image -> 8-bit RGB; transparency is composited over white."""
+    """Any PIL image -> 8-bit RGB; 16-bit scaled over its full range, transparency composited over white."""
     mode = image.mode
     if mode in SIXTEEN_BIT_MODES:
         # PIL's convert("L") clips 16-bit values at 255; scale the full 0..65535 range instead.
@@ -58,56 +81,186 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def decode(data: bytes) -> Image.Image:
-    """Fully decode image bytes; raises on anything PIL cannot decode completely."""
-    image = Image.open(io.BytesIO(data))
-    with warnings.catch_warnings():
-        # PIL warns (not raises) on oversized images; the hard limit still raises.
-        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-        image.load()
-    return image
+def to_gray(image: Image.Image) -> Image.Image:
+    """A map or mask -> 8-bit L; 16-bit maps are scaled so their maximum becomes 255 (masks stored as 0/1 too)."""
+    if image.mode in SIXTEEN_BIT_MODES:
+        data = np.asarray(image, dtype=np.float64)
+        top = data.max() if data.size and data.max() > 0 else 1.0
+        return Image.fromarray(np.clip(np.rint(data / top * 255.0), 0, 255).astype(np.uint8), "L")
+    return image.convert("L")
 
 
-def classify_error(exc: Exception) -> Rejection:
+def orientation_of(image: Image.Image) -> int:
+    """The EXIF orientation (1..8) of an opened image; 1 when absent or invalid."""
+    try:
+        value = image.getexif().get(ORIENTATION_TAG, 1)
+    except DECODE_ERRORS:  # a broken EXIF block must not make a readable image unreadable
+        return 1
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
+
+
+def classify_error(exc: BaseException) -> Rejection:
     """A decode exception -> rejection reason."""
     # Object addresses in messages would make rejected.parquet differ from run to run.
     text = re.sub(r" at 0x[0-9a-fA-F]+", "", str(exc)) or type(exc).__name__
     if isinstance(exc, UnidentifiedImageError):
         return Rejection("not_an_image", "content is not an image format PIL can identify")
     if isinstance(exc, Image.DecompressionBombError):
-        return Rejection("too_large", f"image exceeds PIL's pixel limit ({text})")
+        return Rejection("too_large", f"image exceeds the pixel limit ({text})")
     if "truncated" in text.lower() or isinstance(exc, EOFError):
         return Rejection("truncated", f"image data is truncated ({text})")
     return Rejection("corrupt", f"image cannot be decoded ({type(exc).__name__}: {text})")
 
 
-def prepare_image(data: bytes, *, min_side: int = 32, quality: int = 95) -> PreparedImage | Rejection:
-    """Decode-verify image bytes; return the `.jpg` member (passed through or converted) or why not."""
-    if not data:
-        return Rejection("empty_file", "file is empty (0 bytes)")
+@contextlib.contextmanager
+def _pil_limit(max_pixels: int):
+    """Let PIL open anything up to our own limit (we check it ourselves, from the header)."""
+    saved = Image.MAX_IMAGE_PIXELS
+    Image.MAX_IMAGE_PIXELS = max(saved or 0, max_pixels)
     try:
-        image = decode(data)
-    except Exception as exc:  # any decoder failure is a per-file rejection, never a job failure
-        return classify_error(exc)
+        with warnings.catch_warnings():
+            # PIL warns (not raises) between its limit and twice it; our own check decides.
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            yield
+    finally:
+        Image.MAX_IMAGE_PIXELS = saved
+
+
+def open_checked(data: bytes, limits: ImageLimits = DEFAULT_LIMITS, *, draft: bool = False) -> Image.Image:
+    """Open image bytes, refuse them when over the limits (before decoding), then decode fully.
+
+    With `draft=True` and `limits.max_side` set, JPEGs are decoded at a reduced scale (DCT scaling)
+    no smaller than max_side. Raises :class:`ImageLoadError`-compatible Rejection via RejectedImage.
+    """
+    if not data:
+        raise RejectedImage(Rejection("empty_file", "file is empty (0 bytes)"))
+    if len(data) > limits.max_member_bytes:
+        raise RejectedImage(Rejection("too_large", f"{len(data)} bytes exceed the limit of {limits.max_member_bytes}"))
+    try:
+        with _pil_limit(limits.max_pixels):
+            image = Image.open(io.BytesIO(data))
+            width, height = image.size
+            if width * height > limits.max_pixels:
+                raise RejectedImage(Rejection(
+                    "too_large",
+                    f"image is {width}x{height} = {width * height} pixels, over the limit of {limits.max_pixels} "
+                    "(raise max_pixels to accept it)",
+                ))
+            if draft and limits.max_side is not None and max(width, height) > limits.max_side:
+                scale = limits.max_side / max(width, height)
+                image.draft("RGB", (math.ceil(width * scale), math.ceil(height * scale)))
+            image.load()
+    except RejectedImage:
+        raise
+    except DECODE_ERRORS as exc:
+        raise RejectedImage(classify_error(exc)) from exc
+    return image
+
+
+class RejectedImage(Exception):
+    """Internal: carries a Rejection out of open_checked."""
+
+    def __init__(self, rejection: Rejection):
+        super().__init__(rejection.detail)
+        self.rejection = rejection
+
+
+def displayed(image: Image.Image, *, max_side: int | None = None) -> Image.Image:
+    """An opened image as a person sees it: EXIF orientation applied, 8-bit RGB, at most `max_side`."""
+    upright = ImageOps.exif_transpose(image) if orientation_of(image) != 1 else image
+    rgb = to_rgb(upright)
+    if max_side is not None and max(rgb.size) > max_side:
+        scale = max_side / max(rgb.size)
+        size = (max(1, round(rgb.width * scale)), max(1, round(rgb.height * scale)))
+        rgb = rgb.resize(size, Image.Resampling.BILINEAR, reducing_gap=2.0)
+    return rgb
+
+
+def read_bytes(path: Path | str, limits: ImageLimits = DEFAULT_LIMITS) -> bytes:
+    """A file's bytes, refused (ImageLoadError) when missing, unreadable or over the size limit."""
+    path = Path(path)
+    try:
+        size = os.stat(path).st_size
+        if size > limits.max_member_bytes:
+            raise ImageLoadError(str(path), Rejection("too_large", f"file is {size} bytes, over the limit of {limits.max_member_bytes}"))
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise ImageLoadError(str(path), Rejection("missing", "file not found")) from None
+    except OSError as exc:
+        raise ImageLoadError(str(path), Rejection("unreadable", f"file cannot be read ({exc.strerror or exc})")) from None
+
+
+def load_image(data: bytes, name: str, limits: ImageLimits = DEFAULT_LIMITS) -> Image.Image:
+    """Image bytes -> displayed 8-bit RGB PIL image (downscaled to `limits.max_side` when set).
+
+    Raises :class:`ImageLoadError` naming `name` with the reason (too_large, truncated, corrupt ...).
+    """
+    try:
+        image = open_checked(data, limits, draft=True)
+        return displayed(image, max_side=limits.max_side)
+    except RejectedImage as exc:
+        raise ImageLoadError(name, exc.rejection) from None
+    except DECODE_ERRORS as exc:  # raised by lazy plugins while converting
+        raise ImageLoadError(name, classify_error(exc)) from None
+
+
+def load_rgb(data: bytes, name: str, limits: ImageLimits = DEFAULT_LIMITS) -> np.ndarray:
+    """Image bytes -> uint8 HxWx3 RGB array as displayed; ImageLoadError names `name`."""
+    return np.asarray(load_image(data, name, limits), dtype=np.uint8)
+
+
+def load_gray(data: bytes, name: str, limits: ImageLimits = DEFAULT_LIMITS) -> np.ndarray:
+    """Map or mask bytes -> uint8 HxW (colour converted to luminance, EXIF orientation applied)."""
+    try:
+        image = open_checked(data, limits)
+        upright = ImageOps.exif_transpose(image) if orientation_of(image) != 1 else image
+        if upright.mode in ("RGBA", "LA", "PA", "P", "CMYK", "YCbCr", "F"):
+            upright = to_rgb(upright)
+        return np.asarray(to_gray(upright), dtype=np.uint8)
+    except RejectedImage as exc:
+        raise ImageLoadError(name, exc.rejection) from None
+    except DECODE_ERRORS as exc:
+        raise ImageLoadError(name, classify_error(exc)) from None
+
+
+def decode(data: bytes, limits: ImageLimits = DEFAULT_LIMITS) -> Image.Image:
+    """Fully decode image bytes within the limits; raises ImageLoadError("image", ...) otherwise."""
+    try:
+        return open_checked(data, limits)
+    except RejectedImage as exc:
+        raise ImageLoadError("image", exc.rejection) from None
+
+
+def prepare_image(data: bytes, *, min_side: int = 32, quality: int = 95,
+                  limits: ImageLimits = DEFAULT_LIMITS) -> PreparedImage | Rejection:
+    """Decode-verify image bytes; return the `.jpg` member (passed through or converted) or why not."""
+    try:
+        image = open_checked(data, limits)
+    except RejectedImage as exc:
+        return exc.rejection
+    orientation = orientation_of(image)
     width, height = image.size
+    if orientation >= 5:  # 5..8 swap the axes
+        width, height = height, width
     if min(width, height) < min_side:
         return Rejection("too_small", f"image is {width}x{height}, smaller than the minimum side {min_side}")
     fmt, mode = image.format or "unknown", image.mode
-    if fmt in JPEG_FORMATS and mode == "RGB":
+    if fmt in JPEG_FORMATS and mode == "RGB" and orientation == 1:
         return PreparedImage(data, width, height, False, fmt, mode)
     try:
         out = io.BytesIO()
-        to_rgb(image).save(out, "JPEG", quality=quality)
-    except Exception as exc:
+        # Re-encoded upright and without EXIF: DALI, PIL and every other decoder show the same pixels.
+        displayed(image).save(out, "JPEG", quality=quality)
+    except DECODE_ERRORS as exc:
         return Rejection("unconvertible", f"{fmt} image in mode {mode} cannot be converted to RGB ({exc})")
-    return PreparedImage(out.getvalue(), width, height, True, fmt, mode)
+    return PreparedImage(out.getvalue(), width, height, True, fmt, mode, orientation)
 
 
-def prepare_file(path: str, *, min_side: int = 32, quality: int = 95) -> PreparedImage | Rejection:
-    """Read and prepare one file; unreadable files become rejections too."""
+def prepare_file(path: str, *, min_side: int = 32, quality: int = 95,
+                 limits: ImageLimits = DEFAULT_LIMITS) -> PreparedImage | Rejection:
+    """Read and prepare one file; unreadable and oversized files become rejections too."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as exc:
-        return Rejection("unreadable", f"file cannot be read ({exc.strerror or exc})")
-    return prepare_image(data, min_side=min_side, quality=quality)
+        data = read_bytes(path, limits)
+    except ImageLoadError as exc:
+        return Rejection(exc.reason, exc.detail)
+    return prepare_image(data, min_side=min_side, quality=quality, limits=limits)

@@ -1,19 +1,29 @@
-"""DALI index files (`wds2idx` format v1.2) for WebDataset tars.
+"""DALI index files (`wds2idx` format v1.2) for WebDataset tars: the one owner of the index text.
 
 Hand-written rather than calling DALI's `wds2idx` script: that script shells out to GNU tar and is
 not importable as a library, while Python's tarfile gives each member's exact data offset directly.
 Format: a first line `v1.2 <samples>`, then one line per sample listing, for each member,
 `<extension> <data offset> <size> <member name>`; members of a sample are adjacent in the tar.
+Index files may come from someone else: :func:`read_index` checks every field.
 """
 
 from __future__ import annotations
 
-import tarfile
+import os
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from shards.atomic import atomic_write_bytes
+from shards.keys import UnsafeKeyError, check_key
+from shards.tario import Member, Skipped, TarReadError, iter_tar
 
 INDEX_VERSION = "v1.2"
+
+IndexEntry = tuple[str, int, int, str]  # (extension, data offset, size, member name)
+
+
+class IndexFileError(ValueError):
+    """An index file that is not a valid DALI index (or does not fit its tar)."""
 
 
 def index_path(tar: Path) -> Path:
@@ -30,28 +40,42 @@ def split_member_name(name: str) -> tuple[str, str]:
     return name[:dot], name[dot + 1 :]
 
 
+def sample_line(entries: Iterable[IndexEntry]) -> str:
+    """One sample's line of an index: `ext offset size name` per member."""
+    return " ".join(f"{ext} {offset} {size} {name}" for ext, offset, size, name in entries)
+
+
+def format_index(samples: Sequence[Sequence[IndexEntry]]) -> str:
+    """The text of an index listing `samples` (each a list of member entries)."""
+    return "\n".join([f"{INDEX_VERSION} {len(samples)}", *(sample_line(s) for s in samples)]) + "\n"
+
+
 def index_text(tar: Path) -> str:
-    """The index of `tar` as text; raises ValueError naming the file when it is not a readable tar."""
-    samples: list[list[str]] = []
+    """The index of `tar` as text; raises ValueError naming the file when it is not a readable tar.
+
+    Members a reader refuses (links, devices, unsafe names, oversized) are left out, as are hidden files.
+    """
+    samples: list[list[IndexEntry]] = []
     last_key = None
     try:
-        with tarfile.open(tar, "r:") as archive:
-            for member in archive:
-                if not member.isreg():
-                    continue
-                key, ext = split_member_name(member.name)
-                if not key or key.endswith("/"):
-                    continue  # hidden files, skipped by DALI's own indexer too
-                entry = f"{ext} {member.offset_data} {member.size} {member.name}"
-                if key != last_key:
-                    samples.append([entry])
-                    last_key = key
-                else:
-                    samples[-1].append(entry)
-    except (tarfile.TarError, OSError) as exc:
-        raise ValueError(f"{tar} is not a readable tar file ({exc}); rebuild the shard") from exc
-    lines = [f"{INDEX_VERSION} {len(samples)}"] + [" ".join(s) for s in samples]
-    return "\n".join(lines) + "\n"
+        for item in iter_tar(tar, read_data=False):
+            if isinstance(item, Skipped):
+                if item.name is None:  # the tar itself is cut short: an index would hide the loss
+                    raise TarReadError(f"{tar}: {item.detail}; rebuild or remove this shard")
+                continue
+            assert isinstance(item, Member)
+            key, ext = split_member_name(item.name)
+            if not key or key.endswith("/"):
+                continue  # hidden files, skipped by DALI's own indexer too
+            entry = (ext, item.offset, item.size, item.name)
+            if key != last_key:
+                samples.append([entry])
+                last_key = key
+            else:
+                samples[-1].append(entry)
+    except TarReadError as exc:
+        raise ValueError(str(exc)) from exc
+    return format_index(samples)
 
 
 def write_index(tar: Path, out: Path | None = None) -> Path:
@@ -61,20 +85,46 @@ def write_index(tar: Path, out: Path | None = None) -> Path:
     return out
 
 
-def read_index(path: Path) -> list[list[tuple[str, int, int, str]]]:
-    """Parse an index file into per-sample lists of (extension, offset, size, name)."""
-    lines = Path(path).read_text(encoding="utf-8").splitlines()
-    if not lines or not lines[0].startswith(INDEX_VERSION + " "):
-        raise ValueError(f"{path} is not a DALI {INDEX_VERSION} index; rewrite it with write_index")
-    count = int(lines[0].split()[1])
+def _entry(path: Path, number: int, fields: list[str], i: int, tar_size: int | None) -> IndexEntry:
+    ext, offset, size, name = fields[i : i + 4]
+    where = f"{path} line {number}"
+    try:
+        offset, size = int(offset), int(size)
+    except ValueError:
+        raise IndexFileError(f"{where}: offset/size {fields[i + 1]!r}/{fields[i + 2]!r} are not integers; rewrite it with write_index") from None
+    if offset < 0 or size < 0:
+        raise IndexFileError(f"{where}: negative offset or size ({offset}, {size}); rewrite it with write_index")
+    if tar_size is not None and offset + size > tar_size:
+        raise IndexFileError(f"{where}: member {name!r} at {offset}+{size} lies beyond the tar's {tar_size} bytes; rewrite it with write_index")
+    try:
+        check_key(name)
+    except UnsafeKeyError as exc:
+        raise IndexFileError(f"{where}: unsafe member name ({exc}); rewrite it with write_index") from None
+    return ext, offset, size, name
+
+
+def read_index(path: Path, tar: Path | None = None) -> list[list[IndexEntry]]:
+    """Parse an index file into per-sample lists of (extension, offset, size, name).
+
+    Every field is checked (count present, offsets and sizes non-negative integers, names safe, and
+    with `tar` given, members inside the tar's size); a bad index raises ValueError naming the file.
+    """
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise IndexFileError(f"{path}: cannot be read as an index ({exc}); rewrite it with write_index") from None
+    head = lines[0].split() if lines else []
+    if len(head) != 2 or head[0] != INDEX_VERSION or not head[1].isdigit():
+        raise IndexFileError(f"{path} is not a DALI {INDEX_VERSION} index (first line must be '{INDEX_VERSION} <count>'); rewrite it with write_index")
+    count = int(head[1])
+    tar_size = os.path.getsize(tar) if tar is not None else None
     samples = []
-    for line in lines[1:]:
+    for number, line in enumerate(lines[1:], start=2):
         fields = line.split(" ")
-        if len(fields) % 4:
-            raise ValueError(f"{path}: malformed line {line[:80]!r}; rewrite it with write_index")
-        samples.append(
-            [(fields[i], int(fields[i + 1]), int(fields[i + 2]), fields[i + 3]) for i in range(0, len(fields), 4)]
-        )
+        if not line or len(fields) % 4:
+            raise IndexFileError(f"{path} line {number}: malformed {line[:80]!r}; rewrite it with write_index")
+        samples.append([_entry(path, number, fields, i, tar_size) for i in range(0, len(fields), 4)])
     if len(samples) != count:
-        raise ValueError(f"{path} announces {count} samples but lists {len(samples)}; rewrite it")
+        raise IndexFileError(f"{path} announces {count} samples but lists {len(samples)}; rewrite it with write_index")
     return samples

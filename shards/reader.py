@@ -1,91 +1,197 @@
-"""Reading shard sets back in Python with webdataset (for later stages and tests)."""
+"""Reading shard sets back in Python: samples as dicts, with every lost shard and sample accounted for.
+
+Tars are opened by the project itself (shards.tario): never through a URL opener, so no shard
+path can run a `pipe:` command; compressed tars, link/device members, unsafe names and oversized
+members are refused with a reason. Pass a :class:`ReadReport` to learn what was lost (truncated
+or unreadable shards, refused members, samples without an image, counts short of the manifest)
+so a job can exit non-zero; without one, each loss is a warning.
+"""
 
 from __future__ import annotations
 
 import json
-import re
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
-SHARD_PATTERN = re.compile(r"[^.].*-\d{6}\.tar")
+from shards.index import split_member_name
+from shards.limits import DEFAULT_LIMITS, ImageLimits
+from shards.manifest import MANIFEST_NAME, read_manifest
+from shards.sample import IMAGE_MEMBERS
+from shards.shardset import SHARD_PATTERN, ShardSetError, list_shard_files, shard_tars
+from shards.tario import Member, Skipped, TarReadError, iter_tar
+
+__all__ = ["SHARD_PATTERN", "ReadReport", "iter_samples", "list_shards"]
+
+
+@dataclass
+class ReadReport:
+    """What a read delivered and what it lost, filled in while iterating.
+
+    lost_shards: (tar, reason) for tars that could not be read, or were read only in part.
+    rejected: (tar, member or key, reason) for members and samples left out.
+    expected: samples the manifest lists for the tars read (None without a manifest).
+    """
+
+    shards: int = 0
+    samples: int = 0
+    lost_shards: list[tuple[str, str]] = field(default_factory=list)
+    rejected: list[tuple[str, str, str]] = field(default_factory=list)
+    expected: int | None = None
+
+    @property
+    def missing(self) -> int:
+        """Samples the manifest lists that were not delivered (0 without a manifest)."""
+        return max(0, self.expected - self.samples) if self.expected is not None else 0
+
+    @property
+    def ok(self) -> bool:
+        """Nothing was lost."""
+        return not self.lost_shards and not self.rejected and not self.missing
+
+    def summary(self) -> str:
+        """One line: delivered, lost, and the first few losses by name."""
+        text = f"{self.samples} samples read from {self.shards} shard(s)"
+        if self.expected is not None:
+            text += f" (manifest: {self.expected})"
+        if self.ok:
+            return text
+        lost = [f"{Path(t).name}: {r}" for t, r in self.lost_shards[:3]]
+        lost += [f"{Path(t).name}/{m}: {r}" for t, m, r in self.rejected[: max(0, 3 - len(lost))]]
+        return (
+            f"{text}; lost {len(self.lost_shards)} shard(s), {len(self.rejected)} member(s)/sample(s), "
+            f"{self.missing} sample(s) short of the manifest; e.g. " + "; ".join(lost)
+        )
+
+    def _lose_shard(self, tar: Path, reason: str, warn: bool) -> None:
+        self.lost_shards.append((str(tar), reason))
+        if warn:
+            warnings.warn(f"lost shard data in {tar}: {reason}", stacklevel=4)
+
+    def _reject(self, tar: Path, name: str, reason: str, warn: bool) -> None:
+        self.rejected.append((str(tar), name, reason))
+        if warn:
+            warnings.warn(f"skipped {name!r} in {tar}: {reason}", stacklevel=4)
 
 
 def list_shards(directory: Path, prefix: str | None = None) -> list[Path]:
-    """The shard tars of a folder (`*-NNNNNN.tar`, optionally of one prefix), sorted by name."""
+    """The shard tars of a folder (`*-NNNNNN.tar`, 4-6 digits; optionally of one prefix), sorted by name."""
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"shard folder {directory} does not exist; check the path")
-    tars = sorted(
-        p
-        for p in directory.iterdir()
-        if SHARD_PATTERN.fullmatch(p.name) and (prefix is None or p.name.startswith(prefix + "-"))
-    )
+    tars = [p for p in list_shard_files(directory) if prefix is None or p.name.startswith(prefix + "-")]
     if not tars:
         what = f"{prefix}-NNNNNN.tar" if prefix else "*-NNNNNN.tar"
         raise FileNotFoundError(f"no shards ({what}) in {directory}; build them with relicv2 shards build")
     return tars
 
 
-def warn_and_continue(exc: Exception) -> bool:
-    """Default handler (webdataset's convention): warn about a corrupt shard or sample, go on."""
-    warnings.warn(f"skipped unreadable shard data: {exc!r}", stacklevel=2)
-    return True
+def image_member(members: dict[str, bytes]) -> tuple[str, bytes] | None:
+    """The image of a sample: the first member named like an image (jpg, jpeg, png, webp), or None."""
+    for ext in IMAGE_MEMBERS:
+        if ext in members:
+            return ext, members[ext]
+    return None
 
 
-def decode_sample(raw: dict) -> dict:
-    """A webdataset raw sample -> {key, jpg, label, meta, shard, <other extensions>: bytes}."""
-    key = raw["__key__"]
-    if "jpg" not in raw:
-        raise ValueError(f"sample {key!r} in {raw.get('__url__')} has no .jpg member")
-    sample = {
-        "key": key,
-        "shard": raw.get("__url__"),
-        "label": int(raw["cls"]) if "cls" in raw else None,
-        "meta": json.loads(raw["json"]) if "json" in raw else {},
-    }
-    for name, value in raw.items():
-        if not name.startswith("__") and name not in ("cls", "json"):
+def make_sample(tar: Path, key: str, members: dict[str, bytes]) -> dict:
+    """A sample dict from its members; raises ValueError with the reason for an unusable sample."""
+    image = image_member(members)
+    if image is None:
+        raise ValueError(f"no image member (one of {', '.join(IMAGE_MEMBERS)}; has {', '.join(sorted(members))})")
+    label = None
+    if "cls" in members:
+        text = members["cls"].strip()
+        if not text.isdigit():
+            raise ValueError(f"cls member {text[:20]!r} is not a non-negative integer")
+        label = int(text)
+    try:
+        meta = json.loads(members["json"]) if "json" in members else {}
+    except ValueError as exc:
+        raise ValueError(f"json member is not valid JSON ({exc})") from None
+    sample = {"key": key, "shard": str(tar), "label": label, "meta": meta, "image_ext": image[0], "image": image[1]}
+    for name, value in members.items():
+        if name not in ("cls", "json"):
             sample[name] = value
+    # `jpg` holds the image whatever its member name, for callers written before jpeg/png/webp members.
+    sample["jpg"] = image[1]
     return sample
 
 
-def iter_samples(
-    source: Path | Sequence[Path],
-    *,
-    handler: Callable[[Exception], bool] = warn_and_continue,
-) -> Iterator[dict]:
-    """Iterate the samples of a shard folder, a tar, or a list of tars, in shard order.
+def _tar_samples(tar: Path, limits: ImageLimits, report: ReadReport, warn: bool) -> Iterator[dict]:
+    key: str | None = None
+    members: dict[str, bytes] = {}
+    seen: set[str] = set()
 
-    Each item: `key`, `jpg` (bytes), `label` (int or None), `meta` (the json dict), `shard` (tar
-    path) and every other member by extension, e.g. `"mask.png"`. A corrupt tar or sample is passed
-    to `handler` (webdataset convention: return True to continue); the default warns and goes on.
+    def finish() -> Iterator[dict]:
+        if key is None:
+            return
+        try:
+            sample = make_sample(tar, key, members)
+        except ValueError as exc:
+            report._reject(tar, key, str(exc), warn)
+            return
+        report.samples += 1
+        yield sample
+
+    try:
+        for item in iter_tar(tar, limits):
+            if isinstance(item, Skipped):
+                if item.name is None:
+                    report._lose_shard(tar, item.detail, warn)
+                else:
+                    report._reject(tar, item.name, item.detail, warn)
+                continue
+            assert isinstance(item, Member) and item.data is not None
+            k, ext = split_member_name(item.name)
+            if not k or k.endswith("/") or not ext:
+                continue  # hidden files and extension-less members are not sample members
+            if k != key:
+                yield from finish()
+                if k in seen:
+                    report._reject(tar, k, "members of this sample are not adjacent; later ones left out", warn)
+                    key, members = None, {}
+                    continue
+                seen.add(k)
+                key, members = k, {}
+            members[ext] = item.data
+        yield from finish()
+    except TarReadError as exc:
+        report._lose_shard(tar, str(exc), warn)
+
+
+def iter_samples(
+    source: str | Path | Sequence[str | Path],
+    *,
+    report: ReadReport | None = None,
+    limits: ImageLimits = DEFAULT_LIMITS,
+) -> Iterator[dict]:
+    """Iterate the samples of a shard folder, a tar, a brace pattern or a list of tars, in shard order.
+
+    Each item: `key`, `image` (bytes of the jpg/jpeg/png/webp member), `image_ext`, `jpg` (the same
+    bytes), `label` (int or None), `meta` (the json dict), `shard` (tar path) and every other member
+    by extension, e.g. `"mask.png"`. Bad shards and samples are recorded in `report` (warnings when
+    None) and skipped. With a folder holding a manifest, the count read is checked against it.
     No node or worker splitting: callers that run on several ranks pass each its own tars.
     """
-    if isinstance(source, str | Path):
-        source = Path(source)
-        tars = list_shards(source) if source.is_dir() else [source]
-    else:
-        tars = [Path(p) for p in source]
-    # Imported here: webdataset imports torch (~1 s), which writing and building shards never need.
-    import webdataset as wds
-
-    urls = [str(p) for p in tars]
-    for path in tars:
-        if not path.is_file():
-            raise FileNotFoundError(f"shard {path} does not exist; check the path")
-    dataset = wds.WebDataset(
-        urls,
-        handler=handler,
-        shardshuffle=False,
-        nodesplitter=None,
-        workersplitter=None,
-        empty_check=False,
-    )
-    # Decoded here rather than with dataset.map(), which copies `__key__`/`__url__` back into items.
-    for raw in dataset:
+    warn = report is None
+    report = ReadReport() if report is None else report
+    try:
+        tars, directory = shard_tars(source)
+    except ShardSetError as exc:
+        raise FileNotFoundError(str(exc)) from None
+    if directory is not None and (directory / MANIFEST_NAME).is_file():
         try:
-            yield decode_sample(raw)
-        except Exception as exc:
-            if not handler(exc):
-                break
+            names = read_manifest(directory).column("shard").to_pylist()
+        except (OSError, ValueError, KeyError) as exc:
+            report._lose_shard(directory / MANIFEST_NAME, f"manifest cannot be read ({exc})", warn)
+        else:
+            report.expected = (report.expected or 0) + len(names)
+            for name in sorted(set(names) - {t.name for t in tars}):
+                report._lose_shard(directory / name, "listed in the manifest but missing", warn)
+    for tar in tars:
+        report.shards += 1
+        yield from _tar_samples(tar, limits, report, warn)
+    if warn and report.missing:
+        warnings.warn(f"{directory}: {report.summary()}", stacklevel=2)

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 KEY_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,80}")
 EXT_PATTERN = re.compile(r"[a-z0-9_]+(\.[a-z0-9_]+)*")
 GENERATED_MEMBERS = ("cls", "json")
+# Member names an image may have in a sample, in order of preference: what `shards build` writes
+# (jpg) and what other WebDataset tools write. The one list every reader uses.
+IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")
 
 
 @dataclass(frozen=True)

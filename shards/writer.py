@@ -8,13 +8,13 @@ import re
 import tarfile
 from collections.abc import Iterable
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 
 from shards.atomic import atomic_write_bytes, fsync_dir, remove_stale_temps, temp_path_for
-from shards.index import INDEX_VERSION, index_path
+from shards.index import IndexEntry, format_index, index_path
 from shards.manifest import CORE_COLUMNS, write_manifest
 from shards.sample import ShardSample, check_sample, content_hash, sample_members
+from shards.version import package_version
 
 # Fixed header fields make a rebuilt tar byte-identical (DESIGN.md: mtime 0, fixed owner).
 OWNER_NAME = "relicv2"
@@ -25,14 +25,6 @@ TAR_BLOCK = 512
 def shard_name(prefix: str, number: int) -> str:
     """`images-000012.tar` for prefix "images" and shard 12."""
     return f"{prefix}-{number:06d}.tar"
-
-
-def package_version() -> str:
-    """The installed relicv2 version, for info.json."""
-    try:
-        return metadata.version("relicv2")
-    except metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def tar_footprint(members: list[tuple[str, bytes]]) -> int:
@@ -106,7 +98,7 @@ class TarShard:
         self.size = 0
         self.rows: list[dict] = []
         self.keys: set[str] = set()
-        self._index: list[str] = []
+        self._index: list[list[IndexEntry]] = []
 
     def add(self, sample: ShardSample, members: list[tuple[str, bytes]] | None = None) -> dict:
         """Append a sample (its members adjacent, sorted by extension); return its manifest row."""
@@ -116,9 +108,7 @@ class TarShard:
         """Append a serialised sample; return its manifest row with shard and position filled in."""
         if record.key in self.keys:
             raise ValueError(f"duplicate key {record.key!r} in {self.path.name}; keys must be unique")
-        self._index.append(
-            " ".join(f"{ext} {self.size + off} {size} {record.key}.{ext}" for ext, off, size in record.entries)
-        )
+        self._index.append([(ext, self.size + off, size, f"{record.key}.{ext}") for ext, off, size in record.entries])
         self._file.write(record.blob)
         self.size += len(record.blob)
         row = {**record.row, "shard": self.path.name, "position": len(self.rows)}
@@ -135,7 +125,7 @@ class TarShard:
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
-        text = "\n".join([f"{INDEX_VERSION} {len(self._index)}", *self._index]) + "\n"
+        text = format_index(self._index)
         atomic_write_bytes(index_path(self.path), text.encode("utf-8"))
         os.replace(self.tmp, self.path)
         fsync_dir(self.path.parent)

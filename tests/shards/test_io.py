@@ -148,16 +148,20 @@ def test_list_shards_errors_clearly(tmp_path):
         shards.read_manifest(tmp_path)
 
 
-def test_corrupt_tar_goes_to_the_handler(shard_set):
+def test_truncated_tar_is_counted_and_named(shard_set):
     out, samples, paths = shard_set
     data = paths[1].read_bytes()
     paths[1].write_bytes(data[: len(data) // 2])  # truncated mid-shard
-    errors = []
-    items = list(shards.iter_samples(paths, handler=lambda exc: errors.append(exc) or True))
+    report = shards.ReadReport()
+    items = list(shards.iter_samples(out, report=report))
     keys = [it["key"] for it in items]
     assert keys[:10] == [s.key for s in samples[:10]] and keys[-3:] == [s.key for s in samples[-3:]]
     assert len(items) < len(samples)
-    assert errors, "the truncation must be reported to the handler"
+    assert not report.ok and report.expected == 23 and report.missing == 23 - len(items)
+    assert [Path(t).name for t, _ in report.lost_shards] == ["masked-000001.tar"]
+    assert "masked-000001.tar" in report.summary()
+    with pytest.warns(UserWarning, match="masked-000001.tar"):  # without a report: never silent
+        list(shards.iter_samples(paths))
 
 
 def test_verify_accepts_a_good_set_and_reports_problems(shard_set):

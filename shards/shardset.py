@@ -1,0 +1,176 @@
+"""Resolving "a shard set" (folder, brace pattern, tar, or list of tars) into tars, index files and counts.
+
+Accepts sets made by `relicv2 shards build` (manifest, `.idx` beside each tar) and plain WebDataset
+shards from other tools (webdataset.ShardWriter, `tar`): no manifest, no index, names like
+`train-0000.tar` or `imagenet-train-{000000..001281}.tar`. A missing index is derived once from
+the tar and kept in a cache folder (default `$RELICV2_INDEX_CACHE` or `~/.cache/relicv2/index`),
+named after the tar's absolute path, size and modification time, so a changed tar gets a new one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+
+from shards.atomic import atomic_write_bytes
+from shards.index import index_path, index_text, read_index
+from shards.manifest import MANIFEST_NAME, read_manifest
+
+# Shard file names: ours are `{prefix}-NNNNNN.tar`; other tools write 4 or 5 digits too.
+SHARD_PATTERN = re.compile(r"[^.].*-\d{4,6}\.tar")
+BRACE = re.compile(r"\{([^{}]*)\}")
+INDEX_CACHE_ENV = "RELICV2_INDEX_CACHE"
+
+
+class ShardSetError(ValueError):
+    """A shard set spec that names no usable tars, or a set whose files disagree; names the fix."""
+
+
+@dataclass(frozen=True)
+class ShardSet:
+    """The tars of a set, with one DALI index and sample count each (same order).
+
+    manifest: the set's manifest.parquet table when it has one (sets from `shards build`), else None.
+    has_labels: whether samples carry a class (`cls` member / manifest label).
+    """
+
+    tars: tuple[Path, ...]
+    index_files: tuple[Path, ...]
+    counts: tuple[int, ...]
+    manifest: pa.Table | None
+    has_labels: bool
+    directory: Path | None = None  # the folder of a folder spec
+
+    @property
+    def samples(self) -> int:
+        return sum(self.counts)
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """`train-{0000..0003}.tar` -> 4 names (zero padding kept); `{a,b}` alternatives too."""
+    parts = BRACE.split(pattern)
+    choices: list[list[str]] = []
+    for i, part in enumerate(parts):
+        if i % 2 == 0:
+            choices.append([part])
+            continue
+        match = re.fullmatch(r"(\d+)\.\.(\d+)", part)
+        if match:
+            lo, hi = match.groups()
+            if int(hi) < int(lo):
+                raise ShardSetError(f"brace range {{{part}}} in {pattern!r} runs backwards")
+            width = len(lo) if lo.startswith("0") or len(lo) == len(hi) else 0
+            choices.append([str(n).zfill(width) for n in range(int(lo), int(hi) + 1)])
+        elif "," in part:
+            choices.append(part.split(","))
+        else:
+            raise ShardSetError(f"{{{part}}} in {pattern!r} is neither a range {{000..099}} nor a list {{a,b}}")
+    return ["".join(c) for c in itertools.product(*choices)]
+
+
+def list_shard_files(directory: Path) -> list[Path]:
+    """The shard tars of a folder by name (`*-NNNN.tar` .. `*-NNNNNN.tar`), sorted; symlinked files included."""
+    return sorted(p for p in Path(directory).iterdir() if SHARD_PATTERN.fullmatch(p.name) and p.is_file())
+
+
+def shard_tars(spec: str | Path | Sequence[str | Path]) -> tuple[list[Path], Path | None]:
+    """(tar paths, the folder when `spec` is one) for a folder, a tar, a brace pattern or a list.
+
+    Never treats any part of `spec` as a URL: every name is a local file (`pipe:` is a file name here).
+    """
+    if isinstance(spec, str | Path):
+        text = str(spec)
+        path = Path(text)
+        if path.is_dir():
+            tars = list_shard_files(path)
+            if not tars:
+                raise ShardSetError(
+                    f"no shards (*-NNNNNN.tar, 4-6 digits) in {path}; build them with relicv2 shards build"
+                )
+            return tars, path
+        names = expand_braces(text) if BRACE.search(text) else [text]
+    else:
+        names = [str(p) for p in spec]
+        if not names:
+            raise ShardSetError("the list of shards is empty; give a folder, a brace pattern or tar files")
+    tars = [Path(n) for n in names]
+    missing = [t for t in tars if not t.is_file()]
+    if missing:
+        shown = ", ".join(str(m) for m in missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise ShardSetError(f"shard file(s) not found: {shown}; check the path or pattern")
+    return tars, None
+
+
+def default_index_cache() -> Path:
+    """Where derived index files go unless the caller names a folder."""
+    env = os.environ.get(INDEX_CACHE_ENV)
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "relicv2" / "index"
+
+
+def cached_index(tar: Path, cache: Path) -> Path:
+    """The derived index of `tar` in `cache`, written on first use."""
+    stat = tar.stat()
+    ident = f"{tar.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    path = cache / f"{tar.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.idx"
+    if not path.is_file():
+        cache.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, index_text(tar).encode("utf-8"))
+    return path
+
+
+def resolve_shard_set(spec: str | Path | Sequence[str | Path], *, index_cache: Path | None = None) -> ShardSet:
+    """A shard set spec -> tars + index files + sample counts (+ manifest when the folder has one).
+
+    With a manifest, the tars are exactly the manifest's shards and each index must agree with it;
+    without one, every `*-NNNN(NN).tar` is used and missing indexes are derived into `index_cache`.
+    Raises ShardSetError (a ValueError) naming the file and the fix.
+    """
+    tars, directory = shard_tars(spec)
+    manifest = None
+    if directory is not None and (directory / MANIFEST_NAME).is_file():
+        try:
+            manifest = read_manifest(directory)
+        except (OSError, pa.ArrowException) as exc:
+            raise ShardSetError(f"{directory / MANIFEST_NAME} cannot be read ({exc}); rebuild the shard set") from None
+        if "shard" not in manifest.column_names:
+            raise ShardSetError(f"{directory / MANIFEST_NAME} has no 'shard' column; it is not a relicv2 manifest")
+        listed = sorted(set(manifest.column("shard").to_pylist()))
+        tars = [directory / name for name in listed]
+        missing = [t.name for t in tars if not t.is_file()]
+        if missing:
+            raise ShardSetError(f"{directory}: the manifest lists {', '.join(missing[:3])}, which is missing; rebuild the set")
+    cache = Path(index_cache) if index_cache is not None else default_index_cache()
+    index_files, counts, labelled = [], [], False
+    for tar in tars:
+        beside = index_path(tar)
+        try:
+            idx = beside if beside.is_file() else cached_index(tar, cache)
+            samples = read_index(idx, tar)
+        except ValueError as exc:
+            raise ShardSetError(str(exc)) from None
+        index_files.append(idx)
+        counts.append(len(samples))
+        labelled = labelled or any(e[0] == "cls" for s in samples for e in s)
+    if manifest is not None:
+        per_shard: dict[str, int] = {}
+        for name in manifest.column("shard").to_pylist():
+            per_shard[name] = per_shard.get(name, 0) + 1
+        for tar, count in zip(tars, counts, strict=True):
+            if per_shard[tar.name] != count:
+                raise ShardSetError(
+                    f"{tar}: the index lists {count} samples, the manifest {per_shard[tar.name]}; "
+                    "the set is incomplete or mixed: rebuild it (relicv2 shards build) or run relicv2 shards verify"
+                )
+        if "label" in manifest.column_names:
+            labelled = manifest.column("label").null_count < manifest.num_rows
+    return ShardSet(tuple(tars), tuple(index_files), tuple(counts), manifest, labelled, directory)

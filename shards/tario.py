@@ -1,0 +1,124 @@
+"""Reading tar files the project opens itself: no URL opener, no decompression, no links, capped members.
+
+A shard may come from anyone (DESIGN.md): the tar is opened as a local file (never a `pipe:` URL),
+compressed archives are refused (a 1 MB gzip can expand to GBs), each member's size is checked
+from its header before a byte is read, link/device members and unsafe names are skipped with a
+reason, and a tar that ends before its end-of-archive blocks is reported as truncated.
+"""
+
+from __future__ import annotations
+
+import os
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from shards.keys import member_refusal
+from shards.limits import DEFAULT_LIMITS, ImageLimits
+
+# Magic numbers of the compressions tarfile (or webdataset's `r|*`) would silently undo.
+COMPRESSED_MAGIC = (
+    (b"\x1f\x8b", "gzip"),
+    (b"BZh", "bzip2"),
+    (b"\xfd7zXZ\x00", "xz"),
+    (b"\x28\xb5\x2f\xfd", "zstd"),
+)
+BLOCK = 512
+
+
+class TarReadError(ValueError):
+    """A whole tar cannot be read (missing, compressed, not a tar); the message names it and the fix."""
+
+
+@dataclass(frozen=True)
+class Member:
+    """One regular-file member read from a tar."""
+
+    name: str
+    offset: int  # of the data inside the tar
+    size: int
+    data: bytes | None  # None when read without data (indexing)
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A member left out, or a problem with the rest of the tar (`name` None): with the reason."""
+
+    name: str | None
+    reason: str  # short code: "unsafe_member", "too_large", "truncated"
+    detail: str
+
+
+def compression_of(head: bytes) -> str | None:
+    """The compression a file starts with, or None."""
+    for magic, name in COMPRESSED_MAGIC:
+        if head.startswith(magic):
+            return name
+    return None
+
+
+def iter_tar(
+    path: Path, limits: ImageLimits = DEFAULT_LIMITS, *, read_data: bool = True
+) -> Iterator[Member | Skipped]:
+    """The members of a local tar in order; refused members and truncation come as :class:`Skipped`.
+
+    Raises :class:`TarReadError` when the file is missing, empty, compressed or not a tar at all.
+    """
+    path = Path(path)
+    try:
+        handle = open(path, "rb")  # noqa: SIM115 (closed below)
+    except OSError as exc:
+        raise TarReadError(f"{path}: cannot be opened ({exc.strerror or exc}); check the path") from None
+    with handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size == 0:
+            raise TarReadError(f"{path}: is empty (0 bytes), not a tar; rebuild or remove this shard")
+        compression = compression_of(handle.read(8))
+        if compression is not None:
+            raise TarReadError(
+                f"{path}: is {compression}-compressed; compressed shards are refused (they can expand "
+                f"without bound); decompress it into a plain .tar first"
+            )
+        handle.seek(0)
+        try:
+            archive = tarfile.open(fileobj=handle, mode="r:")
+        except tarfile.TarError as exc:
+            raise TarReadError(f"{path}: is not a readable tar ({exc}); rebuild or remove this shard") from None
+        yield from _members(archive, handle, size, limits, read_data)
+
+
+def _members(
+    archive: tarfile.TarFile, handle, size: int, limits: ImageLimits, read_data: bool
+) -> Iterator[Member | Skipped]:
+    end = 0
+    try:
+        for info in archive:
+            end = info.offset_data + -(-info.size // BLOCK) * BLOCK
+            if info.isdir():
+                continue
+            while info.name.startswith("./"):  # what `tar -cf x.tar .` writes: same file, plain name
+                info.name = info.name[2:]
+            refusal = member_refusal(info)
+            if refusal is not None:
+                yield Skipped(info.name, "unsafe_member", refusal)
+                continue
+            if info.size > limits.max_member_bytes:
+                yield Skipped(info.name, "too_large",
+                              f"member {info.name!r} is {info.size} bytes, over the limit of {limits.max_member_bytes}")
+                continue
+            if info.offset_data + info.size > size:
+                yield Skipped(info.name, "truncated", f"member {info.name!r} is cut off: the tar ends inside it")
+                return
+            data = None
+            if read_data:
+                handle.seek(info.offset_data)
+                data = handle.read(info.size)
+            yield Member(info.name, info.offset_data, info.size, data)
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        yield Skipped(None, "truncated", f"the tar cannot be read past byte {end} ({exc})")
+        return
+    # tarfile stops quietly at a header cut short; a complete tar ends with two zero blocks.
+    handle.seek(end)
+    if handle.read(2 * BLOCK) != b"\0" * (2 * BLOCK):
+        yield Skipped(None, "truncated", f"the tar ends at byte {size} without its end-of-archive blocks (cut short?)")
