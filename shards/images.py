@@ -113,13 +113,12 @@ def classify_error(exc: BaseException) -> Rejection:
 
 
 @contextlib.contextmanager
-def _pil_limit(max_pixels: int):
-    """Let PIL open anything up to our own limit (we check it ourselves, from the header)."""
+def _own_pixel_limit():
+    """PIL's global bomb check off while we open: ours (ImageLimits, checked from the header) decides."""
     saved = Image.MAX_IMAGE_PIXELS
-    Image.MAX_IMAGE_PIXELS = max(saved or 0, max_pixels)
+    Image.MAX_IMAGE_PIXELS = None
     try:
         with warnings.catch_warnings():
-            # PIL warns (not raises) between its limit and twice it; our own check decides.
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             yield
     finally:
@@ -130,14 +129,14 @@ def open_checked(data: bytes, limits: ImageLimits = DEFAULT_LIMITS, *, draft: bo
     """Open image bytes, refuse them when over the limits (before decoding), then decode fully.
 
     With `draft=True` and `limits.max_side` set, JPEGs are decoded at a reduced scale (DCT scaling)
-    no smaller than max_side. Raises :class:`ImageLoadError`-compatible Rejection via RejectedImage.
+    no smaller than max_side. Raises :class:`RejectedImage` carrying the Rejection.
     """
     if not data:
         raise RejectedImage(Rejection("empty_file", "file is empty (0 bytes)"))
     if len(data) > limits.max_member_bytes:
         raise RejectedImage(Rejection("too_large", f"{len(data)} bytes exceed the limit of {limits.max_member_bytes}"))
     try:
-        with _pil_limit(limits.max_pixels):
+        with _own_pixel_limit():
             image = Image.open(io.BytesIO(data))
             width, height = image.size
             if width * height > limits.max_pixels:

@@ -1,0 +1,249 @@
+"""Shards from strangers: traversal and link members, `pipe:` paths, bombs, truncation, foreign sets (issue 14)."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import struct
+import tarfile
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import shards
+from shards.images import prepare_image
+from shards.index import write_index
+
+
+def jpeg(seed: int = 0, size: tuple[int, int] = (40, 48), **kw) -> bytes:
+    rng = np.random.default_rng(seed)
+    out = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).save(out, "JPEG", **kw)
+    return out.getvalue()
+
+
+def add(archive: tarfile.TarFile, name: str, data: bytes = b"", kind: bytes = tarfile.REGTYPE, link: str = "") -> None:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, link
+    info.size = len(data) if kind == tarfile.REGTYPE else 0
+    archive.addfile(info, io.BytesIO(data) if kind == tarfile.REGTYPE else None)
+
+
+def bomb_png(width: int = 30000, height: int = 30000) -> bytes:
+    """A PNG whose header claims width x height pixels, without allocating them."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+
+
+def test_traversal_link_and_device_members_are_rejected_with_reasons(tmp_path):
+    tar = tmp_path / "evil-000000.tar"
+    with tarfile.open(tar, "w", format=tarfile.USTAR_FORMAT) as archive:
+        add(archive, "good.jpg", jpeg(1))
+        add(archive, "../../escape.jpg", jpeg(2))
+        add(archive, "/etc/absolute.jpg", jpeg(3))
+        add(archive, "sym.jpg", kind=tarfile.SYMTYPE, link="/etc/passwd")
+        add(archive, "hard.jpg", kind=tarfile.LNKTYPE, link="good.jpg")
+        add(archive, "dev.jpg", kind=tarfile.CHRTYPE)
+        add(archive, "./dotted.jpg", jpeg(4))  # what `tar -cf x.tar .` writes: accepted as "dotted"
+    report = shards.ReadReport()
+    items = list(shards.iter_samples(tar, report=report))
+    assert [it["key"] for it in items] == ["good", "dotted"]
+    reasons = {name: why for _, name, why in report.rejected}
+    assert set(reasons) == {"../../escape.jpg", "/etc/absolute.jpg", "sym.jpg", "hard.jpg", "dev.jpg"}
+    assert "'..'" in reasons["../../escape.jpg"] and "absolute" in reasons["/etc/absolute.jpg"]
+    assert "link" in reasons["sym.jpg"] and "link" in reasons["hard.jpg"] and "not a regular file" in reasons["dev.jpg"]
+    assert not report.ok
+    # the derived index leaves the same members out, so DALI never sees them either
+    idx = write_index(tar)
+    assert [s[0][3] for s in shards.read_index(idx, tar)] == ["good.jpg", "dotted.jpg"]
+
+
+def test_pipe_paths_are_files_not_commands(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "pipe:touch marker #"
+    shards.write_shard_set([shards.ShardSample("a", {"jpg": jpeg(1)})], folder)
+    assert [it["key"] for it in shards.iter_samples(folder)] == ["a"]
+    assert [it["key"] for it in shards.iter_samples(str(folder / "images-000000.tar"))] == ["a"]
+    with pytest.raises(FileNotFoundError, match="not found"):
+        list(shards.iter_samples("pipe:touch marker2 #"))
+    assert not (tmp_path / "marker").exists() and not (tmp_path / "marker2").exists()
+
+
+def test_bomb_png_is_refused_from_its_header():
+    data = bomb_png()
+    with pytest.raises(shards.ImageLoadError, match="over the limit") as info:
+        shards.load_rgb(data, "bomb.png")
+    assert info.value.reason == "too_large" and "bomb.png" in str(info.value)
+    rejection = prepare_image(data)
+    assert rejection.reason == "too_large"
+    # the limit is configurable, and applies to small images too
+    with pytest.raises(shards.ImageLoadError, match="over the limit"):
+        shards.load_rgb(jpeg(size=(100, 100)), "x", shards.ImageLimits(max_pixels=5000))
+
+
+def test_large_images_are_downscaled_for_saliency_work():
+    data = jpeg(size=(1600, 800))
+    rgb = shards.load_rgb(data, "big.jpg", shards.ImageLimits(max_side=200))
+    assert rgb.shape == (100, 200, 3)
+    assert shards.load_rgb(data, "big.jpg").shape == (800, 1600, 3)
+
+
+def test_compressed_tar_and_oversized_member_are_refused_before_reading(tmp_path):
+    plain = io.BytesIO()
+    with tarfile.open(fileobj=plain, mode="w") as archive:
+        add(archive, "a.jpg", jpeg(1))
+        add(archive, "huge.jpg", b"\0" * 300_000)
+        add(archive, "b.jpg", jpeg(2))
+    (tmp_path / "z-000000.tar").write_bytes(gzip.compress(plain.getvalue()))
+    (tmp_path / "p-000001.tar").write_bytes(plain.getvalue())
+    report = shards.ReadReport()
+    items = list(shards.iter_samples(tmp_path, report=report, limits=shards.ImageLimits(max_member_bytes=100_000)))
+    assert [it["key"] for it in items] == ["a", "b"]
+    assert len(report.lost_shards) == 1 and "gzip-compressed" in report.lost_shards[0][1]
+    assert [(n, "300000 bytes" in why) for _, n, why in report.rejected] == [("huge.jpg", True)]
+
+
+def test_empty_and_non_tar_shards_are_counted_and_named(tmp_path):
+    (tmp_path / "s-000000.tar").write_bytes(b"")
+    (tmp_path / "s-000001.tar").write_bytes(b"this is not a tar file at all" * 40)
+    report = shards.ReadReport()
+    assert list(shards.iter_samples(tmp_path, report=report)) == []
+    assert report.shards == 2 and not report.ok
+    assert [Path(t).name for t, _ in report.lost_shards] == ["s-000000.tar", "s-000001.tar"]
+    assert "empty" in report.lost_shards[0][1]
+
+
+def test_manifest_count_is_checked(tmp_path):
+    samples = [shards.ShardSample(f"k{i}", {"jpg": jpeg(i)}) for i in range(6)]
+    shards.write_shard_set(samples, tmp_path, max_count=3)
+    (tmp_path / "images-000001.tar").unlink()
+    report = shards.ReadReport()
+    assert len(list(shards.iter_samples(tmp_path, report=report))) == 3
+    assert report.expected == 6 and report.missing == 3
+    assert "images-000001.tar" in report.summary() and "listed in the manifest but missing" in report.summary()
+
+
+def test_image_member_names_other_tools_use(tmp_path):
+    png = io.BytesIO()
+    Image.new("RGB", (40, 40), (0, 255, 0)).save(png, "PNG")
+    webp = io.BytesIO()
+    Image.new("RGB", (40, 40), (0, 0, 255)).save(webp, "WEBP")
+    tar = tmp_path / "t-0000.tar"
+    with tarfile.open(tar, "w") as archive:
+        add(archive, "a.jpeg", jpeg(1))
+        add(archive, "a.cls", b"3")
+        add(archive, "b.png", png.getvalue())
+        add(archive, "c.webp", webp.getvalue())
+        add(archive, "d.txt", b"no image here")
+    report = shards.ReadReport()
+    items = list(shards.iter_samples(tar, report=report))
+    assert [(it["key"], it["image_ext"], it["label"]) for it in items] == [("a", "jpeg", 3), ("b", "png", None), ("c", "webp", None)]
+    assert shards.load_rgb(items[1]["image"], "b")[0, 0].tolist() == [0, 255, 0]
+    assert items[2]["jpg"] == items[2]["image"]
+    assert [(k, "no image member" in why) for _, k, why in report.rejected] == [("d", True)]
+
+
+def test_one_loader_handles_16_bit_alpha_gif_and_exif():
+    sixteen = io.BytesIO()
+    Image.fromarray(np.full((8, 8), 65535, np.uint16)).save(sixteen, "PNG")
+    assert shards.load_rgb(sixteen.getvalue(), "x")[0, 0].tolist() == [255, 255, 255]  # not clipped to 255/65535
+    alpha = io.BytesIO()
+    Image.new("RGBA", (8, 8), (0, 0, 0, 0)).save(alpha, "PNG")
+    assert shards.load_rgb(alpha.getvalue(), "x")[0, 0].tolist() == [255, 255, 255]  # over white
+    gif = io.BytesIO()
+    Image.new("P", (8, 8), 0).save(gif, "GIF")
+    assert shards.load_rgb(gif.getvalue(), "x").shape == (8, 8, 3)
+    assert shards.load_rgb(orientation6_jpeg(), "x").shape == (200, 100, 3)
+
+
+def orientation6_jpeg() -> bytes:
+    """Stored 200 wide x 100 high, red left half, blue right; EXIF orientation 6 (rotate 90 clockwise)."""
+    stored = np.zeros((100, 200, 3), np.uint8)
+    stored[:, :100, 0] = 255
+    stored[:, 100:, 2] = 255
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    out = io.BytesIO()
+    Image.fromarray(stored).save(out, "JPEG", quality=95, exif=exif)
+    return out.getvalue()
+
+
+def test_exif_orientation_is_applied_once_by_build(tmp_path):
+    from shards.build import BuildConfig, build_shards
+
+    src = tmp_path / "in"
+    src.mkdir()
+    (src / "rotated.jpg").write_bytes(orientation6_jpeg())
+    (src / "plain.jpg").write_bytes(jpeg(1, size=(64, 48)))
+    build_shards(BuildConfig(src, tmp_path / "out", workers=1, progress=False))
+    rows = {r["key"]: r for r in shards.read_manifest(tmp_path / "out").to_pylist()}
+    assert (rows["rotated"]["width"], rows["rotated"]["height"]) == (100, 200)
+    assert rows["rotated"]["status"] == "converted" and rows["plain"]["status"] == "passthrough"
+    sample = {s["key"]: s for s in shards.iter_samples(tmp_path / "out")}["rotated"]
+    raw = Image.open(io.BytesIO(sample["jpg"]))
+    assert raw.size == (100, 200) and raw.getexif().get(0x0112, 1) == 1  # every decoder sees it upright
+    rgb = np.asarray(raw.convert("RGB")).astype(int)
+    assert rgb[:90, :, 0].mean() > 200 and rgb[110:, :, 2].mean() > 200  # stored left (red) is now on top
+
+
+def test_plain_webdataset_set_resolves_by_folder_and_brace_pattern(tmp_path):
+    import webdataset as wds
+
+    folder = tmp_path / "wds"
+    folder.mkdir()
+    with wds.ShardWriter(str(folder / "train-%04d.tar"), maxcount=4, verbose=0) as sink:
+        for i in range(10):
+            sample = {"__key__": f"s{i:03d}", "jpg": jpeg(i)}
+            if i % 2:
+                sample["cls"] = str(i % 3).encode()
+            sink.write(sample)
+    cache = tmp_path / "cache"
+    resolved = shards.resolve_shard_set(folder, index_cache=cache)
+    assert [t.name for t in resolved.tars] == ["train-0000.tar", "train-0001.tar", "train-0002.tar"]
+    assert resolved.counts == (4, 4, 2) and resolved.manifest is None and resolved.has_labels
+    assert all(p.parent == cache for p in resolved.index_files) and not list(folder.glob("*.idx"))
+    stamp = [p.stat().st_mtime_ns for p in resolved.index_files]
+    again = shards.resolve_shard_set(str(folder / "train-{0000..0002}.tar"), index_cache=cache)
+    assert again.index_files == resolved.index_files and [p.stat().st_mtime_ns for p in again.index_files] == stamp
+    items = list(shards.iter_samples(str(folder / "train-{0000..0001}.tar")))
+    assert len(items) == 8 and items[0]["label"] is None and items[1]["label"] == 1
+    with pytest.raises(shards.ShardSetError, match="not found"):
+        shards.resolve_shard_set(str(folder / "train-{0000..0005}.tar"), index_cache=cache)
+
+
+def test_own_sets_resolve_against_their_manifest(tmp_path):
+    samples = [shards.ShardSample(f"k{i}", {"jpg": jpeg(i)}, label=i % 2) for i in range(5)]
+    shards.write_shard_set(samples, tmp_path, max_count=2)
+    resolved = shards.resolve_shard_set(tmp_path, index_cache=tmp_path / "unused")
+    assert resolved.counts == (2, 2, 1) and resolved.samples == 5 and resolved.has_labels
+    assert resolved.manifest is not None and resolved.index_files[0] == tmp_path / "images-000000.idx"
+    assert not (tmp_path / "unused").exists()
+    shards.index_path(tmp_path / "images-000001.tar").write_text("v1.2 1\njpg 512 10 k2.jpg\n")
+    with pytest.raises(shards.ShardSetError, match="the manifest 2"):
+        shards.resolve_shard_set(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("v1.2 1\njpg -5 10 a.jpg\n", "negative"),
+        ("v1.2 1\njpg 512 99999999999 a.jpg\n", "beyond the tar"),
+        ("v1.2\njpg 512 10 a.jpg\n", "first line"),
+        ("v1.2 1\njpg x 10 a.jpg\n", "not integers"),
+        ("v1.2 1\njpg 512 10 ../a.jpg\n", "unsafe member name"),
+        ("v1.2 2\njpg 512 10 a.jpg\n", "announces 2"),
+    ],
+)
+def test_hostile_index_fields_are_one_line_errors(tmp_path, text, match):
+    tar = tmp_path / "x-000000.tar"
+    with tarfile.open(tar, "w") as archive:
+        add(archive, "a.jpg", jpeg(1))
+    idx = tmp_path / "x-000000.idx"
+    idx.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        shards.read_index(idx, tar)
