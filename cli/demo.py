@@ -6,17 +6,26 @@ from pathlib import Path
 
 import click
 
-from shards.demo import write_demo_images
+from shards.demo import MIN_SIZE, write_demo_images
 
 
 @click.command()
 @click.argument("output", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--train-per-class", default=24, show_default=True, help="Random crops per class for train.")
-@click.option("--val-per-class", default=8, show_default=True, help="Random crops per class for val.")
-@click.option("--size", default=128, show_default=True, help="Side of each square crop in pixels.")
+@click.option("--train-per-class", type=click.IntRange(min=1), default=24, show_default=True,
+              help="Random crops per class for train.")
+@click.option("--val-per-class", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Random crops per class for val.")
+@click.option("--size", type=click.IntRange(min=MIN_SIZE), default=128, show_default=True,
+              help=f"Side of each square crop in pixels (at least {MIN_SIZE}, the smallest side shards build accepts).")
 @click.option("--seed", default=0, show_default=True)
 def demo_data(output: Path, train_per_class: int, val_per_class: int, size: int, seed: int) -> None:
     """Write OUTPUT/{train,val}/<class>/*.jpg from photos bundled with scikit-image (no download)."""
-    counts = write_demo_images(output, train_per_class=train_per_class, val_per_class=val_per_class,
-                               size=size, seed=seed)
+    if output.exists() and not output.is_dir():
+        raise click.ClickException(f"{output} is an existing file, not a folder; choose a folder path")
+    try:
+        counts = write_demo_images(output, train_per_class=train_per_class, val_per_class=val_per_class,
+                                   size=size, seed=seed)
+    except OSError as exc:
+        raise click.ClickException(f"cannot write {exc.filename or output}: {exc.strerror or exc}; "
+                                   "choose a writable folder") from None
     click.echo(f"wrote {counts['train']} train and {counts['val']} val demo images under {output}")

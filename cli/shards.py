@@ -12,9 +12,11 @@ from pathlib import Path
 
 import click
 
-from shards.build import BuildConfig, build_shards
+from shards.build import BuildConfig, build_shards, output_error
+from shards.limits import DEFAULT_MAX_PIXELS
+from shards.lock import folder_lock
 from shards.merge import merge_shard_set
-from shards.ranks import RanksError, ranks_from_env  # noqa: F401
+from shards.ranks import RanksError, ranks_from_env
 from shards.sources import LAYOUTS, InputError
 from shards.verify import verify_shard_set
 
@@ -46,8 +48,12 @@ def shards_group() -> None:
 @click.option("--quality", default=95, show_default=True, help="JPEG quality for converted (non-JPEG/non-RGB) images.")
 @click.option("--layout", type=click.Choice(LAYOUTS), default="auto", show_default=True,
               help="Folder input: classes = one sub-folder per class; flat = unlabeled (recursive); auto = classes when sub-folders exist.")
-@click.option("--workers", default=os.cpu_count() or 1, show_default=True, help="Decoding processes.")
-@click.option("--overwrite", is_flag=True, help="Replace a different shard set already in --out.")
+@click.option("--workers", type=click.IntRange(min=1), default=os.cpu_count() or 1, show_default=True,
+              help="Decoding processes (at least 1).")
+@click.option("--max-pixels", type=click.IntRange(min=1), default=DEFAULT_MAX_PIXELS, show_default=True,
+              help="Refuse images with more pixels than this (checked from the header, before decoding).")
+@click.option("--overwrite", is_flag=True,
+              help="Replace a previous build in --out (only its own files are removed) or build beside other files.")
 @click.option("--merge-timeout", default=3600.0, show_default=True, help="Under torchrun: seconds rank 0 waits for the other ranks before merging.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar.")
 def build(input_path: Path, out_arg: Path | None, out_opt: Path | None, max_bytes: str, merge_timeout: float,
@@ -76,8 +82,8 @@ def build(input_path: Path, out_arg: Path | None, out_opt: Path | None, max_byte
         ranks = ranks_from_env()
         click.echo(f"config: {json.dumps(asdict(config), default=str)}", err=True)
         report = build_shards(config, ranks)
-    except (InputError, FileNotFoundError, RuntimeError) as exc:
-        raise click.ClickException(str(exc)) from exc
+    except (InputError, RanksError, FileNotFoundError, RuntimeError) as exc:
+        raise click.ClickException(str(exc)) from None
     click.echo(
         f"rank {ranks.rank}/{ranks.world_size}: {report.shards_built} shard(s) built, {report.shards_kept} kept "
         f"from an earlier run, {report.written} images written, {report.rejected} rejected while decoding"
@@ -101,25 +107,37 @@ def echo_merge(out_dir: Path, merge) -> None:
 @click.option("--wait", default=0.0, show_default=True, help="Seconds to wait for unfinished shards.")
 def merge(directory: Path, wait: float) -> None:
     """Merge the per-shard records of a (multi-rank) build into manifest.parquet, rejected.parquet, info.json."""
+    if not directory.is_dir():
+        raise click.ClickException(f"{directory} is not a folder; give the output folder of a shard build")
     try:
-        report = merge_shard_set(directory, wait_s=wait)
+        with folder_lock(directory, "relicv2 shards merge"):
+            report = merge_shard_set(directory, wait_s=wait)
     except (FileNotFoundError, RuntimeError) as exc:
-        raise click.ClickException(str(exc)) from exc
+        raise click.ClickException(str(exc)) from None
+    except OSError as exc:
+        raise click.ClickException(str(output_error(exc, directory))) from None
     echo_merge(directory, report)
 
 
 @shards_group.command("verify")
 @click.argument("directory", type=click.Path(path_type=Path))
-@click.option("--workers", default=os.cpu_count() or 1, show_default=True, help="Processes checking shards.")
+@click.option("--workers", type=click.IntRange(min=1), default=os.cpu_count() or 1, show_default=True,
+              help="Processes checking shards (at least 1).")
 @click.option("--decode/--no-decode", default=True, show_default=True, help="Fully decode every image.")
-def verify(directory: Path, workers: int, decode: bool) -> None:
-    """Check every shard against the manifest: counts, keys, hashes, decodability, index files."""
+@click.option("--index-cache", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Folder for index files derived from shards that have none (plain WebDataset sets).")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Show progress.")
+def verify(directory: Path, workers: int, decode: bool, index_cache: Path | None, progress: bool) -> None:
+    """Check every shard of DIRECTORY: against the manifest when the set has one (counts, keys,
+    hashes, decodability, index files), else (plain WebDataset shards) that every tar reads, every
+    sample has a decodable image and a valid label, and the index agrees with the tar."""
     if not directory.is_dir():
         raise click.ClickException(f"{directory} is not a folder; give the shard set's folder")
     try:
-        report = verify_shard_set(directory, workers=workers, decode_images=decode)
-    except FileNotFoundError as exc:
-        raise click.ClickException(str(exc)) from exc
+        report = verify_shard_set(directory, workers=workers, decode_images=decode,
+                                  index_cache=index_cache, progress=progress)
+    except (FileNotFoundError, ValueError) as exc:
+        raise click.ClickException(str(exc)) from None
     for problem in report.problems:
         click.echo(problem)
     if not report.ok:

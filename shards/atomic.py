@@ -54,15 +54,16 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         tmp.write_bytes(data)
 
 
-def remove_stale_temps(directory: Path, names: set[str]) -> int:
-    """Delete temporary files left by killed writers for the final names in `names`.
+def remove_stale_temps(directory: Path, names: set[str] | None = None) -> int:
+    """Delete temporary files left by killed writers for the final names in `names` (None: all); return the count.
 
-    Only the caller's own final names: other ranks may be writing other files in the same folder.
+    Call it only while holding the folder's lock (shards.lock), and under torchrun only for the
+    caller's own final names: other ranks may be writing other files in the same folder.
     """
     removed = 0
     for p in Path(directory).glob(f".*{TEMP_MARK}*"):
         final = p.name[1 : p.name.index(TEMP_MARK)]
-        if final in names:
+        if names is None or final in names:
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
                 removed += 1

@@ -11,35 +11,43 @@ and info.json (shards.merge).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import errno
 import functools
 import json
-import multiprocessing
-import shutil
+import sys
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from PIL import Image
-from tqdm import tqdm
 
 from shards.atomic import atomic_write_bytes, remove_stale_temps
 from shards.images import PreparedImage, Rejection, prepare_file
 from shards.index import index_path
-from shards.manifest import MANIFEST_NAME, REJECTED_NAME, rejected_table, write_table
+from shards.limits import DEFAULT_MAX_PIXELS, ImageLimits
+from shards.lock import folder_lock
+from shards.manifest import REJECTED_NAME, rejected_table, write_table
 from shards.merge import (
     MergeReport,
     done_marker,
     merge_shard_set,
-    plan_file,
     work_dir,
 )
+from shards.outdir import claim_out_dir
 from shards.plan import ShardPlan, plan_digest, plan_shards, rank_shards
+from shards.progress import Phase
 from shards.ranks import Ranks, ranks_from_env  # noqa: F401 (re-exported for callers of shards.build)
 from shards.sample import ShardSample
 from shards.sources import InputError, Listing, SourceImage, list_inputs
 from shards.version import package_version
+from shards.workers import worker_pool
 from shards.writer import SampleRecord, TarShard, sample_record
+
+
+class OutputError(RuntimeError):
+    """The output folder cannot be written (full disk, read-only, permissions): names the path and cause."""
+
 
 CHUNK = 16  # images per worker task: amortises inter-process overhead, keeps order cheap
 
@@ -61,6 +69,7 @@ class BuildConfig:
     overwrite: bool = False
     progress: bool = True
     merge_timeout_s: float = 3600.0
+    max_pixels: int = DEFAULT_MAX_PIXELS
     command: str = ""
 
 
@@ -94,6 +103,10 @@ def check_config(config: BuildConfig) -> None:
         raise InputError("--max-bytes and --max-count must be positive")
     if not 1 <= config.quality <= 100:
         raise InputError(f"--quality {config.quality} must be within 1..100")
+    if config.workers < 1:
+        raise InputError(f"--workers {config.workers} must be at least 1")
+    if config.max_pixels < 1:
+        raise InputError(f"--max-pixels {config.max_pixels} must be positive")
     if config.min_side < 1:
         raise InputError(f"--min-side {config.min_side} must be at least 1")
     if not config.prefix or "." in config.prefix or "/" in config.prefix:
@@ -114,42 +127,24 @@ def plan_record(config: BuildConfig, listing: Listing, shards: list[ShardPlan]) 
     }
 
 
-def claim_out_dir(config: BuildConfig, record: dict, ranks: Ranks) -> None:
-    """Make sure out_dir holds nothing but this build (or an unfinished run of it)."""
-    out, plan = config.out_dir, plan_file(config.out_dir)
-    previous = json.loads(plan.read_text()) if plan.is_file() else None
-    foreign = previous is not None and previous["digest"] != record["digest"]
-    unknown = previous is None and out.is_dir() and any(
-        (out / n).exists() for n in (MANIFEST_NAME, REJECTED_NAME, "info.json")
-    )
-    if (foreign or unknown) and not config.overwrite:
-        what = "a build of other inputs or settings" if foreign else "a shard set this command did not plan"
-        raise InputError(f"{out} already holds {what}; choose a new --out folder or pass --overwrite")
-    if (foreign or unknown) and config.overwrite:
-        if ranks.world_size > 1:
-            raise InputError(f"--overwrite is not supported under torchrun; empty {out} before the build")
-        shutil.rmtree(work_dir(out), ignore_errors=True)
-        for p in out.iterdir():
-            if p.name in (MANIFEST_NAME, REJECTED_NAME, "info.json") or p.suffix in (".tar", ".idx"):
-                p.unlink()
-    work_dir(out).mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(plan, (json.dumps(record, indent=1, sort_keys=True) + "\n").encode())
-
-
 def shard_is_done(out: Path, shard: ShardPlan) -> bool:
     """A shard is finished when its done-marker (named after its digest) exists and so do its files
     (an all-rejected shard has a marker and no files)."""
     marker = done_marker(out, shard)
     if not marker.is_file():
         return False
-    empty = json.loads(marker.read_text())["empty"]
+    try:
+        empty = bool(json.loads(marker.read_text())["empty"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # an unreadable marker: redo the shard (its marker is rewritten)
     tar = out / shard.name
     return empty or (tar.is_file() and index_path(tar).is_file())
 
 
 def prepared_stream(images: list[SourceImage], config: BuildConfig) -> Iterator[SampleRecord | Rejection]:
     """Decode-verify and serialise the images in order, in `config.workers` processes (inline for 1)."""
-    prepare = functools.partial(prepare_many, min_side=config.min_side, quality=config.quality)
+    limits = ImageLimits(max_pixels=config.max_pixels)
+    prepare = functools.partial(prepare_many, min_side=config.min_side, quality=config.quality, limits=limits)
     chunks = (tuple(images[i : i + CHUNK]) for i in range(0, len(images), CHUNK))
     if config.workers <= 1:
         for chunk in chunks:
@@ -158,9 +153,7 @@ def prepared_stream(images: list[SourceImage], config: BuildConfig) -> Iterator[
     # PIL registers its format plugins on first use; doing it once here means forked workers inherit
     # them instead of each paying the import (~0.1 s) on its first image.
     Image.init()
-    # fork: workers start in milliseconds and do not re-import the CLI (and torch) as spawn would.
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    with cf.ProcessPoolExecutor(config.workers, mp_context=multiprocessing.get_context(method)) as pool:
+    with worker_pool(config.workers) as pool:
         # A bounded window of chunks in flight keeps memory flat when writing lags behind decoding.
         window: deque[cf.Future] = deque()
         for chunk in chunks:
@@ -171,11 +164,13 @@ def prepared_stream(images: list[SourceImage], config: BuildConfig) -> Iterator[
             yield from window.popleft().result()
 
 
-def prepare_many(images: tuple[SourceImage, ...], *, min_side: int, quality: int) -> list[SampleRecord | Rejection]:
+def prepare_many(
+    images: tuple[SourceImage, ...], *, min_side: int, quality: int, limits: ImageLimits
+) -> list[SampleRecord | Rejection]:
     """Worker task: decode-verify a chunk of files and serialise each as tar blocks."""
     results: list[SampleRecord | Rejection] = []
     for image in images:
-        prepared = prepare_file(image.path, min_side=min_side, quality=quality)
+        prepared = prepare_file(image.path, min_side=min_side, quality=quality, limits=limits)
         results.append(prepared if isinstance(prepared, Rejection) else sample_record(sample_of(image, prepared)))
     return results
 
@@ -189,6 +184,8 @@ def sample_of(image: SourceImage, prepared: PreparedImage) -> ShardSample:
         "status": "converted" if prepared.converted else "passthrough",
         "source_format": prepared.source_format,
     }
+    if prepared.orientation != 1:
+        meta["exif_orientation"] = prepared.orientation  # applied: the stored image is upright
     if image.class_name is not None:
         meta["class_name"] = image.class_name
     return ShardSample(image.key, {"jpg": prepared.jpg}, image.label, meta)
@@ -217,10 +214,50 @@ def build_one(out: Path, shard: ShardPlan, results: Iterator[SampleRecord | Reje
     return len(rows), len(rejected)
 
 
+def check_out_dir(config: BuildConfig) -> None:
+    """The output must be a folder (or not exist yet) and must not be the input itself."""
+    out = config.out_dir
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} is an existing file, not a folder; choose a folder path")
+    if config.input.is_dir() and out.resolve() == config.input.resolve():
+        raise InputError(f"--out {out} is the input folder itself; choose another folder")
+
+
 def build_shards(config: BuildConfig, ranks: Ranks = Ranks()) -> BuildReport:
-    """Build this rank's shards of the planned set, resuming finished ones; rank 0 then merges."""
+    """Build this rank's shards of the planned set, resuming finished ones; rank 0 then merges.
+
+    Rank 0 holds the output folder's lock for the whole job (other ranks write into the folder it
+    holds). Raises InputError for bad settings or inputs, OutputError when the output cannot be written.
+    """
     check_config(config)
-    listing = list_inputs(config.input, config.layout)
+    check_out_dir(config)
+    try:
+        config.out_dir.mkdir(parents=True, exist_ok=True)
+        with folder_lock(config.out_dir, "relicv2 shards build", enabled=ranks.rank == 0):
+            return _build_locked(config, ranks)
+    except OSError as exc:
+        raise output_error(exc, config.out_dir) from exc
+
+
+def output_error(exc: OSError, out: Path) -> OutputError:
+    """An OSError while writing -> one sentence naming the path, the cause and the way out."""
+    path = exc.filename or out
+    cause = exc.strerror or str(exc)
+    hint = {
+        errno.ENOSPC: "free space on that file system or choose another --out",
+        errno.EDQUOT: "free space (quota) or choose another --out",
+        errno.EROFS: "the file system is read-only; choose another --out",
+        errno.EACCES: "you may not write there; choose another --out or fix its permissions",
+        errno.EPERM: "you may not write there; choose another --out or fix its permissions",
+    }.get(exc.errno, "check the output folder")
+    return OutputError(
+        f"cannot write {path}: {cause}; {hint} (finished shards are kept: rerun the same command to resume)"
+    )
+
+
+def _build_locked(config: BuildConfig, ranks: Ranks) -> BuildReport:
+    out = config.out_dir
+    listing = list_inputs(config.input, config.layout, exclude=out)
     shards = plan_shards(
         listing.images,
         seed=config.seed,
@@ -229,43 +266,45 @@ def build_shards(config: BuildConfig, ranks: Ranks = Ranks()) -> BuildReport:
         max_count=config.max_count,
         settings=settings_of(config),
     )
-    config.out_dir.mkdir(parents=True, exist_ok=True)
-    claim_out_dir(config, plan_record(config, listing, shards), ranks)
+    removed = claim_out_dir(out, plan_record(config, listing, shards), overwrite=config.overwrite,
+                            multi_rank=ranks.world_size > 1)
+    if removed:
+        print(f"--overwrite: removed {removed} file(s) of the previous build in {out}", file=sys.stderr)
     if ranks.rank == 0:
-        write_table(rejected_table(listing.rejected), work_dir(config.out_dir) / "plan-rejected.parquet")
+        write_table(rejected_table(listing.rejected), work_dir(out) / "plan-rejected.parquet")
     mine = [shards[n] for n in rank_shards(len(shards), ranks.rank, ranks.world_size)]
-    pending = [s for s in mine if not shard_is_done(config.out_dir, s)]
-    names = {s.name for s in pending} | {index_path(Path(s.name)).name for s in pending}
-    remove_stale_temps(config.out_dir, names)
+    pending = [s for s in mine if not shard_is_done(out, s)]
+    if ranks.world_size == 1:  # alone in the folder (we hold its lock): every temporary is stale
+        stale = remove_stale_temps(out) + remove_stale_temps(work_dir(out))
+    else:  # other ranks write beside us: only our own shards' temporaries
+        stale = remove_stale_temps(out, {s.name for s in pending} | {index_path(Path(s.name)).name for s in pending})
+    if stale:
+        print(f"removed {stale} stale temporary file(s) left by an interrupted run in {out}", file=sys.stderr)
     images = [im for s in pending for im in s.images]
     written = rejected = 0
-    with tqdm(
-        total=len(images),
-        unit="img",
-        desc=f"rank {ranks.rank}/{ranks.world_size}" if ranks.world_size > 1 else "shards",
-        disable=not config.progress,
-        smoothing=0.1,
-    ) as bar:
+    desc = f"rank {ranks.rank}/{ranks.world_size}" if ranks.world_size > 1 else "shards build"
+    with Phase(desc, len(images), unit="img", enabled=config.progress) as bar:
         results = prepared_stream(images, config)
         try:
             counted = counting(results, bar)
             for shard in pending:
-                w, r = build_one(config.out_dir, shard, counted)
+                w, r = build_one(out, shard, counted)
                 written, rejected = written + w, rejected + r
         finally:
             results.close()  # shuts the worker pool down now, not at garbage collection
     merge = None
     if ranks.rank == 0:
-        merge = merge_shard_set(config.out_dir, wait_s=config.merge_timeout_s if ranks.world_size > 1 else 0)
+        merge = merge_shard_set(out, wait_s=config.merge_timeout_s if ranks.world_size > 1 else 0,
+                                progress=config.progress)
         if merge.written == 0:
             raise InputError(
                 f"none of the {merge.rejected} input file(s) could be written; "
-                f"see {config.out_dir / REJECTED_NAME} for the reasons"
+                f"see {out / REJECTED_NAME} for the reasons"
             )
     return BuildReport(len(shards), len(pending), len(mine) - len(pending), written, rejected, merge)
 
 
-def counting(results: Iterator, bar: tqdm) -> Iterator:
+def counting(results: Iterator, bar: Phase) -> Iterator:
     """Pass results through, advancing the progress bar."""
     for item in results:
         bar.update(1)

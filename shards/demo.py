@@ -14,6 +14,7 @@ import numpy as np
 from PIL import Image
 from skimage import data as skdata
 
+MIN_SIZE = 32  # shards build's default --min-side: smaller crops would all be rejected
 # Photos that ship inside scikit-image (no download), one class each.
 DEMO_PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "immunohistochemistry", "colorwheel",
                "hubble_deep_field", "retina")
@@ -33,6 +34,9 @@ def _random_crop(photo: np.ndarray, rng: np.random.Generator, size: int) -> np.n
 def write_demo_images(out_dir: Path, *, train_per_class: int = 24, val_per_class: int = 8,
                       size: int = 128, seed: int = 0) -> dict[str, int]:
     """Write `out_dir/{train,val}/<class>/*.jpg` (plus a few awkward files in train); return counts."""
+    if size < MIN_SIZE or train_per_class < 1 or val_per_class < 1:
+        raise ValueError(f"size must be at least {MIN_SIZE} and the per-class counts at least 1 "
+                         f"(got size={size}, train={train_per_class}, val={val_per_class})")
     rng = np.random.default_rng(seed)
     counts = {"train": 0, "val": 0}
     for name in DEMO_PHOTOS:

@@ -88,6 +88,19 @@ def read_manifest(directory: Path) -> pa.Table:
     return pq.read_table(path)
 
 
+def manifest_shards(directory: Path) -> set[str] | None:
+    """The shard file names the manifest in `directory` lists (plain names only), or None when it
+    has no readable manifest: what a later job may delete as this set's own files."""
+    path = Path(directory) / MANIFEST_NAME
+    if not path.is_file():
+        return None
+    try:
+        names = pq.read_table(path, columns=["shard"]).column("shard").to_pylist()
+    except (OSError, pa.ArrowException, KeyError):
+        return None
+    return {n for n in names if isinstance(n, str) and "/" not in n and n.endswith(".tar") and not n.startswith(".")}
+
+
 def read_rejected(directory: Path) -> pa.Table:
     """The rejection list of a shard set (empty when the set has none)."""
     path = Path(directory) / REJECTED_NAME

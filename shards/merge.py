@@ -7,7 +7,6 @@ its own as `relicv2 shards merge DIR` once every rank has finished.
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -16,6 +15,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from shards.manifest import REJECTED_NAME, rejected_table, write_manifest, write_table
+from shards.progress import Phase, tracked
 from shards.writer import write_info
 
 WORK_DIR = ".build"
@@ -49,33 +49,59 @@ def done_marker(out: Path, shard) -> Path:
     return work_dir(out) / f"{name}.{digest[:16]}.done.json"
 
 
-def wait_for_markers(out: Path, shards: list[dict], wait_s: float) -> list[dict]:
+def read_marker(out: Path, shard: dict) -> dict:
+    """A done-marker's record; a clear error when it is not one."""
+    path = done_marker(out, shard)
+    try:
+        marker = json.loads(path.read_text())
+        if not isinstance(marker, dict) or not {"empty", "manifest", "rejected", "shard"} <= set(marker):
+            raise ValueError("fields missing")
+        return marker
+    except (OSError, ValueError) as exc:
+        raise RuntimeError(f"{path} is not a done-marker ({exc}); delete it and rerun the build to redo that shard") from None
+
+
+def wait_for_markers(out: Path, shards: list[dict], wait_s: float, progress: bool = True) -> list[dict]:
     """Wait up to `wait_s` seconds for every shard's marker; raise naming the missing ones."""
     deadline = time.monotonic() + wait_s
-    while True:
-        missing = [s["name"] for s in shards if not done_marker(out, s).is_file()]
-        if not missing:
-            return [json.loads(done_marker(out, s).read_text()) for s in shards]
-        if time.monotonic() >= deadline:
-            shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-            raise RuntimeError(
-                f"{len(missing)} shard(s) of {out} are not finished ({shown}); rerun the build for the "
-                "ranks that own them, then run: relicv2 shards merge " + str(out)
-            )
-        time.sleep(POLL_S)
+    with Phase("shards merge: waiting for ranks", len(shards), unit="shard", enabled=progress and wait_s > 0) as bar:
+        while True:
+            done = sum(done_marker(out, s).is_file() for s in shards)
+            bar.update(done - bar.count)
+            if done == len(shards) or time.monotonic() >= deadline:
+                break
+            time.sleep(POLL_S)
+    missing = [s["name"] for s in shards if not done_marker(out, s).is_file()]
+    if not missing:
+        return [read_marker(out, s) for s in tracked(shards, "shards merge: reading records", len(shards),
+                                                     unit="shard", enabled=progress)]
+    shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+    raise RuntimeError(
+        f"{len(missing)} shard(s) of {out} are not finished ({shown}); rerun the build for the "
+        "ranks that own them, then run: relicv2 shards merge " + str(out)
+    )
 
 
-def merge_shard_set(out: Path, *, wait_s: float = 0.0) -> MergeReport:
-    """Merge the done-markers of a planned build into the shard set's manifest, rejections and info."""
+def merge_shard_set(out: Path, *, wait_s: float = 0.0, progress: bool = True) -> MergeReport:
+    """Merge the done-markers of a planned build into the shard set's manifest, rejections and info.
+
+    The caller holds the folder's lock (`shards build` rank 0, or the `shards merge` command).
+    """
     out = Path(out)
     if not plan_file(out).is_file():
         raise FileNotFoundError(f"{out} holds no build plan ({plan_file(out)}); run relicv2 shards build first")
-    plan = json.loads(plan_file(out).read_text())
-    markers = wait_for_markers(out, plan["shards"], wait_s)
+    try:
+        plan = json.loads(plan_file(out).read_text())
+        if not isinstance(plan, dict) or not {"shards", "settings", "inputs", "classes"} <= set(plan):
+            raise ValueError("fields missing")
+    except (OSError, ValueError) as exc:
+        raise RuntimeError(
+            f"{plan_file(out)} is not a readable build plan ({exc}); rerun relicv2 shards build with --overwrite"
+        ) from None
+    markers = wait_for_markers(out, plan["shards"], wait_s, progress)
     rows = [row for m in markers for row in m["manifest"]]
     plan_rejected = pq.read_table(work_dir(out) / "plan-rejected.parquet").to_pylist()
     rejected = sorted(plan_rejected + [r for m in markers for r in m["rejected"]], key=lambda r: (r["source"], r["reason"]))
-    _remove_unplanned_shards(out, plan)
     write_manifest(rows, out)
     write_table(rejected_table(rejected), out / REJECTED_NAME)
     by_reason = dict(sorted(Counter(r["reason"] for r in rejected).items()))
@@ -106,12 +132,3 @@ def merge_shard_set(out: Path, *, wait_s: float = 0.0) -> MergeReport:
         },
     )
     return MergeReport(len(tars), len(rows), len(rejected), by_reason, empty)
-
-
-def _remove_unplanned_shards(out: Path, plan: dict) -> None:
-    """Delete `{prefix}-NNNNNN.tar/.idx` files the plan does not contain (e.g. from an overwritten build)."""
-    planned = {s["name"] for s in plan["shards"]}
-    pattern = re.compile(re.escape(plan["settings"]["prefix"]) + r"-\d{6}\.(tar|idx)")
-    for p in out.iterdir():
-        if pattern.fullmatch(p.name) and p.with_suffix(".tar").name not in planned:
-            p.unlink()

@@ -108,29 +108,74 @@ def check_file(source: str, path: str, label: int | None, class_name: str | None
     return SourceImage(source, path, label, class_name, size)
 
 
-def walk_files(root: Path) -> list[tuple[str, str]]:
+def walk_files(root: Path, exclude: Path | None = None) -> tuple[list[tuple[str, str]], list[dict]]:
     """(relative posix path, full path) of every non-directory entry under root, broken links
-    included (they are reported); hidden folders are skipped."""
-    found = []
-    base = str(root)
-    for dirpath, dirnames, filenames in os.walk(base, followlinks=True):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        rel = os.path.relpath(dirpath, base).replace(os.sep, "/")
-        prefix = "" if rel == "." else rel + "/"
-        found += [(prefix + f, os.path.join(dirpath, f)) for f in filenames]
-    return found
+    included (they are reported), and rejections for folders left out.
+
+    Hidden folders are skipped. Directory links are followed, but no folder is walked twice (a
+    link loop, or two links to one folder, would repeat its images and never end): the second
+    visit is reported. `exclude` (the build's output folder, when it lies inside the input) is left out.
+    """
+    found: list[tuple[str, str]] = []
+    rejected: list[dict] = []
+    excluded = _identity(exclude) if exclude is not None else None
+    seen = {_identity(root)}
+    stack = [("", str(root))]
+    while stack:
+        prefix, folder = stack.pop()
+        try:
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError as exc:
+            rejected.append(reject(prefix.rstrip("/") or ".", "unreadable", f"folder cannot be listed ({exc.strerror or exc})"))
+            continue
+        subfolders = []
+        for entry in entries:
+            try:
+                is_dir = entry.is_dir(follow_symlinks=True)
+            except OSError:
+                is_dir = False
+            if not is_dir:
+                found.append((prefix + entry.name, entry.path))
+                continue
+            if entry.name.startswith("."):
+                continue
+            identity = _identity(Path(entry.path))
+            if identity == excluded:
+                continue  # the output folder inside the input: never an input
+            if identity in seen:
+                rejected.append(reject(prefix + entry.name, "folder_visited_twice",
+                                       "folder (or a link to it) was already walked: a link loop or a second link; left out"))
+                continue
+            seen.add(identity)
+            subfolders.append((prefix + entry.name + "/", entry.path))
+        stack.extend(reversed(subfolders))
+    return found, rejected
 
 
-def list_folder(root: Path, layout: str) -> Listing:
+def _identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of a folder, following links; None when it does not exist."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def list_folder(root: Path, layout: str, exclude: Path | None = None) -> Listing:
     """A class-folder tree (sub-folders = classes) or a flat folder (unlabeled, searched recursively)."""
-    subdirs = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    excluded = _identity(exclude) if exclude is not None else None
+    subdirs = sorted(
+        p.name for p in root.iterdir()
+        if p.is_dir() and not p.name.startswith(".") and (excluded is None or _identity(p) != excluded)
+    )
     if layout == "classes" and not subdirs:
         raise InputError(f"{root} has no class sub-folders; use --layout flat for an unlabeled folder")
     by_class = layout == "classes" or (layout == "auto" and bool(subdirs))
     classes = subdirs if by_class else []
     index = {name: i for i, name in enumerate(classes)}
-    images, rejected = [], []
-    for source, path in walk_files(root):
+    images = []
+    files, rejected = walk_files(root, exclude)
+    for source, path in files:
         name = source.split("/", 1)[0] if by_class and "/" in source else None
         if by_class and name is None:
             rejected.append(reject(source, "outside_class_folder", "file lies beside the class folders, not in one"))
@@ -180,13 +225,16 @@ def list_table(list_file: Path) -> Listing:
     return Listing(images, rejected, classes, "list")
 
 
-def list_inputs(source: Path, layout: str = "auto") -> Listing:
-    """Find the inputs of a build; keys assigned, images sorted by source. Raises InputError on job-level problems."""
+def list_inputs(source: Path, layout: str = "auto", exclude: Path | None = None) -> Listing:
+    """Find the inputs of a build; keys assigned, images sorted by source. Raises InputError on job-level problems.
+
+    `exclude`: a folder under `source` to leave out (the build's own output folder).
+    """
     source = Path(source)
     if layout not in LAYOUTS:
         raise InputError(f"unknown layout {layout!r}; use one of {', '.join(LAYOUTS)}")
     if source.is_dir():
-        listing = list_folder(source, layout)
+        listing = list_folder(source, layout, exclude)
     elif source.is_file() and source.suffix.lower() in LIST_SUFFIXES:
         listing = list_table(source)
     elif source.exists():

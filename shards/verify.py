@@ -1,27 +1,42 @@
-"""`relicv2 shards verify DIR`: check every shard of a set against its manifest.
+"""`relicv2 shards verify DIR`: check every shard of a set, with or without a manifest.
 
-Checks: every manifest shard exists and no unlisted shard does; each tar reads completely; each
-sample's members are adjacent, its key, position, label, size and content hash match the manifest;
-its `.jpg` decodes fully with the recorded width and height; each `.idx` exists and equals the index
-computed from the tar; keys are unique across the set; info.json agrees on the sample count.
+With a manifest (sets from `shards build`): every manifest shard exists and no unlisted shard
+does; each tar reads completely; each sample's members are adjacent, its key, position, label,
+size and content hash match the manifest; its `.jpg` decodes fully with the recorded width and
+height; each `.idx` exists and equals the index computed from the tar; keys are unique across the
+set; info.json agrees on the sample count. Without one (plain WebDataset shards): every tar reads
+completely, every sample has a decodable image (jpg/jpeg/png/webp) and a valid label when it has
+one, and the index (beside the tar or derived into the cache) agrees with the tar.
+Every problem is one line; nothing raises except a folder without any shard.
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import functools
 import json
-import multiprocessing
-import tarfile
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shards.images import decode
+import pyarrow as pa
+
+from shards.images import JPEG_FORMATS, ImageLoadError, decode
 from shards.index import index_path, index_text, split_member_name
-from shards.manifest import read_manifest
-from shards.reader import SHARD_PATTERN
+from shards.limits import DEFAULT_LIMITS
+from shards.manifest import MANIFEST_NAME, MANIFEST_SCHEMA, read_manifest
+from shards.progress import tracked
+from shards.reader import ReadReport, _tar_samples
 from shards.sample import content_hash
+from shards.shardset import (
+    SHARD_PATTERN,
+    ShardSetError,
+    cached_index,
+    default_index_cache,
+    list_shard_files,
+)
+from shards.tario import Member, TarReadError, iter_tar
+from shards.workers import worker_pool
 
 
 @dataclass(frozen=True)
@@ -43,23 +58,37 @@ def read_tar_samples(tar: Path) -> tuple[list[tuple[str, list[tuple[str, bytes]]
     problems: list[str] = []
     seen: set[str] = set()
     try:
-        with tarfile.open(tar, "r:") as archive:
-            for member in archive:
-                if not member.isreg():
-                    problems.append(f"{tar.name}: member {member.name!r} is not a regular file")
-                    continue
-                key, ext = split_member_name(member.name)
-                data = archive.extractfile(member).read()
-                if samples and samples[-1][0] == key:
-                    samples[-1][1].append((ext, data))
-                    continue
-                if key in seen:
-                    problems.append(f"{tar.name}: members of sample {key!r} are not adjacent")
-                seen.add(key)
-                samples.append((key, [(ext, data)]))
-    except (tarfile.TarError, OSError, EOFError) as exc:
-        problems.append(f"{tar.name}: tar cannot be read to the end ({exc}); rebuild this shard")
+        for item in iter_tar(tar):
+            if not isinstance(item, Member):
+                what = "tar cannot be read to the end" if item.name is None else "member refused"
+                problems.append(f"{tar.name}: {what}: {item.detail}; rebuild this shard")
+                continue
+            key, ext = split_member_name(item.name)
+            if samples and samples[-1][0] == key:
+                samples[-1][1].append((ext, item.data))
+                continue
+            if key in seen:
+                problems.append(f"{tar.name}: members of sample {key!r} are not adjacent")
+            seen.add(key)
+            samples.append((key, [(ext, item.data)]))
+    except TarReadError as exc:
+        problems.append(f"{exc}")
     return samples, problems
+
+
+def decode_problem(where: str, data: bytes, row: dict | None) -> str | None:
+    """Why an image member does not decode (or does not match its manifest row), or None."""
+    try:
+        image = decode(data)
+    except ImageLoadError as exc:
+        return f"{where}: image does not decode ({exc.detail})"
+    if row is None:
+        return None
+    if image.format not in JPEG_FORMATS or image.mode != "RGB":
+        return f"{where}: .jpg is {image.format} {image.mode}, not an RGB JPEG"
+    if row["width"] is not None and image.size != (row["width"], row["height"]):
+        return f"{where}: image is {image.size[0]}x{image.size[1]}, manifest says {row['width']}x{row['height']}"
+    return None
 
 
 def sample_problems(tar: Path, key: str, members: list[tuple[str, bytes]], row: dict, decode_images: bool) -> list[str]:
@@ -81,14 +110,9 @@ def sample_problems(tar: Path, key: str, members: list[tuple[str, bytes]], row: 
     if "jpg" not in found:
         return problems + [f"{where}: has no .jpg member"]
     if decode_images:
-        try:
-            image = decode(found["jpg"])
-            if image.format not in ("JPEG", "MPO") or image.mode != "RGB":
-                problems.append(f"{where}: .jpg is {image.format} {image.mode}, not an RGB JPEG")
-            if row["width"] is not None and image.size != (row["width"], row["height"]):
-                problems.append(f"{where}: image is {image.size[0]}x{image.size[1]}, manifest says {row['width']}x{row['height']}")
-        except Exception as exc:  # any decoder failure is a reported problem
-            problems.append(f"{where}: .jpg does not decode ({type(exc).__name__}: {exc})")
+        problem = decode_problem(where, found["jpg"], row)
+        if problem:
+            problems.append(problem)
     try:
         json.loads(found.get("json", b"{}"))
     except ValueError:
@@ -96,20 +120,23 @@ def sample_problems(tar: Path, key: str, members: list[tuple[str, bytes]], row: 
     return problems
 
 
+def index_problems(tar: Path, idx: Path) -> list[str]:
+    """Whether the index of `tar` exists and equals the one computed from the tar."""
+    if not idx.is_file():
+        return [f"{idx.name}: index file missing; recreate it with shards.write_index or rebuild"]
+    try:
+        if idx.read_text(encoding="utf-8") != index_text(tar):
+            return [f"{idx.name}: index does not match {tar.name}; recreate it with shards.write_index"]
+    except (ValueError, UnicodeDecodeError, OSError) as exc:
+        return [f"{idx.name}: cannot be checked ({exc})"]
+    return []
+
+
 def verify_shard(tar: Path, rows: list[dict], decode_images: bool = True) -> list[str]:
     """Problems of one shard (its tar and its index) against its manifest rows (sorted by position)."""
     if not tar.is_file():
         return [f"{tar.name}: listed in the manifest but missing; rebuild the shard set"]
-    problems = []
-    idx = index_path(tar)
-    if not idx.is_file():
-        problems.append(f"{idx.name}: index file missing; recreate it with shards.write_index or rebuild")
-    else:
-        try:
-            if idx.read_text(encoding="utf-8") != index_text(tar):
-                problems.append(f"{idx.name}: index does not match {tar.name}; recreate it with shards.write_index")
-        except (ValueError, UnicodeDecodeError) as exc:
-            problems.append(f"{idx.name}: cannot be checked ({exc})")
+    problems = index_problems(tar, index_path(tar))
     samples, read_problems = read_tar_samples(tar)
     problems += read_problems
     if len(samples) != len(rows):
@@ -119,14 +146,78 @@ def verify_shard(tar: Path, rows: list[dict], decode_images: bool = True) -> lis
     return problems
 
 
-def verify_shard_set(directory: Path, *, workers: int = 1, decode_images: bool = True) -> VerifyReport:
-    """Verify a shard set folder; every problem is reported, none raised (except a missing manifest)."""
+def verify_plain_shard(tar: Path, index_cache: Path, decode_images: bool = True) -> tuple[int, list[str]]:
+    """(samples, problems) of a shard without a manifest: readable, images decode, index agrees."""
+    beside = index_path(tar)
+    if beside.is_file():
+        problems = index_problems(tar, beside)
+    else:
+        try:
+            cached_index(tar, index_cache)
+            problems = []
+        except (ValueError, OSError) as exc:
+            problems = [f"{tar.name}: no index can be derived ({exc})"]
+    report = ReadReport()
+    count = 0
+    for sample in _tar_samples(tar, DEFAULT_LIMITS, report, False):
+        count += 1
+        if decode_images:
+            problem = decode_problem(f"{tar.name}: sample {sample['key']!r}", sample["image"], None)
+            if problem:
+                problems.append(problem)
+    problems += [f"{tar.name}: {reason}" for _, reason in report.lost_shards]
+    problems += [f"{tar.name}: {name!r} left out: {reason}" for _, name, reason in report.rejected]
+    return count, problems
+
+
+def manifest_problems(directory: Path) -> tuple[list[dict] | None, list[str]]:
+    """The manifest rows, or None with the reason when it cannot be used (one line each)."""
+    try:
+        table = read_manifest(directory)
+    except (OSError, pa.ArrowException) as exc:
+        return None, [f"{MANIFEST_NAME}: cannot be read ({exc}); rebuild the shard set or remove the file"]
+    wrong = [
+        f"{f.name} ({'missing' if f.name not in table.column_names else table.schema.field(f.name).type})"
+        for f in MANIFEST_SCHEMA
+        if f.name not in table.column_names or not table.schema.field(f.name).type.equals(f.type)
+    ]
+    if wrong:
+        return None, [f"{MANIFEST_NAME}: not a relicv2 manifest, columns {', '.join(wrong)} differ from the schema; rebuild"]
+    return table.to_pylist(), []
+
+
+def _run(check: Callable, tars: list[Path], extra: list | None, workers: int, progress: bool) -> list:
+    """`check(tar[, extra])` for every tar, in `workers` processes, with progress over shards."""
+    args = (tars,) if extra is None else (tars, extra)
+    if workers <= 1 or len(tars) <= 1:
+        return list(tracked(map(check, *args), "shards verify", len(tars), unit="shard", enabled=progress))
+    with worker_pool(min(workers, len(tars))) as pool:
+        return list(tracked(pool.map(check, *args), "shards verify", len(tars), unit="shard", enabled=progress))
+
+
+def verify_shard_set(directory: Path, *, workers: int = 1, decode_images: bool = True,
+                     index_cache: Path | None = None, progress: bool = False) -> VerifyReport:
+    """Verify a shard set folder; every problem is reported as one line, none raised.
+
+    Raises FileNotFoundError only when the folder holds neither a manifest nor any shard.
+    """
     directory = Path(directory)
-    manifest = read_manifest(directory).to_pylist()
+    problems: list[str] = []
+    manifest: list[dict] | None = None
+    if (directory / MANIFEST_NAME).is_file():
+        manifest, problems = manifest_problems(directory)
+    if manifest is None:
+        tars = list_shard_files(directory)
+        if not tars:
+            raise FileNotFoundError(f"no manifest and no shards (*-NNNNNN.tar) in {directory}; nothing to verify")
+        cache = Path(index_cache) if index_cache is not None else default_index_cache()
+        check = functools.partial(verify_plain_shard, index_cache=cache, decode_images=decode_images)
+        results = _run(check, tars, None, workers, progress)
+        problems += [p for _, ps in results for p in ps]
+        return VerifyReport(len(tars), sum(n for n, _ in results), problems)
     by_shard: dict[str, list[dict]] = {}
     for row in manifest:
         by_shard.setdefault(row["shard"], []).append(row)
-    problems = []
     for name, rows in by_shard.items():
         positions = sorted(r["position"] for r in rows)
         if positions != list(range(len(rows))):
@@ -135,23 +226,35 @@ def verify_shard_set(directory: Path, *, workers: int = 1, decode_images: bool =
     duplicates = [k for k, n in Counter(r["key"] for r in manifest).items() if n > 1]
     if duplicates:
         problems.append(f"manifest: {len(duplicates)} duplicate key(s), e.g. {duplicates[0]!r}")
-    on_disk = {p.name for p in directory.iterdir() if SHARD_PATTERN.fullmatch(p.name)}
+    unsafe = [n for n in by_shard if not isinstance(n, str) or "/" in n or n.startswith(".") or not SHARD_PATTERN.fullmatch(n)]
+    for name in unsafe:
+        problems.append(f"manifest: shard name {name!r} is not a shard file name in this folder; rebuild")
+        del by_shard[name]
+    on_disk = {p.name for p in list_shard_files(directory)}
     for name in sorted(on_disk - set(by_shard)):
         problems.append(f"{name}: shard on disk but not in the manifest")
     tars = [directory / n for n in sorted(by_shard)]
     check = functools.partial(verify_shard, decode_images=decode_images)
-    if workers <= 1:
-        per_shard = [check(t, by_shard[t.name]) for t in tars]
-    else:
-        method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-        with cf.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method)) as pool:
-            per_shard = list(pool.map(check, tars, [by_shard[t.name] for t in tars]))
+    per_shard = _run(check, tars, [by_shard[t.name] for t in tars], workers, progress)
     problems += [p for shard_problems in per_shard for p in shard_problems]
-    info = directory / "info.json"
-    if info.is_file():
-        recorded = json.loads(info.read_text()).get("samples")
-        if recorded != len(manifest):
-            problems.append(f"info.json: records {recorded} samples, the manifest lists {len(manifest)}")
-    else:
-        problems.append("info.json: missing")
+    problems += info_problems(directory, len(manifest))
     return VerifyReport(len(tars), len(manifest), problems)
+
+
+def info_problems(directory: Path, samples: int) -> list[str]:
+    """info.json must exist, be a JSON object, and record the manifest's sample count."""
+    info = directory / "info.json"
+    if not info.is_file():
+        return ["info.json: missing"]
+    try:
+        recorded = json.loads(info.read_text())
+    except (OSError, ValueError) as exc:
+        return [f"info.json: not valid JSON ({exc}); rerun relicv2 shards merge or rebuild"]
+    if not isinstance(recorded, dict):
+        return ["info.json: not a JSON object; rerun relicv2 shards merge or rebuild"]
+    if recorded.get("samples") != samples:
+        return [f"info.json: records {recorded.get('samples')} samples, the manifest lists {samples}"]
+    return []
+
+
+__all__ = ["SHARD_PATTERN", "ShardSetError", "VerifyReport", "verify_shard_set"]

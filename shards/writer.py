@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tarfile
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -12,7 +11,7 @@ from pathlib import Path
 
 from shards.atomic import atomic_write_bytes, fsync_dir, remove_stale_temps, temp_path_for
 from shards.index import IndexEntry, format_index, index_path
-from shards.manifest import CORE_COLUMNS, write_manifest
+from shards.manifest import CORE_COLUMNS, manifest_shards, write_manifest
 from shards.sample import ShardSample, check_sample, content_hash, sample_members
 from shards.version import package_version
 
@@ -173,11 +172,12 @@ def write_shard_set(
 
     A new shard starts when the next sample would push the current one past `max_bytes` (tar
     bytes) or `max_count` samples. Writes a `.idx` beside each tar, `manifest.parquet` and
-    `info.json`; every file appears atomically. Afterwards `out_dir` holds exactly this set under
-    `prefix` (older shards of that prefix beyond it are removed). Returns the tar paths.
+    `info.json`; every file appears atomically. Shards of the set the folder held before (those its
+    manifest lists) that this set does not overwrite are removed; no other file is touched. Returns the tar paths.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    previous = manifest_shards(out_dir) or set()
     if max_bytes <= 0 or (max_count is not None and max_count <= 0):
         raise ValueError("max_bytes and max_count must be positive")
     written: list[Path] = []
@@ -210,7 +210,7 @@ def write_shard_set(
             current.abort()
     if not written:
         raise ValueError(f"no samples to write into {out_dir}")
-    _remove_other_shards(out_dir, prefix, {p.name for p in written})
+    _remove_previous_shards(out_dir, previous, {p.name for p in written})
     write_manifest(rows, out_dir)
     write_info(
         out_dir,
@@ -226,10 +226,10 @@ def write_shard_set(
     return written
 
 
-def _remove_other_shards(out_dir: Path, prefix: str, keep: set[str]) -> None:
-    """Delete `{prefix}-NNNNNN.tar/.idx` files of an older, larger set in the same folder."""
-    pattern = re.compile(re.escape(prefix) + r"-\d{6}\.(tar|idx)")
-    for p in out_dir.iterdir():
-        if pattern.fullmatch(p.name) and p.with_suffix(".tar").name not in keep:
-            p.unlink()
+def _remove_previous_shards(out_dir: Path, previous: set[str], keep: set[str]) -> None:
+    """Delete the shards (and indexes) of the set this folder held before that the new set does not
+    reuse: only files the previous manifest listed, never anything else in the folder."""
+    for name in sorted(previous - keep):
+        for path in (out_dir / name, index_path(out_dir / name)):
+            path.unlink(missing_ok=True)
     remove_stale_temps(out_dir, keep | {index_path(Path(n)).name for n in keep})

@@ -1,0 +1,116 @@
+"""Which files of an output folder belong to a build, and claiming a folder for a new one.
+
+A build deletes only files its own plan (`.build/plan.json`) or manifest lists (DESIGN.md: a job
+never deletes what it did not write). A folder holding anything else is refused unless the user
+passes `--overwrite`, which removes only a previous build's own files; a file that would be
+overwritten by this build's outputs but was not written by a build is always refused.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+from shards.atomic import atomic_write_bytes
+from shards.index import index_path
+from shards.manifest import MANIFEST_NAME, REJECTED_NAME, manifest_shards
+from shards.merge import plan_file, work_dir
+from shards.sources import InputError
+
+INFO_NAME = "info.json"
+SET_FILES = (MANIFEST_NAME, REJECTED_NAME, INFO_NAME)
+CORRUPT = object()  # a plan.json that cannot be read
+
+
+def read_plan(out: Path) -> dict | None | object:
+    """The plan of the build in `out`: a dict, None when there is none, CORRUPT when unreadable."""
+    path = plan_file(out)
+    if not path.is_file():
+        return None
+    try:
+        plan = json.loads(path.read_text())
+        if not isinstance(plan, dict) or not isinstance(plan.get("digest"), str) or not isinstance(plan.get("shards"), list):
+            return CORRUPT
+        if not all(isinstance(s, dict) and isinstance(s.get("name"), str) for s in plan["shards"]):
+            return CORRUPT
+        return plan
+    except (OSError, ValueError):
+        return CORRUPT
+
+
+def shard_files(names: list[str]) -> set[str]:
+    """The tar and index file names of the given shard names."""
+    return {n for name in names for n in (name, index_path(Path(name)).name)}
+
+
+def own_files(out: Path, plan: dict | None | object) -> set[str]:
+    """Names in `out` a previous build (its plan, else its manifest) wrote; never anything else."""
+    if isinstance(plan, dict):
+        return shard_files([s["name"] for s in plan["shards"]]) | set(SET_FILES)
+    names = manifest_shards(out)
+    if names is None:  # none, or a broken one: still ours to replace, its shards unknown
+        return {MANIFEST_NAME} if (out / MANIFEST_NAME).is_file() else set()
+    return shard_files(sorted(names)) | set(SET_FILES)
+
+
+def other_entries(out: Path, ours: set[str]) -> list[str]:
+    """Visible entries of `out` that are not in `ours`."""
+    if not out.is_dir():
+        return []
+    return sorted(
+        p.name for p in out.iterdir()
+        # Hidden entries (the lock, the work folder, temporaries, a user's dot-files) never clash with outputs.
+        if p.name not in ours and not p.name.startswith(".")
+    )
+
+
+def claim_out_dir(out: Path, record: dict, *, overwrite: bool, multi_rank: bool) -> int:
+    """Make `out` hold only this build (or an unfinished run of it); write its plan. Returns files removed.
+
+    Raises InputError naming the folder, what it holds and the way out.
+    """
+    planned = shard_files([s["name"] for s in record["shards"]]) | set(SET_FILES)
+    previous = read_plan(out)
+    if previous is None and multi_rank and other_entries(out, set()):
+        # Another rank may have planned (and started writing) just now: look again once settled.
+        previous = read_plan(out)
+    resume = isinstance(previous, dict) and previous["digest"] == record["digest"]
+    previous_files = planned if resume else own_files(out, previous)
+    existing = {p.name for p in out.iterdir()} if out.is_dir() else set()
+    others = other_entries(out, previous_files)
+    stale = previous is not None and not resume  # another plan, or an unreadable one
+    unknown = previous is None and bool(previous_files & existing)  # a set with a manifest but no plan
+    if (stale or unknown or others) and not overwrite:
+        if previous is CORRUPT:
+            what = f"an unreadable build plan ({plan_file(out)})"
+        elif stale:
+            what = "a build of other inputs or settings"
+        elif unknown:
+            what = "a shard set this command did not plan"
+        else:
+            shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+            what = f"files no build wrote ({shown})"
+        raise InputError(f"{out} already holds {what}; choose a new --out folder or pass --overwrite")
+    removed = 0
+    if stale or unknown:  # with --overwrite: remove the previous build's own files, nothing else
+        if multi_rank:
+            raise InputError(f"--overwrite is not supported under torchrun; empty {out} before the build")
+        for name in sorted(previous_files & existing):
+            path = out / name
+            if path.is_file() or path.is_symlink():
+                path.unlink()
+                removed += 1
+        shutil.rmtree(work_dir(out), ignore_errors=True)
+        others = other_entries(out, set())
+    collides = re.compile(re.escape(record["settings"]["prefix"]) + r"-\d+\.(tar|idx)")
+    clash = [n for n in others if n in planned or collides.fullmatch(n)]
+    if clash:
+        raise InputError(
+            f"{out} holds {', '.join(clash[:3])}, which this build would overwrite and no build of this "
+            "folder wrote; move them away or choose a new --out folder"
+        )
+    work_dir(out).mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(plan_file(out), (json.dumps(record, indent=1, sort_keys=True) + "\n").encode())
+    return removed

@@ -1,0 +1,56 @@
+"""Process pools whose workers exit when their parent dies (a `kill -9` of the job leaves no orphans).
+
+Linux: each worker asks the kernel for SIGKILL when its parent exits (prctl PR_SET_PDEATHSIG).
+Everywhere: a daemon thread in each worker also polls its parent pid once a second and exits when
+the parent is gone, so the pool never outlives the job. Saliency and any other job's pool can use
+:func:`worker_pool` too.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import ctypes
+import ctypes.util
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+
+PR_SET_PDEATHSIG = 1
+POLL_S = 1.0
+
+
+def _watch_parent(parent: int) -> None:
+    while True:
+        if os.getppid() != parent:
+            os._exit(1)  # the parent is gone: nobody will read our results
+        time.sleep(POLL_S)
+
+
+def die_with_parent(parent: int) -> None:
+    """Worker initializer: exit when process `parent` (the job) dies."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except (OSError, AttributeError):  # no usable libc: the polling thread still covers it
+            pass
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="parent-watch").start()
+
+
+def worker_pool(workers: int) -> cf.ProcessPoolExecutor:
+    """A process pool of `workers` processes that exit with the calling process.
+
+    fork where available: workers start in milliseconds and do not re-import the CLI (and torch).
+    """
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    return cf.ProcessPoolExecutor(
+        workers,
+        mp_context=multiprocessing.get_context(method),
+        initializer=die_with_parent,
+        initargs=(os.getpid(),),
+    )
