@@ -1,63 +1,39 @@
-"""Reading images and masks, writing 8-bit saliency maps (atomically)."""
+"""Reading images and masks (through shards' one image loader), writing 8-bit saliency maps (atomically)."""
 
 from __future__ import annotations
 
-import io
 import os
 import tempfile
 from pathlib import Path
 
 import numpy as np
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
+from shards.images import ImageLoadError, load_gray, load_rgb, read_bytes
+from shards.limits import DEFAULT_LIMITS, ImageLimits
+from shards.sources import IMAGE_EXTENSIONS
 
-
-class ImageReadError(ValueError):
-    """An input image could not be decoded; the message names the file."""
-
-
-def _to_rgb_array(image: Image.Image) -> np.ndarray:
-    # Greyscale JPEGs become 3 identical channels, as MATLAB's imread-based codes see them;
-    # palette, CMYK, 16-bit and alpha images are flattened to plain RGB by PIL.
-    return np.asarray(image.convert("RGB"), dtype=np.uint8)
+# Reading goes through the project's one image loader (shards.images): pixel limits checked from
+# the header, EXIF orientation applied, 16-bit scaled, transparency over white, GIF/palette/CMYK to RGB.
+ImageReadError = ImageLoadError
 
 
-def decode_rgb(data: bytes, name: str) -> np.ndarray:
-    """Decode encoded image bytes (e.g. a shard's ``jpg``) to uint8 HxWx3 RGB."""
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            return _to_rgb_array(image)
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as error:
-        raise ImageReadError(f"{name}: cannot decode image ({error}); skip or replace it") from error
+def decode_rgb(data: bytes, name: str, *, limits: ImageLimits = DEFAULT_LIMITS) -> np.ndarray:
+    """Decode encoded image bytes (e.g. a shard's image member) to uint8 HxWx3 RGB as displayed.
+
+    :class:`ImageReadError` names ``name`` and the reason; ``limits.max_side`` downscales large images.
+    """
+    return load_rgb(data, name, limits)
 
 
-def read_rgb(path: Path | str) -> np.ndarray:
-    """Read an image file as uint8 HxWx3 RGB; :class:`ImageReadError` names the bad file."""
-    path = Path(path)
-    try:
-        with Image.open(path) as image:
-            return _to_rgb_array(image)
-    except FileNotFoundError as error:
-        raise ImageReadError(f"{path}: file not found") from error
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as error:
-        raise ImageReadError(f"{path}: cannot decode image ({error}); skip or replace it") from error
+def read_rgb(path: Path | str, *, limits: ImageLimits = DEFAULT_LIMITS) -> np.ndarray:
+    """Read an image file as uint8 HxWx3 RGB as displayed; :class:`ImageReadError` names the bad file."""
+    return load_rgb(read_bytes(path, limits), str(path), limits)
 
 
-def read_gray(path: Path | str) -> np.ndarray:
-    """Read a map or mask as uint8 HxW (colour files are converted to luminance)."""
-    path = Path(path)
-    try:
-        with Image.open(path) as image:
-            if image.mode in ("I;16", "I;16B", "I"):
-                data = np.asarray(image, dtype=np.float64)
-                top = data.max() if data.size and data.max() > 0 else 1.0
-                return np.clip(np.rint(data / top * 255.0), 0, 255).astype(np.uint8)
-            return np.asarray(image.convert("L"), dtype=np.uint8)
-    except FileNotFoundError as error:
-        raise ImageReadError(f"{path}: file not found") from error
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as error:
-        raise ImageReadError(f"{path}: cannot decode image ({error})") from error
+def read_gray(path: Path | str, *, limits: ImageLimits = DEFAULT_LIMITS) -> np.ndarray:
+    """Read a map or mask as uint8 HxW (colour converted to luminance; 16-bit scaled to its maximum)."""
+    return load_gray(read_bytes(path, limits), str(path), limits)
 
 
 def map_to_uint8(saliency: np.ndarray) -> np.ndarray:
@@ -93,3 +69,7 @@ def list_images(folder: Path | str) -> list[Path]:
     return sorted(
         p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS
     )
+
+
+__all__ = ["IMAGE_EXTENSIONS", "ImageReadError", "decode_rgb", "list_images", "map_to_uint8", "read_gray",
+           "read_rgb", "write_map", "write_png"]

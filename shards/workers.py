@@ -17,6 +17,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 PR_SET_PDEATHSIG = 1
 POLL_S = 1.0
@@ -42,15 +43,30 @@ def die_with_parent(parent: int) -> None:
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="parent-watch").start()
 
 
-def worker_pool(workers: int) -> cf.ProcessPoolExecutor:
+def _initialize(parent: int, initializer: Callable[..., object] | None, initargs: tuple) -> None:
+    die_with_parent(parent)
+    if initializer is not None:
+        initializer(*initargs)
+
+
+def worker_pool(
+    workers: int,
+    *,
+    start_method: str | None = None,
+    initializer: Callable[..., object] | None = None,
+    initargs: tuple = (),
+) -> cf.ProcessPoolExecutor:
     """A process pool of `workers` processes that exit with the calling process.
 
-    fork where available: workers start in milliseconds and do not re-import the CLI (and torch).
+    Default start method: fork where available (workers start in milliseconds and do not re-import
+    the CLI and torch); pass "spawn" when the parent runs thread pools (BLAS, OpenCV) that a fork
+    could deadlock. `initializer(*initargs)` runs in each worker after the parent watch is set up.
     """
-    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    if start_method is None:
+        start_method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     return cf.ProcessPoolExecutor(
         workers,
-        mp_context=multiprocessing.get_context(method),
-        initializer=die_with_parent,
-        initargs=(os.getpid(),),
+        mp_context=multiprocessing.get_context(start_method),
+        initializer=_initialize,
+        initargs=(os.getpid(), initializer, initargs),
     )
