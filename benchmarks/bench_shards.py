@@ -5,7 +5,11 @@ way: PIL `Image.open(...).load()`, a full decode (no `draft()` reduced-size shor
 the original bytes. `shards.build` also shuffles, hashes, writes DALI indices, manifests and
 done-markers; it runs with --workers processes, the baseline in one process (a plain loop).
 
-    .venv/bin/python benchmarks/bench_shards.py [--workers 2] [--repeats 3]
+Then reading the built set back: `shards.iter_samples` (the project's own tar reader: opened as a
+file, members checked and capped, losses counted) vs iterating `webdataset.WebDataset` over the
+same tars (what iter_samples used before), in samples/s and as a ratio.
+
+    .venv/bin/python benchmarks/bench_shards.py [--workers 2] [--repeats 3] [--data DIR]
 """
 
 from __future__ import annotations
@@ -49,6 +53,31 @@ def ours(source: Path, out: Path, workers: int) -> int:
     return report.merge.written
 
 
+def read_ours(out: Path) -> int:
+    """Samples delivered by shards.iter_samples over a built set (with a ReadReport)."""
+    from shards import ReadReport, iter_samples
+
+    report = ReadReport()
+    count = sum(1 for _ in iter_samples(out, report=report))
+    assert report.ok, report.summary()
+    return count
+
+
+def read_webdataset(out: Path) -> int:
+    """Samples delivered by webdataset.WebDataset over the same tars (the previous reader)."""
+    import webdataset as wds
+
+    urls = [str(p) for p in sorted(out.glob("images-*.tar"))]
+    dataset = wds.WebDataset(urls, shardshuffle=False, nodesplitter=None, workersplitter=None, empty_check=False)
+    return sum(1 for _ in dataset)
+
+
+def timed_read(read, out: Path) -> float:
+    start = time.perf_counter()
+    count = read(out)
+    return count / (time.perf_counter() - start)
+
+
 def timed(run, out: Path) -> tuple[float, int]:
     if out.exists():
         shutil.rmtree(out)
@@ -79,11 +108,20 @@ def main() -> int:
             results["shards build"].append(n / seconds)
             seconds, n = timed(lambda out: baseline(images, out), Path(tmp) / "base")
             results["ShardWriter loop"].append(n / seconds)
+        reads: dict[str, list[float]] = {"iter_samples": [], "WebDataset": []}
+        for _ in range(args.repeats):
+            reads["iter_samples"].append(timed_read(read_ours, Path(tmp) / "ours"))
+            reads["WebDataset"].append(timed_read(read_webdataset, Path(tmp) / "ours"))
     print(f"{len(images)} images from {args.data.name}, decode check: PIL Image.open().load() (full decode)")
     print(f"{'method':<20} {'workers':>7} {'median img/s':>13} {'best img/s':>11}")
     for name, rates in results.items():
         workers = args.workers if name == "shards build" else 1
         print(f"{name:<20} {workers:>7} {statistics.median(rates):>13.0f} {max(rates):>11.0f}")
+    print(f"{'reader':<20} {'median samples/s':>17} {'best':>8}")
+    for name, rates in reads.items():
+        print(f"{name:<20} {statistics.median(rates):>17.0f} {max(rates):>8.0f}")
+    ratio = statistics.median(reads["iter_samples"]) / statistics.median(reads["WebDataset"])
+    print(f"iter_samples / WebDataset (median): {ratio:.2f}x")
     return 0
 
 

@@ -112,6 +112,14 @@ def classify_error(exc: BaseException) -> Rejection:
     return Rejection("corrupt", f"image cannot be decoded ({type(exc).__name__}: {text})")
 
 
+class RejectedImage(Exception):
+    """Internal: carries a Rejection out of open_checked."""
+
+    def __init__(self, rejection: Rejection):
+        super().__init__(rejection.detail)
+        self.rejection = rejection
+
+
 @contextlib.contextmanager
 def _own_pixel_limit():
     """PIL's global bomb check off while we open: ours (ImageLimits, checked from the header) decides."""
@@ -154,14 +162,6 @@ def open_checked(data: bytes, limits: ImageLimits = DEFAULT_LIMITS, *, draft: bo
     except DECODE_ERRORS as exc:
         raise RejectedImage(classify_error(exc)) from exc
     return image
-
-
-class RejectedImage(Exception):
-    """Internal: carries a Rejection out of open_checked."""
-
-    def __init__(self, rejection: Rejection):
-        super().__init__(rejection.detail)
-        self.rejection = rejection
 
 
 def displayed(image: Image.Image, *, max_side: int | None = None) -> Image.Image:

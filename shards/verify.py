@@ -30,7 +30,6 @@ from shards.reader import ReadReport, _tar_samples
 from shards.sample import content_hash
 from shards.shardset import (
     SHARD_PATTERN,
-    ShardSetError,
     cached_index,
     default_index_cache,
     list_shard_files,
@@ -257,4 +256,4 @@ def info_problems(directory: Path, samples: int) -> list[str]:
     return []
 
 
-__all__ = ["SHARD_PATTERN", "ShardSetError", "VerifyReport", "verify_shard_set"]
+__all__ = ["VerifyReport", "verify_shard_set"]
