@@ -94,6 +94,8 @@ def settings_of(config: BuildConfig) -> dict:
         "max_count": config.max_count,
         "min_side": config.min_side,
         "quality": config.quality,
+        # Only when changed: the digests (and resumability) of builds planned before the option existed stay.
+        **({"max_pixels": config.max_pixels} if config.max_pixels != DEFAULT_MAX_PIXELS else {}),
     }
 
 

@@ -95,7 +95,7 @@ def shard_tars(spec: str | Path | Sequence[str | Path]) -> tuple[list[Path], Pat
                     f"no shards (*-NNNNNN.tar, 4-6 digits) in {path}; build them with relicv2 shards build"
                 )
             return tars, path
-        names = expand_braces(text) if BRACE.search(text) else [text]
+        names = expand_braces(text) if BRACE.search(text) and not path.is_file() else [text]
     else:
         names = [str(p) for p in spec]
         if not names:
