@@ -263,3 +263,24 @@ def test_verify_checks_plain_webdataset_sets(tmp_path):
     (tmp_path / "train-0001.tar").write_bytes(data[:2000])
     result = runner.invoke(shards_group, args)
     assert result.exit_code == 1 and "train-0001.tar" in result.output
+
+
+@pytest.mark.parametrize(("code", "hint"), [(errno.EROFS, "read-only"), (errno.EACCES, "may not write"),
+                                            (errno.ENOSPC, "free space")])
+def test_output_errors_name_path_cause_and_way_out(tmp_path, code, hint):
+    from shards.build import output_error
+
+    message = str(output_error(OSError(code, os.strerror(code), str(tmp_path / "x.tar")), tmp_path))
+    assert message.startswith(f"cannot write {tmp_path / 'x.tar'}: {os.strerror(code)}") and hint in message
+    assert "\n" not in message
+
+
+def test_ranks_come_from_torchrun_variables_once():
+    from shards.ranks import RanksError, ranks_from_env
+
+    assert ranks_from_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == Ranks(3, 4, 1)
+    assert ranks_from_env({}) == Ranks(0, 1, 0) and ranks_from_env({}).is_main
+    for env, match in (({"RANK": "x"}, "RANK='x' is not an integer"), ({"RANK": "2", "WORLD_SIZE": "2"}, "outside"),
+                       ({"WORLD_SIZE": "0"}, "at least 1"), ({"LOCAL_RANK": "-1"}, "negative")):
+        with pytest.raises(RanksError, match=match):
+            ranks_from_env(env)
