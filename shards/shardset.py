@@ -144,7 +144,10 @@ def resolve_shard_set(spec: str | Path | Sequence[str | Path], *, index_cache: P
             raise ShardSetError(f"{directory / MANIFEST_NAME} cannot be read ({exc}); rebuild the shard set") from None
         if "shard" not in manifest.column_names:
             raise ShardSetError(f"{directory / MANIFEST_NAME} has no 'shard' column; it is not a relicv2 manifest")
-        listed = sorted(set(manifest.column("shard").to_pylist()))
+        listed = sorted(set(manifest.column("shard").to_pylist()), key=str)
+        unsafe = [n for n in listed if not isinstance(n, str) or "/" in n or not SHARD_PATTERN.fullmatch(n)]
+        if unsafe:
+            raise ShardSetError(f"{directory / MANIFEST_NAME} names {unsafe[0]!r}, not a shard file of this folder; rebuild the set")
         tars = [directory / name for name in listed]
         missing = [t.name for t in tars if not t.is_file()]
         if missing:
@@ -158,6 +161,11 @@ def resolve_shard_set(spec: str | Path | Sequence[str | Path], *, index_cache: P
             samples = read_index(idx, tar)
         except ValueError as exc:
             raise ShardSetError(str(exc)) from None
+        except OSError as exc:
+            raise ShardSetError(
+                f"cannot write the index of {tar} into {cache} ({exc.strerror or exc}); "
+                f"choose a writable index cache (index_cache= or ${INDEX_CACHE_ENV})"
+            ) from None
         index_files.append(idx)
         counts.append(len(samples))
         labelled = labelled or any(e[0] == "cls" for s in samples for e in s)

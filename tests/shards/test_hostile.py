@@ -247,3 +247,17 @@ def test_hostile_index_fields_are_one_line_errors(tmp_path, text, match):
     idx.write_text(text)
     with pytest.raises(ValueError, match=match):
         shards.read_index(idx, tar)
+
+
+def test_manifest_naming_files_outside_the_folder_is_refused(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    shards.write_shard_set([shards.ShardSample("a", {"jpg": jpeg(1)})], tmp_path / "set")
+    table = shards.read_manifest(tmp_path / "set")
+    table = table.set_column(table.column_names.index("shard"), "shard", pa.array(["../x-000000.tar"]))
+    pq.write_table(table, tmp_path / "set" / "manifest.parquet")
+    with pytest.raises(shards.ShardSetError, match="not a shard file of this folder"):
+        shards.resolve_shard_set(tmp_path / "set")
+    problems = shards.verify_shard_set(tmp_path / "set").problems
+    assert any("'../x-000000.tar' is not a shard file name" in p for p in problems)
