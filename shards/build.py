@@ -259,7 +259,9 @@ def output_error(exc: OSError, out: Path) -> OutputError:
 
 def _build_locked(config: BuildConfig, ranks: Ranks) -> BuildReport:
     out = config.out_dir
-    listing = list_inputs(config.input, config.layout, exclude=out)
+    with Phase("shards build: listing inputs", None, unit="file", enabled=config.progress) as phase:
+        listing = list_inputs(config.input, config.layout, exclude=out)
+        phase.update(len(listing.images) + len(listing.rejected))
     shards = plan_shards(
         listing.images,
         seed=config.seed,

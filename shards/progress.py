@@ -36,7 +36,7 @@ class Phase:
             self.bar = None
         elif self.enabled:
             total = f"/{self.total}" if self.total is not None else ""
-            print(f"{self.desc}: {self.count}{total} {self.unit} done in {time.monotonic() - self.start:.1f} s",
+            print(f"{self.desc}: {self.count}{total} {self.unit}(s) in {time.monotonic() - self.start:.1f} s",
                   file=sys.stderr, flush=True)
         self.enabled = False
 

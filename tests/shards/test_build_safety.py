@@ -237,7 +237,7 @@ def test_verify_reports_broken_set_files_in_one_line_each(tmp_path):
     (tmp_path / "info.json").write_text("{garbage")
     result = CliRunner().invoke(shards_group, ["verify", str(tmp_path), "--workers", "1"])
     assert result.exit_code == 1 and "info.json: not valid JSON" in result.output and "Traceback" not in result.output
-    assert "shards verify: 2/2 shard done" in result.output  # one line per phase off a terminal
+    assert "shards verify: 2/2 shard(s) in" in result.output  # one line per phase off a terminal
     import pyarrow as pa
     import pyarrow.parquet as pq
 
