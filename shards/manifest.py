@@ -88,6 +88,13 @@ def read_manifest(directory: Path) -> pa.Table:
     return pq.read_table(path)
 
 
+def is_plain_tar_name(name: object) -> bool:
+    """A file name directly inside the set's folder, ending in .tar: the only shard names a manifest
+    or build plan may list (anything else could make a job read or delete outside the folder)."""
+    return (isinstance(name, str) and name.endswith(".tar") and not name.startswith(".")
+            and not any(c in name for c in ("/", "\\", "\0")))
+
+
 def manifest_shards(directory: Path) -> set[str] | None:
     """The shard file names the manifest in `directory` lists (plain names only), or None when it
     has no readable manifest: what a later job may delete as this set's own files."""
@@ -98,7 +105,7 @@ def manifest_shards(directory: Path) -> set[str] | None:
         names = pq.read_table(path, columns=["shard"]).column("shard").to_pylist()
     except (OSError, pa.ArrowException, KeyError):
         return None
-    return {n for n in names if isinstance(n, str) and "/" not in n and n.endswith(".tar") and not n.startswith(".")}
+    return {n for n in names if is_plain_tar_name(n)}
 
 
 def read_rejected(directory: Path) -> pa.Table:

@@ -14,7 +14,13 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from shards.manifest import REJECTED_NAME, rejected_table, write_manifest, write_table
+from shards.manifest import (
+    REJECTED_NAME,
+    is_plain_tar_name,
+    rejected_table,
+    write_manifest,
+    write_table,
+)
 from shards.progress import Phase, tracked
 from shards.writer import write_info
 
@@ -94,6 +100,9 @@ def merge_shard_set(out: Path, *, wait_s: float = 0.0, progress: bool = True) ->
         plan = json.loads(plan_file(out).read_text())
         if not isinstance(plan, dict) or not {"shards", "settings", "inputs", "classes"} <= set(plan):
             raise ValueError("fields missing")
+        if not all(isinstance(s, dict) and is_plain_tar_name(s.get("name")) and isinstance(s.get("digest"), str)
+                   for s in plan["shards"]):
+            raise ValueError("a shard entry is not a plain .tar name with a digest")
     except (OSError, ValueError) as exc:
         raise RuntimeError(
             f"{plan_file(out)} is not a readable build plan ({exc}); rerun relicv2 shards build with --overwrite"

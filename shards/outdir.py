@@ -15,7 +15,7 @@ from pathlib import Path
 
 from shards.atomic import atomic_write_bytes
 from shards.index import index_path
-from shards.manifest import MANIFEST_NAME, REJECTED_NAME, manifest_shards
+from shards.manifest import MANIFEST_NAME, REJECTED_NAME, is_plain_tar_name, manifest_shards
 from shards.merge import plan_file, work_dir
 from shards.sources import InputError
 
@@ -33,8 +33,8 @@ def read_plan(out: Path) -> dict | None | object:
         plan = json.loads(path.read_text())
         if not isinstance(plan, dict) or not isinstance(plan.get("digest"), str) or not isinstance(plan.get("shards"), list):
             return CORRUPT
-        if not all(isinstance(s, dict) and isinstance(s.get("name"), str) for s in plan["shards"]):
-            return CORRUPT
+        if not all(isinstance(s, dict) and is_plain_tar_name(s.get("name")) for s in plan["shards"]):
+            return CORRUPT  # a name with a slash or '..' must never reach unlink()
         return plan
     except (OSError, ValueError):
         return CORRUPT

@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from shards.atomic import atomic_write_bytes
 from shards.index import index_path, index_text, read_index
-from shards.manifest import MANIFEST_NAME, read_manifest
+from shards.manifest import MANIFEST_NAME, is_plain_tar_name, read_manifest
 
 # Shard file names: ours are `{prefix}-NNNNNN.tar`; other tools write 4 or 5 digits too.
 SHARD_PATTERN = re.compile(r"[^.].*-\d{4,6}\.tar")
@@ -145,7 +145,7 @@ def resolve_shard_set(spec: str | Path | Sequence[str | Path], *, index_cache: P
         if "shard" not in manifest.column_names:
             raise ShardSetError(f"{directory / MANIFEST_NAME} has no 'shard' column; it is not a relicv2 manifest")
         listed = sorted(set(manifest.column("shard").to_pylist()), key=str)
-        unsafe = [n for n in listed if not isinstance(n, str) or "/" in n or not SHARD_PATTERN.fullmatch(n)]
+        unsafe = [n for n in listed if not is_plain_tar_name(n) or not SHARD_PATTERN.fullmatch(n)]
         if unsafe:
             raise ShardSetError(f"{directory / MANIFEST_NAME} names {unsafe[0]!r}, not a shard file of this folder; rebuild the set")
         tars = [directory / name for name in listed]

@@ -24,7 +24,7 @@ import pyarrow as pa
 from shards.images import JPEG_FORMATS, ImageLoadError, decode
 from shards.index import index_path, index_text, split_member_name
 from shards.limits import DEFAULT_LIMITS
-from shards.manifest import MANIFEST_NAME, MANIFEST_SCHEMA, read_manifest
+from shards.manifest import MANIFEST_NAME, MANIFEST_SCHEMA, is_plain_tar_name, read_manifest
 from shards.progress import tracked
 from shards.reader import ReadReport, _tar_samples
 from shards.sample import content_hash
@@ -225,7 +225,7 @@ def verify_shard_set(directory: Path, *, workers: int = 1, decode_images: bool =
     duplicates = [k for k, n in Counter(r["key"] for r in manifest).items() if n > 1]
     if duplicates:
         problems.append(f"manifest: {len(duplicates)} duplicate key(s), e.g. {duplicates[0]!r}")
-    unsafe = [n for n in by_shard if not isinstance(n, str) or "/" in n or n.startswith(".") or not SHARD_PATTERN.fullmatch(n)]
+    unsafe = [n for n in by_shard if not is_plain_tar_name(n) or not SHARD_PATTERN.fullmatch(n)]
     for name in unsafe:
         problems.append(f"manifest: shard name {name!r} is not a shard file name in this folder; rebuild")
         del by_shard[name]

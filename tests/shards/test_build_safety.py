@@ -284,3 +284,18 @@ def test_ranks_come_from_torchrun_variables_once():
                        ({"WORLD_SIZE": "0"}, "at least 1"), ({"LOCAL_RANK": "-1"}, "negative")):
         with pytest.raises(RanksError, match=match):
             ranks_from_env(env)
+
+
+def test_a_tampered_plan_cannot_make_overwrite_delete_outside_the_folder(tmp_path):
+    src, out = folder(tmp_path / "in"), tmp_path / "out"
+    build_shards(config(src, out))
+    victim = tmp_path / "victim.tar"
+    victim.write_bytes(b"precious")
+    plan = json.loads(plan_file(out).read_text())
+    plan["shards"].append({"name": "../victim.tar", "digest": "0" * 64, "images": 1})
+    plan["digest"] = "tampered"
+    plan_file(out).write_text(json.dumps(plan))
+    with pytest.raises(InputError, match="unreadable build plan"):
+        build_shards(config(src, out, seed=3))
+    build_shards(config(src, out, seed=3, overwrite=True))
+    assert victim.read_bytes() == b"precious"
