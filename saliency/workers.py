@@ -1,0 +1,46 @@
+"""Worker processes that end with their parent and use one core each.
+
+A killed job (``kill -9``, an OOM kill, a pre-empted node) must not leave its worker processes
+computing forever: each worker watches its parent and exits as soon as it is gone. Kept free of
+heavy imports so that it costs nothing in a worker that is only starting.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+PARENT_POLL_S = 0.5
+
+
+def exit_with_parent(parent_pid: int, poll_s: float = PARENT_POLL_S) -> threading.Thread:
+    """Start a daemon thread that ends this process once ``parent_pid`` is no longer its parent.
+
+    Polling ``getppid`` works on every POSIX system (the orphan is re-parented to init or a
+    subreaper); ``os._exit`` because the main thread may be deep inside a computation.
+    """
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="exit-with-parent", daemon=True)
+    thread.start()
+    return thread
+
+
+def init_worker(parent_pid: int) -> None:
+    """``ProcessPoolExecutor`` initializer: one thread per worker, exit when the parent dies."""
+    exit_with_parent(parent_pid)
+    # One worker = one core: keep BLAS/OpenCV from spawning threads that fight each other.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        import cv2
+        from threadpoolctl import threadpool_limits
+
+        cv2.setNumThreads(1)
+        threadpool_limits(1)
+    except ImportError:
+        pass
