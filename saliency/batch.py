@@ -366,7 +366,9 @@ def run_handcrafted(config: HandcraftedConfig) -> BatchReport:
             ) from error
         report.stale_removed = remove_stale_temporaries(config.output, config.methods)
         bar = stack.enter_context(
-            tqdm(desc="saliency maps", unit="img", total=total, disable=not config.progress)
+            # in a log file (not a terminal), a line every 30 s instead of a redrawn bar
+            tqdm(desc="saliency maps", unit="img", total=total, disable=not config.progress,
+                 mininterval=0.1 if sys.stderr.isatty() else 30.0)
         )
         compute = _compute_serial if config.workers <= 1 else _compute_pooled
         for result in compute(config, _work(config, report, bar)):
