@@ -180,3 +180,11 @@ def test_bad_failure_limit_is_a_usage_error(text, tmp_path):
         ["handcrafted", "--input", str(tmp_path), "--output", str(tmp_path / "o"), "--max-failures", text],
     )
     assert result.exit_code == 2 and "--max-failures" in result.output
+
+
+@pytest.mark.parametrize("workers", ["0", "-1"])
+def test_workers_below_one_is_a_usage_error(workers, tmp_path):
+    result = CliRunner().invoke(
+        saliency_group, ["handcrafted", "--input", str(tmp_path), "--output", str(tmp_path / "o"), "--workers", workers]
+    )
+    assert result.exit_code == 2 and "at least 1 worker" in result.output
