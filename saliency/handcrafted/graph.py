@@ -227,7 +227,7 @@ def minmax_normalise(values: np.ndarray, *, keep_constant: bool = False) -> np.n
 
     A constant input (span below 1e-12 of its magnitude) gives all zeros; with
     ``keep_constant`` it keeps its value instead (Leo Grady's ``normalize``, which MC's code
-    uses). The one min-max normalisation of every method (rather than four variants).
+    uses). The one min-max normalisation of the saliency package (methods and metrics).
     """
     v = np.nan_to_num(np.asarray(values, dtype=np.float64), nan=0.0, posinf=0.0, neginf=0.0)
     lo, hi = (float(v.min()), float(v.max())) if v.size else (0.0, 0.0)
