@@ -34,7 +34,7 @@ from tqdm import tqdm
 from saliency.handcrafted.methods import METHODS
 from saliency.images import ImageReadError, decode_rgb, list_images, read_rgb
 from saliency.maps import is_map_temporary, write_map
-from saliency.workers import init_worker
+from saliency.workers import init_worker, single_threaded
 from shards.keys import UnsafeKeyError, safe_relative_path
 from shards.lock import folder_lock
 
@@ -312,8 +312,9 @@ def _work(config: HandcraftedConfig, report: BatchReport, bar: tqdm) -> Iterator
 
 
 def _compute_serial(config: HandcraftedConfig, work: Iterator) -> Iterator[Result]:
-    for item, methods in work:
-        yield process_item(item, methods, config.output)
+    with single_threaded():  # --workers 1 means one core
+        for item, methods in work:
+            yield process_item(item, methods, config.output)
 
 
 def _compute_pooled(config: HandcraftedConfig, work: Iterator) -> Iterator[Result]:

@@ -183,7 +183,8 @@ def link_clique(adj: np.ndarray, ids: np.ndarray) -> np.ndarray:
 def boundary_ids(labels: np.ndarray, thickness: int = 1) -> np.ndarray:
     """Sorted ids of superpixels touching a band of ``thickness`` pixels along the image border.
 
-    RBD uses an 8-pixel band (``GetBndPatchIds``); MR and MC use the outermost pixels.
+    RBD uses an 8-pixel band (``GetBndPatchIds``); MR, MC and DSR (its background templates) use
+    the outermost pixels.
     """
     t = max(1, int(thickness))
     band = np.concatenate(

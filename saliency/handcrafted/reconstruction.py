@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import numpy as np
 from scipy.linalg import solve_triangular
-from sklearn.cluster import KMeans
-from sklearn.decomposition import PCA
 
 from saliency.handcrafted.graph import minmax_normalise
 
@@ -45,6 +43,8 @@ def dense_reconstruction_error(
     centred = features - features.mean(axis=0)
     if background.shape[0] < 2:
         return minmax_normalise(np.linalg.norm(centred, axis=1))
+    from sklearn.decomposition import PCA  # here: importing scikit-learn costs ~1 s of start-up
+
     pca = PCA(svd_solver="full").fit(background)
     ratio = pca.explained_variance_ratio_
     rank = int(np.sum(pca.singular_values_ > 1e-10 * max(pca.singular_values_[0], 1e-300)))
@@ -215,6 +215,8 @@ def cluster_labels(
     k = max(1, min(num_clusters, distinct))
     if k == 1:
         return np.zeros(features.shape[0], dtype=np.int64)
+    from sklearn.cluster import KMeans  # here: importing scikit-learn costs ~1 s of start-up
+
     km = KMeans(k, init="random", n_init=1, max_iter=max_iter, tol=0.0, random_state=seed)
     centres = km.fit(features).cluster_centers_
     # label by nearest final centre, as the authors' labelCluster does
