@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tarfile
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -230,3 +231,17 @@ def test_workers_exit_when_the_parent_is_killed(tmp_path):
         assert not _running(worker), "the worker outlived its killed parent"
     finally:
         parent.kill()
+
+
+def test_a_truncated_shard_is_lost_data_not_success(tmp_path):
+    shards_dir = tmp_path / "shards"
+    tar = _tar(shards_dir / "images-000000.tar", ["s0.jpg", "s1.jpg", "s2.jpg"])
+    write_manifest([{"key": f"s{i}", "shard": tar.name, "position": i} for i in range(3)], shards_dir)
+    data = tar.read_bytes()
+    tar.write_bytes(data[: len(data) // 2])  # a copy cut short: the first sample survives
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the reader may also warn about the unreadable rest
+        result = _run("--method", "mc", "--input", str(shards_dir), "--output", str(tmp_path / "o"))
+    assert result.exit_code == 1, result.output
+    assert "listed in the manifest but not read" in result.output
+    assert "every input failed" not in result.output
