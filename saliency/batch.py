@@ -38,6 +38,13 @@ from saliency.workers import init_worker, single_threaded
 from shards.keys import UnsafeKeyError, safe_relative_path
 from shards.lock import folder_lock
 
+try:  # the shared image loader (issue 14.3) names its errors itself; saliency.images wraps it
+    from shards.images import ImageLoadError
+except ImportError:  # a tree without it: saliency.images raises ImageReadError only
+    ImageLoadError = ImageReadError
+READ_ERRORS = (ImageReadError, ImageLoadError)
+"""What reading or decoding one input raises when the input is bad (never a bug's exceptions)."""
+
 JOB_NAME = "saliency handcrafted"
 IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")
 """Shard members that hold the image, in order of preference (the extensions WebDataset users use)."""
@@ -267,7 +274,7 @@ def process_item(item: Item, methods: tuple[str, ...], output: Path) -> Result:
             rgb = decode_rgb(item.data, item.name)
         else:
             raise ImageReadError(f"{item.name}: no image member ({'/'.join(IMAGE_MEMBERS)})")
-    except ImageReadError as error:
+    except READ_ERRORS as error:
         return Result(item.name, error=_plain(str(error)))
     written: list[str] = []
     for method in methods:
