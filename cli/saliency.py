@@ -71,20 +71,10 @@ def handcrafted(
         raise click.ClickException(str(error)) from error
     if report.stale_removed:
         click.echo(f"removed {report.stale_removed} temporary file(s) left by an interrupted run", err=True)
-    written = ", ".join(f"{m} {report.written[m]}" for m in config.methods)
-    missing = f", {report.missing} listed in the manifest but not read" if report.missing else ""
-    click.echo(
-        f"{report.inputs} inputs: maps written ({written}), {report.already_done} already complete, "
-        f"{len(report.failed)} failed{missing} -> {output}"
-    )
-    if not report.succeeded(config.max_failures):
-        if report.inputs + report.missing == 0:
-            reason = "no inputs were found"
-        elif report.lost >= report.inputs + report.missing:
-            reason = "every input failed"
-        else:
-            reason = f"{report.lost} inputs without maps exceed --max-failures {config.max_failures.describe()}"
-        click.echo(f"error: {reason}; rerun the same command after fixing the inputs, or raise --max-failures",
+    click.echo(f"{report.summary(config.methods)} -> {output}")
+    failure = report.failure(config.max_failures)
+    if failure is not None:
+        click.echo(f"error: {failure}; rerun the same command after fixing the inputs, or raise --max-failures",
                    err=True)
         raise SystemExit(1)
 

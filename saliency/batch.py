@@ -138,14 +138,26 @@ class BatchReport:
         """Inputs without maps: failed ones plus those never read."""
         return len(self.failed) + self.missing
 
-    def succeeded(self, limit: FailureLimit) -> bool:
-        """True when the job did something and lost no more inputs than ``limit`` allows."""
+    def failure(self, limit: FailureLimit) -> str | None:
+        """Why the job counts as failed (it did nothing, or lost more inputs than ``limit``
+        allows), or None when it succeeded."""
         total = self.inputs + self.missing
         if total == 0:
-            return False
-        if self.lost == 0:
-            return True
-        return limit.allows(self.lost, total)
+            return "no inputs were found"
+        if self.lost == 0 or limit.allows(self.lost, total):
+            return None
+        if self.lost >= total:
+            return "every input failed"
+        return f"{self.lost} inputs without maps exceed --max-failures {limit.describe()}"
+
+    def summary(self, methods: Iterable[str]) -> str:
+        """One line: inputs, maps written per method, complete, failed, never read."""
+        written = ", ".join(f"{m} {self.written[m]}" for m in methods)
+        missing = f", {self.missing} listed in the manifest but not read" if self.missing else ""
+        return (
+            f"{self.inputs} inputs: maps written ({written}), {self.already_done} already complete, "
+            f"{len(self.failed)} failed{missing}"
+        )
 
 
 @dataclass(frozen=True)
