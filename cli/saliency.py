@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from saliency.batch import FailureLimit, HandcraftedConfig, OutputWriteError, run_handcrafted
+from saliency.batch import HandcraftedConfig, OutputWriteError, run_handcrafted
 from saliency.evaluate import (
     EvaluateConfig,
     EvaluationError,
@@ -15,6 +15,7 @@ from saliency.evaluate import (
     write_csv,
     write_json,
 )
+from saliency.failures import FailureLimit
 from saliency.handcrafted.methods import METHODS, resolve_methods
 from saliency.preview import PreviewConfig, write_preview
 from shards.lock import FolderLockedError

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import math
 import multiprocessing
 import os
 import re
@@ -31,8 +30,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from saliency.failures import FailureLimit
 from saliency.handcrafted.methods import METHODS
-from saliency.images import ImageReadError, decode_rgb, list_images, read_rgb
+from saliency.images import ImageReadError, decode_rgb, read_rgb
+from saliency.inputs import IMAGE_MEMBERS, Item, count_inputs, is_shard_source, iter_items
 from saliency.maps import is_map_temporary, write_map
 from saliency.workers import init_worker, single_threaded
 from shards.keys import UnsafeKeyError, safe_relative_path
@@ -46,53 +47,12 @@ READ_ERRORS = (ImageReadError, ImageLoadError)
 """What reading or decoding one input raises when the input is bad (never a bug's exceptions)."""
 
 JOB_NAME = "saliency handcrafted"
-IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")
-"""Shard members that hold the image, in order of preference (the extensions WebDataset users use)."""
 OUTPUT_FULL = (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
 """Write errors after which no further map can be written: the job stops instead of failing every input."""
 
 
 class OutputWriteError(RuntimeError):
     """The output folder cannot take any more maps (full, read-only, not creatable)."""
-
-
-@dataclass(frozen=True)
-class FailureLimit:
-    """How many failed inputs a job accepts and still succeeds: a count, or a fraction of the inputs.
-
-    A job in which every input failed never succeeds, whatever the limit.
-    """
-
-    count: int | None = 0
-    fraction: float | None = None
-
-    @classmethod
-    def parse(cls, text: str) -> FailureLimit:
-        """``"10"`` -> at most 10 failures; ``"0.05"`` or ``"5%"`` -> at most 5% of the inputs."""
-        value = str(text).strip()
-        if re.fullmatch(r"\d+", value):
-            return cls(count=int(value), fraction=None)
-        try:
-            fraction = float(value[:-1]) / 100.0 if value.endswith("%") else float(value)
-        except ValueError:
-            fraction = math.nan
-        if not 0.0 <= fraction <= 1.0:
-            raise ValueError(
-                f"--max-failures {text!r}: give a count (e.g. 10), a fraction of the inputs (e.g. 0.05)"
-                " or a percentage (e.g. 5%)"
-            )
-        return cls(count=None, fraction=fraction)
-
-    def allows(self, failed: int, inputs: int) -> bool:
-        """True when ``failed`` failures out of ``inputs`` inputs are within the limit."""
-        if inputs == 0 or failed >= inputs:
-            return False
-        if self.count is not None:
-            return failed <= self.count
-        return failed <= (self.fraction or 0.0) * inputs
-
-    def describe(self) -> str:
-        return str(self.count) if self.count is not None else f"{100 * (self.fraction or 0.0):g}%"
 
 
 @dataclass(frozen=True)
@@ -106,15 +66,6 @@ class HandcraftedConfig:
     overwrite: bool = False
     progress: bool = True
     max_failures: FailureLimit = FailureLimit()
-
-
-@dataclass(frozen=True)
-class Item:
-    """One input: its output name and either a file path or encoded bytes (shard sample)."""
-
-    name: str
-    path: Path | None = None
-    data: bytes | None = None
 
 
 @dataclass
@@ -168,70 +119,6 @@ class Result:
     written: tuple[str, ...] = ()
     error: str | None = None
     output_full: bool = False
-
-
-# --------------------------------------------------------------------------- inputs
-
-
-def _is_shard_source(source: Path) -> bool:
-    if source.is_file():
-        return source.suffix == ".tar"
-    return source.is_dir() and not list_images(source) and any(source.glob("*-[0-9]*.tar"))
-
-
-def _image_member(sample: dict) -> bytes | None:
-    for member in IMAGE_MEMBERS:
-        if isinstance(sample.get(member), bytes):
-            return sample[member]
-    return None
-
-
-def iter_items(source: Path) -> Iterator[Item]:
-    """Inputs of a folder of images, or of a shard folder / single ``.tar`` (keys as names)."""
-    source = Path(source)
-    if not source.exists():
-        raise FileNotFoundError(f"input {source} does not exist; pass an image folder or a shard set")
-    if _is_shard_source(source):
-        from shards import iter_samples
-
-        for sample in iter_samples(source):
-            yield Item(name=str(sample["key"]), data=_image_member(sample))
-        return
-    if not source.is_dir():
-        raise ValueError(f"input {source} is neither an image folder nor a shard (.tar) set")
-    paths = list_images(source)
-    if not paths:
-        raise FileNotFoundError(f"no images (jpg/png/...) or shards (*-NNNNNN.tar) in {source}")
-    stems = Counter(p.stem for p in paths)
-    clashes = sorted(s for s, n in stems.items() if n > 1)
-    if clashes:
-        raise ValueError(
-            f"{source}: several images share a name stem ({', '.join(clashes[:5])}); their maps would"
-            " overwrite each other, rename them or split the folder"
-        )
-    for path in paths:
-        yield Item(name=path.stem, path=path)
-
-
-def count_inputs(source: Path) -> int | None:
-    """How many inputs ``source`` holds, when that is known without reading it: the number of
-    images of a folder, or the samples a shard set's manifest lists (None without a manifest)."""
-    source = Path(source)
-    if not _is_shard_source(source):
-        return len(list_images(source)) if source.is_dir() else None
-    from shards.manifest import MANIFEST_NAME
-
-    folder = source if source.is_dir() else source.parent
-    if not (folder / MANIFEST_NAME).is_file():
-        return None
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        shards = pq.read_table(folder / MANIFEST_NAME, columns=["shard"]).column("shard").to_pylist()
-    except (OSError, pa.ArrowException):
-        return None  # a broken manifest is `shards verify`'s to report; here it only sizes a bar
-    return len(shards) if source.is_dir() else sum(1 for s in shards if s == source.name)
 
 
 # --------------------------------------------------------------------------- outputs
@@ -374,7 +261,7 @@ def run_handcrafted(config: HandcraftedConfig) -> BatchReport:
         raise FileNotFoundError(f"input {source} does not exist; pass an image folder or a shard set")
     report = BatchReport()
     total = count_inputs(source)
-    if _is_shard_source(source):
+    if is_shard_source(source):
         report.expected = total
     with contextlib.ExitStack() as stack:
         try:

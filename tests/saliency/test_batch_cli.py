@@ -168,7 +168,7 @@ def test_every_input_failing_exits_non_zero_whatever_the_limit(tmp_path):
      ("0.4", 3, 5, False), ("40%", 2, 5, True), ("100%", 4, 5, True), ("100%", 5, 5, False), ("9", 0, 0, False)],
 )
 def test_failure_limit_counts_and_fractions(text, failed, inputs, ok):
-    from saliency.batch import FailureLimit
+    from saliency.failures import FailureLimit
 
     assert FailureLimit.parse(text).allows(failed, inputs) is ok
 
