@@ -28,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from saliency.handcrafted.methods import METHODS, resolve_methods  # noqa: E402
 from saliency.images import read_rgb  # noqa: E402
+from tests.paths import SHARED_DATA  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "pascal-s-dev" / "images"
+DATA = SHARED_DATA / "pascal-s-dev" / "images"
 # data/README.md: one thread, ECSSD-sized images; MR is the authors' C++, the others their
 # MATLAB code under Octave. Targets from the issue.
 REFERENCE = {"rbd": 0.107, "mr": 0.035, "dsr": 9.8, "mc": 1.30}
@@ -41,11 +42,12 @@ def main() -> None:
     parser.add_argument("--methods", default="all")
     parser.add_argument("--images", type=int, default=20)
     parser.add_argument("--native", action="store_true", help="keep the images' own size")
+    parser.add_argument("--data", type=Path, default=DATA, help="folder of JPEGs (default: the shared dev images)")
     args = parser.parse_args()
     cv2.setNumThreads(1)
-    paths = sorted(DATA.glob("*.jpg"))[: args.images]
+    paths = sorted(args.data.glob("*.jpg"))[: args.images]
     if not paths:
-        sys.exit(f"no images found in {DATA}")
+        sys.exit(f"no images found in {args.data}; pass --data")
     images = [read_rgb(p) for p in paths]
     if not args.native:
         images = [cv2.resize(im, (400, 300), interpolation=cv2.INTER_AREA) for im in images]

@@ -25,8 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from saliency.handcrafted.methods import METHODS, resolve_methods  # noqa: E402
 from saliency.images import read_gray, read_rgb  # noqa: E402
 from saliency.metrics import aggregate, normalise_prediction, score_image  # noqa: E402
+from tests.paths import SHARED_DATA  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "pascal-s-dev"
+DATA = SHARED_DATA / "pascal-s-dev"
 DSR_LAST = 100
 
 
@@ -55,17 +56,17 @@ def _one(job: tuple[str, Path, Path, Path]) -> tuple[str, float, float, object, 
     )
 
 
-def compare(method: str, stems: list[str], workers: int) -> dict[str, object]:
+def compare(method: str, stems: list[str], workers: int, data: Path = DATA) -> dict[str, object]:
     """Run one method over ``stems`` and collect fidelity and quality figures."""
     jobs = [
         (
             method,
-            DATA / "images" / f"{s}.jpg",
-            DATA / "reference-maps" / method / f"{s}.png",
-            DATA / "masks" / f"{s}.png",
+            data / "images" / f"{s}.jpg",
+            data / "reference-maps" / method / f"{s}.png",
+            data / "masks" / f"{s}.png",
         )
         for s in stems
-        if (DATA / "reference-maps" / method / f"{s}.png").exists()
+        if (data / "reference-maps" / method / f"{s}.png").exists()
     ]
     if workers > 1:
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -92,14 +93,15 @@ def main() -> None:
     parser.add_argument("--methods", default="all")
     parser.add_argument("--limit", type=int, default=300, help="first N images (default 300)")
     parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--data", type=Path, default=DATA, help="the pascal-s-dev folder (default: the shared data)")
     args = parser.parse_args()
-    if not DATA.is_dir():
-        sys.exit(f"PASCAL-S dev data not found at {DATA}")
-    stems = sorted(p.stem for p in (DATA / "images").glob("*.jpg"))[: args.limit]
+    if not args.data.is_dir():
+        sys.exit(f"PASCAL-S dev data not found at {args.data}; pass --data")
+    stems = sorted(p.stem for p in (args.data / "images").glob("*.jpg"))[: args.limit]
     results = []
     for method in resolve_methods(args.methods):
         method_stems = stems[:DSR_LAST] if method == "dsr" else stems
-        results.append(compare(method, method_stems, args.workers))
+        results.append(compare(method, method_stems, args.workers, args.data))
         r = results[-1]
         print(f"[{method}] done: {r['count']} images, worst |diff| {r['worst']}", file=sys.stderr)
     print(

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from saliency.batch import HandcraftedConfig, run_handcrafted
+from saliency.batch import HandcraftedConfig, OutputWriteError, run_handcrafted
 from saliency.evaluate import (
     EvaluateConfig,
     EvaluationError,
@@ -15,8 +15,10 @@ from saliency.evaluate import (
     write_csv,
     write_json,
 )
+from saliency.failures import FailureLimit
 from saliency.handcrafted.methods import METHODS, resolve_methods
 from saliency.preview import PreviewConfig, write_preview
+from shards.lock import FolderLockedError
 
 METHOD_HELP = f"One of {', '.join(METHODS)}, a comma-separated list, or 'all'."
 
@@ -42,27 +44,40 @@ def saliency_group() -> None:
 @click.option("--workers", default=1, show_default=True, help="Worker processes (one core each).")
 @click.option("--overwrite", is_flag=True, help="Recompute maps that already exist (default: skip them, so reruns resume).")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show a progress bar.")
-def handcrafted(method: str, input_path: Path, output: Path, workers: int, overwrite: bool, progress: bool) -> None:
+@click.option("--max-failures", default="0", show_default=True,
+              help="Failed inputs accepted before the job counts as failed (exit 1): a count (10), a "
+                   "fraction (0.05) or a percentage (5%). A job whose every input fails always fails.")
+def handcrafted(
+    method: str, input_path: Path, output: Path, workers: int, overwrite: bool, progress: bool, max_failures: str
+) -> None:
     """Write 8-bit PNG saliency maps of RBD, MR, DSR and/or MC for every input image."""
+    try:
+        limit = FailureLimit.parse(max_failures)
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--max-failures") from error
+    if workers < 1:
+        raise click.BadParameter(f"{workers}: give at least 1 worker", param_hint="--workers")
     config = HandcraftedConfig(
         methods=_methods(method),
         input=input_path,
         output=output,
-        workers=max(1, workers),
+        workers=workers,
         overwrite=overwrite,
         progress=progress,
+        max_failures=limit,
     )
     try:
         report = run_handcrafted(config)
-    except (FileNotFoundError, ValueError) as error:
+    except (FileNotFoundError, ValueError, FolderLockedError, OutputWriteError) as error:
         raise click.ClickException(str(error)) from error
-    written = ", ".join(f"{m} {report.written[m]}" for m in config.methods)
-    click.echo(
-        f"{report.inputs} inputs: maps written ({written}), {report.already_done} already complete, "
-        f"{len(report.failed)} failed -> {output}"
-    )
-    for name, reason in report.failed[:20]:
-        click.echo(f"  failed {name}: {reason}", err=True)
+    if report.stale_removed:
+        click.echo(f"removed {report.stale_removed} temporary file(s) left by an interrupted run", err=True)
+    click.echo(f"{report.summary(config.methods)} -> {output}")
+    failure = report.failure(config.max_failures)
+    if failure is not None:
+        click.echo(f"error: {failure}; rerun the same command after fixing the inputs, or raise --max-failures",
+                   err=True)
+        raise SystemExit(1)
 
 
 @saliency_group.command("evaluate")

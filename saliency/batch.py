@@ -1,25 +1,58 @@
 """Batch job: handcrafted saliency maps for an image folder or a shard set.
 
 Writes ``<output>/<method>/<name>.png`` (8-bit, single channel, same size as the image),
-where ``<name>`` is the image file's stem or the shard sample's key. Restartable: maps that
-already exist are skipped (each map is written under a temporary name and renamed), so a
-killed job resumes with the same command. A corrupt input is reported and skipped.
+where ``<name>`` is the image file's stem or the shard sample's key (validated by
+``shards.keys``: a key that would name a file outside the output folder is a rejected input).
+Restartable: maps that already exist are skipped (each map is written under a temporary name
+and renamed), so a killed job resumes with the same command. The job holds the output folder's
+lock for its whole life and first removes the temporaries a killed run left. A corrupt input or
+a map that cannot be written is reported and skipped; a full or read-only output folder stops
+the job with one clear error (finished maps are kept, the rerun goes on from there).
+
+The steps of :func:`run_handcrafted`: open the source (items and, where known, their count),
+take the lock, clean stale temporaries, compute (in this process or in worker processes),
+count what happened in a :class:`BatchReport`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import multiprocessing
 import os
+import re
+import sys
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tqdm import tqdm
 
+from saliency.failures import FailureLimit
 from saliency.handcrafted.methods import METHODS
-from saliency.images import ImageReadError, decode_rgb, list_images, read_rgb, write_map
+from saliency.images import ImageReadError, decode_rgb, read_rgb
+from saliency.inputs import IMAGE_MEMBERS, Item, count_inputs, is_shard_source, iter_items
+from saliency.maps import is_map_temporary, write_map
+from saliency.workers import init_worker, single_threaded
+from shards.keys import UnsafeKeyError, safe_relative_path
+from shards.lock import folder_lock
+
+try:  # the shared image loader (issue 14.3) names its errors itself; saliency.images wraps it
+    from shards.images import ImageLoadError
+except ImportError:  # a tree without it: saliency.images raises ImageReadError only
+    ImageLoadError = ImageReadError
+READ_ERRORS = (ImageReadError, ImageLoadError)
+"""What reading or decoding one input raises when the input is bad (never a bug's exceptions)."""
+
+JOB_NAME = "saliency handcrafted"
+OUTPUT_FULL = (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
+"""Write errors after which no further map can be written: the job stops instead of failing every input."""
+
+
+class OutputWriteError(RuntimeError):
+    """The output folder cannot take any more maps (full, read-only, not creatable)."""
 
 
 @dataclass(frozen=True)
@@ -32,15 +65,7 @@ class HandcraftedConfig:
     workers: int = 1
     overwrite: bool = False
     progress: bool = True
-
-
-@dataclass(frozen=True)
-class Item:
-    """One input: its output name and either a file path or encoded bytes (shard sample)."""
-
-    name: str
-    path: Path | None = None
-    data: bytes | None = None
+    max_failures: FailureLimit = FailureLimit()
 
 
 @dataclass
@@ -51,129 +76,217 @@ class BatchReport:
     written: Counter = field(default_factory=Counter)
     already_done: int = 0
     failed: list[tuple[str, str]] = field(default_factory=list)
+    stale_removed: int = 0
+    expected: int | None = None  # inputs the shard set's manifest lists, when it has one
 
+    @property
+    def missing(self) -> int:
+        """Inputs the manifest lists that were never read (a truncated or unreadable shard)."""
+        return max(0, (self.expected or 0) - self.inputs)
 
-def _is_shard_source(source: Path) -> bool:
-    if source.is_file():
-        return source.suffix == ".tar"
-    return source.is_dir() and not list_images(source) and any(source.glob("*-[0-9]*.tar"))
+    @property
+    def lost(self) -> int:
+        """Inputs without maps: failed ones plus those never read."""
+        return len(self.failed) + self.missing
 
+    def failure(self, limit: FailureLimit) -> str | None:
+        """Why the job counts as failed (it did nothing, or lost more inputs than ``limit``
+        allows), or None when it succeeded."""
+        total = self.inputs + self.missing
+        if total == 0:
+            return "no inputs were found"
+        if self.lost == 0 or limit.allows(self.lost, total):
+            return None
+        if self.lost >= total:
+            return "every input failed"
+        return f"{self.lost} inputs without maps exceed --max-failures {limit.describe()}"
 
-def iter_items(source: Path) -> Iterator[Item]:
-    """Inputs of a folder of images, or of a shard folder / single ``.tar`` (keys as names)."""
-    source = Path(source)
-    if not source.exists():
-        raise FileNotFoundError(f"input {source} does not exist; pass an image folder or a shard set")
-    if _is_shard_source(source):
-        from shards import iter_samples
-
-        for sample in iter_samples(source):
-            yield Item(name=str(sample["key"]), data=sample["jpg"])
-        return
-    if not source.is_dir():
-        raise ValueError(f"input {source} is neither an image folder nor a shard (.tar) set")
-    paths = list_images(source)
-    if not paths:
-        raise FileNotFoundError(f"no images (jpg/png/...) or shards (*-NNNNNN.tar) in {source}")
-    stems = Counter(p.stem for p in paths)
-    clashes = sorted(s for s, n in stems.items() if n > 1)
-    if clashes:
-        raise ValueError(
-            f"{source}: several images share a name stem ({', '.join(clashes[:5])}); their maps would"
-            " overwrite each other, rename them or split the folder"
+    def summary(self, methods: Iterable[str]) -> str:
+        """One line: inputs, maps written per method, complete, failed, never read."""
+        written = ", ".join(f"{m} {self.written[m]}" for m in methods)
+        missing = f", {self.missing} listed in the manifest but not read" if self.missing else ""
+        return (
+            f"{self.inputs} inputs: maps written ({written}), {self.already_done} already complete, "
+            f"{len(self.failed)} failed{missing}"
         )
-    for path in paths:
-        yield Item(name=path.stem, path=path)
+
+
+@dataclass(frozen=True)
+class Result:
+    """What :func:`process_item` did with one input."""
+
+    name: str
+    written: tuple[str, ...] = ()
+    error: str | None = None
+    output_full: bool = False
+
+
+# --------------------------------------------------------------------------- outputs
 
 
 def map_path(output: Path, method: str, name: str) -> Path:
-    """Where the map of input ``name`` by ``method`` is written."""
-    return Path(output) / method / f"{name}.png"
+    """Where the map of input ``name`` by ``method`` is written; :class:`UnsafeKeyError` when
+    ``name`` (an untrusted shard key) would lead outside ``output/method``."""
+    return safe_relative_path(Path(output) / method, name, ".png")
 
 
-def process_item(item: Item, methods: tuple[str, ...], output: Path) -> tuple[str, list[str], str | None]:
-    """Compute and write the requested maps of one input; returns (name, written, error)."""
-    try:
-        rgb = read_rgb(item.path) if item.path is not None else decode_rgb(item.data or b"", item.name)
-    except ImageReadError as error:
-        return item.name, [], str(error)
-    written = []
+def remove_stale_temporaries(output: Path, methods: Iterable[str]) -> int:
+    """Delete the map temporaries a killed run left under ``output/<method>``; how many.
+
+    Safe only while holding the folder's lock: then no other writer is at work there.
+    """
+    removed = 0
     for method in methods:
-        try:
-            saliency = METHODS[method](rgb)
-        except Exception as error:  # a method bug must not end a long job: report and go on
-            return item.name, written, f"{item.name}: {method} failed ({type(error).__name__}: {error})"
-        write_map(map_path(output, method, item.name), saliency)
-        written.append(method)
-    return item.name, written, None
+        folder = Path(output) / method
+        if not folder.is_dir():
+            continue
+        for directory, _, files in os.walk(folder):  # does not follow links
+            for name in files:
+                path = Path(directory) / name
+                if is_map_temporary(path):
+                    path.unlink(missing_ok=True)
+                    removed += 1
+    return removed
 
 
-def _init_worker() -> None:
-    # One worker = one core: keep BLAS/OpenCV from spawning threads that fight each other.
-    os.environ["OMP_NUM_THREADS"] = "1"
+_ADDRESS = re.compile(r" object at 0x[0-9a-fA-F]+")
+
+
+def _plain(reason: str) -> str:
+    """A failure reason without object addresses (``<_io.BytesIO object at 0x7f..>``)."""
+    return _ADDRESS.sub("", reason)
+
+
+# --------------------------------------------------------------------------- one input
+
+
+def process_item(item: Item, methods: tuple[str, ...], output: Path) -> Result:
+    """Compute and write the requested maps of one input.
+
+    Decoding errors and write errors are this input's failure; anything else is a bug and
+    propagates (a method must give a map for every image).
+    """
     try:
-        import cv2
-        from threadpoolctl import threadpool_limits
+        if item.path is not None:
+            rgb = read_rgb(item.path)
+        elif item.data is not None:
+            rgb = decode_rgb(item.data, item.name)
+        else:
+            raise ImageReadError(f"{item.name}: no image member ({'/'.join(IMAGE_MEMBERS)})")
+    except READ_ERRORS as error:
+        return Result(item.name, error=_plain(str(error)))
+    written: list[str] = []
+    for method in methods:
+        saliency = METHODS[method](rgb)
+        path = map_path(output, method, item.name)
+        try:
+            write_map(path, saliency)
+        except OSError as error:
+            reason = f"cannot write {path}: {error.strerror or error}"
+            return Result(item.name, tuple(written), reason, output_full=error.errno in OUTPUT_FULL)
+        written.append(method)
+    return Result(item.name, tuple(written))
 
-        cv2.setNumThreads(1)
-        threadpool_limits(1)
-    except ImportError:
-        pass
+
+# --------------------------------------------------------------------------- the job
 
 
-def run_handcrafted(config: HandcraftedConfig) -> BatchReport:
-    """Run the job described by ``config``; see the module docstring."""
-    unknown = [m for m in config.methods if m not in METHODS]
-    if unknown or not config.methods:
-        raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
-    report = BatchReport()
-    source = Path(config.input)
-    # A folder's size is known up front; a shard set's is not without reading its manifest.
-    total = len(list_images(source)) if source.is_dir() and not _is_shard_source(source) else None
-    bar = tqdm(desc="saliency maps", unit="img", total=total, disable=not config.progress)
+def _pending(config: HandcraftedConfig, item: Item) -> tuple[str, ...]:
+    """The methods whose map of ``item`` is still to be written (raises UnsafeKeyError)."""
+    paths = {m: map_path(config.output, m, item.name) for m in config.methods}
+    if config.overwrite:
+        return config.methods
+    return tuple(m for m in config.methods if not paths[m].exists())
 
-    def pending(item: Item) -> tuple[str, ...]:
-        if config.overwrite:
-            return config.methods
-        return tuple(
-            m for m in config.methods if not map_path(config.output, m, item.name).exists()
-        )
 
-    def record(result: tuple[str, list[str], str | None]) -> None:
-        name, written, error = result
-        report.written.update(written)
-        if error is not None:
-            report.failed.append((name, error))
-            bar.write(f"skipped {error}")
-        bar.update(1)
+def _work(config: HandcraftedConfig, report: BatchReport, bar: tqdm) -> Iterator[tuple[Item, tuple[str, ...]]]:
+    """The inputs that still need maps; counts the others (complete, or with a bad key) on the way."""
+    for item in iter_items(config.input):
+        report.inputs += 1
+        try:
+            methods = _pending(config, item)
+        except UnsafeKeyError as error:
+            report.failed.append((repr(item.name), f"rejected key: {error}"))
+            bar.write(f"skipped {item.name!r}: rejected key: {error}", file=sys.stderr)
+            bar.update(1)
+            continue
+        if methods:
+            yield item, methods
+        else:
+            report.already_done += 1
+            bar.update(1)
 
-    def todo() -> Iterator[tuple[Item, tuple[str, ...]]]:
-        for item in iter_items(config.input):
-            report.inputs += 1
-            methods = pending(item)
-            if methods:
-                yield item, methods
-            else:
-                report.already_done += 1
-                bar.update(1)
 
-    if config.workers <= 1:
-        for item, methods in todo():
-            record(process_item(item, methods, config.output))
-    else:
-        # Bounded submission: a shard set can be far larger than memory.
-        in_flight: set[Future] = set()
-        # spawn, not fork: forking a process whose BLAS/OpenCV thread pools are running can
-        # leave the children deadlocked on a lock held by a thread that no longer exists.
-        context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(config.workers, mp_context=context, initializer=_init_worker) as pool:
-            for item, methods in todo():
+def _compute_serial(config: HandcraftedConfig, work: Iterator) -> Iterator[Result]:
+    with single_threaded():  # --workers 1 means one core
+        for item, methods in work:
+            yield process_item(item, methods, config.output)
+
+
+def _compute_pooled(config: HandcraftedConfig, work: Iterator) -> Iterator[Result]:
+    # spawn, not fork: forking a process whose BLAS/OpenCV thread pools are running can
+    # leave the children deadlocked on a lock held by a thread that no longer exists.
+    context = multiprocessing.get_context("spawn")
+    in_flight: set[Future] = set()
+    with ProcessPoolExecutor(
+        config.workers, mp_context=context, initializer=init_worker, initargs=(os.getpid(),)
+    ) as pool:
+        try:
+            for item, methods in work:
                 in_flight.add(pool.submit(process_item, item, methods, config.output))
+                # Bounded submission: a shard set can be far larger than memory.
                 if len(in_flight) >= 4 * config.workers:
                     done, in_flight = wait(in_flight, return_when=FIRST_COMPLETED)
                     for future in done:
-                        record(future.result())
+                        yield future.result()
             for future in in_flight:
-                record(future.result())
-    bar.close()
+                yield future.result()
+        finally:
+            for future in in_flight:  # stopped early (full disk, Ctrl-C): drop queued inputs
+                future.cancel()
+
+
+def run_handcrafted(config: HandcraftedConfig) -> BatchReport:
+    """Run the job described by ``config``; see the module docstring.
+
+    Raises FileNotFoundError/ValueError for a bad input, ``shards.lock.FolderLockedError`` when
+    another job holds the output folder, :class:`OutputWriteError` when the output folder can
+    take no more maps.
+    """
+    unknown = [m for m in config.methods if m not in METHODS]
+    if unknown or not config.methods:
+        raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+    source = Path(config.input)
+    if not source.exists():
+        raise FileNotFoundError(f"input {source} does not exist; pass an image folder or a shard set")
+    report = BatchReport()
+    total = count_inputs(source)
+    if is_shard_source(source):
+        report.expected = total
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(folder_lock(config.output, JOB_NAME))
+        except OSError as error:
+            raise OutputWriteError(
+                f"cannot use the output folder {config.output}: {error.strerror or error};"
+                " choose another --output"
+            ) from error
+        report.stale_removed = remove_stale_temporaries(config.output, config.methods)
+        bar = stack.enter_context(
+            # in a log file (not a terminal), a line every 30 s instead of a redrawn bar
+            tqdm(desc="saliency maps", unit="img", total=total, disable=not config.progress,
+                 mininterval=0.1 if sys.stderr.isatty() else 30.0)
+        )
+        compute = _compute_serial if config.workers <= 1 else _compute_pooled
+        for result in compute(config, _work(config, report, bar)):
+            report.written.update(result.written)
+            if result.error is not None:
+                report.failed.append((result.name, result.error))
+                bar.write(f"skipped {result.name}: {result.error}", file=sys.stderr)
+            if result.output_full:
+                raise OutputWriteError(
+                    f"{result.error}; the output folder is full or read-only: free space (or choose"
+                    " another --output) and rerun the same command, finished maps are kept"
+                )
+            bar.update(1)
     return report

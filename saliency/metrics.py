@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from saliency.handcrafted.graph import minmax_normalise
+
 BETA2 = 0.3
 THRESHOLDS = 256
 EPS = np.finfo(np.float64).eps
@@ -28,10 +30,7 @@ def normalise_prediction(prediction: np.ndarray) -> np.ndarray:
     s = np.asarray(prediction, dtype=np.float64)
     if s.ndim == 3:
         s = s[..., 0]
-    lo, hi = float(s.min()), float(s.max())
-    if hi - lo <= 0:
-        return np.zeros_like(s)
-    return (s - lo) / (hi - lo)
+    return minmax_normalise(s)
 
 
 def binarise_ground_truth(gt: np.ndarray) -> np.ndarray:

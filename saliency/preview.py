@@ -11,7 +11,8 @@ import numpy as np
 
 from saliency.batch import iter_items, map_path
 from saliency.handcrafted.methods import METHODS
-from saliency.images import ImageReadError, decode_rgb, list_images, read_gray, read_rgb, write_png
+from saliency.images import ImageReadError, decode_rgb, list_images, read_gray, read_rgb
+from saliency.maps import write_png
 
 HEADER = 22
 

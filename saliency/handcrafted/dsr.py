@@ -20,39 +20,61 @@ reference is not) and run once per scale for both errors instead of twice. No fr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
+from saliency.handcrafted.colour import rgb_to_lab
+from saliency.handcrafted.frame import guarded_map
+from saliency.handcrafted.graph import boundary_ids, minmax_normalise, segment, superpixel_means
 from saliency.handcrafted.reconstruction import (
+    KMEANS_MAX_ITER,
+    LASSO_LAMBDA,
+    NUM_CLUSTERS,
+    PCA_ENERGY,
+    PROPAGATION_WEIGHT,
     cluster_labels,
     dense_reconstruction_error,
     propagate_errors,
     sparse_reconstruction_error,
 )
-from saliency.handcrafted.superpixels import is_flat, prepare, rgb_to_lab, segment, superpixel_means
-
-SCALES = ((50, 10.0), (100, 10.0), (150, 20.0), (200, 20.0), (250, 25.0), (300, 25.0), (350, 30.0), (400, 30.0))
-"""(number of superpixels, SLIC compactness) of the eight scales."""
-GAUSSIAN_SIGMA_RATIO = 0.25
-HISTOGRAM_BINS = 60
 
 
-def dsr_saliency(rgb: np.ndarray, seed: int = 0) -> np.ndarray:
+@dataclass(frozen=True)
+class DSRConfig:
+    """DSR's parameters; defaults are the authors' MATLAB code's (``seed``: ours, fixes K-means)."""
+
+    scales: tuple[tuple[int, float], ...] = (
+        (50, 10.0), (100, 10.0), (150, 20.0), (200, 20.0),
+        (250, 25.0), (300, 25.0), (350, 30.0), (400, 30.0),
+    )  # (number of superpixels, SLIC compactness) of the eight scales
+    pca_energy: float = PCA_ENERGY
+    lasso_lambda: float = LASSO_LAMBDA
+    num_clusters: int = NUM_CLUSTERS
+    kmeans_max_iter: int = KMEANS_MAX_ITER
+    propagation_weight: float = PROPAGATION_WEIGHT
+    gaussian_sigma_ratio: float = 0.25  # object-biased Gaussian: sigma = ratio x side
+    histogram_bins: int = 60  # Bayesian integration
+    seed: int = 0
+
+
+def dsr_saliency(rgb: np.ndarray, config: DSRConfig = DSRConfig()) -> np.ndarray:
     """Dense-and-sparse-reconstruction saliency of an image: float32 HxW in [0, 1].
 
-    ``rgb``: uint8 HxWx3 (greyscale, HxWx1 and RGBA are accepted). ``seed`` fixes K-means.
+    ``rgb``: uint8 HxWx3 (greyscale, HxWx1 and RGBA are accepted).
     """
-    prepared = prepare(rgb, remove_frame="none")
-    if is_flat(prepared.rgb):
-        # nothing to reconstruct: only the position features would differ, giving a centre blob
-        return prepared.finish(np.zeros(prepared.rgb.shape[:2], dtype=np.float32))
-    dense, sparse = multiscale_errors(prepared.rgb, seed)
-    dense = object_biased_gaussian(dense)
-    sparse = object_biased_gaussian(sparse)
-    combined = _minmax(bayes_posterior(sparse, dense) + bayes_posterior(dense, sparse))
-    return prepared.finish(combined.astype(np.float32))
+
+    def compute(image: np.ndarray) -> np.ndarray:
+        dense, sparse = multiscale_errors(image, config)
+        dense = object_biased_gaussian(dense, config.gaussian_sigma_ratio)
+        sparse = object_biased_gaussian(sparse, config.gaussian_sigma_ratio)
+        posterior = bayes_posterior(sparse, dense, config.histogram_bins)
+        return minmax_normalise(posterior + bayes_posterior(dense, sparse, config.histogram_bins))
+
+    return guarded_map(rgb, compute, remove_frame="none")
 
 
-def multiscale_errors(rgb: np.ndarray, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+def multiscale_errors(rgb: np.ndarray, config: DSRConfig = DSRConfig()) -> tuple[np.ndarray, np.ndarray]:
     """Propagated dense and sparse reconstruction errors fused over the scales, each HxW in [0, 1]."""
     height, width = rgb.shape[:2]
     lab = rgb_to_lab(rgb)  # for SLIC
@@ -70,7 +92,7 @@ def multiscale_errors(rgb: np.ndarray, seed: int = 0) -> tuple[np.ndarray, np.nd
     weight_sum = np.zeros((height, width), dtype=np.float32)
     dense_sum = np.zeros_like(weight_sum)
     sparse_sum = np.zeros_like(weight_sum)
-    for count, compactness in SCALES:
+    for count, compactness in config.scales:
         sp = segment(rgb, count, compactness, lab=lab)
         features = np.concatenate(
             [
@@ -80,21 +102,25 @@ def multiscale_errors(rgb: np.ndarray, seed: int = 0) -> tuple[np.ndarray, np.nd
             ],
             axis=1,
         )
-        background = np.unique(
-            np.concatenate([sp.labels[0], sp.labels[-1], sp.labels[:, 0], sp.labels[:, -1]])
-        )
-        clusters = cluster_labels(features, seed=seed)
+        templates = features[boundary_ids(sp.labels)]
+        clusters = cluster_labels(features, config.num_clusters, config.seed, config.kmeans_max_iter)
         dense = propagate_errors(
-            features, dense_reconstruction_error(features, features[background]), clusters
+            features,
+            dense_reconstruction_error(features, templates, config.pca_energy),
+            clusters,
+            config.propagation_weight,
         )
         sparse = propagate_errors(
-            features, sparse_reconstruction_error(features, features[background]), clusters
+            features,
+            sparse_reconstruction_error(features, templates, config.lasso_lambda),
+            clusters,
+            config.propagation_weight,
         )
         weight = fusion_weight(pixel_colour, rows, cols, sp.labels, features)
         weight_sum += weight
         dense_sum += weight * dense.astype(np.float32)[sp.labels]
         sparse_sum += weight * sparse.astype(np.float32)[sp.labels]
-    return _minmax(dense_sum / weight_sum), _minmax(sparse_sum / weight_sum)
+    return minmax_normalise(dense_sum / weight_sum), minmax_normalise(sparse_sum / weight_sum)
 
 
 def ruzon_lab(rgb: np.ndarray) -> np.ndarray:
@@ -146,56 +172,55 @@ def fusion_weight(
     return 1.0 / (np.sqrt(dist2) + np.float32(np.finfo(np.float64).eps))
 
 
-def object_biased_gaussian(saliency: np.ndarray) -> np.ndarray:
-    """Multiply by a Gaussian (sigma = 0.25 x side) centred on the saliency-weighted centroid."""
+def object_biased_gaussian(
+    saliency: np.ndarray, sigma_ratio: float = DSRConfig.gaussian_sigma_ratio
+) -> np.ndarray:
+    """Multiply by a Gaussian (sigma = ``sigma_ratio`` x side) centred on the saliency-weighted centroid."""
     height, width = saliency.shape
     total = float(saliency.sum())
     if not total > 0:
-        return _minmax(saliency)
+        return minmax_normalise(saliency)
     rows = np.arange(1, height + 1, dtype=np.float64)
     cols = np.arange(1, width + 1, dtype=np.float64)
     centre_row = float(rows @ saliency.sum(axis=1)) / total
     centre_col = float(saliency.sum(axis=0) @ cols) / total
-    along_rows = np.exp(-((rows - centre_row) ** 2) / (2.0 * (height * GAUSSIAN_SIGMA_RATIO) ** 2))
-    along_cols = np.exp(-((cols - centre_col) ** 2) / (2.0 * (width * GAUSSIAN_SIGMA_RATIO) ** 2))
-    return _minmax(np.outer(along_rows, along_cols) * saliency)
+    along_rows = np.exp(-((rows - centre_row) ** 2) / (2.0 * (height * sigma_ratio) ** 2))
+    along_cols = np.exp(-((cols - centre_col) ** 2) / (2.0 * (width * sigma_ratio) ** 2))
+    return minmax_normalise(np.outer(along_rows, along_cols) * saliency)
 
 
-def bayes_posterior(prior: np.ndarray, observer: np.ndarray) -> np.ndarray:
+def bayes_posterior(
+    prior: np.ndarray, observer: np.ndarray, bins: int = DSRConfig.histogram_bins
+) -> np.ndarray:
     """Bayesian integration: posterior saliency from ``prior`` with likelihoods from ``observer``.
 
     The prior, thresholded at its mean, splits the image into inner and outer regions; each
-    region's 60-bin histogram of the observer map (over that region's own value range)
+    region's ``bins``-bin histogram of the observer map (over that region's own value range)
     gives the likelihoods. As in the authors' ``Bayes.m``, both likelihoods of a pixel are
     read at the bin of its own region's histogram. Returns the posterior min-max normalised.
     """
     inner = prior > prior.mean()
     if inner.all() or not inner.any():
-        return _minmax(prior)
-    inner_bins = _bin_indices(observer[inner])
-    outer_bins = _bin_indices(observer[~inner])
-    inner_hist = np.bincount(inner_bins, minlength=HISTOGRAM_BINS) / inner_bins.size
-    outer_hist = np.bincount(outer_bins, minlength=HISTOGRAM_BINS) / outer_bins.size
+        return minmax_normalise(prior)
+    inner_bins = _bin_indices(observer[inner], bins)
+    outer_bins = _bin_indices(observer[~inner], bins)
+    inner_hist = np.bincount(inner_bins, minlength=bins) / inner_bins.size
+    outer_hist = np.bincount(outer_bins, minlength=bins) / outer_bins.size
     posterior = np.empty_like(prior, dtype=np.float64)
-    for region, bins in ((inner, inner_bins), (~inner, outer_bins)):
+    for region, region_bins in ((inner, inner_bins), (~inner, outer_bins)):
         p = prior[region]
-        salient = inner_hist[bins] * p
-        background = outer_hist[bins] * (1.0 - p)
+        salient = inner_hist[region_bins] * p
+        background = outer_hist[region_bins] * (1.0 - p)
         denom = salient + background
         posterior[region] = np.divide(salient, denom, out=np.zeros_like(salient), where=denom > 0)
-    return _minmax(posterior)
+    return minmax_normalise(posterior)
 
 
-def _bin_indices(values: np.ndarray) -> np.ndarray:
-    """0-based bins of ``ceil(60 (v - min) / (max - min))`` clipped to 1..60 (a flat region: bin 60)."""
+def _bin_indices(values: np.ndarray, count: int) -> np.ndarray:
+    """0-based bins of ``ceil(count (v - min) / (max - min))`` clipped to 1..count (a flat region: the last)."""
     lo, hi = float(values.min()), float(values.max())
     if not hi > lo:
-        return np.full(values.size, HISTOGRAM_BINS - 1)
-    bins = np.ceil(HISTOGRAM_BINS * (values - lo) / (hi - lo)).astype(np.int64)
-    return np.clip(bins, 1, HISTOGRAM_BINS) - 1
+        return np.full(values.size, count - 1)
+    bins = np.ceil(count * (values - lo) / (hi - lo)).astype(np.int64)
+    return np.clip(bins, 1, count) - 1
 
-
-def _minmax(values: np.ndarray) -> np.ndarray:
-    values = np.asarray(values, dtype=np.float64)
-    lo, hi = values.min(), values.max()
-    return (values - lo) / (hi - lo) if hi > lo else np.zeros_like(values)

@@ -17,40 +17,42 @@ the PASCAL-S dev images).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from saliency.handcrafted.superpixels import adjacency, is_flat, prepare, segment
-
-NUM_SUPERPIXELS = 250
-COMPACTNESS = 20.0
-WEIGHT_SCALE = 10.0
-"""Edge weight ``exp(-WEIGHT_SCALE * d) + WEIGHT_FLOOR`` with ``d`` min-max normalised over edges."""
-WEIGHT_FLOOR = 1e-5
-FRAME_AFFINITY = 13.0
-"""Total border-to-inner affinity below which the border is treated as an artificial frame."""
-OUTLIER_AFFINITY = 1.1
-"""Superpixels whose affinity row sum (self-loop 1 included) is below this are dropped."""
-OUTLIER_NEIGHBOUR_SALIENCY = 0.3
-FLATNESS_LIMIT = 2.0
-"""Histogram spread at or above which the equilibrium-weighted absorption time is used."""
+from saliency.handcrafted.frame import guarded_map
+from saliency.handcrafted.graph import adjacency, boundary_ids, minmax_normalise, segment, to_pixels
 
 
-def mc_saliency(rgb: np.ndarray) -> np.ndarray:
+@dataclass(frozen=True)
+class MCConfig:
+    """MC's parameters; defaults are the authors' MATLAB code's."""
+
+    superpixels: int = 250
+    compactness: float = 20.0
+    weight_scale: float = 10.0  # edge weight exp(-scale d) + floor, d min-max normalised over edges
+    weight_floor: float = 1e-5
+    frame_affinity: float = 13.0  # total border-to-inner affinity below which the border is a frame
+    outlier_affinity: float = 1.1  # superpixels whose affinity row sum (self-loop 1 included) is below are dropped
+    outlier_neighbour_saliency: float = 0.3  # a dropped superpixel with a neighbour above this becomes 1
+    flatness_limit: float = 2.0  # histogram spread from which the equilibrium-weighted time is used
+
+
+def mc_saliency(rgb: np.ndarray, config: MCConfig = MCConfig()) -> np.ndarray:
     """Absorbing-Markov-chain saliency of an image: float32 HxW in [0, 1].
 
     ``rgb``: uint8 HxWx3 (greyscale, HxWx1 and RGBA are accepted). Deterministic.
     """
-    prepared = prepare(rgb, remove_frame="none")
-    image = prepared.rgb
-    if is_flat(image):
-        # no colour contrast: the chain would only measure graph distance to the border
-        return prepared.finish(np.zeros(image.shape[:2], dtype=np.float32))
-    sp = segment(image, NUM_SUPERPIXELS, COMPACTNESS)
-    if sp.count < 2:
-        return prepared.finish(np.zeros(image.shape[:2], dtype=np.float32))
-    colour = mc_superpixel_lab(sp.mean_rgb)
-    saliency = absorbing_chain_saliency(sp.labels, colour)
-    return prepared.finish(saliency.astype(np.float32)[sp.labels])
+
+    def compute(image: np.ndarray) -> np.ndarray | None:
+        sp = segment(image, config.superpixels, config.compactness)
+        if sp.count < 2:
+            return None
+        colour = mc_superpixel_lab(sp.mean_rgb)
+        return to_pixels(absorbing_chain_saliency(sp.labels, colour, config), sp.labels)
+
+    return guarded_map(rgb, compute, remove_frame="none")
 
 
 def mc_superpixel_lab(mean_rgb: np.ndarray) -> np.ndarray:
@@ -98,19 +100,21 @@ def mc_graph(labels: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
     return ring, second
 
 
-def absorbing_chain_saliency(labels: np.ndarray, colour: np.ndarray) -> np.ndarray:
+def absorbing_chain_saliency(
+    labels: np.ndarray, colour: np.ndarray, config: MCConfig = MCConfig()
+) -> np.ndarray:
     """Per-superpixel MC saliency in [0, 1] for a label image and per-superpixel colours."""
     count = colour.shape[0]
     ring, graph = mc_graph(labels, count)
-    affinity = _affinity(graph, colour)
+    affinity = _affinity(graph, colour, config)
     degree = affinity.sum(axis=1)
-    outliers = np.flatnonzero(degree < OUTLIER_AFFINITY)
-    state = _border_states(labels, ring, affinity)
+    outliers = np.flatnonzero(degree < config.outlier_affinity)
+    state = _border_states(labels, ring, affinity, config.frame_affinity)
     state[outliers] = _DROPPED
     if not np.any(state == _ABSORBING):
         # no absorbing state left (tiny image whose border was all taken for a frame):
         # fall back to the border itself, as the no-frame branch does
-        state = _border_states(labels, ring, affinity, allow_frame=False)
+        state = _border_states(labels, ring, affinity, frame_affinity=None)
         state[outliers] = _DROPPED
         if not np.any(state == _ABSORBING):
             return np.zeros(count)
@@ -121,15 +125,18 @@ def absorbing_chain_saliency(labels: np.ndarray, colour: np.ndarray) -> np.ndarr
     absorbing_links = affinity[np.ix_(kept, np.flatnonzero(state == _ABSORBING))].sum(axis=1)
     kept_degree = degree[kept]
     fundamental = np.eye(kept.size) - weights / (kept_degree + absorbing_links)[:, None]
-    absorbed = _normalise(_solve(fundamental, np.ones(kept.size)))
-    if _histogram_spread(absorbed) >= FLATNESS_LIMIT:
+    # keep_constant: MC's MATLAB normalises with Leo Grady's ``normalize``
+    absorbed = minmax_normalise(_solve(fundamental, np.ones(kept.size)), keep_constant=True)
+    if _histogram_spread(absorbed) >= config.flatness_limit:
         # equilibrium post-process: weight start states by the inverse stationary probability
         inverse_stationary = kept_degree.sum() / kept_degree
-        absorbed = _normalise(_solve(fundamental, inverse_stationary / inverse_stationary.sum()))
+        absorbed = minmax_normalise(
+            _solve(fundamental, inverse_stationary / inverse_stationary.sum()), keep_constant=True
+        )
     saliency = np.zeros(count)
     saliency[kept] = absorbed
     for outlier in outliers:  # sequential on purpose: an updated outlier can flip the next
-        if np.any(saliency[ring[outlier]] > OUTLIER_NEIGHBOUR_SALIENCY):
+        if np.any(saliency[ring[outlier]] > config.outlier_neighbour_saliency):
             saliency[outlier] = 1.0
     return saliency
 
@@ -137,11 +144,12 @@ def absorbing_chain_saliency(labels: np.ndarray, colour: np.ndarray) -> np.ndarr
 _TRANSIENT, _ABSORBING, _DROPPED = 0, 1, 2
 
 
-def _affinity(graph: np.ndarray, colour: np.ndarray) -> np.ndarray:
+def _affinity(graph: np.ndarray, colour: np.ndarray, config: MCConfig) -> np.ndarray:
     """``exp(-10 d) + 1e-5`` on graph edges (d: Lab distance min-max normalised over edges) + I."""
     rows, cols = np.nonzero(np.triu(graph, 1))
     distance = np.sqrt(((colour[rows] - colour[cols]) ** 2).sum(axis=1))
-    weight = np.exp(-WEIGHT_SCALE * _normalise(distance)) + WEIGHT_FLOOR
+    distance = minmax_normalise(distance, keep_constant=True)
+    weight = np.exp(-config.weight_scale * distance) + config.weight_floor
     affinity = np.eye(colour.shape[0])
     affinity[rows, cols] = weight
     affinity[cols, rows] = weight
@@ -149,28 +157,24 @@ def _affinity(graph: np.ndarray, colour: np.ndarray) -> np.ndarray:
 
 
 def _border_states(
-    labels: np.ndarray, ring: np.ndarray, affinity: np.ndarray, allow_frame: bool = True
+    labels: np.ndarray, ring: np.ndarray, affinity: np.ndarray, frame_affinity: float | None
 ) -> np.ndarray:
-    """Mark states: border superpixels absorbing, or (frame case) dropped with the next ring absorbing."""
+    """Mark states: border superpixels absorbing, or (frame case) dropped with the next ring absorbing.
+
+    ``frame_affinity``: the border counts as a frame when its total affinity to the inner
+    superpixels is at most this; None: never a frame.
+    """
     count = ring.shape[0]
     border = np.zeros(count, dtype=bool)
-    border[np.concatenate([labels[0, :], labels[-1, :], labels[:, 0], labels[:, -1]])] = True
+    border[boundary_ids(labels)] = True
     state = np.where(border, _ABSORBING, _TRANSIENT)
     inner_links = ring[border][:, ~border]
-    if not allow_frame or affinity[border][:, ~border][inner_links].sum() > FRAME_AFFINITY:
+    if frame_affinity is None or affinity[border][:, ~border][inner_links].sum() > frame_affinity:
         return state
     second_ring = inner_links.any(axis=0)
     state[border] = _DROPPED
     state[np.flatnonzero(~border)[second_ring]] = _ABSORBING
     return state
-
-
-def _normalise(values: np.ndarray) -> np.ndarray:
-    """Min-max to [0, 1]; a constant vector keeps its value (Leo Grady's ``normalize``)."""
-    lo, hi = values.min(), values.max()
-    if not hi > lo:
-        return np.full_like(values, lo if np.isfinite(lo) else 0.0)
-    return (values - lo) / (hi - lo)
 
 
 def _solve(matrix: np.ndarray, rhs: np.ndarray) -> np.ndarray:

@@ -1,4 +1,5 @@
-"""The registry of handcrafted saliency methods: name -> ``rgb uint8 HxWx3 -> float32 HxW``.
+"""The registry of handcrafted saliency methods: name -> ``rgb uint8 HxWx3 -> float32 HxW``, and
+each method's config dataclass.
 
 An explicit dict (no registration by import side effect); every function is pure and
 deterministic, so it can be shipped to worker processes by name.
@@ -10,10 +11,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from saliency.handcrafted.dsr import dsr_saliency
-from saliency.handcrafted.mc import mc_saliency
-from saliency.handcrafted.mr import mr_saliency
-from saliency.handcrafted.rbd import rbd_saliency
+from saliency.handcrafted.dsr import DSRConfig, dsr_saliency
+from saliency.handcrafted.mc import MCConfig, mc_saliency
+from saliency.handcrafted.mr import MRConfig, mr_saliency
+from saliency.handcrafted.rbd import RBDConfig, rbd_saliency
 
 SaliencyMethod = Callable[[np.ndarray], np.ndarray]
 
@@ -23,6 +24,9 @@ METHODS: dict[str, SaliencyMethod] = {
     "dsr": dsr_saliency,
     "mc": mc_saliency,
 }
+
+CONFIGS: dict[str, type] = {"rbd": RBDConfig, "mr": MRConfig, "dsr": DSRConfig, "mc": MCConfig}
+"""Each method's frozen parameter dataclass (defaults: the authors' code); ``METHODS[name](rgb, config)``."""
 
 
 def resolve_methods(name: str) -> list[str]:

@@ -16,15 +16,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from saliency.handcrafted.superpixels import (
+from saliency.handcrafted.frame import guarded_map
+from saliency.handcrafted.graph import (
     adjacency,
     border_ids,
     boundary_ids,
-    is_flat,
     link_clique,
     minmax_normalise,
     pairwise_distances,
-    prepare,
     segment,
     to_pixels,
     two_ring,
@@ -33,7 +32,7 @@ from saliency.handcrafted.superpixels import (
 
 @dataclass(frozen=True)
 class MRConfig:
-    """Parameters of the authors' C++ code."""
+    """MR's parameters; defaults are the authors' C++ code's."""
 
     superpixels: int = 200
     compactness: float = 20.0
@@ -43,18 +42,18 @@ class MRConfig:
 
 def mr_saliency(rgb: np.ndarray, config: MRConfig = MRConfig()) -> np.ndarray:
     """MR saliency map: image (uint8 HxWx3; greyscale/RGBA accepted) -> float32 HxW in [0, 1]."""
-    prepared = prepare(rgb, remove_frame="canny", min_frame_sides=2)
-    image = prepared.rgb
-    if is_flat(image):
-        return prepared.finish(np.zeros(image.shape[:2], np.float32))
-    sp = segment(image, config.superpixels, config.compactness, gmr_variant=True)
-    if sp.count < 3:
-        return prepared.finish(np.zeros(image.shape[:2], np.float32))
-    affinity = ranking_matrix(
-        mr_graph(sp.labels, sp.count), pairwise_distances(sp.mean_lab), config
-    )
-    values = two_stage_ranking(affinity, border_ids(sp.labels))
-    return prepared.finish(to_pixels(minmax_normalise(values), sp.labels))
+
+    def compute(image: np.ndarray) -> np.ndarray | None:
+        sp = segment(image, config.superpixels, config.compactness, gmr_variant=True)
+        if sp.count < 3:
+            return None
+        affinity = ranking_matrix(
+            mr_graph(sp.labels, sp.count), pairwise_distances(sp.mean_lab), config
+        )
+        values = two_stage_ranking(affinity, border_ids(sp.labels))
+        return to_pixels(minmax_normalise(values), sp.labels)
+
+    return guarded_map(rgb, compute, remove_frame="canny", min_frame_sides=2)
 
 
 def mr_graph(labels: np.ndarray, count: int) -> np.ndarray:

@@ -16,15 +16,14 @@ import numpy as np
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import shortest_path
 
-from saliency.handcrafted.superpixels import (
+from saliency.handcrafted.frame import guarded_map
+from saliency.handcrafted.graph import (
     adjacency,
     boundary_ids,
     distance_to_weight,
-    is_flat,
     link_clique,
     minmax_normalise,
     pairwise_distances,
-    prepare,
     segment,
     to_pixels,
     two_ring,
@@ -33,7 +32,7 @@ from saliency.handcrafted.superpixels import (
 
 @dataclass(frozen=True)
 class RBDConfig:
-    """Parameters of the authors' code (names as in the paper / MATLAB)."""
+    """RBD's parameters; defaults are the authors' code's (names as in the paper / MATLAB)."""
 
     pixels_per_superpixel: int = 600
     compactness: float = 20.0
@@ -48,23 +47,23 @@ class RBDConfig:
 
 def rbd_saliency(rgb: np.ndarray, config: RBDConfig = RBDConfig()) -> np.ndarray:
     """RBD saliency map: image (uint8 HxWx3; greyscale/RGBA accepted) -> float32 HxW in [0, 1]."""
-    prepared = prepare(rgb, remove_frame="sobel", min_frame_sides=1)
-    image = prepared.rgb
-    if is_flat(image):
-        return prepared.finish(np.zeros(image.shape[:2], np.float32))
-    height, width = image.shape[:2]
-    n_segments = max(1, round(height * width / config.pixels_per_superpixel))
-    sp = segment(image, n_segments, config.compactness)
-    if sp.count < 3:
-        return prepared.finish(np.zeros(image.shape[:2], np.float32))
-    values = rbd_superpixel_saliency(
-        adj=adjacency(sp.labels, sp.count, connectivity=4),
-        boundary=boundary_ids(sp.labels, config.boundary_thickness),
-        colour_dist=pairwise_distances(sp.lab_of_mean_rgb),
-        position_dist=pairwise_distances(sp.mean_position),
-        config=config,
-    )
-    return prepared.finish(to_pixels(minmax_normalise(values), sp.labels))
+
+    def compute(image: np.ndarray) -> np.ndarray | None:
+        height, width = image.shape[:2]
+        n_segments = max(1, round(height * width / config.pixels_per_superpixel))
+        sp = segment(image, n_segments, config.compactness)
+        if sp.count < 3:
+            return None
+        values = rbd_superpixel_saliency(
+            adj=adjacency(sp.labels, sp.count, connectivity=4),
+            boundary=boundary_ids(sp.labels, config.boundary_thickness),
+            colour_dist=pairwise_distances(sp.lab_of_mean_rgb),
+            position_dist=pairwise_distances(sp.mean_position),
+            config=config,
+        )
+        return to_pixels(minmax_normalise(values), sp.labels)
+
+    return guarded_map(rgb, compute, remove_frame="sobel", min_frame_sides=1)
 
 
 def rbd_superpixel_saliency(
@@ -136,7 +135,7 @@ def weighted_contrast(
     """Background-weighted contrast, min-max normalised, values under Otsu's threshold zeroed."""
     spatial = distance_to_weight(position_dist, spatial_sigma)
     contrast = (colour_dist * spatial) @ background
-    contrast = (contrast - contrast.min()) / (contrast.max() - contrast.min() + np.spacing(1.0))
+    contrast = minmax_normalise(contrast)
     contrast[contrast < otsu_threshold(contrast)] = 0.0
     return contrast
 

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import numpy as np
 from scipy.linalg import solve_triangular
-from sklearn.cluster import KMeans
-from sklearn.decomposition import PCA
 
+from saliency.handcrafted.graph import minmax_normalise
+
+# The authors' values; saliency.handcrafted.dsr.DSRConfig takes its defaults from here.
 PCA_ENERGY = 0.95
 LASSO_LAMBDA = 0.01
 PROPAGATION_WEIGHT = 0.5
@@ -27,11 +28,13 @@ NUM_CLUSTERS = 8
 KMEANS_MAX_ITER = 200
 
 
-def dense_reconstruction_error(features: np.ndarray, background: np.ndarray) -> np.ndarray:
+def dense_reconstruction_error(
+    features: np.ndarray, background: np.ndarray, energy: float = PCA_ENERGY
+) -> np.ndarray:
     """Distance of each feature row to the principal subspace of the ``background`` rows.
 
     As in the authors' ``PCA.m``: the basis holds the principal axes of the centred
-    background templates, one *more* than the smallest number reaching 95% of the variance
+    background templates, one *more* than the smallest number reaching ``energy`` of the variance
     (their energy loop stops one index late); reconstruction is centred on the mean of *all*
     features. Returns the Euclidean errors min-max normalised to [0, 1], shape ``(n,)``.
     """
@@ -39,31 +42,35 @@ def dense_reconstruction_error(features: np.ndarray, background: np.ndarray) -> 
     background = np.asarray(background, dtype=np.float64)
     centred = features - features.mean(axis=0)
     if background.shape[0] < 2:
-        return _minmax(np.linalg.norm(centred, axis=1))
+        return minmax_normalise(np.linalg.norm(centred, axis=1))
+    from sklearn.decomposition import PCA  # here: importing scikit-learn costs ~1 s of start-up
+
     pca = PCA(svd_solver="full").fit(background)
     ratio = pca.explained_variance_ratio_
     rank = int(np.sum(pca.singular_values_ > 1e-10 * max(pca.singular_values_[0], 1e-300)))
-    reaching = int(np.searchsorted(np.cumsum(ratio), PCA_ENERGY - 1e-12)) + 1
+    reaching = int(np.searchsorted(np.cumsum(ratio), energy - 1e-12)) + 1
     # "+ 1" is the reference's off-by-one; capped at the rank, beyond which the reference
     # would normalise a numerically zero vector into an arbitrary direction
     dims = max(1, min(reaching + 1, rank))
     basis = pca.components_[:dims]
     residual = centred - (centred @ basis.T) @ basis
-    return _minmax(np.linalg.norm(residual, axis=1))
+    return minmax_normalise(np.linalg.norm(residual, axis=1))
 
 
-def sparse_reconstruction_error(features: np.ndarray, background: np.ndarray) -> np.ndarray:
+def sparse_reconstruction_error(
+    features: np.ndarray, background: np.ndarray, lam: float = LASSO_LAMBDA
+) -> np.ndarray:
     """Squared residual of each (unit-normalised) feature coded over the normalised templates.
 
     Solves ``min_a 0.5 ||x - D a||^2 + lambda ||a||_1`` (SPAMS ``mexLasso`` mode 2, lambda
-    0.01, at most ``d`` atoms) for every row ``x``. Zero rows are left as they are, like the
+    ``lam``, the authors' 0.01 by default, at most ``d`` atoms) for every row ``x``. Zero rows are left as they are, like the
     authors' ``normVector``. Returns the errors min-max normalised to [0, 1], shape ``(n,)``.
     """
     signals = _unit_rows(np.asarray(features, dtype=np.float64))
     atoms = _unit_rows(np.asarray(background, dtype=np.float64))
-    coef = lasso_lars(atoms, signals, LASSO_LAMBDA, max_active=signals.shape[1])
+    coef = lasso_lars(atoms, signals, lam, max_active=signals.shape[1])
     residual = signals - coef @ atoms
-    return _minmax(np.einsum("ij,ij->i", residual, residual))
+    return minmax_normalise(np.einsum("ij,ij->i", residual, residual))
 
 
 def _unit_rows(values: np.ndarray) -> np.ndarray:
@@ -196,21 +203,33 @@ def _schur_pivot(gram, index, count, entering):
     return gram[entering, entering] - np.einsum("ij,ij->i", cross, proj)
 
 
-def cluster_labels(features: np.ndarray, num_clusters: int = NUM_CLUSTERS, seed: int = 0):
+def cluster_labels(
+    features: np.ndarray,
+    num_clusters: int = NUM_CLUSTERS,
+    seed: int = 0,
+    max_iter: int = KMEANS_MAX_ITER,
+) -> np.ndarray:
     """K-means (random initial centres, as ``vgg_kmeans``) cluster index of each row."""
     features = np.asarray(features, dtype=np.float64)
     distinct = np.unique(features, axis=0).shape[0]
     k = max(1, min(num_clusters, distinct))
     if k == 1:
         return np.zeros(features.shape[0], dtype=np.int64)
-    km = KMeans(k, init="random", n_init=1, max_iter=KMEANS_MAX_ITER, tol=0.0, random_state=seed)
+    from sklearn.cluster import KMeans  # here: importing scikit-learn costs ~1 s of start-up
+
+    km = KMeans(k, init="random", n_init=1, max_iter=max_iter, tol=0.0, random_state=seed)
     centres = km.fit(features).cluster_centers_
     # label by nearest final centre, as the authors' labelCluster does
     d2 = ((features[:, None, :] - centres[None, :, :]) ** 2).sum(axis=2)
     return np.argmin(d2, axis=1)
 
 
-def propagate_errors(features: np.ndarray, errors: np.ndarray, clusters: np.ndarray) -> np.ndarray:
+def propagate_errors(
+    features: np.ndarray,
+    errors: np.ndarray,
+    clusters: np.ndarray,
+    weight_of_neighbours: float = PROPAGATION_WEIGHT,
+) -> np.ndarray:
     """Context-based propagation of reconstruction errors within K-means clusters.
 
     Superpixels are visited from the largest initial error down; each becomes
@@ -231,15 +250,11 @@ def propagate_errors(features: np.ndarray, errors: np.ndarray, clusters: np.ndar
     total = weight.sum(axis=1)
     total[total == 0] = np.finfo(np.float64).eps
     order = np.argsort(errors, kind="stable")[::-1]  # MATLAB: ascending sort walked backwards
-    share = PROPAGATION_WEIGHT * weight[np.ix_(order, order)] / total[order][:, None]
+    share = weight_of_neighbours * weight[np.ix_(order, order)] / total[order][:, None]
     visited = np.tril(share, -1)
-    rhs = (1.0 - PROPAGATION_WEIGHT) * errors[order] + np.triu(share, 1) @ errors[order]
+    rhs = (1.0 - weight_of_neighbours) * errors[order] + np.triu(share, 1) @ errors[order]
     updated = solve_triangular(np.eye(errors.size) - visited, rhs, lower=True, unit_diagonal=True)
     result = np.empty_like(errors)
     result[order] = updated
-    return _minmax(result)
+    return minmax_normalise(result)
 
-
-def _minmax(values: np.ndarray) -> np.ndarray:
-    lo, hi = values.min(), values.max()
-    return (values - lo) / (hi - lo) if hi > lo else np.zeros_like(values)

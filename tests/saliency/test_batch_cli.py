@@ -41,9 +41,11 @@ def _run(args):
 def test_handcrafted_writes_maps_resumes_and_skips_corrupt_input(dataset, tmp_path):
     images, _ = dataset
     out = tmp_path / "maps"
-    result = _run(["handcrafted", "--method", "rbd,mr", "--input", str(images), "--output", str(out), "--no-progress"])
+    args = ["handcrafted", "--method", "rbd,mr", "--input", str(images), "--output", str(out), "--no-progress"]
+    result = _run([*args, "--max-failures", "1"])
     assert result.exit_code == 0, result.output
     assert "1 failed" in result.output and "broken" in result.output
+    assert " at 0x" not in result.output  # reasons without object addresses
     for method in ("rbd", "mr"):
         names = sorted(p.name for p in (out / method).iterdir())
         assert names == ["img0.png", "img1.png", "img2.png"]
@@ -51,8 +53,10 @@ def test_handcrafted_writes_maps_resumes_and_skips_corrupt_input(dataset, tmp_pa
         assert saliency.shape == (100, 120) and saliency.max() == 255
     # A rerun finds everything done and recomputes nothing.
     stamp = (out / "rbd" / "img0.png").stat().st_mtime_ns
-    again = _run(["handcrafted", "--method", "rbd,mr", "--input", str(images), "--output", str(out), "--no-progress"])
-    assert "3 already complete" in again.output
+    again = _run(args)  # the default --max-failures 0: the corrupt input fails the job
+    assert again.exit_code == 1
+    assert "3 already complete" in again.output and "1 failed" in again.output
+    assert "exceed --max-failures 0" in again.output
     assert (out / "rbd" / "img0.png").stat().st_mtime_ns == stamp
 
 
@@ -61,9 +65,11 @@ def test_handcrafted_with_worker_processes_matches_single_process(dataset, tmp_p
     single, pooled = tmp_path / "single", tmp_path / "pooled"
     _run(["handcrafted", "--method", "mr", "--input", str(images), "--output", str(single), "--no-progress"])
     result = _run(
-        ["handcrafted", "--method", "mr", "--input", str(images), "--output", str(pooled), "--workers", "2", "--no-progress"]
+        ["handcrafted", "--method", "mr", "--input", str(images), "--output", str(pooled), "--workers", "2",
+         "--no-progress", "--max-failures", "25%"]
     )
     assert result.exit_code == 0, result.output
+    assert "1 failed" in result.output
     for name in ("img0.png", "img1.png", "img2.png"):
         assert (read_gray(single / "mr" / name) == read_gray(pooled / "mr" / name)).all()
 
@@ -140,3 +146,45 @@ def test_unknown_method_is_a_usage_error(dataset, tmp_path):
     images, _ = dataset
     result = CliRunner().invoke(saliency_group, ["handcrafted", "--method", "xyz", "--input", str(images), "--output", str(tmp_path)])
     assert result.exit_code == 2 and "unknown saliency method" in result.output
+
+
+def test_every_input_failing_exits_non_zero_whatever_the_limit(tmp_path):
+    images = tmp_path / "images"
+    images.mkdir()
+    for name in ("a.jpg", "b.png"):
+        (images / name).write_bytes(b"garbage")
+    result = CliRunner().invoke(
+        saliency_group,
+        ["handcrafted", "--method", "mc", "--input", str(images), "--output", str(tmp_path / "out"),
+         "--no-progress", "--max-failures", "100%"],
+    )
+    assert result.exit_code == 1
+    assert "2 failed" in result.output and "every input failed" in result.output
+
+
+@pytest.mark.parametrize(
+    "text,failed,inputs,ok",
+    [("0", 0, 5, True), ("0", 1, 5, False), ("2", 2, 5, True), ("2", 3, 5, False), ("0.4", 2, 5, True),
+     ("0.4", 3, 5, False), ("40%", 2, 5, True), ("100%", 4, 5, True), ("100%", 5, 5, False), ("9", 0, 0, False)],
+)
+def test_failure_limit_counts_and_fractions(text, failed, inputs, ok):
+    from saliency.failures import FailureLimit
+
+    assert FailureLimit.parse(text).allows(failed, inputs) is ok
+
+
+@pytest.mark.parametrize("text", ["-1", "1.5", "150%", "many", ""])
+def test_bad_failure_limit_is_a_usage_error(text, tmp_path):
+    result = CliRunner().invoke(
+        saliency_group,
+        ["handcrafted", "--input", str(tmp_path), "--output", str(tmp_path / "o"), "--max-failures", text],
+    )
+    assert result.exit_code == 2 and "--max-failures" in result.output
+
+
+@pytest.mark.parametrize("workers", ["0", "-1"])
+def test_workers_below_one_is_a_usage_error(workers, tmp_path):
+    result = CliRunner().invoke(
+        saliency_group, ["handcrafted", "--input", str(tmp_path), "--output", str(tmp_path / "o"), "--workers", workers]
+    )
+    assert result.exit_code == 2 and "at least 1 worker" in result.output

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from scipy import ndimage
 
+from saliency.handcrafted.graph import slic_labels
 from saliency.handcrafted.slic import reference_lab, slic_reference
-from saliency.handcrafted.superpixels import slic_labels
 from tests.paths import SHARED_DATA
 
 DATA = SHARED_DATA / "pascal-s-dev" / "images"

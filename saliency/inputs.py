@@ -1,0 +1,90 @@
+"""The inputs of a saliency job: an image folder, a shard folder or one shard ``.tar``.
+
+Images are named by file stem, shard samples by key (untrusted: callers turn names into paths
+only through ``shards.keys``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from saliency.images import list_images
+
+IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")
+"""Shard members that hold the image, in order of preference (the extensions WebDataset users use)."""
+
+
+@dataclass(frozen=True)
+class Item:
+    """One input: its output name and either a file path or encoded bytes (shard sample)."""
+
+    name: str
+    path: Path | None = None
+    data: bytes | None = None
+
+
+def is_shard_source(source: Path) -> bool:
+    """True for one ``.tar`` or a folder of shards (``*-NNNNNN.tar``) without images of its own."""
+    source = Path(source)
+    if source.is_file():
+        return source.suffix == ".tar"
+    return source.is_dir() and not list_images(source) and any(source.glob("*-[0-9]*.tar"))
+
+
+def image_member(sample: dict) -> bytes | None:
+    """The encoded image of a shard sample (first of :data:`IMAGE_MEMBERS` present), or None."""
+    for member in IMAGE_MEMBERS:
+        if isinstance(sample.get(member), bytes):
+            return sample[member]
+    return None
+
+
+def iter_items(source: Path) -> Iterator[Item]:
+    """Inputs of a folder of images, or of a shard folder / single ``.tar`` (keys as names)."""
+    source = Path(source)
+    if not source.exists():
+        raise FileNotFoundError(f"input {source} does not exist; pass an image folder or a shard set")
+    if is_shard_source(source):
+        from shards import iter_samples
+
+        for sample in iter_samples(source):
+            yield Item(name=str(sample["key"]), data=image_member(sample))
+        return
+    if not source.is_dir():
+        raise ValueError(f"input {source} is neither an image folder nor a shard (.tar) set")
+    paths = list_images(source)
+    if not paths:
+        raise FileNotFoundError(f"no images (jpg/png/...) or shards (*-NNNNNN.tar) in {source}")
+    stems = Counter(p.stem for p in paths)
+    clashes = sorted(s for s, n in stems.items() if n > 1)
+    if clashes:
+        raise ValueError(
+            f"{source}: several images share a name stem ({', '.join(clashes[:5])}); their maps would"
+            " overwrite each other, rename them or split the folder"
+        )
+    for path in paths:
+        yield Item(name=path.stem, path=path)
+
+
+def count_inputs(source: Path) -> int | None:
+    """How many inputs ``source`` holds, when that is known without reading it: the number of
+    images of a folder, or the samples a shard set's manifest lists (None without a manifest)."""
+    source = Path(source)
+    if not is_shard_source(source):
+        return len(list_images(source)) if source.is_dir() else None
+    from shards.manifest import MANIFEST_NAME
+
+    folder = source if source.is_dir() else source.parent
+    if not (folder / MANIFEST_NAME).is_file():
+        return None
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        shards = pq.read_table(folder / MANIFEST_NAME, columns=["shard"]).column("shard").to_pylist()
+    except (OSError, pa.ArrowException):
+        return None  # a broken manifest is `shards verify`'s to report; here it only sizes a bar
+    return len(shards) if source.is_dir() else sum(1 for s in shards if s == source.name)

@@ -1,0 +1,51 @@
+"""Writing saliency maps: 8-bit single-channel PNGs, written atomically through shards.atomic.
+
+A map is written under a hidden temporary name beside its final name, fsynced and renamed
+(``shards.atomic``, the one owner of atomic writes: the rename is made durable by syncing the
+folder too), so a killed job never leaves a half-written map under a final name. Files get the
+mode the umask gives, like every other output of the project.
+
+Public API:
+    map_to_uint8(saliency) -> uint8 HxW
+    write_png(path, array)
+    write_map(path, saliency)
+    is_map_temporary(path) -> bool
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+from shards.atomic import TEMP_MARK, atomic_output
+
+
+def map_to_uint8(saliency: np.ndarray) -> np.ndarray:
+    """A [0, 1] float map as 8-bit (rounded, clipped, NaN -> 0)."""
+    values = np.nan_to_num(np.asarray(saliency, dtype=np.float64), nan=0.0)
+    return np.clip(np.rint(values * 255.0), 0, 255).astype(np.uint8)
+
+
+def write_png(path: Path | str, array: np.ndarray) -> None:
+    """Write a uint8 HxW or HxWx3 array as a PNG, atomically (parent folders are created)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_output(path) as temporary:
+        # format given explicitly: the temporary name does not end in .png
+        Image.fromarray(np.ascontiguousarray(array)).save(temporary, format="PNG")
+
+
+def write_map(path: Path | str, saliency: np.ndarray) -> None:
+    """Write a [0, 1] saliency map as an 8-bit single-channel PNG (atomically)."""
+    write_png(path, map_to_uint8(saliency))
+
+
+def is_map_temporary(path: Path) -> bool:
+    """True for a temporary file a killed map writer can leave: ``.<name>.png.tmp-<host>-<pid>``
+    (:func:`write_png`) or ``.<stem>.<random>.png.tmp`` (this module's predecessor)."""
+    name = Path(path).name
+    if not name.startswith("."):
+        return False
+    return f".png{TEMP_MARK}" in name or name.endswith(".png.tmp")
