@@ -9,6 +9,7 @@ Format: a first line `v1.2 <samples>`, then one line per sample listing, for eac
 from __future__ import annotations
 
 import tarfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from shards.atomic import atomic_write_bytes
@@ -42,7 +43,7 @@ def index_text(tar: Path) -> str:
                 key, ext = split_member_name(member.name)
                 if not key or key.endswith("/"):
                     continue  # hidden files, skipped by DALI's own indexer too
-                entry = f"{ext} {member.offset_data} {member.size} {member.name}"
+                entry = (ext, member.offset_data, member.size, member.name)
                 if key != last_key:
                     samples.append([entry])
                     last_key = key
@@ -50,7 +51,13 @@ def index_text(tar: Path) -> str:
                     samples[-1].append(entry)
     except (tarfile.TarError, OSError) as exc:
         raise ValueError(f"{tar} is not a readable tar file ({exc}); rebuild the shard") from exc
-    lines = [f"{INDEX_VERSION} {len(samples)}"] + [" ".join(s) for s in samples]
+    return format_index(samples)
+
+
+def format_index(samples: Sequence[Sequence[tuple[str, int, int, str]]]) -> str:
+    """Index text for per-sample lists of (extension, offset, size, name), as `read_index` returns them."""
+    lines = [f"{INDEX_VERSION} {len(samples)}"]
+    lines += [" ".join(f"{ext} {offset} {size} {name}" for ext, offset, size, name in sample) for sample in samples]
     return "\n".join(lines) + "\n"
 
 

@@ -1,9 +1,11 @@
 """The DALI pipeline that turns shard samples into L large + S small augmented views.
 
-One definition serves both devices: `gpu=True` decodes images with the `mixed` decoder (the ops
-that follow run on the GPU because they consume GPU data), `gpu=False` runs every operator on the
-CPU with `device_id=None`. Masks (small PNGs) are decoded and cropped on the CPU in both modes, so
-coverage and the masking decision are CPU values that can drive conditionals.
+One definition serves both devices: `gpu=True` decodes each image once with the `mixed` decoder
+(the hardware JPEG decoder where there is one) and every per-view operator then runs on the GPU
+because it consumes GPU data; `gpu=False` runs every operator on the CPU with `device_id=None`.
+Random parameters come from DALI's own random operators (no Python callback per sample), drawn on
+the CPU as argument inputs; masks are decoded (`mixed` on a GPU) and cropped with the same crop
+window as their view. The pipeline is built once and lives across epochs.
 
 Views stay 8-bit from the resize to the normalisation, as in the PIL reference: the colour
 operators then run DALI's fast integer kernels (with rounding between steps, like PIL).
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import nvidia.dali.fn as fn
@@ -24,13 +27,45 @@ from nvidia.dali.pipeline import DataNode, Pipeline
 from nvidia.dali.plugin.pytorch import feed_ndarray
 from nvidia.dali.tensors import TensorListGPU
 
+from pretrain.views.backend import BackendSetup
+from pretrain.views.batch import BackendBatch, assemble_params, labels_tensor
 from pretrain.views.config import GRAYSCALE_WEIGHTS, JITTER_ORDERS, ViewConfig, ViewSpec, view_specs
-from pretrain.views.loader import assemble_params, labels_tensor
-from pretrain.views.sources import SampleRef, SampleSet
+from pretrain.views.sources import (
+    IMAGE_EXTENSIONS,
+    MASK_EXT,
+    SampleRef,
+    SampleSet,
+    exclude_samples,
+    reader_samples_per_rank,
+)
 
 READER_NAME = "shards"
+DECODER_OPERATOR = "operator `nvidia.dali.fn.decoders.image`"  # how DALI names the decoder in its errors
 MAX = 255.0
 SOLARIZE_TABLE = [i if i < 128 else 255 - i for i in range(256)]  # x >= 0.5 -> 1 - x on 8 bits
+
+
+@dataclass(frozen=True)
+class CropWindow:
+    """One view's random-resized crop as a relative ROI (flip: x start > x end) and its drawn values."""
+
+    start: DataNode  # (y, x) relative
+    end: DataNode
+    area: DataNode  # crop area / image area
+    ratio: DataNode  # crop width / height
+    flip: DataNode  # 0.0 or 1.0
+
+
+@dataclass(frozen=True)
+class SampleMask:
+    """A sample's saliency mask as the views use it (`image` None when masking is off)."""
+
+    image: DataNode | None  # HW1 uint8, on the GPU when `on_gpu`
+    coverage: DataNode  # fraction of mask pixels >= 128
+    maskable: DataNode  # coverage >= mask_min_coverage
+    grey: DataNode  # the sample's background grey level, 0..255 (CPU)
+    has_mask: DataNode  # the sample has a mask member (CPU)
+    on_gpu: bool
 
 
 def _uniform(lo: float, hi: float) -> DataNode:
@@ -107,8 +142,8 @@ def _one_of(view: DataNode, op: DataNode, ops: list[int], exhaustive: bool, fact
     return view
 
 
-def _crop_window(shape: DataNode, spec: ViewSpec, cfg: ViewConfig) -> tuple[DataNode, ...]:
-    """Relative ROI (start, end, area, ratio, flip) of one random-resized crop, flip included.
+def _crop_window(shape: DataNode, spec: ViewSpec, cfg: ViewConfig) -> CropWindow:
+    """The relative ROI of one random-resized crop, flip included, drawn by DALI's own random ops.
 
     Drawn once per view and applied to both image and mask; a flip is an ROI whose x start is
     greater than its end (DALI's resize then mirrors), so crop and flip stay identical for both.
@@ -118,24 +153,47 @@ def _crop_window(shape: DataNode, spec: ViewSpec, cfg: ViewConfig) -> tuple[Data
     height, width = fn.cast(shape[0], dtype=types.FLOAT), fn.cast(shape[1], dtype=types.FLOAT)
     y0, x0 = fn.cast(anchor[0], dtype=types.FLOAT) / height, fn.cast(anchor[1], dtype=types.FLOAT) / width
     h, w = fn.cast(size[0], dtype=types.FLOAT) / height, fn.cast(size[1], dtype=types.FLOAT) / width
-    start = fn.stack(y0, x0 + flip * w)
-    end = fn.stack(y0 + h, x0 + w - flip * w)
-    ratio = (w * width) / (h * height)
-    return start, end, h * w, ratio, flip
+    return CropWindow(
+        start=fn.stack(y0, x0 + flip * w), end=fn.stack(y0 + h, x0 + w - flip * w), area=h * w,
+        ratio=(w * width) / (h * height), flip=flip,
+    )
 
 
-def _view(image, mask, maskable, grey, shape, spec: ViewSpec, cfg: ViewConfig, gpu: bool):
-    """One augmented view (CHW float) and its drawn parameters (see view_config.PARAM_NAMES)."""
-    start, end, area, ratio, flip = _crop_window(shape, spec, cfg)
-    crop = dict(size=[spec.size, spec.size], roi_start=start, roi_end=end, roi_relative=True, antialias=True)
-    view = fn.resize(image, interp_type=types.INTERP_CUBIC, **crop)  # uint8: rounded and clamped
-    masked = fn.random.coin_flip(probability=spec.mask_probability, dtype=types.BOOL) & maskable
-    if mask is not None and spec.mask_probability > 0:
-        if masked:  # only the masked views pay for the mask crop and the blend
-            soft = fn.resize(mask, interp_type=types.INTERP_LINEAR, dtype=types.FLOAT, **crop) / MAX
-            grey_level = _on_device(grey, gpu)
-            view = _to_uint8(grey_level + (view - grey_level) * _on_device(soft, gpu))
+def _resize_args(window: CropWindow, spec: ViewSpec) -> dict:
+    return dict(size=[spec.size, spec.size], roi_start=window.start, roi_end=window.end, roi_relative=True, antialias=True)
 
+
+def _apply_mask(view: DataNode, mask: SampleMask, window: CropWindow, spec: ViewSpec, gpu: bool) -> tuple[DataNode, DataNode]:
+    """Replace the background of a large view by the sample's grey level with probability p_m.
+
+    The mask gets the view's crop window (and so its flip). Returns (view, masked flag as float).
+    With masks on the GPU (`mask.on_gpu`) the blend is arithmetic with a 0/1 weight, because the
+    maskable flag is GPU data and cannot drive a conditional; otherwise only masked views pay for
+    the mask crop and the blend.
+    """
+    draw = fn.random.coin_flip(probability=spec.mask_probability, dtype=types.BOOL)
+    if mask.image is None or spec.mask_probability == 0:
+        return view, fn.cast(draw, dtype=types.FLOAT) * 0.0
+    if mask.on_gpu:
+        masked = fn.cast(draw.gpu() & mask.maskable, dtype=types.FLOAT)
+        soft = fn.resize(mask.image, interp_type=types.INTERP_LINEAR, dtype=types.FLOAT, **_resize_args(window, spec)) / MAX
+        keep = 1.0 - masked + masked * soft  # 1 everywhere when the view is not masked
+        grey = mask.grey.gpu()
+        return _to_uint8(grey + (view - grey) * keep), masked
+    masked = draw & mask.maskable
+    if masked:
+        soft = fn.resize(mask.image, interp_type=types.INTERP_LINEAR, dtype=types.FLOAT, **_resize_args(window, spec)) / MAX
+        grey = _on_device(mask.grey, gpu)
+        view = _to_uint8(grey + (view - grey) * _on_device(soft, gpu))
+    return view, fn.cast(masked, dtype=types.FLOAT)
+
+
+def _colour_jitter(view: DataNode, cfg: ViewConfig, gpu: bool) -> tuple[DataNode, list[DataNode]]:
+    """Brightness, contrast, saturation and hue in a random order, with probability p_jitter.
+
+    Returns the view and the drawn (jitter, order, brightness, contrast, saturation, hue).
+    """
+    slots = len(JITTER_ORDERS[0])  # operations per order (brightness, contrast, saturation, hue)
     jitter = fn.random.coin_flip(probability=cfg.jitter_probability, dtype=types.BOOL)
     order = fn.random.uniform(values=list(range(len(JITTER_ORDERS))), dtype=types.INT32)
     factors = (
@@ -147,40 +205,87 @@ def _view(image, mask, maskable, grey, shape, spec: ViewSpec, cfg: ViewConfig, g
     active = [op for op, strength in enumerate((cfg.brightness, cfg.contrast, cfg.saturation, cfg.hue)) if strength > 0]
     if active and cfg.jitter_probability > 0:
         if jitter:
-            for slot in range(4):
-                op = fn.lookup_table(order, keys=list(range(24)), values=[o[slot] for o in JITTER_ORDERS], dtype=types.INT32)
-                view = _one_of(view, op, active, len(active) == 4, factors, cfg.hue_model, gpu)
+            for slot in range(slots):
+                op = fn.lookup_table(order, keys=list(range(len(JITTER_ORDERS))), values=[o[slot] for o in JITTER_ORDERS],
+                                     dtype=types.INT32)
+                view = _one_of(view, op, active, len(active) == slots, factors, cfg.hue_model, gpu)
+    return view, [jitter, order, *factors]
 
+
+def _grayscale(view: DataNode, cfg: ViewConfig) -> tuple[DataNode, DataNode]:
     gray = fn.random.coin_flip(probability=cfg.grayscale_probability, dtype=types.BOOL)
     if cfg.grayscale_probability > 0:  # static skips: an operation of probability 0 costs nothing
         if gray:
             # DALI's RGB->GRAY uses the same ITU-R 601 weights; GRAY->RGB replicates the channel.
             grey_view = fn.color_space_conversion(view, image_type=types.RGB, output_type=types.GRAY)
             view = fn.color_space_conversion(grey_view, image_type=types.GRAY, output_type=types.RGB)
+    return view, gray
 
+
+def _blur(view: DataNode, spec: ViewSpec, cfg: ViewConfig) -> tuple[DataNode, DataNode, DataNode]:
     sigma = _uniform(*cfg.blur_sigma)
     blur = fn.random.coin_flip(probability=spec.blur_probability, dtype=types.BOOL)
     if spec.blur_probability > 0:
         if blur:
-            # The paper's 23x23 kernel, truncated at 4 sigma (2 * ceil(4 sigma) + 1 <= 23 taps):
-            # the dropped tails hold < 2e-4 of the weight, under 0.05 of an 8-bit level, and the
-            # blur, the costliest step on a CPU, gets ~2x cheaper on average.
+            # The configured kernel (the paper's 23x23), truncated at 4 sigma: the dropped tails
+            # hold < 2e-4 of the weight, under 0.05 of an 8-bit level, and the blur, the costliest
+            # step on a CPU, gets ~2x cheaper on average.
             window = dmath.min(2.0 * dmath.ceil(4.0 * sigma) + 1.0, float(cfg.blur_kernel))
             view = fn.gaussian_blur(view, window_size=fn.cast(window, dtype=types.INT32), sigma=sigma)
+    return view, blur, sigma
 
+
+def _solarize(view: DataNode, spec: ViewSpec) -> tuple[DataNode, DataNode]:
     solarize = fn.random.coin_flip(probability=spec.solarize_probability, dtype=types.BOOL)
     if spec.solarize_probability > 0:
         if solarize:
             view = fn.lookup_table(view, keys=list(range(256)), values=SOLARIZE_TABLE, dtype=types.UINT8)
+    return view, solarize
 
+
+def _view(image: DataNode, mask: SampleMask, shape: DataNode, spec: ViewSpec, cfg: ViewConfig, gpu: bool):
+    """One augmented view (CHW float), its drawn parameters (PARAM_NAMES without masked/coverage/grey)
+    and its masked flag, in the paper's order: crop and flip, mask, jitter, grayscale, blur, solarize."""
+    window = _crop_window(shape, spec, cfg)
+    view = fn.resize(image, interp_type=types.INTERP_CUBIC, **_resize_args(window, spec))  # uint8: rounded, clamped
+    view, masked = _apply_mask(view, mask, window, spec, gpu)
+    view, jitter_params = _colour_jitter(view, cfg, gpu)
+    view, gray = _grayscale(view, cfg)
+    view, blur, sigma = _blur(view, spec, cfg)
+    view, solarize = _solarize(view, spec)
     view = fn.crop_mirror_normalize(
         view, mean=[m * MAX for m in cfg.mean], std=[s * MAX for s in cfg.std], output_layout="CHW", dtype=types.FLOAT,
     )
     f = lambda x: fn.cast(x, dtype=types.FLOAT)  # noqa: E731
-    params = fn.stack(
-        f(area), f(ratio), f(flip), f(jitter), f(order), *[f(x) for x in factors], f(gray), f(blur), f(sigma), f(solarize)
-    )
-    return view, params, f(masked)
+    params = fn.stack(f(window.area), f(window.ratio), window.flip, *[f(x) for x in jitter_params], f(gray), f(blur),
+                      f(sigma), f(solarize))
+    return view, params, masked
+
+
+def _sample_mask(mask_bytes: DataNode, sample_set: SampleSet, cfg: ViewConfig, gpu: bool) -> SampleMask:
+    """The sample's decoded mask, its coverage, whether it may be masked, and its grey level.
+
+    On a GPU, when every sample has a mask (what `saliency build-masks` writes), masks go through
+    the `mixed` decoder and stay on the GPU with coverage and the maskable flag; with some samples
+    lacking one, the CPU decoder runs under a conditional (an empty member cannot be decoded) and
+    the crops are moved to the GPU.
+    """
+    grey = _uniform(*[g * MAX for g in cfg.mask_grey_range])
+    has_mask = mask_bytes.shape()[0] > 0
+    zero = fn.cast(mask_bytes.shape()[0], dtype=types.FLOAT) * 0.0
+    if not (sample_set.has_masks and cfg.mask_probability > 0 and cfg.large_views > 0):
+        return SampleMask(None, zero, zero >= 1.0, grey, has_mask, on_gpu=False)
+    if gpu and sample_set.without_mask == 0:
+        image = fn.decoders.image(mask_bytes, device="mixed", output_type=types.GRAY)
+        coverage = fn.reductions.mean(fn.cast(image >= 128, dtype=types.FLOAT))
+        return SampleMask(image, coverage, coverage >= cfg.mask_min_coverage, grey, has_mask, on_gpu=True)
+    if has_mask:
+        image = fn.decoders.image(mask_bytes, device="cpu", output_type=types.GRAY)
+        coverage = fn.reductions.mean(fn.cast(image >= 128, dtype=types.FLOAT))
+    else:  # no mask member: a 1x1 placeholder, never used since coverage 0 is never masked
+        image = fn.reshape(fn.pad(mask_bytes, shape=[1], fill_value=0), shape=[1, 1, 1], layout="HWC")
+        coverage = zero
+    return SampleMask(image, coverage, coverage >= cfg.mask_min_coverage, grey, has_mask, on_gpu=False)
 
 
 @pipeline_def(enable_conditionals=True, enable_checkpointing=True)
@@ -188,7 +293,7 @@ def _views_pipeline(sample_set: SampleSet, cfg: ViewConfig, gpu: bool, rank: int
     image_bytes, mask_bytes, cls, meta = fn.readers.webdataset(
         paths=[str(p) for p in sample_set.tars],
         index_paths=[str(p) for p in sample_set.index_files],
-        ext=["jpg", "mask.png", "cls", "json"],
+        ext=[";".join(IMAGE_EXTENSIONS), MASK_EXT, "cls", "json"],
         missing_component_behavior="empty",
         name=READER_NAME,
         shard_id=rank,
@@ -200,29 +305,18 @@ def _views_pipeline(sample_set: SampleSet, cfg: ViewConfig, gpu: bool, rank: int
         seed=reader_seed,
         pad_last_batch=True,
     )
+    # Decoded once per image (the hardware JPEG decoder on a GPU); every view is cut from it.
     decoder = dict(device="mixed", hw_decoder_load=cfg.hw_decoder_load) if gpu else dict(device="cpu")
     image = fn.decoders.image(image_bytes, output_type=types.RGB, **decoder)
     shape = fn.peek_image_shape(image_bytes)
-    grey = _uniform(*[g * MAX for g in cfg.mask_grey_range])
-    has_mask = mask_bytes.shape()[0] > 0
-    mask = None
-    coverage = fn.cast(mask_bytes.shape()[0], dtype=types.FLOAT) * 0.0
-    use_masks = sample_set.has_masks and cfg.mask_probability > 0 and cfg.large_views > 0
-    if use_masks:
-        if has_mask:
-            mask = fn.decoders.image(mask_bytes, device="cpu", output_type=types.GRAY)
-            coverage = fn.reductions.mean(fn.cast(mask >= 128, dtype=types.FLOAT))
-        else:  # no mask member: a 1x1 placeholder, never used since coverage 0 is never masked
-            mask = fn.reshape(fn.pad(mask_bytes, shape=[1], fill_value=0), shape=[1, 1, 1], layout="HWC")
-            coverage = fn.cast(mask_bytes.shape()[0], dtype=types.FLOAT) * 0.0
-    maskable = coverage >= cfg.mask_min_coverage
+    mask = _sample_mask(mask_bytes, sample_set, cfg, gpu)
     views, params, masked = [], [], []
     for spec in view_specs(cfg):
-        v, p, m = _view(image, mask, maskable, grey, shape, spec, cfg, gpu)
+        v, p, m = _view(image, mask, shape, spec, cfg, gpu)
         views.append(v)
         params.append(p)
         masked.append(m)
-    outputs = [*views, meta, cls, has_mask, coverage, grey / MAX, *masked]
+    outputs = [*views, meta, cls, mask.has_mask, mask.coverage, mask.grey / MAX, *masked]
     if cfg.debug_params:
         outputs += params
     return tuple(outputs)
@@ -265,11 +359,22 @@ def find_undecodable(samples: Sequence[SampleRef], batch_size: int = 64) -> dict
     return bad
 
 
+def is_decode_error(error: RuntimeError) -> bool:
+    """True when a DALI pipeline error comes from its image decoder (bad data, not a bug).
+
+    DALI reports any operator failure as a RuntimeError whose text names the operator ("Error in
+    CPU operator `nvidia.dali.fn.decoders.image`", MIXED on a GPU); only the decoder's is a bad
+    sample (image or mask), anything else must surface.
+    """
+    return DECODER_OPERATOR in str(error)
+
+
 def _decodes(chunk: list[SampleRef], ext: str) -> bool:
-    data = [s.read(ext) for s in chunk]
+    data = [s.read_image() if ext == "image" else s.read(ext) for s in chunk]
     data = [d for d in data if d]
     if not data:
         return True
+
     @pipeline_def(batch_size=len(data), num_threads=1, device_id=None)
     def check():
         raw = fn.external_source(source=lambda: [np.frombuffer(d, np.uint8) for d in data], batch=True)
@@ -280,12 +385,14 @@ def _decodes(chunk: list[SampleRef], ext: str) -> bool:
         pipe.build()
         pipe.run()
         return True
-    except RuntimeError:
-        return False
+    except RuntimeError as error:
+        if is_decode_error(error):
+            return False
+        raise
 
 
 def _bisect_decode(chunk: list[SampleRef], bad: dict[str, str]) -> None:
-    for ext, reason in (("jpg", "undecodable_jpeg"), ("mask.png", "bad_mask")):
+    for ext, reason in (("image", "undecodable_image"), (MASK_EXT, "bad_mask")):
         if _decodes(chunk, ext):
             continue
         if len(chunk) == 1:
@@ -319,75 +426,92 @@ def sample_key(source_info: str) -> str:
 
 
 class DaliBackend:
-    """Runs the view pipeline for a ViewLoader and keeps its epochs aligned with the reader's."""
+    """Runs the view pipeline for one rank and keeps its epochs aligned with the reader's.
 
-    def __init__(self, loader, restore: dict | None):
-        self.loader = loader
-        self.num_views = len(view_specs(loader.config))
-        self.debug = loader.config.debug_params
+    The reader yields `reader_samples_per_rank` samples per rank and epoch (padded), that is
+    `runs_per_epoch` pipeline runs; the loader takes the first `batches_per_epoch` of them and
+    `end_epoch` runs the rest, so the next batch is the first of the reader's next epoch.
+    """
+
+    def __init__(self, setup: BackendSetup) -> None:
+        self.setup = setup
+        self.samples = setup.samples
+        self.num_views = len(view_specs(setup.config))
+        self.debug = setup.config.debug_params
         self.recoveries = 0
-        self._build(restore["checkpoint"] if restore else None)
+        self.runs = setup.batch_in_epoch  # pipeline runs in the current reader epoch
+        self._build(setup.restore["checkpoint"] if setup.restore else None)
+
+    @property
+    def gpu(self) -> bool:
+        return self.setup.device != "cpu"
 
     def _build(self, checkpoint: str | None) -> None:
-        ld = self.loader
-        gpu = ld.device != "cpu"
+        st = self.setup
         device_id = 0
-        if gpu:
-            device_id = int(ld.device.split(":")[1]) if ":" in ld.device else torch.cuda.current_device()
+        if self.gpu:
+            device_id = int(st.device.split(":")[1]) if ":" in st.device else torch.cuda.current_device()
         self.pipe = build_view_pipeline(
-            ld.samples, ld.config, batch_size=ld.batch_size, gpu=gpu, rank=ld.rank, world_size=ld.world_size,
-            seed=ld.seed, device_id=device_id, checkpoint=checkpoint,
+            self.samples, st.config, batch_size=st.batch_size, gpu=self.gpu, rank=st.rank, world_size=st.world_size,
+            seed=st.seed, device_id=device_id, checkpoint=checkpoint,
         )
         meta = self.pipe.reader_meta(READER_NAME)
-        # With pad_last_batch every rank reads ceil(N / ranks) samples per epoch.
-        self.reader_epoch = meta["epoch_size_padded"] // meta["number_of_shards"]
-        if self.reader_epoch != ld.epoch_size:
-            raise RuntimeError(f"DALI reads {self.reader_epoch} samples per rank, expected {ld.epoch_size}")
+        reader_epoch = meta["epoch_size_padded"] // meta["number_of_shards"]
+        expected = reader_samples_per_rank(len(self.samples), st.world_size)
+        if reader_epoch != expected:
+            raise RuntimeError(f"DALI reads {reader_epoch} samples per rank, expected {expected}")
+        self.runs_per_epoch = -(-reader_epoch // st.batch_size)
 
-    def _recover(self, error: RuntimeError) -> None:
+    def _recover(self, error: RuntimeError) -> dict[str, str]:
         """After a decode failure: find and leave out the undecodable samples, rebuild, and replay
         the current epoch up to the same batch. Costs one decode pass over the shard set plus the
         replayed batches; rare by construction (shards are verified when built). With several
         ranks, only the failing rank's epoch shrinks: keep verified shards for multi-rank runs."""
-        bad = find_undecodable(self.loader.samples.samples)
+        bad = find_undecodable(self.samples.samples)
         if not bad:
-            raise RuntimeError(f"the DALI pipeline failed and no undecodable sample was found: {error}") from error
-        warnings.warn(f"{self.loader.samples.directory}: DALI could not decode {sorted(bad)}; left out, "
+            raise RuntimeError(f"the DALI decoder failed and no undecodable sample was found: {error}") from error
+        warnings.warn(f"{self.samples.directory}: DALI could not decode {sorted(bad)}; left out, "
                       "replaying the epoch up to the current batch", stacklevel=3)
-        self.loader.exclude(bad)
+        exclude_samples(self.samples, bad)  # writes the filtered index files the rebuild reads
         self.recoveries += 1
         self._build(None)
-        for _ in range(self.loader.batch_in_epoch):
+        for _ in range(self.runs):
             self.pipe.run()
+        return bad
 
-    def next_batch(self) -> dict:
+    def next_batch(self) -> BackendBatch:
+        excluded: dict[str, str] = {}
         try:
             out = self.pipe.run()
         except RuntimeError as error:
-            self._recover(error)
+            if not is_decode_error(error):
+                raise
+            excluded = self._recover(error)
             out = self.pipe.run()
+        self.runs += 1
         v = self.num_views
         views = [_to_torch(out[i]) for i in range(v)]
-        meta, cls, has_mask, coverage, grey = out[v : v + 5]
+        meta, cls, _has_mask, coverage, grey = out[v : v + 5]
         masked = out[v + 5 : 2 * v + 5]
         keys = [sample_key(meta[i].source_info()) for i in range(len(meta))]
         labels = []
         for i in range(len(cls)):
             raw = np.asarray(cls[i]).tobytes()
             labels.append(int(raw) if raw.strip() else None)
-        batch = {"views": views, "keys": keys, "labels": labels_tensor(labels)}
+        params = None
         if self.debug:
-            params = [np.array(out[2 * v + 5 + j].as_tensor()) for j in range(v)]
-            batch["params"] = assemble_params(
-                params, [_scalars(m) for m in masked], _scalars(coverage), _scalars(grey)
-            )
-        return batch
+            per_view = [np.array(out[2 * v + 5 + j].as_cpu().as_tensor() if isinstance(out[2 * v + 5 + j], TensorListGPU)
+                                 else out[2 * v + 5 + j].as_tensor()) for j in range(v)]
+            params = assemble_params(per_view, [_scalars(m) for m in masked], _scalars(coverage), _scalars(grey))
+        return BackendBatch(views=views, keys=keys, labels=labels_tensor(labels), params=params, excluded=excluded)
 
     def end_epoch(self) -> None:
-        # The reader's last batch of an epoch is incomplete (padded): run it and drop it, so the
-        # next epoch starts on a fresh reader epoch.
-        if self.reader_epoch % self.loader.batch_size:
+        # Batches the loader does not deliver (the reader's padded tail): run and drop them so
+        # the next batch starts the reader's next epoch.
+        while self.runs < self.runs_per_epoch:
             self.pipe.run()
+            self.runs += 1
+        self.runs = 0
 
     def state(self) -> dict:
         return {"checkpoint": self.pipe.checkpoint()}

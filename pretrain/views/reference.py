@@ -17,8 +17,9 @@ import torchvision.transforms.functional as F
 from PIL import Image, ImageFile
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from pretrain.views.backend import BackendSetup
+from pretrain.views.batch import BackendBatch, assemble_params, labels_tensor
 from pretrain.views.config import JITTER_ORDERS, ViewConfig, ViewSpec, view_specs
-from pretrain.views.loader import assemble_params, labels_tensor
 from pretrain.views.sources import MASK_EXT, SampleRef, rank_slice
 
 ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated JPEG is an error, as in DALI
@@ -107,9 +108,10 @@ def augment_view(
     return tensor, params, masked
 
 
-def augment_sample(jpg: bytes, mask_png: bytes | None, cfg: ViewConfig, rng: np.random.Generator) -> dict:
-    """All views of one sample, with coverage, grey level and per-view parameters."""
-    image = Image.open(io.BytesIO(jpg)).convert("RGB")
+def augment_sample(encoded: bytes, mask_png: bytes | None, cfg: ViewConfig, rng: np.random.Generator) -> dict:
+    """All views of one sample (image bytes in any format PIL reads), with coverage, grey level and
+    per-view parameters."""
+    image = Image.open(io.BytesIO(encoded)).convert("RGB")
     mask, coverage = None, 0.0
     if mask_png:
         mask = Image.open(io.BytesIO(mask_png)).convert("L")
@@ -140,7 +142,7 @@ class ViewDataset(Dataset):
         ref = self.samples[position]
         rng = np.random.default_rng([self.seed, self.rank, epoch, slot])
         try:
-            out = augment_sample(ref.read("jpg"), ref.read(MASK_EXT), self.cfg, rng)
+            out = augment_sample(ref.read_image(), ref.read(MASK_EXT), self.cfg, rng)
         except (OSError, ValueError, SyntaxError):  # what PIL raises for corrupt image data
             return None
         cls = ref.read("cls")
@@ -150,15 +152,18 @@ class ViewDataset(Dataset):
 
 class RankBatches(Sampler):
     """This rank's batches of one epoch, DALI-like: a global per-epoch permutation shared by all
-    ranks, a contiguous share per rank padded to ceil(N / ranks) with its last sample, full batches."""
+    ranks, a contiguous share per rank, the first `num_batches` full batches of it from `start`."""
 
-    def __init__(self, count: int, batch_size: int, rank: int, world_size: int, seed: int, epoch: int, start: int):
+    def __init__(self, count: int, batch_size: int, num_batches: int, rank: int, world_size: int, seed: int,
+                 epoch: int, start: int):
         order = np.random.default_rng([seed, epoch]).permutation(count)
-        mine = list(order[rank_slice(count, rank, world_size).start : rank_slice(count, rank, world_size).stop])
-        mine += mine[-1:] * (-(-count // world_size) - len(mine))
+        share = rank_slice(count, rank, world_size)
+        mine = order[share.start : share.stop]
+        if num_batches * batch_size > len(mine):
+            raise ValueError(f"rank {rank} holds {len(mine)} samples, fewer than {num_batches} batches of {batch_size}")
         self.batches = [
             [(epoch, i * batch_size + j, int(p)) for j, p in enumerate(mine[i * batch_size : (i + 1) * batch_size])]
-            for i in range(start, len(mine) // batch_size)
+            for i in range(start, num_batches)
         ]
 
     def __iter__(self):
@@ -168,50 +173,51 @@ class RankBatches(Sampler):
         return len(self.batches)
 
 
-def collate(items: list[dict | None]) -> dict:
+def collate(items: list[dict | None]) -> BackendBatch:
     """Stack views; unreadable samples (None) are dropped from the batch and counted."""
     good = [it for it in items if it is not None]
     v = len(good[0]["views"]) if good else 0
     per_view = [np.stack([it["params"][j] for it in good]) for j in range(v)]
-    return {
-        "views": [torch.stack([it["views"][j] for it in good]) for j in range(v)],
-        "keys": [it["key"] for it in good],
-        "labels": labels_tensor([it["label"] for it in good]),
-        "params": assemble_params(
+    return BackendBatch(
+        views=[torch.stack([it["views"][j] for it in good]) for j in range(v)],
+        keys=[it["key"] for it in good],
+        labels=labels_tensor([it["label"] for it in good]),
+        params=assemble_params(
             per_view,
             [np.array([it["masked"][j] for it in good], np.float32) for j in range(v)],
             np.array([it["coverage"] for it in good], np.float32),
             np.array([it["grey"] for it in good], np.float32),
         ),
-        "unreadable": len(items) - len(good),
-    }
+        unreadable=len(items) - len(good),
+    )
 
 
 class ReferenceBackend:
-    """Feeds a ViewLoader from a torch DataLoader; the position is the loader's epoch and batch."""
+    """Feeds a ViewLoader from a torch DataLoader; every draw is seeded by (seed, rank, epoch, slot),
+    so the position (epoch, batch) is the whole state."""
 
-    def __init__(self, loader, restore: dict | None):
-        self.loader = loader
-        self.dataset = ViewDataset(loader.samples.samples, loader.config, loader.seed, loader.rank)
+    def __init__(self, setup: BackendSetup) -> None:
+        self.setup = setup
+        self.dataset = ViewDataset(setup.samples.samples, setup.config, setup.seed, setup.rank)
+        self.epoch, self.batch_in_epoch = setup.epoch, setup.batch_in_epoch
         self.iterator = None
 
-    def next_batch(self) -> dict:
+    def next_batch(self) -> BackendBatch:
         if self.iterator is None:
-            ld = self.loader
-            sampler = RankBatches(len(ld.samples), ld.batch_size, ld.rank, ld.world_size, ld.seed, ld.epoch, ld.batch_in_epoch)
-            workers = ld.config.num_threads if ld.config.num_threads > 1 else 0
+            st = self.setup
+            sampler = RankBatches(len(st.samples), st.batch_size, st.batches_per_epoch, st.rank, st.world_size, st.seed,
+                                  self.epoch, self.batch_in_epoch)
+            workers = st.config.num_threads if st.config.num_threads > 1 else 0
             self.iterator = iter(
                 DataLoader(self.dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
-                           prefetch_factor=ld.config.prefetch if workers else None)
+                           prefetch_factor=st.config.prefetch if workers else None)
             )
-        batch = next(self.iterator)
-        if batch["unreadable"]:
-            self.loader.samples.skipped["unreadable"] += batch["unreadable"]
-        return batch
+        self.batch_in_epoch += 1
+        return next(self.iterator)
 
     def end_epoch(self) -> None:
         self.iterator = None
+        self.epoch, self.batch_in_epoch = self.epoch + 1, 0
 
     def state(self) -> dict:
         return {}
-
