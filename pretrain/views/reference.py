@@ -60,25 +60,52 @@ def _jitter(view: Image.Image, op: int, factors: tuple[float, float, float, floa
     return F.adjust_hue(view, factors[3])
 
 
+def crop_view(image: Image.Image, box: tuple[int, int, int, int], size: int, flip: bool) -> Image.Image:
+    """The crop `box` (left, top, right, bottom) resized to size x size (bicubic), mirrored if `flip`."""
+    view = image.resize((size, size), Image.BICUBIC, box=box)
+    return view.transpose(Image.FLIP_LEFT_RIGHT) if flip else view
+
+
+def mask_view(view: Image.Image, image: Image.Image, mask: Image.Image, box, flip: bool, grey: int) -> Image.Image:
+    """The view's background replaced by `grey`: the mask gets the view's crop `box` (scaled when
+    the mask is stored downscaled) and flip, bilinear, and weighs image against grey."""
+    sx, sy = mask.width / image.width, mask.height / image.height
+    soft = mask.resize(view.size, Image.BILINEAR, box=(box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy))
+    if flip:
+        soft = soft.transpose(Image.FLIP_LEFT_RIGHT)
+    return Image.composite(view, Image.new("RGB", view.size, (grey,) * 3), soft)
+
+
+def colour_steps(
+    view: Image.Image, cfg: ViewConfig, *, jitter: bool, order: int, factors: tuple[float, float, float, float],
+    gray: bool, blur: bool, sigma: float, solarize: bool,
+) -> Image.Image:
+    """Colour jitter (in JITTER_ORDERS[order]), grayscale, blur and solarize with the given draws."""
+    if jitter:
+        for op in JITTER_ORDERS[order]:
+            view = _jitter(view, op, factors)
+    if gray:
+        view = F.rgb_to_grayscale(view, num_output_channels=3)
+    if blur:
+        view = F.gaussian_blur(view, [cfg.blur_kernel] * 2, [sigma, sigma])
+    if solarize:
+        view = F.solarize(view, 128)  # x >= 0.5 -> 1 - x on 8-bit values
+    return view
+
+
 def augment_view(
     image: Image.Image, mask: Image.Image | None, maskable: bool, grey: int, spec: ViewSpec, cfg: ViewConfig,
     rng: np.random.Generator,
 ) -> tuple[torch.Tensor, np.ndarray, bool]:
     """One view (CHW float, normalised), its drawn parameters (PARAM_NAMES minus masked/coverage/grey)
-    and whether it was masked."""
+    and whether it was masked. Draws come from `rng` in a fixed order, so a seeded rng replays them."""
     left, top, w, h = random_resized_crop(image.width, image.height, spec.crop_scale, cfg.crop_ratio, rng)
     flip = rng.random() < cfg.flip_probability
     box = (left, top, left + w, top + h)
-    view = image.resize((spec.size, spec.size), Image.BICUBIC, box=box)
-    if flip:
-        view = view.transpose(Image.FLIP_LEFT_RIGHT)
+    view = crop_view(image, box, spec.size, flip)
     masked = bool(rng.random() < spec.mask_probability) and maskable
     if masked:
-        sx, sy = mask.width / image.width, mask.height / image.height  # masks may be downscaled
-        soft = mask.resize((spec.size, spec.size), Image.BILINEAR, box=(box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy))
-        if flip:
-            soft = soft.transpose(Image.FLIP_LEFT_RIGHT)
-        view = Image.composite(view, Image.new("RGB", view.size, (grey,) * 3), soft)
+        view = mask_view(view, image, mask, box, flip, grey)
     jitter = rng.random() < cfg.jitter_probability
     order = int(rng.integers(0, len(JITTER_ORDERS)))
     factors = (
@@ -87,19 +114,12 @@ def augment_view(
         rng.uniform(max(0.0, 1 - cfg.saturation), 1 + cfg.saturation),
         rng.uniform(-cfg.hue, cfg.hue),
     )
-    if jitter:
-        for op in JITTER_ORDERS[order]:
-            view = _jitter(view, op, factors)
     gray = rng.random() < cfg.grayscale_probability
-    if gray:
-        view = F.rgb_to_grayscale(view, num_output_channels=3)
     sigma = rng.uniform(*cfg.blur_sigma)
     blur = rng.random() < spec.blur_probability
-    if blur:
-        view = F.gaussian_blur(view, [cfg.blur_kernel] * 2, [sigma, sigma])
     solarize = rng.random() < spec.solarize_probability
-    if solarize:
-        view = F.solarize(view, 128)  # x >= 0.5 -> 1 - x on 8-bit values
+    view = colour_steps(view, cfg, jitter=jitter, order=order, factors=factors, gray=gray, blur=blur, sigma=sigma,
+                        solarize=solarize)
     tensor = F.normalize(F.to_tensor(view), cfg.mean, cfg.std)
     params = np.array(
         [w * h / (image.width * image.height), w / h, flip, jitter, order, *factors, gray, blur, sigma, solarize],
