@@ -82,9 +82,11 @@ def reference_replay(image: Image.Image, mask: Image.Image, p: torch.Tensor, cfg
     ],
     ids=["mask-and-mirror", "every-step"],
 )
-def test_dali_views_match_the_reference_replaying_the_same_draws(masked_squares, colour):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_dali_views_match_the_reference_replaying_the_same_draws(masked_squares, colour, device):
     cfg = ViewConfig(**FIXED_GEOMETRY, **colour)
-    batch = next(iter(ViewLoader(masked_squares, 16, cfg, backend="dali", seed=4)))
+    batch = next(iter(ViewLoader(masked_squares, 16, cfg, backend="dali", device=device, seed=4)))
+    batch["views"] = [v.cpu() for v in batch["views"]]
     mean, std = torch.tensor(IMAGENET_MEAN).view(3, 1, 1), torch.tensor(IMAGENET_STD).view(3, 1, 1)
     members = {s["key"]: s for s in iter_samples(masked_squares)}
     params = batch["params"]
