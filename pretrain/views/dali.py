@@ -42,6 +42,7 @@ from pretrain.views.sources import (
 READER_NAME = "shards"
 DECODER_OPERATOR = "operator `nvidia.dali.fn.decoders.image`"  # how DALI names the decoder in its errors
 MAX = 255.0
+HUE = 3  # index of the hue operation in JITTER_ORDERS entries
 SOLARIZE_TABLE = [i if i < 128 else 255 - i for i in range(256)]  # x >= 0.5 -> 1 - x on 8 bits
 
 
@@ -193,7 +194,6 @@ def _colour_jitter(view: DataNode, cfg: ViewConfig, gpu: bool) -> tuple[DataNode
 
     Returns the view and the drawn (jitter, order, brightness, contrast, saturation, hue).
     """
-    slots = len(JITTER_ORDERS[0])  # operations per order (brightness, contrast, saturation, hue)
     jitter = fn.random.coin_flip(probability=cfg.jitter_probability, dtype=types.BOOL)
     order = fn.random.uniform(values=list(range(len(JITTER_ORDERS))), dtype=types.INT32)
     factors = (
@@ -205,11 +205,44 @@ def _colour_jitter(view: DataNode, cfg: ViewConfig, gpu: bool) -> tuple[DataNode
     active = [op for op, strength in enumerate((cfg.brightness, cfg.contrast, cfg.saturation, cfg.hue)) if strength > 0]
     if active and cfg.jitter_probability > 0:
         if jitter:
-            for slot in range(slots):
-                op = fn.lookup_table(order, keys=list(range(len(JITTER_ORDERS))), values=[o[slot] for o in JITTER_ORDERS],
-                                     dtype=types.INT32)
-                view = _one_of(view, op, active, len(active) == slots, factors, cfg.hue_model, gpu)
+            view = _jitter_in_order(view, order, factors, active, cfg.hue_model, gpu)
     return view, [jitter, order, *factors]
+
+
+def _order_lookup(order: DataNode, values: list[int]) -> DataNode:
+    """values[order] per sample (an int per entry of JITTER_ORDERS)."""
+    return fn.lookup_table(order, keys=list(range(len(JITTER_ORDERS))), values=values, dtype=types.INT32)
+
+
+def _jitter_in_order(view: DataNode, order: DataNode, factors, active: list[int], hue_model: str, gpu: bool) -> DataNode:
+    """The active jitter operations in the sample's order JITTER_ORDERS[order].
+
+    The order is the three linear operations (brightness, contrast, saturation) in their relative
+    order with hue inserted at one position. Hue, by far the costliest (exact HSV is ~35 element-wise
+    passes), is therefore built once per view, unconditionally, between the linear operations that
+    precede it and those that follow, instead of once per slot; every sample still sees exactly its
+    order.
+    """
+    linear = [op for op in active if op != HUE]
+    linear_at = [_order_lookup(order, [[op for op in o if op != HUE][k] for o in JITTER_ORDERS]) for k in range(3)]
+    exhaustive = len(linear) == 3  # every sample's linear op at a position is active
+
+    def linear_step(view: DataNode, k: int) -> DataNode:
+        return _one_of(view, linear_at[k], linear, exhaustive, factors, hue_model, gpu) if linear else view
+
+    if HUE not in active:
+        for k in range(3):
+            view = linear_step(view, k)
+        return view
+    hue_at = _order_lookup(order, [o.index(HUE) for o in JITTER_ORDERS])
+    for k in range(3):
+        if hue_at > k:  # linear position k comes before the hue
+            view = linear_step(view, k)
+    view = _jitter_op(view, HUE, factors, hue_model, gpu)
+    for k in range(3):
+        if hue_at <= k:
+            view = linear_step(view, k)
+    return view
 
 
 def _grayscale(view: DataNode, cfg: ViewConfig) -> tuple[DataNode, DataNode]:
