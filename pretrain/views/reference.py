@@ -87,7 +87,10 @@ def colour_steps(
     if gray:
         view = F.rgb_to_grayscale(view, num_output_channels=3)
     if blur:
-        view = F.gaussian_blur(view, [cfg.blur_kernel] * 2, [sigma, sigma])
+        # torchvision pads by reflection, which needs the half-kernel under the view size: views
+        # smaller than the kernel get the largest kernel that fits (DALI mirrors at the border too).
+        kernel = min(cfg.blur_kernel, 2 * min(view.size) - 1)
+        view = F.gaussian_blur(view, [kernel] * 2, [sigma, sigma])
     if solarize:
         view = F.solarize(view, 128)  # x >= 0.5 -> 1 - x on 8-bit values
     return view
