@@ -223,23 +223,24 @@ def _jitter_in_order(view: DataNode, order: DataNode, factors, active: list[int]
     precede it and those that follow, instead of once per slot; every sample still sees exactly its
     order.
     """
+    positions = range(len(JITTER_ORDERS[0]) - 1)  # of the linear operations, relative to each other
     linear = [op for op in active if op != HUE]
-    linear_at = [_order_lookup(order, [[op for op in o if op != HUE][k] for o in JITTER_ORDERS]) for k in range(3)]
-    exhaustive = len(linear) == 3  # every sample's linear op at a position is active
+    linear_at = [_order_lookup(order, [[op for op in o if op != HUE][k] for o in JITTER_ORDERS]) for k in positions]
+    exhaustive = len(linear) == len(positions)  # every sample's linear op at a position is active
 
     def linear_step(view: DataNode, k: int) -> DataNode:
         return _one_of(view, linear_at[k], linear, exhaustive, factors, hue_model, gpu) if linear else view
 
     if HUE not in active:
-        for k in range(3):
+        for k in positions:
             view = linear_step(view, k)
         return view
     hue_at = _order_lookup(order, [o.index(HUE) for o in JITTER_ORDERS])
-    for k in range(3):
+    for k in positions:
         if hue_at > k:  # linear position k comes before the hue
             view = linear_step(view, k)
     view = _jitter_op(view, HUE, factors, hue_model, gpu)
-    for k in range(3):
+    for k in positions:
         if hue_at <= k:
             view = linear_step(view, k)
     return view

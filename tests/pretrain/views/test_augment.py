@@ -116,7 +116,8 @@ def test_masked_views_are_grey_outside_the_object_and_image_inside(object_shards
 @pytest.mark.parametrize("backend", ["dali", "reference"])
 def test_unmasked_views_keep_the_background(object_shards, backend):
     """Control for the test above: without masking the same statistic flags the background."""
-    loader = ViewLoader(object_shards, 16, ViewConfig(mask_probability=0.0, debug_params=True, num_threads=1, **SMALL, **NO_COLOUR), backend=backend, seed=3)
+    views = ViewConfig(mask_probability=0.0, debug_params=True, num_threads=1, **SMALL, **NO_COLOUR)
+    loader = ViewLoader(object_shards, 16, views, backend=backend, seed=3)
     batch = next(iter(loader))
     pixels = unnormalise(batch["views"][0])
     offs = [off_segment_fraction(p, float(batch["params"][i, 0, COL["grey"]])) for i, p in enumerate(pixels)]

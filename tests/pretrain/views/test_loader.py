@@ -137,7 +137,8 @@ def bad_set(tmp_path_factory):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_samples_are_skipped_counted_and_never_crash(bad_set, backend):
     with pytest.warns(UserWarning, match="left out 5 bad samples"):
-        loader = ViewLoader(bad_set, 5, ViewConfig(mask_probability=1.0, **TINY), seed=0, backend=backend, verify="decode")
+        loader = ViewLoader(bad_set, 5, ViewConfig(mask_probability=1.0, **TINY), seed=0, backend=backend,
+                            verify="decode")
     assert loader.skipped == {"truncated_image": 1, "not_an_image": 1, "empty_image": 1, "bad_mask": 1,
                               "undecodable_image": 1}
     assert loader.samples.without_mask == 1
@@ -164,6 +165,29 @@ def test_corruption_found_only_by_decoding_is_skipped_during_the_run(bad_set, ba
         assert len(resumed) == 5 and len(list(resumed)) == 5
     else:  # PIL drops the unreadable sample from its batch and counts it
         assert len(keys) + loader.skipped.get("unreadable", 0) == 25
+
+
+def test_a_pipeline_error_that_is_not_a_bad_sample_surfaces(forty, monkeypatch):
+    """Only the decoder's error means a bad sample; any other DALI failure is a bug and is raised as is."""
+    from pretrain.views import dali
+
+    def broken_run(self):
+        raise RuntimeError("Critical error in pipeline: Error in CPU operator `nvidia.dali.fn.resize`")
+
+    searched = []
+    monkeypatch.setattr(dali, "find_undecodable", lambda samples: searched.append(1) or {})
+    loader = ViewLoader(forty, 4, ViewConfig(**TINY), backend="dali")
+    iterator = iter(loader)
+    monkeypatch.setattr(dali.Pipeline, "run", broken_run)
+    with pytest.raises(RuntimeError, match="fn.resize"):
+        next(iterator)
+    assert searched == []  # no hunt for undecodable samples, no rebuild
+
+
+def test_reference_blurs_views_smaller_than_the_blur_kernel(forty):
+    views = ViewConfig(**{**TINY, "small_size": 8, "blur_probability_odd": 1.0, "blur_probability_even": 1.0})
+    batch = next(iter(ViewLoader(forty, 4, views, backend="reference")))
+    assert batch["views"][-1].shape == (4, 3, 8, 8) and torch.isfinite(batch["views"][-1]).all()
 
 
 def test_bad_arguments_are_clear_errors(forty, tmp_path):
