@@ -8,7 +8,7 @@ to leave out are returned in `BackendBatch.excluded`, and the loader does its ow
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from pretrain.views.batch import BackendBatch
 from pretrain.views.config import ViewConfig
@@ -36,6 +36,7 @@ class BackendSetup:
     restore: dict[str, Any] | None = None
 
 
+@runtime_checkable
 class ViewBackend(Protocol):
     """Produces the batches of one rank, epoch after epoch."""
 

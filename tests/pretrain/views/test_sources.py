@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from pretrain.views.backend import ViewBackend
 from pretrain.views.config import ViewConfig
 from pretrain.views.loader import ViewLoader
 from pretrain.views.source import ViewSource
@@ -96,7 +97,7 @@ def test_epoch_size_is_the_smallest_share_and_no_rank_delivers_a_padding_duplica
     for rank in range(3):
         # batch 7: two batches of a padded share of 14 would deliver a duplicate on ranks 0 and 1
         loader = ViewLoader(tmp_path, 7, TINY, rank=rank, world_size=3, seed=2, backend=backend)
-        assert isinstance(loader, ViewSource)
+        assert isinstance(loader, ViewSource) and isinstance(loader._ensure_backend(), ViewBackend)
         assert loader.epoch_size == 13 and len(loader) == 1
         batches = list(loader)
         lengths.append(len(batches))
