@@ -102,7 +102,9 @@ def test_dali_views_match_the_reference_replaying_the_same_draws(masked_squares,
             # PIL rounds (and truncates in its blends) after every 8-bit step, DALI's jitter keeps more
             # precision: measured on this data, at most 0.0078 mean (2 levels), 1.9% of pixels off
             # by more than 0.03 and 0.063 at worst; a wrong factor, order, mask or mirror is far above.
-            assert diff.mean() < 0.010 and (diff > 0.03).float().mean() < 0.03, (key, j, params[i, j])
+            # On a GPU, nvJPEG's IDCT rounds differently from PIL's libjpeg: one more level allowed.
+            slack = 1 / 255 if device == "cuda" else 0.0
+            assert diff.mean() < 0.010 + slack and (diff > 0.03).float().mean() < 0.03, (key, j, params[i, j])
             assert diff.max() < 0.1, (key, j, params[i, j])
             unmasked = params[i, j].clone()
             unmasked[COL["masked"]] = 0
