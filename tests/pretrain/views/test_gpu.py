@@ -1,8 +1,9 @@
 """The DALI pipeline on a GPU (`mixed` decoding, every per-view operator and the masks on the GPU).
 
-Marked `gpu`: skipped with a reason without CUDA, run with `pytest -m gpu` on a GPU machine. The
-GPU variants of the mask-alignment, frequency and reference-agreement tests live beside their CPU
-versions (test_augment.py, test_backends_agree.py).
+Tests marked `gpu` are skipped with a reason without CUDA and run with `pytest -m gpu` on a GPU
+machine; the first test only traces the GPU graph and runs everywhere. The GPU variants of the
+mask-alignment, frequency and reference-agreement tests live beside their CPU versions
+(test_augment.py, test_backends_agree.py).
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ import pytest
 import torch
 
 from pretrain.views.config import IMAGENET_STD, PARAM_NAMES, ViewConfig
+from pretrain.views.dali import _views_pipeline
 from pretrain.views.loader import ViewLoader
+from pretrain.views.sources import load_sample_set
 from shards import ShardSample, write_shard_set
 from tests.pretrain.views.test_augment import object_samples
 from tests.pretrain.views.test_backends_agree import FIXED_GEOMETRY, masked_squares  # noqa: F401 (fixture)
 
-pytestmark = pytest.mark.gpu
 COL = {name: i for i, name in enumerate(PARAM_NAMES)}
 STD = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
 # Every draw degenerate: the whole square image, mirrored, masked with grey 0.5, grayscale, blur of
@@ -29,6 +31,22 @@ FIXED = ViewConfig(**{**FIXED_GEOMETRY, "mask_grey_range": (0.5, 0.5), "jitter_p
                       "blur_sigma": (1.0, 1.0), "solarize_probability_even": 1.0, "solarize_probability_odd": 1.0})
 
 
+@pytest.mark.parametrize("every_sample_masked", [True, False], ids=["masks-on-gpu", "some-without-mask"])
+def test_the_gpu_graph_traces_with_views_and_masks_on_the_gpu(tmp_path, every_sample_masked):
+    """Defining the GPU pipeline (no GPU needed until it is built) catches device mix-ups in the graph:
+    a GPU value used as a condition, CPU and GPU inputs to one operator, a view left on the CPU."""
+    shards = mask_set(tmp_path, every_sample_masked=every_sample_masked)
+    sample_set = load_sample_set(shards)
+    views = ViewConfig(large_size=64, small_size=32, mask_probability=0.5, debug_params=True)
+    pipe = _views_pipeline(sample_set, views, True, 0, 1, 0, batch_size=8, num_threads=1, device_id=0, seed=1)
+    devices = [node.device for node in pipe._graph_out]
+    count = views.large_views + views.small_views
+    assert devices[:count] == ["gpu"] * count  # every view is made on the GPU
+    coverage = devices[count + 3]  # outputs: views, meta, cls, has_mask, coverage, grey, masked..., params...
+    assert coverage == ("gpu" if every_sample_masked else "cpu")  # masks decoded by `mixed` when all have one
+
+
+@pytest.mark.gpu
 def test_mixed_matches_the_cpu_operators_on_fixed_parameters(masked_squares):  # noqa: F811
     cpu = next(iter(ViewLoader(masked_squares, 16, FIXED, device="cpu", seed=1)))
     gpu = next(iter(ViewLoader(masked_squares, 16, FIXED, device="cuda", seed=1)))
@@ -55,6 +73,7 @@ def mask_set(directory, *, every_sample_masked: bool):
     return directory
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("every_sample_masked", [True, False], ids=["masks-on-gpu", "some-without-mask"])
 def test_a_masked_shard_set_through_the_whole_gpu_pipeline(tmp_path, every_sample_masked):
     shards = mask_set(tmp_path, every_sample_masked=every_sample_masked)
@@ -81,6 +100,7 @@ def test_a_masked_shard_set_through_the_whole_gpu_pipeline(tmp_path, every_sampl
     assert all(torch.equal(a, b) for a, b in zip(again["views"], second[0]["views"], strict=True))
 
 
+@pytest.mark.gpu
 def test_bfloat16_output_is_the_float32_views_rounded(masked_squares):  # noqa: F811
     fp32 = next(iter(ViewLoader(masked_squares, 16, FIXED, device="cuda", seed=1)))
     bf16 = next(iter(ViewLoader(masked_squares, 16, dataclasses.replace(FIXED, output_dtype="bfloat16"),
