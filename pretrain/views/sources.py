@@ -6,7 +6,7 @@ must never reach it):
 2. When a loader opens a shard set, every sample is checked cheaply from its index: exactly one
    image member (`IMAGE_EXTENSIONS`) must exist, be non-empty and carry its format's signature and
    end marker (catches truncated, empty and mislabelled data); a `mask.png` member, when present,
-   must carry the PNG signature. `verify="decode"` additionally decodes every image and mask with
+   must carry the PNG signature; a `cls` member must be a decimal number. `verify="decode"` additionally decodes every image and mask with
    the same decoder as DALI (exact, but as slow as an epoch of decoding).
 3. Failing samples are left out of a filtered copy of the index files (the tars are not touched),
    counted by reason in `SampleSet.skipped`, and reported once as a warning with a few keys.
@@ -38,6 +38,8 @@ from shards.keys import UnsafeKeyError, check_key
 # `shards.IMAGE_MEMBER_EXTENSIONS`; until that lands this is its only copy in the view pipeline.
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 MASK_EXT = "mask.png"
+LABEL_EXT = "cls"
+MAX_LABEL_BYTES = 20  # a class index in ASCII decimal, with room for whitespace
 # (leading signature, trailing end marker) per image format; WebP has no end marker but a RIFF size.
 JPEG_SOI, JPEG_EOI = b"\xff\xd8", b"\xff\xd9"
 PNG_SIGNATURE, PNG_IEND = b"\x89PNG\r\n\x1a\n", b"IEND\xaeB`\x82"
@@ -133,6 +135,11 @@ def structural_problem(sample: SampleRef, handle) -> str | None:
         offset, size, _ = sample.members[MASK_EXT]
         if size < len(PNG_SIGNATURE) or os.pread(handle.fileno(), len(PNG_SIGNATURE), offset) != PNG_SIGNATURE:
             return "bad_mask"
+    if LABEL_EXT in sample.members:
+        offset, size, _ = sample.members[LABEL_EXT]
+        text = os.pread(handle.fileno(), min(size, MAX_LABEL_BYTES + 1), offset).strip()
+        if size > MAX_LABEL_BYTES or (text and not text.isdigit()):
+            return "bad_label"  # the backends parse labels as decimal integers mid-run: refuse them here
     return None
 
 

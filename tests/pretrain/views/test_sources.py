@@ -47,16 +47,24 @@ def test_png_webp_and_jpeg_members_are_images_too(tmp_path, backend):
     assert sorted(keys) == [f"k{i:03d}" for i in range(12)]  # every format decoded, none dropped
 
 
-def test_a_truncated_png_or_webp_is_left_out_by_the_cheap_check(tmp_path):
+def test_truncated_images_and_garbage_labels_are_left_out_by_the_cheap_check(tmp_path):
     good = [ShardSample(f"g{i}", {"png": encoded(i, "PNG")}, None, {}) for i in range(4)]
     png, webp = encoded(50, "PNG"), encoded(51, "WEBP")
     bad = [ShardSample("cutpng", {"png": png[: len(png) - 20]}, None, {}),
            ShardSample("cutwebp", {"webp": webp[: len(webp) - 20]}, None, {}),
-           ShardSample("two", {"jpg": encoded(52, "JPEG"), "png": png}, None, {})]
+           ShardSample("two", {"jpg": encoded(52, "JPEG"), "png": png}, None, {}),
+           ShardSample("garbagelabel", {"png": encoded(53, "PNG")}, 7, {})]
     write_shard_set(good + bad, tmp_path, prefix="images")
-    with pytest.warns(UserWarning, match="left out 3 bad samples"):
+    tar = list_shards(tmp_path)[0]
+    line = next(line for line in index_path(tar).read_text().splitlines() if "garbagelabel.cls" in line)
+    fields = line.split()
+    offset = int(fields[fields.index("cls") + 1])
+    with open(tar, "r+b") as handle:  # a foreign shard's label that is not a number
+        handle.seek(offset)
+        handle.write(b"x")
+    with pytest.warns(UserWarning, match="left out 4 bad samples"):
         sample_set = load_sample_set(tmp_path)
-    assert dict(sample_set.skipped) == {"truncated_image": 2, "several_images": 1}
+    assert dict(sample_set.skipped) == {"truncated_image": 2, "several_images": 1, "bad_label": 1}
     assert sorted(s.key for s in sample_set.samples) == [f"g{i}" for i in range(4)]
 
 
