@@ -6,8 +6,9 @@ must never reach it):
 2. When a loader opens a shard set, every sample is checked cheaply from its index: exactly one
    image member (`IMAGE_EXTENSIONS`) must exist, be non-empty and carry its format's signature and
    end marker (catches truncated, empty and mislabelled data); a `mask.png` member, when present,
-   must carry the PNG signature; a `cls` member must be a decimal number. `verify="decode"` additionally decodes every image and mask with
-   the same decoder as DALI (exact, but as slow as an epoch of decoding).
+   must carry the PNG signature; a `cls` member must be a decimal number. `verify="decode"`
+   additionally decodes every image and mask with the same decoder as DALI (exact, but as slow as
+   an epoch of decoding).
 3. Failing samples are left out of a filtered copy of the index files (the tars are not touched),
    counted by reason in `SampleSet.skipped`, and reported once as a warning with a few keys.
 4. If DALI still fails to decode during a run (corruption the cheap check cannot see), the DALI
