@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pretrain.views.config import IMAGENET_STD, PARAM_NAMES, ViewConfig
-from pretrain.views.dali import _views_pipeline
+from pretrain.views.dali_pipeline import _views_pipeline
 from pretrain.views.loader import ViewLoader
 from pretrain.views.sources import load_sample_set
 from shards import ShardSample, write_shard_set

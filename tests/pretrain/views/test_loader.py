@@ -169,6 +169,8 @@ def test_corruption_found_only_by_decoding_is_skipped_during_the_run(bad_set, ba
 
 def test_a_pipeline_error_that_is_not_a_bad_sample_surfaces(forty, monkeypatch):
     """Only the decoder's error means a bad sample; any other DALI failure is a bug and is raised as is."""
+    from nvidia.dali.pipeline import Pipeline
+
     from pretrain.views import dali
 
     def broken_run(self):
@@ -178,7 +180,7 @@ def test_a_pipeline_error_that_is_not_a_bad_sample_surfaces(forty, monkeypatch):
     monkeypatch.setattr(dali, "find_undecodable", lambda samples: searched.append(1) or {})
     loader = ViewLoader(forty, 4, ViewConfig(**TINY), backend="dali")
     iterator = iter(loader)
-    monkeypatch.setattr(dali.Pipeline, "run", broken_run)
+    monkeypatch.setattr(Pipeline, "run", broken_run)
     with pytest.raises(RuntimeError, match="fn.resize"):
         next(iterator)
     assert searched == []  # no hunt for undecodable samples, no rebuild
