@@ -1,6 +1,6 @@
 """`ViewLoader`: batches of L large + S small augmented views from a shard set.
 
-Backends: "dali" (the DALI pipeline of `pretrain.views.dali`, CPU or GPU) and "reference" (the
+Backends: "dali" (the DALI pipeline of `pretrain.views.dali_pipeline`, CPU or GPU) and "reference" (the
 same augmentations with PIL/torchvision on a torch DataLoader; the fallback when DALI is missing).
 Both satisfy `pretrain.views.backend.ViewBackend`; the loader satisfies
 `pretrain.views.source.ViewSource`: `epoch_size` samples per rank and epoch (the smallest rank's

@@ -207,7 +207,7 @@ def load_sample_set(
 ) -> SampleSet:
     """Read and check a shard set; write filtered index files when samples must be left out.
 
-    `decode_check(samples) -> {key: reason}` (e.g. `dali_views.find_undecodable`) is run on the
+    `decode_check(samples) -> {key: reason}` (e.g. `pretrain.views.dali.find_undecodable`) is run on the
     structurally sound samples when given.
     """
     directory = Path(directory)
