@@ -25,6 +25,16 @@ from pretrain.views.config import GRAYSCALE_WEIGHTS, JITTER_ORDERS, ViewConfig, 
 from pretrain.views.sources import IMAGE_EXTENSIONS, MASK_EXT, SampleSet
 
 READER_NAME = "shards"
+# The `mixed` decoder's settings: nvJPEG buffers sized once for ImageNet's largest photos (NVIDIA's
+# ResNet-50 DALI example) so that a large image never triggers a reallocation mid-run, and the
+# chroma upsampling of the CPU decoder (libjpeg-turbo, as PIL), so both devices see the same pixels.
+MIXED_DECODER = dict(
+    device_memory_padding=211025920,
+    host_memory_padding=140544512,
+    preallocate_width_hint=5980,
+    preallocate_height_hint=6430,
+    jpeg_fancy_upsampling=True,
+)
 MAX = 255.0
 HUE = 3  # index of the hue operation in JITTER_ORDERS entries
 SOLARIZE_TABLE = [i if i < 128 else 255 - i for i in range(256)]  # x >= 0.5 -> 1 - x on 8 bits
@@ -324,7 +334,7 @@ def _views_pipeline(sample_set: SampleSet, cfg: ViewConfig, gpu: bool, rank: int
         pad_last_batch=True,
     )
     # Decoded once per image (the hardware JPEG decoder on a GPU); every view is cut from it.
-    decoder = dict(device="mixed", hw_decoder_load=cfg.hw_decoder_load) if gpu else dict(device="cpu")
+    decoder = dict(device="mixed", hw_decoder_load=cfg.hw_decoder_load, **MIXED_DECODER) if gpu else dict(device="cpu")
     image = fn.decoders.image(image_bytes, output_type=types.RGB, **decoder)
     shape = fn.peek_image_shape(image_bytes)
     mask = _sample_mask(mask_bytes, sample_set, cfg, gpu)
