@@ -174,26 +174,32 @@ class ViewDataset(Dataset):
 
 
 class RankBatches(Sampler):
-    """This rank's batches of one epoch, DALI-like: a global per-epoch permutation shared by all
-    ranks, a contiguous share per rank, the first `num_batches` full batches of it from `start`."""
+    """This rank's batches from (`epoch`, batch `start`) on, epoch after epoch, DALI-like: a global
+    per-epoch permutation shared by all ranks, a contiguous share per rank, its first `num_batches`
+    full batches. Endless, so one DataLoader (and its workers) lives across epochs and prefetches
+    the next epoch's first batches while the current one ends."""
 
     def __init__(self, count: int, batch_size: int, num_batches: int, rank: int, world_size: int, seed: int,
                  epoch: int, start: int):
-        order = np.random.default_rng([seed, epoch]).permutation(count)
         share = rank_slice(count, rank, world_size)
-        mine = order[share.start : share.stop]
-        if num_batches * batch_size > len(mine):
-            raise ValueError(f"rank {rank} holds {len(mine)} samples, fewer than {num_batches} batches of {batch_size}")
-        self.batches = [
-            [(epoch, i * batch_size + j, int(p)) for j, p in enumerate(mine[i * batch_size : (i + 1) * batch_size])]
-            for i in range(start, num_batches)
-        ]
+        if num_batches * batch_size > len(share):
+            raise ValueError(f"rank {rank} holds {len(share)} samples, fewer than {num_batches} batches of {batch_size}")
+        self.count, self.batch_size, self.num_batches, self.share, self.seed = count, batch_size, num_batches, share, seed
+        self.epoch, self.start = epoch, start
+
+    def epoch_batches(self, epoch: int, start: int) -> list[list[tuple[int, int, int]]]:
+        """Batches `start`.. of `epoch`, as (epoch, slot in the epoch, sample position) triples."""
+        order = np.random.default_rng([self.seed, epoch]).permutation(self.count)
+        mine = order[self.share.start : self.share.stop]
+        b = self.batch_size
+        return [[(epoch, i * b + j, int(p)) for j, p in enumerate(mine[i * b : (i + 1) * b])]
+                for i in range(start, self.num_batches)]
 
     def __iter__(self):
-        return iter(self.batches)
-
-    def __len__(self) -> int:
-        return len(self.batches)
+        epoch, start = self.epoch, self.start
+        while True:
+            yield from self.epoch_batches(epoch, start)
+            epoch, start = epoch + 1, 0
 
 
 def collate(items: list[dict | None]) -> BackendBatch:
@@ -216,31 +222,28 @@ def collate(items: list[dict | None]) -> BackendBatch:
 
 
 class ReferenceBackend:
-    """Feeds a ViewLoader from a torch DataLoader; every draw is seeded by (seed, rank, epoch, slot),
-    so the position (epoch, batch) is the whole state."""
+    """Feeds a ViewLoader from one torch DataLoader that runs across epochs; every draw is seeded by
+    (seed, rank, epoch, slot), so the position (epoch, batch) is the whole state."""
 
     def __init__(self, setup: BackendSetup) -> None:
         self.setup = setup
         self.dataset = ViewDataset(setup.samples.samples, setup.config, setup.seed, setup.rank)
-        self.epoch, self.batch_in_epoch = setup.epoch, setup.batch_in_epoch
         self.iterator = None
 
     def next_batch(self) -> BackendBatch:
         if self.iterator is None:
             st = self.setup
             sampler = RankBatches(len(st.samples), st.batch_size, st.batches_per_epoch, st.rank, st.world_size, st.seed,
-                                  self.epoch, self.batch_in_epoch)
+                                  st.epoch, st.batch_in_epoch)
             workers = st.config.num_threads if st.config.num_threads > 1 else 0
             self.iterator = iter(
                 DataLoader(self.dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
                            prefetch_factor=st.config.prefetch if workers else None)
             )
-        self.batch_in_epoch += 1
         return next(self.iterator)
 
     def end_epoch(self) -> None:
-        self.iterator = None
-        self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+        pass  # the sampler runs on into the next epoch: nothing to skip, no workers to restart
 
     def state(self) -> dict:
         return {}
