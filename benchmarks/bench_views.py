@@ -1,12 +1,17 @@
-"""Images/s of the view pipeline: DALI vs the PIL/torchvision DataLoader reference, side by side.
+"""Images/s of the view pipeline against a plain DALI pipeline and the PIL/torchvision reference.
 
 Builds a masked shard set from `../shared/data/msra-unlabeled` in a temporary folder (the photos'
 JPEG bytes as they are, plus a synthetic soft elliptic mask per image so mask decoding, cropping
-and blending are part of the work), then times each backend producing the paper's views
-(4 x 224 + 2 x 96 by default) for a number of batches after a warm-up.
+and blending are part of the work), then, in one run on the same images:
+- the project's pipeline (`ViewLoader`, DALI backend) with the exact HSV hue and with DALI's YIQ hue;
+- the PIL/torchvision reference (`ViewLoader`, reference backend: a torch DataLoader, one worker per thread);
+- `../shared/tools/dali-views-floor`: a plain DALI pipeline with the same view geometry, colour jitter
+  and blur but no masks (what DALI itself reaches here), bare and with colour;
+and prints each as images/s and as ratios to the reference and to the floor. Timed batches run
+across epoch ends (the loader is iterated epoch after epoch), so `--batches` may exceed one pass.
 
-    python benchmarks/bench_views.py                      # DALI CPU vs reference, 2 threads/workers
-    python benchmarks/bench_views.py --device cuda        # DALI mixed (GPU) vs reference
+    python benchmarks/bench_views.py --batch 16 --threads 2                       # CPU box
+    python benchmarks/bench_views.py --device cuda --batch 256 --threads 8        # issue 16 goal 1 (one H100)
 """
 
 from __future__ import annotations
@@ -14,18 +19,30 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import re
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
-import torch
-from PIL import Image
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs without the project installed
 
-from pretrain.views.loader import ViewLoader
-from shards import ShardSample, write_shard_set
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from PIL import Image  # noqa: E402
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "msra-unlabeled"
+from pretrain.views.config import ViewConfig  # noqa: E402
+from pretrain.views.loader import ViewLoader  # noqa: E402
+from shards import ShardSample, write_shard_set  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+# The team's shared folder beside the checkout (or inside it, where a copy of the tree carries it).
+SHARED = next((p for p in (REPO.parent / "shared", REPO / "shared") if p.is_dir()), REPO.parent / "shared")
+DATA = SHARED / "data" / "msra-unlabeled"
+FLOOR = SHARED / "tools" / "dali-views-floor"
+FLOOR_LINE = re.compile(r"colour\+blur=(True|False)\): (\d+) images/s")
 
 
 def soft_ellipse(width: int, height: int, rng: np.random.Generator) -> bytes:
@@ -40,10 +57,14 @@ def soft_ellipse(width: int, height: int, rng: np.random.Generator) -> bytes:
     return buffer.getvalue()
 
 
-def build_masked_shards(source: Path, out: Path, limit: int) -> int:
+def source_images(source: Path, limit: int) -> list[Path]:
+    return sorted(source.glob("*.jpg"))[:limit]
+
+
+def build_masked_shards(images: list[Path], out: Path) -> int:
     rng = np.random.default_rng(0)
     samples = []
-    for path in sorted(source.glob("*.jpg"))[:limit]:
+    for path in images:
         data = path.read_bytes()
         with Image.open(io.BytesIO(data)) as im:
             width, height = im.size
@@ -53,64 +74,111 @@ def build_masked_shards(source: Path, out: Path, limit: int) -> int:
     return len(samples)
 
 
-def timed(shards: Path, backend: str, device: str, threads: int, args, **options) -> tuple[float, float, int]:
+def endless(loader: ViewLoader) -> Iterator[dict]:
+    """Batches epoch after epoch (a ViewLoader iteration ends with its epoch)."""
+    while True:
+        yield from loader
+
+
+def timed(shards: Path, views: ViewConfig, device: str, args) -> tuple[float, float, int]:
     """(images/s wall clock, CPU ms per image of this process, images timed)."""
-    loader = ViewLoader(shards, args.batch, backend=backend, device=device, num_threads=threads,
-                        large_size=args.large_size, small_size=args.small_size, seed=1, **options)
-    batches = iter(loader)
+    loader = ViewLoader(shards, args.batch, views, device=device, seed=1)
+    batches = endless(loader)
     for _ in range(args.warmup):
         next(batches)
     start, cpu = time.perf_counter(), time.process_time()
     done = 0
     for _ in range(args.batches):
         batch = next(batches)
-        if device != "cpu":
-            batch["views"][-1].sum().item()  # wait for the GPU
         done += len(batch["keys"])
+    if device != "cpu":
+        torch.cuda.synchronize()  # the last views are ready
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     return done / wall, 1000 * cpu / done, done
 
 
+def floor_rates(image_dir: Path, args) -> dict[str, float]:
+    """{"floor-bare": images/s, "floor-colour": images/s} from the DALI floor tool, same images."""
+    if not args.floor.is_file():
+        print(f"{args.floor} not found: floor not measured (pass --floor)")
+        return {}
+    command = [sys.executable, str(args.floor), "--data", str(image_dir), "--device", args.device, "--batch",
+               str(args.batch), "--threads", str(args.threads), "--iterations", str(args.batches)]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    rates = {("floor-colour" if colour == "True" else "floor-bare"): float(rate)
+             for colour, rate in FLOOR_LINE.findall(result.stdout)}
+    if result.returncode != 0 or len(rates) != 2:
+        print(f"the floor tool failed ({result.returncode}): {result.stderr.strip()[-500:]}")
+    return rates
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", default="cpu", help="cpu (DALI CPU operators) or cuda (DALI mixed)")
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu (DALI CPU operators) or cuda (DALI mixed)")
+    parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2, help="DALI threads and reference DataLoader workers")
-    parser.add_argument("--batches", type=int, default=6, help="timed batches per backend")
+    parser.add_argument("--batches", type=int, default=6, help="timed batches per pipeline (may span epochs)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--images", type=int, default=1000)
     parser.add_argument("--large-size", type=int, default=224)
     parser.add_argument("--small-size", type=int, default=96)
-    parser.add_argument("--backends", default="dali,reference")
-    parser.add_argument("--hue-models", default="hsv,yiq", help="DALI hue operations to time (hsv exact, yiq fast)")
-    parser.add_argument("--data", type=Path, default=DATA)
+    parser.add_argument("--pipelines", default="dali-hsv,dali-yiq,reference,floor",
+                        help="comma-separated subset of dali-hsv, dali-yiq, reference, floor")
+    parser.add_argument("--data", type=Path, default=DATA, help="folder of JPEG photos")
+    parser.add_argument("--floor", type=Path, default=FLOOR, help="the dali-views-floor script")
     args = parser.parse_args()
     if not args.data.is_dir():
         raise SystemExit(f"{args.data} not found; pass --data with a folder of JPEG photos")
+    images = source_images(args.data, args.images)
+    if len(images) < args.batch:
+        raise SystemExit(f"{args.data} has {len(images)} JPEG files, fewer than one batch of {args.batch}")
+    # A whole number of batches per epoch: the reader's padded tail batch, run and dropped at every
+    # epoch end, would otherwise count as time without images on a small set.
+    images = images[: len(images) // args.batch * args.batch]
+    wanted = args.pipelines.split(",")
+    base = ViewConfig(large_size=args.large_size, small_size=args.small_size, num_threads=args.threads)
     with tempfile.TemporaryDirectory(prefix="bench-views-") as tmp:
         start = time.perf_counter()
-        count = build_masked_shards(args.data, Path(tmp), args.images)
+        shards, floor_dir = Path(tmp) / "shards", Path(tmp) / "jpegs"
+        count = build_masked_shards(images, shards)
+        floor_dir.mkdir()
+        for path in images:  # the floor tool reads a folder: the same files, linked
+            (floor_dir / path.name).symlink_to(path.resolve())
         print(f"built {count} masked samples in {time.perf_counter() - start:.1f} s")
-        print(f"views: 4 x {args.large_size} + 2 x {args.small_size}, batch {args.batch}, {args.threads} threads/workers")
-        wall, cpu = {}, {}
-        runs = [("reference", "reference", {})] if "reference" in args.backends.split(",") else []
-        if "dali" in args.backends.split(","):
-            runs = [(f"dali-{h}", "dali", {"hue_model": h}) for h in args.hue_models.split(",")] + runs
-        for name, backend, options in runs:
-            device = args.device if backend == "dali" else "cpu"
-            wall[name], ms, done = timed(Path(tmp), backend, device, args.threads, args, **options)
-            if backend == "reference":
-                # DataLoader workers are other processes: measure CPU cost per image in-process.
+        print(f"views: 4 x {args.large_size} + 2 x {args.small_size}, batch {args.batch}, {args.threads} threads/workers, "
+              f"{args.batches} timed batches after {args.warmup}, device {args.device}")
+        rates: dict[str, float] = {}
+        cpu_ms: dict[str, float] = {}
+        for name in ("dali-hsv", "dali-yiq", "reference"):
+            if name not in wanted:
+                continue
+            if name == "reference":
+                views, device = ViewConfig(**{**base.__dict__, "backend": "reference"}), "cpu"
+            else:
+                views, device = ViewConfig(**{**base.__dict__, "hue_model": name[5:]}), args.device
+            rates[name], ms, done = timed(shards, views, device, args)
+            if name == "reference":
+                # DataLoader workers are other processes: the CPU cost per image is timed in-process.
                 torch.set_num_threads(1)
-                _, ms, _ = timed(Path(tmp), backend, device, 1, args)
-            cpu[name] = ms
-            print(f"{name:9s} ({device}): {wall[name]:7.1f} images/s wall, {ms:6.1f} CPU ms/image "
-                  f"({done} images timed)")
-        for name in wall:
-            if name != "reference" and "reference" in wall:
-                print(f"{name} / reference: {wall[name] / wall['reference']:.2f}x wall clock, "
-                      f"{cpu['reference'] / cpu[name]:.2f}x by CPU time per image")
-        print(f"load average at the end: {os.getloadavg()[0]:.1f} (the machine is shared: wall figures vary)")
+                _, ms, _ = timed(shards, ViewConfig(**{**views.__dict__, "num_threads": 1}), device, args)
+            cpu_ms[name] = ms
+            print(f"{name:12s} ({device}): {rates[name]:8.1f} images/s, {ms:6.1f} CPU ms/image ({done} images)",
+                  flush=True)
+        if "floor" in wanted:
+            rates.update(floor_rates(floor_dir, args))
+            for name in ("floor-bare", "floor-colour"):
+                if name in rates:
+                    print(f"{name:12s} ({args.device}): {rates[name]:8.1f} images/s", flush=True)
+    print("ratios (same run):")
+    for name in ("dali-hsv", "dali-yiq"):
+        if name not in rates:
+            continue
+        parts = [f"{rates[name] / rates[other]:.2f}x {other}" for other in ("reference", "floor-colour", "floor-bare")
+                 if other in rates]
+        if "reference" in cpu_ms:
+            parts.append(f"{cpu_ms['reference'] / cpu_ms[name]:.2f}x reference by CPU time per image")
+        print(f"  {name}: " + ", ".join(parts))
+    print(f"load average at the end: {os.getloadavg()[0]:.1f} (a shared machine: wall figures vary)")
 
 
 if __name__ == "__main__":

@@ -21,11 +21,13 @@ import click
 def preview_views(shards: Path, output: Path, count: int, seed: int, mask_probability: float, backend: str,
                   large_size: int, small_size: int) -> None:
     """Write a PNG grid of the augmented views of a few images (rows: images; columns: views)."""
+    from pretrain.views.config import ViewConfig
     from pretrain.views.preview import write_view_grid
 
     try:
-        summary = write_view_grid(shards, output, count=count, seed=seed, mask_probability=mask_probability,
-                                  backend=backend, large_size=large_size, small_size=small_size)
+        views = ViewConfig(mask_probability=mask_probability, backend=backend, large_size=large_size,
+                           small_size=small_size, num_threads=1)
+        summary = write_view_grid(shards, output, views, count=count, seed=seed)
     except (ValueError, FileNotFoundError) as exc:
         raise click.ClickException(str(exc)) from exc
     click.echo(f"wrote {summary['output']}: {count} images x {summary['views']} views, {summary['masked_views']} masked "

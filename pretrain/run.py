@@ -70,8 +70,8 @@ def build_view_source(config: PretrainConfig, ctx: DistributedContext) -> Any:
 
     try:
         return ViewLoader(
-            config.data.train_shards, batch, device=str(ctx.device), rank=ctx.rank,
-            world_size=ctx.world_size, seed=config.run.seed, **to_dict(views),
+            config.data.train_shards, batch, views, device=str(ctx.device), rank=ctx.rank,
+            world_size=ctx.world_size, seed=config.run.seed,
         )
     except (FileNotFoundError, ValueError) as error:
         raise ConfigError(f"data.train_shards={config.data.train_shards}: {error}") from None

@@ -1,24 +1,30 @@
 """`ViewLoader`: batches of L large + S small augmented views from a shard set.
 
-Backends: "dali" (the DALI pipeline of `dali_views`, CPU or GPU) and "reference" (the same
-augmentations with PIL/torchvision on a torch DataLoader; the fallback when DALI is missing).
-An epoch on a rank is `len(loader)` full batches; the incomplete last batch is dropped, and all
-ranks run the same number of batches (the reader pads the smaller ranks' shares).
+Backends: "dali" (the DALI pipeline of `pretrain.views.dali_pipeline`, CPU or GPU) and "reference" (the
+same augmentations with PIL/torchvision on a torch DataLoader; the fallback when DALI is missing).
+Both satisfy `pretrain.views.backend.ViewBackend`; the loader satisfies
+`pretrain.views.source.ViewSource`: `epoch_size` samples per rank and epoch (the smallest rank's
+share, so every rank runs `len(loader)` = `epoch_size // batch_size` full batches and none
+delivers a padding duplicate); the incomplete last batch is dropped.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-import numpy as np
 import torch
 
-from pretrain.views.config import PARAM_NAMES, ViewConfig, view_config_from_options
+from pretrain.views.backend import BackendSetup, ViewBackend
+from pretrain.views.batch import BackendBatch
+from pretrain.views.config import BACKENDS, ViewConfig
 from pretrain.views.sources import SampleSet, exclude_samples, load_sample_set, samples_per_rank
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+VERIFY_MODES = ("structure", "decode")
 
 
 def dali_available() -> bool:
@@ -33,36 +39,46 @@ def dali_available() -> bool:
 class ViewLoader:
     """Iterable over batches `{"views": [L+S tensors NCHW], "keys": [str], "labels": tensor|None}`.
 
-    With `debug_params=True` each batch also has `params` (float tensor B x (L+S) x len(PARAM_NAMES),
-    columns named by `view_config.PARAM_NAMES`, "masked" and "coverage" included).
-    `verify` is "structure" (cheap checks of every sample at start) or "decode" (decode every image
-    with DALI's decoder first); bad samples are left out and counted in `skipped`.
+    `views` holds every view option; `backend` ("dali" or "reference") overrides `views.backend`.
+    With `views.debug_params` each batch also has `params` (float tensor B x (L+S) x
+    len(PARAM_NAMES), columns named by `pretrain.views.config.PARAM_NAMES`, "masked" and
+    "coverage" included). `verify` is "structure" (cheap checks of every sample at start) or
+    "decode" (decode every image with DALI's decoder first); bad samples are left out and counted
+    in `skipped`.
     """
 
     def __init__(
         self,
         shards: Path | str,
         batch_size: int,
+        views: ViewConfig | None = None,
         *,
         device: str = "cpu",
         rank: int = 0,
         world_size: int = 1,
         seed: int = 0,
+        backend: str | None = None,
         verify: str = "structure",
-        **view_options,
-    ):
+    ) -> None:
+        views = ViewConfig() if views is None else views
+        if not isinstance(views, ViewConfig):
+            raise TypeError(f"views must be a ViewConfig, got {type(views).__name__}")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if not 0 <= rank < world_size:
+        if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
         if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
-        if verify not in ("structure", "decode"):
-            raise ValueError(f"verify must be 'structure' or 'decode', got {verify!r}")
-        self.config: ViewConfig = view_config_from_options(**view_options)
-        if self.config.backend == "dali" and not dali_available():
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
+        if backend is not None:
+            if backend not in BACKENDS:
+                raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+            views = dataclasses.replace(views, backend=backend)
+        if views.backend == "dali" and not dali_available():
             warnings.warn("NVIDIA DALI is not installed; using the PIL/torchvision reference backend", stacklevel=2)
-            self.config = view_config_from_options(**{**view_options, "backend": "reference"})
+            views = dataclasses.replace(views, backend="reference")
+        self.config: ViewConfig = views
         self.batch_size, self.device, self.rank, self.world_size, self.seed = batch_size, device, rank, world_size, seed
         decode_check = None
         if verify == "decode":
@@ -70,39 +86,50 @@ class ViewLoader:
 
             decode_check = find_undecodable
         self.samples: SampleSet = load_sample_set(shards, decode_check=decode_check)
-        self.epoch_size = samples_per_rank(len(self.samples), world_size)  # samples per rank per epoch
-        if self.epoch_size < batch_size:
+        if samples_per_rank(len(self.samples), world_size) < batch_size:
             raise ValueError(
-                f"{shards} gives each of {world_size} ranks {self.epoch_size} samples, fewer than one "
-                f"batch of {batch_size}; use a smaller batch or more data"
+                f"{shards} gives each of {world_size} ranks {samples_per_rank(len(self.samples), world_size)} "
+                f"samples, fewer than one batch of {batch_size}; use a smaller batch or more data"
             )
         self.excluded: dict[str, str] = {}  # samples left out during the run, {key: reason}
+        self.unreadable = 0  # samples dropped from their batch because they could not be read
         self.epoch = 0
         self.batch_in_epoch = 0
         self._restore: dict | None = None
-        self._backend = None
+        self._backend: ViewBackend | None = None
+
+    @property
+    def epoch_size(self) -> int:
+        """Samples this rank delivers per epoch (every rank the same number)."""
+        return samples_per_rank(len(self.samples), self.world_size)
 
     @property
     def skipped(self) -> dict[str, int]:
         """Samples left out (or read without a mask), by reason."""
-        return dict(self.samples.skipped)
+        skipped = dict(self.samples.skipped)
+        if self.unreadable:
+            skipped["unreadable"] = skipped.get("unreadable", 0) + self.unreadable
+        return skipped
 
     def __len__(self) -> int:
         """Full batches per epoch on this rank."""
         return self.epoch_size // self.batch_size
 
-    def __iter__(self) -> Iterator[dict]:
+    def __iter__(self) -> Iterator[dict[str, Any]]:
         """The remaining batches of the current epoch (a whole epoch after the previous one ended)."""
         backend = self._ensure_backend()
         while self.batch_in_epoch < len(self):
             batch = backend.next_batch()
+            if batch.excluded:
+                self.exclude(batch.excluded)
+            self.unreadable += batch.unreadable
             self.batch_in_epoch += 1
             yield self._finish(batch)
         backend.end_epoch()
         self.epoch += 1
         self.batch_in_epoch = 0
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """Resume position: epoch, batch within it, and the backend's reader/random state."""
         backend = self._ensure_backend()
         return {
@@ -118,8 +145,13 @@ class ViewLoader:
             "backend_state": backend.state(),
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly after the batch that was last delivered when `state` was taken."""
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(
+                f"loader state has version {state.get('version')!r}, this loader writes {STATE_VERSION}; "
+                "resume with the version of relicv2 that wrote the checkpoint or start a fresh run"
+            )
         if state.get("excluded"):
             self.exclude(state["excluded"])
         expected = {"backend": self.config.backend, "samples": len(self.samples), "world_size": self.world_size,
@@ -138,48 +170,30 @@ class ViewLoader:
         """Leave samples out from now on ({key: reason}); the per-rank epoch shrinks accordingly."""
         exclude_samples(self.samples, bad)
         self.excluded.update(bad)
-        self.epoch_size = samples_per_rank(len(self.samples), self.world_size)
 
-    def _ensure_backend(self):
+    def _ensure_backend(self) -> ViewBackend:
         if self._backend is None:
+            setup = BackendSetup(
+                samples=self.samples, config=self.config, batch_size=self.batch_size, batches_per_epoch=len(self),
+                device=self.device, rank=self.rank, world_size=self.world_size, seed=self.seed, epoch=self.epoch,
+                batch_in_epoch=self.batch_in_epoch, restore=self._restore,
+            )
             if self.config.backend == "dali":
-                from pretrain.views.dali import DaliBackend
+                from pretrain.views.dali import DaliBackend  # imported here: it loads DALI
 
-                self._backend = DaliBackend(self, self._restore)
+                self._backend = DaliBackend(setup)
             else:
                 from pretrain.views.reference import ReferenceBackend
 
-                self._backend = ReferenceBackend(self, self._restore)
+                self._backend = ReferenceBackend(setup)
             self._restore = None
         return self._backend
 
-    def _finish(self, batch: dict) -> dict:
-        """Move views to the requested device and dtype; drop `params` unless asked for."""
+    def _finish(self, batch: BackendBatch) -> dict[str, Any]:
+        """Move views to the requested device and dtype; add `params` when asked for."""
         dtype = torch.bfloat16 if self.config.output_dtype == "bfloat16" else torch.float32
-        views = [v.to(self.device, dtype=dtype, non_blocking=True) for v in batch["views"]]
-        out = {"views": views, "keys": batch["keys"], "labels": batch["labels"]}
+        views = [v.to(self.device, dtype=dtype, non_blocking=True) for v in batch.views]
+        out: dict[str, Any] = {"views": views, "keys": batch.keys, "labels": batch.labels}
         if self.config.debug_params:
-            out["params"] = batch["params"]
+            out["params"] = batch.params
         return out
-
-
-def assemble_params(per_view: list[np.ndarray], masked: list[np.ndarray], coverage: np.ndarray, grey: np.ndarray) -> torch.Tensor:
-    """B x V x len(PARAM_NAMES) tensor from per-view drawn values (backend-neutral layout)."""
-    b, v = len(coverage), len(per_view)
-    out = np.zeros((b, v, len(PARAM_NAMES)), np.float32)
-    col = {n: i for i, n in enumerate(PARAM_NAMES)}
-    rest = [n for n in PARAM_NAMES if n not in ("masked", "coverage", "grey")]
-    for j in range(v):
-        out[:, j, [col[n] for n in rest]] = per_view[j]
-        out[:, j, col["masked"]] = masked[j]
-        out[:, j, col["coverage"]] = coverage
-        out[:, j, col["grey"]] = grey
-    return torch.from_numpy(out)
-
-
-def labels_tensor(labels: list[int | None]) -> torch.Tensor | None:
-    """int64 labels, -1 for unlabelled samples; None when no sample of the batch has a label."""
-    if all(label is None for label in labels):
-        return None
-    return torch.tensor([-1 if label is None else label for label in labels], dtype=torch.int64)
-

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
 
-from pretrain.views.config import PARAM_NAMES
+from pretrain.views.config import PARAM_NAMES, ViewConfig
 from pretrain.views.loader import ViewLoader
 
 MASKED_BORDER = (255, 140, 0)  # orange frame around views whose background was masked
@@ -32,10 +33,9 @@ def view_grid(views: list[torch.Tensor], masked: torch.Tensor, mean, std) -> Ima
     return Image.fromarray(grid)
 
 
-def write_view_grid(shards: Path | str, output: Path | str, *, count: int = 4, seed: int = 0, **view_options) -> dict:
+def write_view_grid(shards: Path | str, output: Path | str, views: ViewConfig, *, count: int = 4, seed: int = 0) -> dict:
     """Write the L+S views of `count` images of a shard set as a PNG grid; returns a summary."""
-    options = {"num_threads": 1, **view_options, "debug_params": True}
-    loader = ViewLoader(shards, count, seed=seed, **options)
+    loader = ViewLoader(shards, count, dataclasses.replace(views, debug_params=True), seed=seed)
     batch = next(iter(loader))
     masked = batch["params"][:, :, PARAM_NAMES.index("masked")] > 0
     output = Path(output)

@@ -17,8 +17,9 @@ import torchvision.transforms.functional as F
 from PIL import Image, ImageFile
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from pretrain.views.backend import BackendSetup
+from pretrain.views.batch import BackendBatch, assemble_params, labels_tensor
 from pretrain.views.config import JITTER_ORDERS, ViewConfig, ViewSpec, view_specs
-from pretrain.views.loader import assemble_params, labels_tensor
 from pretrain.views.sources import MASK_EXT, SampleRef, rank_slice
 
 ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated JPEG is an error, as in DALI
@@ -59,25 +60,55 @@ def _jitter(view: Image.Image, op: int, factors: tuple[float, float, float, floa
     return F.adjust_hue(view, factors[3])
 
 
+def crop_view(image: Image.Image, box: tuple[int, int, int, int], size: int, flip: bool) -> Image.Image:
+    """The crop `box` (left, top, right, bottom) resized to size x size (bicubic), mirrored if `flip`."""
+    view = image.resize((size, size), Image.BICUBIC, box=box)
+    return view.transpose(Image.FLIP_LEFT_RIGHT) if flip else view
+
+
+def mask_view(view: Image.Image, image: Image.Image, mask: Image.Image, box, flip: bool, grey: int) -> Image.Image:
+    """The view's background replaced by `grey`: the mask gets the view's crop `box` (scaled when
+    the mask is stored downscaled) and flip, bilinear, and weighs image against grey."""
+    sx, sy = mask.width / image.width, mask.height / image.height
+    soft = mask.resize(view.size, Image.BILINEAR, box=(box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy))
+    if flip:
+        soft = soft.transpose(Image.FLIP_LEFT_RIGHT)
+    return Image.composite(view, Image.new("RGB", view.size, (grey,) * 3), soft)
+
+
+def colour_steps(
+    view: Image.Image, cfg: ViewConfig, *, jitter: bool, order: int, factors: tuple[float, float, float, float],
+    gray: bool, blur: bool, sigma: float, solarize: bool,
+) -> Image.Image:
+    """Colour jitter (in JITTER_ORDERS[order]), grayscale, blur and solarize with the given draws."""
+    if jitter:
+        for op in JITTER_ORDERS[order]:
+            view = _jitter(view, op, factors)
+    if gray:
+        view = F.rgb_to_grayscale(view, num_output_channels=3)
+    if blur:
+        # torchvision pads by reflection, which needs the half-kernel under the view size: views
+        # smaller than the kernel get the largest kernel that fits (DALI mirrors at the border too).
+        kernel = min(cfg.blur_kernel, 2 * min(view.size) - 1)
+        view = F.gaussian_blur(view, [kernel] * 2, [sigma, sigma])
+    if solarize:
+        view = F.solarize(view, 128)  # x >= 0.5 -> 1 - x on 8-bit values
+    return view
+
+
 def augment_view(
     image: Image.Image, mask: Image.Image | None, maskable: bool, grey: int, spec: ViewSpec, cfg: ViewConfig,
     rng: np.random.Generator,
 ) -> tuple[torch.Tensor, np.ndarray, bool]:
     """One view (CHW float, normalised), its drawn parameters (PARAM_NAMES minus masked/coverage/grey)
-    and whether it was masked."""
+    and whether it was masked. Draws come from `rng` in a fixed order, so a seeded rng replays them."""
     left, top, w, h = random_resized_crop(image.width, image.height, spec.crop_scale, cfg.crop_ratio, rng)
     flip = rng.random() < cfg.flip_probability
     box = (left, top, left + w, top + h)
-    view = image.resize((spec.size, spec.size), Image.BICUBIC, box=box)
-    if flip:
-        view = view.transpose(Image.FLIP_LEFT_RIGHT)
+    view = crop_view(image, box, spec.size, flip)
     masked = bool(rng.random() < spec.mask_probability) and maskable
     if masked:
-        sx, sy = mask.width / image.width, mask.height / image.height  # masks may be downscaled
-        soft = mask.resize((spec.size, spec.size), Image.BILINEAR, box=(box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy))
-        if flip:
-            soft = soft.transpose(Image.FLIP_LEFT_RIGHT)
-        view = Image.composite(view, Image.new("RGB", view.size, (grey,) * 3), soft)
+        view = mask_view(view, image, mask, box, flip, grey)
     jitter = rng.random() < cfg.jitter_probability
     order = int(rng.integers(0, len(JITTER_ORDERS)))
     factors = (
@@ -86,19 +117,12 @@ def augment_view(
         rng.uniform(max(0.0, 1 - cfg.saturation), 1 + cfg.saturation),
         rng.uniform(-cfg.hue, cfg.hue),
     )
-    if jitter:
-        for op in JITTER_ORDERS[order]:
-            view = _jitter(view, op, factors)
     gray = rng.random() < cfg.grayscale_probability
-    if gray:
-        view = F.rgb_to_grayscale(view, num_output_channels=3)
     sigma = rng.uniform(*cfg.blur_sigma)
     blur = rng.random() < spec.blur_probability
-    if blur:
-        view = F.gaussian_blur(view, [cfg.blur_kernel] * 2, [sigma, sigma])
     solarize = rng.random() < spec.solarize_probability
-    if solarize:
-        view = F.solarize(view, 128)  # x >= 0.5 -> 1 - x on 8-bit values
+    view = colour_steps(view, cfg, jitter=jitter, order=order, factors=factors, gray=gray, blur=blur, sigma=sigma,
+                        solarize=solarize)
     tensor = F.normalize(F.to_tensor(view), cfg.mean, cfg.std)
     params = np.array(
         [w * h / (image.width * image.height), w / h, flip, jitter, order, *factors, gray, blur, sigma, solarize],
@@ -107,9 +131,10 @@ def augment_view(
     return tensor, params, masked
 
 
-def augment_sample(jpg: bytes, mask_png: bytes | None, cfg: ViewConfig, rng: np.random.Generator) -> dict:
-    """All views of one sample, with coverage, grey level and per-view parameters."""
-    image = Image.open(io.BytesIO(jpg)).convert("RGB")
+def augment_sample(encoded: bytes, mask_png: bytes | None, cfg: ViewConfig, rng: np.random.Generator) -> dict:
+    """All views of one sample (image bytes in any format PIL reads), with coverage, grey level and
+    per-view parameters."""
+    image = Image.open(io.BytesIO(encoded)).convert("RGB")
     mask, coverage = None, 0.0
     if mask_png:
         mask = Image.open(io.BytesIO(mask_png)).convert("L")
@@ -140,7 +165,7 @@ class ViewDataset(Dataset):
         ref = self.samples[position]
         rng = np.random.default_rng([self.seed, self.rank, epoch, slot])
         try:
-            out = augment_sample(ref.read("jpg"), ref.read(MASK_EXT), self.cfg, rng)
+            out = augment_sample(ref.read_image(), ref.read(MASK_EXT), self.cfg, rng)
         except (OSError, ValueError, SyntaxError):  # what PIL raises for corrupt image data
             return None
         cls = ref.read("cls")
@@ -149,69 +174,76 @@ class ViewDataset(Dataset):
 
 
 class RankBatches(Sampler):
-    """This rank's batches of one epoch, DALI-like: a global per-epoch permutation shared by all
-    ranks, a contiguous share per rank padded to ceil(N / ranks) with its last sample, full batches."""
+    """This rank's batches from (`epoch`, batch `start`) on, epoch after epoch, DALI-like: a global
+    per-epoch permutation shared by all ranks, a contiguous share per rank, its first `num_batches`
+    full batches. Endless, so one DataLoader (and its workers) lives across epochs and prefetches
+    the next epoch's first batches while the current one ends."""
 
-    def __init__(self, count: int, batch_size: int, rank: int, world_size: int, seed: int, epoch: int, start: int):
-        order = np.random.default_rng([seed, epoch]).permutation(count)
-        mine = list(order[rank_slice(count, rank, world_size).start : rank_slice(count, rank, world_size).stop])
-        mine += mine[-1:] * (-(-count // world_size) - len(mine))
-        self.batches = [
-            [(epoch, i * batch_size + j, int(p)) for j, p in enumerate(mine[i * batch_size : (i + 1) * batch_size])]
-            for i in range(start, len(mine) // batch_size)
-        ]
+    def __init__(self, count: int, batch_size: int, num_batches: int, rank: int, world_size: int, seed: int,
+                 epoch: int, start: int):
+        share = rank_slice(count, rank, world_size)
+        if num_batches * batch_size > len(share):
+            raise ValueError(f"rank {rank} holds {len(share)} samples, fewer than {num_batches} batches of {batch_size}")
+        self.count, self.batch_size, self.num_batches, self.share, self.seed = count, batch_size, num_batches, share, seed
+        self.epoch, self.start = epoch, start
+
+    def epoch_batches(self, epoch: int, start: int) -> list[list[tuple[int, int, int]]]:
+        """Batches `start`.. of `epoch`, as (epoch, slot in the epoch, sample position) triples."""
+        order = np.random.default_rng([self.seed, epoch]).permutation(self.count)
+        mine = order[self.share.start : self.share.stop]
+        b = self.batch_size
+        return [[(epoch, i * b + j, int(p)) for j, p in enumerate(mine[i * b : (i + 1) * b])]
+                for i in range(start, self.num_batches)]
 
     def __iter__(self):
-        return iter(self.batches)
+        epoch, start = self.epoch, self.start
+        while True:
+            yield from self.epoch_batches(epoch, start)
+            epoch, start = epoch + 1, 0
 
-    def __len__(self) -> int:
-        return len(self.batches)
 
-
-def collate(items: list[dict | None]) -> dict:
+def collate(items: list[dict | None]) -> BackendBatch:
     """Stack views; unreadable samples (None) are dropped from the batch and counted."""
     good = [it for it in items if it is not None]
     v = len(good[0]["views"]) if good else 0
     per_view = [np.stack([it["params"][j] for it in good]) for j in range(v)]
-    return {
-        "views": [torch.stack([it["views"][j] for it in good]) for j in range(v)],
-        "keys": [it["key"] for it in good],
-        "labels": labels_tensor([it["label"] for it in good]),
-        "params": assemble_params(
+    return BackendBatch(
+        views=[torch.stack([it["views"][j] for it in good]) for j in range(v)],
+        keys=[it["key"] for it in good],
+        labels=labels_tensor([it["label"] for it in good]),
+        params=assemble_params(
             per_view,
             [np.array([it["masked"][j] for it in good], np.float32) for j in range(v)],
             np.array([it["coverage"] for it in good], np.float32),
             np.array([it["grey"] for it in good], np.float32),
         ),
-        "unreadable": len(items) - len(good),
-    }
+        unreadable=len(items) - len(good),
+    )
 
 
 class ReferenceBackend:
-    """Feeds a ViewLoader from a torch DataLoader; the position is the loader's epoch and batch."""
+    """Feeds a ViewLoader from one torch DataLoader that runs across epochs; every draw is seeded by
+    (seed, rank, epoch, slot), so the position (epoch, batch) is the whole state."""
 
-    def __init__(self, loader, restore: dict | None):
-        self.loader = loader
-        self.dataset = ViewDataset(loader.samples.samples, loader.config, loader.seed, loader.rank)
+    def __init__(self, setup: BackendSetup) -> None:
+        self.setup = setup
+        self.dataset = ViewDataset(setup.samples.samples, setup.config, setup.seed, setup.rank)
         self.iterator = None
 
-    def next_batch(self) -> dict:
+    def next_batch(self) -> BackendBatch:
         if self.iterator is None:
-            ld = self.loader
-            sampler = RankBatches(len(ld.samples), ld.batch_size, ld.rank, ld.world_size, ld.seed, ld.epoch, ld.batch_in_epoch)
-            workers = ld.config.num_threads if ld.config.num_threads > 1 else 0
+            st = self.setup
+            sampler = RankBatches(len(st.samples), st.batch_size, st.batches_per_epoch, st.rank, st.world_size, st.seed,
+                                  st.epoch, st.batch_in_epoch)
+            workers = st.config.num_threads if st.config.num_threads > 1 else 0
             self.iterator = iter(
                 DataLoader(self.dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
-                           prefetch_factor=ld.config.prefetch if workers else None)
+                           prefetch_factor=st.config.prefetch if workers else None)
             )
-        batch = next(self.iterator)
-        if batch["unreadable"]:
-            self.loader.samples.skipped["unreadable"] += batch["unreadable"]
-        return batch
+        return next(self.iterator)
 
     def end_epoch(self) -> None:
-        self.iterator = None
+        pass  # the sampler runs on into the next epoch: nothing to skip, no workers to restart
 
     def state(self) -> dict:
         return {}
-

@@ -3,18 +3,21 @@
 Bad-data policy (the DALI decoder stops the whole pipeline on an undecodable JPEG, so bad samples
 must never reach it):
 1. `relicv2 shards build` decodes every image before writing it, so a fresh shard set is clean.
-2. When a loader opens a shard set, every sample is checked cheaply from its index: a `jpg` member
-   must exist, be non-empty, start with the JPEG SOI marker and end with EOI (catches truncated,
-   empty and non-JPEG data); a `mask.png` member, when present, must carry the PNG signature.
-   `verify="decode"` additionally
-   decodes every image and mask with the same decoder as DALI (exact, but as slow as an epoch of
-   decoding).
+2. When a loader opens a shard set, every sample is checked cheaply from its index: exactly one
+   image member (`IMAGE_EXTENSIONS`) must exist, be non-empty and carry its format's signature and
+   end marker (catches truncated, empty and mislabelled data); a `mask.png` member, when present,
+   must carry the PNG signature; a `cls` member must be a decimal number. `verify="decode"`
+   additionally decodes every image and mask with the same decoder as DALI (exact, but as slow as
+   an epoch of decoding).
 3. Failing samples are left out of a filtered copy of the index files (the tars are not touched),
    counted by reason in `SampleSet.skipped`, and reported once as a warning with a few keys.
 4. If DALI still fails to decode during a run (corruption the cheap check cannot see), the DALI
    backend decodes every sample once to find the culprits, leaves them out as in 3 and rebuilds
    its pipeline at the same batch of the epoch (see `DaliBackend`). The left-out keys are part of
    the loader's state, so a resumed run leaves them out too.
+An index file that does not describe its tar (offsets or sizes outside it, unsafe member names,
+garbage fields) is refused with one error naming the file: it was not written by this project's
+`shards.write_index`, and trusting it would read arbitrary bytes.
 A sample without a `mask.png` member is valid: it is never masked (counted in `without_mask`).
 """
 
@@ -29,12 +32,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shards import index_path, list_shards, read_index, read_manifest
+from shards.index import format_index, split_member_name
+from shards.keys import UnsafeKeyError, check_key
 
-JPEG_SOI = b"\xff\xd8"
-JPEG_EOI = b"\xff\xd9"
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-IMAGE_EXT = "jpg"
+# Image member extensions WebDataset users write. The shards helper is to export the same tuple as
+# `shards.IMAGE_MEMBER_EXTENSIONS`; until that lands this is its only copy in the view pipeline.
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 MASK_EXT = "mask.png"
+LABEL_EXT = "cls"
+MAX_LABEL_BYTES = 20  # a class index in ASCII decimal, with room for whitespace
+# (leading signature, trailing end marker) per image format; WebP has no end marker but a RIFF size.
+JPEG_SOI, JPEG_EOI = b"\xff\xd8", b"\xff\xd9"
+PNG_SIGNATURE, PNG_IEND = b"\x89PNG\r\n\x1a\n", b"IEND\xaeB`\x82"
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,16 @@ class SampleRef:
     key: str
     tar: Path
     members: dict[str, tuple[int, int, str]]
+
+    @property
+    def image_ext(self) -> str | None:
+        """The extension of the sample's image member (one of IMAGE_EXTENSIONS), or None."""
+        return next((ext for ext in IMAGE_EXTENSIONS if ext in self.members), None)
+
+    def read_image(self) -> bytes | None:
+        """The bytes of the image member, whatever its format."""
+        ext = self.image_ext
+        return None if ext is None else self.read(ext)
 
     def read(self, ext: str) -> bytes | None:
         """The bytes of member `ext`, or None when the sample has no such member."""
@@ -79,28 +98,96 @@ def rank_slice(count: int, rank: int, world_size: int) -> range:
 
 
 def samples_per_rank(count: int, world_size: int) -> int:
-    """Samples each rank reads per epoch with `pad_last_batch` (the largest rank's share)."""
+    """Samples each rank delivers per epoch (`ViewSource.epoch_size`): the smallest rank's share.
+
+    Rounded down so that every rank runs the same number of batches and no rank ever delivers
+    one of the reader's padding duplicates.
+    """
+    return count // world_size
+
+
+def reader_samples_per_rank(count: int, world_size: int) -> int:
+    """Samples DALI's reader yields per rank and epoch with `pad_last_batch` (the largest share)."""
     return -(-count // world_size)
 
 
 def structural_problem(sample: SampleRef, handle) -> str | None:
     """A short reason code when the sample's members are visibly broken, else None."""
-    if IMAGE_EXT not in sample.members:
+    images = [ext for ext in IMAGE_EXTENSIONS if ext in sample.members]
+    if not images:
         return "no_image"
-    offset, size, _ = sample.members[IMAGE_EXT]
-    if size < 4:
+    if len(images) > 1:
+        return "several_images"  # DALI's reader would refuse the sample: which one is the image?
+    offset, size, _ = sample.members[images[0]]
+    if size < 12:
         return "empty_image"
-    head = os.pread(handle.fileno(), 2, offset)
-    tail = os.pread(handle.fileno(), 2, offset + size - 2)
-    if head != JPEG_SOI:
-        return "not_jpeg"
-    if tail != JPEG_EOI:
-        return "truncated_jpeg"
+    head = os.pread(handle.fileno(), 12, offset)
+    tail = os.pread(handle.fileno(), 8, offset + size - 8)
+    kind = image_format(head)
+    if kind is None:
+        return "not_an_image"
+    if kind == "jpeg" and not tail.endswith(JPEG_EOI):
+        return "truncated_image"
+    if kind == "png" and tail != PNG_IEND:
+        return "truncated_image"
+    if kind == "webp" and int.from_bytes(head[4:8], "little") + 8 > size:
+        return "truncated_image"
     if MASK_EXT in sample.members:
         offset, size, _ = sample.members[MASK_EXT]
-        if os.pread(handle.fileno(), len(PNG_SIGNATURE), offset) != PNG_SIGNATURE:
+        if size < len(PNG_SIGNATURE) or os.pread(handle.fileno(), len(PNG_SIGNATURE), offset) != PNG_SIGNATURE:
             return "bad_mask"
+    if LABEL_EXT in sample.members:
+        offset, size, _ = sample.members[LABEL_EXT]
+        text = os.pread(handle.fileno(), min(size, MAX_LABEL_BYTES + 1), offset).strip()
+        if size > MAX_LABEL_BYTES or (text and not text.isdigit()):
+            return "bad_label"  # the backends parse labels as decimal integers mid-run: refuse them here
     return None
+
+
+def image_format(head: bytes) -> str | None:
+    """"jpeg", "png" or "webp" from an image's first 12 bytes (its content, not its member name)."""
+    if head.startswith(JPEG_SOI):
+        return "jpeg"
+    if head.startswith(PNG_SIGNATURE):
+        return "png"
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "webp"
+    return None
+
+
+def index_samples(tar: Path, idx: Path) -> list[SampleRef]:
+    """The samples an index file lists, each checked against its tar; ValueError naming `idx` if hostile.
+
+    Offsets and sizes must lie inside the tar, and keys and member names must be safe relative
+    names (`shards.keys.check_key`), with every member of a sample sharing its key.
+    """
+    fix = f"rewrite it with shards.write_index({tar.name}) (or rebuild the shard set)"
+    try:
+        entries_per_sample = read_index(idx)
+    except (ValueError, IndexError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{idx} is not a valid DALI index ({exc}); {fix}") from None
+    tar_size = tar.stat().st_size
+    refs = []
+    for number, entries in enumerate(entries_per_sample):
+        if not entries:
+            raise ValueError(f"{idx}: sample {number} lists no member; {fix}")
+        key = split_member_name(entries[0][3])[0].rsplit("/", 1)[-1]
+        members = {}
+        for ext, offset, size, name in entries:
+            if offset < 0 or size < 0 or offset + size > tar_size:
+                raise ValueError(
+                    f"{idx}: member {name[:80]!r} claims bytes {offset}..{offset + size} of a {tar_size}-byte tar; {fix}"
+                )
+            try:
+                check_key(name)
+            except UnsafeKeyError as exc:
+                raise ValueError(f"{idx}: {exc}; {fix}") from None
+            member_key, member_ext = split_member_name(name)
+            if member_key.rsplit("/", 1)[-1] != key or member_ext != ext:
+                raise ValueError(f"{idx}: member {name[:80]!r} does not belong to sample {key!r} as {ext!r}; {fix}")
+            members[ext] = (offset, size, name)
+        refs.append(SampleRef(key, tar, members))
+    return refs
 
 
 def check_manifest(directory: Path, indexed: int) -> None:
@@ -120,7 +207,7 @@ def load_sample_set(
 ) -> SampleSet:
     """Read and check a shard set; write filtered index files when samples must be left out.
 
-    `decode_check(samples) -> {key: reason}` (e.g. `dali_views.find_undecodable`) is run on the
+    `decode_check(samples) -> {key: reason}` (e.g. `pretrain.views.dali.find_undecodable`) is run on the
     structurally sound samples when given.
     """
     directory = Path(directory)
@@ -134,16 +221,13 @@ def load_sample_set(
             raise FileNotFoundError(f"{idx} is missing; rewrite it with shards.write_index({tar})")
         kept = []
         with open(tar, "rb") as handle:
-            for entries in read_index(idx):
-                name = entries[0][3]
-                key = name.rsplit("/", 1)[-1].split(".", 1)[0]
-                ref = SampleRef(key, tar, {ext: (off, size, nm) for ext, off, size, nm in entries})
+            for ref in index_samples(tar, idx):
                 reason = structural_problem(ref, handle)
                 if reason is None:
                     kept.append(ref)
                 else:
                     skipped[reason] += 1
-                    skipped_keys.append(key)
+                    skipped_keys.append(ref.key)
         per_tar.append(kept)
     check_manifest(directory, sum(len(kept) for kept in per_tar) + sum(skipped.values()))
     if decode_check is not None:
@@ -194,11 +278,9 @@ def write_filtered_indexes(
     for tar, kept in zip(sample_set.tars if tars is None else tars, per_tar, strict=True):
         if not kept:
             continue
-        lines = [f"v1.2 {len(kept)}"]
-        for s in kept:
-            lines.append(" ".join(f"{ext} {off} {size} {nm}" for ext, (off, size, nm) in s.members.items()))
+        text = format_index([[(ext, *member) for ext, member in s.members.items()] for s in kept])
         path = Path(sample_set._tmp.name) / index_path(tar).name
-        path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        path.write_text(text, encoding="utf-8")
         kept_tars.append(tar)
         indexes.append(path)
     sample_set.tars, sample_set.index_files = kept_tars, indexes

@@ -18,16 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant to spread (seed, epoch, index) over the seed space
+from pretrain.seeding import Purpose, derive_seed
 
-
-def derive_seed(*parts: int) -> int:
-    """A deterministic 63-bit seed from integers (seed, purpose, epoch, index, ...)."""
-    value = 0
-    for part in parts:
-        value = (value * _MIX + part + 1) % (2**63 - 1)
-    return value
-
+__all__ = ["SyntheticViews", "derive_seed"]  # derive_seed: re-exported until trainer.py imports pretrain.seeding
 
 def _smooth_noise(generator: torch.Generator, size: int, cells: int) -> Tensor:
     coarse = torch.randn(1, 3, cells, cells, generator=generator)
@@ -75,24 +68,24 @@ class SyntheticViews:
         self.epoch = 0
         self.position = 0  # batches of the current epoch already served
         classes = torch.stack(
-            [_smooth_noise(torch.Generator().manual_seed(derive_seed(seed, 1, c)), large_size, 4) for c in range(num_classes)]
+            [_smooth_noise(torch.Generator().manual_seed(derive_seed(seed, Purpose.SYNTHETIC_CLASS_PATTERN, c)), large_size, 4) for c in range(num_classes)]
         )
         self.labels = torch.arange(num_images) % num_classes
         self.images = torch.stack(
             [
-                classes[self.labels[i]] + 0.8 * _smooth_noise(torch.Generator().manual_seed(derive_seed(seed, 2, i)), large_size, 6)
+                classes[self.labels[i]] + 0.8 * _smooth_noise(torch.Generator().manual_seed(derive_seed(seed, Purpose.SYNTHETIC_IMAGE_PATTERN, i)), large_size, 6)
                 for i in range(num_images)
             ]
         )
 
     @property
     def epoch_size(self) -> int:
-        """Images per rank per epoch (as `ViewLoader.epoch_size`)."""
+        """Images per rank per epoch (`ViewSource.epoch_size`, the same meaning as `ViewLoader`'s)."""
         return self.num_images // self.world_size
 
     def __len__(self) -> int:
-        """Batches per epoch (the same on every rank)."""
-        return self.num_images // (self.batch_size * self.world_size)
+        """Full batches per rank and epoch: `epoch_size // batch_size`."""
+        return self.epoch_size // self.batch_size
 
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "position": self.position}
@@ -104,7 +97,7 @@ class SyntheticViews:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if self.position >= len(self):
             self.epoch, self.position = self.epoch + 1, 0
-        order = torch.randperm(self.num_images, generator=torch.Generator().manual_seed(derive_seed(self.seed, 3, self.epoch)))
+        order = torch.randperm(self.num_images, generator=torch.Generator().manual_seed(derive_seed(self.seed, Purpose.SYNTHETIC_EPOCH_ORDER, self.epoch)))
         global_batch = self.batch_size * self.world_size
         while self.position < len(self):
             start = self.position * global_batch + self.rank * self.batch_size
@@ -115,7 +108,7 @@ class SyntheticViews:
     def _batch(self, indices: list[int]) -> dict[str, Any]:
         views: list[list[Tensor]] = [[] for _ in range(self.large_views + self.small_views)]
         for index in indices:
-            generator = torch.Generator().manual_seed(derive_seed(self.seed, 4, self.epoch, index))
+            generator = torch.Generator().manual_seed(derive_seed(self.seed, Purpose.SYNTHETIC_VIEWS, self.epoch, index))
             for v in range(self.large_views + self.small_views):
                 large = v < self.large_views
                 views[v].append(

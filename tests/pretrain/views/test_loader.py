@@ -10,6 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
+from pretrain.views.config import ViewConfig
 from pretrain.views.loader import ViewLoader
 from shards import ShardSample, write_shard_set
 
@@ -45,7 +46,7 @@ def forty(tmp_path_factory):
 def test_two_ranks_see_disjoint_samples_covering_the_epoch(forty, backend):
     seen, seen_next = [], []
     for rank in range(2):
-        loader = ViewLoader(forty, 4, rank=rank, world_size=2, seed=3, backend=backend, **TINY)
+        loader = ViewLoader(forty, 4, ViewConfig(**TINY), rank=rank, world_size=2, seed=3, backend=backend)
         assert len(loader) == 5 and loader.epoch_size == 20
         batches = list(loader)  # the iteration ends by itself after one epoch
         assert len(batches) == 5
@@ -67,7 +68,7 @@ def test_two_ranks_see_disjoint_samples_covering_the_epoch(forty, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_epochs_end_reshuffle_and_drop_the_incomplete_batch(tmp_path, backend):
     plain_set(tmp_path, 22, labelled=False)
-    loader = ViewLoader(tmp_path, 4, seed=1, backend=backend, **TINY)
+    loader = ViewLoader(tmp_path, 4, ViewConfig(**TINY), seed=1, backend=backend)
     assert len(loader) == 5  # 22 samples: 5 full batches, 2 left over are dropped
     first = [k for b in loader for k in b["keys"]]
     second_batches = list(loader)
@@ -80,13 +81,13 @@ def test_epochs_end_reshuffle_and_drop_the_incomplete_batch(tmp_path, backend):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_resume_gives_exactly_the_next_batch(forty, backend):
-    loader = ViewLoader(forty, 4, seed=9, backend=backend, **TINY)
+    loader = ViewLoader(forty, 4, ViewConfig(**TINY), seed=9, backend=backend)
     batches = iter(loader)
     for _ in range(2):
         next(batches)
     state = loader.state_dict()
     expected = [next(batches) for _ in range(4)]  # crosses into the next epoch's reader state too
-    resumed = ViewLoader(forty, 4, seed=9, backend=backend, **TINY)
+    resumed = ViewLoader(forty, 4, ViewConfig(**TINY), seed=9, backend=backend)
     resumed.load_state_dict(state)
     got = list(resumed)
     assert len(got) == 8  # the rest of the epoch
@@ -95,17 +96,17 @@ def test_resume_gives_exactly_the_next_batch(forty, backend):
         for a, b in zip(want["views"], have["views"], strict=True):
             assert torch.equal(a, b)
     with pytest.raises(ValueError, match="seed"):
-        ViewLoader(forty, 4, seed=10, backend=backend, **TINY).load_state_dict(state)
+        ViewLoader(forty, 4, ViewConfig(**TINY), seed=10, backend=backend).load_state_dict(state)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_resume_across_an_epoch_boundary(tmp_path, backend):
     plain_set(tmp_path, 10)
-    loader = ViewLoader(tmp_path, 4, seed=2, backend=backend, **TINY)
+    loader = ViewLoader(tmp_path, 4, ViewConfig(**TINY), seed=2, backend=backend)
     list(loader)  # epoch 0 (2 batches, 2 samples dropped)
     state = loader.state_dict()
     expected = list(loader)
-    resumed = ViewLoader(tmp_path, 4, seed=2, backend=backend, **TINY)
+    resumed = ViewLoader(tmp_path, 4, ViewConfig(**TINY), seed=2, backend=backend)
     resumed.load_state_dict(state)
     got = list(resumed)
     assert [b["keys"] for b in got] == [b["keys"] for b in expected]
@@ -136,9 +137,10 @@ def bad_set(tmp_path_factory):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bad_samples_are_skipped_counted_and_never_crash(bad_set, backend):
     with pytest.warns(UserWarning, match="left out 5 bad samples"):
-        loader = ViewLoader(bad_set, 5, seed=0, backend=backend, verify="decode", mask_probability=1.0, **TINY)
-    assert loader.skipped == {"truncated_jpeg": 1, "not_jpeg": 1, "empty_image": 1, "bad_mask": 1,
-                              "undecodable_jpeg": 1}
+        loader = ViewLoader(bad_set, 5, ViewConfig(mask_probability=1.0, **TINY), seed=0, backend=backend,
+                            verify="decode")
+    assert loader.skipped == {"truncated_image": 1, "not_an_image": 1, "empty_image": 1, "bad_mask": 1,
+                              "undecodable_image": 1}
     assert loader.samples.without_mask == 1
     keys = [k for b in loader for k in b["keys"]]
     assert len(keys) == 25 and set(keys) == {f"g{i:02d}" for i in range(24)} | {"nomask"}
@@ -147,29 +149,56 @@ def test_bad_samples_are_skipped_counted_and_never_crash(bad_set, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_corruption_found_only_by_decoding_is_skipped_during_the_run(bad_set, backend):
     with pytest.warns(UserWarning, match="left out 4 bad samples"):
-        loader = ViewLoader(bad_set, 5, seed=0, backend=backend, **TINY)  # structural checks only
-    assert "undecodable_jpeg" not in loader.skipped
+        loader = ViewLoader(bad_set, 5, ViewConfig(**TINY), seed=0, backend=backend)  # structural checks only
+    assert "undecodable_image" not in loader.skipped
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         keys = [k for b in loader for k in b["keys"]]
         state = loader.state_dict()
     assert "midcorrupt" not in keys and len(set(keys)) == len(keys)
     if backend == "dali":  # the pipeline failed, found the sample, left it out, went on
-        assert loader.skipped["undecodable_jpeg"] == 1 and state["excluded"] == {"midcorrupt": "undecodable_jpeg"}
+        assert loader.skipped["undecodable_image"] == 1 and state["excluded"] == {"midcorrupt": "undecodable_image"}
         assert len(keys) == 25 and len(loader) == 5
         with pytest.warns(UserWarning, match="left out 4"):
-            resumed = ViewLoader(bad_set, 5, seed=0, backend=backend, **TINY)
+            resumed = ViewLoader(bad_set, 5, ViewConfig(**TINY), seed=0, backend=backend)
         resumed.load_state_dict(state)  # re-applies the exclusion, so the checkpoint fits
         assert len(resumed) == 5 and len(list(resumed)) == 5
     else:  # PIL drops the unreadable sample from its batch and counts it
         assert len(keys) + loader.skipped.get("unreadable", 0) == 25
 
 
+def test_a_pipeline_error_that_is_not_a_bad_sample_surfaces(forty, monkeypatch):
+    """Only the decoder's error means a bad sample; any other DALI failure is a bug and is raised as is."""
+    from nvidia.dali.pipeline import Pipeline
+
+    from pretrain.views import dali
+
+    def broken_run(self):
+        raise RuntimeError("Critical error in pipeline: Error in CPU operator `nvidia.dali.fn.resize`")
+
+    searched = []
+    monkeypatch.setattr(dali, "find_undecodable", lambda samples: searched.append(1) or {})
+    loader = ViewLoader(forty, 4, ViewConfig(**TINY), backend="dali")
+    iterator = iter(loader)
+    monkeypatch.setattr(Pipeline, "run", broken_run)
+    with pytest.raises(RuntimeError, match="fn.resize"):
+        next(iterator)
+    assert searched == []  # no hunt for undecodable samples, no rebuild
+
+
+def test_reference_blurs_views_smaller_than_the_blur_kernel(forty):
+    views = ViewConfig(**{**TINY, "small_size": 8, "blur_probability_odd": 1.0, "blur_probability_even": 1.0})
+    batch = next(iter(ViewLoader(forty, 4, views, backend="reference")))
+    assert batch["views"][-1].shape == (4, 3, 8, 8) and torch.isfinite(batch["views"][-1]).all()
+
+
 def test_bad_arguments_are_clear_errors(forty, tmp_path):
-    with pytest.raises(ValueError, match="unknown view options"):
-        ViewLoader(forty, 4, large_view=3)
+    with pytest.raises(TypeError, match="views must be a ViewConfig"):
+        ViewLoader(forty, 4, {"large_views": 3})
+    with pytest.raises(ValueError, match="backend must be one of"):
+        ViewLoader(forty, 4, backend="pil")
     with pytest.raises(ValueError, match="mask_probability"):
-        ViewLoader(forty, 4, mask_probability=1.5)
+        ViewLoader(forty, 4, ViewConfig(mask_probability=1.5))
     with pytest.raises(ValueError, match="fewer than one batch"):
         ViewLoader(forty, 64)
     with pytest.raises(FileNotFoundError, match="no shards"):

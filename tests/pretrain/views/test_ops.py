@@ -15,7 +15,13 @@ import torchvision.transforms.functional as F
 from PIL import Image
 from scipy.ndimage import gaussian_filter
 
-from pretrain.views.config import IMAGENET_MEAN, IMAGENET_STD, JITTER_ORDERS, PARAM_NAMES
+from pretrain.views.config import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    JITTER_ORDERS,
+    PARAM_NAMES,
+    ViewConfig,
+)
 from pretrain.views.loader import ViewLoader
 from shards import ShardSample, write_shard_set
 
@@ -52,7 +58,7 @@ def decoded(shards, keys: list[str]) -> dict[str, torch.Tensor]:
 
 
 def dali_batch(shards, **options):
-    loader = ViewLoader(shards, 16, backend="dali", seed=11, **{**IDENTITY_CROP, **OFF, **options})
+    loader = ViewLoader(shards, 16, ViewConfig(**{**IDENTITY_CROP, **OFF, **options}), backend="dali", seed=11)
     batch = next(iter(loader))
     mean, std = torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
     views = [v * std + mean for v in batch["views"]]  # back to [0, 1]

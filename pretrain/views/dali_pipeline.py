@@ -1,0 +1,376 @@
+"""The DALI pipeline graph that turns shard samples into L large + S small augmented views.
+
+One definition serves both devices: `gpu=True` decodes each image once with the `mixed` decoder
+(the hardware JPEG decoder where there is one) and every per-view operator then runs on the GPU
+because it consumes GPU data; `gpu=False` runs every operator on the CPU with `device_id=None`.
+Random parameters come from DALI's own random operators (no Python callback per sample), drawn on
+the CPU as argument inputs; masks are decoded (`mixed` on a GPU) and cropped with the same crop
+window as their view. The pipeline is built once and lives across epochs.
+
+Views stay 8-bit from the resize to the normalisation, as in the PIL reference: the colour
+operators then run DALI's fast integer kernels (with rounding between steps, like PIL).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import nvidia.dali.fn as fn
+import nvidia.dali.math as dmath
+import nvidia.dali.types as types
+from nvidia.dali import pipeline_def
+from nvidia.dali.pipeline import DataNode, Pipeline
+
+from pretrain.views.config import GRAYSCALE_WEIGHTS, JITTER_ORDERS, ViewConfig, ViewSpec, view_specs
+from pretrain.views.sources import IMAGE_EXTENSIONS, MASK_EXT, SampleSet
+
+READER_NAME = "shards"
+# The `mixed` decoder's settings: nvJPEG buffers sized once for ImageNet's largest photos (NVIDIA's
+# ResNet-50 DALI example) so that a large image never triggers a reallocation mid-run, and the
+# chroma upsampling of the CPU decoder (libjpeg-turbo, as PIL), so both devices see the same pixels.
+MIXED_DECODER = dict(
+    device_memory_padding=211025920,
+    host_memory_padding=140544512,
+    preallocate_width_hint=5980,
+    preallocate_height_hint=6430,
+    jpeg_fancy_upsampling=True,
+)
+MAX = 255.0
+HUE = 3  # index of the hue operation in JITTER_ORDERS entries
+SOLARIZE_TABLE = [i if i < 128 else 255 - i for i in range(256)]  # x >= 0.5 -> 1 - x on 8 bits
+
+
+@dataclass(frozen=True)
+class CropWindow:
+    """One view's random-resized crop as a relative ROI (flip: x start > x end) and its drawn values."""
+
+    start: DataNode  # (y, x) relative
+    end: DataNode
+    area: DataNode  # crop area / image area
+    ratio: DataNode  # crop width / height
+    flip: DataNode  # 0.0 or 1.0
+
+
+@dataclass(frozen=True)
+class SampleMask:
+    """A sample's saliency mask as the views use it (`image` None when masking is off)."""
+
+    image: DataNode | None  # HW1 uint8, on the GPU when `on_gpu`
+    coverage: DataNode  # fraction of mask pixels >= 128
+    maskable: DataNode  # coverage >= mask_min_coverage
+    grey: DataNode  # the sample's background grey level, 0..255 (CPU)
+    has_mask: DataNode  # the sample has a mask member (CPU)
+    on_gpu: bool
+
+
+def _uniform(lo: float, hi: float) -> DataNode:
+    """U[lo, hi) per sample; a constant when the range is empty (DALI rejects zero-width ranges)."""
+    return fn.random.uniform(range=[lo, hi]) if hi > lo else fn.constant(fdata=float(lo), shape=[])
+
+
+def _to_uint8(x: DataNode) -> DataNode:
+    return fn.cast(dmath.clamp(x, 0.0, MAX), dtype=types.UINT8)  # DALI's cast rounds to nearest
+
+
+def _on_device(x: DataNode, gpu: bool) -> DataNode:
+    """A per-sample CPU value moved to where the views live (arithmetic inputs share one device)."""
+    return x.gpu() if gpu else x
+
+
+def _jitter_op(view: DataNode, op: int, factors, hue_model: str, gpu: bool) -> DataNode:
+    """One colour-jitter operation with torchvision's semantics on an 8-bit view."""
+    brightness, contrast, saturation, hue = factors
+    if op == 0:
+        return fn.brightness(view, brightness=brightness)
+    if op == 1:  # around the image's mean grey level (mean of the luma = luma of the channel means)
+        channel_means = fn.reductions.mean(view, axes=[0, 1])
+        centre = sum(channel_means[c] * w for c, w in enumerate(GRAYSCALE_WEIGHTS))
+        # Arithmetic, not fn.contrast: its contrast_center must be a CPU value, the mean is not on GPU.
+        return _to_uint8(centre + (view - centre) * _on_device(contrast, gpu))
+    if op == 2:  # DALI scales chroma around the luma: torchvision's blend with the grey image
+        return fn.saturation(view, saturation=saturation)
+    if hue_model == "yiq":  # DALI's fast linear approximation (rotation about the grey axis in YIQ)
+        return fn.hue(view, hue=hue * 360.0)
+    return _shift_hue(view, _on_device(hue, gpu))
+
+
+def _shift_hue(view: DataNode, shift: DataNode) -> DataNode:
+    """torchvision's adjust_hue on an 8-bit view: H (HSV) rotated by `shift` of the circle, S and V kept.
+
+    Written with DALI arithmetic because `fn.hue`/`fn.hsv` rotate in YIQ, a linear approximation
+    that keeps luma instead of V and differs visibly from torchvision on saturated colours. It costs
+    a few times `fn.hue` on the CPU (~35 element-wise passes); `hue_model="yiq"` is the fast option.
+    Output channel n of (r, g, b) = (5, 3, 1): V - C * clamp(min(k, 4 - k), 0, 1), k = (n + H) mod 6,
+    with H in sixths of the circle and C = max - min.
+    """
+    view = fn.cast(view, dtype=types.FLOAT)  # 8-bit differences would wrap around
+    r, g, b = view[:, :, 0:1], view[:, :, 1:2], view[:, :, 2:3]
+    value = dmath.max(r, dmath.max(g, b))
+    chroma = value - dmath.min(r, dmath.min(g, b))
+    inv = 1.0 / dmath.max(chroma, 1e-6)
+    is_r = value == r
+    is_g = (value == g) & (value != r)
+    is_b = (value != r) & (value != g)
+    hue = is_r * ((g - b) * inv) + is_g * ((b - r) * inv + 2.0) + is_b * ((r - g) * inv + 4.0) + shift * 6.0
+    hue = hue - 6.0 * dmath.floor(hue / 6.0)  # [0, 6)
+
+    def channel(n: float) -> DataNode:
+        k = hue + n  # [n, n + 6): one wrap at most
+        k = k - 6.0 * (k >= 6.0)
+        return value - chroma * dmath.clamp(dmath.min(k, 4.0 - k), 0.0, 1.0)
+
+    return _to_uint8(fn.cat(channel(5.0), channel(3.0), channel(1.0), axis=2))
+
+
+def _one_of(view: DataNode, op: DataNode, ops: list[int], exhaustive: bool, factors, hue_model: str, gpu: bool) -> DataNode:
+    """Apply jitter operation `op` (per sample) if it is in `ops`; nested ifs, one split each.
+
+    `exhaustive`: every sample's `op` is in `ops`, so the last one needs no test. Operations of
+    zero strength are left out by the caller (they are the identity).
+    """
+    if len(ops) == 1 and exhaustive:
+        return _jitter_op(view, ops[0], factors, hue_model, gpu)
+    if op == ops[0]:
+        view = _jitter_op(view, ops[0], factors, hue_model, gpu)
+    elif len(ops) > 1:
+        view = _one_of(view, op, ops[1:], exhaustive, factors, hue_model, gpu)
+    return view
+
+
+def _crop_window(shape: DataNode, spec: ViewSpec, cfg: ViewConfig) -> CropWindow:
+    """The relative ROI of one random-resized crop, flip included, drawn by DALI's own random ops.
+
+    Drawn once per view and applied to both image and mask; a flip is an ROI whose x start is
+    greater than its end (DALI's resize then mirrors), so crop and flip stay identical for both.
+    """
+    anchor, size = fn.random_crop_generator(shape, random_area=list(spec.crop_scale), random_aspect_ratio=list(cfg.crop_ratio))
+    flip = fn.cast(fn.random.coin_flip(probability=cfg.flip_probability), dtype=types.FLOAT)
+    height, width = fn.cast(shape[0], dtype=types.FLOAT), fn.cast(shape[1], dtype=types.FLOAT)
+    y0, x0 = fn.cast(anchor[0], dtype=types.FLOAT) / height, fn.cast(anchor[1], dtype=types.FLOAT) / width
+    h, w = fn.cast(size[0], dtype=types.FLOAT) / height, fn.cast(size[1], dtype=types.FLOAT) / width
+    return CropWindow(
+        start=fn.stack(y0, x0 + flip * w), end=fn.stack(y0 + h, x0 + w - flip * w), area=h * w,
+        ratio=(w * width) / (h * height), flip=flip,
+    )
+
+
+def _resize_args(window: CropWindow, spec: ViewSpec) -> dict:
+    return dict(size=[spec.size, spec.size], roi_start=window.start, roi_end=window.end, roi_relative=True, antialias=True)
+
+
+def _apply_mask(view: DataNode, mask: SampleMask, window: CropWindow, spec: ViewSpec, gpu: bool) -> tuple[DataNode, DataNode]:
+    """Replace the background of a large view by the sample's grey level with probability p_m.
+
+    The mask gets the view's crop window (and so its flip). Returns (view, masked flag as float).
+    With masks on the GPU (`mask.on_gpu`) the blend is arithmetic with a 0/1 weight, because the
+    maskable flag is GPU data and cannot drive a conditional; otherwise only masked views pay for
+    the mask crop and the blend.
+    """
+    draw = fn.random.coin_flip(probability=spec.mask_probability, dtype=types.BOOL)
+    if mask.image is None or spec.mask_probability == 0:
+        return view, fn.cast(draw, dtype=types.FLOAT) * 0.0
+    if mask.on_gpu:
+        masked = fn.cast(draw.gpu() & mask.maskable, dtype=types.FLOAT)
+        soft = fn.resize(mask.image, interp_type=types.INTERP_LINEAR, dtype=types.FLOAT, **_resize_args(window, spec)) / MAX
+        keep = 1.0 - masked + masked * soft  # 1 everywhere when the view is not masked
+        grey = mask.grey.gpu()
+        return _to_uint8(grey + (view - grey) * keep), masked
+    masked = draw & mask.maskable
+    if masked:
+        soft = fn.resize(mask.image, interp_type=types.INTERP_LINEAR, dtype=types.FLOAT, **_resize_args(window, spec)) / MAX
+        grey = _on_device(mask.grey, gpu)
+        view = _to_uint8(grey + (view - grey) * _on_device(soft, gpu))
+    return view, fn.cast(masked, dtype=types.FLOAT)
+
+
+def _colour_jitter(view: DataNode, cfg: ViewConfig, gpu: bool) -> tuple[DataNode, list[DataNode]]:
+    """Brightness, contrast, saturation and hue in a random order, with probability p_jitter.
+
+    Returns the view and the drawn (jitter, order, brightness, contrast, saturation, hue).
+    """
+    jitter = fn.random.coin_flip(probability=cfg.jitter_probability, dtype=types.BOOL)
+    order = fn.random.uniform(values=list(range(len(JITTER_ORDERS))), dtype=types.INT32)
+    factors = (
+        _uniform(max(0.0, 1 - cfg.brightness), 1 + cfg.brightness),
+        _uniform(max(0.0, 1 - cfg.contrast), 1 + cfg.contrast),
+        _uniform(max(0.0, 1 - cfg.saturation), 1 + cfg.saturation),
+        _uniform(-cfg.hue, cfg.hue),
+    )
+    active = [op for op, strength in enumerate((cfg.brightness, cfg.contrast, cfg.saturation, cfg.hue)) if strength > 0]
+    if active and cfg.jitter_probability > 0:
+        if jitter:
+            view = _jitter_in_order(view, order, factors, active, cfg.hue_model, gpu)
+    return view, [jitter, order, *factors]
+
+
+def _order_lookup(order: DataNode, values: list[int]) -> DataNode:
+    """values[order] per sample (an int per entry of JITTER_ORDERS)."""
+    return fn.lookup_table(order, keys=list(range(len(JITTER_ORDERS))), values=values, dtype=types.INT32)
+
+
+def _jitter_in_order(view: DataNode, order: DataNode, factors, active: list[int], hue_model: str, gpu: bool) -> DataNode:
+    """The active jitter operations in the sample's order JITTER_ORDERS[order].
+
+    The order is the three linear operations (brightness, contrast, saturation) in their relative
+    order with hue inserted at one position. Hue, by far the costliest (exact HSV is ~35 element-wise
+    passes), is therefore built once per view, unconditionally, between the linear operations that
+    precede it and those that follow, instead of once per slot; every sample still sees exactly its
+    order.
+    """
+    positions = range(len(JITTER_ORDERS[0]) - 1)  # of the linear operations, relative to each other
+    linear = [op for op in active if op != HUE]
+    linear_at = [_order_lookup(order, [[op for op in o if op != HUE][k] for o in JITTER_ORDERS]) for k in positions]
+    exhaustive = len(linear) == len(positions)  # every sample's linear op at a position is active
+
+    def linear_step(view: DataNode, k: int) -> DataNode:
+        return _one_of(view, linear_at[k], linear, exhaustive, factors, hue_model, gpu) if linear else view
+
+    if HUE not in active:
+        for k in positions:
+            view = linear_step(view, k)
+        return view
+    hue_at = _order_lookup(order, [o.index(HUE) for o in JITTER_ORDERS])
+    for k in positions:
+        if hue_at > k:  # linear position k comes before the hue
+            view = linear_step(view, k)
+    view = _jitter_op(view, HUE, factors, hue_model, gpu)
+    for k in positions:
+        if hue_at <= k:
+            view = linear_step(view, k)
+    return view
+
+
+def _grayscale(view: DataNode, cfg: ViewConfig) -> tuple[DataNode, DataNode]:
+    gray = fn.random.coin_flip(probability=cfg.grayscale_probability, dtype=types.BOOL)
+    if cfg.grayscale_probability > 0:  # static skips: an operation of probability 0 costs nothing
+        if gray:
+            # DALI's RGB->GRAY uses the same ITU-R 601 weights; GRAY->RGB replicates the channel.
+            grey_view = fn.color_space_conversion(view, image_type=types.RGB, output_type=types.GRAY)
+            view = fn.color_space_conversion(grey_view, image_type=types.GRAY, output_type=types.RGB)
+    return view, gray
+
+
+def _blur(view: DataNode, spec: ViewSpec, cfg: ViewConfig) -> tuple[DataNode, DataNode, DataNode]:
+    sigma = _uniform(*cfg.blur_sigma)
+    blur = fn.random.coin_flip(probability=spec.blur_probability, dtype=types.BOOL)
+    if spec.blur_probability > 0:
+        if blur:
+            # The configured kernel (the paper's 23x23), truncated at 4 sigma: the dropped tails
+            # hold < 2e-4 of the weight, under 0.05 of an 8-bit level, and the blur, the costliest
+            # step on a CPU, gets ~2x cheaper on average.
+            window = dmath.min(2.0 * dmath.ceil(4.0 * sigma) + 1.0, float(cfg.blur_kernel))
+            view = fn.gaussian_blur(view, window_size=fn.cast(window, dtype=types.INT32), sigma=sigma)
+    return view, blur, sigma
+
+
+def _solarize(view: DataNode, spec: ViewSpec) -> tuple[DataNode, DataNode]:
+    solarize = fn.random.coin_flip(probability=spec.solarize_probability, dtype=types.BOOL)
+    if spec.solarize_probability > 0:
+        if solarize:
+            view = fn.lookup_table(view, keys=list(range(256)), values=SOLARIZE_TABLE, dtype=types.UINT8)
+    return view, solarize
+
+
+def _view(image: DataNode, mask: SampleMask, shape: DataNode, spec: ViewSpec, cfg: ViewConfig, gpu: bool):
+    """One augmented view (CHW float), its drawn parameters (PARAM_NAMES without masked/coverage/grey)
+    and its masked flag, in the paper's order: crop and flip, mask, jitter, grayscale, blur, solarize."""
+    window = _crop_window(shape, spec, cfg)
+    view = fn.resize(image, interp_type=types.INTERP_CUBIC, **_resize_args(window, spec))  # uint8: rounded, clamped
+    view, masked = _apply_mask(view, mask, window, spec, gpu)
+    view, jitter_params = _colour_jitter(view, cfg, gpu)
+    view, gray = _grayscale(view, cfg)
+    view, blur, sigma = _blur(view, spec, cfg)
+    view, solarize = _solarize(view, spec)
+    view = fn.crop_mirror_normalize(
+        view, mean=[m * MAX for m in cfg.mean], std=[s * MAX for s in cfg.std], output_layout="CHW", dtype=types.FLOAT,
+    )
+    f = lambda x: fn.cast(x, dtype=types.FLOAT)  # noqa: E731
+    params = fn.stack(f(window.area), f(window.ratio), window.flip, *[f(x) for x in jitter_params], f(gray), f(blur),
+                      f(sigma), f(solarize))
+    return view, params, masked
+
+
+def _sample_mask(mask_bytes: DataNode, sample_set: SampleSet, cfg: ViewConfig, gpu: bool) -> SampleMask:
+    """The sample's decoded mask, its coverage, whether it may be masked, and its grey level.
+
+    On a GPU, when every sample has a mask (what `saliency build-masks` writes), masks go through
+    the `mixed` decoder and stay on the GPU with coverage and the maskable flag; with some samples
+    lacking one, the CPU decoder runs under a conditional (an empty member cannot be decoded) and
+    the crops are moved to the GPU.
+    """
+    grey = _uniform(*[g * MAX for g in cfg.mask_grey_range])
+    has_mask = mask_bytes.shape()[0] > 0
+    zero = fn.cast(mask_bytes.shape()[0], dtype=types.FLOAT) * 0.0
+    if not (sample_set.has_masks and cfg.mask_probability > 0 and cfg.large_views > 0):
+        return SampleMask(None, zero, zero >= 1.0, grey, has_mask, on_gpu=False)
+    if gpu and sample_set.without_mask == 0:
+        image = fn.decoders.image(mask_bytes, device="mixed", output_type=types.GRAY)
+        coverage = fn.reductions.mean(fn.cast(image >= 128, dtype=types.FLOAT))
+        return SampleMask(image, coverage, coverage >= cfg.mask_min_coverage, grey, has_mask, on_gpu=True)
+    if has_mask:
+        image = fn.decoders.image(mask_bytes, device="cpu", output_type=types.GRAY)
+        coverage = fn.reductions.mean(fn.cast(image >= 128, dtype=types.FLOAT))
+    else:  # no mask member: a 1x1 placeholder, never used since coverage 0 is never masked
+        image = fn.reshape(fn.pad(mask_bytes, shape=[1], fill_value=0), shape=[1, 1, 1], layout="HWC")
+        coverage = zero
+    return SampleMask(image, coverage, coverage >= cfg.mask_min_coverage, grey, has_mask, on_gpu=False)
+
+
+@pipeline_def(enable_conditionals=True, enable_checkpointing=True)
+def _views_pipeline(sample_set: SampleSet, cfg: ViewConfig, gpu: bool, rank: int, world_size: int, reader_seed: int):
+    image_bytes, mask_bytes, cls, meta = fn.readers.webdataset(
+        paths=[str(p) for p in sample_set.tars],
+        index_paths=[str(p) for p in sample_set.index_files],
+        ext=[";".join(IMAGE_EXTENSIONS), MASK_EXT, "cls", "json"],
+        missing_component_behavior="empty",
+        name=READER_NAME,
+        shard_id=rank,
+        num_shards=world_size,
+        random_shuffle=True,
+        initial_fill=cfg.shuffle_buffer,
+        shuffle_after_epoch=True,
+        shuffle_after_epoch_seed=reader_seed,  # shared by all ranks: one global shard order per epoch
+        seed=reader_seed,
+        pad_last_batch=True,
+    )
+    # Decoded once per image (the hardware JPEG decoder on a GPU); every view is cut from it.
+    decoder = dict(device="mixed", hw_decoder_load=cfg.hw_decoder_load, **MIXED_DECODER) if gpu else dict(device="cpu")
+    image = fn.decoders.image(image_bytes, output_type=types.RGB, **decoder)
+    shape = fn.peek_image_shape(image_bytes)
+    mask = _sample_mask(mask_bytes, sample_set, cfg, gpu)
+    views, params, masked = [], [], []
+    for spec in view_specs(cfg):
+        v, p, m = _view(image, mask, shape, spec, cfg, gpu)
+        views.append(v)
+        params.append(p)
+        masked.append(m)
+    outputs = [*views, meta, cls, mask.has_mask, mask.coverage, mask.grey / MAX, *masked]
+    if cfg.debug_params:
+        outputs += params
+    return tuple(outputs)
+
+
+def build_view_pipeline(
+    sample_set: SampleSet,
+    cfg: ViewConfig,
+    *,
+    batch_size: int,
+    gpu: bool,
+    rank: int,
+    world_size: int,
+    seed: int,
+    device_id: int = 0,
+    checkpoint: str | None = None,
+) -> Pipeline:
+    """A built view pipeline; restores the reader and random state from `checkpoint` when given."""
+    pipe = _views_pipeline(
+        sample_set, cfg, gpu, rank, world_size, seed,
+        batch_size=batch_size,
+        num_threads=cfg.num_threads,
+        device_id=device_id if gpu else None,
+        seed=seed * 7919 + rank + 1,  # augmentations differ per rank, reproducible per seed
+        prefetch_queue_depth=cfg.prefetch,
+        checkpoint=checkpoint,
+    )
+    pipe.build()
+    return pipe

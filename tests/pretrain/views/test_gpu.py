@@ -1,0 +1,110 @@
+"""The DALI pipeline on a GPU (`mixed` decoding, every per-view operator and the masks on the GPU).
+
+Tests marked `gpu` are skipped with a reason without CUDA and run with `pytest -m gpu` on a GPU
+machine; the first test only traces the GPU graph and runs everywhere. The GPU variants of the
+mask-alignment, frequency and reference-agreement tests live beside their CPU versions
+(test_augment.py, test_backends_agree.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from pretrain.views.config import IMAGENET_STD, PARAM_NAMES, ViewConfig
+from pretrain.views.dali_pipeline import _views_pipeline
+from pretrain.views.loader import ViewLoader
+from pretrain.views.sources import load_sample_set
+from shards import ShardSample, write_shard_set
+from tests.pretrain.views.test_augment import object_samples
+from tests.pretrain.views.test_backends_agree import FIXED_GEOMETRY, masked_squares  # noqa: F401 (fixture)
+
+COL = {name: i for i, name in enumerate(PARAM_NAMES)}
+STD = torch.tensor(IMAGENET_STD).view(1, 3, 1, 1)
+# Every draw degenerate: the whole square image, mirrored, masked with grey 0.5, grayscale, blur of
+# sigma 1, solarize. Only the decoders and the operator implementations differ between devices.
+FIXED = ViewConfig(**{**FIXED_GEOMETRY, "mask_grey_range": (0.5, 0.5), "jitter_probability": 0.0,
+                      "grayscale_probability": 1.0, "blur_probability_even": 1.0, "blur_probability_odd": 1.0,
+                      "blur_sigma": (1.0, 1.0), "solarize_probability_even": 1.0, "solarize_probability_odd": 1.0})
+
+
+@pytest.mark.parametrize("every_sample_masked", [True, False], ids=["masks-on-gpu", "some-without-mask"])
+def test_the_gpu_graph_traces_with_views_and_masks_on_the_gpu(tmp_path, every_sample_masked):
+    """Defining the GPU pipeline (no GPU needed until it is built) catches device mix-ups in the graph:
+    a GPU value used as a condition, CPU and GPU inputs to one operator, a view left on the CPU."""
+    shards = mask_set(tmp_path, every_sample_masked=every_sample_masked)
+    sample_set = load_sample_set(shards)
+    views = ViewConfig(large_size=64, small_size=32, mask_probability=0.5, debug_params=True)
+    pipe = _views_pipeline(sample_set, views, True, 0, 1, 0, batch_size=8, num_threads=1, device_id=0, seed=1)
+    devices = [node.device for node in pipe._graph_out]
+    count = views.large_views + views.small_views
+    assert devices[:count] == ["gpu"] * count  # every view is made on the GPU
+    coverage = devices[count + 3]  # outputs: views, meta, cls, has_mask, coverage, grey, masked..., params...
+    assert coverage == ("gpu" if every_sample_masked else "cpu")  # masks decoded by `mixed` when all have one
+
+
+@pytest.mark.gpu
+def test_mixed_matches_the_cpu_operators_on_fixed_parameters(masked_squares):  # noqa: F811
+    cpu = next(iter(ViewLoader(masked_squares, 16, FIXED, device="cpu", seed=1)))
+    gpu = next(iter(ViewLoader(masked_squares, 16, FIXED, device="cuda", seed=1)))
+    assert gpu["views"][0].is_cuda
+    order = [gpu["keys"].index(k) for k in cpu["keys"]]  # the same reader order, checked anyway
+    for name in ("masked", "flip", "grayscale", "blur", "solarize"):
+        assert cpu["params"][:, :, COL[name]].all() and gpu["params"][order][:, :, COL[name]].all(), name
+    coverage_gap = (cpu["params"][:, :, COL["coverage"]] - gpu["params"][order][:, :, COL["coverage"]]).abs()
+    assert coverage_gap.max() < 1e-6  # the same mask pixels: decoded identically on both devices
+    for j in range(len(cpu["views"])):
+        diff = (cpu["views"][j] - gpu["views"][j][order].cpu()).abs() * STD  # in [0, 1] pixel units
+        # nvJPEG and libjpeg-turbo round their IDCTs differently (about one 8-bit level), and a pixel
+        # one level from 128 may then solarize the other way: a handful of pixels differ a lot.
+        assert diff.mean() < 2.0 / 255, j
+        assert (diff > 4.0 / 255).float().mean() < 0.01, j
+
+
+def mask_set(directory, *, every_sample_masked: bool):
+    samples = object_samples(40, 3)
+    if not every_sample_masked:  # a quarter without a mask member: the masks take the CPU decoder
+        samples = [s if i % 4 else ShardSample(s.key, {"jpg": s.members["jpg"]}, s.label, s.meta)
+                   for i, s in enumerate(samples)]
+    write_shard_set(samples, directory, prefix="masked", max_count=16)
+    return directory
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("every_sample_masked", [True, False], ids=["masks-on-gpu", "some-without-mask"])
+def test_a_masked_shard_set_through_the_whole_gpu_pipeline(tmp_path, every_sample_masked):
+    shards = mask_set(tmp_path, every_sample_masked=every_sample_masked)
+    views = ViewConfig(large_size=64, small_size=32, mask_probability=0.5, output_dtype="bfloat16",
+                       debug_params=True, num_threads=2)
+    loader = ViewLoader(shards, 8, views, device="cuda", seed=2)
+    assert len(loader) == 5
+    first = list(loader)
+    state = loader.state_dict()
+    second = [next(iter(loader))]  # first batch of epoch 2
+    for batch in first + second:
+        assert [tuple(v.shape) for v in batch["views"]] == [(8, 3, 64, 64)] * 4 + [(8, 3, 32, 32)] * 2
+        assert all(v.is_cuda and v.dtype == torch.bfloat16 and torch.isfinite(v.float()).all() for v in batch["views"])
+    keys = [k for b in first for k in b["keys"]]
+    assert len(keys) == 40 and len(set(keys)) == 40  # one whole epoch, each sample once
+    masked = torch.cat([b["params"] for b in first])[:, :4, COL["masked"]].numpy()
+    assert 0.25 < masked.mean() < 0.75  # p_m = 0.5 (with coverage ~0.3 every sample with a mask qualifies)
+    if not every_sample_masked:
+        assert masked[[keys.index(f"obj{i:04d}") for i in range(0, 40, 4)]].sum() == 0
+    resumed = ViewLoader(shards, 8, views, device="cuda", seed=2)
+    resumed.load_state_dict(state)
+    again = next(iter(resumed))
+    assert again["keys"] == second[0]["keys"]
+    assert all(torch.equal(a, b) for a, b in zip(again["views"], second[0]["views"], strict=True))
+
+
+@pytest.mark.gpu
+def test_bfloat16_output_is_the_float32_views_rounded(masked_squares):  # noqa: F811
+    fp32 = next(iter(ViewLoader(masked_squares, 16, FIXED, device="cuda", seed=1)))
+    bf16 = next(iter(ViewLoader(masked_squares, 16, dataclasses.replace(FIXED, output_dtype="bfloat16"),
+                                device="cuda", seed=1)))
+    for a, b in zip(fp32["views"], bf16["views"], strict=True):
+        assert b.dtype == torch.bfloat16
+        assert np.allclose(a.cpu().numpy(), b.float().cpu().numpy(), atol=0.02)

@@ -1,0 +1,123 @@
+"""Sample sets and the ViewSource contract: image member formats, hostile index files, epoch sizes."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from pretrain.views.backend import ViewBackend
+from pretrain.views.config import ViewConfig
+from pretrain.views.loader import ViewLoader
+from pretrain.views.source import ViewSource
+from pretrain.views.sources import IMAGE_EXTENSIONS, load_sample_set
+from pretrain.views.synthetic import SyntheticViews
+from shards import ShardSample, index_path, list_shards, write_shard_set
+
+TINY = ViewConfig(large_views=2, small_views=1, large_size=24, small_size=16, num_threads=1)
+BACKENDS = ["dali", "reference"]
+
+
+def encoded(seed: int, fmt: str, size: int = 40) -> bytes:
+    rng = np.random.default_rng(seed)
+    buffer = io.BytesIO()
+    Image.fromarray(rng.integers(0, 255, (size, size + 8, 3), dtype=np.uint8)).save(buffer, fmt)
+    return buffer.getvalue()
+
+
+def image_set(directory, count: int, formats=(("jpg", "JPEG"),)):
+    samples = []
+    for i in range(count):
+        ext, fmt = formats[i % len(formats)]
+        samples.append(ShardSample(f"k{i:03d}", {ext: encoded(i, fmt)}, i % 5, {}))
+    write_shard_set(samples, directory, prefix="images", max_count=9)
+    return directory
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_png_webp_and_jpeg_members_are_images_too(tmp_path, backend):
+    formats = (("jpg", "JPEG"), ("jpeg", "JPEG"), ("png", "PNG"), ("webp", "WEBP"))
+    assert {ext for ext, _ in formats} == set(IMAGE_EXTENSIONS)
+    image_set(tmp_path, 12, formats)
+    loader = ViewLoader(tmp_path, 4, TINY, seed=1, backend=backend)
+    assert loader.skipped == {}
+    keys = [k for batch in loader for k in batch["keys"]]
+    assert sorted(keys) == [f"k{i:03d}" for i in range(12)]  # every format decoded, none dropped
+
+
+def test_truncated_images_and_garbage_labels_are_left_out_by_the_cheap_check(tmp_path):
+    good = [ShardSample(f"g{i}", {"png": encoded(i, "PNG")}, None, {}) for i in range(4)]
+    png, webp = encoded(50, "PNG"), encoded(51, "WEBP")
+    bad = [ShardSample("cutpng", {"png": png[: len(png) - 20]}, None, {}),
+           ShardSample("cutwebp", {"webp": webp[: len(webp) - 20]}, None, {}),
+           ShardSample("two", {"jpg": encoded(52, "JPEG"), "png": png}, None, {}),
+           ShardSample("garbagelabel", {"png": encoded(53, "PNG")}, 7, {})]
+    write_shard_set(good + bad, tmp_path, prefix="images")
+    tar = list_shards(tmp_path)[0]
+    line = next(line for line in index_path(tar).read_text().splitlines() if "garbagelabel.cls" in line)
+    fields = line.split()
+    offset = int(fields[fields.index("cls") + 1])
+    with open(tar, "r+b") as handle:  # a foreign shard's label that is not a number
+        handle.seek(offset)
+        handle.write(b"x")
+    with pytest.warns(UserWarning, match="left out 4 bad samples"):
+        sample_set = load_sample_set(tmp_path)
+    assert dict(sample_set.skipped) == {"truncated_image": 2, "several_images": 1, "bad_label": 1}
+    assert sorted(s.key for s in sample_set.samples) == [f"g{i}" for i in range(4)]
+
+
+def rewrite_index(tar, edit) -> None:
+    idx = index_path(tar)
+    lines = idx.read_text().splitlines()
+    idx.write_text("\n".join(edit(lines)) + "\n")
+
+
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
+        (lambda lines: [lines[0]] + [lines[1].replace(lines[1].split()[1], "-5", 1)] + lines[2:], "claims bytes"),
+        (lambda lines: [lines[0]] + [lines[1].replace(lines[1].split()[2], "99999999999", 1)] + lines[2:], "claims bytes"),
+        (lambda lines: ["v1.2 lots"] + lines[1:], "not a valid DALI index"),
+        (lambda lines: lines[1:], "not a valid DALI index"),
+        (lambda lines: [lines[0]] + [" ".join(lines[1].split()[:3] + ["../../etc/passwd.jpg"])] + lines[2:],
+         "'..' component"),
+        (lambda lines: [lines[0]] + [" ".join(lines[1].split()[:3] + ["other.jpg"])] + lines[2:], "does not belong"),
+        (lambda lines: [lines[0]] + ["jpg 0 10"] + lines[2:], "not a valid DALI index"),
+    ],
+    ids=["negative-offset", "huge-size", "garbage-count", "no-header", "traversal", "foreign-member", "short-line"],
+)
+def test_a_hostile_index_is_one_clear_error_naming_it(tmp_path, edit, says):
+    image_set(tmp_path, 6)
+    tar = list_shards(tmp_path)[0]
+    rewrite_index(tar, edit)
+    with pytest.raises(ValueError, match=says) as caught:
+        load_sample_set(tmp_path)
+    message = str(caught.value)
+    assert str(index_path(tar)) in message and "write_index" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_epoch_size_is_the_smallest_share_and_no_rank_delivers_a_padding_duplicate(tmp_path, backend):
+    image_set(tmp_path, 40)  # 3 ranks: shares of 13, 13 and 14 samples; the reader pads all to 14
+    keys, lengths = [], []
+    for rank in range(3):
+        # batch 7: two batches of a padded share of 14 would deliver a duplicate on ranks 0 and 1
+        loader = ViewLoader(tmp_path, 7, TINY, rank=rank, world_size=3, seed=2, backend=backend)
+        assert isinstance(loader, ViewSource) and isinstance(loader._ensure_backend(), ViewBackend)
+        assert loader.epoch_size == 13 and len(loader) == 1
+        batches = list(loader)
+        lengths.append(len(batches))
+        keys += [k for b in batches for k in b["keys"]]
+        second = [k for b in loader for k in b["keys"]]  # the next epoch ends at the same place
+        assert len(second) == 7 and len(set(second)) == 7
+    assert lengths == [1, 1, 1]
+    assert len(keys) == 21 and len(set(keys)) == 21
+
+
+def test_synthetic_views_have_the_same_epoch_meaning():
+    source = SyntheticViews(41, 4, rank=1, world_size=2, large_size=8, small_size=4, num_classes=3)
+    assert isinstance(source, ViewSource)
+    assert source.epoch_size == 20 and len(source) == 5 == source.epoch_size // source.batch_size
+    assert len(list(source)) == 5
