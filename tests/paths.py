@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
+# RELICV2_SHARED_DATA points elsewhere (e.g. from a git worktree that is not beside shared/).
+SHARED_DATA = Path(os.environ.get("RELICV2_SHARED_DATA", REPO.parent / "shared" / "data"))
 CONFIGS = REPO / "configs"
