@@ -204,9 +204,8 @@ def _knn_monitor(state: TrainState, config: PretrainConfig, ctx: DistributedCont
     """kNN accuracy of the online encoder: every rank extracts the features of 1/W of the images,
     rank 0 gathers them, classifies and logs (so the wait stays short on large labelled sets)."""
     knn = config.knn
-    result = evaluate_knn(state.online.encoder, knn.train_shards, knn.val_shards, k=knn.k,
-                          temperature=knn.temperature, crop_size=knn.crop_size,
-                          resize_size=knn.resize_size, batch_size=knn.batch_size, device=ctx.device, ctx=ctx)
+    result = evaluate_knn(state.online.encoder, knn.train_shards, knn.val_shards, settings=knn,
+                          device=ctx.device, ctx=ctx)
     if result is not None and logger is not None:
         logger.log(state.step, {"knn_top1": result.top1, "knn_skipped": float(result.skipped)})
         logger.message(f"step {state.step}: kNN top-1 {result.top1:.4f} ({result.num_train} bank, {result.num_val} val)")

@@ -18,15 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-_MIX = 0x9E3779B97F4A7C15  # odd 64-bit constant to spread (seed, epoch, index) over the seed space
-
-
-def derive_seed(*parts: int) -> int:
-    """A deterministic 63-bit seed from integers (seed, purpose, epoch, index, ...)."""
-    value = 0
-    for part in parts:
-        value = (value * _MIX + part + 1) % (2**63 - 1)
-    return value
+from pretrain.seeding import SeedPurpose, derive_seed
 
 
 def _smooth_noise(generator: torch.Generator, size: int, cells: int) -> Tensor:
@@ -75,12 +67,12 @@ class SyntheticViews:
         self.epoch = 0
         self.position = 0  # batches of the current epoch already served
         classes = torch.stack(
-            [_smooth_noise(torch.Generator().manual_seed(derive_seed(seed, 1, c)), large_size, 4) for c in range(num_classes)]
+            [_smooth_noise(torch.Generator().manual_seed(derive_seed(seed, SeedPurpose.SYNTHETIC_CLASS_PATTERN, c)), large_size, 4) for c in range(num_classes)]
         )
         self.labels = torch.arange(num_images) % num_classes
         self.images = torch.stack(
             [
-                classes[self.labels[i]] + 0.8 * _smooth_noise(torch.Generator().manual_seed(derive_seed(seed, 2, i)), large_size, 6)
+                classes[self.labels[i]] + 0.8 * _smooth_noise(torch.Generator().manual_seed(derive_seed(seed, SeedPurpose.SYNTHETIC_IMAGE_PATTERN, i)), large_size, 6)
                 for i in range(num_images)
             ]
         )
@@ -104,7 +96,7 @@ class SyntheticViews:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if self.position >= len(self):
             self.epoch, self.position = self.epoch + 1, 0
-        order = torch.randperm(self.num_images, generator=torch.Generator().manual_seed(derive_seed(self.seed, 3, self.epoch)))
+        order = torch.randperm(self.num_images, generator=torch.Generator().manual_seed(derive_seed(self.seed, SeedPurpose.EPOCH_ORDER, self.epoch)))
         global_batch = self.batch_size * self.world_size
         while self.position < len(self):
             start = self.position * global_batch + self.rank * self.batch_size
@@ -115,7 +107,7 @@ class SyntheticViews:
     def _batch(self, indices: list[int]) -> dict[str, Any]:
         views: list[list[Tensor]] = [[] for _ in range(self.large_views + self.small_views)]
         for index in indices:
-            generator = torch.Generator().manual_seed(derive_seed(self.seed, 4, self.epoch, index))
+            generator = torch.Generator().manual_seed(derive_seed(self.seed, SeedPurpose.VIEW_PARAMETERS, self.epoch, index))
             for v in range(self.large_views + self.small_views):
                 large = v < self.large_views
                 views[v].append(
