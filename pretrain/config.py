@@ -35,6 +35,7 @@ class ModelConfig:
     out_dim: int = 256  # projector / predictor output size
     zero_init_residual: bool = False  # zero-init the last BN of each residual block
     sync_batchnorm: bool | None = None  # None: on when world_size > 1 (BN statistics over the global batch)
+    activation_checkpointing: bool = False  # recompute encoder activations in backward (less memory, ~30% slower)
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,7 @@ class RunConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     bf16: bool | None = None  # None: bf16 autocast on GPU, fp32 on CPU
     channels_last: bool | None = None  # None: on GPU only
-    compile: bool = False  # torch.compile the networks
+    compile: bool | None = None  # torch.compile the networks; None: on for CUDA, off on CPU
     max_steps: int = 0  # stop after this many steps (schedules unchanged); 0: run the whole schedule
     on_nonfinite: Literal["stop", "skip"] = "stop"
     checkpoint_every: int = 1000  # steps

@@ -118,7 +118,7 @@ def build_state(config: PretrainConfig, ctx: DistributedContext, settings: StepS
     model = config.model
     online, target = build_networks(
         model.depth, model.width, hidden_dim=model.hidden_dim, out_dim=model.out_dim,
-        zero_init_residual=model.zero_init_residual,
+        zero_init_residual=model.zero_init_residual, activation_checkpointing=model.activation_checkpointing,
     )
     if use_sync_batchnorm(config, ctx) and ctx.is_distributed:
         online = convert_sync_batchnorm(online, ctx)
