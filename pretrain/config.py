@@ -75,6 +75,9 @@ class RunConfig:
     bf16: bool | None = None  # None: bf16 autocast on GPU, fp32 on CPU
     channels_last: bool | None = None  # None: on GPU only
     compile: bool | None = None  # torch.compile the networks; None: on for CUDA, off on CPU
+    # torch.compile backend: inductor (generated kernels, the fast one); aot_eager traces the same
+    # graphs without code generation (to tell a capture problem from an inductor one, and in CPU tests)
+    compile_backend: Literal["inductor", "aot_eager"] = "inductor"
     max_steps: int = 0  # stop after this many steps (schedules unchanged); 0: run the whole schedule
     on_nonfinite: Literal["stop", "skip"] = "stop"
     checkpoint_every: int = 1000  # steps

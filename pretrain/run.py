@@ -220,7 +220,8 @@ def _train(config: PretrainConfig, ctx: DistributedContext, state: TrainState, s
            last_saved: Path | None) -> PretrainResult:
     """The step loop: one train step per batch, logging, checkpoints, the kNN monitor, stop signals."""
     compile_networks = ctx.device.type == "cuda" if config.run.compile is None else config.run.compile
-    online_forward, target_forward = wrap_networks(state, ctx, compile=compile_networks)
+    online_forward, target_forward = wrap_networks(state, ctx, compile=compile_networks,
+                                                   backend=config.run.compile_backend)
     steps_per_epoch = derived.steps_per_epoch
     end_step = derived.total_steps if not config.run.max_steps else min(derived.total_steps, config.run.max_steps)
     logger = (MetricsLogger(config.run.output_dir, total_steps=end_step, initial_step=state.step,

@@ -138,7 +138,7 @@ def build_state(config: PretrainConfig, ctx: DistributedContext, settings: StepS
 
 
 def wrap_networks(
-    state: TrainState, ctx: DistributedContext, *, compile: bool = False
+    state: TrainState, ctx: DistributedContext, *, compile: bool = False, backend: str = "inductor"
 ) -> tuple[Callable[[Tensor, Tensor | None], tuple[Tensor, Tensor | None]], Callable[[Tensor], Tensor]]:
     """(online forward over large+small views, target forward): DDP on the online network, optional compile."""
     online_forward: nn.Module = MultiViewForward(state.online)
@@ -147,8 +147,8 @@ def wrap_networks(
         online_forward = DistributedDataParallel(online_forward, device_ids=device_ids)
     target_forward: nn.Module = state.target
     if compile:
-        online_forward = torch.compile(online_forward)
-        target_forward = torch.compile(target_forward)
+        online_forward = torch.compile(online_forward, backend=backend)
+        target_forward = torch.compile(target_forward, backend=backend)
     return online_forward, target_forward
 
 

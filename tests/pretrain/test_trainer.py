@@ -200,12 +200,26 @@ def test_cli_pretrain_runs_the_demo_preset_on_generated_data(tmp_path):
     assert bad.exit_code != 0 and "unknown key optim.base_rate" in bad.output
 
 
-@pytest.mark.slow  # ~1 min: inductor compiles the forward and backward graphs
 def test_compiled_networks_train_like_eager_ones(tmp_path):
-    # run.compile=true goes through torch.compile (inductor, which needs the C compiler every
-    # supported machine has); the compiled step must give the eager step's losses.
+    # run.compile=true goes through torch.compile: dynamo captures the online and target networks
+    # and AOTAutograd the backward, as on a GPU. The aot_eager backend stops short of inductor's
+    # code generation, which costs ~100 s of C++ compilation on a CPU; inductor itself is tested
+    # on the GPU (test_gpu.py), where run.compile is on by default.
     eager, compiled = tmp_path / "eager", tmp_path / "compiled"
     quiet_run(tiny_config(eager, "run.max_steps=3"), auto_resume=False)
-    quiet_run(tiny_config(compiled, "run.max_steps=3", "run.compile=true"), auto_resume=False)
+    quiet_run(tiny_config(compiled, "run.max_steps=3", "run.compile=true", "run.compile_backend=aot_eager"),
+              auto_resume=False)
     assert sorted(logged(compiled)) == [1, 2, 3]
-    assert list(logged(compiled).values()) == pytest.approx(list(logged(eager).values()), rel=1e-3)
+    assert list(logged(compiled).values()) == pytest.approx(list(logged(eager).values()), rel=1e-4)
+
+
+def test_activation_checkpointing_trains_exactly_like_storing_activations(tmp_path):
+    plain, checkpointed = tmp_path / "plain", tmp_path / "checkpointed"
+    quiet_run(tiny_config(plain, "run.max_steps=3"), auto_resume=False)
+    quiet_run(tiny_config(checkpointed, "run.max_steps=3", "model.activation_checkpointing=true"), auto_resume=False)
+    assert list(logged(checkpointed).values()) == pytest.approx(list(logged(plain).values()), rel=1e-5)
+    a = load_checkpoint(plain / "checkpoint-000000003.pt")
+    b = load_checkpoint(checkpointed / "checkpoint-000000003.pt")
+    # BatchNorm running statistics are updated once per step, not again by the recomputation
+    for key, value in a["online"].items():
+        torch.testing.assert_close(b["online"][key], value, rtol=1e-4, atol=1e-6, msg=key)
