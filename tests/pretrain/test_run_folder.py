@@ -154,3 +154,33 @@ def test_output_dir_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "run").write_text("a file")
     with pytest.raises(ConfigError, match="is a file"):
         quiet_run(tiny_config(tmp_path / "run"))
+
+
+def test_a_step_out_of_gpu_memory_says_what_to_change(tmp_path, monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr("pretrain.run.train_step", out_of_memory)
+    result = CliRunner().invoke(pretrain_command, ["--config", "configs/demo-cpu.yaml", "--output",
+                                                   str(tmp_path / "run"), *_tiny_cli_options()])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "out of GPU memory in step 1 with 8 images per rank" in result.output
+    assert "model.activation_checkpointing=true" in result.output
+
+
+def test_metrics_truncation_keeps_the_records_up_to_the_resumed_step(tmp_path):
+    from pretrain.metrics_log import truncate_metrics
+
+    lines = [json.dumps({"step": s, "loss": 1.0 / s}) for s in (1, 2, 3, 4)]
+    lines.insert(2, json.dumps({"step": 2, "knn_top1": 0.5}))
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 5, "lo')  # torn by the kill
+    assert truncate_metrics(tmp_path, 2) == 3
+    kept = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert kept == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}, {"step": 2, "knn_top1": 0.5}]
+    assert truncate_metrics(tmp_path, 2) == 0
+
+
+def test_fresh_and_resume_together_are_refused(tmp_path):
+    result = CliRunner().invoke(pretrain_command, ["--config", "configs/demo-cpu.yaml", "--fresh",
+                                                   "--resume", str(tmp_path / "x.pt")])
+    assert result.exit_code == 2 and "give one of them" in result.output
