@@ -99,7 +99,13 @@ def restore(state: TrainState, source: ViewSource, payload: dict[str, Any], ctx:
     state.step = step
     state.skipped_steps = int(payload.get("skipped_steps", 0))
     if saved_batch == global_batch and saved_ranks == ctx.world_size:
-        source.load_state_dict(payload["data"][ctx.rank])  # exact: the rank's own reader state
+        try:
+            source.load_state_dict(payload["data"][ctx.rank])  # exact: the rank's own reader state
+        except (KeyError, ValueError, TypeError) as error:
+            raise CheckpointError(
+                f"cannot resume from {path}: its data position does not fit this data source ({error}); "
+                "resume on the same shard set, or start a new run with --fresh"
+            ) from None
     else:
         position = DataPosition.at_step(step, steps_per_epoch, global_batch)
         _load_global_position(source, position, global_batch, ctx, path, saved_ranks)
