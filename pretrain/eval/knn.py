@@ -8,6 +8,7 @@ and normalised with the ImageNet mean/std, as in the linear-evaluation test tran
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import sys
 from collections.abc import Iterator
@@ -184,15 +185,20 @@ def evaluate_knn(
     device: str | torch.device = "cpu",
     ctx: DistributedContext | None = None,
     progress: bool = False,
+    **overrides: int | float,
 ) -> KnnResult | None:
     """Top-1 accuracy on `val_shards` of the kNN classifier whose bank is `train_shards`' features.
 
     `settings` gives k, T, crop/resize sizes and the batch size (default: `KnnConfig()`; its shard
-    fields are not used here). `progress` shows a bar with the manifest's total on rank 0.
+    fields are not used here); keyword `overrides` (k=, temperature=, crop_size=, resize_size=,
+    batch_size=) replace single fields of it. `progress` shows a bar with the manifest's total on rank 0.
     With a multi-rank `ctx` every rank must call it: each extracts the features of 1/W of the
     samples, rank 0 gathers them, classifies and returns the result; the other ranks return None.
     """
-    settings = settings or KnnConfig()
+    try:
+        settings = dataclasses.replace(settings or KnnConfig(), **overrides)
+    except TypeError as error:  # an unknown keyword
+        raise TypeError(f"evaluate_knn: {error}") from None
     k, temperature = settings.k, settings.temperature
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
     skipped: list[str] = []

@@ -98,6 +98,8 @@ def test_knn_on_labelled_shards_skips_corrupt_images(colour_shards, capsys):
     result = evaluate_knn(MeanColour(), train, val, settings=KnnConfig(k=3, crop_size=32, batch_size=4))
     assert result.top1 == 1.0 and (result.num_train, result.num_val) == (10, 6)
     assert result.skipped == 1  # the broken bank sample
+    # single settings given as keywords replace those fields of the defaults
+    assert evaluate_knn(MeanColour(), train, val, k=3, crop_size=32, batch_size=4) == result
     assert "skipping trainbroken" in capsys.readouterr().err
 
 
