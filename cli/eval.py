@@ -6,6 +6,10 @@ from pathlib import Path
 
 import click
 
+from pretrain.config import KnnConfig  # light (no torch): the one owner of the kNN defaults
+
+KNN = KnnConfig()
+
 
 @click.group()
 def eval_group() -> None:
@@ -22,12 +26,13 @@ def eval_group() -> None:
               help="Labelled shard set whose features form the bank.")
 @click.option("--val", "val_shards", type=click.Path(path_type=Path), required=True,
               help="Labelled shard set to classify.")
-@click.option("--k", type=click.IntRange(min=1), default=None, help="Neighbours that vote [default: 20].")
-@click.option("--temperature", type=float, default=None, help="Vote weight exp(cos / T) [default: 0.07].")
-@click.option("--crop-size", type=click.IntRange(min=8), default=None, help="Centre crop [default: 224].")
+@click.option("--k", type=click.IntRange(min=1), default=None, help=f"Neighbours that vote [default: {KNN.k}].")
+@click.option("--temperature", type=float, default=None,
+              help=f"Vote weight exp(cos / T) [default: {KNN.temperature}].")
+@click.option("--crop-size", type=click.IntRange(min=8), default=None, help=f"Centre crop [default: {KNN.crop_size}].")
 @click.option("--resize-size", type=click.IntRange(min=0), default=None,
-              help="Short side before the centre crop; 0 means crop-size / 0.875 (256 for 224).")
-@click.option("--batch-size", type=click.IntRange(min=1), default=None, help="[default: 256]")
+              help=f"Short side before the centre crop; 0 means crop-size / 0.875 [default: {KNN.resize_size}].")
+@click.option("--batch-size", type=click.IntRange(min=1), default=None, help=f"[default: {KNN.batch_size}]")
 @click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --random-init.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
@@ -35,7 +40,7 @@ def eval_group() -> None:
 def knn(checkpoint: Path | None, random_depth: int | None, network: str, train_shards: Path, val_shards: Path,
         k: int | None, temperature: float | None, crop_size: int | None, resize_size: int | None,
         batch_size: int | None, device: str, seed: int, json_path: Path | None) -> None:
-    """Weighted cosine kNN top-1 (k = 20, T = 0.07) of an encoder: train features as the bank."""
+    """Weighted cosine kNN top-1 of an encoder: train features as the bank (defaults: pretrain.config.KnnConfig)."""
     import dataclasses
     import json
 
