@@ -4,6 +4,7 @@ equal losses -> `--fresh` -> `eval knn --random-init`."""
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -33,6 +34,9 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+    # Free the runs' DALI pipelines (and their worker threads) now: later tests in this process fork
+    # DataLoader workers, and forking while foreign threads hold locks can hang the children.
+    gc.collect()
 
 
 @pytest.fixture(scope="module")
