@@ -6,6 +6,12 @@ prints images/s (source images, each giving L + S views) and peak memory.
 
     python benchmarks/bench_step.py                                   # ResNet-50, 4+2 views, CPU, batch 8
     python benchmarks/bench_step.py --device cuda --bf16 --channels-last --batch 256
+    python benchmarks/bench_step.py --device cuda --bf16 --channels-last --compile --batch 512 --activation-checkpointing
+
+It also times a bare forward + backward of the encoder alone over the same views (same dtype,
+memory format and compile setting, never activation checkpointing), measured in the same run, and
+prints the step's time as a ratio of it: what the rest of the step (target, heads, loss, LARS, EMA,
+syncs) and, with --activation-checkpointing, the recomputation cost on top of the encoder.
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true", help="bf16 autocast (the GPU default of the trainer)")
     parser.add_argument("--channels-last", action="store_true")
     parser.add_argument("--compile", action="store_true", help="torch.compile the networks")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="recompute the encoder's activations in backward (model.activation_checkpointing)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
@@ -53,6 +61,7 @@ def main() -> None:
         f"optim.global_batch={args.batch}", "optim.epochs=1", "optim.warmup_epochs=0",
         f"run.device={args.device}", f"run.bf16={str(args.bf16).lower()}",
         f"run.channels_last={str(args.channels_last).lower()}",
+        f"model.activation_checkpointing={str(args.activation_checkpointing).lower()}",
     ])
     ctx = describe_environment(args.device, env={})
     derived = derive(config, world_size=1, dataset_size=args.batch * 1000)
@@ -81,6 +90,7 @@ def main() -> None:
         step()  # train_step reads the loss on the host, so each step ends synchronised
         times.append(time.perf_counter() - start)
     median = sorted(times)[len(times) // 2]
+    bare = bare_encoder_time(state.online, views, settings, ctx, args)
     if ctx.device.type == "cuda":
         peak = f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated on the GPU"
         device = torch.cuda.get_device_name()
@@ -93,6 +103,37 @@ def main() -> None:
     print(f"step time median {median:.3f} s over {args.steps} steps (min {min(times):.3f}, max {max(times):.3f})")
     print(f"throughput {args.batch / median:.1f} images/s ({args.batch * (args.large_views + args.small_views) / median:.1f} views/s)")
     print(f"peak memory {peak}")
+    print(f"bare encoder forward+backward {bare:.3f} s; step / bare encoder = {median / bare:.2f}x"
+          f"{' (the step with activation checkpointing, the baseline without)' if args.activation_checkpointing else ''}")
+
+
+def bare_encoder_time(online: torch.nn.Module, views: list[torch.Tensor], settings, ctx, args) -> float:
+    """Median time of the online network's forward + backward over all views, nothing else (the baseline)."""
+    encoder = online.encoder
+    dtype = None if settings.bf16 else torch.float32
+    memory_format = torch.channels_last if settings.channels_last else torch.contiguous_format
+    large = torch.cat(views[: args.large_views]).to(dtype=dtype, memory_format=memory_format)
+    small = torch.cat(views[args.large_views :]).to(dtype=dtype, memory_format=memory_format) \
+        if args.small_views else None
+
+    run = torch.compile(encoder) if args.compile else encoder  # never checkpointed: the baseline
+
+    def once() -> None:
+        with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=settings.bf16):
+            total = run(large).float().sum() + (run(small).float().sum() if small is not None else 0.0)
+        total.backward()
+        encoder.zero_grad(set_to_none=True)
+        if ctx.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    for _ in range(args.warmup):
+        once()
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        once()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ from pretrain.trainer import NonFiniteLossError
               help="Output folder (checkpoints, metrics.jsonl, tensorboard/, config.yaml); same as --set run.output_dir=...")
 @click.option("--resume", type=click.Path(path_type=Path), default=None,
               help="Checkpoint to resume from. Default: the newest checkpoint in the output folder, if any.")
-@click.option("--fresh", is_flag=True, help="Ignore checkpoints already in the output folder (they are overwritten as the run goes).")
+@click.option("--fresh", is_flag=True,
+              help="Start anew: an earlier run's checkpoints and logs in the output folder are moved to previous-<time>/.")
 def run(config_path: Path, overrides: tuple[str, ...], output: Path | None, resume: Path | None, fresh: bool) -> None:
     """Pretrain a ResNet with ReLICv2 (one process, or every rank under torchrun).
 
@@ -29,13 +30,23 @@ def run(config_path: Path, overrides: tuple[str, ...], output: Path | None, resu
     torchrun --nproc_per_node 8 -m cli pretrain --config configs/imagenet-r50-1000ep.yaml \\
         --set data.train_shards=/data/shards/masked-train
     """
-    from pretrain.run import run_pretraining  # imported here so `relicv2 --help` stays fast
+    from pretrain.run import (  # late: `--help` stays fast
+        OutOfMemory,
+        PretrainingInterrupted,
+        run_pretraining,
+    )
 
     if output is not None:
         overrides = (*overrides, f"run.output_dir={output}")
+    if fresh and resume is not None:
+        raise click.UsageError("--fresh starts anew and --resume continues a run: give one of them")
     try:
         config = load_config(config_path, overrides)
-        result = run_pretraining(config, resume=resume, auto_resume=not fresh)
-    except (ConfigError, CheckpointError, NonFiniteLossError) as error:
+        result = run_pretraining(config, resume=resume, fresh=fresh)
+    except (ConfigError, CheckpointError, NonFiniteLossError, OutOfMemory) as error:
         raise click.ClickException(str(error)) from None
+    except PretrainingInterrupted as stopped:
+        click.echo(str(stopped), err=True)
+        # 128 + signal number, as a shell reports a process stopped by that signal
+        raise SystemExit(143 if stopped.signal_name == "SIGTERM" else 130) from None
     click.echo(f"done: {result.step} steps ({result.skipped_steps} skipped); last checkpoint {result.last_checkpoint}")

@@ -19,18 +19,23 @@ from __future__ import annotations
 import contextlib
 import pickle
 import re
+import time
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from shards.atomic import atomic_output
+from pretrain.config import ConfigError, from_dict
+from pretrain.model.resnet import ResNet, resnet
+from shards.atomic import TEMP_MARK, atomic_output
 
 FORMAT = "relicv2-pretrain-checkpoint"
 VERSION = 1
 REQUIRED_KEYS = ("config", "step", "online", "target", "optimizer", "rng", "data")
 _NAME = re.compile(r"^checkpoint-(\d{9})\.pt$")
+# The files a run writes in its output folder besides its checkpoints (moved aside together by --fresh).
+RUN_FILES = ("config.yaml", "metrics.jsonl", "tensorboard")
 
 
 class CheckpointError(RuntimeError):
@@ -38,7 +43,14 @@ class CheckpointError(RuntimeError):
 
 
 def checkpoint_path(output_dir: str | Path, step: int) -> Path:
+    """The file of the checkpoint after `step` global steps (the one owner of the naming scheme)."""
     return Path(output_dir) / f"checkpoint-{step:09d}.pt"
+
+
+def step_of(path: str | Path) -> int | None:
+    """The step in a checkpoint file name, or None when the name is not a checkpoint's."""
+    match = _NAME.match(Path(path).name)
+    return int(match.group(1)) if match else None
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -56,7 +68,11 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 
 
 def save_checkpoint(output_dir: str | Path, payload: dict[str, Any], *, keep: int) -> Path:
-    """Write `payload` (see module docstring) atomically as this step's file; keep the newest `keep` files."""
+    """Write `payload` (see module docstring) atomically as this step's file; keep the newest `keep` files.
+
+    Rotation only removes checkpoints of steps before this one: files of a later step can only be
+    another run's (`--fresh` moves those aside first), and are never deleted here.
+    """
     missing = [key for key in REQUIRED_KEYS if key not in payload]
     if missing:
         raise ValueError(f"checkpoint payload lacks {missing}")
@@ -64,7 +80,8 @@ def save_checkpoint(output_dir: str | Path, payload: dict[str, Any], *, keep: in
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_output(path) as tmp:
         torch.save({"format": FORMAT, "version": VERSION, **payload}, tmp)
-    for old in list_checkpoints(output_dir)[:-keep]:
+    older = [p for p in list_checkpoints(output_dir) if (step_of(p) or 0) <= int(payload["step"])]
+    for old in older[:-keep]:
         with contextlib.suppress(FileNotFoundError):
             old.unlink()
     return path
@@ -77,15 +94,15 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     """
     path = Path(path)
     if not path.is_file():
-        raise CheckpointError(f"checkpoint {path} does not exist; check the path given to --resume")
+        raise CheckpointError(f"checkpoint {path} does not exist; check the path")
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        first_line = _first_line(error)
         raise CheckpointError(
             f"{path} is not a readable relicv2 pretraining checkpoint ({first_line}); it may be truncated "
-            "or come from another program: delete it to resume from the previous checkpoint, or pass "
-            "another file to --resume"
+            "or come from another program: delete it (a run then resumes from the previous checkpoint) "
+            "or pass another file"
         ) from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         held = sorted(payload)[:5] if isinstance(payload, dict) else type(payload).__name__
@@ -101,4 +118,120 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     missing = [key for key in REQUIRED_KEYS if key not in payload]
     if missing:
         raise CheckpointError(f"{path} lacks {missing}; the file is incomplete, delete it and resume from an older one")
+    _check_types(path, payload)
     return payload
+
+
+def _first_line(error: BaseException) -> str:
+    """The cause of a load failure in one line, without torch's advice to retry with weights_only=False
+    (the file is not trusted, so that advice is never the way out here)."""
+    for line in str(error).strip().splitlines():
+        line = line.strip()
+        if line and "weights_only" not in line and not line.startswith(("(1)", "(2)", "Please file")):
+            return line
+    return type(error).__name__
+
+
+def _check_types(path: Path, payload: dict[str, Any]) -> None:
+    """Hand-made or damaged files: every field has the type the loaders rely on, checked up front."""
+    expected = {"config": dict, "step": int, "online": dict, "target": dict, "optimizer": dict,
+                "rng": list, "data": list}
+    for key, kind in expected.items():
+        value = payload[key]
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise CheckpointError(
+                f"{path}: field {key!r} is a {type(value).__name__}, a relicv2 checkpoint holds a "
+                f"{kind.__name__} there; the file is damaged or hand-made, use a checkpoint written by "
+                "`relicv2 pretrain`"
+            )
+    if payload["step"] < 0:
+        raise CheckpointError(f"{path}: field 'step' is {payload['step']}; a step count is never negative")
+    for network in ("online", "target"):
+        bad = [name for name, value in payload[network].items() if not isinstance(value, torch.Tensor)]
+        if bad:
+            raise CheckpointError(f"{path}: {network}[{bad[0]!r}] is not a tensor; the file is damaged or hand-made")
+
+
+def remove_stale_temporaries(output_dir: str | Path) -> int:
+    """Delete the temporary files a killed run left in its folder (partial checkpoints, config, metrics).
+
+    Call it only while holding the folder's lock: then no live writer owns them. Returns the count.
+    """
+    folder = Path(output_dir)
+    if not folder.is_dir():
+        return 0
+    removed = 0
+    for path in folder.glob(f".*{TEMP_MARK}*"):
+        final = path.name[1 : path.name.index(TEMP_MARK)]
+        if _NAME.match(final) or final in RUN_FILES:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+                removed += 1
+    return removed
+
+
+def move_run_aside(output_dir: str | Path) -> Path | None:
+    """Move an earlier run's checkpoints and logs into `<output_dir>/previous-<time>/` (for `--fresh`).
+
+    Returns the new folder, or None when there was nothing to move.
+    """
+    folder = Path(output_dir)
+    found = [*list_checkpoints(folder), *(folder / name for name in RUN_FILES if (folder / name).exists())]
+    if not found:
+        return None
+    aside = folder / time.strftime("previous-%Y%m%d-%H%M%S")
+    suffix = 0
+    while aside.exists():
+        suffix += 1
+        aside = folder / f"{time.strftime('previous-%Y%m%d-%H%M%S')}-{suffix}"
+    aside.mkdir()
+    for path in found:
+        path.rename(aside / path.name)
+    return aside
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """`path` itself, or the newest checkpoint-*.pt when `path` is a run's output folder."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist; pass a checkpoint-*.pt file or a pretraining output folder")
+    if not path.is_dir():
+        return path
+    newest = latest_checkpoint(path)
+    if newest is None:
+        raise CheckpointError(f"no checkpoint-*.pt in {path}; pass a checkpoint file or a pretraining output folder")
+    return newest
+
+
+def encoder_from_checkpoint(path: str | Path, *, network: str = "online") -> ResNet:
+    """The ResNet encoder of a pretraining checkpoint ("online" or "target" network), on CPU.
+
+    `path` is a checkpoint file or a run's output folder (its newest checkpoint is used). Any file
+    that does not hold such an encoder raises one `CheckpointError`.
+    """
+    if network not in ("online", "target"):
+        raise ValueError(f"network must be 'online' or 'target', got {network!r}")
+    path = resolve_checkpoint(path)
+    payload = load_checkpoint(path)
+    try:
+        config = from_dict(payload["config"], source=f"the config embedded in {path}")
+    except ConfigError as error:
+        raise CheckpointError(f"{error}; the checkpoint is damaged or from another relicv2 version") from None
+    encoder = resnet(config.model.depth, config.model.width)
+    prefix = "encoder."
+    state = {name[len(prefix):]: value for name, value in payload[network].items() if name.startswith(prefix)}
+    try:
+        encoder.load_state_dict(state)
+    except RuntimeError as error:
+        problem = next((line.strip() for line in str(error).splitlines()[1:] if line.strip()), _first_line(error))
+        raise CheckpointError(
+            f"{path}: the {network} encoder's weights do not fit the ResNet-{config.model.depth} "
+            f"(width {config.model.width}) its config describes ({problem[:300]}); the file is damaged or hand-made"
+        ) from None
+    return encoder
+
+
+def random_encoder(depth: int, width: int = 1, *, seed: int = 0) -> ResNet:
+    """A randomly initialised encoder (torchvision's initialisation): the baseline kNN score."""
+    torch.manual_seed(seed)
+    return resnet(depth, width)

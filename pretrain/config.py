@@ -9,6 +9,7 @@ file and the fix. Values that depend on the run (world size, data-set size) are 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -18,6 +19,7 @@ from typing import Any, Literal
 
 import yaml
 
+from pretrain.schedules import peak_learning_rate
 from pretrain.views.config import ViewConfig
 
 
@@ -33,6 +35,7 @@ class ModelConfig:
     out_dim: int = 256  # projector / predictor output size
     zero_init_residual: bool = False  # zero-init the last BN of each residual block
     sync_batchnorm: bool | None = None  # None: on when world_size > 1 (BN statistics over the global batch)
+    activation_checkpointing: bool = False  # recompute encoder activations in backward (less memory, ~30% slower)
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,10 @@ class RunConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     bf16: bool | None = None  # None: bf16 autocast on GPU, fp32 on CPU
     channels_last: bool | None = None  # None: on GPU only
-    compile: bool = False  # torch.compile the networks
+    compile: bool | None = None  # torch.compile the networks; None: on for CUDA, off on CPU
+    # torch.compile backend: inductor (generated kernels, the fast one); aot_eager traces the same
+    # graphs without code generation (to tell a capture problem from an inductor one, and in CPU tests)
+    compile_backend: Literal["inductor", "aot_eager"] = "inductor"
     max_steps: int = 0  # stop after this many steps (schedules unchanged); 0: run the whole schedule
     on_nonfinite: Literal["stop", "skip"] = "stop"
     checkpoint_every: int = 1000  # steps
@@ -82,6 +88,12 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class KnnConfig:
+    """The kNN monitor's shard sets and the kNN classifier's settings.
+
+    The single owner of the kNN defaults: `pretrain.eval.knn.evaluate_knn` and `relicv2 eval knn`
+    take theirs from here.
+    """
+
     train_shards: str = ""  # labelled shard set used as the kNN bank ("" : no kNN monitor)
     val_shards: str = ""
     every_epochs: int = 10
@@ -118,7 +130,7 @@ class DerivedValues:
     steps_per_epoch: int
     total_steps: int
     warmup_steps: int
-    peak_lr: float  # base_lr * global_batch / 256
+    peak_lr: float  # pretrain.schedules.peak_learning_rate: the value the schedule reaches
 
 
 def per_rank_batch(config: PretrainConfig, world_size: int) -> int:
@@ -156,7 +168,7 @@ def derive(
         steps_per_epoch=steps_per_epoch,
         total_steps=steps_per_epoch * config.optim.epochs,
         warmup_steps=round(steps_per_epoch * config.optim.warmup_epochs),
-        peak_lr=config.optim.base_lr * batch / 256,
+        peak_lr=peak_learning_rate(config.optim.base_lr, batch),
     )
 
 
@@ -264,6 +276,12 @@ def _coerce(value: Any, hint: Any, *, key: str, source: str) -> Any:
         if value is None and type(None) in options:
             return None
         (hint,) = [option for option in options if option is not type(None)]
+    if hint is float and isinstance(value, str):
+        # YAML 1.1 reads "1e-3" (no dot) as a string; a number written that way is still a number.
+        try:
+            value = float(value)
+        except ValueError:
+            pass
     ok = (
         (hint is bool and isinstance(value, bool))
         or (hint is int and isinstance(value, int) and not isinstance(value, bool))
@@ -278,6 +296,7 @@ def _coerce(value: Any, hint: Any, *, key: str, source: str) -> Any:
 
 
 def _validate(config: PretrainConfig) -> None:
+    _validate_finite(config)
     positive = {
         "model.width": config.model.width,
         "model.hidden_dim": config.model.hidden_dim,
@@ -313,6 +332,10 @@ def _validate(config: PretrainConfig) -> None:
     for key, value in non_negative.items():
         if value < 0:
             raise ConfigError(f"{key} must be >= 0, got {value}")
+    if config.model.width not in (1, 2, 4):
+        raise ConfigError(f"model.width must be 1, 2 or 4 (the widths of the paper), got {config.model.width}")
+    if not config.run.output_dir.strip():
+        raise ConfigError("run.output_dir is empty; set it to the run's folder (e.g. --output runs/my-run)")
     if config.model.depth not in (18, 34, 50, 101, 152, 200):
         raise ConfigError(f"model.depth must be one of 18, 34, 50, 101, 152, 200, got {config.model.depth}")
     for key, value in {"optim.ema_base": config.optim.ema_base,
@@ -325,3 +348,15 @@ def _validate(config: PretrainConfig) -> None:
         )
     if bool(config.knn.train_shards) != bool(config.knn.val_shards):
         raise ConfigError("knn.train_shards and knn.val_shards must be given together (or neither)")
+
+
+def _validate_finite(config: Any, prefix: str = "") -> None:
+    """Every float in the tree is a number: NaN or infinity is never a usable setting."""
+    for item in dataclasses.fields(config):
+        value = getattr(config, item.name)
+        if dataclasses.is_dataclass(value):
+            _validate_finite(value, f"{prefix}{item.name}.")
+            continue
+        values = value if isinstance(value, tuple) else (value,)
+        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            raise ConfigError(f"{prefix}{item.name} must be a finite number, got {value}")

@@ -9,15 +9,44 @@ from typing import Any
 
 from tqdm import tqdm
 
+from shards.atomic import atomic_write_bytes
+
+METRICS_NAME = "metrics.jsonl"
 # Shown in the progress bar, in this order (the JSONL and TensorBoard get every metric).
-BAR_FIELDS = ("loss", "contrastive", "invariance", "lr", "ema", "img/s", "knn_top1")
+BAR_FIELDS = ("loss", "contrastive", "invariance", "lr", "ema", "images_per_s", "data_wait_s", "knn_top1")
+
+
+def truncate_metrics(output_dir: str | Path, step: int) -> int:
+    """Drop the records after global step `step` from `metrics.jsonl` (atomically); returns how many.
+
+    Called when a run resumes from the checkpoint of `step`: the steps a killed run logged after
+    that checkpoint are trained again, so their old records would appear twice. A torn last line
+    (the kill hit a write) is dropped too.
+    """
+    path = Path(output_dir) / METRICS_NAME
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+            keep = int(record["step"]) <= step
+        except (ValueError, KeyError, TypeError):
+            keep = False
+        if keep:
+            kept.append(line)
+        else:
+            dropped += 1
+    if dropped:
+        atomic_write_bytes(path, "".join(f"{line}\n" for line in kept).encode())
+    return dropped
 
 
 class MetricsLogger:
     """Appends one JSON object per logged step to `metrics.jsonl` and mirrors it to TensorBoard.
 
-    Create it on rank 0 only. On resume it appends, so the file holds the whole run; records
-    carry their step, and a resumed run re-logs the steps after its checkpoint.
+    Create it on rank 0 only. On resume it appends, so the file holds the whole run; call
+    `truncate_metrics` first so the steps after the checkpoint are not logged twice.
     """
 
     def __init__(self, output_dir: str | Path, *, total_steps: int, initial_step: int, progress_bar: bool) -> None:
@@ -25,7 +54,7 @@ class MetricsLogger:
 
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self._jsonl = open(self.output_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115
+        self._jsonl = open(self.output_dir / METRICS_NAME, "a", encoding="utf-8")  # noqa: SIM115
         self._tensorboard = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"), purge_step=initial_step)
         self._bar = tqdm(total=total_steps, initial=initial_step, desc="pretrain", unit="step",
                          dynamic_ncols=True, disable=not progress_bar)

@@ -1,13 +1,20 @@
-"""The pretraining job: data source, state, resume, the step loop, checkpoints, logging, kNN monitor.
+"""The pretraining job: checks, the run folder, data source, state, resume, the step loop, checkpoints.
 
 `run_pretraining(config)` is what `relicv2 pretrain` calls, on every rank of a torchrun job (or
-in a plain process). The update itself is `pretrain.trainer.train_step`; this module only
-schedules it.
+in a plain process). The update itself is `pretrain.trainer.train_step`; restoring is
+`pretrain.resume`; this module only schedules them, in named steps:
+
+    check_before_starting -> hold the run folder (lock, stale temporaries, --fresh) -> build the
+    data source and state -> resume -> write config.yaml -> train loop (log, checkpoint, kNN,
+    SIGTERM/SIGINT) -> final checkpoint.
 """
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -15,11 +22,35 @@ from typing import Any
 
 import torch
 
-from pretrain.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
-from pretrain.config import ConfigError, PretrainConfig, derive, describe, per_rank_batch, to_dict
-from pretrain.distributed import DistributedContext, all_gather_object, barrier, init, teardown
+from pretrain.checkpoint import (
+    checkpoint_path,
+    latest_checkpoint,
+    load_checkpoint,
+    move_run_aside,
+    remove_stale_temporaries,
+    save_checkpoint,
+    step_of,
+)
+from pretrain.config import (
+    ConfigError,
+    DerivedValues,
+    PretrainConfig,
+    derive,
+    describe,
+    per_rank_batch,
+    to_dict,
+)
+from pretrain.distributed import (
+    DistributedContext,
+    all_gather_object,
+    all_reduce_mean,
+    barrier,
+    init,
+    teardown,
+)
 from pretrain.eval.knn import evaluate_knn
-from pretrain.metrics_log import MetricsLogger
+from pretrain.metrics_log import MetricsLogger, truncate_metrics
+from pretrain.resume import DataPosition, restore
 from pretrain.trainer import (
     NonFiniteLossError,
     StepSettings,
@@ -28,8 +59,26 @@ from pretrain.trainer import (
     train_step,
     wrap_networks,
 )
+from pretrain.views.config import ViewConfig
+from pretrain.views.source import ViewSource
 from pretrain.views.synthetic import SyntheticViews
 from shards.atomic import atomic_write_bytes
+from shards.lock import FolderLockedError, folder_lock
+
+JOB_NAME = "relicv2 pretrain"
+
+
+class PretrainingInterrupted(RuntimeError):
+    """SIGTERM or SIGINT arrived; a checkpoint of the current step was saved, the run stopped."""
+
+    def __init__(self, signal_name: str, step: int, checkpoint: Path) -> None:
+        self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
+        super().__init__(f"stopped by {signal_name} at step {step}; checkpoint {checkpoint} saved, "
+                         "run the same command again to continue")
+
+
+class OutOfMemory(RuntimeError):
+    """A step did not fit in the GPU's memory; the message says what to change."""
 
 
 @dataclass(frozen=True)
@@ -42,19 +91,78 @@ class PretrainResult:
 
 
 def run_pretraining(
-    config: PretrainConfig, *, resume: str | Path | None = None, auto_resume: bool = True
+    config: PretrainConfig, *, resume: str | Path | None = None, auto_resume: bool = True, fresh: bool = False
 ) -> PretrainResult:
     """Pretrain as `config` says; resume from `resume`, or else from the newest checkpoint in the
-    output folder when `auto_resume`. Joins/leaves the torchrun process group around the run."""
+    output folder when `auto_resume`. `fresh`: move an earlier run in the folder aside and start
+    anew. Joins/leaves the torchrun process group around the run; rank 0 holds the folder's lock."""
+    check_before_starting(config, resume)
     ctx = init(config.run.device)
     try:
-        return _pretrain(config, ctx, resume=resume, auto_resume=auto_resume)
+        with _run_folder(config, ctx, fresh=fresh), _StopSignals() as stop:
+            return _pretrain(config, ctx, resume=resume, auto_resume=auto_resume and not fresh, stop=stop)
     finally:
         teardown(ctx)
 
 
-def build_view_source(config: PretrainConfig, ctx: DistributedContext) -> Any:
-    """This rank's multi-view batches: `pretrain.views.loader.ViewLoader` over shards, or generated data."""
+def check_before_starting(config: PretrainConfig, resume: str | Path | None) -> None:
+    """Everything the run will need, checked before any work: a refused run costs seconds, not a night."""
+    if config.run.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("run.device=cuda but no CUDA device is visible; use run.device=cpu or auto")
+    out = Path(config.run.output_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"run.output_dir {out} is a file; choose a folder for the run")
+    folders = {"knn.train_shards": config.knn.train_shards, "knn.val_shards": config.knn.val_shards}
+    if config.data.source == "shards":
+        if not config.data.train_shards:
+            raise ConfigError("data.train_shards is empty; set it to a shard set folder (or data.source=synthetic)")
+        folders["data.train_shards"] = config.data.train_shards
+    for key, folder in folders.items():
+        if folder and not Path(folder).exists():
+            raise ConfigError(f"{key}={folder} does not exist; pass a shard set folder built by relicv2 shards build")
+    if resume is not None and not Path(resume).is_file():
+        raise ConfigError(f"--resume {resume} does not exist or is not a file; pass a checkpoint-*.pt file")
+
+
+@contextlib.contextmanager
+def _run_folder(config: PretrainConfig, ctx: DistributedContext, *, fresh: bool) -> Iterator[None]:
+    """Hold the run folder for the life of the run (rank 0 takes the lock), tidy it, then go on.
+
+    The lock outcome is shared with every rank, so a refused rank 0 never leaves the others waiting.
+    """
+    out = Path(config.run.output_dir)
+    error = None
+    with contextlib.ExitStack() as stack:
+        if ctx.is_main:
+            try:
+                stack.enter_context(folder_lock(out, JOB_NAME))
+                _tidy_folder(out, fresh=fresh)
+            except FolderLockedError as locked:
+                error = str(locked)
+            except OSError as failed:
+                error = f"cannot use run.output_dir {out}: {failed.strerror or failed}"
+        error = all_gather_object(error, ctx)[0]
+        if error is not None:
+            raise ConfigError(error)
+        yield
+
+
+def _tidy_folder(out: Path, *, fresh: bool) -> None:
+    """Under the lock: remove what killed runs left half-written; with --fresh move the old run aside."""
+    removed = remove_stale_temporaries(out)
+    if removed:
+        print(f"removed {removed} temporary file(s) left by an interrupted run in {out}", flush=True)
+    if fresh:
+        aside = move_run_aside(out)
+        if aside is not None:
+            print(f"--fresh: moved the earlier run's checkpoints and logs to {aside}", flush=True)
+
+
+def build_view_source(config: PretrainConfig, ctx: DistributedContext) -> ViewSource:
+    """This rank's multi-view batches: `pretrain.views.loader.ViewLoader` over shards, or generated data.
+
+    Built once per run: the source lives across epochs (iterating it again starts the next epoch).
+    """
     batch = per_rank_batch(config, ctx.world_size)
     views = config.views
     if config.data.source == "synthetic":
@@ -64,139 +172,205 @@ def build_view_source(config: PretrainConfig, ctx: DistributedContext) -> Any:
             large_size=views.large_size, small_size=views.small_size,
             num_classes=config.data.synthetic_classes, device=ctx.device,
         )
-    if not config.data.train_shards:
-        raise ConfigError("data.train_shards is empty; set it to a shard set folder (or data.source=synthetic)")
-    from pretrain.views.loader import ViewLoader  # imported here: it loads DALI
-
     try:
-        return ViewLoader(
-            config.data.train_shards, batch, views, device=str(ctx.device), rank=ctx.rank,
-            world_size=ctx.world_size, seed=config.run.seed,
-        )
+        return _view_loader(config.data.train_shards, batch, views, ctx, seed=config.run.seed)
     except (FileNotFoundError, ValueError) as error:
         raise ConfigError(f"data.train_shards={config.data.train_shards}: {error}") from None
 
 
-def _epoch_layout(source: Any, world_size: int) -> tuple[int, int]:
-    """(images per epoch over all ranks, steps per epoch) as the data source counts them.
+def _view_loader(shards: str, batch: int, views: ViewConfig, ctx: DistributedContext, *, seed: int) -> ViewSource:
+    """This rank's `ViewLoader` over `shards`."""
+    from pretrain.views.loader import ViewLoader  # imported here: it loads DALI
 
-    Both sources report `epoch_size` per rank and `len()` = full batches per rank and epoch.
-    """
+    return ViewLoader(shards, batch, views, device=str(ctx.device), rank=ctx.rank, world_size=ctx.world_size,
+                      seed=seed)
+
+
+def _epoch_layout(source: ViewSource, world_size: int) -> tuple[int, int]:
+    """(images per epoch over all ranks, steps per epoch) as the data source counts them."""
     return int(source.epoch_size) * world_size, len(source)
 
 
-def _pretrain(
-    config: PretrainConfig, ctx: DistributedContext, *, resume: str | Path | None, auto_resume: bool
-) -> PretrainResult:
+def _pretrain(config: PretrainConfig, ctx: DistributedContext, *, resume: str | Path | None, auto_resume: bool,
+              stop: _StopSignals) -> PretrainResult:
     out = Path(config.run.output_dir)
     source = build_view_source(config, ctx)
     dataset_size, steps_per_epoch = _epoch_layout(source, ctx.world_size)
     derived = derive(config, world_size=ctx.world_size, dataset_size=dataset_size, steps_per_epoch=steps_per_epoch)
     settings = StepSettings.from_config(config, derived, ctx)
     state = build_state(config, ctx, settings)
-
     start = Path(resume) if resume is not None else (latest_checkpoint(out) if auto_resume else None)
+    if start is not None:  # before config.yaml is written: a refused resume leaves the folder as it was
+        notes = restore(state, source, load_checkpoint(start), ctx, start, config, steps_per_epoch=steps_per_epoch)
+        if ctx.is_main:
+            print("\n".join([*notes, f"resumed from {start} at step {state.step}"]), flush=True)
     if ctx.is_main:
-        out.mkdir(parents=True, exist_ok=True)
         text = describe(config, derived, version=_version())
         print(text, flush=True)
         atomic_write_bytes(out / "config.yaml", text.encode())
-    if start is not None:
-        _restore(state, source, load_checkpoint(start), ctx, start, config)
-        if ctx.is_main:
-            print(f"resumed from {start} at step {state.step}", flush=True)
+        dropped = truncate_metrics(out, state.step)
+        if dropped:
+            print(f"metrics.jsonl: dropped {dropped} record(s) logged after step {state.step} by the interrupted run")
+    barrier(ctx)
+    return _train(config, ctx, state, source, settings, derived, stop=stop, last_saved=start)
 
-    online_forward, target_forward = wrap_networks(state, ctx, compile=config.run.compile)
+
+def _train(config: PretrainConfig, ctx: DistributedContext, state: TrainState, source: ViewSource,
+           settings: StepSettings, derived: DerivedValues, *, stop: _StopSignals,
+           last_saved: Path | None) -> PretrainResult:
+    """The step loop: one train step per batch, logging, checkpoints, the kNN monitor, stop signals."""
+    compile_networks = ctx.device.type == "cuda" if config.run.compile is None else config.run.compile
+    online_forward, target_forward = wrap_networks(state, ctx, compile=compile_networks,
+                                                   backend=config.run.compile_backend)
+    steps_per_epoch = derived.steps_per_epoch
     end_step = derived.total_steps if not config.run.max_steps else min(derived.total_steps, config.run.max_steps)
-    logger = (MetricsLogger(out, total_steps=end_step, initial_step=state.step, progress_bar=config.run.progress_bar)
-              if ctx.is_main else None)
-    last_saved = start
+    logger = (MetricsLogger(config.run.output_dir, total_steps=end_step, initial_step=state.step,
+                            progress_bar=config.run.progress_bar) if ctx.is_main else None)
     metrics: dict[str, float] = {}
-    window_start, window_steps = time.perf_counter(), 0
+    window = _Window()
+    first_steps: list[float] = []
     try:
         while state.step < end_step:
-            for batch in source:
-                try:
-                    metrics = train_step(state, batch["views"], online_forward=online_forward,
-                                         target_forward=target_forward, settings=settings, ctx=ctx)
-                except NonFiniteLossError as error:
-                    raise NonFiniteLossError(error.step, error.value, (
-                        f"loss is {error.value} at step {error.step}; last good checkpoint: "
-                        f"{last_saved or 'none (no checkpoint saved yet)'}. Resume from it with a lower "
-                        "optim.base_lr or with optim.clip_grad_norm set, or set run.on_nonfinite=skip"
-                    )) from None
-                window_steps += 1
+            for batch in window.timed(source):
+                step_start = time.perf_counter()
+                metrics = _step(state, batch, online_forward, target_forward, settings, ctx, last_saved)
+                if compile_networks and len(first_steps) < 2:
+                    first_steps.append(time.perf_counter() - step_start)
+                    if len(first_steps) == 2 and logger is not None:
+                        logger.message(f"torch.compile: one-time cost ~{first_steps[0] - first_steps[1]:.1f} s "
+                                       f"(first step {first_steps[0]:.1f} s, then {first_steps[1]:.2f} s)")
+                window.steps += 1
                 if logger is not None:
                     logger.advance()
                     if state.step % config.run.log_every == 0 or state.step == end_step:
-                        elapsed = time.perf_counter() - window_start
-                        metrics["img/s"] = config.optim.global_batch * window_steps / max(elapsed, 1e-9)
+                        metrics.update(window.take(config.optim.global_batch))
                         metrics["epoch"] = state.step / steps_per_epoch
                         logger.log(state.step, metrics)
-                        window_start, window_steps = time.perf_counter(), 0
                 if state.step % config.run.checkpoint_every == 0:
-                    last_saved = _save(state, source, config, ctx)
+                    last_saved = _save(state, source, config, ctx, steps_per_epoch)
                 epoch, at_epoch_end = divmod(state.step, steps_per_epoch)
                 if config.knn.train_shards and at_epoch_end == 0 and epoch % config.knn.every_epochs == 0:
                     _knn_monitor(state, config, ctx, logger)
+                signal_name = stop.agreed(ctx)
+                if signal_name is not None:
+                    if last_saved is None or step_of(last_saved) != state.step:
+                        last_saved = _save(state, source, config, ctx, steps_per_epoch)
+                    raise PretrainingInterrupted(signal_name, state.step, last_saved)
                 if state.step >= end_step:
                     break
-        if last_saved is None or _step_of(last_saved) != state.step:
-            last_saved = _save(state, source, config, ctx)
+        if last_saved is None or step_of(last_saved) != state.step:
+            last_saved = _save(state, source, config, ctx, steps_per_epoch)
     finally:
         if logger is not None:
             logger.close()
-    return PretrainResult(out, state.step, state.skipped_steps, last_saved, metrics)
+    return PretrainResult(Path(config.run.output_dir), state.step, state.skipped_steps, last_saved, metrics)
 
 
-def _save(state: TrainState, source: Any, config: PretrainConfig, ctx: DistributedContext) -> Path:
+def _step(state: TrainState, batch: dict[str, Any], online_forward: Any, target_forward: Any,
+          settings: StepSettings, ctx: DistributedContext, last_saved: Path | None) -> dict[str, float]:
+    """`train_step` with its two expected failures turned into errors that say what to do."""
+    try:
+        return train_step(state, batch["views"], online_forward=online_forward, target_forward=target_forward,
+                          settings=settings, ctx=ctx)
+    except NonFiniteLossError as error:
+        raise NonFiniteLossError(error.step, error.value, (
+            f"loss is {error.value} at step {error.step}; last good checkpoint: "
+            f"{last_saved or 'none (no checkpoint saved yet)'}. Resume from it with a lower "
+            "optim.base_lr or with optim.clip_grad_norm set, or set run.on_nonfinite=skip"
+        )) from None
+    except torch.OutOfMemoryError:
+        batch_size = batch["views"][0].shape[0]
+        raise OutOfMemory(
+            f"out of GPU memory in step {state.step + 1} with {batch_size} images per rank; lower the "
+            "per-rank batch (optim.global_batch, or more GPUs), set model.activation_checkpointing=true, "
+            f"and keep run.bf16 on (now {settings.bf16})"
+        ) from None
+
+
+class _Window:
+    """Throughput and data-wait time over the steps since the last log record."""
+
+    def __init__(self) -> None:
+        self.start, self.steps, self.data_wait = time.perf_counter(), 0, 0.0
+
+    def timed(self, source: ViewSource) -> Iterator[dict[str, Any]]:
+        """Iterate `source`, adding the time spent waiting for each batch to the window."""
+        batches = iter(source)
+        while True:
+            waited = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            self.data_wait += time.perf_counter() - waited
+            yield batch
+
+    def take(self, global_batch: int) -> dict[str, float]:
+        """images_per_s and the mean data_wait_s per step over the window, then start a new window."""
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        record = {"images_per_s": global_batch * self.steps / elapsed,
+                  "data_wait_s": self.data_wait / max(self.steps, 1)}
+        self.start, self.steps, self.data_wait = time.perf_counter(), 0, 0.0
+        return record
+
+
+class _StopSignals:
+    """SIGTERM (pre-emption) and SIGINT (Ctrl-C) ask the loop to checkpoint and stop after the current step."""
+
+    def __init__(self) -> None:
+        self.received: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _StopSignals:
+        with contextlib.suppress(ValueError):  # signals can only be handled in the main thread
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.received == "SIGINT" and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C does not wait for the checkpoint
+        self.received = signal.Signals(signum).name
+
+    def agreed(self, ctx: DistributedContext) -> str | None:
+        """The signal name when any rank received one (every rank learns it at the same step)."""
+        if not ctx.is_distributed:
+            return self.received
+        flags = torch.tensor([self.received == "SIGTERM", self.received == "SIGINT"], dtype=torch.float32,
+                             device=ctx.device)
+        term, interrupt = all_reduce_mean(flags, ctx).tolist()  # one tiny collective per step
+        return "SIGTERM" if term > 0 else ("SIGINT" if interrupt > 0 else None)
+
+
+def _save(state: TrainState, source: ViewSource, config: PretrainConfig, ctx: DistributedContext,
+          steps_per_epoch: int) -> Path:
     """Checkpoint on rank 0 with every rank's data-pipeline and RNG state (a collective call)."""
     data_states = all_gather_object(source.state_dict(), ctx)
     rng_states = all_gather_object(_rng_state(ctx), ctx)
-    path = Path(config.run.output_dir) / f"checkpoint-{state.step:09d}.pt"
+    position = DataPosition.at_step(state.step, steps_per_epoch, config.optim.global_batch)
+    path = checkpoint_path(config.run.output_dir, state.step)
     if ctx.is_main:
-        path = save_checkpoint(config.run.output_dir, {
-            "config": to_dict(config),
-            "step": state.step,
-            "skipped_steps": state.skipped_steps,
-            "online": state.online.state_dict(),
-            "target": state.target.state_dict(),
-            "optimizer": state.optimizer.state_dict(),
-            "rng": rng_states,
-            "data": data_states,
-        }, keep=config.run.keep_checkpoints)
+        try:
+            path = save_checkpoint(config.run.output_dir, {
+                "config": to_dict(config),
+                "step": state.step,
+                "skipped_steps": state.skipped_steps,
+                "online": state.online.state_dict(),
+                "target": state.target.state_dict(),
+                "optimizer": state.optimizer.state_dict(),
+                "rng": rng_states,
+                "data": data_states,
+                "data_position": {"epoch": position.epoch, "samples": position.samples},
+            }, keep=config.run.keep_checkpoints)
+        except (OSError, RuntimeError) as error:  # torch.save reports a full disk as RuntimeError
+            raise ConfigError(f"cannot write checkpoint {path}: {str(error).strip().splitlines()[0]}; free "
+                              "space or choose another run.output_dir, then rerun to resume") from None
     barrier(ctx)  # no rank moves on (or exits) before the file exists
     return path
-
-
-def _restore(state: TrainState, source: Any, payload: dict[str, Any], ctx: DistributedContext,
-             path: Path, config: PretrainConfig) -> None:
-    ranks = len(payload["data"])
-    if ranks != ctx.world_size:
-        raise CheckpointError(
-            f"{path} was written by a run with {ranks} ranks, this run has {ctx.world_size}; resume "
-            f"with the same number of processes (torchrun --nproc_per_node ...), since each rank's "
-            "data-pipeline position is stored separately"
-        )
-    try:
-        state.online.load_state_dict(payload["online"])
-        state.target.load_state_dict(payload["target"])
-        state.optimizer.load_state_dict(payload["optimizer"])
-    except (RuntimeError, ValueError, KeyError) as error:
-        raise CheckpointError(
-            f"{path} does not fit this run's networks (model {payload['config'].get('model')} in the file, "
-            f"{to_dict(config.model)} here): {str(error).splitlines()[0]}"
-        ) from None
-    state.step = int(payload["step"])
-    state.skipped_steps = int(payload.get("skipped_steps", 0))
-    source.load_state_dict(payload["data"][ctx.rank])
-    rng = payload["rng"][ctx.rank]
-    torch.set_rng_state(rng["torch"])
-    if ctx.device.type == "cuda" and rng.get("cuda"):
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    changed = _changed_keys(payload["config"], to_dict(config))
-    if changed and ctx.is_main:
-        print(f"note: config differs from the checkpoint's in {', '.join(changed)}; the new values apply", flush=True)
 
 
 def _knn_monitor(state: TrainState, config: PretrainConfig, ctx: DistributedContext,
@@ -204,9 +378,8 @@ def _knn_monitor(state: TrainState, config: PretrainConfig, ctx: DistributedCont
     """kNN accuracy of the online encoder: every rank extracts the features of 1/W of the images,
     rank 0 gathers them, classifies and logs (so the wait stays short on large labelled sets)."""
     knn = config.knn
-    result = evaluate_knn(state.online.encoder, knn.train_shards, knn.val_shards, k=knn.k,
-                          temperature=knn.temperature, crop_size=knn.crop_size,
-                          resize_size=knn.resize_size, batch_size=knn.batch_size, device=ctx.device, ctx=ctx)
+    result = evaluate_knn(state.online.encoder, knn.train_shards, knn.val_shards, settings=knn,
+                          device=ctx.device, ctx=ctx)
     if result is not None and logger is not None:
         logger.log(state.step, {"knn_top1": result.top1, "knn_skipped": float(result.skipped)})
         logger.message(f"step {state.step}: kNN top-1 {result.top1:.4f} ({result.num_train} bank, {result.num_val} val)")
@@ -217,24 +390,10 @@ def _rng_state(ctx: DistributedContext) -> dict[str, Any]:
     return {"torch": torch.get_rng_state(), "cuda": cuda}
 
 
-def _step_of(path: Path) -> int:
-    stem = path.stem
-    return int(stem.split("-")[-1]) if stem.startswith("checkpoint-") and stem.split("-")[-1].isdigit() else -1
-
-
-def _changed_keys(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
-    changed = []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            changed += _changed_keys(a, b, f"{prefix}{key}.")
-        elif a != b:
-            changed.append(f"{prefix}{key}")
-    return changed
-
-
 def _version() -> str:
+    # The shards helper is adding shards.version.package_version(), the one owner of this; switch when merged.
     try:
         return metadata.version("relicv2")
     except metadata.PackageNotFoundError:
         return "unknown"
+

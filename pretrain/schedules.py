@@ -5,10 +5,15 @@ from __future__ import annotations
 import math
 
 
-def learning_rate(
-    step: int, *, base_lr: float, global_batch: int, warmup_steps: int, total_steps: int
-) -> float:
-    """lr at `step`: peak = base_lr * global_batch / 256, linear warmup from 0, then cosine to 0.
+def peak_learning_rate(base_lr: float, global_batch: int) -> float:
+    """The lr at the end of warmup: base_lr scaled linearly with the global batch (base_lr * batch / 256)."""
+    if global_batch <= 0:
+        raise ValueError(f"global_batch must be positive, got {global_batch}")
+    return base_lr * global_batch / 256
+
+
+def learning_rate(step: int, *, peak_lr: float, warmup_steps: int, total_steps: int) -> float:
+    """lr at `step`: linear warmup from 0 to `peak_lr` (see `peak_learning_rate`), then cosine to 0.
 
     lr(0) = 0, lr(warmup_steps) = peak, lr(total_steps) = 0; steps past the end stay at 0.
     """
@@ -17,9 +22,9 @@ def learning_rate(
             f"need 0 <= warmup_steps <= total_steps and total_steps > 0, got "
             f"warmup_steps={warmup_steps}, total_steps={total_steps}"
         )
-    if global_batch <= 0:
-        raise ValueError(f"global_batch must be positive, got {global_batch}")
-    peak = base_lr * global_batch / 256
+    if not math.isfinite(peak_lr):
+        raise ValueError(f"peak lr must be finite, got {peak_lr}")
+    peak = peak_lr
     step = min(max(step, 0), total_steps)
     if step < warmup_steps:
         return peak * step / warmup_steps

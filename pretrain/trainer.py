@@ -26,7 +26,7 @@ from pretrain.lars import LARS, parameter_groups
 from pretrain.loss import gather_with_grad, relicv2_loss
 from pretrain.model.heads import OnlineNetwork, TargetNetwork, build_networks, ema_update
 from pretrain.schedules import ema_coefficient, learning_rate
-from pretrain.views.synthetic import derive_seed
+from pretrain.seeding import SeedPurpose, derive_seed
 
 
 class NonFiniteLossError(RuntimeError):
@@ -62,8 +62,7 @@ class StepSettings:
     num_negatives: int
     contrast_weight: float
     invariance_weight: float
-    base_lr: float
-    global_batch: int
+    peak_lr: float  # derived.peak_lr, the value printed at start
     warmup_steps: int
     total_steps: int
     ema_base: float
@@ -82,8 +81,7 @@ class StepSettings:
             num_negatives=config.loss.num_negatives,
             contrast_weight=config.loss.contrast_weight,
             invariance_weight=config.loss.invariance_weight,
-            base_lr=config.optim.base_lr,
-            global_batch=config.optim.global_batch,
+            peak_lr=derived.peak_lr,
             warmup_steps=derived.warmup_steps,
             total_steps=derived.total_steps,
             ema_base=config.optim.ema_base,
@@ -120,7 +118,7 @@ def build_state(config: PretrainConfig, ctx: DistributedContext, settings: StepS
     model = config.model
     online, target = build_networks(
         model.depth, model.width, hidden_dim=model.hidden_dim, out_dim=model.out_dim,
-        zero_init_residual=model.zero_init_residual,
+        zero_init_residual=model.zero_init_residual, activation_checkpointing=model.activation_checkpointing,
     )
     if use_sync_batchnorm(config, ctx) and ctx.is_distributed:
         online = convert_sync_batchnorm(online, ctx)
@@ -140,7 +138,7 @@ def build_state(config: PretrainConfig, ctx: DistributedContext, settings: StepS
 
 
 def wrap_networks(
-    state: TrainState, ctx: DistributedContext, *, compile: bool = False
+    state: TrainState, ctx: DistributedContext, *, compile: bool = False, backend: str = "inductor"
 ) -> tuple[Callable[[Tensor, Tensor | None], tuple[Tensor, Tensor | None]], Callable[[Tensor], Tensor]]:
     """(online forward over large+small views, target forward): DDP on the online network, optional compile."""
     online_forward: nn.Module = MultiViewForward(state.online)
@@ -149,8 +147,8 @@ def wrap_networks(
         online_forward = DistributedDataParallel(online_forward, device_ids=device_ids)
     target_forward: nn.Module = state.target
     if compile:
-        online_forward = torch.compile(online_forward)
-        target_forward = torch.compile(target_forward)
+        online_forward = torch.compile(online_forward, backend=backend)
+        target_forward = torch.compile(target_forward, backend=backend)
     return online_forward, target_forward
 
 
@@ -172,8 +170,8 @@ def train_step(
     batch = views[0].shape[0]
 
     # 1. schedules: pure functions of the global step
-    lr = learning_rate(step, base_lr=settings.base_lr, global_batch=settings.global_batch,
-                       warmup_steps=settings.warmup_steps, total_steps=settings.total_steps)
+    lr = learning_rate(step, peak_lr=settings.peak_lr, warmup_steps=settings.warmup_steps,
+                       total_steps=settings.total_steps)
     ema = ema_coefficient(step, base=settings.ema_base, total_steps=settings.total_steps)
     for group in state.optimizer.param_groups:
         group["lr"] = lr
@@ -200,7 +198,7 @@ def train_step(
     if ctx.is_distributed:
         target_views = list(all_gather_tensor(torch.stack(target_views, dim=1), ctx).unbind(1))
         gathered_online = list(gather_with_grad(torch.stack(online_views, dim=1)).unbind(1))
-    state.generator.manual_seed(derive_seed(settings.seed, 5, step))
+    state.generator.manual_seed(derive_seed(settings.seed, SeedPurpose.NEGATIVES, step))
     loss, parts = relicv2_loss(
         online_views[:num_large], online_views[num_large:], target_views,
         temperature=settings.temperature, num_negatives=settings.num_negatives,

@@ -2,12 +2,13 @@
 
 The classifier of Wu et al. 2018 as used by DINO and lightly's benchmarks: l2-normalised
 features, the k most similar bank items vote for their class with weight exp(cos / T);
-defaults k = 20, T = 0.07. Images are decoded, the short side resized (bicubic), centre-cropped
+defaults (k = 20, T = 0.07, 224 px crops) from `pretrain.config.KnnConfig`. Images are decoded, the short side resized (bicubic), centre-cropped
 and normalised with the ImageNet mean/std, as in the linear-evaluation test transform.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import sys
 from collections.abc import Iterator
@@ -20,12 +21,21 @@ import torchvision.transforms.v2.functional as TF
 from PIL import Image
 from torch import Tensor, nn
 from torchvision.transforms import InterpolationMode
+from tqdm import tqdm
 
-from pretrain.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
-from pretrain.config import from_dict
+# Re-exported: pretrain.checkpoint owns turning a file or run folder into an encoder.
+from pretrain.checkpoint import encoder_from_checkpoint, random_encoder, resolve_checkpoint
+from pretrain.config import KnnConfig
 from pretrain.distributed import DistributedContext, gather_object
-from pretrain.model.resnet import ResNet, resnet
-from shards import iter_samples
+from shards import iter_samples, read_manifest
+
+__all__ = ["KnnResult", "encoder_from_checkpoint", "evaluate_knn", "extract_features", "knn_predict",
+           "random_encoder", "resolve_checkpoint"]
+
+# What a corrupt or hostile image raises while decoding (PIL reports truncated/undecodable data
+# as OSError, UnidentifiedImageError is one; oversized images as DecompressionBombError). Anything
+# else is a bug and surfaces.
+DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -45,8 +55,8 @@ def knn_predict(
     query_features: Tensor,
     *,
     num_classes: int,
-    k: int = 20,
-    temperature: float = 0.07,
+    k: int = KnnConfig.k,
+    temperature: float = KnnConfig.temperature,
     chunk_size: int = 1024,
 ) -> Tensor:
     """Predicted class [Q] of each query: the k nearest bank items (cosine) vote with weight exp(cos / T).
@@ -77,11 +87,26 @@ def preprocess(jpeg: bytes, *, crop_size: int, resize_size: int) -> Tensor:
     return TF.normalize(TF.to_dtype(TF.pil_to_tensor(image), torch.float32, scale=True), IMAGENET_MEAN, IMAGENET_STD)
 
 
+def _sample_count(source: str | Path) -> int | None:
+    """Samples in a shard set as its manifest says (None without a manifest: no total is shown)."""
+    path = Path(source)
+    if not path.is_dir():
+        return None
+    try:
+        return read_manifest(path).num_rows
+    except (FileNotFoundError, OSError, ValueError):
+        return None
+
+
 def _labelled_images(
-    source: str | Path, *, crop_size: int, resize_size: int, skipped: list[str], part: tuple[int, int]
+    source: str | Path, *, crop_size: int, resize_size: int, skipped: list[str], part: tuple[int, int],
+    progress: bool = False,
 ) -> Iterator[tuple[Tensor, int]]:
     index, parts = part
-    for position, sample in enumerate(iter_samples(Path(source))):
+    total = _sample_count(source)
+    bar = tqdm(iter_samples(Path(source)), total=total, desc=f"kNN features {Path(source).name}", unit="img",
+               disable=not progress, dynamic_ncols=True)
+    for position, sample in enumerate(bar):
         if position % parts != index:
             continue
         if sample["label"] is None:
@@ -91,7 +116,7 @@ def _labelled_images(
             )
         try:
             image = preprocess(sample["jpg"], crop_size=crop_size, resize_size=resize_size)
-        except Exception as error:  # a corrupt image is reported and skipped, never fatal
+        except DECODE_ERRORS as error:  # a corrupt image is reported and skipped, never fatal
             skipped.append(sample["key"])
             print(f"kNN: skipping {sample['key']} in {sample['shard']}: {error}", file=sys.stderr)
             continue
@@ -109,6 +134,7 @@ def extract_features(
     device: str | torch.device = "cpu",
     skipped: list[str] | None = None,
     part: tuple[int, int] = (0, 1),
+    progress: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """(features [N, F] float32 on CPU, labels [N]) of every decodable sample of a labelled shard set.
 
@@ -134,7 +160,7 @@ def extract_features(
 
     try:
         for image, label in _labelled_images(source, crop_size=crop_size, resize_size=resize_size,
-                                             skipped=skipped, part=part):
+                                             skipped=skipped, part=part, progress=progress):
             images.append(image)
             batch_labels.append(label)
             if len(images) == batch_size:
@@ -155,23 +181,30 @@ def evaluate_knn(
     train_shards: str | Path,
     val_shards: str | Path,
     *,
-    k: int = 20,
-    temperature: float = 0.07,
-    crop_size: int = 224,
-    resize_size: int = 0,
-    batch_size: int = 256,
+    settings: KnnConfig | None = None,
     device: str | torch.device = "cpu",
     ctx: DistributedContext | None = None,
+    progress: bool = False,
+    **overrides: int | float,
 ) -> KnnResult | None:
     """Top-1 accuracy on `val_shards` of the kNN classifier whose bank is `train_shards`' features.
 
+    `settings` gives k, T, crop/resize sizes and the batch size (default: `KnnConfig()`; its shard
+    fields are not used here); keyword `overrides` (k=, temperature=, crop_size=, resize_size=,
+    batch_size=) replace single fields of it. `progress` shows a bar with the manifest's total on rank 0.
     With a multi-rank `ctx` every rank must call it: each extracts the features of 1/W of the
     samples, rank 0 gathers them, classifies and returns the result; the other ranks return None.
     """
+    try:
+        settings = dataclasses.replace(settings or KnnConfig(), **overrides)
+    except TypeError as error:  # an unknown keyword
+        raise TypeError(f"evaluate_knn: {error}") from None
+    k, temperature = settings.k, settings.temperature
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
     skipped: list[str] = []
-    options = {"crop_size": crop_size, "resize_size": resize_size, "batch_size": batch_size,
-               "device": device, "skipped": skipped, "part": (rank, world)}
+    options = {"crop_size": settings.crop_size, "resize_size": settings.resize_size,
+               "batch_size": settings.batch_size, "device": device, "skipped": skipped, "part": (rank, world),
+               "progress": progress and rank == 0}
     bank, bank_labels = extract_features(encoder, train_shards, **options)
     queries, query_labels = extract_features(encoder, val_shards, **options)
     skipped_count = len(skipped)
@@ -194,37 +227,3 @@ def _join_parts(parts: list[tuple[Tensor, Tensor]], source: str | Path) -> tuple
     if not kept:
         raise ValueError(f"no decodable labelled images in {source}")
     return torch.cat([f for f, _ in kept]), torch.cat([labels for _, labels in kept])
-
-
-def resolve_checkpoint(path: str | Path) -> Path:
-    """`path` itself, or the newest checkpoint-*.pt when `path` is a run's output folder."""
-    path = Path(path)
-    if not path.is_dir():
-        return path
-    newest = latest_checkpoint(path)
-    if newest is None:
-        raise CheckpointError(f"no checkpoint-*.pt in {path}; pass a checkpoint file or a pretraining output folder")
-    return newest
-
-
-def encoder_from_checkpoint(path: str | Path, *, network: str = "online") -> ResNet:
-    """The ResNet encoder of a pretraining checkpoint ("online" or "target" network), on CPU.
-
-    `path` is a checkpoint file or a run's output folder (its newest checkpoint is used).
-    """
-    if network not in ("online", "target"):
-        raise ValueError(f"network must be 'online' or 'target', got {network!r}")
-    path = resolve_checkpoint(path)
-    payload = load_checkpoint(path)
-    config = from_dict(payload["config"], source=f"the config embedded in {path}")
-    encoder = resnet(config.model.depth, config.model.width)
-    prefix = "encoder."
-    state = {name[len(prefix):]: value for name, value in payload[network].items() if name.startswith(prefix)}
-    encoder.load_state_dict(state)
-    return encoder
-
-
-def random_encoder(depth: int, width: int = 1, *, seed: int = 0) -> ResNet:
-    """A randomly initialised encoder (torchvision's initialisation): the baseline kNN score."""
-    torch.manual_seed(seed)
-    return resnet(depth, width)

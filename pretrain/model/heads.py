@@ -6,6 +6,7 @@ import copy
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from pretrain.model.resnet import resnet
 
@@ -25,16 +26,57 @@ class MLP(nn.Module):
 
 
 class OnlineNetwork(nn.Module):
-    """Encoder f, projector and predictor (the paper's h): `forward(x)` is the prediction [B, out]."""
+    """Encoder f, projector and predictor (the paper's h): `forward(x)` is the prediction [B, out].
 
-    def __init__(self, encoder: nn.Module, projector: MLP, predictor: MLP) -> None:
+    With `activation_checkpointing`, training forwards keep only each residual block's input and
+    recompute the block's activations during backward: the encoder's activation memory drops to
+    about one block's, for roughly one extra encoder forward of compute. The state dict is the same.
+    """
+
+    def __init__(self, encoder: nn.Module, projector: MLP, predictor: MLP, *,
+                 activation_checkpointing: bool = False) -> None:
         super().__init__()
         self.encoder = encoder
         self.projector = projector
         self.predictor = predictor
+        self.activation_checkpointing = activation_checkpointing
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.predictor(self.projector(self.encoder(x)))
+        if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+            features = checkpointed_encoder_forward(self.encoder, x)
+        else:
+            features = self.encoder(x)
+        return self.predictor(self.projector(features))
+
+
+class _RecomputeKeepsBatchNormStatistics:
+    """A residual block called through `torch.utils.checkpoint`: the first call is the real forward;
+    later calls (the recomputation in backward) restore the BatchNorm running statistics afterwards,
+    so they are updated once per step, exactly as without checkpointing."""
+
+    def __init__(self, block: nn.Module) -> None:
+        self.block = block
+        self.calls = 0
+
+    def __call__(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        if self.calls == 1:
+            return self.block(x)
+        saved = [buffer.clone() for buffer in self.block.buffers()]
+        try:
+            return self.block(x)
+        finally:  # also when checkpoint stops the recomputation early (it raises to do so)
+            with torch.no_grad():
+                torch._foreach_copy_(list(self.block.buffers()), saved)
+
+
+def checkpointed_encoder_forward(encoder: nn.Module, x: Tensor) -> Tensor:
+    """`encoder(x)` for a `pretrain.model.resnet.ResNet`, with each residual block checkpointed."""
+    x = encoder.maxpool(encoder.relu(encoder.bn1(encoder.conv1(x))))
+    for stage in (encoder.layer1, encoder.layer2, encoder.layer3, encoder.layer4):
+        for block in stage:
+            x = checkpoint(_RecomputeKeepsBatchNormStatistics(block), x, use_reentrant=False)
+    return torch.flatten(encoder.avgpool(x), 1)
 
 
 class TargetNetwork(nn.Module):
@@ -56,12 +98,13 @@ def build_networks(
     hidden_dim: int = 4096,
     out_dim: int = 256,
     zero_init_residual: bool = False,
+    activation_checkpointing: bool = False,
 ) -> tuple[OnlineNetwork, TargetNetwork]:
     """Online network and a target network initialised as an exact, frozen copy of its encoder+projector."""
     encoder = resnet(depth, width, zero_init_residual=zero_init_residual)
     projector = MLP(encoder.num_features, hidden_dim, out_dim)
     predictor = MLP(out_dim, hidden_dim, out_dim)
-    online = OnlineNetwork(encoder, projector, predictor)
+    online = OnlineNetwork(encoder, projector, predictor, activation_checkpointing=activation_checkpointing)
     target = TargetNetwork(copy.deepcopy(encoder), copy.deepcopy(projector))
     target.requires_grad_(False)
     return online, target

@@ -18,9 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pretrain.seeding import Purpose, derive_seed
+from pretrain.seeding import SeedPurpose, derive_seed
 
-__all__ = ["SyntheticViews", "derive_seed"]  # derive_seed: re-exported until trainer.py imports pretrain.seeding
 
 def _smooth_noise(generator: torch.Generator, size: int, cells: int) -> Tensor:
     coarse = torch.randn(1, 3, cells, cells, generator=generator)
@@ -68,12 +67,12 @@ class SyntheticViews:
         self.epoch = 0
         self.position = 0  # batches of the current epoch already served
         classes = torch.stack(
-            [_smooth_noise(torch.Generator().manual_seed(derive_seed(seed, Purpose.SYNTHETIC_CLASS_PATTERN, c)), large_size, 4) for c in range(num_classes)]
+            [_smooth_noise(torch.Generator().manual_seed(derive_seed(seed, SeedPurpose.SYNTHETIC_CLASS_PATTERN, c)), large_size, 4) for c in range(num_classes)]
         )
         self.labels = torch.arange(num_images) % num_classes
         self.images = torch.stack(
             [
-                classes[self.labels[i]] + 0.8 * _smooth_noise(torch.Generator().manual_seed(derive_seed(seed, Purpose.SYNTHETIC_IMAGE_PATTERN, i)), large_size, 6)
+                classes[self.labels[i]] + 0.8 * _smooth_noise(torch.Generator().manual_seed(derive_seed(seed, SeedPurpose.SYNTHETIC_IMAGE_PATTERN, i)), large_size, 6)
                 for i in range(num_images)
             ]
         )
@@ -97,7 +96,7 @@ class SyntheticViews:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if self.position >= len(self):
             self.epoch, self.position = self.epoch + 1, 0
-        order = torch.randperm(self.num_images, generator=torch.Generator().manual_seed(derive_seed(self.seed, Purpose.SYNTHETIC_EPOCH_ORDER, self.epoch)))
+        order = torch.randperm(self.num_images, generator=torch.Generator().manual_seed(derive_seed(self.seed, SeedPurpose.EPOCH_ORDER, self.epoch)))
         global_batch = self.batch_size * self.world_size
         while self.position < len(self):
             start = self.position * global_batch + self.rank * self.batch_size
@@ -108,7 +107,7 @@ class SyntheticViews:
     def _batch(self, indices: list[int]) -> dict[str, Any]:
         views: list[list[Tensor]] = [[] for _ in range(self.large_views + self.small_views)]
         for index in indices:
-            generator = torch.Generator().manual_seed(derive_seed(self.seed, Purpose.SYNTHETIC_VIEWS, self.epoch, index))
+            generator = torch.Generator().manual_seed(derive_seed(self.seed, SeedPurpose.VIEW_PARAMETERS, self.epoch, index))
             for v in range(self.large_views + self.small_views):
                 large = v < self.large_views
                 views[v].append(

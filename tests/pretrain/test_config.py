@@ -94,11 +94,24 @@ def test_overrides_are_typed_and_applied_after_the_file():
         ("optim.warmup_epochs=2000", "exceeds optim.epochs"),
         ("knn.train_shards=a", "must be given together"),
         ("base_lr", "is not of the form section.key=value"),
+        ("optim.base_lr=.nan", "optim.base_lr must be a finite number"),
+        ("optim.base_lr=.inf", "optim.base_lr must be a finite number"),
+        ("loss.temperature=.nan", "loss.temperature must be a finite number"),
+        ("loss.temperature=0", "loss.temperature must be positive"),
+        ("model.width=1000", "model.width must be 1, 2 or 4"),
+        ("run.output_dir=", "run.output_dir is empty"),
+        ("run.output_dir='  '", "run.output_dir is empty"),
     ],
 )
 def test_bad_overrides_are_one_clear_error(override, message):
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         load_config(CONFIGS / "imagenet-r50-1000ep.yaml", [override])
+
+
+def test_a_float_written_without_a_dot_is_a_number():
+    # YAML 1.1 reads 1e-3 as the string "1e-3"; a user writing --set optim.base_lr=1e-3 means the number
+    assert load_config(None, ["optim.base_lr=1e-3"]).optim.base_lr == 0.001
+    assert load_config(None, ["optim.weight_decay=1.5E-6"]).optim.weight_decay == 1.5e-6
 
 
 def test_unknown_key_in_a_file_names_the_file(tmp_path):

@@ -36,12 +36,24 @@ def config_overrides(out: Path, global_batch: int, num_negatives: int) -> list[s
     ]
 
 
-def _rank_main(rank: int, world_size: int, port: int, overrides: list[str]) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _rank_main(rank: int, world_size: int, ports: list[int], jobs: list[tuple[list[str], str | None]]) -> None:
+    """Every 2-rank run of this module in one pair of processes (spawning costs seconds each time)."""
     torch.set_num_threads(1)
-    with contextlib.redirect_stdout(io.StringIO()):
-        run_pretraining(load_config(None, overrides), auto_resume=False)
+    for port, (overrides, resume) in zip(ports, jobs, strict=True):
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        with contextlib.redirect_stdout(io.StringIO()):
+            run_pretraining(load_config(None, overrides), resume=resume, auto_resume=False)
+
+
+def _single(overrides: list[str], resume: Path | None = None) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            run_pretraining(load_config(None, overrides), resume=resume, auto_resume=False)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _free_port() -> int:
@@ -54,20 +66,30 @@ def _losses(out: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("num_negatives", [7, 3], ids=["all-negatives", "subsampled-negatives"])
-def test_two_gloo_ranks_match_one_process_with_the_global_batch(tmp_path, num_negatives):
-    two, one = tmp_path / "two-ranks", tmp_path / "one-process"
-    # 2 processes x 4 images per step ...
-    mp.spawn(_rank_main, args=(2, _free_port(), config_overrides(two, 8, num_negatives)), nprocs=2, join=True)
-    # ... against 1 process x 8 images (plain BatchNorm over the same 8 images), same data and seeds
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            run_pretraining(load_config(None, config_overrides(one, 8, num_negatives)), auto_resume=False)
-    finally:
-        torch.set_num_threads(threads)
+NEGATIVES = {"all-negatives": 7, "subsampled-negatives": 3}
+CUT = "run.max_steps=2"  # the "killed" runs stop after their step-2 checkpoint
 
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """4-step runs: 1 process and 2 ranks uninterrupted (both negative settings), and the resumes
+    2 ranks -> 1 process and 1 process -> 2 ranks after step 2 (subsampled negatives)."""
+    root = tmp_path_factory.mktemp("distributed")
+    for name, negatives in NEGATIVES.items():
+        _single(config_overrides(root / f"one-{name}", 8, negatives))
+    _single([*config_overrides(root / "one-killed", 8, 3), CUT])
+    jobs = [(config_overrides(root / f"two-{name}", 8, negatives), None) for name, negatives in NEGATIVES.items()]
+    jobs += [([*config_overrides(root / "two-killed", 8, 3), CUT], None),
+             (config_overrides(root / "one-to-two", 8, 3), str(root / "one-killed" / "checkpoint-000000002.pt"))]
+    ports = [_free_port() for _ in jobs]
+    mp.spawn(_rank_main, args=(2, ports, jobs), nprocs=2, join=True)
+    _single(config_overrides(root / "two-to-one", 8, 3), resume=root / "two-killed" / "checkpoint-000000002.pt")
+    return root
+
+
+@pytest.mark.parametrize("name", list(NEGATIVES))
+def test_two_gloo_ranks_match_one_process_with_the_global_batch(runs, name):
+    two, one = runs / f"two-{name}", runs / f"one-{name}"
     losses_two, losses_one = _losses(two), _losses(one)
     assert len(losses_two) == len(losses_one) == 4
     # Observed differences are ~1e-6 (summation order). Per-rank BN statistics instead of global
@@ -76,12 +98,25 @@ def test_two_gloo_ranks_match_one_process_with_the_global_batch(tmp_path, num_ne
     a = load_checkpoint(two / "checkpoint-000000004.pt")
     b = load_checkpoint(one / "checkpoint-000000004.pt")
     assert len(a["data"]) == 2 and len(b["data"]) == 1  # one data-pipeline state per rank
+    assert a["data_position"] == b["data_position"] == {"epoch": 1, "samples": 0}  # the global position
     for network in ("online", "target"):
         for key, value in b[network].items():
             if value.is_floating_point():
                 torch.testing.assert_close(a[network][key], value, rtol=1e-4, atol=1e-5, msg=f"{network}.{key}")
             else:
                 assert torch.equal(a[network][key], value), key
+
+
+@pytest.mark.parametrize("resumed", ["two-to-one", "one-to-two"])
+def test_resume_with_another_number_of_ranks_continues_the_uninterrupted_run(runs, resumed):
+    # The data position is global (samples consumed in the epoch's order), so steps 3 and 4 see
+    # the same global batches whatever the number of ranks that resumed.
+    expected = _losses(runs / "one-subsampled-negatives")[2:]
+    got = _losses(runs / resumed)
+    assert len(got) == 2
+    assert got == pytest.approx(expected, rel=1e-4)
+    # a different data position (starting the epoch over) gives losses far outside that tolerance
+    assert got != pytest.approx(_losses(runs / "one-subsampled-negatives")[:2], rel=1e-2)
 
 
 def test_environment_description_reads_torchrun_variables():

@@ -8,11 +8,12 @@ import pytest
 import torch
 from torch import nn
 
+from pretrain.config import derive, load_config
 from pretrain.lars import LARS, parameter_groups
 from pretrain.model.heads import MLP, OnlineNetwork, TargetNetwork, build_networks, ema_update
-from pretrain.schedules import ema_coefficient, learning_rate
+from pretrain.schedules import ema_coefficient, learning_rate, peak_learning_rate
 
-LR = {"base_lr": 0.3, "global_batch": 4096, "warmup_steps": 100, "total_steps": 1000}
+LR = {"peak_lr": peak_learning_rate(0.3, 4096), "warmup_steps": 100, "total_steps": 1000}
 
 
 def test_learning_rate_schedule_values() -> None:
@@ -28,9 +29,21 @@ def test_learning_rate_schedule_values() -> None:
 
 
 def test_learning_rate_without_warmup_and_bad_arguments() -> None:
-    assert learning_rate(0, base_lr=1.0, global_batch=256, warmup_steps=0, total_steps=10) == 1.0
+    assert learning_rate(0, peak_lr=1.0, warmup_steps=0, total_steps=10) == 1.0
     with pytest.raises(ValueError, match="warmup_steps"):
-        learning_rate(0, base_lr=1.0, global_batch=256, warmup_steps=20, total_steps=10)
+        learning_rate(0, peak_lr=1.0, warmup_steps=20, total_steps=10)
+    with pytest.raises(ValueError, match="finite"):
+        learning_rate(0, peak_lr=float("nan"), warmup_steps=0, total_steps=10)
+
+
+def test_the_printed_peak_lr_is_the_one_the_schedule_reaches() -> None:
+    config = load_config(None, ["optim.base_lr=0.25", "optim.global_batch=512", "optim.epochs=10",
+                                "optim.warmup_epochs=1"])
+    derived = derive(config, world_size=1, dataset_size=5120)
+    assert derived.peak_lr == pytest.approx(0.5)
+    reached = learning_rate(derived.warmup_steps, peak_lr=derived.peak_lr, warmup_steps=derived.warmup_steps,
+                            total_steps=derived.total_steps)
+    assert reached == derived.peak_lr
 
 
 def test_ema_coefficient_values() -> None:

@@ -18,7 +18,7 @@ from torch import nn
 
 from cli.eval import eval_group
 from pretrain.checkpoint import save_checkpoint
-from pretrain.config import load_config, to_dict
+from pretrain.config import KnnConfig, load_config, to_dict
 from pretrain.distributed import init, teardown
 from pretrain.eval.knn import (
     encoder_from_checkpoint,
@@ -95,10 +95,28 @@ def test_knn_on_labelled_shards_skips_corrupt_images(colour_shards, capsys):
     train, val = colour_shards
     features, labels = extract_features(MeanColour(), train, crop_size=32, batch_size=4)
     assert features.shape == (10, 3) and labels.tolist() == [i % 2 for i in range(10)]
-    result = evaluate_knn(MeanColour(), train, val, k=3, crop_size=32, batch_size=4)
+    result = evaluate_knn(MeanColour(), train, val, settings=KnnConfig(k=3, crop_size=32, batch_size=4))
     assert result.top1 == 1.0 and (result.num_train, result.num_val) == (10, 6)
     assert result.skipped == 1  # the broken bank sample
+    # single settings given as keywords replace those fields of the defaults
+    assert evaluate_knn(MeanColour(), train, val, k=3, crop_size=32, batch_size=4) == result
     assert "skipping trainbroken" in capsys.readouterr().err
+
+
+def test_a_bug_in_the_encoder_surfaces_instead_of_being_counted_as_a_bad_image(colour_shards):
+    class Broken(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise ZeroDivisionError("a bug, not a corrupt image")
+
+    with pytest.raises(ZeroDivisionError):
+        evaluate_knn(Broken(), *colour_shards, settings=KnnConfig(k=3, crop_size=32))
+
+
+def test_feature_extraction_shows_progress_against_the_manifest_total(colour_shards, capsys):
+    train, _ = colour_shards
+    extract_features(MeanColour(), train, crop_size=32, progress=True)
+    err = capsys.readouterr().err
+    assert "kNN features train" in err and "/11" in err  # 11 samples in the manifest (10 + the broken one)
 
 
 def _knn_rank(rank: int, world_size: int, port: int, train, val, out) -> None:
@@ -107,7 +125,7 @@ def _knn_rank(rank: int, world_size: int, port: int, train, val, out) -> None:
     torch.set_num_threads(1)
     ctx = init("cpu")
     try:
-        result = evaluate_knn(MeanColour(), train, val, k=3, crop_size=32, batch_size=2, ctx=ctx)
+        result = evaluate_knn(MeanColour(), train, val, settings=KnnConfig(k=3, crop_size=32, batch_size=2), ctx=ctx)
     finally:
         teardown(ctx)
     if rank == 0:
@@ -123,7 +141,7 @@ def test_ranks_split_the_knn_images_and_rank_0_gets_the_single_process_result(co
         port = s.getsockname()[1]
     out = tmp_path / "two-ranks.json"
     mp.spawn(_knn_rank, args=(2, port, train, val, out), nprocs=2, join=True)
-    one = evaluate_knn(MeanColour(), train, val, k=3, crop_size=32, batch_size=2)
+    one = evaluate_knn(MeanColour(), train, val, settings=KnnConfig(k=3, crop_size=32, batch_size=2))
     # every image counted once over the ranks (10 bank, 6 val), the corrupt one skipped once
     assert json.loads(out.read_text()) == dataclasses.asdict(one)
     assert (one.num_train, one.num_val, one.skipped) == (10, 6, 1)
@@ -165,7 +183,62 @@ def test_encoder_from_checkpoint_and_eval_cli(colour_shards, tmp_path):
     assert empty.exit_code != 0 and "no checkpoint-*.pt in" in empty.output
     missing = CliRunner().invoke(eval_group, ["knn", "--checkpoint", str(tmp_path / "nope.pt"),
                                               "--train", str(train), "--val", str(val)])
-    assert missing.exit_code != 0 and "does not exist" in missing.output
+    assert missing.exit_code != 0 and "does not exist" in missing.output and "--resume" not in missing.output
+
+
+def test_eval_knn_json_and_random_init(colour_shards, tmp_path):
+    train, val = colour_shards
+    out = tmp_path / "knn.json"
+    result = CliRunner().invoke(eval_group, ["knn", "--random-init", "18", "--train", str(train), "--val", str(val),
+                                             "--crop-size", "32", "--k", "3", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    record = json.loads(out.read_text())
+    expected = evaluate_knn(random_encoder_for_test(), train, val, settings=KnnConfig(k=3, crop_size=32))
+    assert record["protocol"] == "knn" and record["random_init"] == 18 and record["checkpoint"] is None
+    assert (record["num_train"], record["num_val"], record["skipped"]) == (10, 6, 1)
+    assert record["top1"] == pytest.approx(expected.top1)
+
+
+def random_encoder_for_test():
+    from pretrain.checkpoint import random_encoder
+
+    return random_encoder(18, seed=0)
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--temperature", "0", "temperature must be positive"),
+    ("--temperature", "nan", "temperature must be a finite number"),
+    ("--k", "0", "0 is not in the range"),
+])
+def test_eval_knn_refuses_bad_settings_before_working(colour_shards, option, value, message):
+    train, val = colour_shards
+    result = CliRunner().invoke(eval_group, ["knn", "--random-init", "18", "--train", str(train), "--val", str(val),
+                                             option, value])
+    assert result.exit_code == 2 and message in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+def _tamper(path, **fields):
+    payload = torch.load(path, weights_only=True)
+    payload.update(fields)
+    torch.save(payload, path)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"step": "seven"}, "field 'step' is a str"),
+    ({"online": [1, 2]}, "field 'online' is a list"),
+    ({"config": {"model": {"depth": "fifty"}}}, "model.depth must be of type int"),
+    ({"config": {"model": {"width": 2}}}, "do not fit the ResNet-50 (width 2)"),
+])
+def test_hand_made_checkpoints_give_one_line_errors_in_eval_knn(colour_shards, tmp_path, fields, message):
+    _tiny_checkpoint(tmp_path / "run")
+    checkpoint = tmp_path / "run" / "checkpoint-000000001.pt"
+    _tamper(checkpoint, **fields)
+    train, val = colour_shards
+    result = CliRunner().invoke(eval_group, ["knn", "--checkpoint", str(checkpoint), "--train", str(train),
+                                             "--val", str(val)])
+    assert result.exit_code == 1 and message in result.output, result.output
+    assert result.output.count("\n") == 1 and "Traceback" not in result.output
 
 
 def test_knn_monitor_runs_at_epoch_ends_during_pretraining(colour_shards, tmp_path):
@@ -186,6 +259,10 @@ def test_knn_monitor_runs_at_epoch_ends_during_pretraining(colour_shards, tmp_pa
     finally:
         torch.set_num_threads(threads)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    knn_steps = [r["step"] for r in records if "knn_top1" in r]
-    assert knn_steps == [2, 4]  # 2 steps per epoch, every epoch
-    assert all(0.0 <= r["knn_top1"] <= 1.0 for r in records if "knn_top1" in r)
+    knn = [r for r in records if "knn_top1" in r]
+    assert [r["step"] for r in knn] == [2, 4]  # 2 steps per epoch, every epoch
+    assert [r["knn_skipped"] for r in knn] == [1.0, 1.0]  # the broken bank image, counted
+    # the monitor scores the encoder being trained: at the last step it is the saved one
+    final = encoder_from_checkpoint(tmp_path / "run")
+    expected = evaluate_knn(final, train, val, settings=config.knn)
+    assert knn[-1]["knn_top1"] == pytest.approx(expected.top1)

@@ -1,0 +1,154 @@
+"""Restoring a run from a checkpoint: what must match, what may change, and the data position.
+
+A checkpoint stores every rank's data-pipeline state (exact resume with the same ranks) and the
+global data position `{"epoch", "samples"}`: samples consumed in the epoch's global order, which
+is the same whatever the number of ranks. Resuming with another world size re-splits that position
+over the new ranks. With another global batch, progress is kept in images seen (see `restore`).
+
+Data-source state formats (what `ViewSource.load_state_dict` receives):
+- same world size and global batch: the rank's own `state_dict()` from the checkpoint;
+- otherwise, for `SyntheticViews`: `{"epoch": e, "position": samples // global_batch}` (its own format);
+- otherwise, for any other source: `{"format": "global-position", "epoch": e, "samples": s,
+  "global_batch": g, "world_size": w, "rank": r}`; a source that cannot position itself from it
+  raises KeyError/ValueError/TypeError and the resume is refused with the way out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pretrain.checkpoint import CheckpointError
+from pretrain.config import PretrainConfig, to_dict
+from pretrain.distributed import DistributedContext
+from pretrain.trainer import TrainState
+from pretrain.views.source import ViewSource
+from pretrain.views.synthetic import SyntheticViews
+
+GLOBAL_POSITION = "global-position"
+
+# Settings a run cannot change on resume: the data order, the augmentations and the data set
+# itself depend on them, so the resumed run would silently train on another stream.
+FIXED_ON_RESUME = ("run.seed", "data.source", "data.train_shards", "data.synthetic_images",
+                   "data.synthetic_classes", "views.backend")
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    """Where a run stands in its data: epoch and samples consumed in that epoch's global order."""
+
+    epoch: int
+    samples: int
+
+    @classmethod
+    def at_step(cls, step: int, steps_per_epoch: int, global_batch: int) -> DataPosition:
+        epoch, batches = divmod(step, steps_per_epoch)
+        return cls(epoch, batches * global_batch)
+
+
+def _lookup(tree: dict[str, Any], dotted: str) -> Any:
+    node: Any = tree
+    for key in dotted.split("."):
+        node = node.get(key) if isinstance(node, dict) else None
+    return node
+
+
+def check_compatible(saved: dict[str, Any], config: PretrainConfig, path: Path) -> None:
+    """Refuse a resume whose fixed settings differ, naming the first setting and both values."""
+    current = to_dict(config)
+    for key in FIXED_ON_RESUME:
+        old, new = _lookup(saved, key), _lookup(current, key)
+        if old is not None and old != new:
+            raise CheckpointError(
+                f"cannot resume from {path}: {key} is {old!r} there and {new!r} here, and the data stream "
+                f"depends on it; resume with --set {key}={old}, or start a new run with --fresh"
+            )
+
+
+def restore(state: TrainState, source: ViewSource, payload: dict[str, Any], ctx: DistributedContext,
+            path: Path, config: PretrainConfig, *, steps_per_epoch: int) -> list[str]:
+    """Load networks, optimizer, step, RNG and data position from `payload`; returns notes to print."""
+    check_compatible(payload["config"], config, path)
+    try:
+        state.online.load_state_dict(payload["online"])
+        state.target.load_state_dict(payload["target"])
+        state.optimizer.load_state_dict(payload["optimizer"])
+    except (RuntimeError, ValueError, KeyError) as error:
+        raise CheckpointError(
+            f"{path} does not fit this run's networks (model {payload['config'].get('model')} in the file, "
+            f"{to_dict(config.model)} here): {str(error).strip().splitlines()[0]}"
+        ) from None
+    notes = []
+    saved_batch = int(_lookup(payload["config"], "optim.global_batch") or config.optim.global_batch)
+    global_batch = config.optim.global_batch
+    saved_ranks = len(payload["data"])
+    step = int(payload["step"])
+    if saved_batch != global_batch:
+        images_seen = step * saved_batch
+        step = images_seen // global_batch
+        notes.append(
+            f"note: optim.global_batch changed from {saved_batch} to {global_batch}. Kept: the online and "
+            f"target networks, the optimizer's momentum, and the images seen ({images_seen}), so the run "
+            f"continues at step {step} of the schedule for the new batch (lr and EMA follow it); the data "
+            "position restarts at that step's place in the epoch order, so up to one batch of images is "
+            "seen again or skipped"
+        )
+    state.step = step
+    state.skipped_steps = int(payload.get("skipped_steps", 0))
+    if saved_batch == global_batch and saved_ranks == ctx.world_size:
+        try:
+            source.load_state_dict(payload["data"][ctx.rank])  # exact: the rank's own reader state
+        except (KeyError, ValueError, TypeError) as error:
+            raise CheckpointError(
+                f"cannot resume from {path}: its data position does not fit this data source ({error}); "
+                "resume on the same shard set, or start a new run with --fresh"
+            ) from None
+    else:
+        position = DataPosition.at_step(step, steps_per_epoch, global_batch)
+        _load_global_position(source, position, global_batch, ctx, path, saved_ranks)
+        if saved_ranks != ctx.world_size:
+            notes.append(f"note: {path} was written by {saved_ranks} rank(s), this run has {ctx.world_size}; "
+                         f"the data position (epoch {position.epoch}, {position.samples} samples in) is split "
+                         "over the new ranks")
+    rng_states = payload["rng"]
+    if rng_states:
+        rng = rng_states[ctx.rank] if ctx.rank < len(rng_states) else rng_states[0]
+        torch.set_rng_state(rng["torch"])
+        if ctx.device.type == "cuda" and rng.get("cuda") and saved_ranks == ctx.world_size:
+            torch.cuda.set_rng_state_all(rng["cuda"])
+    changed = changed_keys(payload["config"], to_dict(config))
+    if changed:
+        notes.append(f"note: config differs from the checkpoint's in {', '.join(changed)}; the new values apply")
+    return notes
+
+
+def _load_global_position(source: ViewSource, position: DataPosition, global_batch: int,
+                          ctx: DistributedContext, path: Path, saved_ranks: int) -> None:
+    if isinstance(source, SyntheticViews):
+        source.load_state_dict({"epoch": position.epoch, "position": position.samples // global_batch})
+        return
+    state = {"format": GLOBAL_POSITION, "epoch": position.epoch, "samples": position.samples,
+             "global_batch": global_batch, "world_size": ctx.world_size, "rank": ctx.rank}
+    try:
+        source.load_state_dict(state)
+    except (KeyError, ValueError, TypeError) as error:
+        raise CheckpointError(
+            f"cannot resume from {path} with {ctx.world_size} rank(s) (it was written by {saved_ranks}) "
+            f"or another global batch: this data source cannot re-split its position ({error}); resume with "
+            f"{saved_ranks} rank(s) and the same optim.global_batch"
+        ) from None
+
+
+def changed_keys(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted names of the settings whose values differ between two config trees."""
+    changed = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            changed += changed_keys(a, b, f"{prefix}{key}.")
+        elif a != b:
+            changed.append(f"{prefix}{key}")
+    return changed

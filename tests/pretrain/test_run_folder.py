@@ -1,0 +1,186 @@
+"""The run folder and the run's life: lock, stale temporaries, --fresh, resume checks, signals, checks up front."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from cli.pretrain import run as pretrain_command
+from pretrain.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
+from pretrain.config import ConfigError
+from pretrain.run import PretrainingInterrupted, run_pretraining
+from pretrain.views.synthetic import SyntheticViews
+from shards.lock import acquire, release
+from tests.pretrain.conftest import RESUME_OPTIONS, quiet_run, tiny_config
+from tests.pretrain.test_trainer import logged
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_a_second_job_on_the_run_folder_is_refused_naming_the_holder(tmp_path):
+    held = acquire(tmp_path / "run", "relicv2 pretrain")  # a live job (this process) holds the folder
+    try:
+        with pytest.raises(ConfigError, match=r"in use by 'relicv2 pretrain' \(host .*, pid \d+"):
+            quiet_run(tiny_config(tmp_path / "run", "run.max_steps=1"))
+        assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    finally:
+        release(held)
+    quiet_run(tiny_config(tmp_path / "run", "run.max_steps=1"))  # free again: it runs
+    assert not (tmp_path / "run" / ".relicv2.lock").exists()  # and released its lock
+
+
+def test_stale_temporaries_of_a_killed_run_are_removed_and_counted(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    stale = [".checkpoint-000000004.pt.tmp-host-123", ".config.yaml.tmp-host-9", ".metrics.jsonl.tmp-host-9"]
+    for name in stale:
+        (out / name).write_bytes(b"partial")
+    (out / ".notes.txt.tmp-mine").write_text("not the run's")  # someone else's file: left alone
+    run_pretraining(tiny_config(out, "run.max_steps=1"))
+    assert "removed 3 temporary file(s) left by an interrupted run" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".notes.txt.tmp-mine"]
+
+
+def test_fresh_moves_a_longer_earlier_run_aside_and_keeps_the_new_run(tmp_path, finished_run):
+    out = tmp_path / "run"
+    out.mkdir()
+    for path in [*list_checkpoints(finished_run), finished_run / "metrics.jsonl"]:
+        (out / path.name).write_bytes(path.read_bytes())  # an earlier, longer run (up to step 8)
+    result = CliRunner().invoke(pretrain_command, [
+        "--config", "configs/demo-cpu.yaml", "--fresh", "--output", str(out), *_tiny_cli_options(),
+        "--set", "run.max_steps=3", "--set", "run.checkpoint_every=1", "--set", "run.keep_checkpoints=2"])
+    assert result.exit_code == 0, result.output
+    assert "moved the earlier run's checkpoints and logs to" in result.output
+    # rotation touched only this run's files: its own newest two, the old run kept aside
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-000000002.pt", "checkpoint-000000003.pt"]
+    assert "last checkpoint " + str(out / "checkpoint-000000003.pt") in result.output
+    (aside,) = [p for p in out.iterdir() if p.name.startswith("previous-")]
+    assert [p.name for p in list_checkpoints(aside)] == ["checkpoint-000000006.pt", "checkpoint-000000008.pt"]
+    assert sorted(logged(out)) == [1, 2, 3]  # the new run's own metrics
+    # a plain rerun continues the new run, not the old one
+    again = CliRunner().invoke(pretrain_command, [
+        "--config", "configs/demo-cpu.yaml", "--output", str(out), *_tiny_cli_options(), "--set", "run.max_steps=4"])
+    assert again.exit_code == 0 and "at step 3" in again.output, again.output
+
+
+def _tiny_cli_options() -> list[str]:
+    return [arg for option in ("data.source=synthetic", "data.synthetic_images=32", "model.depth=18",
+                               "model.hidden_dim=32", "model.out_dim=16", "views.large_views=2",
+                               "views.small_views=1", "views.large_size=16", "views.small_size=8",
+                               "optim.global_batch=8", "knn.train_shards=", "knn.val_shards=",
+                               "run.progress_bar=false", "run.device=cpu", "run.log_every=1")
+            for arg in ("--set", option)]
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("run.seed=1", r"run\.seed is 0 there and 1 here.*--set run\.seed=0"),
+    ("data.synthetic_images=40", r"data\.synthetic_images is 32 there and 40 here"),
+])
+def test_resume_with_another_seed_or_data_set_is_refused_naming_the_setting(tmp_path, finished_run, setting,
+                                                                             message):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoint-000000006.pt").write_bytes((finished_run / "checkpoint-000000006.pt").read_bytes())
+    (out / "config.yaml").write_text("the earlier run's config\n")
+    with pytest.raises(CheckpointError, match=message):
+        quiet_run(tiny_config(out, *RESUME_OPTIONS, setting))
+    assert (out / "config.yaml").read_text() == "the earlier run's config\n"  # a failed resume changed nothing
+
+
+class _SignalledViews(SyntheticViews):
+    """Generated views; the 3rd batch of the first epoch is delivered together with a signal."""
+
+    signum = signal.SIGTERM
+
+    def _batch(self, indices):
+        if self.epoch == 0 and self.position == 3:
+            os.kill(os.getpid(), self.signum)
+        return super()._batch(indices)
+
+
+def test_sigterm_saves_the_current_step_and_the_rerun_continues_exactly(tmp_path, finished_run, monkeypatch):
+    out = tmp_path / "run"
+    monkeypatch.setattr("pretrain.run.SyntheticViews", _SignalledViews)
+    with pytest.raises(PretrainingInterrupted, match=r"stopped by SIGTERM at step 3; checkpoint .*checkpoint-000000003"):
+        quiet_run(tiny_config(out, *RESUME_OPTIONS))
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler was put back
+    assert [p.name for p in list_checkpoints(out)] == ["checkpoint-000000002.pt", "checkpoint-000000003.pt"]
+    monkeypatch.setattr("pretrain.run.SyntheticViews", SyntheticViews)
+    assert quiet_run(tiny_config(out, *RESUME_OPTIONS)).step == 8
+    expected, got = logged(finished_run), logged(out)
+    assert [got[s] for s in range(4, 9)] == [expected[s] for s in range(4, 9)]
+
+
+def test_sigint_saves_then_stops_with_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(_SignalledViews, "signum", signal.SIGINT)
+    monkeypatch.setattr("pretrain.run.SyntheticViews", _SignalledViews)
+    result = CliRunner().invoke(pretrain_command, ["--config", "configs/demo-cpu.yaml", "--output",
+                                                   str(tmp_path / "run"), *_tiny_cli_options()])
+    assert result.exit_code == 130
+    assert result.output.strip().splitlines()[-1].startswith("stopped by SIGINT at step 3; checkpoint")
+    assert load_checkpoint(tmp_path / "run" / "checkpoint-000000003.pt")["step"] == 3
+
+
+def test_metrics_carry_throughput_and_data_wait(finished_run):
+    records = [json.loads(line) for line in (finished_run / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["images_per_s"] > 0 and 0 <= r["data_wait_s"] < 60 for r in records)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["knn.train_shards=missing-train", "knn.val_shards=missing-val"], "knn.train_shards=missing-train does not exist"),
+    (["data.source=shards", "data.train_shards=no-such-shards"], "data.train_shards=no-such-shards does not exist"),
+    pytest.param(["run.device=cuda"], "no CUDA device is visible",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")),
+])
+def test_what_the_run_needs_is_checked_before_any_work(tmp_path, monkeypatch, overrides, message):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=message):
+        quiet_run(tiny_config(tmp_path / "run", *overrides))
+    assert not (tmp_path / "run").exists()
+
+
+def test_output_dir_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "run").write_text("a file")
+    with pytest.raises(ConfigError, match="is a file"):
+        quiet_run(tiny_config(tmp_path / "run"))
+
+
+def test_a_step_out_of_gpu_memory_says_what_to_change(tmp_path, monkeypatch):
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr("pretrain.run.train_step", out_of_memory)
+    result = CliRunner().invoke(pretrain_command, ["--config", "configs/demo-cpu.yaml", "--output",
+                                                   str(tmp_path / "run"), *_tiny_cli_options()])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "out of GPU memory in step 1 with 8 images per rank" in result.output
+    assert "model.activation_checkpointing=true" in result.output
+
+
+def test_metrics_truncation_keeps_the_records_up_to_the_resumed_step(tmp_path):
+    from pretrain.metrics_log import truncate_metrics
+
+    lines = [json.dumps({"step": s, "loss": 1.0 / s}) for s in (1, 2, 3, 4)]
+    lines.insert(2, json.dumps({"step": 2, "knn_top1": 0.5}))
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 5, "lo')  # torn by the kill
+    assert truncate_metrics(tmp_path, 2) == 3
+    kept = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert kept == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 0.5}, {"step": 2, "knn_top1": 0.5}]
+    assert truncate_metrics(tmp_path, 2) == 0
+
+
+def test_fresh_and_resume_together_are_refused(tmp_path):
+    result = CliRunner().invoke(pretrain_command, ["--config", "configs/demo-cpu.yaml", "--fresh",
+                                                   "--resume", str(tmp_path / "x.pt")])
+    assert result.exit_code == 2 and "give one of them" in result.output
