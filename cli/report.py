@@ -44,3 +44,6 @@ def report(out: Path, run_dir: Path | None, eval_json: tuple[Path, ...], salienc
     for problem in summary.problems:
         click.echo(f"  left out: {problem}", err=True)
     click.echo(f"wrote {out} ({len(summary.figures)} figures in {out.parent / (out.stem + '-figures')})")
+    if all(status != "ok" for status in summary.sections.values()):
+        # A page of "not run" sections is written (it says what is missing), but a script must notice.
+        raise click.ClickException("no section could be built from the given inputs; check the paths above")

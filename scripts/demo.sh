@@ -100,9 +100,10 @@ maps=$out/saliency/maps
 if stage handcrafted "$sample_images" "handcrafted saliency (RBD, MR, DSR, MC) on $sample_images training images"; then
   sample=$out/saliency/sample
   rm -rf "$sample" && mkdir -p "$sample"
-  # Links named like the files, so the maps are named like the shard keys of the same images.
-  find "$train_images" -type f \( -iname '*.jpg' -o -iname '*.jpeg' \) -size +0 | LC_ALL=C sort \
-    | head -n "$sample_images" | while read -r image; do ln -sf "$image" "$sample/"; done
+  # Links named like the files, so the maps are named like the shard keys of the same images. (The list
+  # is read in full: `| head` would end `sort` with SIGPIPE, which pipefail turns into a failure.)
+  mapfile -t images < <(find "$train_images" -type f \( -iname '*.jpg' -o -iname '*.jpeg' \) -size +0 | LC_ALL=C sort)
+  for image in "${images[@]:0:$sample_images}"; do ln -sf "$image" "$sample/"; done
   relicv2 saliency handcrafted --method all --input "$sample" --output "$maps" --workers 2 --no-progress
   finished handcrafted "$sample_images"
 fi
@@ -167,7 +168,8 @@ evals=$out/eval
 mkdir -p "$evals"
 if [[ "$labelled" != "1" ]]; then
   step=$((step + 1)); echo "== $step. evaluation: skipped, the images have no class labels"
-elif stage eval "$key" "kNN and linear (fast) evaluation vs random init"; then
+elif stage eval "$key $(has_option --json eval knn && echo knn-json) $(has_command eval linear && echo linear)" \
+    "kNN and linear (fast) evaluation vs random init"; then
   crop=(--crop-size "$view_size" --resize-size "$view_size" --device cpu)
   if has_option --json eval knn; then
     relicv2 eval knn --checkpoint "$run" --train "$train" --val "$val" "${crop[@]}" --json "$evals/knn.json"
@@ -185,7 +187,7 @@ elif stage eval "$key" "kNN and linear (fast) evaluation vs random init"; then
   else
     not_available "relicv2 eval linear"
   fi
-  finished eval "$key"
+  finished eval "$key $(has_option --json eval knn && echo knn-json) $(has_command eval linear && echo linear)"
 fi
 
 # ---- 9. export the encoder as a plain (torchvision-format) state dict

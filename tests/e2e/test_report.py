@@ -142,6 +142,9 @@ def test_cli_writes_the_page_and_prints_each_section(outputs: ReportInputs, tmp_
     assert result.exit_code == 0, result.output
     assert "training           ok" in result.output and "saliency           not run" in result.output
     assert out.is_file()
+    nothing = CliRunner().invoke(cli, ["report", "--out", str(tmp_path / "empty.html"), "--run", str(tmp_path)])
+    assert nothing.exit_code == 1 and "no section could be built" in nothing.output
+    assert (tmp_path / "empty.html").is_file()  # the page still says what is missing
 
 
 def test_report_opens_in_a_headless_browser_with_every_image_loaded(outputs: ReportInputs, tmp_path: Path,
