@@ -92,7 +92,9 @@ fi
 labelled=$("$py" -c 'import json, sys; print(int(json.load(open(sys.argv[1])).get("labelled", 0) > 0))' "$train/info.json")
 if [[ -z "$val_images" ]]; then
   val=$train
-  [[ "$labelled" == "1" ]] && echo "   no val/ folder: evaluation uses the training images (an optimistic figure)"
+  if [[ "$labelled" == "1" ]]; then
+    echo "   no val/ folder: evaluation uses the training images (an optimistic figure)"
+  fi
 fi
 
 # ---- 3. handcrafted saliency on a few training images (the maps the report compares with the network)
@@ -142,7 +144,9 @@ if stage views "$pretrain_shards" "augmented views of a few images"; then
   fi
   finished views "$pretrain_shards"
 fi
-for png in "$out/views-masked.png" "$out/views-unmasked.png"; do [[ -f "$png" ]] && views+=(--views "$png"); done
+for png in "$out/views-masked.png" "$out/views-unmasked.png"; do
+  if [[ -f "$png" ]]; then views+=(--views "$png"); fi
+done
 
 # ---- 7. ReLICv2 pretraining (ResNet-18) with a kNN monitor
 run=$out/run
@@ -203,7 +207,7 @@ fi
 # ---- 10. the report (always rebuilt: it only reads the files above)
 step=$((step + 1)); echo "== $step. report"
 report_shards=$train
-[[ -f "$masked/manifest.parquet" ]] && report_shards=$masked
+if [[ -f "$masked/manifest.parquet" ]]; then report_shards=$masked; fi
 relicv2 report --out "$out/report.html" --run "$run" --eval "$evals" --saliency-report "$network/report.json" \
     --maps "$maps" --shards "$report_shards" "${views[@]}" --count "$((sample_images < 4 ? sample_images : 4))" \
     --title "relicv2 demo$([[ "$reduced" == "1" ]] && echo " (reduced)")"
