@@ -1,14 +1,21 @@
 # Set-up is idempotent: the virtual environment is (re)built only when the pinned
 # requirements change; the project itself is always re-installed in editable mode (~2 s).
+# `make test` also installs the test-only pins of requirements-dev.lock, under a stamp of its own.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 LOCK := requirements.lock
+DEV_LOCK := requirements-dev.lock
 STAMP := $(VENV)/.lock-$(shell cat $(LOCK) pyproject.toml | sha256sum | cut -c1-16)
+DEV_STAMP := $(VENV)/.dev-$(shell cat $(LOCK) $(DEV_LOCK) pyproject.toml | sha256sum | cut -c1-16)
+# `make demo DATA=/path/to/images` runs the demo on your own folder (class sub-folders, or train/ and val/).
+DATA ?=
 
-.PHONY: setup test lint demo bench clean
+.PHONY: setup setup-dev test lint demo demo-reduced docs bench clean
 
 setup: $(STAMP)
 	@$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+
+setup-dev: setup $(DEV_STAMP)
 
 $(STAMP): $(LOCK) pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -16,17 +23,29 @@ $(STAMP): $(LOCK) pyproject.toml
 	$(PY) -m pip install -q -r $(LOCK)
 	rm -f $(VENV)/.lock-* && touch $(STAMP)
 
-lint: setup
+$(DEV_STAMP): $(STAMP) $(DEV_LOCK)
+	$(PY) -m pip install -q -r $(DEV_LOCK)
+	rm -f $(VENV)/.dev-* && touch $(DEV_STAMP)
+
+lint: setup-dev
 	$(PY) -m ruff check .
 
 test: lint
 	$(PY) -m pytest -q
 
 demo: setup
-	bash scripts/demo.sh $(PY)
+	DEMO_DATA="$(DATA)" bash scripts/demo.sh "$(PY)"
+
+# Every stage shrunk to seconds (what the test suite runs), into demo-out-reduced/.
+demo-reduced: setup
+	DEMO_REDUCED=1 DEMO_OUT=demo-out-reduced bash scripts/demo.sh "$(PY)"
+
+# Regenerate docs/config.md from the config dataclasses (a test fails when it is stale).
+docs: setup
+	$(PY) scripts/gen_config_reference.py --out docs/config.md
 
 bench: setup
 	$(PY) benchmarks/bench_shards.py
 
 clean:
-	rm -rf demo-out .pytest_cache .ruff_cache
+	rm -rf demo-out demo-out-reduced .pytest_cache .ruff_cache

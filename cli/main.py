@@ -55,6 +55,7 @@ class LazyGroup(click.Group):
     "saliency": ("cli.saliency:saliency_group", "Handcrafted saliency maps, evaluation and previews."),
     "eval": ("cli.eval:eval_group", "Evaluate pretrained encoders (kNN)."),
     "demo-data": ("cli.demo:demo_data", "Write the built-in demo image tree (no download)."),
+    "report": ("cli.report:report", "Write a static HTML report (PNG figures) of a run's outputs."),
 })
 @click.version_option(package_name="relicv2")
 def cli() -> None:

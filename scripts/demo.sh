@@ -1,38 +1,226 @@
 #!/usr/bin/env bash
-# The whole pipeline on the built-in demo data, on CPU. Usage: scripts/demo.sh [python]
-# Outputs under $DEMO_OUT (default demo-out/); the pretraining run goes to demo-out/run.
+# The whole pipeline on CPU, on the built-in demo images or on your own, ending with an HTML report:
+#   images -> shards -> handcrafted saliency -> saliency network (train) -> mask shards (build-masks)
+#   -> ReLICv2 pretraining on the masked shards -> kNN and linear evaluation vs random init -> export
+#   -> report.html
+# Usage: scripts/demo.sh [python]            (`make demo`, `make demo DATA=/path/to/images`)
+# Environment:
+#   DEMO_OUT      output folder [demo-out]
+#   DEMO_DATA     your images instead of the demo's: a folder with train/ and val/ (each with one
+#                 sub-folder per class), a folder of class sub-folders (evaluated on its own images),
+#                 or a flat folder (unlabelled: no evaluation)
+#   DEMO_REDUCED  1: every stage shrunk to seconds (what the test suite runs)
+#   DEMO_FRESH    1: start over instead of reusing the stages already done
+# A second run reuses every finished stage (stamps in $DEMO_OUT/.done/) and resumes a stopped one.
 set -euo pipefail
-PY=${1:-python}
-OUT=${DEMO_OUT:-demo-out}
-relicv2() { "$PY" -m cli "$@"; }
+
+py=${1:-python}
+if [[ "$py" == */* ]]; then py=$(realpath -s -m "$py"); fi
+out=$(realpath -s -m "${DEMO_OUT:-demo-out}")
+data=${DEMO_DATA:-}
+if [[ -n "$data" ]]; then data=$(realpath -s -m "$data"); fi
+reduced=${DEMO_REDUCED:-0}
+cd "$(dirname "$0")/.."  # configs/ and the package are found from the repository root
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
+start=$SECONDS
 
-rm -rf "$OUT"
-echo "== 1. demo images (photos bundled with scikit-image, no download)"
-relicv2 demo-data "$OUT/images"
+relicv2() { "$py" -m cli "$@"; }
+# has_command WORDS...: the command exists in this checkout; has_option OPTION WORDS...: it takes OPTION.
+has_command() { relicv2 "$@" --help >/dev/null 2>&1; }
+has_option() { local option=$1; shift; relicv2 "$@" --help 2>/dev/null | grep -q -- "$option"; }
+not_available() { echo "   $1: not available yet in this checkout, skipped"; }
 
-echo "== 2. shards (the awkward demo files are converted or rejected, see rejected.parquet)"
-relicv2 shards build "$OUT/images/train" "$OUT/shards/train" --max-count 64 --workers 2 --no-progress
-relicv2 shards build "$OUT/images/val" "$OUT/shards/val" --max-count 64 --workers 2 --no-progress
-relicv2 shards verify "$OUT/shards/train"
-relicv2 shards verify "$OUT/shards/val"
+# Stage bookkeeping: a stage is done when its stamp holds the same settings it would run with now.
+settings="data=${data:-builtin} reduced=$reduced"
+if [[ "${DEMO_FRESH:-0}" == "1" || "$(cat "$out/.done/settings" 2>/dev/null)" != "$settings" ]]; then
+  rm -rf "$out"
+fi
+mkdir -p "$out/.done"
+echo "$settings" > "$out/.done/settings"
+step=0
+# stage NAME KEY TITLE: print the title; succeed (run it) unless NAME was done with the same KEY.
+stage() {
+  step=$((step + 1))
+  if [[ -f "$out/.done/$1" && "$(cat "$out/.done/$1")" == "$2" ]]; then
+    echo "== $step. $3: done in an earlier run, reused [+$((SECONDS - start)) s]"
+    return 1
+  fi
+  echo "== $step. $3 [+$((SECONDS - start)) s]"
+  return 0
+}
+finished() { echo "$2" > "$out/.done/$1"; }
 
-echo "== 3. handcrafted saliency (RBD, MR, DSR, MC) on the val shards, and a contact sheet"
-relicv2 saliency handcrafted --method all --input "$OUT/shards/val" --output "$OUT/saliency" --workers 2
-relicv2 saliency preview --input "$OUT/images/val/astronaut" --output "$OUT/saliency-preview.png" --count 3
+if [[ "$reduced" == "1" ]]; then
+  per_class=(--train-per-class 3 --val-per-class 2 --size 96); max_count=8; sample_images=2; view_size=32
+  pretrain_sets=(--set run.max_steps=3 --set optim.global_batch=8 --set loss.num_negatives=7 --set optim.epochs=2
+                 --set optim.warmup_epochs=0 --set views.large_size=32 --set views.small_size=16
+                 --set views.blur_kernel=3 --set model.hidden_dim=64 --set model.out_dim=32
+                 --set knn.every_epochs=1 --set knn.crop_size=32 --set knn.resize_size=32 --set run.progress_bar=false)
+else
+  per_class=(); max_count=64; sample_images=6; view_size=64
+  pretrain_sets=()
+fi
 
-echo "== 4. a look at the augmented views (4 large + 2 small per image)"
-relicv2 pretrain preview-views --shards "$OUT/shards/train" --output "$OUT/views.png" --count 4 \
-    --large-size 96 --small-size 48
+# ---- 1. images
+if [[ -z "$data" ]]; then
+  train_images=$out/images/train; val_images=$out/images/val
+  if stage images "${per_class[*]}" "demo images (photos bundled with scikit-image, no download)"; then
+    relicv2 demo-data "$out/images" "${per_class[@]}"
+    finished images "${per_class[*]}"
+  fi
+else
+  [[ -d "$data" ]] || { echo "DEMO_DATA=$data is not a folder" >&2; exit 2; }
+  if [[ -d "$data/train" && -d "$data/val" ]]; then
+    train_images=$data/train; val_images=$data/val
+  else
+    train_images=$data; val_images=""
+  fi
+  echo "== using your images: train $train_images${val_images:+, val $val_images}"
+fi
 
-echo "== 5. ReLICv2 pretraining (ResNet-18, 64 px) with a kNN monitor"
-relicv2 pretrain --config configs/demo-cpu.yaml --output "$OUT/run" \
-    --set data.train_shards="$OUT/shards/train" --set knn.train_shards="$OUT/shards/train" \
-    --set knn.val_shards="$OUT/shards/val"
+# ---- 2. shards
+train=$out/shards/train; val=$out/shards/val
+if stage shards "$max_count" "shards (odd files are converted or rejected: see rejected.parquet)"; then
+  relicv2 shards build "$train_images" "$train" --max-count "$max_count" --workers 2 --no-progress
+  relicv2 shards verify "$train"
+  if [[ -n "$val_images" ]]; then
+    relicv2 shards build "$val_images" "$val" --max-count "$max_count" --workers 2 --no-progress
+    relicv2 shards verify "$val"
+  fi
+  finished shards "$max_count"
+fi
+labelled=$("$py" -c 'import json, sys; print(int(json.load(open(sys.argv[1])).get("labelled", 0) > 0))' "$train/info.json")
+if [[ -z "$val_images" ]]; then
+  val=$train
+  if [[ "$labelled" == "1" ]]; then
+    echo "   no val/ folder: evaluation uses the training images (an optimistic figure)"
+  fi
+fi
 
-echo "== 6. kNN evaluation of the final checkpoint vs a random-init encoder"
-relicv2 eval knn --checkpoint "$OUT/run" --train "$OUT/shards/train" --val "$OUT/shards/val" \
-    --crop-size 64 --resize-size 64 --device cpu
-relicv2 eval knn --random-init 18 --train "$OUT/shards/train" --val "$OUT/shards/val" \
-    --crop-size 64 --resize-size 64 --device cpu
-echo "demo finished: outputs under $OUT/"
+# ---- 3. handcrafted saliency on a few training images (the maps the report compares with the network)
+maps=$out/saliency/maps
+if stage handcrafted "$sample_images" "handcrafted saliency (RBD, MR, DSR, MC) on $sample_images training images"; then
+  sample=$out/saliency/sample
+  rm -rf "$sample" && mkdir -p "$sample"
+  # Links named like the files, so the maps are named like the shard keys of the same images. (The list
+  # is read in full: `| head` would end `sort` with SIGPIPE, which pipefail turns into a failure.)
+  mapfile -t images < <(find "$train_images" -type f \( -iname '*.jpg' -o -iname '*.jpeg' \) -size +0 | LC_ALL=C sort)
+  for image in "${images[@]:0:$sample_images}"; do ln -sf "$image" "$sample/"; done
+  relicv2 saliency handcrafted --method all --input "$sample" --output "$maps" --workers 2 --no-progress
+  finished handcrafted "$sample_images"
+fi
+
+# ---- 4. the saliency network (DeepUSPS-style refinement of the handcrafted maps), tiny preset
+network=$out/saliency/network
+if ! has_command saliency train; then
+  step=$((step + 1)); echo "== $step. saliency network (saliency train --preset tiny)"; not_available "relicv2 saliency train"
+elif stage saliency-train tiny "saliency network (saliency train --preset tiny, random backbone)"; then
+  relicv2 saliency train --shards "$train" --out "$network" --preset tiny --backbone random
+  finished saliency-train tiny
+fi
+
+# ---- 5. mask shards: every training image with the network's mask
+masked=$out/shards/masked-train
+pretrain_shards=$train; mask_probability=0.0
+if ! has_command saliency build-masks || [[ ! -f "$network/model.pt" ]]; then
+  step=$((step + 1)); echo "== $step. mask shards (saliency build-masks)"; not_available "relicv2 saliency build-masks"
+  pretrain_shards=$train; mask_probability=0.0
+elif stage build-masks "$max_count" "mask shards (saliency build-masks)"; then
+  relicv2 saliency build-masks --model "$network/model.pt" --shards "$train" --out "$masked" --workers 2 --device cpu
+  finished build-masks "$max_count"
+fi
+if [[ -f "$masked/manifest.parquet" ]]; then
+  pretrain_shards=$masked; mask_probability=0.1  # the paper's p_m
+fi
+
+# ---- 6. a look at the augmented views (4 large + 2 small per image), with and without masking
+views=()
+if stage views "$pretrain_shards" "augmented views of a few images"; then
+  relicv2 pretrain preview-views --shards "$pretrain_shards" --output "$out/views-unmasked.png" --count 3 \
+      --mask-probability 0 --large-size "$view_size" --small-size $((view_size / 2))
+  if [[ "$pretrain_shards" == "$masked" ]]; then
+    relicv2 pretrain preview-views --shards "$masked" --output "$out/views-masked.png" --count 3 \
+        --mask-probability 1 --large-size "$view_size" --small-size $((view_size / 2))
+  fi
+  finished views "$pretrain_shards"
+fi
+for png in "$out/views-masked.png" "$out/views-unmasked.png"; do
+  if [[ -f "$png" ]]; then views+=(--views "$png"); fi
+done
+
+# ---- 7. ReLICv2 pretraining (ResNet-18) with a kNN monitor
+run=$out/run
+knn_sets=()
+if [[ "$labelled" == "1" ]]; then
+  knn_sets=(--set knn.train_shards="$train" --set knn.val_shards="$val")
+else
+  knn_sets=(--set knn.train_shards= --set knn.val_shards=)
+fi
+key="$pretrain_shards p_m=$mask_probability"
+if [[ "$(cat "$out/.done/pretrain-input" 2>/dev/null)" != "$key" ]]; then
+  rm -rf "$run"  # other input shards than the run in the folder (e.g. masks became available): start over
+fi
+if stage pretrain "$key" "ReLICv2 pretraining on $(basename "$pretrain_shards") (p_m $mask_probability)"; then
+  echo "$key" > "$out/.done/pretrain-input"
+  relicv2 pretrain --config configs/demo-cpu.yaml --output "$run" --set data.train_shards="$pretrain_shards" \
+      --set views.mask_probability="$mask_probability" "${knn_sets[@]}" "${pretrain_sets[@]}"
+  finished pretrain "$key"
+fi
+
+# ---- 8. evaluation of the final checkpoint vs a random-init encoder, each written as JSON
+evals=$out/eval
+mkdir -p "$evals"
+if [[ "$labelled" != "1" ]]; then
+  step=$((step + 1)); echo "== $step. evaluation: skipped, the images have no class labels"
+elif stage eval "$key $(has_option --json eval knn && echo knn-json) $(has_command eval linear && echo linear)" \
+    "kNN and linear (fast) evaluation vs random init"; then
+  crop=(--crop-size "$view_size" --resize-size "$view_size" --device cpu)
+  if has_option --json eval knn; then
+    relicv2 eval knn --checkpoint "$run" --train "$train" --val "$val" "${crop[@]}" --json "$evals/knn.json"
+    relicv2 eval knn --random-init 18 --train "$train" --val "$val" "${crop[@]}" --json "$evals/knn-random.json"
+  else
+    relicv2 eval knn --checkpoint "$run" --train "$train" --val "$val" "${crop[@]}"
+    relicv2 eval knn --random-init 18 --train "$train" --val "$val" "${crop[@]}"
+    not_available "relicv2 eval knn --json (the figures above are not in the report)"
+  fi
+  if has_command eval linear; then
+    relicv2 eval linear --checkpoint "$run" --train "$train" --val "$val" --preset fast \
+        --output "$evals/linear" --json "$evals/linear-fast.json"
+    relicv2 eval linear --random-init 18 --train "$train" --val "$val" --preset fast \
+        --output "$evals/linear-random" --json "$evals/linear-fast-random.json"
+  else
+    not_available "relicv2 eval linear"
+  fi
+  finished eval "$key $(has_option --json eval knn && echo knn-json) $(has_command eval linear && echo linear)"
+fi
+
+# ---- 9. export the encoder as a plain (torchvision-format) state dict
+export_file=$out/export/resnet18.pt
+if ! has_command export; then
+  step=$((step + 1)); echo "== $step. export"; not_available "relicv2 export"
+elif stage export "$key" "export the encoder (torchvision format)"; then
+  mkdir -p "$(dirname "$export_file")"
+  relicv2 export --checkpoint "$run" --out "$export_file"
+  finished export "$key"
+fi
+
+# ---- 10. the report (always rebuilt: it only reads the files above)
+step=$((step + 1)); echo "== $step. report"
+report_shards=$train
+if [[ -f "$masked/manifest.parquet" ]]; then report_shards=$masked; fi
+relicv2 report --out "$out/report.html" --run "$run" --eval "$evals" --saliency-report "$network/report.json" \
+    --maps "$maps" --shards "$report_shards" "${views[@]}" --count "$((sample_images < 4 ? sample_images : 4))" \
+    --title "relicv2 demo$([[ "$reduced" == "1" ]] && echo " (reduced)")"
+
+cat <<EOF
+
+demo finished in $((SECONDS - start)) s; everything is under $out/
+  report         $out/report.html  (open it in a browser; figures in $out/report-figures/)
+  shards         $train${val_images:+, $val}$([[ -f "$masked/manifest.parquet" ]] && echo ", $masked")
+  saliency       maps in $maps/<method>/, network in $network/
+  views          $out/views-*.png
+  pretraining    $run/ (checkpoint-*.pt, metrics.jsonl, tensorboard/, config.yaml)
+  evaluation     $evals/*.json
+  export         $([[ -f "$export_file" ]] && echo "$export_file" || echo "not run")
+Run it again to reuse what is done; DEMO_FRESH=1 starts over.
+EOF

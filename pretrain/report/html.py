@@ -1,0 +1,266 @@
+"""`build_report`: a static HTML page (no server, no script) with its PNG figures in a folder beside it.
+
+Every number and curve is read from what the jobs wrote (metrics.jsonl, the eval commands' `--json`
+files, saliency train's report.json, maps and shards), never passed in by the caller. A section whose
+inputs are missing says "not run"; an unreadable input is named on the page and left out.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import html
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pretrain.report import plots
+from pretrain.report.inputs import (
+    EvalResult,
+    metric_rows,
+    read_eval_results,
+    read_json,
+    read_run_metrics,
+    read_saliency_samples,
+)
+from shards.atomic import atomic_write_bytes
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# (id, title) of every section, in page order; tests check that each is present.
+SECTIONS = (
+    ("saliency", "Saliency: handcrafted maps vs the network's masks"),
+    ("saliency-training", "Saliency network training (saliency train report.json)"),
+    ("views", "Augmented views, masked and unmasked"),
+    ("training", "Pretraining: loss parts and learning rate over steps"),
+    ("knn", "kNN monitor over epochs"),
+    ("evaluation", "Evaluation: final figures"),
+)
+
+
+@dataclass(frozen=True)
+class ReportInputs:
+    """Where the report reads from; any of them may be None (its section then says "not run")."""
+
+    run_dir: Path | None = None  # a pretraining output folder (metrics.jsonl, config.yaml)
+    eval_json: tuple[Path, ...] = ()  # eval `--json` files, or folders of them
+    saliency_report: Path | None = None  # `saliency train` OUT/report.json
+    maps_dir: Path | None = None  # `saliency handcrafted` output (MAPS/<method>/<key>.png)
+    shards: Path | None = None  # shard set whose images the samples show (masked: with masks)
+    views: tuple[Path, ...] = ()  # `pretrain preview-views` PNGs
+    count: int = 4  # images in the saliency figure
+    title: str = "ReLICv2 run report"
+
+
+@dataclass
+class ReportSummary:
+    """What was written: the page, its figures, each section's status and the problems met."""
+
+    page: Path
+    figures: list[Path] = field(default_factory=list)
+    sections: dict[str, str] = field(default_factory=dict)  # id -> "ok" or "not run: ..."
+    problems: list[str] = field(default_factory=list)
+
+
+class _Page:
+    """Collects sections and figures while the report is built."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.figure_dir = out.parent / f"{out.stem}-figures"
+        self.summary = ReportSummary(page=out)
+        self.blocks: dict[str, str] = {}
+
+    def figure(self, name: str) -> Path:
+        return self.figure_dir / name
+
+    def img(self, path: Path, alt: str) -> str:
+        self.summary.figures.append(path)
+        src = f"{self.figure_dir.name}/{path.name}"
+        return f'<figure><img src="{html.escape(src)}" alt="{html.escape(alt)}"><figcaption>{html.escape(alt)}</figcaption></figure>'
+
+    def ok(self, section: str, body: str) -> None:
+        self.blocks[section] = body
+        self.summary.sections[section] = "ok"
+
+    def not_run(self, section: str, why: str) -> None:
+        self.blocks[section] = f'<p class="not-run">not run: {html.escape(why)}</p>'
+        self.summary.sections[section] = f"not run: {why}"
+
+
+def build_report(inputs: ReportInputs, out: Path) -> ReportSummary:
+    """Write `out` (an .html file) and its figures into `<out stem>-figures/` beside it."""
+    out = Path(out)
+    if out.suffix.lower() not in (".html", ".htm"):
+        raise ValueError(f"report path {out} must end in .html")
+    page = _Page(out)
+    if page.figure_dir.exists():
+        shutil.rmtree(page.figure_dir)  # figures of an earlier build, all written by this function
+    page.figure_dir.mkdir(parents=True)
+    _saliency_section(page, inputs)
+    _saliency_training_section(page, inputs)
+    _views_section(page, inputs)
+    _training_sections(page, inputs)
+    _evaluation_section(page, inputs)
+    atomic_write_bytes(out, _render(page, inputs).encode("utf-8"))
+    return page.summary
+
+
+def _saliency_section(page: _Page, inputs: ReportInputs) -> None:
+    if inputs.shards is None:
+        page.not_run("saliency", "no shard set given (--shards: the masked shards of saliency build-masks)")
+        return
+    samples, problems = read_saliency_samples(inputs.shards, inputs.maps_dir, inputs.count)
+    page.summary.problems += problems
+    if not samples or not any(s.maps or s.mask is not None for s in samples):
+        page.not_run("saliency", f"no handcrafted map or network mask found for the images of {inputs.shards}")
+        return
+    figure = plots.plot_saliency(samples, page.figure("saliency.png"))
+    notes = []
+    if inputs.maps_dir is None:
+        notes.append("handcrafted maps: not run (no --maps folder)")
+    if not any(s.mask is not None for s in samples):
+        notes.append("network masks: not run (the shard set has no mask.png members)")
+    page.ok("saliency", page.img(figure, f"{len(samples)} images from {inputs.shards}") + _notes(notes))
+
+
+def _saliency_training_section(page: _Page, inputs: ReportInputs) -> None:
+    if inputs.saliency_report is None or not Path(inputs.saliency_report).is_file():
+        page.not_run("saliency-training", "no saliency train report.json")
+        return
+    report, problem = read_json(inputs.saliency_report)
+    rows = metric_rows(report) if problem is None else []
+    if not rows:
+        page.summary.problems.append(problem or f"{inputs.saliency_report}: no metrics in it")
+        page.not_run("saliency-training", f"{inputs.saliency_report} holds no readable metrics")
+        return
+    columns = sorted({name for _, values in rows for name in values})
+    body = [[name, *(_fmt(values.get(c)) for c in columns)] for name, values in rows]
+    page.ok("saliency-training", _table(["", *columns], body, css="saliency") +
+            f"<p class=\"source\">from {html.escape(str(inputs.saliency_report))}</p>")
+
+
+def _views_section(page: _Page, inputs: ReportInputs) -> None:
+    parts = []
+    for index, path in enumerate(inputs.views):
+        path = Path(path)
+        try:
+            data = path.read_bytes()
+        except OSError as error:
+            page.summary.problems.append(f"{path}: {error}")
+            continue
+        if not data.startswith(PNG_SIGNATURE):
+            page.summary.problems.append(f"{path}: not a PNG file, left out")
+            continue
+        copy = page.figure(f"views-{index}-{path.stem}.png")
+        copy.write_bytes(data)
+        parts.append(page.img(copy, f"{path.stem}: rows are images; 4 large then 2 small views; "
+                                    "views with the background removed are framed in orange"))
+    if parts:
+        page.ok("views", "".join(parts))
+    else:
+        page.not_run("views", "no preview-views PNG")
+
+
+def _training_sections(page: _Page, inputs: ReportInputs) -> None:
+    metrics_file = None if inputs.run_dir is None else Path(inputs.run_dir) / "metrics.jsonl"
+    if metrics_file is None or not metrics_file.is_file():
+        page.not_run("training", "no pretraining run (metrics.jsonl)")
+        page.not_run("knn", "no pretraining run (metrics.jsonl)")
+        return
+    metrics = read_run_metrics(inputs.run_dir)
+    page.summary.problems += metrics.problems
+    if metrics.steps:
+        last = metrics.steps[-1]
+        speed = last.get("images_per_s", last.get("img/s"))
+        facts = [f"{len(metrics.steps)} logged steps, last step {last['step']}",
+                 f"final loss {_fmt(last.get('loss'))} (contrastive {_fmt(last.get('contrastive'))}, "
+                 f"invariance {_fmt(last.get('invariance'))})"]
+        if isinstance(speed, int | float):
+            facts.append(f"{speed:.1f} images/s at the last logged step")
+        page.ok("training", page.img(plots.plot_losses(metrics.steps, page.figure("loss.png")), "loss parts over steps")
+                + page.img(plots.plot_schedules(metrics.steps, page.figure("lr.png")),
+                           "learning rate and EMA coefficient over steps") + _notes(facts))
+    else:
+        page.not_run("training", f"{metrics_file} holds no step record")
+    if metrics.knn:
+        last = metrics.knn[-1]
+        page.ok("knn", page.img(plots.plot_knn(metrics.knn, page.figure("knn.png")), "kNN top-1 over epochs")
+                + _notes([f"last kNN top-1 {_fmt(last['knn_top1'])} at step {last['step']}"]))
+    else:
+        page.not_run("knn", f"{metrics_file} holds no kNN record (knn.train_shards / knn.val_shards unset)")
+
+
+def _evaluation_section(page: _Page, inputs: ReportInputs) -> None:
+    results, problems = read_eval_results(list(inputs.eval_json))
+    page.summary.problems += problems
+    if not results:
+        page.not_run("evaluation", "no eval --json result")
+        return
+    rows = [[r.protocol, r.encoder, _fmt(r.top1), _fmt(r.top5), _fmt(r.num_train), _fmt(r.num_val), r.path.name]
+            for r in results]
+    table = _table(["protocol", "encoder", "top-1", "top-5", "train images", "val images", "file"], rows,
+                   css="evaluation")
+    page.ok("evaluation", table + page.img(plots.plot_eval(results, page.figure("evaluation.png")),
+                                           "top-1 per protocol") + _deltas(results))
+
+
+def _deltas(results: list[EvalResult]) -> str:
+    """One line per protocol: the pretrained encoder's gain over random init."""
+    lines = []
+    for protocol in sorted({r.protocol for r in results}):
+        trained = [r for r in results if r.protocol == protocol and not r.random_init]
+        baseline = [r for r in results if r.protocol == protocol and r.random_init]
+        if trained and baseline:
+            gain = trained[0].top1 - baseline[0].top1
+            lines.append(f"{protocol}: pretrained {trained[0].top1:.4f} vs random init {baseline[0].top1:.4f} "
+                         f"({gain:+.4f})")
+    return _notes(lines)
+
+
+def _fmt(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4f}"
+    return str(value)
+
+
+def _notes(lines: list[str]) -> str:
+    if not lines:
+        return ""
+    return "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + "</ul>"
+
+
+def _table(header: list[str], rows: list[list[str]], css: str) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f'<table class="{css}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+STYLE = """
+body { font-family: system-ui, sans-serif; max-width: 1100px; margin: 2em auto; padding: 0 1em; color: #222; }
+section { border-top: 1px solid #ddd; margin-top: 1.5em; }
+figure { margin: 1em 0; } img { max-width: 100%; } figcaption { color: #555; font-size: 0.9em; }
+table { border-collapse: collapse; margin: 1em 0; } th, td { border: 1px solid #ccc; padding: 0.3em 0.6em; }
+td { font-variant-numeric: tabular-nums; } .not-run { color: #a60; font-style: italic; }
+.problems { color: #a00; } .source, .inputs { color: #555; font-size: 0.9em; }
+"""
+
+
+def _render(page: _Page, inputs: ReportInputs) -> str:
+    now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    given = {"run": inputs.run_dir, "eval": ", ".join(map(str, inputs.eval_json)) or None,
+             "saliency report": inputs.saliency_report, "maps": inputs.maps_dir, "shards": inputs.shards,
+             "views": ", ".join(map(str, inputs.views)) or None}
+    parts = [f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(inputs.title)}"
+             f"</title><style>{STYLE}</style></head><body><h1>{html.escape(inputs.title)}</h1>",
+             f"<p class=\"inputs\">built {now} by <code>relicv2 report</code> from: "
+             + "; ".join(f"{k} <code>{html.escape(str(v))}</code>" for k, v in given.items() if v) + "</p>",
+             "<nav><ul>" + "".join(f'<li><a href="#{sid}">{html.escape(title)}</a></li>' for sid, title in SECTIONS)
+             + "</ul></nav>"]
+    for sid, title in SECTIONS:
+        parts.append(f'<section id="{sid}"><h2>{html.escape(title)}</h2>{page.blocks[sid]}</section>')
+    if page.summary.problems:
+        parts.append('<section id="problems"><h2>Inputs left out</h2><ul class="problems">'
+                     + "".join(f"<li>{html.escape(p)}</li>" for p in page.summary.problems) + "</ul></section>")
+    parts.append("</body></html>\n")
+    return "\n".join(parts)

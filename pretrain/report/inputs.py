@@ -1,0 +1,221 @@
+"""Reading what the jobs wrote: a pretraining run's metrics.jsonl and config.yaml, the eval commands'
+`--json` files, `saliency train`'s report.json, handcrafted maps and (masked) shard samples.
+
+Every reader tolerates what a killed or foreign job leaves behind: a malformed line or file is
+counted and named in `problems`, never raised, so a report can always be written.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+from PIL import Image, UnidentifiedImageError
+
+from shards.keys import UnsafeKeyError, safe_relative_path
+
+HANDCRAFTED_METHODS = ("rbd", "mr", "dsr", "mc")  # the folders `relicv2 saliency handcrafted` writes
+EVAL_REQUIRED = ("protocol", "top1")  # the eval `--json` contract: at least these keys
+
+
+@dataclass
+class RunMetrics:
+    """Step records (loss parts, lr, ...) and kNN records of one pretraining run, one per step."""
+
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    knn: list[dict[str, Any]] = field(default_factory=list)  # each with "epoch" and "knn_top1"
+    problems: list[str] = field(default_factory=list)
+
+
+def read_run_metrics(run_dir: Path) -> RunMetrics:
+    """Parse `run_dir/metrics.jsonl`. A resumed run re-logs the steps after its checkpoint: the last
+    record of a step wins. kNN records get an "epoch" from the run's steps per epoch when they lack one."""
+    result = RunMetrics()
+    path = Path(run_dir) / "metrics.jsonl"
+    steps: dict[int, dict[str, Any]] = {}
+    knn: dict[int, dict[str, Any]] = {}
+    for number, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            step = int(record["step"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            result.problems.append(f"{path}:{number}: not a metrics record, skipped")
+            continue
+        if "knn_top1" in record:
+            knn[step] = record
+        if "loss" in record:
+            steps[step] = record
+    result.steps = [steps[s] for s in sorted(steps)]
+    steps_per_epoch = _steps_per_epoch(Path(run_dir), result.steps)
+    for step in sorted(knn):
+        record = dict(knn[step])
+        if "epoch" not in record and steps_per_epoch:
+            record["epoch"] = step / steps_per_epoch
+        result.knn.append(record)
+    return result
+
+
+def _steps_per_epoch(run_dir: Path, steps: list[dict[str, Any]]) -> float | None:
+    """From the derived values saved in config.yaml, else from the step records' epoch/step ratio."""
+    try:
+        config = yaml.safe_load((run_dir / "config.yaml").read_text())
+        return float(config["derived"]["steps_per_epoch"])
+    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError):
+        pass
+    for record in steps:
+        epoch = record.get("epoch")
+        if isinstance(epoch, int | float) and epoch > 0:
+            return record["step"] / epoch
+    return None
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """One `--json` file of an eval command (the contract's fields; the rest kept in `extra`)."""
+
+    path: Path
+    protocol: str
+    encoder: str  # "random init ResNet-18" or the checkpoint's path
+    random_init: bool
+    top1: float
+    top5: float | None
+    num_train: int | None
+    num_val: int | None
+
+
+def read_eval_results(paths: list[Path]) -> tuple[list[EvalResult], list[str]]:
+    """Load eval JSON files (folders are searched for *.json); bad files are named in the problems."""
+    files: list[Path] = []
+    for path in paths:
+        files += sorted(Path(path).glob("*.json")) if Path(path).is_dir() else [Path(path)]
+    results, problems = [], []
+    for path in files:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(data, dict) or any(key not in data for key in EVAL_REQUIRED):
+                raise ValueError(f"needs the keys {', '.join(EVAL_REQUIRED)}")
+            top1 = _number(data["top1"], "top1")
+            top5 = None if data.get("top5") is None else _number(data["top5"], "top5")
+        except (OSError, json.JSONDecodeError, ValueError, TypeError) as error:
+            problems.append(f"{path}: not an eval result ({error}), left out")
+            continue
+        random_depth = data.get("random_init")
+        encoder = (f"random init ResNet-{random_depth}" if random_depth
+                   else str(data.get("checkpoint") or "unknown checkpoint"))
+        results.append(EvalResult(path=path, protocol=str(data["protocol"]), encoder=encoder,
+                                  random_init=bool(random_depth), top1=top1, top5=top5,
+                                  num_train=_int_or_none(data.get("num_train")),
+                                  num_val=_int_or_none(data.get("num_val"))))
+    # Protocols together, the trained encoder before its random-init baseline.
+    results.sort(key=lambda r: (r.protocol, r.random_init, r.encoder))
+    return results, problems
+
+
+def _number(value: Any, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def metric_rows(report: Any, path: tuple[str, ...] = ()) -> list[tuple[str, dict[str, float]]]:
+    """Flatten a nested report (e.g. saliency train's report.json) into (name, {metric: value}) rows:
+    every mapping whose values include numbers becomes a row named by its path."""
+    rows: list[tuple[str, dict[str, float]]] = []
+    if isinstance(report, dict):
+        numbers = {str(k): float(v) for k, v in report.items()
+                   if isinstance(v, int | float) and not isinstance(v, bool)}
+        if numbers and path:
+            rows.append((" / ".join(path), numbers))
+        for key, value in report.items():
+            if isinstance(value, dict | list):
+                rows += metric_rows(value, (*path, str(key)))
+    elif isinstance(report, list):
+        for index, value in enumerate(report):
+            name = value.get("name") or value.get("method") if isinstance(value, dict) else None
+            rows += metric_rows(value, (*path, str(name or index)))
+    return rows
+
+
+def read_json(path: Path) -> tuple[Any, str | None]:
+    """(parsed JSON, None) or (None, why it could not be read)."""
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8")), None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as error:
+        return None, f"{path}: {error}"
+
+
+@dataclass
+class SaliencySample:
+    """One image with whatever saliency outputs exist for it (arrays in [0, 1], image size)."""
+
+    key: str
+    image: np.ndarray  # HxWx3 uint8
+    maps: dict[str, np.ndarray] = field(default_factory=dict)  # handcrafted method -> map
+    mask: np.ndarray | None = None  # the network's soft mask from a masked shard set
+
+
+def read_saliency_samples(shards: Path | None, maps_dir: Path | None, count: int) -> tuple[list[SaliencySample], list[str]]:
+    """Up to `count` samples of `shards` (a masked or plain shard set), preferring keys that have
+    handcrafted maps in `maps_dir`; masks come from `mask.png` members when the set has them."""
+    from shards import iter_samples  # imported here: it pulls in webdataset and torch
+
+    problems: list[str] = []
+    if shards is None:
+        return [], problems
+    with_maps: list[SaliencySample] = []
+    without: list[SaliencySample] = []
+
+    def handler(error: Exception) -> bool:
+        problems.append(f"{shards}: unreadable sample skipped ({error})")
+        return True
+
+    # Scan a bounded prefix: on an ImageNet-size set whose keys have no maps, never read it all.
+    for scanned, raw in enumerate(iter_samples(shards, handler=handler)):
+        if len(with_maps) >= count or scanned >= max(50 * count, 500):
+            break
+        try:
+            image = np.asarray(Image.open(io.BytesIO(raw["jpg"])).convert("RGB"))
+            size = (image.shape[1], image.shape[0])
+            sample = SaliencySample(key=raw["key"], image=image)
+            if "mask.png" in raw:
+                sample.mask = _grey(Image.open(io.BytesIO(raw["mask.png"])), size)
+            sample.maps = _maps_for(maps_dir, raw["key"], size) if maps_dir else {}
+        except (UnidentifiedImageError, OSError, ValueError) as error:
+            problems.append(f"{shards}: sample {raw.get('key')!r} unreadable ({error}), skipped")
+            continue
+        (with_maps if sample.maps or not maps_dir else without).append(sample)
+    chosen = (with_maps + without)[:count]
+    if maps_dir and chosen and not any(s.maps for s in chosen):
+        problems.append(f"no handcrafted map in {maps_dir} matches a key of {shards}")
+    return chosen, problems
+
+
+def _maps_for(maps_dir: Path, key: str, size: tuple[int, int]) -> dict[str, np.ndarray]:
+    maps = {}
+    for method in HANDCRAFTED_METHODS:
+        try:
+            path = safe_relative_path(Path(maps_dir) / method, key, ".png")
+        except UnsafeKeyError:
+            return {}  # a hostile key names no file of ours
+        if path.is_file():
+            maps[method] = _grey(Image.open(path), size)
+    return maps
+
+
+def _grey(image: Image.Image, size: tuple[int, int]) -> np.ndarray:
+    image = image.convert("L")
+    if image.size != size:
+        image = image.resize(size, Image.Resampling.BILINEAR)
+    return np.asarray(image, dtype=np.float32) / 255.0

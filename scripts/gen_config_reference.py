@@ -1,0 +1,201 @@
+#!/usr/bin/env python3
+"""Generate docs/config.md, the configuration reference, from the config dataclasses themselves.
+
+Every key's type and default come from the dataclass fields; its description from the comment on the
+field's line in the source (and a comment block just above it). So the reference cannot drift from
+the code: `tests/e2e/test_config_reference.py` fails when docs/config.md is not what this script
+writes, and `make docs` (or `python scripts/gen_config_reference.py`) regenerates it.
+
+    python scripts/gen_config_reference.py               # write docs/config.md
+    python scripts/gen_config_reference.py --check       # exit 1 if docs/config.md is stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import importlib
+import inspect
+import io
+import sys
+import textwrap
+import tokenize
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+OUTPUT = REPO / "docs" / "config.md"
+
+# (title, module, root dataclass or None to find the module's top-level one, how users set the keys).
+# Optional entries are skipped while their module does not exist in the checkout.
+JOBS: tuple[tuple[str, str, str | None, str, bool], ...] = (
+    ("Pretraining (`relicv2 pretrain`)", "pretrain.config", "PretrainConfig",
+     "a YAML preset (`--config configs/....yaml`) with one mapping per section, and "
+     "`--set section.key=value` on the command line", False),
+    ("Saliency network (`relicv2 saliency train`)", "saliency.network.config", None,
+     "a preset (`--preset tiny|cpu|paper`) and `--set key=value` on the command line", True),
+)
+
+
+def field_comments(cls: type) -> dict[str, str]:
+    """Field name -> its source comment: the block just above the field, then the one on its line."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    comments: dict[int, str] = {}
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            comments[token.start[0]] = token.string.lstrip("#").strip()
+    lines = source.splitlines()
+    result: dict[str, str] = {}
+    class_node = ast.parse(source).body[0]
+    for node in class_node.body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        above: list[str] = []
+        number = node.lineno - 1
+        while number >= 1 and lines[number - 1].strip().startswith("#"):
+            above.insert(0, comments.get(number, ""))
+            number -= 1
+        trailing = comments.get(node.end_lineno or node.lineno, "")
+        text = " ".join(part for part in (*above, trailing) if part)
+        result[node.target.id] = text.replace("noqa", "").strip()
+    return result
+
+
+def annotations(cls: type) -> dict[str, str]:
+    """Field name -> its annotation as written in the source (readable: `bool | None`, `Literal[...]`)."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    class_node = ast.parse(source).body[0]
+    return {node.target.id: ast.unparse(node.annotation) for node in class_node.body
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)}
+
+
+def yaml_value(value: Any) -> str:
+    """A default as it would be written in a YAML preset."""
+    if isinstance(value, tuple):
+        value = list(value)
+    text = yaml.safe_dump(value, default_flow_style=True, width=1000).strip()
+    return text.removesuffix("\n...").removesuffix("...").strip()
+
+
+def section_class(cls: type, field: dataclasses.Field) -> type | None:
+    """The dataclass of a nested section field (its default factory), else None."""
+    factory = field.default_factory
+    return factory if isinstance(factory, type) and dataclasses.is_dataclass(factory) else None
+
+
+def top_level_dataclass(module: Any) -> type:
+    """The dataclass of `module` that no other dataclass of the module nests (the job's config)."""
+    classes = [obj for _, obj in inspect.getmembers(module, inspect.isclass)
+               if dataclasses.is_dataclass(obj) and obj.__module__ == module.__name__]
+    nested = {section_class(cls, f) for cls in classes for f in dataclasses.fields(cls)}
+    roots = [cls for cls in classes if cls not in nested]
+    if len(roots) != 1:
+        raise SystemExit(f"{module.__name__}: expected one top-level config dataclass, found "
+                         f"{[c.__name__ for c in roots]}; name it in JOBS")
+    return roots[0]
+
+
+def pretrain_presets() -> dict[str, dict[str, Any]]:
+    """configs/*.yaml that are pretraining presets (they load as a PretrainConfig): name -> raw tree."""
+    from pretrain.config import ConfigError, load_config
+
+    presets = {}
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        try:
+            load_config(path)
+        except ConfigError:
+            continue  # a preset of another job
+        presets[path.stem] = yaml.safe_load(path.read_text()) or {}
+    return presets
+
+
+def preset_value(tree: dict[str, Any], key: str) -> str:
+    """The value a preset sets for `section.key`, or "" when it keeps the default."""
+    node: Any = tree
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return ""
+        node = node[part]
+    return f"`{yaml_value(node)}`"
+
+
+def render_table(cls: type, prefix: str, presets: dict[str, dict[str, Any]]) -> list[str]:
+    comments, types = field_comments(cls), annotations(cls)
+    rows = ["| key | type | default | " + "".join(f"{name} | " for name in presets) + "description |",
+            "|---|---|---|" + "---|" * len(presets) + "---|"]
+    for field in dataclasses.fields(cls):
+        if section_class(cls, field) is not None:
+            continue
+        default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+        key = f"{prefix}{field.name}"
+        cells = [f"`{key}`", f"`{types.get(field.name, '')}`", f"`{yaml_value(default)}`",
+                 *(preset_value(tree, key) for tree in presets.values()), comments.get(field.name, "")]
+        rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return rows
+
+
+def render_job(title: str, root: type, how: str, presets: dict[str, dict[str, Any]]) -> list[str]:
+    lines = [f"## {title}", "", f"`{root.__module__}.{root.__name__}`. Set the keys with {how}. "
+             "Unknown keys and values of the wrong type are errors."
+             + (" Preset columns: the value each `configs/<name>.yaml` sets (blank: the default)." if presets else ""),
+             ""]
+    sections = [(f.name, section_class(root, f)) for f in dataclasses.fields(root) if section_class(root, f)]
+    plain = [f for f in dataclasses.fields(root) if not section_class(root, f)]
+    if plain:
+        lines += render_table(root, "", presets) + [""]
+    for name, cls in sections:
+        doc = inspect.getdoc(cls) or ""
+        generic = doc.startswith(f"{cls.__name__}(")  # dataclass's generated signature, not a docstring
+        lines += [f"### `{name}` ({cls.__name__})", ""]
+        if doc and not generic:
+            lines += [doc.replace("\n\n", "\n").replace("\n", " "), ""]
+        lines += render_table(cls, f"{name}.", presets) + [""]
+    return lines
+
+
+def render() -> str:
+    lines = ["# Configuration reference", "",
+             "<!-- Generated by scripts/gen_config_reference.py from the config dataclasses; do not edit. "
+             "Regenerate with `make docs`. -->", "",
+             "Every key of every job's configuration, with its type, default and meaning, as the code "
+             "defines them. The YAML presets in `configs/` override the defaults; `--set` overrides the "
+             "presets. The user guide (`docs/guide.md`) explains which values matter for which run.", ""]
+    for title, module_name, class_name, how, optional in JOBS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as error:
+            if optional and error.name and module_name.startswith(error.name):
+                continue
+            raise
+        root = getattr(module, class_name) if class_name else top_level_dataclass(module)
+        presets = pretrain_presets() if module_name == "pretrain.config" else {}
+        lines += render_job(title, root, how, presets)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=OUTPUT, help="file to write (default docs/config.md)")
+    parser.add_argument("--check", action="store_true", help="only compare; exit 1 when the file is stale")
+    args = parser.parse_args()
+    text = render()
+    if args.check:
+        current = args.out.read_text() if args.out.is_file() else ""
+        if current != text:
+            print(f"{args.out} is stale: regenerate it with `make docs` "
+                  "(python scripts/gen_config_reference.py)", file=sys.stderr)
+            return 1
+        print(f"{args.out} is current")
+        return 0
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(REPO))  # the checkout's packages, also without an installed project
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""docs/config.md is generated from the config dataclasses; it must be what the generator writes now."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from pretrain.config import PretrainConfig
+from tests.paths import REPO
+
+GENERATOR = REPO / "scripts" / "gen_config_reference.py"
+REFERENCE = REPO / "docs" / "config.md"
+
+
+def _generate(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, str(GENERATOR), *args], cwd=REPO, env=env, capture_output=True,
+                          text=True)
+
+
+def test_config_reference_is_current():
+    result = _generate("--check")
+    assert result.returncode == 0, result.stderr + "\nrun `make docs` and commit docs/config.md"
+
+
+def test_check_fails_on_a_stale_reference(tmp_path: Path):
+    stale = tmp_path / "config.md"
+    stale.write_text(REFERENCE.read_text().replace("`data.train_shards`", "`data.train`"))
+    result = _generate("--check", "--out", str(stale))
+    assert result.returncode == 1 and "stale" in result.stderr
+    assert _generate("--out", str(stale)).returncode == 0
+    assert stale.read_text() == REFERENCE.read_text()
+
+
+def test_reference_lists_every_pretrain_key_with_its_default():
+    text = REFERENCE.read_text()
+    for section in dataclasses.fields(PretrainConfig):
+        config = section.default_factory()
+        for field in dataclasses.fields(config):
+            assert f"| `{section.name}.{field.name}` |" in text, f"{section.name}.{field.name} missing"
+    assert "| `optim.base_lr` | `float` | `0.3` |" in text
+    assert "| `views.crop_scale_even` | `tuple[float, float]` | `[0.08, 1.0]` |" in text

@@ -1,0 +1,83 @@
+"""The reduced demo (`DEMO_REDUCED=1 scripts/demo.sh`): every stage runs, the report has every section,
+a second run reuses the finished stages, and the page opens in a real browser with every image loaded."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pretrain.report.html import SECTIONS
+from tests.e2e.conftest import open_page
+from tests.paths import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def _has(*words: str) -> bool:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    result = subprocess.run([sys.executable, "-m", "cli", *words, "--help"], cwd=REPO, env=env,
+                            capture_output=True, text=True)
+    return result.returncode == 0 and (words[-1] != "knn" or "--json" in result.stdout)
+
+
+def _demo(out: Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(REPO), DEMO_REDUCED="1", DEMO_OUT=str(out))
+    return subprocess.run(["bash", str(REPO / "scripts" / "demo.sh"), sys.executable], cwd=out.parent, env=env,
+                          capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    out = tmp_path_factory.mktemp("demo") / "demo-out"
+    result = _demo(out)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    return out, result
+
+
+def test_reduced_demo_report_has_every_section(demo):
+    out, result = demo
+    page = (out / "report.html").read_text()
+    for sid, _ in SECTIONS:
+        assert f'<section id="{sid}">' in page
+    status: dict[str, str] = {}
+    for line in result.stdout.splitlines():  # the report command's "  <section>  <status>" lines
+        if line.startswith("  ") and line.split(None, 1)[0] in dict(SECTIONS):
+            status.setdefault(*line.split(None, 1))
+    # What this checkout can run must be in the report; what it cannot yet says so.
+    expected_ok = {"saliency", "views", "training", "knn"}
+    if _has("saliency", "train"):
+        expected_ok.add("saliency-training")
+    if _has("eval", "knn") or _has("eval", "linear"):
+        expected_ok.add("evaluation")
+    for sid, _ in SECTIONS:
+        if sid in expected_ok:
+            assert status[sid] == "ok", f"section {sid}: {status[sid]}"
+        else:
+            assert status[sid].startswith("not run"), status[sid]
+            assert "not available yet" in result.stdout
+    assert "demo finished" in result.stdout and str(out / "report.html") in result.stdout
+
+
+def test_second_run_reuses_the_finished_stages(demo):
+    out, _ = demo
+    checkpoints = sorted((out / "run").glob("checkpoint-*.pt"))
+    again = _demo(out)
+    assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-4000:]
+    for title in ("demo images", "shards", "handcrafted saliency", "ReLICv2 pretraining"):
+        line = next(line for line in again.stdout.splitlines() if line.startswith("== ") and title in line)
+        assert "done in an earlier run, reused" in line, line
+    assert sorted((out / "run").glob("checkpoint-*.pt")) == checkpoints
+    assert (out / "report.html").is_file()
+
+
+def test_demo_report_opens_in_the_browser(demo, browser):
+    out, _ = demo
+    seen = open_page(browser, out / "report.html")
+    assert len(seen["images"]) >= 4  # saliency, views, loss, lr, knn (+ evaluation when available)
+    broken = [image["src"] for image in seen["images"] if not image["complete"] or image["width"] == 0]
+    assert not broken, f"images that did not load: {broken}"
+    assert not seen["remote"]

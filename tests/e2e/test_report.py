@@ -1,0 +1,162 @@
+"""`relicv2 report`: the page reads every figure from the jobs' own files, and opens in a real browser."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from PIL import Image
+
+from cli.main import cli
+from pretrain.report import ReportInputs, build_report
+from pretrain.report.html import SECTIONS
+from pretrain.report.inputs import read_eval_results, read_run_metrics, read_saliency_samples
+from shards import ShardSample, write_shard_set
+from tests.e2e.conftest import open_page
+
+
+def _png(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _jpg(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(array).save(buffer, format="JPEG", quality=95)
+    return buffer.getvalue()
+
+
+@pytest.fixture()
+def outputs(tmp_path: Path) -> ReportInputs:
+    """What the jobs of a small run leave behind, written by hand in their documented formats."""
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [json.dumps({"step": s, "epoch": s / 3, "loss": 5.0 - 0.5 * s, "contrastive": 4.0 - 0.4 * s,
+                         "invariance": 1.0 - 0.1 * s, "lr": 0.1 * s, "ema": 0.99, "img/s": 50.0})
+             for s in range(1, 7)]
+    lines.insert(3, json.dumps({"step": 3, "knn_top1": 0.40, "knn_skipped": 0.0}))
+    # A resumed run re-logs steps 5 and 6 with other values: the later records must win.
+    lines += [json.dumps({"step": s, "epoch": s / 3, "loss": 1.25, "contrastive": 1.0, "invariance": 0.25,
+                          "lr": 0.2, "ema": 0.995, "images_per_s": 60.0}) for s in (5, 6)]
+    lines.append(json.dumps({"step": 6, "knn_top1": 0.55, "knn_skipped": 0.0}))
+    lines.append('{"step": 7, "loss": 0.9, "contr')  # the killed job's half-written last line
+    (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    (run / "config.yaml").write_text("derived:\n  steps_per_epoch: 3\n")
+
+    evals = tmp_path / "eval"
+    evals.mkdir()
+    for name, protocol, checkpoint, depth, top1 in (
+            ("knn", "knn", str(run), None, 0.8125), ("knn-random", "knn", None, 18, 0.4375),
+            ("linear", "linear-fast", str(run / "checkpoint-000000006.pt"), None, 0.875),
+            ("linear-random", "linear-fast", None, 18, 0.5)):
+        (evals / f"{name}.json").write_text(json.dumps({
+            "protocol": protocol, "checkpoint": checkpoint, "random_init": depth, "top1": top1,
+            "top5": None if protocol == "knn" else 1.0, "num_train": 190, "num_val": 64}))
+    (evals / "broken.json").write_text('{"protocol": "knn"')
+
+    saliency_report = tmp_path / "saliency" / "report.json"
+    saliency_report.parent.mkdir()
+    saliency_report.write_text(json.dumps({
+        "preset": "tiny",
+        "methods": {"rbd": {"raw": {"mae": 0.21, "max_f": 0.61}, "iteration_1": {"mae": 0.17, "max_f": 0.66}}},
+        "fused": {"mae": 0.12, "max_f": 0.71}, "mean_of_handcrafted": {"mae": 0.19, "max_f": 0.63}}))
+
+    # A masked shard set: each image with a soft mask that is 1 on its central square (a quarter of it).
+    rng = np.random.default_rng(0)
+    mask = np.zeros((48, 64), np.uint8)
+    mask[12:36, 16:48] = 255
+    samples = [ShardSample(key=f"img_{i}", members={"jpg": _jpg(rng.integers(0, 255, (48, 64, 3), np.uint8)),
+                                                     "mask.png": _png(mask)}, label=i % 2,
+                           meta={"width": 64, "height": 48}) for i in range(3)]
+    masked = tmp_path / "masked"
+    write_shard_set(samples, masked, prefix="masked")
+    maps = tmp_path / "maps"
+    for method in ("rbd", "mr", "dsr", "mc"):
+        (maps / method).mkdir(parents=True)
+        for key in ("img_1", "img_2"):
+            (maps / method / f"{key}.png").write_bytes(_png(rng.integers(0, 255, (24, 32), np.uint8)))
+    views = tmp_path / "views-masked.png"
+    views.write_bytes(_png(rng.integers(0, 255, (40, 120, 3), np.uint8)))
+    return ReportInputs(run_dir=run, eval_json=(evals,), saliency_report=saliency_report, maps_dir=maps,
+                        shards=masked, views=(views,), count=2)
+
+
+def test_metrics_are_read_from_the_run_file_last_record_of_a_step_wins(outputs: ReportInputs):
+    metrics = read_run_metrics(outputs.run_dir)
+    assert [r["step"] for r in metrics.steps] == [1, 2, 3, 4, 5, 6]
+    assert metrics.steps[-1]["loss"] == 1.25 and metrics.steps[-1]["images_per_s"] == 60.0
+    assert [(r["epoch"], r["knn_top1"]) for r in metrics.knn] == [(1.0, 0.40), (2.0, 0.55)]
+    assert len(metrics.problems) == 1 and "metrics.jsonl:11" in metrics.problems[0]
+
+
+def test_eval_files_are_validated_and_sorted_trained_before_random(outputs: ReportInputs):
+    results, problems = read_eval_results(list(outputs.eval_json))
+    assert [(r.protocol, r.random_init, r.top1) for r in results] == [
+        ("knn", False, 0.8125), ("knn", True, 0.4375), ("linear-fast", False, 0.875), ("linear-fast", True, 0.5)]
+    assert results[1].encoder == "random init ResNet-18"
+    assert len(problems) == 1 and "broken.json" in problems[0]
+
+
+def test_saliency_samples_prefer_images_with_maps_and_carry_the_masks(outputs: ReportInputs):
+    samples, problems = read_saliency_samples(outputs.shards, outputs.maps_dir, count=2)
+    assert [s.key for s in samples] == ["img_1", "img_2"] and not problems
+    for sample in samples:
+        assert set(sample.maps) == {"rbd", "mr", "dsr", "mc"}
+        assert sample.maps["rbd"].shape == sample.image.shape[:2]  # maps resized to the image
+        assert (sample.mask >= 0.5).mean() == pytest.approx(0.25, abs=0.01)
+
+
+def test_report_has_every_section_filled_from_the_files(outputs: ReportInputs, tmp_path: Path):
+    summary = build_report(outputs, tmp_path / "out" / "report.html")
+    assert summary.sections == {sid: "ok" for sid, _ in SECTIONS}
+    text = summary.page.read_text()
+    for number in ("0.8125", "0.4375", "0.8750", "0.5000", "0.7100", "+0.3750"):  # from the JSON files
+        assert number in text
+    assert "final loss 1.2500" in text  # the resumed run's last record
+    assert any("broken.json" in p for p in summary.problems) and "Inputs left out" in text
+    names = {p.name for p in summary.figures}
+    assert names == {"saliency.png", "views-0-views-masked.png", "loss.png", "lr.png", "knn.png", "evaluation.png"}
+    for figure in summary.figures:
+        assert figure.parent == tmp_path / "out" / "report-figures"
+        assert Image.open(figure).size[0] > 100
+
+
+def test_missing_inputs_say_not_run(tmp_path: Path):
+    summary = build_report(ReportInputs(run_dir=tmp_path / "no-run"), tmp_path / "report.html")
+    assert all(status.startswith("not run") for status in summary.sections.values())
+    assert summary.page.read_text().count('class="not-run"') == len(SECTIONS)
+    with pytest.raises(ValueError, match="must end in .html"):
+        build_report(ReportInputs(), tmp_path / "report.txt")
+
+
+def test_cli_writes_the_page_and_prints_each_section(outputs: ReportInputs, tmp_path: Path):
+    out = tmp_path / "cli" / "report.html"
+    args = ["report", "--out", str(out), "--run", str(outputs.run_dir), "--eval", str(outputs.eval_json[0]),
+            "--views", str(outputs.views[0])]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    assert "training           ok" in result.output and "saliency           not run" in result.output
+    assert out.is_file()
+    nothing = CliRunner().invoke(cli, ["report", "--out", str(tmp_path / "empty.html"), "--run", str(tmp_path)])
+    assert nothing.exit_code == 1 and "no section could be built" in nothing.output
+    assert (tmp_path / "empty.html").is_file()  # the page still says what is missing
+
+
+def test_report_opens_in_a_headless_browser_with_every_image_loaded(outputs: ReportInputs, tmp_path: Path,
+                                                                    browser):
+    summary = build_report(outputs, tmp_path / "report.html")
+    seen = open_page(browser, summary.page)
+    assert len(seen["images"]) == len(summary.figures) == 6
+    broken = [image["src"] for image in seen["images"] if not image["complete"] or image["width"] == 0]
+    assert not broken, f"images that did not load: {broken}"
+    assert all(not image["src"].startswith(("/", "http", "file:")) for image in seen["images"])  # relative
+    evaluation = [t for t in seen["tables"] if t["cls"] == "evaluation"]
+    assert evaluation == [{"cls": "evaluation", "rows": 4}]
+    assert set(seen["sections"]) >= {sid for sid, _ in SECTIONS}
+    assert "0.8125" in seen["sections"]["evaluation"]
+    assert not seen["remote"], f"the page asked for remote resources: {seen['remote']}"
