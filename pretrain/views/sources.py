@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shards import index_path, list_shards, read_index, read_manifest
-from shards.index import format_index, split_member_name
+from shards.index import IndexFileError, format_index, split_member_name
 from shards.keys import UnsafeKeyError, check_key
 
 # Image member extensions WebDataset users write. The shards helper is to export the same tuple as
@@ -164,6 +164,8 @@ def index_samples(tar: Path, idx: Path) -> list[SampleRef]:
     fix = f"rewrite it with shards.write_index({tar.name}) (or rebuild the shard set)"
     try:
         entries_per_sample = read_index(idx)
+    except IndexFileError:
+        raise  # already one line naming the file and the fix
     except (ValueError, IndexError, UnicodeDecodeError) as exc:
         raise ValueError(f"{idx} is not a valid DALI index ({exc}); {fix}") from None
     tar_size = tar.stat().st_size

@@ -77,14 +77,14 @@ def rewrite_index(tar, edit) -> None:
 @pytest.mark.parametrize(
     ("edit", "says"),
     [
-        (lambda lines: [lines[0]] + [lines[1].replace(lines[1].split()[1], "-5", 1)] + lines[2:], "claims bytes"),
-        (lambda lines: [lines[0]] + [lines[1].replace(lines[1].split()[2], "99999999999", 1)] + lines[2:], "claims bytes"),
-        (lambda lines: ["v1.2 lots"] + lines[1:], "not a valid DALI index"),
-        (lambda lines: lines[1:], "not a valid DALI index"),
+        (lambda lines: [lines[0]] + [lines[1].replace(lines[1].split()[1], "-5", 1)] + lines[2:], "negative offset"),
+        (lambda lines: [lines[0]] + [lines[1].replace(lines[1].split()[2], "99999999999", 1)] + lines[2:], "beyond the tar|claims bytes"),
+        (lambda lines: ["v1.2 lots"] + lines[1:], "is not a DALI v1.2 index"),
+        (lambda lines: lines[1:], "is not a DALI v1.2 index"),
         (lambda lines: [lines[0]] + [" ".join(lines[1].split()[:3] + ["../../etc/passwd.jpg"])] + lines[2:],
          "'..' component"),
         (lambda lines: [lines[0]] + [" ".join(lines[1].split()[:3] + ["other.jpg"])] + lines[2:], "does not belong"),
-        (lambda lines: [lines[0]] + ["jpg 0 10"] + lines[2:], "not a valid DALI index"),
+        (lambda lines: [lines[0]] + ["jpg 0 10"] + lines[2:], "malformed"),
     ],
     ids=["negative-offset", "huge-size", "garbage-count", "no-header", "traversal", "foreign-member", "short-line"],
 )
