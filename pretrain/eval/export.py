@@ -23,7 +23,12 @@ from typing import Any
 
 import torch
 
-from pretrain.model.resnet import ResNet, load_torchvision_state_dict, resnet, to_torchvision_state_dict
+from pretrain.model.resnet import (
+    ResNet,
+    load_torchvision_state_dict,
+    resnet,
+    to_torchvision_state_dict,
+)
 from shards.atomic import atomic_output
 
 FORMATS = ("torchvision", "relicv2")
@@ -148,3 +153,53 @@ def load_backbone(path: str | Path, *, network: str = "online") -> tuple[ResNet,
     step = load_checkpoint(resolved).get("step")
     return encoder, {"checkpoint": str(resolved), "format": "relicv2-checkpoint", "network": network,
                      "step": int(step) if step is not None else None}
+
+
+def _known_figures(run_dir: Path, step: int) -> dict[str, Any]:
+    """The last kNN top-1 logged at or before `step` in the run's metrics.jsonl, and linear results beside it."""
+    figures: dict[str, Any] = {}
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a killed run
+            if isinstance(record, dict) and "knn_top1" in record and record.get("step", 0) <= step:
+                figures["knn_top1"] = record["knn_top1"]
+                figures["knn_step"] = record.get("step")
+    for name in sorted(run_dir.glob("linear*.json")):
+        try:
+            record = json.loads(name.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if isinstance(record, dict) and "protocol" in record and "top1" in record:
+            figures[f"{record['protocol']}_top1"] = record["top1"]
+    return figures
+
+
+def export_checkpoint(checkpoint: str | Path, out: str | Path, *, network: str = "online") -> dict[str, Any]:
+    """Write the encoder of a pretraining checkpoint (or run folder) as an exported file; return the sidecar."""
+    from pretrain.checkpoint import load_checkpoint
+    from pretrain.config import from_dict
+    from pretrain.eval.knn import encoder_from_checkpoint, resolve_checkpoint
+
+    resolved = resolve_checkpoint(checkpoint)
+    payload = load_checkpoint(resolved)
+    config = from_dict(payload["config"], source=f"the config embedded in {resolved}")
+    encoder = encoder_from_checkpoint(resolved, network=network)
+    step = int(payload["step"])
+    summary = {
+        "model": {"depth": config.model.depth, "width": config.model.width},
+        "views": {"large_views": config.views.large_views, "small_views": config.views.small_views,
+                  "large_size": config.views.large_size, "small_size": config.views.small_size,
+                  "mask_probability": config.views.mask_probability},
+        "loss": {"temperature": config.loss.temperature, "num_negatives": config.loss.num_negatives,
+                 "contrast_weight": config.loss.contrast_weight, "invariance_weight": config.loss.invariance_weight},
+        "optim": {"global_batch": config.optim.global_batch, "epochs": config.optim.epochs,
+                  "base_lr": config.optim.base_lr},
+        "data": {"train_shards": config.data.train_shards},
+    }
+    metadata = {"source": str(resolved), "network": network, "step": step, "config_summary": summary,
+                "figures": _known_figures(resolved.parent, step)}
+    return save_encoder_file(encoder, out, depth=config.model.depth, width=config.model.width, metadata=metadata)
