@@ -177,18 +177,21 @@ def train(train_shards: Path, out: Path, relic_epochs: int, budget_s: float, clo
 @click.option("--train-shards", type=click.Path(path_type=Path, exists=True), required=True)
 @click.option("--val-shards", type=click.Path(path_type=Path, exists=True), required=True)
 @click.option("--out", type=click.Path(path_type=Path), required=True)
-def score(train_shards: Path, val_shards: Path, out: Path) -> None:
-    """kNN and linear-fast (64 px) of both exported encoders and of a random-init ResNet-18."""
+@click.option("--encoder", "encoders", multiple=True, metavar="NAME=FILE",
+              help="Score these exported encoders instead of OUT/relicv2.pt and OUT/simclr.pt (repeatable).")
+def score(train_shards: Path, val_shards: Path, out: Path, encoders: tuple[str, ...]) -> None:
+    """kNN and linear-fast (64 px) of the exported encoders and of a random-init ResNet-18."""
     from pretrain.eval.features import FeatureSpec, cached_features
     from pretrain.eval.knn import knn_predict, random_encoder
     from pretrain.eval.linear import LinearConfig, train_linear_on_features
 
     spec = FeatureSpec(crop_size=VIEW_SIZE, resize_size=VIEW_SIZE)
-    train_info = json.loads((out / "train.json").read_text())
+    train_info = json.loads((out / "train.json").read_text()) if (out / "train.json").is_file() else {}
+    files = dict(item.split("=", 1) for item in encoders) or {"relicv2": out / "relicv2.pt",
+                                                              "lightly-simclr": out / "simclr.pt"}
     rows = []
     for name, encoder in (("random-init", random_encoder(DEPTH)),
-                          ("relicv2", load_encoder_file(out / "relicv2.pt")),
-                          ("lightly-simclr", load_encoder_file(out / "simclr.pt"))):
+                          *((name, load_encoder_file(path)) for name, path in files.items())):
         train_set = cached_features(encoder, train_shards, spec, cache_dir=out / "features" / name)
         val_set = cached_features(encoder, val_shards, spec, cache_dir=out / "features" / name)
         num_classes = int(max(train_set.labels.max(), val_set.labels.max())) + 1

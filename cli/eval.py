@@ -200,3 +200,56 @@ def _print_result(title: str, payload: dict[str, Any]) -> None:
     if payload.get("skipped"):
         print(f"warning: {payload['skipped']} undecodable images were left out (named above)", file=sys.stderr)
 
+
+
+@eval_group.command("finetune")
+@_backbone_options
+@click.option("--labels", "labels_path", type=click.Path(path_type=Path), required=True,
+              help="Key list of the labelled subset (relicv2 shards subset ... --out KEYS.txt).")
+@click.option("--preset", type=click.Choice(["1pct", "10pct"]), default="1pct", show_default=True,
+              help="The paper's 1% or 10% recipe (batch, head / encoder lr, weight decay).")
+def finetune_command(checkpoint: Path | None, random_depth: int | None, network: str, train_shards: Path,
+                     val_shards: Path, output: Path | None, json_path: Path | None, overrides: tuple[str, ...],
+                     device: str, seed: int, labels_path: Path, preset: str) -> None:
+    """Semi-supervised fine-tuning: encoder + new linear head on a labelled key subset, 20 epochs.
+
+    \b
+    relicv2 shards subset shards/train --fraction 0.01 --out 1pct.txt
+    relicv2 eval finetune --checkpoint runs/r50 --train shards/train --val shards/val --labels 1pct.txt
+    """
+    from pretrain import distributed
+    from pretrain.checkpoint import CheckpointError
+    from pretrain.eval.export import ExportError
+    from pretrain.eval.finetune import FinetuneConfig, finetune
+    from pretrain.eval.linear import config_with
+    from pretrain.eval.paper import HeadCheckpointError
+    from shards.lock import FolderLockedError, folder_lock
+    from shards.subset import read_key_list
+
+    try:
+        config = config_with(FinetuneConfig.preset_config(preset), _parse_sets(overrides))
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--set") from None
+    ctx = distributed.init(device)
+    try:
+        keys = read_key_list(labels_path)
+        with folder_lock(output, "relicv2 eval finetune", enabled=ctx.rank == 0) if output \
+                else contextlib.nullcontext():
+            encoder, record = _backbone(checkpoint, random_depth, network, seed)
+            result = finetune(encoder, train_shards, val_shards, keys, config, device=ctx.device,
+                              output_dir=output, ctx=ctx)
+    except (CheckpointError, ExportError, HeadCheckpointError, FolderLockedError, FileNotFoundError,
+            ValueError) as error:
+        raise click.ClickException(str(error)) from None
+    finally:
+        distributed.teardown(ctx)
+    if ctx.rank != 0:
+        return
+    what = record["checkpoint"] or f"random-init ResNet-{random_depth}"
+    payload = result.as_json(checkpoint=record["checkpoint"], random_init=record["random_init"],
+                             extra={"network": record["network"], "step": record["step"], "labels": str(labels_path),
+                                    "world_size": ctx.world_size, "config": _plain(config)})
+    _print_result(f"{result.protocol} of {what}", payload)
+    _write_json(json_path, payload)
+    if output is not None:
+        _write_json(output / "result.json", payload)

@@ -214,6 +214,13 @@ def encoder_from_checkpoint(path: str | Path, *, network: str = "online") -> Res
     """
     if network not in ("online", "target"):
         raise ValueError(f"network must be 'online' or 'target', got {network!r}")
+    from pretrain.eval.export import (  # an exported file (relicv2 export)
+        is_encoder_file,
+        load_encoder_file,
+    )
+
+    if is_encoder_file(path):
+        return load_encoder_file(path)
     path = resolve_checkpoint(path)
     payload = load_checkpoint(path)
     config = from_dict(payload["config"], source=f"the config embedded in {path}")

@@ -193,13 +193,14 @@ def evaluate_linear(
                               output_dir=Path(output_dir) if output_dir is not None else None, ctx=ctx)
 
 
-def config_with(config: LinearConfig, overrides: dict[str, Any]) -> LinearConfig:
-    """`config` with `--set key=value` overrides (values parsed as the field's type)."""
-    fields = {f.name: f for f in dataclasses.fields(LinearConfig)}
+def config_with(config: Any, overrides: dict[str, Any]) -> Any:
+    """A frozen eval config with `--set key=value` overrides (values parsed as the field's type)."""
+    fixed = {"protocol", "preset"}  # chosen with --preset
+    fields = {f.name for f in dataclasses.fields(config)} - fixed
     changes = {}
     for key, raw in overrides.items():
-        if key not in fields or key == "protocol":
-            raise ValueError(f"unknown linear option {key!r}; choose from {sorted(set(fields) - {'protocol'})}")
+        if key not in fields:
+            raise ValueError(f"unknown option {key!r}; choose from {sorted(fields)}")
         current = getattr(config, key)
         try:
             if isinstance(current, bool):
@@ -211,6 +212,6 @@ def config_with(config: LinearConfig, overrides: dict[str, Any]) -> LinearConfig
             else:
                 value = type(current)(raw)
         except ValueError:
-            raise ValueError(f"linear option {key}={raw!r}: expected a {type(current).__name__}") from None
+            raise ValueError(f"option {key}={raw!r}: expected a {type(current).__name__}") from None
         changes[key] = value
     return dataclasses.replace(config, **changes)

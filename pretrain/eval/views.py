@@ -48,8 +48,8 @@ def labelled_samples(source: str | Path, keys: set[str] | None = None) -> tuple[
         raise ValueError(f"{what} in {source}; check the shard set (and the key list)")
     if "cls" not in samples[0].members:
         raise ValueError(f"{source} has no class labels (.cls); build it from a folder with class sub-folders")
-    if keys is not None and len(samples) < len(keys):
-        missing = sorted(keys - {s.key for s in samples})
+    missing = sorted(keys - {s.key for s in samples} - set(sample_set.skipped_keys)) if keys is not None else []
+    if missing:
         raise ValueError(f"{len(missing)} listed keys are not in {source} (e.g. {missing[:3]}); "
                          "the key list belongs to another shard set")
     lost = len(sample_set.skipped_keys) if keys is None else len(keys & set(sample_set.skipped_keys))

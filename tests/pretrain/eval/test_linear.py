@@ -150,4 +150,4 @@ def test_linear_cli_writes_the_json_contract(shape_shards, tmp_path):
     assert json.loads((tmp_path / "run" / "result.json").read_text()) == record
     bad = CliRunner().invoke(eval_group, ["linear", "--random-init", "18", "--train", str(train), "--val", str(val),
                                           "--set", "nonsense=1"])
-    assert bad.exit_code != 0 and "unknown linear option" in bad.output
+    assert bad.exit_code != 0 and "unknown option" in bad.output
