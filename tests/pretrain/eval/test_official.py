@@ -57,16 +57,15 @@ class _Torso(hk.Module):
         return jnp.mean(x, axis=(1, 2))
 
 
-def _randomise(tree, rng: np.random.Generator, kind: str):
+def _randomise(tree, rng: np.random.Generator):
     """Non-trivial weights and BN statistics (scale ~1, variances in [0.5, 2], shifted means)."""
     out = {}
     for module, entries in tree.items():
         out[module] = {}
-        for key, value in entries.items():
-            shape = np.shape(value)
-            if kind == "params" and key == "w":
-                fan_in = int(np.prod(shape[:-1]))
-                new = rng.normal(0, np.sqrt(2 / fan_in), shape)
+        for key, spec in entries.items():
+            shape, dtype = spec.shape, spec.dtype
+            if key == "w":
+                new = rng.normal(0, np.sqrt(2 / int(np.prod(shape[:-1]))), shape)
             elif key == "scale":
                 new = rng.uniform(0.5, 1.5, shape)
             elif key == "offset":
@@ -76,8 +75,8 @@ def _randomise(tree, rng: np.random.Generator, kind: str):
             elif key in ("average", "hidden"):
                 new = rng.normal(0, 0.2, shape)
             else:
-                new = np.asarray(value)
-            out[module][key] = np.asarray(new, dtype=np.asarray(value).dtype)
+                new = np.zeros(shape)
+            out[module][key] = np.asarray(new, dtype=dtype)
     return out
 
 
@@ -85,11 +84,11 @@ def _release(tmp_path, blocks, bottleneck, width, size, name, projection=(True, 
              device_axis=False):
     model = _torso(blocks, bottleneck, width, name, projection)
     images = np.random.default_rng(1).normal(0, 1, (2, size, size, 3)).astype(np.float32)
-    params, state = model.init(jax.random.PRNGKey(0), jnp.asarray(images), True)
+    # Shapes only (no computation), then random values: much faster than running haiku's init.
+    params, state = jax.eval_shape(lambda x: model.init(jax.random.PRNGKey(0), x, True), images)
     rng = np.random.default_rng(2)
-    params = _randomise(params, rng, "params")
-    state = _randomise(state, rng, "state")
-    features, _ = model.apply(params, state, None, jnp.asarray(images), False)
+    params, state = _randomise(params, rng), _randomise(state, rng)
+    features, _ = jax.jit(model.apply, static_argnums=4)(params, state, None, images, False)
     online_params = {**params, "projector/~/linear": {"w": np.zeros((4, 4), np.float32)}}  # heads are ignored
     if device_axis:
         online_params = jax.tree_util.tree_map(lambda a: np.asarray(a)[None], online_params)
