@@ -104,3 +104,25 @@ def test_an_exported_file_feeds_eval_knn_and_eval_linear(tmp_path, shape_shards)
     assert linear.exit_code == 0, linear.output
     payload = json.loads(record.read_text())
     assert payload["checkpoint"] == str(out) and payload["step"] == 7 and payload["protocol"] == "linear-fast"
+
+
+def test_same_tf_padding_pads_strided_layers_after_more_than_before():
+    from pretrain.model.resnet import _same_tf_pads
+
+    assert _same_tf_pads(224, 7, 2) == (2, 3)  # TF: out 112, total pad 5 -> 2 before, 3 after
+    assert _same_tf_pads(112, 3, 2) == (0, 1)
+    assert _same_tf_pads(57, 3, 2) == (1, 1)
+    assert _same_tf_pads(56, 1, 2) == (0, 0)
+    torch_mode, tf_mode = resnet(18), resnet(18, padding="same_tf")
+    tf_mode.load_state_dict(torch_mode.state_dict())  # same names and shapes in both modes
+    x = torch.randn(1, 3, 32, 32)  # even sizes: SAME pads asymmetrically (odd ones symmetrically)
+    with torch.no_grad():
+        assert tf_mode.eval()(x).shape == torch_mode.eval()(x).shape == (1, 512)
+        assert not torch.allclose(tf_mode(x), torch_mode(x))  # the padding really differs
+    # a 1-pixel shift of the input is what "more padding after" means for the stem
+    conv = tf_mode.conv1
+    image = torch.randn(1, 3, 8, 8)
+    expected = torch.nn.functional.conv2d(torch.nn.functional.pad(image, (2, 3, 2, 3)), conv.weight, stride=2)
+    assert torch.allclose(conv(image), expected)
+    with pytest.raises(ValueError, match="padding must be one of"):
+        resnet(18, padding="valid")
