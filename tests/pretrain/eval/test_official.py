@@ -163,3 +163,16 @@ def test_a_pickle_with_a_code_payload_is_refused_without_running_it(tmp_path):
     junk.write_bytes(b"not a pickle")
     with pytest.raises(OfficialImportError, match="junk.pkl"):
         encoder_from_release(junk)
+
+
+def test_import_official_cli_refuses_a_payload_with_one_clear_error(tmp_path):
+    from click.testing import CliRunner
+
+    from cli.main import cli
+
+    marker = tmp_path / "ran"
+    evil = tmp_path / "evil.pkl"
+    evil.write_bytes(pickle.dumps({"experiment_state": _Payload(marker)}, protocol=2))
+    result = CliRunner().invoke(cli, ["import-official", str(evil), "--out", str(tmp_path / "x.pt")])
+    assert result.exit_code != 0 and "refused to load global posix.system" in result.output
+    assert not marker.exists() and not (tmp_path / "x.pt").exists()
