@@ -49,7 +49,8 @@ class LinearConfig:
     resize_size: int = 256  # test views: short side before the centre crop
     crop_scale: tuple[float, float] = (0.08, 1.0)  # train views (paper protocol)
     seed: int = 0
-    workers: int = 2  # decoding workers (paper protocol)
+    workers: int = 2  # decoding workers / DALI threads (paper protocol)
+    backend: str = "dali"  # paper protocol views: "dali" (CPU or GPU decoding) or "pil" (torch DataLoader)
     feature_batch: int = 256  # images per forward pass of the frozen encoder
 
     def __post_init__(self) -> None:
@@ -60,6 +61,8 @@ class LinearConfig:
                 raise ValueError(f"linear.{name} must be positive, got {getattr(self, name)}")
         if self.base_lr <= 0 or not 0 <= self.momentum < 1 or self.weight_decay < 0:
             raise ValueError("linear.base_lr must be > 0, momentum in [0, 1) and weight_decay >= 0")
+        if self.backend not in ("dali", "pil"):
+            raise ValueError(f"linear.backend must be 'dali' or 'pil', got {self.backend!r}")
         if not 0 < self.crop_scale[0] <= self.crop_scale[1] <= 1:
             raise ValueError(f"linear.crop_scale must satisfy 0 < lo <= hi <= 1, got {self.crop_scale}")
 

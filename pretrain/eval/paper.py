@@ -83,20 +83,43 @@ def train_linear_paper(
 ) -> LinearResult:
     """Train the head on augmented views of `train_shards`, score it on `val_shards` (exact over ranks)."""
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
-    train_samples, train_lost = labelled_samples(train_shards)
-    val_samples, val_lost = labelled_samples(val_shards)
+    per_rank_batch = max(1, config.batch_size // world)
+    if config.backend == "dali":
+        from pretrain.eval.dali_views import DaliViews
+
+        options = {"crop_size": config.crop_size, "resize_size": config.resize_size, "batch_size": per_rank_batch,
+                   "rank": rank, "world": world, "threads": config.workers, "device": device}
+        dali_train = DaliViews(train_shards, train=True, scale=config.crop_scale, seed=config.seed, **options)
+        dali_val = DaliViews(val_shards, train=False, **options)
+        train_samples, train_lost = dali_train.sample_set.samples, dali_train.skipped
+        val_samples, val_lost = dali_val.sample_set.samples, dali_val.skipped
+    else:
+        train_samples, train_lost = labelled_samples(train_shards)
+        val_samples, val_lost = labelled_samples(val_shards)
     train_set = LabelledViews(train_samples, train=True, crop_size=config.crop_size,
                               resize_size=config.resize_size, scale=config.crop_scale, seed=config.seed)
-    val_set = LabelledViews(val_samples, train=False, crop_size=config.crop_size,
-                            resize_size=config.resize_size)
-    num_classes = 1 + max(int(s.read("cls").decode()) for s in (*train_set.samples, *val_set.samples))
+    val_set = LabelledViews(val_samples, train=False, crop_size=config.crop_size, resize_size=config.resize_size)
+
+    def train_batches(epoch: int):
+        if config.backend == "dali":
+            return dali_train.epoch()
+        train_set.epoch = epoch
+        order = rank_order(len(train_set), seed=config.seed, epoch=epoch, rank=rank, world=world, shuffle=True)
+        return loader(train_set, order, per_rank_batch, config.workers)
+
+    def val_batches():
+        if config.backend == "dali":
+            return dali_val.epoch()
+        order = rank_order(len(val_set), seed=0, epoch=0, rank=rank, world=world, shuffle=False)
+        return loader(val_set, order, per_rank_batch, config.workers)
+
+    num_classes = 1 + max(int(s.read("cls").decode()) for s in (*train_samples, *val_samples))
     torch.manual_seed(config.seed)
     head = nn.Linear(encoder.num_features, num_classes).to(device)
     nn.init.normal_(head.weight, 0, 0.01)
     nn.init.zeros_(head.bias)
     optimizer = torch.optim.SGD(head.parameters(), lr=config.peak_lr, momentum=config.momentum,
                                 nesterov=config.nesterov, weight_decay=config.weight_decay)
-    per_rank_batch = max(1, config.batch_size // world)
     steps_per_epoch = math.ceil(math.ceil(len(train_set) / world) / per_rank_batch)
     total = steps_per_epoch * config.epochs
     checkpoint = output_dir / HEAD_FILE if output_dir is not None else None
@@ -109,10 +132,7 @@ def train_linear_paper(
     progress = tqdm(total=total, initial=start_epoch * steps_per_epoch, desc="linear", disable=rank != 0,
                     unit="step")
     for epoch in range(start_epoch, config.epochs):
-        train_set.epoch = epoch
-        order = rank_order(len(train_set), seed=config.seed, epoch=epoch, rank=rank, world=world, shuffle=True)
-        for step_in_epoch, (images, labels, bad) in enumerate(loader(train_set, order, per_rank_batch,
-                                                                     config.workers)):
+        for step_in_epoch, (images, labels, bad) in enumerate(train_batches(epoch)):
             skipped += bad
             for group in optimizer.param_groups:
                 group["lr"] = cosine_lr(config.peak_lr, epoch * steps_per_epoch + step_in_epoch, total)
@@ -134,9 +154,8 @@ def train_linear_paper(
     progress.close()
     logits, labels, val_skipped = [], [], 0
     head.eval()
-    order = rank_order(len(val_set), seed=0, epoch=0, rank=rank, world=world, shuffle=False)
     with torch.no_grad():
-        for images, batch_labels, bad in loader(val_set, order, per_rank_batch, config.workers):
+        for images, batch_labels, bad in val_batches():
             val_skipped += bad
             if batch_labels.numel():
                 logits.append(head(_features(encoder, images, device)).float().cpu())

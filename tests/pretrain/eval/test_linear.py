@@ -74,7 +74,7 @@ def test_feature_cache_is_reused_and_keyed_by_the_encoder(shape_shards, tmp_path
 
 
 PAPER = LinearConfig.preset("paper", epochs=8, batch_size=24, base_lr=2.0, crop_size=32, resize_size=36,
-                            crop_scale=(0.6, 1.0), workers=0)
+                            crop_scale=(0.6, 1.0), workers=0, backend="pil")
 
 
 def test_paper_protocol_learns_and_resumes_to_the_same_head(shape_shards, tmp_path, monkeypatch):
@@ -105,6 +105,14 @@ def test_paper_protocol_learns_and_resumes_to_the_same_head(shape_shards, tmp_pa
     with pytest.raises(paper.HeadCheckpointError, match="other linear options"):
         evaluate_linear(PooledPixels(), train, val, config_with(PAPER, {"base_lr": "0.1"}),
                         output_dir=tmp_path / "resumed")
+
+
+def test_paper_protocol_through_dali_views(shape_shards, tmp_path):
+    train, val = shape_shards
+    config = config_with(PAPER, {"backend": "dali", "workers": "1"})
+    result = evaluate_linear(PooledPixels(), train, val, config, output_dir=tmp_path)
+    assert result.protocol == "linear-paper" and result.top1 >= 0.8
+    assert (result.num_train, result.num_val, result.skipped) == (72, 36, 1)  # the corrupt JPEG left out
 
 
 def _linear_rank(rank: int, world: int, port: int, train, val, out) -> None:
