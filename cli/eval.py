@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import sys
 from pathlib import Path
+from typing import Any
 
 import click
 
 from pretrain.config import KnnConfig  # light (no torch): the one owner of the kNN defaults
+from shards.atomic import atomic_output
 
 KNN = KnnConfig()
 
 
 @click.group()
 def eval_group() -> None:
-    """Evaluate pretrained encoders (kNN)."""
+    """Evaluate pretrained encoders (kNN, linear probe, semi-supervised fine-tuning)."""
 
 
 @eval_group.command("knn")
@@ -42,7 +47,6 @@ def knn(checkpoint: Path | None, random_depth: int | None, network: str, train_s
         batch_size: int | None, device: str, seed: int, json_path: Path | None) -> None:
     """Weighted cosine kNN top-1 of an encoder: train features as the bank (defaults: pretrain.config.KnnConfig)."""
     import dataclasses
-    import json
 
     import torch
 
@@ -54,7 +58,6 @@ def knn(checkpoint: Path | None, random_depth: int | None, network: str, train_s
         random_encoder,
         resolve_checkpoint,
     )
-    from shards.atomic import atomic_write_bytes
 
     if (checkpoint is None) == (random_depth is None):
         raise click.UsageError("give exactly one of --checkpoint or --random-init DEPTH")
@@ -92,6 +95,193 @@ def knn(checkpoint: Path | None, random_depth: int | None, network: str, train_s
                   "settings": {key: value for key, value in dataclasses.asdict(settings).items()
                                if key in given}}
         try:
-            atomic_write_bytes(json_path, (json.dumps(record, indent=2) + "\n").encode())
+            _write_json(json_path, record)
         except OSError as error:
             raise click.ClickException(f"cannot write --json {json_path}: {error.strerror or error}") from None
+
+
+def _parse_sets(items: tuple[str, ...]) -> dict[str, str]:
+    parsed = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--set")
+        parsed[key.strip()] = value.strip()
+    return parsed
+
+
+def _write_json(path: Path | None, record: dict[str, Any]) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_output(path) as tmp:
+        Path(tmp).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def _backbone(checkpoint: Path | None, random_depth: int | None, network: str, seed: int):
+    """(encoder, record fields) for --checkpoint (run folder, checkpoint or exported file) or --random-init."""
+    from pretrain.eval.export import load_backbone
+    from pretrain.eval.knn import random_encoder
+
+    if (checkpoint is None) == (random_depth is None):
+        raise click.UsageError("give exactly one of --checkpoint or --random-init DEPTH")
+    if checkpoint is not None:
+        encoder, info = load_backbone(checkpoint, network=network)
+        return encoder, {"checkpoint": info["checkpoint"], "random_init": None, "network": info["network"],
+                         "step": info["step"], "source_format": info["format"]}
+    return random_encoder(random_depth, seed=seed), {"checkpoint": None, "random_init": random_depth,
+                                                     "network": None, "step": None, "source_format": None}
+
+
+def print_table(title: str, rows: list[tuple[str, str]]) -> None:
+    """A two-column table on stdout (the human-readable twin of --json)."""
+    width = max(len(name) for name, _ in rows)
+    click.echo(title)
+    click.echo("-" * max(len(title), width + 14))
+    for name, value in rows:
+        click.echo(f"{name.ljust(width)}  {value}")
+
+
+_BACKBONE_OPTIONS = [
+    click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
+                 help="Pretraining checkpoint, run folder (newest checkpoint) or exported encoder file."),
+    click.option("--random-init", "random_depth", type=click.IntRange(min=18), default=None, metavar="DEPTH",
+                 help="Instead of a checkpoint, a randomly initialised ResNet-DEPTH (the baseline)."),
+    click.option("--network", type=click.Choice(["online", "target"]), default="online", show_default=True),
+    click.option("--train", "train_shards", type=click.Path(path_type=Path), required=True,
+                 help="Labelled shard set to train the head on."),
+    click.option("--val", "val_shards", type=click.Path(path_type=Path), required=True,
+                 help="Labelled shard set to score."),
+    click.option("--output", type=click.Path(path_type=Path), default=None,
+                 help="Folder for caches, head checkpoints (resumed on rerun) and result.json."),
+    click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
+                 help="Also write the result as JSON to this file."),
+    click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                 help="Override one option of the preset, e.g. --set epochs=10 (repeatable)."),
+    click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True),
+    click.option("--seed", type=int, default=0, show_default=True, help="Seed of --random-init."),
+]
+
+
+def _backbone_options(function):
+    for option in reversed(_BACKBONE_OPTIONS):
+        function = option(function)
+    return function
+
+
+@eval_group.command("linear")
+@_backbone_options
+@click.option("--preset", type=click.Choice(["paper", "fast"]), default="paper", show_default=True,
+              help="paper: augmented views, 100 epochs; fast: cached centre-crop features (seconds on CPU).")
+def linear(checkpoint: Path | None, random_depth: int | None, network: str, train_shards: Path, val_shards: Path,
+           output: Path | None, json_path: Path | None, overrides: tuple[str, ...], device: str, seed: int,
+           preset: str) -> None:
+    """Linear probe of a frozen encoder: top-1 / top-5 (paper protocol or the fast cached one).
+
+    \b
+    relicv2 eval linear --checkpoint runs/r50 --train shards/train --val shards/val --preset fast
+    torchrun --nproc_per_node 8 -m cli eval linear --checkpoint C --train T --val V --output out/linear
+    """
+    from pretrain import distributed
+    from pretrain.checkpoint import CheckpointError
+    from pretrain.eval.export import ExportError
+    from pretrain.eval.linear import LinearConfig, config_with, evaluate_linear
+    from pretrain.eval.paper import HeadCheckpointError
+    from shards.lock import FolderLockedError, folder_lock
+
+    try:
+        config = config_with(LinearConfig.preset(preset), _parse_sets(overrides))
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--set") from None
+    ctx = distributed.init(device)
+    try:
+        with folder_lock(output, "relicv2 eval linear", enabled=ctx.rank == 0) if output else contextlib.nullcontext():
+            encoder, record = _backbone(checkpoint, random_depth, network, seed)
+            result = evaluate_linear(encoder, train_shards, val_shards, config, device=ctx.device,
+                                     output_dir=output, ctx=ctx)
+    except (CheckpointError, ExportError, HeadCheckpointError, FolderLockedError, FileNotFoundError,
+            ValueError) as error:
+        raise click.ClickException(str(error)) from None
+    finally:
+        distributed.teardown(ctx)
+    if ctx.rank != 0:
+        return
+    what = record["checkpoint"] or f"random-init ResNet-{random_depth}"
+    payload = result.as_json(checkpoint=record["checkpoint"], random_init=record["random_init"],
+                             extra={"network": record["network"], "step": record["step"],
+                                    "world_size": ctx.world_size, "config": _plain(config)})
+    _print_result(f"{result.protocol} of {what}", payload)
+    _write_json(json_path, payload)
+    if output is not None:
+        _write_json(output / "result.json", payload)
+
+
+def _plain(config) -> dict[str, Any]:
+    import dataclasses
+
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()}
+
+
+def _print_result(title: str, payload: dict[str, Any]) -> None:
+    top5 = payload["top5"]
+    rows = [("protocol", payload["protocol"]), ("top-1", f"{payload['top1']:.4f}"),
+            ("top-5", f"{top5:.4f}" if top5 is not None else "- (fewer than 5 classes)"),
+            ("train images", str(payload["num_train"])), ("val images", str(payload["num_val"])),
+            ("undecodable skipped", str(payload.get("skipped", 0)))]
+    print_table(title, rows)
+    if payload.get("skipped"):
+        print(f"warning: {payload['skipped']} undecodable images were left out (named above)", file=sys.stderr)
+
+
+
+@eval_group.command("finetune")
+@_backbone_options
+@click.option("--labels", "labels_path", type=click.Path(path_type=Path), required=True,
+              help="Key list of the labelled subset (relicv2 shards subset ... --out KEYS.txt).")
+@click.option("--preset", type=click.Choice(["1pct", "10pct"]), default="1pct", show_default=True,
+              help="The paper's 1% or 10% recipe (batch, head / encoder lr, weight decay).")
+def finetune_command(checkpoint: Path | None, random_depth: int | None, network: str, train_shards: Path,
+                     val_shards: Path, output: Path | None, json_path: Path | None, overrides: tuple[str, ...],
+                     device: str, seed: int, labels_path: Path, preset: str) -> None:
+    """Semi-supervised fine-tuning: encoder + new linear head on a labelled key subset, 20 epochs.
+
+    \b
+    relicv2 shards subset shards/train --fraction 0.01 --out 1pct.txt
+    relicv2 eval finetune --checkpoint runs/r50 --train shards/train --val shards/val --labels 1pct.txt
+    """
+    from pretrain import distributed
+    from pretrain.checkpoint import CheckpointError
+    from pretrain.eval.export import ExportError
+    from pretrain.eval.finetune import FinetuneConfig, finetune
+    from pretrain.eval.linear import config_with
+    from pretrain.eval.paper import HeadCheckpointError
+    from shards.lock import FolderLockedError, folder_lock
+    from shards.subset import read_key_list
+
+    try:
+        config = config_with(FinetuneConfig.preset_config(preset), _parse_sets(overrides))
+    except ValueError as error:
+        raise click.BadParameter(str(error), param_hint="--set") from None
+    ctx = distributed.init(device)
+    try:
+        keys = read_key_list(labels_path)
+        with folder_lock(output, "relicv2 eval finetune", enabled=ctx.rank == 0) if output \
+                else contextlib.nullcontext():
+            encoder, record = _backbone(checkpoint, random_depth, network, seed)
+            result = finetune(encoder, train_shards, val_shards, keys, config, device=ctx.device,
+                              output_dir=output, ctx=ctx)
+    except (CheckpointError, ExportError, HeadCheckpointError, FolderLockedError, FileNotFoundError,
+            ValueError) as error:
+        raise click.ClickException(str(error)) from None
+    finally:
+        distributed.teardown(ctx)
+    if ctx.rank != 0:
+        return
+    what = record["checkpoint"] or f"random-init ResNet-{random_depth}"
+    payload = result.as_json(checkpoint=record["checkpoint"], random_init=record["random_init"],
+                             extra={"network": record["network"], "step": record["step"], "labels": str(labels_path),
+                                    "world_size": ctx.world_size, "config": _plain(config)})
+    _print_result(f"{result.protocol} of {what}", payload)
+    _write_json(json_path, payload)
+    if output is not None:
+        _write_json(output / "result.json", payload)

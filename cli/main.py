@@ -53,9 +53,12 @@ class LazyGroup(click.Group):
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]}, lazy_commands={
     "shards": ("cli.shards:shards_group", "Build, verify and merge WebDataset shard sets."),
     "saliency": ("cli.saliency:saliency_group", "Handcrafted saliency maps, evaluation and previews."),
-    "eval": ("cli.eval:eval_group", "Evaluate pretrained encoders (kNN)."),
+    "eval": ("cli.eval:eval_group", "Evaluate pretrained encoders (kNN, linear, fine-tuning)."),
     "demo-data": ("cli.demo:demo_data", "Write the built-in demo image tree (no download)."),
     "report": ("cli.report:report", "Write a static HTML report (PNG figures) of a run's outputs."),
+
+    "export": ("cli.export:export", "Write a checkpoint's encoder as a plain (torchvision) state dict + JSON."),
+    "import-official": ("cli.export:import_official", "Convert the authors' released JAX ReLICv2 weights."),
 })
 @click.version_option(package_name="relicv2")
 def cli() -> None:

@@ -145,3 +145,8 @@ def verify(directory: Path, workers: int, decode: bool, index_cache: Path | None
             f"{len(report.problems)} problem(s) in {directory} ({report.shards} shards, {report.samples} samples)"
         )
     click.echo(f"{directory}: OK, {report.shards} shards, {report.samples} samples verified")
+
+
+from cli.subset import subset  # noqa: E402  (defined with the evaluation tools)
+
+shards_group.add_command(subset)

@@ -211,6 +211,12 @@ def encoder_from_checkpoint(path: str | Path, *, network: str = "online") -> Res
     """
     if network not in ("online", "target"):
         raise ValueError(f"network must be 'online' or 'target', got {network!r}")
+    # An exported encoder (`relicv2 export`: state dict + JSON sidecar) is accepted wherever a
+    # checkpoint is; imported here because the export format builds on this module.
+    from pretrain.eval.export import is_encoder_file, load_encoder_file
+
+    if is_encoder_file(path):
+        return load_encoder_file(path)
     path = resolve_checkpoint(path)
     payload = load_checkpoint(path)
     try:

@@ -12,7 +12,10 @@ torchvision's, minus the classifier `fc`.
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
@@ -28,6 +31,34 @@ STAGE_BLOCKS: dict[int, tuple[type[BasicBlock] | type[Bottleneck], tuple[int, in
 }
 WIDTHS = (1, 2, 4)
 STAGE_PLANES = (64, 128, 256, 512)
+# "torch": symmetric padding k // 2 (torchvision); "same_tf": TensorFlow/JAX "SAME" padding, which
+# pads strided layers asymmetrically (more after than before), as the authors' haiku networks do.
+PADDINGS = ("torch", "same_tf")
+
+
+def _same_tf_pads(size: int, kernel: int, stride: int) -> tuple[int, int]:
+    """(before, after) padding of one spatial axis under TensorFlow's "SAME" rule."""
+    total = max((math.ceil(size / stride) - 1) * stride + kernel - size, 0)
+    return total // 2, total - total // 2
+
+
+class SameTFConv2d(nn.Conv2d):
+    """A Conv2d (same parameters, same state-dict names) that pads like TensorFlow's "SAME"."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        top, bottom = _same_tf_pads(x.shape[-2], self.kernel_size[0], self.stride[0])
+        left, right = _same_tf_pads(x.shape[-1], self.kernel_size[1], self.stride[1])
+        return self._conv_forward(F.pad(x, (left, right, top, bottom)), self.weight, self.bias)
+
+
+class SameTFMaxPool2d(nn.MaxPool2d):
+    """Max pooling with TensorFlow's "SAME" padding (padded cells never win: they are -inf)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        top, bottom = _same_tf_pads(x.shape[-2], self.kernel_size, self.stride)
+        left, right = _same_tf_pads(x.shape[-1], self.kernel_size, self.stride)
+        padded = F.pad(x, (left, right, top, bottom), value=float("-inf"))
+        return F.max_pool2d(padded, self.kernel_size, self.stride)
 
 
 class ResNet(nn.Module):
@@ -43,8 +74,12 @@ class ResNet(nn.Module):
         width: int = 1,
         *,
         zero_init_residual: bool = False,
+        padding: str = "torch",
     ) -> None:
         super().__init__()
+        if padding not in PADDINGS:
+            raise ValueError(f"padding must be one of {list(PADDINGS)}, got {padding!r}")
+        self.padding = padding
         stem_channels = 64 * width
         self.conv1 = nn.Conv2d(3, stem_channels, kernel_size=7, stride=2, padding=3, bias=False)
         self.bn1 = nn.BatchNorm2d(stem_channels)
@@ -61,6 +96,8 @@ class ResNet(nn.Module):
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
         self.num_features: int = in_channels
         _initialise(self, zero_init_residual)
+        if padding == "same_tf":
+            _use_same_tf_padding(self)
 
     def forward(self, x: Tensor) -> Tensor:
         x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
@@ -88,6 +125,22 @@ def _make_stage(
     return nn.Sequential(*layers), out_channels
 
 
+def _use_same_tf_padding(model: nn.Module) -> None:
+    """Swap every strided convolution and the max-pool for its "SAME"-padding twin, in place.
+
+    Stride-1 layers keep torch's symmetric padding, which equals "SAME" for odd kernels. Names
+    and parameters do not change, so state dicts move between both modes.
+    """
+    for module in list(model.modules()):
+        for child in module.children():
+            if isinstance(child, nn.Conv2d) and child.stride != (1, 1):
+                child.__class__ = SameTFConv2d
+                child.padding = (0, 0)
+            elif isinstance(child, nn.MaxPool2d):
+                child.__class__ = SameTFMaxPool2d
+                child.padding = 0
+
+
 def _initialise(model: nn.Module, zero_init_residual: bool) -> None:
     """torchvision's initialisation: He-normal (fan-out) convolutions, BN scale 1 and shift 0."""
     for module in model.modules():
@@ -106,18 +159,19 @@ def _initialise(model: nn.Module, zero_init_residual: bool) -> None:
                 nn.init.zeros_(module.bn2.weight)
 
 
-def resnet(depth: int, width: int = 1, *, zero_init_residual: bool = False) -> ResNet:
+def resnet(depth: int, width: int = 1, *, zero_init_residual: bool = False, padding: str = "torch") -> ResNet:
     """ResNet-`depth` encoder with every layer `width` times wider (SimCLR/BYOL convention).
 
     depth is one of 18, 34, 50, 101, 152, 200; width one of 1, 2, 4. The result returns pooled
     features of size `num_features` (512 * width for 18/34, 2048 * width for 50 and deeper).
+    padding "same_tf" pads like TensorFlow/JAX "SAME" (for weights imported from the authors).
     """
     if depth not in STAGE_BLOCKS:
         raise ValueError(f"ResNet depth {depth} is not supported; choose one of {sorted(STAGE_BLOCKS)}")
     if width not in WIDTHS:
         raise ValueError(f"ResNet width {width} is not supported; choose one of {list(WIDTHS)}")
     block, stage_blocks = STAGE_BLOCKS[depth]
-    return ResNet(block, stage_blocks, width, zero_init_residual=zero_init_residual)
+    return ResNet(block, stage_blocks, width, zero_init_residual=zero_init_residual, padding=padding)
 
 
 def to_torchvision_state_dict(model: ResNet) -> dict[str, Tensor]:

@@ -169,7 +169,9 @@ class SaliencySample:
 def read_saliency_samples(shards: Path | None, maps_dir: Path | None, count: int) -> tuple[list[SaliencySample], list[str]]:
     """Up to `count` samples of `shards` (a masked or plain shard set), preferring keys that have
     handcrafted maps in `maps_dir`; masks come from `mask.png` members when the set has them."""
-    from shards import iter_samples  # imported here: it pulls in webdataset and torch
+    from shards import iter_samples  # imported here: it pulls in the shard reader
+    from shards.images import ImageLoadError, load_rgb
+    from shards.reader import ReadReport
 
     problems: list[str] = []
     if shards is None:
@@ -177,25 +179,24 @@ def read_saliency_samples(shards: Path | None, maps_dir: Path | None, count: int
     with_maps: list[SaliencySample] = []
     without: list[SaliencySample] = []
 
-    def handler(error: Exception) -> bool:
-        problems.append(f"{shards}: unreadable sample skipped ({error})")
-        return True
-
+    read = ReadReport()
     # Scan a bounded prefix: on an ImageNet-size set whose keys have no maps, never read it all.
-    for scanned, raw in enumerate(iter_samples(shards, handler=handler)):
+    for scanned, raw in enumerate(iter_samples(shards, report=read)):
         if len(with_maps) >= count or scanned >= max(50 * count, 500):
             break
         try:
-            image = np.asarray(Image.open(io.BytesIO(raw["jpg"])).convert("RGB"))
+            image = load_rgb(raw["image"], f"{raw['shard']}:{raw['key']}")
             size = (image.shape[1], image.shape[0])
             sample = SaliencySample(key=raw["key"], image=image)
             if "mask.png" in raw:
                 sample.mask = _grey(Image.open(io.BytesIO(raw["mask.png"])), size)
             sample.maps = _maps_for(maps_dir, raw["key"], size) if maps_dir else {}
-        except (UnidentifiedImageError, OSError, ValueError) as error:
+        except (ImageLoadError, UnidentifiedImageError, OSError, ValueError) as error:
             problems.append(f"{shards}: sample {raw.get('key')!r} unreadable ({error}), skipped")
             continue
         (with_maps if sample.maps or not maps_dir else without).append(sample)
+    problems += [f"{tar}: {reason}" for tar, reason in read.lost_shards]
+    problems += [f"{tar}: {what} skipped ({reason})" for tar, what, reason in read.rejected]
     chosen = (with_maps + without)[:count]
     if maps_dir and chosen and not any(s.maps for s in chosen):
         problems.append(f"no handcrafted map in {maps_dir} matches a key of {shards}")

@@ -1,0 +1,55 @@
+"""`relicv2 export` (checkpoint -> plain encoder file) and `relicv2 import-official` (the authors' JAX weights)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command("export", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--checkpoint", type=click.Path(path_type=Path), required=True,
+              help="Pretraining checkpoint, or a run folder (its newest checkpoint).")
+@click.option("--out", type=click.Path(path_type=Path), required=True,
+              help="Encoder state dict to write; the JSON sidecar goes to OUT.json.")
+@click.option("--network", type=click.Choice(["online", "target"]), default="online", show_default=True)
+def export(checkpoint: Path, out: Path, network: str) -> None:
+    """Write the encoder as a plain state dict (torchvision names at width 1) plus a JSON sidecar.
+
+    \b
+    relicv2 export --checkpoint runs/imagenette-r18-cpu --out r18.pt
+    python -c "import torch, torchvision; m = torchvision.models.resnet18(); \\
+               print(m.load_state_dict(torch.load('r18.pt'), strict=False))"   # only fc.* missing
+    """
+    from pretrain.checkpoint import CheckpointError
+    from pretrain.eval.export import export_checkpoint, sidecar_path
+
+    try:
+        sidecar = export_checkpoint(checkpoint, out, network=network)
+    except (CheckpointError, ValueError) as error:
+        raise click.ClickException(str(error)) from None
+    click.echo(f"wrote {out} ({sidecar['format']} format, {sidecar['arch']}, {network} network, step "
+               f"{sidecar['step']}; fc not included) and {sidecar_path(out)}")
+
+
+@click.command("import-official", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("source", type=click.Path(path_type=Path, exists=True, dir_okay=False))
+@click.option("--out", type=click.Path(path_type=Path), required=True,
+              help="Encoder state dict to write (this project's export format); the sidecar goes to OUT.json.")
+@click.option("--params", type=click.Choice(["online", "target"]), default="online", show_default=True,
+              help="Which of the release's parameter sets to import.")
+def import_official(source: Path, out: Path, params: str) -> None:
+    """Convert a released ReLICv2 JAX/haiku checkpoint (a dill pickle) to a PyTorch encoder file.
+
+    The pickle is read with a restricted unpickler that builds numpy arrays and plain containers
+    only; anything else is refused without running it. The encoder runs with TensorFlow "SAME"
+    padding (recorded in the sidecar) so its features equal the JAX model's.
+    """
+    from pretrain.eval.official import OfficialImportError, import_official_checkpoint
+
+    try:
+        sidecar = import_official_checkpoint(source, out, network=params)
+    except OfficialImportError as error:
+        raise click.ClickException(str(error)) from None
+    click.echo(f"wrote {out} ({sidecar['arch']}, padding {sidecar['padding']}, {sidecar['format']} format) "
+               f"from {source}")

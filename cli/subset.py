@@ -1,0 +1,34 @@
+"""`relicv2 shards subset`: a seeded class-balanced key list (label splits for `relicv2 eval finetune`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.command("subset")
+@click.argument("shards_dir", metavar="SHARDS", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option("--fraction", type=float, required=True, help="Share of every class to keep, e.g. 0.01 or 0.1.")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Key list to write (one key a line).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--min-per-class", type=click.IntRange(min=1), default=1, show_default=True)
+def subset(shards_dir: Path, fraction: float, out: Path, seed: int, min_per_class: int) -> None:
+    """Write FRACTION of every class's keys of a labelled shard set, drawn with SEED.
+
+    \b
+    relicv2 shards subset shards/train --fraction 0.01 --out splits/1pct.txt
+    relicv2 eval finetune --checkpoint C --train shards/train --val shards/val --labels splits/1pct.txt
+    """
+    from shards.subset import class_balanced_keys, write_key_list
+
+    try:
+        report = class_balanced_keys(shards_dir, fraction, seed=seed, min_per_class=min_per_class)
+    except (FileNotFoundError, ValueError) as error:
+        raise click.ClickException(str(error)) from None
+    write_key_list(out, report.keys, header=f"relicv2 shards subset {shards_dir} --fraction {fraction} "
+                                            f"--seed {seed}\n{len(report.keys)} of {report.total} keys, "
+                                            f"{len(report.per_class)} classes")
+    counts = sorted(report.per_class.values())
+    click.echo(f"wrote {out}: {len(report.keys)} of {report.total} keys, {len(report.per_class)} classes "
+               f"({counts[0]}-{counts[-1]} per class)")

@@ -1,0 +1,220 @@
+"""Linear evaluation of a frozen encoder (paper appendix "Linear evaluation").
+
+Two protocols, named in every output:
+- "linear-paper": the encoder frozen with BN in eval mode, a linear layer on its pooled features,
+  SGD with Nesterov momentum 0.9, no weight decay, 100 epochs, batch 1024, lr 0.3 * batch / 256 with
+  cosine decay; train views random-resized-crop + horizontal flip (`pretrain.eval.views`), test
+  views short side 256 bicubic + centre crop 224, ImageNet mean/std. The head is checkpointed every
+  epoch (atomically, read back with weights_only) and a rerun resumes from it.
+- "linear-fast": features taken once on the test view (no augmentation), cached on disk
+  (`pretrain.eval.features`), the same optimiser run on the cached features; the features are
+  standardised with the train set's mean/std first (a BN without affine parameters folded into
+  the head), so one learning rate suits any encoder. Seconds on a CPU.
+
+Under torchrun every rank extracts or augments 1/W of the images; the fast head is trained on the
+gathered features identically on every rank, the paper head with gradients averaged over ranks,
+and the correct-prediction counts are summed exactly over ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from pretrain.distributed import DistributedContext
+from pretrain.eval.features import FeatureSet, FeatureSpec, cached_features
+
+PROTOCOLS = ("paper", "fast")
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """Options of the linear probe; `LinearConfig.preset("paper" | "fast")` gives the protocols."""
+
+    protocol: str = "paper"
+    epochs: int = 100
+    batch_size: int = 1024  # global, over all ranks
+    base_lr: float = 0.3  # peak lr = base_lr * batch_size / 256
+    momentum: float = 0.9
+    nesterov: bool = True
+    weight_decay: float = 0.0
+    crop_size: int = 224
+    resize_size: int = 256  # test views: short side before the centre crop
+    crop_scale: tuple[float, float] = (0.08, 1.0)  # train views (paper protocol)
+    seed: int = 0
+    workers: int = 2  # decoding workers / DALI threads (paper protocol)
+    backend: str = "dali"  # paper protocol views: "dali" (CPU or GPU decoding) or "pil" (torch DataLoader)
+    feature_batch: int = 256  # images per forward pass of the frozen encoder
+
+    def __post_init__(self) -> None:
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"linear protocol must be one of {list(PROTOCOLS)}, got {self.protocol!r}")
+        for name in ("epochs", "batch_size", "crop_size", "feature_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"linear.{name} must be positive, got {getattr(self, name)}")
+        if self.base_lr <= 0 or not 0 <= self.momentum < 1 or self.weight_decay < 0:
+            raise ValueError("linear.base_lr must be > 0, momentum in [0, 1) and weight_decay >= 0")
+        if self.backend not in ("dali", "pil"):
+            raise ValueError(f"linear.backend must be 'dali' or 'pil', got {self.backend!r}")
+        if not 0 < self.crop_scale[0] <= self.crop_scale[1] <= 1:
+            raise ValueError(f"linear.crop_scale must satisfy 0 < lo <= hi <= 1, got {self.crop_scale}")
+
+    @property
+    def name(self) -> str:
+        return f"linear-{self.protocol}"
+
+    @property
+    def peak_lr(self) -> float:
+        return self.base_lr * self.batch_size / 256
+
+    @staticmethod
+    def preset(protocol: str, **overrides: Any) -> LinearConfig:
+        return LinearConfig(protocol=protocol, **overrides)
+
+
+@dataclass(frozen=True)
+class LinearResult:
+    protocol: str
+    top1: float
+    top5: float | None  # None with fewer than 5 classes
+    num_train: int
+    num_val: int
+    skipped: int
+    per_class_top1: dict[int, float] = field(default_factory=dict)
+    epochs: int = 0
+
+    def as_json(self, *, checkpoint: str | None, random_init: int | None, extra: dict | None = None) -> dict:
+        return {"protocol": self.protocol, "checkpoint": checkpoint, "random_init": random_init,
+                "top1": self.top1, "top5": self.top5, "num_train": self.num_train, "num_val": self.num_val,
+                "skipped": self.skipped, "epochs": self.epochs,
+                "per_class_top1": {str(k): v for k, v in sorted(self.per_class_top1.items())}, **(extra or {})}
+
+
+def topk_correct(logits: Tensor, labels: Tensor, k: int) -> int:
+    """How many rows have their label among the k highest logits."""
+    k = min(k, logits.shape[1])
+    return int((logits.topk(k, dim=1).indices == labels[:, None]).any(dim=1).sum())
+
+
+def accuracy_report(logits: Tensor, labels: Tensor, num_classes: int) -> tuple[float, float | None, dict[int, float]]:
+    """(top-1, top-5 or None when there are fewer than 5 classes, per-class top-1)."""
+    if labels.numel() == 0:
+        raise ValueError("no validation samples to score")
+    top1 = topk_correct(logits, labels, 1) / labels.numel()
+    top5 = topk_correct(logits, labels, 5) / labels.numel() if num_classes >= 5 else None
+    predicted = logits.argmax(dim=1)
+    per_class = {int(c): float((predicted[labels == c] == c).float().mean()) for c in labels.unique()}
+    return top1, top5, per_class
+
+
+def cosine_lr(peak: float, step: int, total: int) -> float:
+    return peak * 0.5 * (1 + math.cos(math.pi * min(step, total) / max(total, 1)))
+
+
+def train_linear_on_features(
+    train: FeatureSet,
+    val: FeatureSet,
+    config: LinearConfig,
+    *,
+    num_classes: int,
+) -> LinearResult:
+    """The `fast` protocol's head: SGD (Nesterov) + cosine on standardised cached features.
+
+    Deterministic for a given seed, so every rank of a distributed run trains the same head.
+    """
+    if len(train) == 0 or len(val) == 0:
+        raise ValueError("linear evaluation needs labelled train and val features")
+    generator = torch.Generator().manual_seed(config.seed)
+    mean = train.features.mean(dim=0)
+    std = train.features.std(dim=0).clamp_min(1e-6)
+    x_train = (train.features - mean) / std
+    x_val = (val.features - mean) / std
+    head = nn.Linear(x_train.shape[1], num_classes)
+    with torch.no_grad():
+        head.weight.normal_(0, 0.01, generator=generator)
+        head.bias.zero_()
+    optimizer = torch.optim.SGD(head.parameters(), lr=config.peak_lr, momentum=config.momentum,
+                                nesterov=config.nesterov, weight_decay=config.weight_decay)
+    batch = min(config.batch_size, len(train))
+    steps_per_epoch = math.ceil(len(train) / batch)
+    total = steps_per_epoch * config.epochs
+    step = 0
+    for _ in range(config.epochs):
+        order = torch.randperm(len(train), generator=generator)
+        for start in range(0, len(train), batch):
+            index = order[start:start + batch]
+            for group in optimizer.param_groups:
+                group["lr"] = cosine_lr(config.peak_lr, step, total)
+            loss = F.cross_entropy(head(x_train[index]), train.labels[index])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            step += 1
+    with torch.no_grad():
+        logits = head(x_val)
+    top1, top5, per_class = accuracy_report(logits, val.labels, num_classes)
+    return LinearResult(config.name, top1, top5, len(train), len(val), train.skipped + val.skipped,
+                        per_class, config.epochs)
+
+
+def evaluate_linear(
+    encoder: nn.Module,
+    train_shards: str | Path,
+    val_shards: str | Path,
+    config: LinearConfig,
+    *,
+    device: str | torch.device = "cpu",
+    output_dir: str | Path | None = None,
+    ctx: DistributedContext | None = None,
+) -> LinearResult:
+    """Linear top-1/top-5 of a frozen `encoder` on `val_shards` after training a head on `train_shards`.
+
+    `output_dir` holds the feature cache (fast) or the head's checkpoints (paper); None keeps
+    nothing on disk (and the paper protocol then cannot resume).
+    """
+    encoder = encoder.to(device).eval()
+    for parameter in encoder.parameters():
+        parameter.requires_grad_(False)
+    if config.protocol == "fast":
+        spec = FeatureSpec(crop_size=config.crop_size, resize_size=config.resize_size,
+                           batch_size=config.feature_batch)
+        cache = Path(output_dir) / "features" if output_dir is not None else None
+        train = cached_features(encoder, train_shards, spec, cache_dir=cache, device=device, ctx=ctx)
+        val = cached_features(encoder, val_shards, spec, cache_dir=cache, device=device, ctx=ctx)
+        num_classes = int(max(train.labels.max(), val.labels.max())) + 1
+        return train_linear_on_features(train, val, config, num_classes=num_classes)
+    from pretrain.eval.paper import train_linear_paper
+
+    return train_linear_paper(encoder, train_shards, val_shards, config, device=torch.device(device),
+                              output_dir=Path(output_dir) if output_dir is not None else None, ctx=ctx)
+
+
+def config_with(config: Any, overrides: dict[str, Any]) -> Any:
+    """A frozen eval config with `--set key=value` overrides (values parsed as the field's type)."""
+    fixed = {"protocol", "preset"}  # chosen with --preset
+    fields = {f.name for f in dataclasses.fields(config)} - fixed
+    changes = {}
+    for key, raw in overrides.items():
+        if key not in fields:
+            raise ValueError(f"unknown option {key!r}; choose from {sorted(fields)}")
+        current = getattr(config, key)
+        try:
+            if isinstance(current, bool):
+                if raw.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(raw)
+                value: Any = raw.lower() in ("true", "1")
+            elif isinstance(current, tuple):
+                value = tuple(float(part) for part in raw.strip("[]()").split(","))
+            else:
+                value = type(current)(raw)
+        except ValueError:
+            raise ValueError(f"option {key}={raw!r}: expected a {type(current).__name__}") from None
+        changes[key] = value
+    return dataclasses.replace(config, **changes)

@@ -1,0 +1,118 @@
+"""Labelled train / test views for the linear and fine-tuning protocols (PIL path, torch DataLoader).
+
+Built from the view pipeline's pieces rather than restating them: samples are located with
+`pretrain.views.sources.load_sample_set` (index files, structural checks), crops drawn with the
+reference pipeline's seeded `random_resized_crop`, test views are the kNN monitor's `preprocess`
+(resize short side bicubic, centre crop) and the ImageNet mean/std come from the view config.
+Every draw is seeded by (seed, epoch, sample position), so a resumed run sees the same views.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+import torchvision.transforms.v2.functional as TF
+from PIL import Image, UnidentifiedImageError
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+from pretrain.eval.knn import preprocess
+from pretrain.views.config import IMAGENET_MEAN, IMAGENET_STD
+from pretrain.views.reference import random_resized_crop
+from pretrain.views.sources import SampleRef, load_sample_set
+
+CROP_RATIO = (3 / 4, 4 / 3)
+
+
+def labelled_samples(source: str | Path, keys: set[str] | None = None) -> tuple[list[SampleRef], int]:
+    """(usable samples of a labelled shard set, optionally only `keys`, in reader order; how many were left out).
+
+    Structurally broken samples (truncated, missing members) are left out by `load_sample_set`,
+    which names them in a warning; they are counted here so outputs report them.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the skipped keys are printed below instead
+        sample_set = load_sample_set(Path(source))
+    if sample_set.skipped_keys:
+        print(f"{source}: left out {len(sample_set.skipped_keys)} broken samples {dict(sample_set.skipped)}, "
+              f"e.g. {sample_set.skipped_keys[:5]}", file=sys.stderr)
+    samples = [s for s in sample_set.samples if keys is None or s.key in keys]
+    if not samples:
+        what = "none of the listed keys is" if keys is not None else "no usable sample is"
+        raise ValueError(f"{what} in {source}; check the shard set (and the key list)")
+    if "cls" not in samples[0].members:
+        raise ValueError(f"{source} has no class labels (.cls); build it from a folder with class sub-folders")
+    missing = sorted(keys - {s.key for s in samples} - set(sample_set.skipped_keys)) if keys is not None else []
+    if missing:
+        raise ValueError(f"{len(missing)} listed keys are not in {source} (e.g. {missing[:3]}); "
+                         "the key list belongs to another shard set")
+    lost = len(sample_set.skipped_keys) if keys is None else len(keys & set(sample_set.skipped_keys))
+    return samples, lost
+
+
+def train_view(jpeg: bytes, *, crop_size: int, scale: tuple[float, float], rng: np.random.Generator) -> Tensor:
+    """Random-resized-crop (torchvision's algorithm, seeded) to crop_size + horizontal flip, normalised."""
+    with Image.open(io.BytesIO(jpeg)) as decoded:
+        image = decoded.convert("RGB")
+    left, top, width, height = random_resized_crop(image.width, image.height, scale, CROP_RATIO, rng)
+    view = TF.resized_crop(TF.pil_to_tensor(image), top, left, height, width, [crop_size, crop_size],
+                           antialias=True)
+    if rng.random() < 0.5:
+        view = TF.horizontal_flip(view)
+    return TF.normalize(TF.to_dtype(view, torch.float32, scale=True), IMAGENET_MEAN, IMAGENET_STD)
+
+
+class LabelledViews(Dataset):
+    """(view, label) per sample; an undecodable image yields None (reported, then dropped by `collate`)."""
+
+    def __init__(self, samples: Sequence[SampleRef], *, train: bool, crop_size: int, resize_size: int,
+                 scale: tuple[float, float] = (0.08, 1.0), seed: int = 0) -> None:
+        self.samples, self.train = list(samples), train
+        self.crop_size, self.resize_size, self.scale, self.seed = crop_size, resize_size, scale, seed
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, int] | None:
+        sample = self.samples[index]
+        try:
+            label = int(sample.read("cls").decode())
+            jpeg = sample.read("jpg")
+            if self.train:
+                rng = np.random.default_rng([self.seed, self.epoch, index])
+                view = train_view(jpeg, crop_size=self.crop_size, scale=self.scale, rng=rng)
+            else:
+                view = preprocess(jpeg, crop_size=self.crop_size, resize_size=self.resize_size)
+        except (OSError, UnidentifiedImageError, ValueError, AttributeError) as error:
+            print(f"skipping {sample.key} in {sample.tar}: {error}", file=sys.stderr)
+            return None
+        return view, label
+
+
+def collate(items: list[tuple[Tensor, int] | None]) -> tuple[Tensor, Tensor, int]:
+    """(images, labels, how many items were undecodable)."""
+    kept = [item for item in items if item is not None]
+    if not kept:
+        return torch.empty(0), torch.empty(0, dtype=torch.long), len(items)
+    return (torch.stack([image for image, _ in kept]), torch.tensor([label for _, label in kept]),
+            len(items) - len(kept))
+
+
+def loader(dataset: LabelledViews, indices: Sequence[int], batch_size: int, workers: int) -> DataLoader:
+    """Batches of `dataset` at `indices` in that order (the caller shuffles and splits over ranks)."""
+    return DataLoader(torch.utils.data.Subset(dataset, list(indices)), batch_size=batch_size, shuffle=False,
+                      num_workers=workers, collate_fn=collate, persistent_workers=False)
+
+
+def rank_order(count: int, *, seed: int, epoch: int, rank: int, world: int, shuffle: bool) -> list[int]:
+    """This rank's sample positions for one epoch: a seeded permutation (or 0..N-1), every W-th from `rank`."""
+    order = (torch.randperm(count, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+             if shuffle else torch.arange(count))
+    return order[rank::world].tolist()

@@ -1,0 +1,84 @@
+"""Seeded class-balanced key lists of a labelled shard set (the 1% / 10% label splits of semi-supervised fine-tuning).
+
+From every class the same fraction of its samples is drawn (at least `min_per_class`), with a
+seeded permutation, so a split is reproducible and no class is left out. The list is a text
+file: `#` comment lines (how it was made), then one key per line, sorted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from shards.atomic import atomic_output
+from shards.keys import check_key
+from shards.manifest import read_manifest
+
+
+@dataclass(frozen=True)
+class SubsetReport:
+    keys: list[str]
+    per_class: dict[int, int]  # label -> keys drawn
+    total: int  # labelled samples in the shard set
+
+
+def class_balanced_keys(directory: str | Path, fraction: float, *, seed: int = 0,
+                        min_per_class: int = 1) -> SubsetReport:
+    """`fraction` of each class's keys (rounded, at least `min_per_class`), drawn with `seed`."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    table = read_manifest(Path(directory))
+    by_class: dict[int, list[str]] = defaultdict(list)
+    unlabelled = 0
+    for key, label in zip(table.column("key").to_pylist(), table.column("label").to_pylist(), strict=True):
+        if label is None:
+            unlabelled += 1
+        else:
+            by_class[int(label)].append(key)
+    if not by_class:
+        raise ValueError(f"{directory} has no labelled samples; build it from a folder with class sub-folders")
+    if unlabelled:
+        raise ValueError(f"{directory} mixes labelled and {unlabelled} unlabelled samples; a label split "
+                         "needs a fully labelled shard set")
+    rng = np.random.default_rng(seed)
+    keys: list[str] = []
+    per_class: dict[int, int] = {}
+    for label in sorted(by_class):
+        members = sorted(by_class[label])  # manifest order must not matter, only the seed
+        count = min(len(members), max(min_per_class, math.floor(fraction * len(members) + 0.5)))
+        chosen = rng.permutation(len(members))[:count]
+        keys += [members[i] for i in chosen]
+        per_class[label] = count
+    return SubsetReport(sorted(keys), per_class, sum(len(v) for v in by_class.values()))
+
+
+def write_key_list(path: str | Path, keys: list[str], header: str = "") -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [f"# {line}" for line in header.splitlines()] + keys
+    with atomic_output(path) as tmp:
+        Path(tmp).write_text("\n".join(lines) + "\n")
+
+
+def read_key_list(path: str | Path) -> set[str]:
+    """The keys of a key list (blank and `#` lines ignored); each is validated like a shard key."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"key list {path} does not exist; write one with `relicv2 shards subset`")
+    keys = set()
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        try:
+            check_key(line)
+        except ValueError as error:
+            raise ValueError(f"{path}:{number}: {error}") from None
+        keys.add(line)
+    if not keys:
+        raise ValueError(f"key list {path} holds no keys")
+    return keys

@@ -1,0 +1,109 @@
+"""Label splits (`relicv2 shards subset`) and semi-supervised fine-tuning."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+import pretrain.eval.finetune as ft
+from cli.eval import eval_group
+from cli.shards import shards_group
+from pretrain.eval.finetune import FinetuneConfig, finetune
+from shards.subset import class_balanced_keys, read_key_list
+from tests.pretrain.eval.conftest import NUM_CLASSES
+
+
+def test_subset_is_class_balanced_seeded_and_written_by_the_cli(shape_shards, tmp_path):
+    train, _ = shape_shards  # 72 images (12 per class) and one corrupt JPEG (class 0)
+    half = class_balanced_keys(train, 0.5, seed=1)
+    assert sorted(half.per_class) == list(range(NUM_CLASSES))
+    assert all(6 <= count <= 7 for count in half.per_class.values())
+    assert half.keys == class_balanced_keys(train, 0.5, seed=1).keys
+    assert half.keys != class_balanced_keys(train, 0.5, seed=2).keys
+    tiny = class_balanced_keys(train, 0.01)
+    assert tiny.per_class == dict.fromkeys(range(NUM_CLASSES), 1)  # never a class without labels
+    with pytest.raises(ValueError, match="fraction"):
+        class_balanced_keys(train, 0)
+    out = tmp_path / "split.txt"
+    result = CliRunner().invoke(shards_group, ["subset", str(train), "--fraction", "0.5", "--seed", "1",
+                                               "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert read_key_list(out) == set(half.keys)
+    assert out.read_text().startswith("# relicv2 shards subset")
+    (tmp_path / "bad.txt").write_text("../etc/passwd\n")
+    with pytest.raises(ValueError, match="bad.txt:1"):
+        read_key_list(tmp_path / "bad.txt")
+
+
+class SmallNet(nn.Module):
+    """A trainable stand-in encoder (conv - BN - ReLU - 4x4 pool)."""
+
+    num_features = 128
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x).flatten(1)
+
+
+CONFIG = FinetuneConfig.preset_config("10pct", epochs=6, milestones=(4, 5), batch_size=12, head_lr=0.3,
+                                      encoder_lr=0.05, reference_batch=12, crop_size=32, resize_size=36,
+                                      crop_scale=(0.6, 1.0), workers=0)
+
+
+def test_finetune_trains_encoder_and_head_on_the_listed_keys_and_resumes(shape_shards, tmp_path, monkeypatch):
+    train, val = shape_shards
+    keys = set(class_balanced_keys(train, 0.5, seed=0).keys)
+    torch.manual_seed(0)
+    encoder = SmallNet()
+    before = encoder.body[0].weight.detach().clone()
+    result = finetune(encoder, train, val, keys, CONFIG, output_dir=tmp_path / "whole")
+    assert result.protocol == "finetune-10pct" and result.num_val == 36
+    assert result.num_train + result.skipped == len(keys)  # a listed corrupt image is counted as skipped
+    assert result.top1 >= 0.6  # chance is 1/6
+    assert not torch.equal(before, encoder.body[0].weight)  # the encoder is trained, not frozen
+    assert CONFIG.lr_factor(3) == 1.0 and CONFIG.lr_factor(4) == pytest.approx(0.2)
+    assert CONFIG.lr_factor(5) == pytest.approx(0.04)
+    real_loader, calls = ft.loader, Counter()
+
+    def dying_loader(dataset, indices, batch_size, workers):
+        calls["train"] += dataset.train
+        if dataset.train and calls["train"] == 4:
+            raise KeyboardInterrupt
+        return real_loader(dataset, indices, batch_size, workers)
+
+    monkeypatch.setattr(ft, "loader", dying_loader)
+    torch.manual_seed(0)
+    with pytest.raises(KeyboardInterrupt):
+        finetune(SmallNet(), train, val, keys, CONFIG, output_dir=tmp_path / "resumed")
+    monkeypatch.setattr(ft, "loader", real_loader)
+    torch.manual_seed(0)
+    resumed = finetune(SmallNet(), train, val, keys, CONFIG, output_dir=tmp_path / "resumed")
+    assert resumed.top1 == result.top1 and resumed.per_class_top1 == result.per_class_top1
+
+
+def test_finetune_cli_writes_the_json_contract(shape_shards, tmp_path):
+    train, val = shape_shards
+    split = tmp_path / "split.txt"
+    assert CliRunner().invoke(shards_group, ["subset", str(train), "--fraction", "0.2", "--out",
+                                             str(split)]).exit_code == 0
+    out = tmp_path / "ft.json"
+    result = CliRunner().invoke(eval_group, [
+        "finetune", "--random-init", "18", "--train", str(train), "--val", str(val), "--labels", str(split),
+        "--preset", "1pct", "--set", "epochs=1", "--set", "batch_size=8", "--set", "crop_size=32",
+        "--set", "resize_size=32", "--set", "workers=0", "--json", str(out), "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(out.read_text())
+    assert record["protocol"] == "finetune-1pct" and record["random_init"] == 18
+    assert record["num_train"] == len(read_key_list(split)) and record["num_val"] == 36
+    assert record["top5"] is not None and 0 <= record["top1"] <= 1
+    missing = CliRunner().invoke(eval_group, ["finetune", "--random-init", "18", "--train", str(train), "--val",
+                                              str(val), "--labels", str(tmp_path / "nope.txt")])
+    assert missing.exit_code != 0 and "does not exist" in missing.output

@@ -1,0 +1,161 @@
+"""Linear evaluation: accuracy on separable classes, chance on shuffled labels, top-k, resume, ranks, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from click.testing import CliRunner
+
+import pretrain.eval.paper as paper
+from cli.eval import eval_group
+from pretrain.distributed import init, teardown
+from pretrain.eval.features import FeatureSet, FeatureSpec, cache_path, cached_features
+from pretrain.eval.linear import (
+    LinearConfig,
+    accuracy_report,
+    config_with,
+    evaluate_linear,
+    train_linear_on_features,
+)
+from tests.pretrain.eval.conftest import NUM_CLASSES, PooledPixels
+
+FAST = LinearConfig.preset("fast", epochs=30, batch_size=16, crop_size=32, resize_size=36)
+
+
+def test_top1_and_top5_on_a_hand_made_case():
+    logits = torch.tensor([
+        [9.0, 1, 2, 3, 4, 5],   # label 0: top-1
+        [1.0, 9, 2, 3, 4, 5],   # label 5: second -> top-5 only
+        [6.0, 5, 4, 3, 2, 1],   # label 5: last -> neither
+        [0.0, 1, 2, 3, 4, 9],   # label 5: top-1
+    ])
+    labels = torch.tensor([0, 5, 5, 5])
+    top1, top5, per_class = accuracy_report(logits, labels, 6)
+    assert top1 == 0.5 and top5 == 0.75
+    assert per_class == {0: 1.0, 5: pytest.approx(1 / 3)}
+    assert accuracy_report(logits[:, :3], torch.tensor([0, 1, 2, 0]), 3)[1] is None  # < 5 classes: no top-5
+
+
+def test_fast_linear_separates_the_classes_and_shuffled_labels_stay_at_chance(shape_shards, tmp_path, capsys):
+    train, val = shape_shards
+    result = evaluate_linear(PooledPixels(), train, val, FAST, output_dir=tmp_path)
+    assert result.protocol == "linear-fast"
+    assert result.top1 >= 0.9 and result.top5 == 1.0
+    assert (result.num_train, result.num_val, result.skipped) == (72, 36, 1)
+    assert "broken0" in capsys.readouterr().err  # the corrupt image is named, then skipped
+    spec = FeatureSpec(crop_size=32, resize_size=36)
+    train_set = cached_features(PooledPixels(), train, spec, cache_dir=tmp_path / "features")
+    val_set = cached_features(PooledPixels(), val, spec, cache_dir=tmp_path / "features")
+    shuffled = FeatureSet(train_set.features, train_set.labels[torch.randperm(len(train_set),
+                          generator=torch.Generator().manual_seed(3))])
+    chance = train_linear_on_features(shuffled, val_set, FAST, num_classes=NUM_CLASSES)
+    assert chance.top1 <= 0.4  # chance is 1/6; the real labels reach >= 0.9
+
+
+def test_feature_cache_is_reused_and_keyed_by_the_encoder(shape_shards, tmp_path):
+    train, _ = shape_shards
+    spec = FeatureSpec(crop_size=32, resize_size=36)
+    first = cached_features(PooledPixels(), train, spec, cache_dir=tmp_path)
+    path = cache_path(tmp_path, PooledPixels(), train, spec)
+    assert path.is_file()
+    torch.save({"format": "relicv2-feature-cache", "features": first.features * 0 + 7,
+                "labels": first.labels, "skipped": 1}, path)
+    assert torch.all(cached_features(PooledPixels(), train, spec, cache_dir=tmp_path).features == 7)  # from disk
+    other = torch.nn.Conv2d(3, 3, 1)  # another encoder (different weights): another cache file
+    assert cache_path(tmp_path, other, train, spec) != path
+    assert cache_path(tmp_path, PooledPixels(), train, FeatureSpec(crop_size=24)) != path
+    path.write_bytes(b"garbage")  # a corrupt cache is extracted again, not fatal
+    assert torch.equal(cached_features(PooledPixels(), train, spec, cache_dir=tmp_path).features, first.features)
+
+
+PAPER = LinearConfig.preset("paper", epochs=8, batch_size=24, base_lr=2.0, crop_size=32, resize_size=36,
+                            crop_scale=(0.6, 1.0), workers=0, backend="pil")
+
+
+def test_paper_protocol_learns_and_resumes_to_the_same_head(shape_shards, tmp_path, monkeypatch):
+    train, val = shape_shards
+    whole = evaluate_linear(PooledPixels(), train, val, PAPER, output_dir=tmp_path / "whole")
+    assert whole.protocol == "linear-paper" and whole.top1 >= 0.8
+    assert (whole.num_train, whole.num_val) == (72, 36) and whole.skipped == 1
+    real_loader = paper.loader
+    calls = {"n": 0}
+
+    def dying_loader(dataset, indices, batch_size, workers):
+        calls["n"] += 1
+        if dataset.train and calls["n"] == 3:  # killed at the start of the third epoch
+            raise KeyboardInterrupt
+        return real_loader(dataset, indices, batch_size, workers)
+
+    monkeypatch.setattr(paper, "loader", dying_loader)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate_linear(PooledPixels(), train, val, PAPER, output_dir=tmp_path / "resumed")
+    saved = torch.load(tmp_path / "resumed" / paper.HEAD_FILE, weights_only=True)
+    assert saved["epoch"] == 2
+    monkeypatch.setattr(paper, "loader", real_loader)
+    resumed = evaluate_linear(PooledPixels(), train, val, PAPER, output_dir=tmp_path / "resumed")
+    assert resumed.top1 == whole.top1 and resumed.per_class_top1 == whole.per_class_top1
+    final = torch.load(tmp_path / "resumed" / paper.HEAD_FILE, weights_only=True)
+    reference = torch.load(tmp_path / "whole" / paper.HEAD_FILE, weights_only=True)
+    assert torch.allclose(final["head"]["weight"], reference["head"]["weight"], atol=1e-6)
+    with pytest.raises(paper.HeadCheckpointError, match="other linear options"):
+        evaluate_linear(PooledPixels(), train, val, config_with(PAPER, {"base_lr": "0.1"}),
+                        output_dir=tmp_path / "resumed")
+
+
+def test_paper_protocol_through_dali_views(shape_shards, tmp_path):
+    train, val = shape_shards
+    config = config_with(PAPER, {"backend": "dali", "workers": "1"})
+    result = evaluate_linear(PooledPixels(), train, val, config, output_dir=tmp_path)
+    assert result.protocol == "linear-paper" and result.top1 >= 0.8
+    assert (result.num_train, result.num_val, result.skipped) == (72, 36, 1)  # the corrupt JPEG left out
+
+
+def _linear_rank(rank: int, world: int, port: int, train, val, out) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    ctx = init("cpu")
+    try:
+        fast = evaluate_linear(PooledPixels(), train, val, FAST, ctx=ctx)
+        paper_result = evaluate_linear(PooledPixels(), train, val, PAPER, ctx=ctx)
+    finally:
+        teardown(ctx)
+    if rank == 0:
+        out.write_text(json.dumps([fast.top1, fast.top5, fast.num_train, fast.num_val, fast.skipped,
+                                   paper_result.top1, paper_result.num_val]))
+
+
+def test_two_gloo_ranks_give_the_single_process_metrics(shape_shards, tmp_path):
+    train, val = shape_shards
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "ranks.json"
+    mp.spawn(_linear_rank, args=(2, port, train, val, out), nprocs=2, join=True)
+    fast = evaluate_linear(PooledPixels(), train, val, FAST)
+    paper_result = evaluate_linear(PooledPixels(), train, val, PAPER)
+    assert json.loads(out.read_text()) == [fast.top1, fast.top5, 72, 36, 1, paper_result.top1, 36]
+
+
+def test_linear_cli_writes_the_json_contract(shape_shards, tmp_path):
+    train, val = shape_shards
+    out = tmp_path / "result.json"
+    result = CliRunner().invoke(eval_group, [
+        "linear", "--random-init", "18", "--train", str(train), "--val", str(val), "--preset", "fast",
+        "--set", "epochs=5", "--set", "crop_size=32", "--set", "resize_size=32", "--json", str(out),
+        "--output", str(tmp_path / "run"), "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "linear-fast" in result.output and "top-5" in result.output
+    record = json.loads(out.read_text())
+    assert record["protocol"] == "linear-fast" and record["random_init"] == 18 and record["checkpoint"] is None
+    assert 0 <= record["top1"] <= 1 and record["top5"] is not None
+    assert (record["num_train"], record["num_val"]) == (72, 36)
+    assert json.loads((tmp_path / "run" / "result.json").read_text()) == record
+    bad = CliRunner().invoke(eval_group, ["linear", "--random-init", "18", "--train", str(train), "--val", str(val),
+                                          "--set", "nonsense=1"])
+    assert bad.exit_code != 0 and "unknown option" in bad.output
