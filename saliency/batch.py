@@ -38,6 +38,7 @@ from saliency.maps import is_map_temporary, write_map
 from saliency.workers import init_worker, single_threaded
 from shards.keys import UnsafeKeyError, safe_relative_path
 from shards.lock import folder_lock
+from shards.reader import ReadReport
 
 try:  # the shared image loader (issue 14.3) names its errors itself; saliency.images wraps it
     from shards.images import ImageLoadError
@@ -78,6 +79,7 @@ class BatchReport:
     failed: list[tuple[str, str]] = field(default_factory=list)
     stale_removed: int = 0
     expected: int | None = None  # inputs the shard set's manifest lists, when it has one
+    read: ReadReport = field(default_factory=ReadReport)  # what the shard reader refused or lost
 
     @property
     def missing(self) -> int:
@@ -201,7 +203,7 @@ def _pending(config: HandcraftedConfig, item: Item) -> tuple[str, ...]:
 
 def _work(config: HandcraftedConfig, report: BatchReport, bar: tqdm) -> Iterator[tuple[Item, tuple[str, ...]]]:
     """The inputs that still need maps; counts the others (complete, or with a bad key) on the way."""
-    for item in iter_items(config.input):
+    for item in iter_items(config.input, report.read):
         report.inputs += 1
         try:
             methods = _pending(config, item)
@@ -289,4 +291,15 @@ def run_handcrafted(config: HandcraftedConfig) -> BatchReport:
                     " another --output) and rerun the same command, finished maps are kept"
                 )
             bar.update(1)
+        _count_refused_by_reader(report, bar)
     return report
+
+
+def _count_refused_by_reader(report: BatchReport, bar: tqdm) -> None:
+    """Samples and shards the shard reader left out are failed inputs, named with their reason."""
+    report.inputs += len(report.read.rejected)
+    for tar, what, reason in report.read.rejected:
+        report.failed.append((repr(what), f"rejected key: {reason} (in {tar})"))
+        bar.write(f"skipped {what!r}: rejected key: {reason}", file=sys.stderr)
+    for tar, reason in report.read.lost_shards:
+        bar.write(f"lost data in {tar}: {reason}", file=sys.stderr)

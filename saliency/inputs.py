@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from saliency.images import list_images
+from shards.reader import ReadReport
 
 IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")
 """Shard members that hold the image, in order of preference (the extensions WebDataset users use)."""
@@ -42,15 +43,19 @@ def image_member(sample: dict) -> bytes | None:
     return None
 
 
-def iter_items(source: Path) -> Iterator[Item]:
-    """Inputs of a folder of images, or of a shard folder / single ``.tar`` (keys as names)."""
+def iter_items(source: Path, read: ReadReport | None = None) -> Iterator[Item]:
+    """Inputs of a folder of images, or of a shard folder / single ``.tar`` (keys as names).
+
+    Shard members and shards the reader refuses (unsafe keys, links, truncated tars) are recorded
+    in ``read`` (warnings when None), never yielded.
+    """
     source = Path(source)
     if not source.exists():
         raise FileNotFoundError(f"input {source} does not exist; pass an image folder or a shard set")
     if is_shard_source(source):
         from shards import iter_samples
 
-        for sample in iter_samples(source):
+        for sample in iter_samples(source, report=read):
             yield Item(name=str(sample["key"]), data=image_member(sample))
         return
     if not source.is_dir():
