@@ -299,7 +299,8 @@ def _count_refused_by_reader(report: BatchReport, bar: tqdm) -> None:
     """Samples and shards the shard reader left out are failed inputs, named with their reason."""
     report.inputs += len(report.read.rejected)
     for tar, what, reason in report.read.rejected:
-        report.failed.append((repr(what), f"rejected key: {reason} (in {tar})"))
-        bar.write(f"skipped {what!r}: rejected key: {reason}", file=sys.stderr)
+        why = f"refused by the shard reader in {Path(tar).name}: {reason}"
+        report.failed.append((repr(what), why))
+        bar.write(f"skipped {what!r}: {why}", file=sys.stderr)
     for tar, reason in report.read.lost_shards:
         bar.write(f"lost data in {tar}: {reason}", file=sys.stderr)

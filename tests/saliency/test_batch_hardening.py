@@ -67,7 +67,7 @@ def test_keys_that_leave_the_output_folder_are_rejected_samples(tmp_path):
     out = tmp_path / "run" / "maps"
     result = _run("--method", "mc", "--input", str(shard.parent), "--output", str(out))
     assert result.exit_code == 1, result.output  # two samples lost: over the default limit
-    assert "2 failed" in result.output and "rejected key" in result.output
+    assert "2 failed" in result.output and "refused by the shard reader" in result.output
     assert "'../../escape.jpg'" in result.output and "absolute" in result.output
     written = sorted(p.relative_to(out).as_posix() for p in out.rglob("*.png"))
     assert written == ["mc/good.png", "mc/sub/dir/nested.png"]
