@@ -16,6 +16,7 @@ from saliency.evaluate import (
     write_json,
 )
 from saliency.handcrafted.methods import METHODS, resolve_methods
+from cli.saliency_network import register as register_network_commands
 from saliency.preview import PreviewConfig, write_preview
 
 METHOD_HELP = f"One of {', '.join(METHODS)}, a comma-separated list, or 'all'."
@@ -31,6 +32,9 @@ def _methods(name: str) -> tuple[str, ...]:
 @click.group()
 def saliency_group() -> None:
     """Handcrafted saliency maps, evaluation and previews."""
+
+
+register_network_commands(saliency_group)  # train, build-masks (cli/saliency_network.py)
 
 
 @saliency_group.command("handcrafted")
