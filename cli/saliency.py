@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from cli.saliency_network import register as register_network_commands
 from saliency.batch import HandcraftedConfig, run_handcrafted
 from saliency.evaluate import (
     EvaluateConfig,
@@ -16,7 +17,6 @@ from saliency.evaluate import (
     write_json,
 )
 from saliency.handcrafted.methods import METHODS, resolve_methods
-from cli.saliency_network import register as register_network_commands
 from saliency.preview import PreviewConfig, write_preview
 
 METHOD_HELP = f"One of {', '.join(METHODS)}, a comma-separated list, or 'all'."

@@ -7,7 +7,12 @@ from pathlib import Path
 import click
 
 from pretrain.checkpoint import CheckpointError
-from saliency.network.config import PRESETS, SaliencyConfigError, config_to_dict, load_saliency_config
+from saliency.network.config import (
+    PRESETS,
+    SaliencyConfigError,
+    config_to_dict,
+    load_saliency_config,
+)
 from saliency.network.model_file import ModelFileError
 from saliency.network.weights import BackboneError
 from shards.lock import FolderLockedError
@@ -52,7 +57,12 @@ def train_command(shards: Path, out: Path, preset: str, backbone: str, gt: Path 
 def build_masks_command(model_path: Path, shards: Path, out: Path, workers: int, batch_size: int, device: str,
                         progress: bool) -> None:
     """Write a masked shard set: every sample's original JPEG plus an 8-bit soft mask (mask.png)."""
-    from saliency.network.build_masks import BuildMasksConfig, MasksError, build_masks, format_summary
+    from saliency.network.build_masks import (
+        BuildMasksConfig,
+        MasksError,
+        build_masks,
+        format_summary,
+    )
 
     config = BuildMasksConfig(model=model_path, shards=shards, out=out, workers=max(1, workers),
                               batch_size=max(1, batch_size), device=device, progress=progress)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from pretrain.model.resnet import load_torchvision_state_dict
 from saliency.network.config import SaliencyTrainConfig, config_to_dict
 from saliency.network.data import TrainingImages, load_training_images
 from saliency.network.loop import CrfPool, train_epoch
@@ -32,7 +33,6 @@ from saliency.network.model import SaliencyNet
 from saliency.network.model_file import save_model
 from saliency.network.report import evaluate_report, format_report
 from saliency.network.weights import encoder_state_dict, random_backbone_warning
-from pretrain.model.resnet import load_torchvision_state_dict
 from shards.atomic import atomic_output, atomic_write_bytes
 from shards.lock import folder_lock
 
