@@ -33,7 +33,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 from tqdm import tqdm
 
-from saliency.network.images import resize_map, resize_square
+from saliency.network.images import member_key, resize_map, resize_square
 from saliency.network.model_file import load_model
 from shards import index_path, list_shards, read_index
 from shards.atomic import atomic_write_bytes, remove_stale_temps
@@ -91,8 +91,7 @@ def read_input_shard(tar: Path) -> Iterator[RawSample | tuple[str, str, str]]:
         raise MasksError(f"{idx} is missing; rebuild the index with shards.write_index({tar.name}) or rebuild the shards")
     with open(tar, "rb") as handle:
         for entries in read_index(idx):
-            name = entries[0][3].rsplit("/", 1)[-1]
-            key = name.split(".", 1)[0]
+            key = member_key(entries[0][3])
             source = f"{tar.name}:{key}"
             try:
                 check_key(key)
@@ -257,14 +256,14 @@ def _settings(config: BuildMasksConfig, tars: list[Path]) -> dict:
     return {"model_sha256": digest, "input_shards": [t.name for t in tars], "prefix": PREFIX}
 
 
-def _check_settings(out: Path, settings: dict, rank: int) -> None:
+def _check_settings(out: Path, settings: dict) -> None:
     path = Path(out) / STATE_DIR / "settings.json"
     if path.is_file():
         if json.loads(path.read_text()) != settings:
             raise MasksError(
                 f"{out} holds a masked set built from another model or input; choose another --out or delete it"
             )
-    elif rank == 0:
+    else:  # every rank may write it: the content is the same, and the write is atomic
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(path, (json.dumps(settings, sort_keys=True) + "\n").encode())
 
@@ -284,16 +283,20 @@ def _summary(records: list[dict], seconds: float) -> dict:
     }
 
 
-def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None) -> dict | None:
-    """Run (or resume) the job; rank 0 returns the summary, the other ranks None."""
+def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=None) -> dict | None:
+    """Run (or resume) the job; rank 0 returns the summary, the other ranks None.
+
+    `predictor` (tests): a callable like `MaskPredictor` (uint8 squares -> probabilities, `.size`)
+    used instead of the model file's network; the file is still read and fingerprinted.
+    """
     ranks = ranks or ranks_from_env()
     tars = list_shards(Path(config.shards))
     out = Path(config.out)
     if out.resolve() == Path(config.shards).resolve():
         raise MasksError("--out must differ from --shards")
     with folder_lock(out, "relicv2 saliency build-masks", enabled=ranks.rank == 0):
-        predictor = MaskPredictor(Path(config.model), config.device)
-        _check_settings(out, _settings(config, tars), ranks.rank)
+        predictor = predictor or MaskPredictor(Path(config.model), config.device)
+        _check_settings(out, _settings(config, tars))
         mine = range(len(tars) * ranks.rank // ranks.world_size, len(tars) * (ranks.rank + 1) // ranks.world_size)
         todo = [n for n in mine if _record_valid(out, n) is None]
         # Partial tars a killed run left under temporary names (only this rank's shards).

@@ -54,6 +54,15 @@ def resize_map(values: np.ndarray, width: int, height: int) -> np.ndarray:
     return cv2.resize(np.asarray(values, dtype=np.float32), (width, height), interpolation=cv2.INTER_LINEAR)
 
 
+def member_key(name: str) -> str:
+    """The sample key of a tar member name as webdataset and DALI see it: everything before the
+    first dot of the base name, folders included (`a/b.c.jpg` -> `a/b`). Untrusted: callers
+    validate it with `shards.keys.check_key` before it names anything."""
+    folder, _, base = name.rpartition("/")
+    stem = base.split(".", 1)[0]
+    return f"{folder}/{stem}" if folder else stem
+
+
 @dataclass(frozen=True)
 class SampleLocation:
     """Where a sample's image lies: tar, byte offset and size of its `jpg` member, its label."""
@@ -71,9 +80,11 @@ def _locations(tar: Path) -> list[SampleLocation]:
     with open(tar, "rb") as handle:
         for entries in read_index(index_path(tar)):
             members = {ext: (off, size) for ext, off, size, _ in entries}
-            key = entries[0][3].rsplit("/", 1)[-1].split(".", 1)[0]
+            key = member_key(entries[0][3])
             try:
                 check_key(key)
+                if "/" in key:
+                    raise UnsafeKeyError(f"key {key!r} names a sub-folder")
             except UnsafeKeyError:
                 continue  # a hostile name never becomes a file name; shards verify reports it
             if "jpg" not in members:
