@@ -167,7 +167,7 @@ class Trainer:
                 average = keep * average + (1 - keep) * self.crf.refine(predictions)
             bar.set_postfix(loss=f"{loss:.4f}")
             state = {"epoch": epoch + 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                     "average": torch.from_numpy(average).half(), "losses": losses}
+                     "average": torch.from_numpy(average), "losses": losses}  # fp32: exact resume
             with atomic_output(current) as tmp:
                 torch.save(state, tmp)
         bar.close()
