@@ -296,7 +296,8 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
         raise MasksError("--out must differ from --shards")
     with folder_lock(out, "relicv2 saliency build-masks", enabled=ranks.rank == 0):
         predictor = predictor or MaskPredictor(Path(config.model), config.device)
-        _check_settings(out, _settings(config, tars))
+        settings = _settings(config, tars)
+        _check_settings(out, settings)
         mine = range(len(tars) * ranks.rank // ranks.world_size, len(tars) * (ranks.rank + 1) // ranks.world_size)
         todo = [n for n in mine if _record_valid(out, n) is None]
         # Partial tars a killed run left under temporary names (only this rank's shards).
@@ -328,7 +329,7 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
             "prefix": PREFIX, "shards": len(written), "samples": len(rows), "labelled": sum(r["label"] is not None for r in rows),
             "rejected": len(rejected), "empty_shards": [shard_name(PREFIX, n) for n, rec in enumerate(records) if rec["tar_size"] is None],
             "bytes": sum(rec["tar_size"] or 0 for rec in records), "source": str(config.shards),
-            "model": _settings(config, tars)["model_sha256"], "mask": {k: summary[k] for k in ("below_min_coverage", "min_coverage", "coverage_histogram")},
+            "model": settings["model_sha256"], "mask": {k: summary[k] for k in ("below_min_coverage", "min_coverage", "coverage_histogram")},
             "version": package_version(),
         })
         summary["images_per_s"] = round(processed / seconds, 2) if processed else None
