@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import os
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from PIL import Image, ImageOps, UnidentifiedImageError
 
 from shards import index_path, list_shards, read_index
 from shards.keys import UnsafeKeyError, check_key
+from shards.sample import KEY_PATTERN
 
 
 class SampleDecodeError(ValueError):
@@ -83,10 +85,11 @@ def _locations(tar: Path) -> list[SampleLocation]:
             key = member_key(entries[0][3])
             try:
                 check_key(key)
-                if "/" in key:
-                    raise UnsafeKeyError(f"key {key!r} names a sub-folder")
+                if not KEY_PATTERN.fullmatch(key):
+                    raise UnsafeKeyError(f"key {key!r} is not 1-80 characters of [A-Za-z0-9_-]")
             except UnsafeKeyError:
-                continue  # a hostile name never becomes a file name; shards verify reports it
+                print(f"saliency: skipping a sample of {tar.name} with an unusable key {key!r}", file=sys.stderr)
+                continue  # a hostile name never becomes a file name
             if "jpg" not in members:
                 continue
             label = None
