@@ -154,3 +154,14 @@ def test_masked_set_feeds_the_view_loader_with_masks_applied(tmp_path, scene_sha
     assert masked[:, :4].sum() > 0  # large views were masked
     assert masked[:, 4:].sum() == 0  # small views never are
     assert index_path(tmp_path / "out" / "masked-000000.tar").is_file()
+
+
+@pytest.mark.gpu
+def test_gpu_masks_agree_with_cpu(tmp_path, scene_shards, tiny_model) -> None:
+    shards, _ = scene_shards
+    build_masks(_config(tiny_model, shards, tmp_path / "cpu"), Ranks())
+    build_masks(_config(tiny_model, shards, tmp_path / "gpu", device="cuda"), Ranks())
+    cpu = {r["key"]: r["mask_coverage"] for r in read_manifest(tmp_path / "cpu").to_pylist()}
+    gpu = {r["key"]: r["mask_coverage"] for r in read_manifest(tmp_path / "gpu").to_pylist()}
+    assert cpu.keys() == gpu.keys()
+    assert max(abs(cpu[k] - gpu[k]) for k in cpu) < 0.05  # bf16 autocast on GPU, fp32 on CPU
