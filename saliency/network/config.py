@@ -42,6 +42,18 @@ class CrfConfig:
     bilateral_srgb: float = 13.0
     bilateral_compat: float = 10.0
     iterations: int = 5
+    # The spatial widths above are in pixels of DeepUSPS's 432 px input. At another input size they
+    # are scaled by input_size / 432 so that the CRF sees the same neighbourhoods of the object (at
+    # 64 px an unscaled bilateral sxy of 80 would span the whole image and pull every pixel of a
+    # similar colour together).
+    reference_size: int = 432
+
+    def at_size(self, size: int) -> CrfConfig:
+        """These settings with the spatial widths scaled to a `size` x `size` input."""
+        scale = size / self.reference_size
+        return dataclasses.replace(
+            self, gaussian_sxy=self.gaussian_sxy * scale, bilateral_sxy=self.bilateral_sxy * scale, reference_size=size
+        )
 
 
 @dataclass(frozen=True)
@@ -99,13 +111,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         # and 64 px keeps a run on two shared cores within budget (the dilated layer4 dominates).
         "input_size": 64,
         "num_images": 240,
-        "iterations": 2,
-        "epochs": 3,
-        "fuse_epochs": 10,
-        # With a few hundred steps per iteration instead of thousands, 1e-5 barely moves the
-        # decoder; 10x the paper's values, still doubling each iteration (see RESULTS.md).
-        "lr": 1e-4,
-        "fuse_lr": 1e-4,
+        # One round of 6 epochs rather than 2 x 3: with 24 steps per epoch a network trained for 3
+        # epochs had not fitted its labels (loss still falling), and its CRF-refined predictions
+        # were worse than the raw maps, so a second round only compounded that (RESULTS.md).
+        "iterations": 1,
+        "epochs": 6,
+        "fuse_epochs": 12,
+        # With a few hundred steps instead of the paper's thousands, 1e-5 barely moves the
+        # randomly initialised decoder; 30x the paper's value (RESULTS.md).
+        "lr": 3e-4,
+        "fuse_lr": 3e-4,
         # One intra-op thread: on a busy 2-core machine torch's second thread spins at every
         # barrier while descheduled (measured 0.26 vs 0.039 CPU-s per training image at 64 px).
         "threads": 1,

@@ -105,7 +105,7 @@ class Trainer:
         self.work = Path(job.out) / "work"
         self.work.mkdir(parents=True, exist_ok=True)
         self.device = self.config.device
-        self.crf = CrfPool(data.images_hwc(), self.config.crf, self.config.workers)
+        self.crf = CrfPool(data.images_hwc(), self.config.crf.at_size(self.config.input_size), self.config.workers)
         self.history: dict[str, list[float]] = {}
 
     def fresh_network(self, unit: Unit) -> SaliencyNet:
