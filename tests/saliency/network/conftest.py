@@ -65,3 +65,15 @@ class SquarePredictor:
         q = self.size // 4
         out[:, q : 3 * q, q : 3 * q] = 1.0
         return out
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread():
+    """Tiny networks: one intra-op thread is faster, and far faster on a busy shared CPU (torch's
+    second thread spins at every barrier while descheduled)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
