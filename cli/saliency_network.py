@@ -6,16 +6,15 @@ from pathlib import Path
 
 import click
 
-from pretrain.checkpoint import CheckpointError
 from saliency.network.config import (
     PRESETS,
     SaliencyConfigError,
     config_to_dict,
     load_saliency_config,
 )
-from saliency.network.model_file import ModelFileError
-from saliency.network.weights import BackboneError
 from shards.lock import FolderLockedError
+
+# Modules that import torch are imported inside the commands: `relicv2 saliency --help` stays fast.
 
 
 @click.command("train")
@@ -34,7 +33,9 @@ from shards.lock import FolderLockedError
 def train_command(shards: Path, out: Path, preset: str, backbone: str, gt: Path | None, eval_shards: Path | None,
                   yaml_file: Path | None, overrides: tuple[str, ...], progress: bool) -> None:
     """Refine the handcrafted maps (phase I) and train the fused saliency network (phase II)."""
+    from pretrain.checkpoint import CheckpointError
     from saliency.network.train import TrainJob, TrainStateError, run_train
+    from saliency.network.weights import BackboneError
 
     try:
         config = load_saliency_config(preset, overrides, yaml_file)
@@ -63,6 +64,7 @@ def build_masks_command(model_path: Path, shards: Path, out: Path, workers: int,
         build_masks,
         format_summary,
     )
+    from saliency.network.model_file import ModelFileError
 
     config = BuildMasksConfig(model=model_path, shards=shards, out=out, workers=max(1, workers),
                               batch_size=max(1, batch_size), device=device, progress=progress)
