@@ -62,7 +62,7 @@ def train_relicv2(train_shards: Path, out: Path, epochs: int) -> dict:
     subprocess.run(command, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     wall = time.perf_counter() - start
     cpu = _cpu_seconds(resource.RUSAGE_CHILDREN) - cpu_start
-    from pretrain.eval.knn import encoder_from_checkpoint, resolve_checkpoint
+    from pretrain.checkpoint import encoder_from_checkpoint, resolve_checkpoint
 
     checkpoint = resolve_checkpoint(run_dir)
     save_encoder_file(encoder_from_checkpoint(checkpoint), out / "relicv2.pt", depth=DEPTH, width=1,

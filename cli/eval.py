@@ -120,8 +120,8 @@ def _write_json(path: Path | None, record: dict[str, Any]) -> None:
 
 def _backbone(checkpoint: Path | None, random_depth: int | None, network: str, seed: int):
     """(encoder, record fields) for --checkpoint (run folder, checkpoint or exported file) or --random-init."""
+    from pretrain.checkpoint import random_encoder
     from pretrain.eval.export import load_backbone
-    from pretrain.eval.knn import random_encoder
 
     if (checkpoint is None) == (random_depth is None):
         raise click.UsageError("give exactly one of --checkpoint or --random-init DEPTH")

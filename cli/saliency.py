@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from cli.saliency_network import register as register_network_commands
 from saliency.batch import HandcraftedConfig, OutputWriteError, run_handcrafted
 from saliency.evaluate import (
     EvaluateConfig,
@@ -33,6 +34,9 @@ def _methods(name: str) -> tuple[str, ...]:
 @click.group()
 def saliency_group() -> None:
     """Handcrafted saliency maps, evaluation and previews."""
+
+
+register_network_commands(saliency_group)  # train, build-masks (cli/saliency_network.py)
 
 
 @saliency_group.command("handcrafted")

@@ -1,4 +1,5 @@
-"""Contact sheet for eyeballing saliency maps: one row per image, image | each method | GT."""
+"""Contact sheets for eyeballing saliency: image | each method | GT, or, for a masked shard set (from
+`saliency build-masks`), image | mask | background removed (grey, as the masked pretraining views)."""
 
 from __future__ import annotations
 
@@ -58,8 +59,54 @@ def contact_sheet(rows: list[list[tuple[str, np.ndarray]]], tile_height: int = 1
     return np.concatenate(padded, axis=0)
 
 
+BACKGROUND_GREY = 128
+
+
+def is_masked_shard_set(source: Path) -> bool:
+    """True for a shard folder or tar whose first sample carries a ``mask.png`` member."""
+    source = Path(source)
+    if not (source.is_dir() and any(source.glob("*-[0-9]*.tar"))) and source.suffix != ".tar":
+        return False
+    from shards import iter_samples
+
+    first = next(iter(iter_samples(source)), None)
+    return first is not None and "mask.png" in first
+
+
+def build_masked_preview(config: PreviewConfig) -> np.ndarray:
+    """Rows of image | soft mask | image with the background (mask < 0.5) replaced by grey."""
+    from saliency.network.images import SampleDecodeError, decode_displayed
+    from shards import iter_samples
+
+    rows = []
+    for sample in iter_samples(config.input):
+        if len(rows) >= config.count:
+            break
+        try:
+            rgb = decode_displayed(sample["jpg"], sample["key"])
+            mask = decode_rgb(sample["mask.png"], f"{sample['key']}.mask.png")[..., 0]
+        except (SampleDecodeError, ImageReadError, KeyError) as error:
+            warnings.warn(f"preview skips {sample['key']}: {error}", stacklevel=2)
+            continue
+        if mask.shape != rgb.shape[:2]:
+            warnings.warn(f"preview skips {sample['key']}: mask {mask.shape} and image {rgb.shape[:2]} differ", stacklevel=2)
+            continue
+        removed = np.where((mask >= 128)[..., None], rgb, np.uint8(BACKGROUND_GREY))
+        coverage = sample["meta"].get("mask_coverage")
+        title = f"mask {coverage:.0%}" if isinstance(coverage, int | float) else "mask"
+        rows.append([(sample["key"], rgb), (title, mask), ("background removed", removed)])
+    if not rows:
+        raise ValueError(f"no readable masked sample in {config.input}")
+    return contact_sheet(rows, config.tile_height)
+
+
 def build_preview(config: PreviewConfig) -> np.ndarray:
-    """Compute (or read) the maps of the first ``count`` inputs and return the sheet."""
+    """Compute (or read) the maps of the first ``count`` inputs and return the sheet.
+
+    A masked shard set shows image | mask | background removed instead of the methods.
+    """
+    if is_masked_shard_set(config.input):
+        return build_masked_preview(config)
     masks = {p.stem: p for p in list_images(config.gt)} if config.gt else {}
     rows = []
     for item in iter_items(config.input):

@@ -140,8 +140,7 @@ def load_backbone(path: str | Path, *, network: str = "online") -> tuple[ResNet,
     The description holds what outputs should record: "checkpoint" (the file used), "network",
     "step" when known, and "format".
     """
-    from pretrain.checkpoint import load_checkpoint
-    from pretrain.eval.knn import encoder_from_checkpoint, resolve_checkpoint
+    from pretrain.checkpoint import encoder_from_checkpoint, load_checkpoint, resolve_checkpoint
 
     path = Path(path)
     if is_encoder_file(path):
@@ -180,9 +179,8 @@ def _known_figures(run_dir: Path, step: int) -> dict[str, Any]:
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, network: str = "online") -> dict[str, Any]:
     """Write the encoder of a pretraining checkpoint (or run folder) as an exported file; return the sidecar."""
-    from pretrain.checkpoint import load_checkpoint
+    from pretrain.checkpoint import encoder_from_checkpoint, load_checkpoint, resolve_checkpoint
     from pretrain.config import from_dict
-    from pretrain.eval.knn import encoder_from_checkpoint, resolve_checkpoint
 
     resolved = resolve_checkpoint(checkpoint)
     payload = load_checkpoint(resolved)

@@ -11,10 +11,9 @@ from click.testing import CliRunner
 
 from cli.eval import eval_group
 from cli.main import cli
-from pretrain.checkpoint import save_checkpoint
+from pretrain.checkpoint import encoder_from_checkpoint, save_checkpoint
 from pretrain.config import load_config, to_dict
 from pretrain.eval.export import ExportError, load_encoder_file, save_encoder_file, sidecar_path
-from pretrain.eval.knn import encoder_from_checkpoint
 from pretrain.model.heads import build_networks
 from pretrain.model.resnet import resnet
 

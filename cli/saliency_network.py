@@ -1,0 +1,84 @@
+"""`relicv2 saliency train | build-masks`: the DeepUSPS-style saliency network and masked shard sets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from saliency.network.config import (
+    PRESETS,
+    SaliencyConfigError,
+    config_to_dict,
+    load_saliency_config,
+)
+from shards.lock import FolderLockedError
+
+# Modules that import torch are imported inside the commands: `relicv2 saliency --help` stays fast.
+
+
+@click.command("train")
+@click.option("--shards", required=True, type=click.Path(path_type=Path), help="Shard set to sample images from.")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Output folder (model.pt, report.json, caches).")
+@click.option("--preset", type=click.Choice(sorted(PRESETS)), default="paper", show_default=True)
+@click.option("--backbone", required=True,
+              help="Encoder weights: a relicv2 pretrain run folder or checkpoint, a torchvision/SwAV ResNet "
+                   "state dict, or 'random' (not recommended).")
+@click.option("--gt", type=click.Path(path_type=Path), help="Ground-truth masks named like the sample keys (report only).")
+@click.option("--eval-shards", type=click.Path(path_type=Path),
+              help="Held-back shard set to score the fused network on (needs --gt).")
+@click.option("--config", "yaml_file", type=click.Path(path_type=Path), help="YAML file of settings (flat keys).")
+@click.option("--set", "overrides", multiple=True, help="Override a setting, e.g. --set epochs=5 --set thresholds.mr=0.3")
+@click.option("--progress/--no-progress", default=True, show_default=True)
+def train_command(shards: Path, out: Path, preset: str, backbone: str, gt: Path | None, eval_shards: Path | None,
+                  yaml_file: Path | None, overrides: tuple[str, ...], progress: bool) -> None:
+    """Refine the handcrafted maps (phase I) and train the fused saliency network (phase II)."""
+    from pretrain.checkpoint import CheckpointError
+    from saliency.network.train import TrainJob, TrainStateError, run_train
+    from saliency.network.weights import BackboneError
+
+    try:
+        config = load_saliency_config(preset, overrides, yaml_file)
+        click.echo(f"config: {config_to_dict(config)}")
+        run_train(TrainJob(shards=shards, out=out, config=config, backbone=backbone, gt=gt,
+                           eval_shards=eval_shards, progress=progress), log=click.echo)
+    except (SaliencyConfigError, BackboneError, CheckpointError, TrainStateError, FolderLockedError,
+            FileNotFoundError, ValueError) as error:
+        raise click.ClickException(str(error)) from error
+
+
+@click.command("build-masks")
+@click.option("--model", "model_path", required=True, type=click.Path(path_type=Path), help="model.pt from `saliency train`.")
+@click.option("--shards", required=True, type=click.Path(path_type=Path), help="Input shard set.")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Output folder for the masked shard set.")
+@click.option("--workers", default=2, show_default=True, help="Threads for decoding, resizing and PNG encoding.")
+@click.option("--batch", "batch_size", default=32, show_default=True, help="Images per forward pass.")
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
+@click.option("--progress/--no-progress", default=True, show_default=True)
+def build_masks_command(model_path: Path, shards: Path, out: Path, workers: int, batch_size: int, device: str,
+                        progress: bool) -> None:
+    """Write a masked shard set: every sample's original JPEG plus an 8-bit soft mask (mask.png)."""
+    from saliency.network.build_masks import (
+        BuildMasksConfig,
+        MasksError,
+        build_masks,
+        format_summary,
+    )
+    from saliency.network.model_file import ModelFileError
+
+    config = BuildMasksConfig(model=model_path, shards=shards, out=out, workers=max(1, workers),
+                              batch_size=max(1, batch_size), device=device, progress=progress)
+    try:
+        summary = build_masks(config)
+    except (ModelFileError, MasksError, FolderLockedError, FileNotFoundError, ValueError) as error:
+        raise click.ClickException(str(error)) from error
+    if summary is not None:
+        click.echo(format_summary(summary))
+        if summary["written"] == 0:
+            raise click.ClickException("no sample could be masked: every input failed")
+
+
+def register(group: click.Group) -> None:
+    """Add `train` and `build-masks` to the `saliency` command group."""
+    group.add_command(train_command)
+    group.add_command(build_masks_command)

@@ -1,0 +1,363 @@
+"""`relicv2 saliency build-masks`: a masked shard set from a shard set and a trained saliency model.
+
+Output `OUT/masked-NNNNNN.tar` (+ `.idx`), one per input shard (same number), each sample holding the
+input's `{key}.jpg` bytes unchanged, its `.cls`, its json plus `mask_coverage` / `mask_status`, and
+`{key}.mask.png`: the 8-bit soft mask at the displayed image's size (EXIF orientation applied, as
+DALI's decoder applies it). Then `manifest.parquet`, `rejected.parquet` and `info.json`.
+
+- Streaming: one batch being decoded (thread pool), one in the network, one being encoded and
+  written; memory is a few batches whatever the data set size.
+- Resumable: each finished output shard is recorded in `OUT/.build-masks/NNNNNN.json` (its rows,
+  rejections and size); a rerun keeps shards whose record and files agree and redoes the rest.
+  Batches never span input shards and inference is deterministic, so the result is byte-identical
+  to an uninterrupted run.
+- Multi-node: under torchrun each rank takes a contiguous range of input shards; rank 0 writes the
+  manifest once every shard's record is there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import cv2
+import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+from tqdm import tqdm
+
+from saliency.network.images import member_key, resize_map, resize_square
+from saliency.network.model_file import load_model
+from shards import index_path, list_shards, read_index
+from shards.atomic import atomic_write_bytes, remove_stale_temps
+from shards.build import Ranks, ranks_from_env
+from shards.keys import UnsafeKeyError, check_key
+from shards.lock import folder_lock
+from shards.manifest import rejected_table, write_manifest, write_table
+from shards.sample import KEY_PATTERN, ShardSample
+from shards.writer import (
+    SampleRecord,
+    TarShard,
+    package_version,
+    sample_record,
+    shard_name,
+    write_info,
+)
+
+PREFIX = "masked"
+STATE_DIR = ".build-masks"
+MIN_COVERAGE = 0.05  # ViewLoader's default mask_min_coverage: masks below it are never applied
+PNG_COMPRESSION = 3  # zlib level: masks are smooth, level 3 is ~2x faster than 9 for ~10% more bytes
+EXIF_ORIENTATION = 0x0112
+
+
+class MasksError(ValueError):
+    """A build-masks input or output folder that cannot be used."""
+
+
+@dataclass(frozen=True)
+class BuildMasksConfig:
+    """One `relicv2 saliency build-masks` job."""
+
+    model: Path
+    shards: Path
+    out: Path
+    workers: int = 2
+    batch_size: int = 32
+    device: str = "cpu"
+    progress: bool = True
+    merge_timeout: float = 3600.0  # rank 0 waits this long for the other ranks' shards
+
+
+@dataclass
+class RawSample:
+    key: str
+    jpg: bytes
+    label: int | None
+    meta: dict
+
+
+def read_input_shard(tar: Path) -> Iterator[RawSample | tuple[str, str, str]]:
+    """Samples of one input tar via its DALI index; unusable ones as (source, reason, detail)."""
+    idx = index_path(tar)
+    if not idx.is_file():
+        raise MasksError(f"{idx} is missing; rebuild the index with shards.write_index({tar.name}) or rebuild the shards")
+    with open(tar, "rb") as handle:
+        for entries in read_index(idx):
+            key = member_key(entries[0][3])
+            source = f"{tar.name}:{key}"
+            try:
+                check_key(key)
+            except UnsafeKeyError as error:
+                yield source, "unsafe_key", str(error)
+                continue
+            if not KEY_PATTERN.fullmatch(key):
+                yield source, "bad_key", f"key {key!r} is not 1-80 characters of [A-Za-z0-9_-]"
+                continue
+            members = {ext: os.pread(handle.fileno(), size, off) for ext, off, size, _ in entries}
+            if "jpg" not in members:
+                yield source, "no_image", "sample has no jpg member"
+                continue
+            try:
+                label = int(members["cls"]) if "cls" in members else None
+                meta = json.loads(members["json"]) if "json" in members else {}
+            except ValueError as error:
+                yield source, "corrupt", f"unreadable cls/json member ({error})"
+                continue
+            yield RawSample(key, members["jpg"], label, meta if isinstance(meta, dict) else {})
+
+
+def prepare(sample: RawSample, size: int) -> tuple[np.ndarray, int, int] | str:
+    """(network input uint8 [S, S, 3], displayed width, height), or why the image is unusable."""
+    try:
+        with Image.open(io.BytesIO(sample.jpg)) as image:
+            width, height = image.size
+            orientation = image.getexif().get(EXIF_ORIENTATION, 1)
+            # DCT-domain downscaling while decoding (JPEG only): the network sees a size x size
+            # image, so decoding every pixel of a large photo would be wasted work.
+            image.draft("RGB", (size, size))
+            image.load()
+            rgb = np.asarray(ImageOps.exif_transpose(image).convert("RGB"), dtype=np.uint8)
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
+        return f"cannot decode image ({error})"
+    if orientation in (5, 6, 7, 8):  # these orientations swap width and height
+        width, height = height, width
+    return resize_square(rgb, size), width, height
+
+
+def finish(sample: RawSample, probability: np.ndarray, width: int, height: int) -> SampleRecord:
+    """The output sample: original JPEG bytes, the mask PNG at image size, coverage in the json."""
+    soft = resize_map(probability, width, height)
+    coverage = float((soft >= 0.5).mean())
+    mask = np.clip(np.rint(soft * 255.0), 0, 255).astype(np.uint8)
+    ok, png = cv2.imencode(".png", mask, [cv2.IMWRITE_PNG_COMPRESSION, PNG_COMPRESSION])
+    if not ok:  # pragma: no cover - encoding a uint8 array does not fail
+        raise RuntimeError(f"PNG encoding of the mask of {sample.key} failed")
+    meta = {**sample.meta, "width": width, "height": height, "mask_coverage": round(coverage, 6),
+            "mask_status": "ok" if coverage >= MIN_COVERAGE else "below_min_coverage"}
+    return sample_record(ShardSample(sample.key, {"jpg": sample.jpg, "mask.png": png.tobytes()}, sample.label, meta))
+
+
+class MaskPredictor:
+    """Batched inference: fp32 on CPU; bf16 autocast and channels_last on GPU."""
+
+    def __init__(self, model_path: Path, device: str):
+        self.model, self.info = load_model(model_path, device)
+        self.device, self.size = device, int(self.info["input_size"])
+        self.cuda = device.startswith("cuda")
+        if self.cuda:
+            self.model = self.model.to(memory_format=torch.channels_last)
+
+    @torch.no_grad()
+    def __call__(self, squares: list[np.ndarray]) -> np.ndarray:
+        batch = torch.from_numpy(np.stack(squares)).permute(0, 3, 1, 2)
+        x = self.model.normalise(batch)
+        if self.cuda:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = self.model(x.contiguous(memory_format=torch.channels_last))
+        else:
+            logits = self.model(x)
+        return torch.sigmoid(logits.float()).squeeze(1).cpu().numpy()
+
+
+def _batches(items: Iterator, size: int) -> Iterator[list]:
+    batch: list = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: ThreadPoolExecutor, batch_size: int,
+               bar) -> dict:
+    """Write the masked copy of one input shard; returns its record (rows, rejected, tar size)."""
+    rejected: list[dict] = []
+    shard = TarShard(out_tar)
+    pending_writes: list[tuple[RawSample, Future]] = []
+
+    def flush_writes() -> None:
+        for _sample, future in pending_writes:
+            shard.add_record(future.result())
+            bar.update(1)
+        pending_writes.clear()
+
+    def prepared_batches():
+        for raw_batch in _batches(read_input_shard(tar), batch_size):
+            jobs = []
+            for item in raw_batch:
+                if isinstance(item, tuple):
+                    rejected.append({"source": item[0], "reason": item[1], "detail": item[2]})
+                    bar.update(1)
+                else:
+                    jobs.append((item, pool.submit(prepare, item, predictor.size)))
+            yield jobs
+
+    try:
+        batches = prepared_batches()
+        current = next(batches, None)
+        while current is not None:
+            following = next(batches, None)  # decode the next batch while this one is in the network
+            ready = []
+            for sample, future in current:
+                result = future.result()
+                if isinstance(result, str):
+                    rejected.append({"source": f"{tar.name}:{sample.key}", "reason": "corrupt", "detail": result})
+                    bar.update(1)
+                else:
+                    ready.append((sample, result))
+            if ready:
+                probabilities = predictor([r[0] for _s, r in ready])
+                flush_writes()  # the previous batch's encodes ran during this forward pass
+                for (sample, (_sq, width, height)), probability in zip(ready, probabilities, strict=True):
+                    pending_writes.append((sample, pool.submit(finish, sample, probability, width, height)))
+            current = following
+        flush_writes()
+        if not shard.rows:
+            shard.abort()
+            return {"rows": [], "rejected": rejected, "tar_size": None}
+        rows = shard.close()
+    except BaseException:
+        shard.abort()
+        raise
+    return {"rows": rows, "rejected": rejected, "tar_size": out_tar.stat().st_size}
+
+
+def _record_path(out: Path, number: int) -> Path:
+    return Path(out) / STATE_DIR / f"{number:06d}.json"
+
+
+def _record_valid(out: Path, number: int) -> dict | None:
+    """A finished shard's record when the record and its files agree, else None (redo the shard)."""
+    path = _record_path(out, number)
+    try:
+        record = json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    tar = Path(out) / shard_name(PREFIX, number)
+    if record.get("tar_size") is None:
+        return record if not tar.exists() else None
+    if not tar.is_file() or tar.stat().st_size != record["tar_size"] or not index_path(tar).is_file():
+        return None
+    return record
+
+
+def _settings(config: BuildMasksConfig, tars: list[Path]) -> dict:
+    digest = hashlib.sha256(Path(config.model).read_bytes()).hexdigest()
+    return {"model_sha256": digest, "input_shards": [t.name for t in tars], "prefix": PREFIX}
+
+
+def _check_settings(out: Path, settings: dict) -> None:
+    path = Path(out) / STATE_DIR / "settings.json"
+    if path.is_file():
+        if json.loads(path.read_text()) != settings:
+            raise MasksError(
+                f"{out} holds a masked set built from another model or input; choose another --out or delete it"
+            )
+    else:  # every rank may write it: the content is the same, and the write is atomic
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, (json.dumps(settings, sort_keys=True) + "\n").encode())
+
+
+def _summary(records: list[dict], seconds: float) -> dict:
+    rows = [r for rec in records for r in rec["rows"]]
+    coverage = np.array([r["mask_coverage"] for r in rows], dtype=np.float64)
+    histogram = np.histogram(coverage, bins=10, range=(0.0, 1.0))[0].tolist() if len(rows) else [0] * 10
+    return {
+        "written": len(rows),
+        "rejected": sum(len(rec["rejected"]) for rec in records),
+        "below_min_coverage": int((coverage < MIN_COVERAGE).sum()),
+        "min_coverage": MIN_COVERAGE,
+        "coverage_histogram": histogram,
+        "mean_coverage": float(coverage.mean()) if len(rows) else None,
+        "seconds": round(seconds, 2),
+    }
+
+
+def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=None) -> dict | None:
+    """Run (or resume) the job; rank 0 returns the summary, the other ranks None.
+
+    `predictor` (tests): a callable like `MaskPredictor` (uint8 squares -> probabilities, `.size`)
+    used instead of the model file's network; the file is still read and fingerprinted.
+    """
+    ranks = ranks or ranks_from_env()
+    tars = list_shards(Path(config.shards))
+    out = Path(config.out)
+    if out.resolve() == Path(config.shards).resolve():
+        raise MasksError("--out must differ from --shards")
+    with folder_lock(out, "relicv2 saliency build-masks", enabled=ranks.rank == 0):
+        predictor = predictor or MaskPredictor(Path(config.model), config.device)
+        settings = _settings(config, tars)
+        _check_settings(out, settings)
+        mine = range(len(tars) * ranks.rank // ranks.world_size, len(tars) * (ranks.rank + 1) // ranks.world_size)
+        todo = [n for n in mine if _record_valid(out, n) is None]
+        # Partial tars a killed run left under temporary names (only this rank's shards).
+        remove_stale_temps(out, {shard_name(PREFIX, n) for n in todo} | {index_path(Path(shard_name(PREFIX, n))).name for n in todo})
+        total = sum(len(read_index(index_path(tars[n]))) for n in todo if index_path(tars[n]).is_file())
+        started, processed = time.monotonic(), 0
+        bar = tqdm(total=total, desc="build-masks", unit="img", disable=not config.progress, dynamic_ncols=True)
+        with ThreadPoolExecutor(config.workers) as pool:
+            for number in todo:
+                record = mask_shard(tars[number], out / shard_name(PREFIX, number), predictor, pool,
+                                    config.batch_size, bar)
+                record["input"] = tars[number].name
+                processed += len(record["rows"]) + len(record["rejected"])
+                _record_path(out, number).parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_bytes(_record_path(out, number), (json.dumps(record, sort_keys=True) + "\n").encode())
+        seconds = time.monotonic() - started
+        bar.close()
+        if ranks.rank != 0:
+            return None
+        records = _wait_for_records(out, len(tars), config.merge_timeout)
+        rows = [r for rec in records for r in rec["rows"]]
+        rejected = [r for rec in records for r in rec["rejected"]]
+        if rows:
+            write_manifest(rows, out)
+        write_table(rejected_table(rejected), out / "rejected.parquet")
+        summary = _summary(records, time.monotonic() - started)
+        written = [shard_name(PREFIX, n) for n, rec in enumerate(records) if rec["tar_size"] is not None]
+        write_info(out, {
+            "prefix": PREFIX, "shards": len(written), "samples": len(rows), "labelled": sum(r["label"] is not None for r in rows),
+            "rejected": len(rejected), "empty_shards": [shard_name(PREFIX, n) for n, rec in enumerate(records) if rec["tar_size"] is None],
+            "bytes": sum(rec["tar_size"] or 0 for rec in records), "source": str(config.shards),
+            "model": settings["model_sha256"], "mask": {k: summary[k] for k in ("below_min_coverage", "min_coverage", "coverage_histogram")},
+            "version": package_version(),
+        })
+        summary["images_per_s"] = round(processed / seconds, 2) if processed else None
+        return summary
+
+
+def _wait_for_records(out: Path, count: int, timeout: float) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    while True:
+        records = [_record_valid(out, n) for n in range(count)]
+        missing = [n for n, r in enumerate(records) if r is None]
+        if not missing:
+            return records  # type: ignore[return-value]
+        if time.monotonic() > deadline:
+            raise MasksError(
+                f"{len(missing)} shards (e.g. {shard_name(PREFIX, missing[0])}) were not finished by the other "
+                "ranks in time; rerun the same command to complete them"
+            )
+        time.sleep(2.0)
+
+
+def format_summary(summary: dict) -> str:
+    """A human summary: counts, coverage histogram, the masks below the minimum coverage."""
+    bars = "  ".join(f"{i * 10}-{i * 10 + 10}%: {n}" for i, n in enumerate(summary["coverage_histogram"]))
+    return (
+        f"build-masks: {summary['written']} masked, {summary['rejected']} rejected "
+        f"({summary['images_per_s']} img/s this run)\n"
+        f"coverage (fraction >= 0.5): {bars}\n"
+        f"{summary['below_min_coverage']} masks cover less than {summary['min_coverage']:.0%} and will not be "
+        "applied in pretraining"
+    )

@@ -1,0 +1,109 @@
+"""The training images of `saliency train`: a seeded sample of the shard set and its handcrafted maps.
+
+The sample is written once as a small shard set `OUT/sample/` (prefix `sample`) and its maps by the
+handcrafted batch job into `OUT/maps/<method>/<key>.png`; a restarted job reuses both. Images
+whose EXIF orientation rotates them are stored re-encoded in the displayed orientation, so that
+the maps, the network input and the masks built later all see the image the view pipeline sees.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from saliency.batch import HandcraftedConfig, map_path, run_handcrafted
+from saliency.images import ImageReadError, read_gray
+from saliency.network.images import (
+    SampleDecodeError,
+    decode_displayed,
+    has_rotation,
+    read_member,
+    resize_map,
+    resize_square,
+    sample_locations,
+)
+from shards import ShardSample, iter_samples, write_shard_set
+
+SAMPLE_PREFIX = "sample"
+
+
+@dataclass
+class TrainingImages:
+    """The usable sampled images at the network's input size, and their handcrafted maps."""
+
+    keys: list[str]
+    images: torch.Tensor  # uint8 [N, 3, S, S]
+    maps: dict[str, torch.Tensor]  # method -> float16 [N, S, S] in [0, 1]
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (key, reason)
+
+    def images_hwc(self) -> np.ndarray:
+        return self.images.permute(0, 2, 3, 1).contiguous().numpy()
+
+
+def _sample_stream(shards: Path, count: int, seed: int, skipped: list) -> Iterator[ShardSample]:
+    for location in sample_locations(shards, count, seed):
+        data = read_member(location)
+        try:
+            rgb = decode_displayed(data, f"{location.key} in {location.tar.name}")
+        except SampleDecodeError as error:
+            skipped.append((location.key, str(error)))
+            print(f"saliency train: skipping {error}", file=sys.stderr)
+            continue
+        if has_rotation(data):
+            buffer = io.BytesIO()
+            Image.fromarray(rgb).save(buffer, "JPEG", quality=95)
+            data = buffer.getvalue()
+        meta = {"source_shard": location.tar.name, "width": rgb.shape[1], "height": rgb.shape[0]}
+        yield ShardSample(location.key, {"jpg": data}, location.label, meta)
+
+
+def write_sample_set(shards: Path, out: Path, count: int, seed: int) -> tuple[Path, list]:
+    """`OUT/sample/`: the seeded sample of `shards` (kept when it exists: the plan is deterministic)."""
+    folder = Path(out) / "sample"
+    skipped: list[tuple[str, str]] = []
+    if not (folder / "info.json").is_file():
+        write_shard_set(_sample_stream(Path(shards), count, seed, skipped), folder, prefix=SAMPLE_PREFIX, max_count=1000)
+    return folder, skipped
+
+
+def handcrafted_maps(images: Path, output: Path, methods: tuple[str, ...], workers: int, progress: bool) -> list:
+    """Run (or resume) the handcrafted batch job; returns its failures [(key, reason)]."""
+    report = run_handcrafted(
+        HandcraftedConfig(methods=methods, input=images, output=output, workers=workers, progress=progress)
+    )
+    return list(report.failed)
+
+
+def load_training_images(
+    shards: Path, out: Path, *, count: int, seed: int, size: int, methods: tuple[str, ...], workers: int,
+    progress: bool = True,
+) -> TrainingImages:
+    """Sample, compute maps (cached), and load everything at `size` x `size` into memory."""
+    sample_dir, skipped = write_sample_set(shards, out, count, seed)
+    failed = dict(handcrafted_maps(sample_dir, Path(out) / "maps", methods, workers, progress))
+    keys, images, maps = [], [], {m: [] for m in methods}
+    for sample in iter_samples(sample_dir):
+        key = sample["key"]
+        if key in failed:
+            skipped.append((key, failed[key]))
+            continue
+        try:
+            rgb = decode_displayed(sample["jpg"], key)
+            raw = {m: read_gray(map_path(Path(out) / "maps", m, key)) for m in methods}
+        except (SampleDecodeError, ImageReadError) as error:
+            skipped.append((key, str(error)))
+            continue
+        keys.append(key)
+        images.append(torch.from_numpy(resize_square(rgb, size)).permute(2, 0, 1))
+        for m in methods:
+            maps[m].append(torch.from_numpy(resize_map(raw[m] / 255.0, size, size)).clamp_(0, 1).half())
+    if not keys:
+        raise ValueError(f"no usable image in the sample of {shards}; every sampled image failed ({skipped[:3]})")
+    return TrainingImages(keys, torch.stack(images), {m: torch.stack(v) for m, v in maps.items()}, skipped)

@@ -1,0 +1,92 @@
+"""The saliency network: a dilated ResNet encoder (output stride 8) and a light decoder to one logit map.
+
+The encoder is `pretrain.model.resnet` (so its weights are this project's, torchvision's or SwAV's
+names); its last two stages are turned into dilated stages here, the way torchvision's
+`replace_stride_with_dilation=[False, True, True]` builds them (DeepLab): the stride-2 convolution
+of a stage's first block becomes stride 1, and every 3x3 convolution of the stage gets dilation d
+(2 for layer3, 4 for layer4) except the first block's, which keeps the previous stage's dilation.
+Parameter shapes are unchanged, so pretrained weights load as they are.
+
+Decoder (DeepLabv3+-like, small): layer4 features -> 1x1 conv (128) -> 3x3 conv; upsampled to
+layer1's stride 4 and joined with a 1x1 (32) reduction of layer1 -> 3x3 conv (64) -> 1x1 conv to
+one logit -> bilinear upsampling to the input size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torchvision.models.resnet import BasicBlock, Bottleneck
+
+from pretrain.model.resnet import ResNet, resnet
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+OUTPUT_STRIDE = 8
+
+
+def _dilate_stage(stage: nn.Sequential, dilation: int, previous: int) -> None:
+    for index, block in enumerate(stage):
+        first = index == 0
+        if isinstance(block, Bottleneck):
+            conv = block.conv2
+        elif isinstance(block, BasicBlock):
+            # A BasicBlock has two 3x3 convolutions; the stride sits on conv1.
+            block.conv2.dilation, block.conv2.padding = (dilation, dilation), (dilation, dilation)
+            conv = block.conv1
+        else:  # pragma: no cover - resnet() only builds these two block types
+            raise TypeError(f"unexpected block {type(block).__name__}")
+        rate = previous if first else dilation
+        conv.stride, conv.dilation, conv.padding = (1, 1), (rate, rate), (rate, rate)
+        if first and block.downsample is not None:
+            block.downsample[0].stride = (1, 1)
+        block.stride = 1
+
+
+def dilate_last_stages(encoder: ResNet) -> ResNet:
+    """Turn layer3 / layer4 into dilated stages (output stride 8); in place, returns `encoder`."""
+    _dilate_stage(encoder.layer3, 2, 1)
+    _dilate_stage(encoder.layer4, 4, 2)
+    return encoder
+
+
+def _conv_bn_relu(cin: int, cout: int, kernel: int) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(cin, cout, kernel, padding=kernel // 2, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)
+    )
+
+
+class SaliencyNet(nn.Module):
+    """Images [B, 3, S, S] (ImageNet-normalised) -> foreground logits [B, 1, S, S]."""
+
+    def __init__(self, depth: int = 50, width: int = 1):
+        super().__init__()
+        self.depth, self.width = depth, width
+        self.encoder = dilate_last_stages(resnet(depth, width))
+        low_channels = self.encoder.layer1[-1].conv1.in_channels  # layer1's output channels
+        self.head = nn.Sequential(_conv_bn_relu(self.encoder.num_features, 128, 1), _conv_bn_relu(128, 128, 3))
+        self.low = _conv_bn_relu(low_channels, 32, 1)
+        self.fuse = nn.Sequential(_conv_bn_relu(160, 64, 3), nn.Conv2d(64, 1, 1))
+        self.register_buffer("mean", torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(IMAGENET_STD).view(1, 3, 1, 1), persistent=False)
+
+    def forward(self, images: Tensor) -> Tensor:
+        size = images.shape[-2:]
+        e = self.encoder
+        x = e.maxpool(e.relu(e.bn1(e.conv1(images))))
+        low = e.layer1(x)
+        deep = self.head(e.layer4(e.layer3(e.layer2(low))))
+        deep = F.interpolate(deep, size=low.shape[-2:], mode="bilinear", align_corners=False)
+        logits = self.fuse(torch.cat([deep, self.low(low)], dim=1))
+        return F.interpolate(logits, size=size, mode="bilinear", align_corners=False)
+
+    def normalise(self, images_uint8: Tensor) -> Tensor:
+        """uint8 [B, 3, H, W] -> float ImageNet-normalised, on the network's device."""
+        x = images_uint8.to(self.mean.device, non_blocking=True).float().div_(255.0)
+        return (x - self.mean) / self.std
+
+    @torch.no_grad()
+    def predict(self, images_uint8: Tensor) -> Tensor:
+        """Foreground probability [B, S, S] in [0, 1] of uint8 images (eval mode is the caller's job)."""
+        return torch.sigmoid(self(self.normalise(images_uint8))).squeeze(1).float()

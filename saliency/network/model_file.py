@@ -1,0 +1,74 @@
+"""The self-describing saliency model file `OUT/model.pt` (readable with `torch.load(weights_only=True)`).
+
+Contents (plain containers only):
+    format "relicv2-saliency-model", version 1
+    arch        {"name": "dilated-resnet-os8-decoder-v1", "depth": int, "width": int}
+    input_size  the square side the network expects
+    threshold   foreground threshold of the soft mask (0.5)
+    preset, backbone (where the encoder weights came from), config (resolved), report
+    state_dict  the network's weights
+"""
+
+from __future__ import annotations
+
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from saliency.network.model import SaliencyNet
+from shards.atomic import atomic_output
+
+FORMAT = "relicv2-saliency-model"
+VERSION = 1
+ARCH = "dilated-resnet-os8-decoder-v1"
+
+
+class ModelFileError(ValueError):
+    """A saliency model file that cannot be used."""
+
+
+def save_model(path: Path, model: SaliencyNet, *, input_size: int, preset: str, backbone: str,
+               config: dict, report: dict, threshold: float = 0.5) -> Path:
+    payload = {
+        "format": FORMAT,
+        "version": VERSION,
+        "arch": {"name": ARCH, "depth": model.depth, "width": model.width},
+        "input_size": input_size,
+        "threshold": threshold,
+        "preset": preset,
+        "backbone": backbone,
+        "config": config,
+        "report": report,
+        "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_output(path) as tmp:
+        torch.save(payload, tmp)
+    return path
+
+
+def load_model(path: Path | str, device: str = "cpu") -> tuple[SaliencyNet, dict[str, Any]]:
+    """(network in eval mode on `device`, the file's description without the weights)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelFileError(f"saliency model {path} does not exist; train one with `relicv2 saliency train`")
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as error:
+        raise ModelFileError(f"{path} is not a readable saliency model ({str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}); pass the model.pt written by `relicv2 saliency train`") from None
+    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        raise ModelFileError(f"{path} is not a relicv2 saliency model; pass the model.pt written by `relicv2 saliency train`")
+    if payload.get("version") != VERSION or payload.get("arch", {}).get("name") != ARCH:
+        raise ModelFileError(f"{path} is saliency model version {payload.get('version')} ({payload.get('arch')}); this relicv2 reads version {VERSION} ({ARCH})")
+    arch = payload["arch"]
+    model = SaliencyNet(int(arch["depth"]), int(arch["width"]))
+    try:
+        model.load_state_dict(payload["state_dict"])
+    except RuntimeError as error:
+        raise ModelFileError(f"{path}: weights do not fit the recorded architecture ({str(error).splitlines()[0]})") from None
+    info = {k: v for k, v in payload.items() if k != "state_dict"}
+    return model.to(device).eval(), info

@@ -1,0 +1,132 @@
+"""Scores for `saliency train --gt`: raw maps vs refined labels per method, the fused network, and the
+per-pixel mean of the handcrafted maps (the trivial fusion the network must beat).
+
+Everything is scored at the image's own resolution against its ground-truth mask with the standard
+protocol of `saliency.metrics` (MAE, max-F, adaptive F; beta^2 = 0.3). Labels and predictions made
+at the network's input size are resized back (bilinear; binary labels nearest).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import cv2
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from saliency.batch import map_path
+from saliency.images import ImageReadError, list_images, read_gray
+from saliency.metrics import aggregate, score_image
+from saliency.network.data import handcrafted_maps
+from saliency.network.images import SampleDecodeError, decode_displayed, resize_map, resize_square
+from saliency.network.model import SaliencyNet
+from shards import iter_samples
+
+MEAN_ROW = "mean of handcrafted"
+FUSED_ROW = "fused network"
+
+RowFn = Callable[[str, int, np.ndarray], np.ndarray]
+
+
+def predict_map(model: SaliencyNet, rgb: np.ndarray, size: int) -> np.ndarray:
+    """The network's foreground probability of one displayed image, at the image's size."""
+    square = torch.from_numpy(resize_square(rgb, size)).permute(2, 0, 1)[None]
+    probability = model.predict(square)[0].cpu().numpy()
+    return resize_map(probability, rgb.shape[1], rgb.shape[0])
+
+
+def _nearest(label: np.ndarray, width: int, height: int) -> np.ndarray:
+    return cv2.resize(label.astype(np.uint8), (width, height), interpolation=cv2.INTER_NEAREST).astype(np.float32)
+
+
+def score_rows(images: Iterator[tuple[str, int, np.ndarray]], gt: Path, rows: dict[str, RowFn],
+               total: int, desc: str, progress: bool) -> dict[str, dict]:
+    """Per row name: aggregate scores over the images that have a ground-truth mask."""
+    masks = {p.stem: p for p in list_images(gt)}
+    scores: dict[str, list] = {name: [] for name in rows}
+    missing = 0
+    for key, index, rgb in tqdm(images, total=total, desc=desc, disable=not progress, unit="img"):
+        if key not in masks:
+            missing += 1
+            continue
+        try:
+            mask = read_gray(masks[key])
+        except ImageReadError as error:
+            print(f"report: skipping {key}: {error}", file=sys.stderr)
+            continue
+        if mask.shape != rgb.shape[:2]:
+            print(f"report: skipping {key}: mask {mask.shape} differs from image {rgb.shape[:2]}", file=sys.stderr)
+            continue
+        for name, row in rows.items():
+            scores[name].append(score_image(row(key, index, rgb), mask))
+    if missing:
+        print(f"report: {missing} images have no mask in {gt} and are not scored", file=sys.stderr)
+    return {name: aggregate(items).as_dict() for name, items in scores.items()}
+
+
+def _raw(folder: Path, method: str) -> RowFn:
+    return lambda key, _i, _rgb: read_gray(map_path(folder, method, key)) / 255.0
+
+
+def _mean_of(folder: Path, methods: tuple[str, ...]) -> RowFn:
+    return lambda key, _i, _rgb: np.mean([read_gray(map_path(folder, m, key)) / 255.0 for m in methods], axis=0)
+
+
+def evaluate_report(job, data, trainer, model: SaliencyNet, *, progress: bool = True) -> dict:
+    """{"train": {row: scores}, "heldout": {row: scores} (with --eval-shards)}."""
+    config, out = job.config, Path(job.out)
+    maps = out / "maps"
+    size = config.input_size
+    position = {key: i for i, key in enumerate(data.keys)}
+    rows: dict[str, RowFn] = {}
+    for m in config.methods:
+        rows[f"{m} raw map"] = _raw(maps, m)
+        threshold = config.thresholds[m]
+        rows[f"{m} raw >= {threshold:g}"] = lambda key, _i, _rgb, m=m, t=threshold: (
+            read_gray(map_path(maps, m, key)) / 255.0 >= t).astype(np.float32)
+        for k in range(1, config.iterations + 1):
+            average = trainer.result(f"{m}-it{k}").float().numpy()
+            rows[f"{m} refined it{k}"] = lambda _k, i, rgb, a=average: _nearest(a[i] >= 0.5, rgb.shape[1], rgb.shape[0])
+    rows[MEAN_ROW] = _mean_of(maps, config.methods)
+    rows[FUSED_ROW] = lambda _k, _i, rgb: predict_map(model, rgb, size)
+
+    def train_images() -> Iterator[tuple[str, int, np.ndarray]]:
+        for sample in iter_samples(out / "sample"):
+            if sample["key"] in position:
+                yield sample["key"], position[sample["key"]], decode_displayed(sample["jpg"], sample["key"])
+
+    report = {"train": score_rows(train_images(), job.gt, rows, len(position), "report (train)", progress)}
+    if job.eval_shards is not None:
+        eval_maps = out / "eval-maps"
+        failed = dict(handcrafted_maps(Path(job.eval_shards), eval_maps, config.methods, config.workers, progress))
+        held: dict[str, RowFn] = {f"{m} raw map": _raw(eval_maps, m) for m in config.methods}
+        held[MEAN_ROW] = _mean_of(eval_maps, config.methods)
+        held[FUSED_ROW] = rows[FUSED_ROW]
+
+        def held_images() -> Iterator[tuple[str, int, np.ndarray]]:
+            for i, sample in enumerate(iter_samples(Path(job.eval_shards))):
+                if sample["key"] in failed:
+                    continue
+                try:
+                    yield sample["key"], i, decode_displayed(sample["jpg"], sample["key"])
+                except SampleDecodeError as error:
+                    print(f"report: skipping {error}", file=sys.stderr)
+
+        report["heldout"] = score_rows(held_images(), job.gt, held, None, "report (held out)", progress)
+    return report
+
+
+def format_report(report: dict) -> str:
+    """The report's score tables as text."""
+    lines = []
+    for part in ("train", "heldout"):
+        if part not in report:
+            continue
+        lines.append(f"\n{part} images:")
+        lines.append(f"{'':28s} {'MAE':>7s} {'max-F':>7s} {'adapt-F':>7s} {'count':>6s}")
+        for name, s in report[part].items():
+            lines.append(f"{name:28s} {s['mae']:7.3f} {s['max_f']:7.3f} {s['adaptive_f']:7.3f} {s['count']:6d}")
+    return "\n".join(lines)

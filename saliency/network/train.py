@@ -1,0 +1,235 @@
+"""`relicv2 saliency train`: DeepUSPS-style refinement of handcrafted maps and the fused saliency network.
+
+Steps (DESIGN.md "Refinement (DeepUSPS-style) and the saliency network"):
+1. sample N images, compute the handcrafted maps (cached; `data.py`);
+2. phase I, per method, K iterations: a fresh network trained E epochs on the current binary
+   labels; after each epoch its train-mode predictions are CRF-refined and folded into a moving
+   average (0.7 old + 0.3 new, from 0); the last average binarised at 0.5 is the next labels;
+3. phase II: a fresh network trained on all methods' refined labels at once;
+4. optional report against ground truth (`--gt`), and on held-back shards (`--eval-shards`);
+5. `OUT/model.pt` (self-describing) and `OUT/report.json`.
+Every unit of work (one iteration of one method, or the fused network) checkpoints after each
+epoch into `OUT/work/`; rerunning the same command resumes at the epoch after the last one saved.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from pretrain.model.resnet import load_torchvision_state_dict
+from saliency.network.config import SaliencyTrainConfig, config_to_dict
+from saliency.network.data import TrainingImages, load_training_images
+from saliency.network.loop import CrfPool, train_epoch
+from saliency.network.model import SaliencyNet
+from saliency.network.model_file import save_model
+from saliency.network.report import evaluate_report, format_report
+from saliency.network.weights import encoder_state_dict, random_backbone_warning
+from shards.atomic import atomic_output, atomic_write_bytes
+from shards.lock import folder_lock
+
+CONFIG_NAME = "config.json"
+
+
+class TrainStateError(RuntimeError):
+    """The output folder holds a run that this command cannot continue."""
+
+
+@dataclass(frozen=True)
+class TrainJob:
+    """One `relicv2 saliency train` job."""
+
+    shards: Path
+    out: Path
+    config: SaliencyTrainConfig
+    backbone: str  # a weights file, a pretrain run folder, or "random"
+    gt: Path | None = None  # ground-truth masks named like the sample keys (report only)
+    eval_shards: Path | None = None  # held-back images to score the fused network on (needs gt)
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One network trained from scratch: a phase I iteration of a method, or the fused network."""
+
+    name: str
+    method: str | None  # None: phase II (all methods)
+    iteration: int
+    epochs: int
+    lr: float
+    beta2: float
+
+    @property
+    def seed_offset(self) -> int:
+        return zlib.crc32(self.name.encode())
+
+
+def plan_units(config: SaliencyTrainConfig) -> list[Unit]:
+    units = [
+        Unit(f"{m}-it{k + 1}", m, k, config.epochs, config.lr * config.lr_growth**k, config.phase1_beta2)
+        for m in config.methods
+        for k in range(config.iterations)
+    ]
+    if config.fuse_epochs > 0:
+        units.append(Unit("fused", None, 0, config.fuse_epochs, config.fuse_lr, config.fuse_beta2))
+    return units
+
+
+def _check_config(out: Path, tree: dict) -> None:
+    path = out / CONFIG_NAME
+    text = json.dumps(tree, indent=2, sort_keys=True)
+    if path.is_file():
+        if json.loads(path.read_text()) != json.loads(text):
+            raise TrainStateError(
+                f"{out} holds a saliency run with other settings ({path}); rerun with the same options "
+                "to resume it, or choose another --out"
+            )
+        return
+    atomic_write_bytes(path, (text + "\n").encode())
+
+
+class Trainer:
+    """Runs the units in order, each resumable; holds the images and the encoder weights in memory."""
+
+    def __init__(self, job: TrainJob, data: TrainingImages, encoder_state: dict | None):
+        self.job, self.config, self.data = job, job.config, data
+        self.encoder_state = encoder_state
+        self.work = Path(job.out) / "work"
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.device = self.config.device
+        self.crf = CrfPool(data.images_hwc(), self.config.crf.at_size(self.config.input_size), self.config.workers)
+        self.history: dict[str, list[float]] = {}
+
+    def fresh_network(self, unit: Unit) -> SaliencyNet:
+        torch.manual_seed(self.config.seed * 1_000_003 + unit.seed_offset)
+        model = SaliencyNet(self.config.depth, self.config.width)
+        if self.encoder_state is not None:
+            load_torchvision_state_dict(model.encoder, self.encoder_state)
+        return model.to(self.device)
+
+    def labels_of(self, unit: Unit) -> tuple[torch.Tensor, torch.Tensor]:
+        """(binary labels [N, M, S, S], the soft maps they were binarised from [N, M, S, S])."""
+        methods = [unit.method] if unit.method else list(self.config.methods)
+        labels, soft = [], []
+        for m in methods:
+            if unit.method is not None and unit.iteration == 0:
+                raw = self.data.maps[m].float()
+                labels.append((raw >= self.config.thresholds[m]).half())
+                soft.append(raw.half())
+            else:
+                k = unit.iteration if unit.method else self.config.iterations
+                average = self.result(f"{m}-it{k}").float()
+                labels.append((average >= 0.5).half())
+                soft.append(average.half())
+        return torch.stack(labels, 1), torch.stack(soft, 1)
+
+    def result(self, name: str) -> torch.Tensor:
+        """The refined soft labels (moving average) a finished phase I unit left."""
+        return torch.load(self.work / f"{name}.done.pt", weights_only=True)["average"]
+
+    def run_unit(self, unit: Unit) -> None:
+        done = self.work / f"{unit.name}.done.pt"
+        if done.is_file():
+            return
+        labels, soft = self.labels_of(unit)
+        model = self.fresh_network(unit)
+        optimizer = torch.optim.Adam(model.parameters(), lr=unit.lr)
+        n, size = self.data.images.shape[0], self.config.input_size
+        average = np.zeros((n, size, size), dtype=np.float32)
+        start, losses = 0, []
+        current = self.work / f"{unit.name}.current.pt"
+        if current.is_file():
+            state = torch.load(current, weights_only=True)
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            average = state["average"].float().numpy()
+            start, losses = int(state["epoch"]), list(state["losses"])
+        bar = tqdm(total=unit.epochs * n, initial=start * n, desc=f"saliency {unit.name}", unit="img",
+                   disable=not self.job.progress, dynamic_ncols=True)
+        for epoch in range(start, unit.epochs):
+            generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + unit.seed_offset + epoch)
+            order = torch.randperm(n, generator=generator)
+            predictions, loss = train_epoch(
+                model, optimizer, self.data.images, labels, soft, order=order,
+                batch_size=self.config.batch_size, beta2=unit.beta2, device=self.device, progress=bar,
+            )
+            losses.append(loss)
+            if unit.method is not None:
+                keep = self.config.average_keep
+                average = keep * average + (1 - keep) * self.crf.refine(predictions)
+            bar.set_postfix(loss=f"{loss:.4f}")
+            state = {"epoch": epoch + 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                     "average": torch.from_numpy(average), "losses": losses}  # fp32: exact resume
+            with atomic_output(current) as tmp:
+                torch.save(state, tmp)
+        bar.close()
+        result = {"losses": losses, "average": torch.from_numpy(average).half()}
+        if unit.method is None:
+            result["model"] = model.state_dict()
+        with atomic_output(done) as tmp:
+            torch.save(result, tmp)
+        current.unlink(missing_ok=True)
+
+    def fused_network(self) -> SaliencyNet:
+        model = SaliencyNet(self.config.depth, self.config.width)
+        model.load_state_dict(torch.load(self.work / "fused.done.pt", weights_only=True)["model"])
+        return model.eval()
+
+    def losses(self) -> dict[str, list[float]]:
+        return {p.name[: -len(".done.pt")]: torch.load(p, weights_only=True)["losses"]
+                for p in sorted(self.work.glob("*.done.pt"))}
+
+
+def run_train(job: TrainJob, log: Callable[[str], None] = print) -> dict:
+    """Run (or resume) the job; returns the report written to `OUT/report.json`."""
+    config, out = job.config, Path(job.out)
+    if config.fuse_epochs < 1:
+        raise ValueError("fuse_epochs must be >= 1: the fused network is the job's output")
+    if job.eval_shards is not None and job.gt is None:
+        raise ValueError("--eval-shards needs --gt (the held-back images are only scored against their masks)")
+    with folder_lock(out, "relicv2 saliency train"):
+        tree = {"config": config_to_dict(config), "shards": str(job.shards), "backbone": job.backbone}
+        _check_config(out, tree)
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        if job.backbone == "random":
+            random_backbone_warning()
+            encoder_state, backbone = None, "random initialisation"
+        else:
+            encoder_state, backbone = encoder_state_dict(job.backbone, config.depth, config.width)
+            # Fail now, not after the maps: check the weights fit before any long work.
+            load_torchvision_state_dict(SaliencyNet(config.depth, config.width).encoder, encoder_state)
+        log(f"saliency train: preset {config.preset}, ResNet-{config.depth} x{config.width}, "
+            f"{config.input_size} px, encoder from {backbone}")
+        data = load_training_images(
+            job.shards, out, count=config.num_images, seed=config.seed, size=config.input_size,
+            methods=config.methods, workers=config.workers, progress=job.progress,
+        )
+        for key, reason in data.skipped:
+            print(f"saliency train: left out {key}: {reason}", file=sys.stderr)
+        log(f"saliency train: {len(data.keys)} images ({len(data.skipped)} left out)")
+        trainer = Trainer(job, data, encoder_state)
+        try:
+            for unit in plan_units(config):
+                trainer.run_unit(unit)
+        finally:
+            trainer.crf.close()
+        model = trainer.fused_network()
+        report = {"preset": config.preset, "backbone": backbone, "images": len(data.keys),
+                  "left_out": [list(s) for s in data.skipped], "losses": trainer.losses()}
+        if job.gt is not None:
+            report.update(evaluate_report(job, data, trainer, model, progress=job.progress))
+            log(format_report(report))
+        atomic_write_bytes(out / "report.json", (json.dumps(report, indent=2, sort_keys=True) + "\n").encode())
+        save_model(out / "model.pt", model, input_size=config.input_size, preset=config.preset,
+                   backbone=backbone, config=tree["config"], report=report)
+        log(f"saliency train: wrote {out / 'model.pt'} and {out / 'report.json'}")
+        return report

@@ -1,0 +1,138 @@
+"""Encoder weights for the saliency network, from a file or a run folder; nothing is ever downloaded.
+
+Accepted (`load_encoder_weights(source, depth, width)`):
+- a `relicv2 pretrain` checkpoint file or run folder (its newest checkpoint): the online encoder;
+- a torchvision-format ResNet state dict (`conv1.weight`, `layer1.0...`; `fc.*` dropped);
+- a SwAV-format checkpoint: `{"state_dict": ...}` or a bare dict whose names carry a `module.`
+  prefix; the projection head and prototypes are dropped;
+- the `relicv2 export` format: a plain state dict plus a `FILE.json` sidecar naming
+  "arch"/"depth"/"width", checked against the requested architecture first.
+Every problem is one `BackboneError` naming the file and, for a wrong architecture, the first
+mismatched keys.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import warnings
+import zipfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from pretrain.checkpoint import FORMAT as PRETRAIN_FORMAT
+from pretrain.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
+from pretrain.model.resnet import ResNet, load_torchvision_state_dict
+
+# Prefixes stripped from names, in order: DDP's `module.`, then an `encoder.` / `backbone.` wrapper.
+WRAPPER_PREFIXES = ("module.", "encoder.", "backbone.", "trunk.")
+# Entries of a SwAV (or similar) checkpoint that are not part of the trunk.
+DROPPED_PREFIXES = ("projection_head.", "prototypes.", "fc.", "head.", "projector.", "predictor.")
+
+
+class BackboneError(ValueError):
+    """A backbone file that cannot initialise the encoder (missing, corrupt, foreign, wrong architecture)."""
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _read(path: Path) -> object:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as error:
+        raise BackboneError(
+            f"{path} is not a readable weights file ({_first_line(error)}); pass a relicv2 pretrain "
+            "checkpoint or run folder, a torchvision/SwAV ResNet state dict, or --backbone random"
+        ) from None
+
+
+def _strip(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Trunk entries under torchvision's names: wrapper prefixes removed, heads dropped."""
+    out = {}
+    for name, value in state.items():
+        for prefix in WRAPPER_PREFIXES:
+            if name.startswith(prefix):
+                name = name[len(prefix):]
+        if not name.startswith(DROPPED_PREFIXES):
+            out[name] = value
+    return out
+
+
+def _check_sidecar(path: Path, depth: int, width: int) -> None:
+    sidecar = path.with_name(path.name + ".json")
+    if not sidecar.is_file():
+        return
+    try:
+        info = json.loads(sidecar.read_text())
+    except (OSError, ValueError) as error:
+        raise BackboneError(f"{sidecar} (the sidecar of {path.name}) is not readable JSON ({error})") from None
+    if not isinstance(info, dict):
+        return
+    found = (info.get("depth"), info.get("width", 1))
+    if found[0] is not None and (int(found[0]), int(found[1] or 1)) != (depth, width):
+        raise BackboneError(
+            f"{path} holds a ResNet-{found[0]} at width {found[1]} (per {sidecar.name}), but the "
+            f"saliency network is a ResNet-{depth} at width {width}; set depth={found[0]} "
+            f"width={found[1]} (--set) or pass other weights"
+        )
+
+
+def _pretrain_encoder_state(path: Path) -> dict[str, Tensor]:
+    try:
+        payload = load_checkpoint(path)
+    except CheckpointError as error:
+        raise BackboneError(str(error)) from None
+    prefix = "encoder."
+    return {name[len(prefix):]: value for name, value in payload["online"].items() if name.startswith(prefix)}
+
+
+def encoder_state_dict(source: str | Path, depth: int, width: int) -> tuple[dict[str, Tensor], str]:
+    """(trunk state dict under torchvision names, a description of its kind) from a file or run folder."""
+    path = Path(source)
+    if not path.exists():
+        raise BackboneError(f"backbone {path} does not exist; pass a weights file, a pretrain run folder, or 'random'")
+    if path.is_dir():
+        try:
+            path = resolve_checkpoint(path)
+        except CheckpointError as error:
+            raise BackboneError(str(error)) from None
+    payload = _read(path)
+    if not isinstance(payload, dict):
+        raise BackboneError(f"{path} holds a {type(payload).__name__}, not a state dict or checkpoint")
+    if payload.get("format") == PRETRAIN_FORMAT:
+        return _pretrain_encoder_state(path), f"relicv2 pretrain checkpoint {path}"
+    _check_sidecar(path, depth, width)
+    kind = "state dict"
+    if isinstance(payload.get("state_dict"), dict):  # SwAV / DINO-style training checkpoint
+        payload, kind = payload["state_dict"], "SwAV-format checkpoint"
+    elif isinstance(payload.get("model"), dict):
+        payload, kind = payload["model"], "checkpoint ('model' entry)"
+    tensors = {k: v for k, v in payload.items() if isinstance(k, str) and isinstance(v, Tensor)}
+    if not tensors:
+        raise BackboneError(f"{path} holds no weight tensors (keys {sorted(map(str, payload))[:5]}); it is not a ResNet state dict")
+    if any(k.startswith("module.") for k in tensors):
+        kind = "SwAV-format checkpoint" if kind == "state dict" else kind
+    return _strip(tensors), f"{kind} {path}"
+
+
+def load_encoder_weights(encoder: ResNet, source: str | Path, depth: int, width: int) -> str:
+    """Initialise `encoder` (a `resnet(depth, width)`) from `source`; returns a description of the source."""
+    state, description = encoder_state_dict(source, depth, width)
+    try:
+        load_torchvision_state_dict(encoder, state)
+    except ValueError as error:
+        raise BackboneError(f"{source} does not fit a ResNet-{depth} at width {width}: {error}") from None
+    return description
+
+
+def random_backbone_warning() -> None:
+    warnings.warn(
+        "the saliency network's encoder starts from random weights (--backbone random); refinement "
+        "works far better from a self-supervised backbone (a relicv2 pretrain run folder)",
+        stacklevel=2,
+    )

@@ -1,0 +1,120 @@
+"""Refinement moves labels towards the truth; `saliency train` checkpoints, resumes exactly and reports."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+
+import saliency.network.train as train_module
+from saliency.images import write_png
+from saliency.network.config import load_saliency_config
+from saliency.network.data import TrainingImages
+from saliency.network.model_file import load_model
+from saliency.network.train import Trainer, TrainJob, TrainStateError, run_train
+from saliency.synthetic import synthetic_scene
+
+
+def _iou(a: np.ndarray, b: np.ndarray) -> float:
+    return float((a & b).sum() / max((a | b).sum(), 1))
+
+
+def _noisy_map(mask: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """A handcrafted-like map: the object blurred and shifted, plus a false blob and noise."""
+    shifted = np.roll(mask.astype(np.float32) / 255.0, (3, 4), axis=(0, 1))
+    blob = np.zeros_like(shifted)
+    cv2.circle(blob, (int(rng.integers(4, 10)), int(rng.integers(4, 10))), 4, 1.0, -1)
+    noisy = cv2.GaussianBlur(shifted, (0, 0), 2.0) * 0.8 + blob * 0.6 + rng.uniform(0, 0.25, shifted.shape)
+    return np.clip(noisy, 0, 1).astype(np.float32)
+
+
+def test_one_refinement_iteration_moves_labels_towards_the_masks(tmp_path: Path) -> None:
+    size, count = 32, 8
+    rng = np.random.default_rng(0)
+    images, maps, masks = [], [], []
+    for i in range(count):
+        rgb, mask = synthetic_scene(size, size, seed=i)
+        images.append(torch.from_numpy(rgb).permute(2, 0, 1))
+        maps.append(torch.from_numpy(_noisy_map(mask, rng)).half())
+        masks.append(mask > 0)
+    data = TrainingImages([f"s{i}" for i in range(count)], torch.stack(images), {"rbd": torch.stack(maps)})
+    config = load_saliency_config("tiny", ["methods=rbd", "input_size=32", "epochs=4", "average_keep=0.5",
+                                           "lr=0.001", "thresholds.rbd=0.3"])
+    job = TrainJob(shards=tmp_path, out=tmp_path / "out", config=config, backbone="random", progress=False)
+    trainer = Trainer(job, data, None)
+    try:
+        trainer.run_unit(train_module.plan_units(config)[0])
+    finally:
+        trainer.crf.close()
+    refined = trainer.result("rbd-it1").float().numpy() >= 0.5
+    raw = [m.float().numpy() >= 0.3 for m in data.maps["rbd"]]
+    before = np.mean([_iou(r, m) for r, m in zip(raw, masks, strict=True)])
+    after = np.mean([_iou(r, m) for r, m in zip(refined, masks, strict=True)])
+    assert after > before + 0.05, (before, after)
+
+
+@pytest.fixture
+def gt_folder(tmp_path: Path, scene_shards) -> Path:
+    _, masks = scene_shards
+    folder = tmp_path / "gt"
+    for key, mask in masks.items():
+        write_png(folder / f"{key}.png", mask)
+    return folder
+
+
+def _job(shards: Path, out: Path, gt: Path | None = None) -> TrainJob:
+    config = load_saliency_config("tiny", ["methods=mc", "num_images=4", "epochs=2", "fuse_epochs=2"])
+    return TrainJob(shards=shards, out=out, config=config, backbone="random", gt=gt, progress=False)
+
+
+class _Killed(Exception):
+    pass
+
+
+def test_train_resumes_after_a_kill_to_the_same_model(tmp_path: Path, scene_shards, gt_folder, monkeypatch) -> None:
+    shards, _ = scene_shards
+    with pytest.warns(UserWarning, match="random weights"):
+        run_train(_job(shards, tmp_path / "whole", gt_folder), log=lambda _: None)
+    whole, info = load_model(tmp_path / "whole" / "model.pt")
+    report = json.loads((tmp_path / "whole" / "report.json").read_text())
+    assert info["input_size"] == 32 and info["preset"] == "tiny" and info["arch"]["depth"] == 18
+    assert report["images"] == 4 and set(report["losses"]) == {"mc-it1", "fused"}
+    rows = report["train"]
+    assert {"mc raw map", "mc refined it1", "mean of handcrafted", "fused network"} <= set(rows)
+    assert all(r["count"] == 4 and 0 <= r["mae"] <= 1 for r in rows.values())
+
+    calls = {"n": 0}
+    real_epoch = train_module.train_epoch
+
+    def dying_epoch(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:  # mc-it1 one epoch in
+            raise _Killed
+        return real_epoch(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "train_epoch", dying_epoch)
+    with pytest.raises(_Killed), pytest.warns(UserWarning):
+        run_train(_job(shards, tmp_path / "resumed", gt_folder), log=lambda _: None)
+    work = tmp_path / "resumed" / "work"
+    assert (work / "mc-it1.current.pt").is_file() and not (work / "mc-it1.done.pt").exists()
+    monkeypatch.setattr(train_module, "train_epoch", real_epoch)
+    with pytest.warns(UserWarning):
+        run_train(_job(shards, tmp_path / "resumed", gt_folder), log=lambda _: None)
+    resumed, _ = load_model(tmp_path / "resumed" / "model.pt")
+    for name, tensor in whole.state_dict().items():
+        assert torch.equal(tensor, resumed.state_dict()[name]), name
+    assert json.loads((tmp_path / "resumed" / "report.json").read_text())["train"] == rows
+
+
+def test_other_settings_in_the_same_folder_are_refused(tmp_path: Path, scene_shards) -> None:
+    shards, _ = scene_shards
+    job = _job(shards, tmp_path / "out")
+    (tmp_path / "out").mkdir()
+    train_module._check_config(tmp_path / "out", {"config": {"epochs": 1}})
+    with pytest.raises(TrainStateError, match="other settings"):
+        run_train(dataclasses.replace(job), log=lambda _: None)
