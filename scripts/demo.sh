@@ -25,10 +25,6 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 start=$SECONDS
 
 relicv2() { "$py" -m cli "$@"; }
-# has_command WORDS...: the command exists in this checkout; has_option OPTION WORDS...: it takes OPTION.
-has_command() { relicv2 "$@" --help >/dev/null 2>&1; }
-has_option() { local option=$1; shift; relicv2 "$@" --help 2>/dev/null | grep -q -- "$option"; }
-not_available() { echo "   $1: not available yet in this checkout, skipped"; }
 
 # Stage bookkeeping: a stage is done when its stamp holds the same settings it would run with now.
 settings="data=${data:-builtin} reduced=$reduced"
@@ -112,26 +108,18 @@ fi
 
 # ---- 4. the saliency network (DeepUSPS-style refinement of the handcrafted maps), tiny preset
 network=$out/saliency/network
-if ! has_command saliency train; then
-  step=$((step + 1)); echo "== $step. saliency network (saliency train --preset tiny)"; not_available "relicv2 saliency train"
-elif stage saliency-train tiny "saliency network (saliency train --preset tiny, random backbone)"; then
+if stage saliency-train tiny "saliency network (saliency train --preset tiny, random backbone)"; then
   relicv2 saliency train --shards "$train" --out "$network" --preset tiny --backbone random
   finished saliency-train tiny
 fi
 
 # ---- 5. mask shards: every training image with the network's mask
 masked=$out/shards/masked-train
-pretrain_shards=$train; mask_probability=0.0
-if ! has_command saliency build-masks || [[ ! -f "$network/model.pt" ]]; then
-  step=$((step + 1)); echo "== $step. mask shards (saliency build-masks)"; not_available "relicv2 saliency build-masks"
-  pretrain_shards=$train; mask_probability=0.0
-elif stage build-masks "$max_count" "mask shards (saliency build-masks)"; then
+if stage build-masks "$max_count" "mask shards (saliency build-masks)"; then
   relicv2 saliency build-masks --model "$network/model.pt" --shards "$train" --out "$masked" --workers 2 --device cpu
   finished build-masks "$max_count"
 fi
-if [[ -f "$masked/manifest.parquet" ]]; then
-  pretrain_shards=$masked; mask_probability=0.1  # the paper's p_m
-fi
+pretrain_shards=$masked; mask_probability=0.1  # the paper's p_m
 
 # ---- 6. a look at the augmented views (4 large + 2 small per image), with and without masking
 views=()
@@ -172,33 +160,20 @@ evals=$out/eval
 mkdir -p "$evals"
 if [[ "$labelled" != "1" ]]; then
   step=$((step + 1)); echo "== $step. evaluation: skipped, the images have no class labels"
-elif stage eval "$key $(has_option --json eval knn && echo knn-json) $(has_command eval linear && echo linear)" \
-    "kNN and linear (fast) evaluation vs random init"; then
+elif stage eval "$key" "kNN and linear (fast) evaluation vs random init"; then
   crop=(--crop-size "$view_size" --resize-size "$view_size" --device cpu)
-  if has_option --json eval knn; then
-    relicv2 eval knn --checkpoint "$run" --train "$train" --val "$val" "${crop[@]}" --json "$evals/knn.json"
-    relicv2 eval knn --random-init 18 --train "$train" --val "$val" "${crop[@]}" --json "$evals/knn-random.json"
-  else
-    relicv2 eval knn --checkpoint "$run" --train "$train" --val "$val" "${crop[@]}"
-    relicv2 eval knn --random-init 18 --train "$train" --val "$val" "${crop[@]}"
-    not_available "relicv2 eval knn --json (the figures above are not in the report)"
-  fi
-  if has_command eval linear; then
-    relicv2 eval linear --checkpoint "$run" --train "$train" --val "$val" --preset fast \
-        --output "$evals/linear" --json "$evals/linear-fast.json"
-    relicv2 eval linear --random-init 18 --train "$train" --val "$val" --preset fast \
-        --output "$evals/linear-random" --json "$evals/linear-fast-random.json"
-  else
-    not_available "relicv2 eval linear"
-  fi
-  finished eval "$key $(has_option --json eval knn && echo knn-json) $(has_command eval linear && echo linear)"
+  relicv2 eval knn --checkpoint "$run" --train "$train" --val "$val" "${crop[@]}" --json "$evals/knn.json"
+  relicv2 eval knn --random-init 18 --train "$train" --val "$val" "${crop[@]}" --json "$evals/knn-random.json"
+  relicv2 eval linear --checkpoint "$run" --train "$train" --val "$val" --preset fast \
+      --output "$evals/linear" --json "$evals/linear-fast.json"
+  relicv2 eval linear --random-init 18 --train "$train" --val "$val" --preset fast \
+      --output "$evals/linear-random" --json "$evals/linear-fast-random.json"
+  finished eval "$key"
 fi
 
 # ---- 9. export the encoder as a plain (torchvision-format) state dict
 export_file=$out/export/resnet18.pt
-if ! has_command export; then
-  step=$((step + 1)); echo "== $step. export"; not_available "relicv2 export"
-elif stage export "$key" "export the encoder (torchvision format)"; then
+if stage export "$key" "export the encoder (torchvision format)"; then
   mkdir -p "$(dirname "$export_file")"
   relicv2 export --checkpoint "$run" --out "$export_file"
   finished export "$key"
@@ -206,8 +181,7 @@ fi
 
 # ---- 10. the report (always rebuilt: it only reads the files above)
 step=$((step + 1)); echo "== $step. report"
-report_shards=$train
-if [[ -f "$masked/manifest.parquet" ]]; then report_shards=$masked; fi
+report_shards=$masked
 relicv2 report --out "$out/report.html" --run "$run" --eval "$evals" --saliency-report "$network/report.json" \
     --maps "$maps" --shards "$report_shards" "${views[@]}" --count "$((sample_images < 4 ? sample_images : 4))" \
     --title "relicv2 demo$([[ "$reduced" == "1" ]] && echo " (reduced)")"
@@ -216,7 +190,7 @@ cat <<EOF
 
 demo finished in $((SECONDS - start)) s; everything is under $out/
   report         $out/report.html  (open it in a browser; figures in $out/report-figures/)
-  shards         $train${val_images:+, $val}$([[ -f "$masked/manifest.parquet" ]] && echo ", $masked")
+  shards         $train${val_images:+, $val}, $masked
   saliency       maps in $maps/<method>/, network in $network/
   views          $out/views-*.png
   pretraining    $run/ (checkpoint-*.pt, metrics.jsonl, tensorboard/, config.yaml)
