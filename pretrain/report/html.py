@@ -128,14 +128,37 @@ def _saliency_training_section(page: _Page, inputs: ReportInputs) -> None:
         return
     report, problem = read_json(inputs.saliency_report)
     rows = metric_rows(report) if problem is None else []
-    if not rows:
+    losses = _loss_rows(report) if problem is None else []
+    if not rows and not losses:
         page.summary.problems.append(problem or f"{inputs.saliency_report}: no metrics in it")
         page.not_run("saliency-training", f"{inputs.saliency_report} holds no readable metrics")
         return
-    columns = sorted({name for _, values in rows for name in values})
-    body = [[name, *(_fmt(values.get(c)) for c in columns)] for name, values in rows]
-    page.ok("saliency-training", _table(["", *columns], body, css="saliency") +
+    parts = []
+    if rows:
+        columns = sorted({name for _, values in rows for name in values})
+        body = [[name, *(_fmt(values.get(c)) for c in columns)] for name, values in rows]
+        parts.append(_table(["", *columns], body, css="saliency"))
+    else:
+        parts.append("<p>No ground-truth masks were given (<code>--gt</code>), so label and mask quality "
+                     "were not scored; the training losses are below.</p>")
+    if losses:
+        parts.append(_table(["network (method-iteration)", "epochs", "first loss", "last loss"], losses,
+                            css="saliency"))
+    page.ok("saliency-training", "".join(parts) +
             f"<p class=\"source\">from {html.escape(str(inputs.saliency_report))}</p>")
+
+
+def _loss_rows(report: object) -> list[list[str]]:
+    """Per trained network of `saliency train`: epochs, first and last epoch loss (from "losses")."""
+    losses = report.get("losses") if isinstance(report, dict) else None
+    if not isinstance(losses, dict):
+        return []
+    rows = []
+    for name, values in losses.items():
+        numbers = [v for v in values if isinstance(v, int | float)] if isinstance(values, list) else []
+        if numbers:
+            rows.append([str(name), str(len(numbers)), _fmt(numbers[0]), _fmt(numbers[-1])])
+    return rows
 
 
 def _views_section(page: _Page, inputs: ReportInputs) -> None:
