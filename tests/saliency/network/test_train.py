@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import saliency.network.train as train_module
-from saliency.images import write_png
+from saliency.maps import write_png
 from saliency.network.config import load_saliency_config
 from saliency.network.data import TrainingImages
 from saliency.network.model_file import load_model
