@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -182,23 +183,35 @@ def linear(checkpoint: Path | None, random_depth: int | None, network: str, trai
     relicv2 eval linear --checkpoint runs/r50 --train shards/train --val shards/val --preset fast
     torchrun --nproc_per_node 8 -m cli eval linear --checkpoint C --train T --val V --output out/linear
     """
-    from pretrain import distributed
-    from pretrain.checkpoint import CheckpointError
-    from pretrain.eval.export import ExportError
     from pretrain.eval.linear import LinearConfig, config_with, evaluate_linear
-    from pretrain.eval.paper import HeadCheckpointError
-    from shards.lock import FolderLockedError, folder_lock
 
     try:
         config = config_with(LinearConfig.preset(preset), _parse_sets(overrides))
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint="--set") from None
+    _run_evaluation(
+        "relicv2 eval linear", lambda encoder, ctx: evaluate_linear(
+            encoder, train_shards, val_shards, config, device=ctx.device, output_dir=output, ctx=ctx),
+        checkpoint=checkpoint, random_depth=random_depth, network=network, seed=seed, device=device,
+        output=output, json_path=json_path, extra={"config": _plain(config)})
+
+
+def _run_evaluation(job: str, evaluate: Callable[[Any, Any], Any], *, checkpoint: Path | None,
+                    random_depth: int | None, network: str, seed: int, device: str, output: Path | None,
+                    json_path: Path | None, extra: dict[str, Any]) -> None:
+    """The body every trained-head evaluation shares: torchrun set-up, the output folder's lock, the
+    backbone, `evaluate(encoder, ctx)`, then (rank 0) the printed table and the JSON records."""
+    from pretrain import distributed
+    from pretrain.checkpoint import CheckpointError
+    from pretrain.eval.export import ExportError
+    from pretrain.eval.paper import HeadCheckpointError
+    from shards.lock import FolderLockedError, folder_lock
+
     ctx = distributed.init(device)
     try:
-        with folder_lock(output, "relicv2 eval linear", enabled=ctx.rank == 0) if output else contextlib.nullcontext():
+        with folder_lock(output, job, enabled=ctx.rank == 0) if output else contextlib.nullcontext():
             encoder, record = _backbone(checkpoint, random_depth, network, seed)
-            result = evaluate_linear(encoder, train_shards, val_shards, config, device=ctx.device,
-                                     output_dir=output, ctx=ctx)
+            result = evaluate(encoder, ctx)
     except (CheckpointError, ExportError, HeadCheckpointError, FolderLockedError, FileNotFoundError,
             ValueError) as error:
         raise click.ClickException(str(error)) from None
@@ -209,7 +222,7 @@ def linear(checkpoint: Path | None, random_depth: int | None, network: str, trai
     what = record["checkpoint"] or f"random-init ResNet-{random_depth}"
     payload = result.as_json(checkpoint=record["checkpoint"], random_init=record["random_init"],
                              extra={"network": record["network"], "step": record["step"],
-                                    "world_size": ctx.world_size, "config": _plain(config)})
+                                    "world_size": ctx.world_size, **extra})
     _print_result(f"{result.protocol} of {what}", payload)
     _write_json(json_path, payload)
     if output is not None:
@@ -249,39 +262,20 @@ def finetune_command(checkpoint: Path | None, random_depth: int | None, network:
     relicv2 shards subset shards/train --fraction 0.01 --out 1pct.txt
     relicv2 eval finetune --checkpoint runs/r50 --train shards/train --val shards/val --labels 1pct.txt
     """
-    from pretrain import distributed
-    from pretrain.checkpoint import CheckpointError
-    from pretrain.eval.export import ExportError
     from pretrain.eval.finetune import FinetuneConfig, finetune
     from pretrain.eval.linear import config_with
-    from pretrain.eval.paper import HeadCheckpointError
-    from shards.lock import FolderLockedError, folder_lock
     from shards.subset import read_key_list
 
     try:
         config = config_with(FinetuneConfig.preset_config(preset), _parse_sets(overrides))
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint="--set") from None
-    ctx = distributed.init(device)
     try:
         keys = read_key_list(labels_path)
-        with folder_lock(output, "relicv2 eval finetune", enabled=ctx.rank == 0) if output \
-                else contextlib.nullcontext():
-            encoder, record = _backbone(checkpoint, random_depth, network, seed)
-            result = finetune(encoder, train_shards, val_shards, keys, config, device=ctx.device,
-                              output_dir=output, ctx=ctx)
-    except (CheckpointError, ExportError, HeadCheckpointError, FolderLockedError, FileNotFoundError,
-            ValueError) as error:
+    except (FileNotFoundError, ValueError) as error:
         raise click.ClickException(str(error)) from None
-    finally:
-        distributed.teardown(ctx)
-    if ctx.rank != 0:
-        return
-    what = record["checkpoint"] or f"random-init ResNet-{random_depth}"
-    payload = result.as_json(checkpoint=record["checkpoint"], random_init=record["random_init"],
-                             extra={"network": record["network"], "step": record["step"], "labels": str(labels_path),
-                                    "world_size": ctx.world_size, "config": _plain(config)})
-    _print_result(f"{result.protocol} of {what}", payload)
-    _write_json(json_path, payload)
-    if output is not None:
-        _write_json(output / "result.json", payload)
+    _run_evaluation(
+        "relicv2 eval finetune", lambda encoder, ctx: finetune(
+            encoder, train_shards, val_shards, keys, config, device=ctx.device, output_dir=output, ctx=ctx),
+        checkpoint=checkpoint, random_depth=random_depth, network=network, seed=seed, device=device,
+        output=output, json_path=json_path, extra={"labels": str(labels_path), "config": _plain(config)})

@@ -42,6 +42,7 @@ from shards.keys import UnsafeKeyError, check_key
 from shards.lock import folder_lock
 from shards.manifest import rejected_table, write_manifest, write_table
 from shards.sample import KEY_PATTERN, ShardSample
+from shards.tario import Skipped, TarReadError, iter_tar
 from shards.writer import (
     SampleRecord,
     TarShard,
@@ -89,6 +90,16 @@ def read_input_shard(tar: Path) -> Iterator[RawSample | tuple[str, str, str]]:
     idx = index_path(tar)
     if not idx.is_file():
         raise MasksError(f"{idx} is missing; rebuild the index with shards.write_index({tar.name}) or rebuild the shards")
+    # The index leaves out members the reader refuses (links, unsafe names, oversized): name them here,
+    # from the tar's headers only, so that no sample is lost without a line in the rejected list.
+    try:
+        for item in iter_tar(tar, read_data=False):
+            if isinstance(item, Skipped):
+                name = item.name if item.name is not None else "(rest of the tar)"
+                reason = "unsafe_key" if item.reason == "unsafe_member" else item.reason
+                yield f"{tar.name}:{name}", reason, item.detail
+    except TarReadError as error:
+        raise MasksError(f"{tar}: {error}; rebuild or remove this shard") from None
     with open(tar, "rb") as handle:
         for entries in read_index(idx):
             key = member_key(entries[0][3])

@@ -142,13 +142,13 @@ def test_other_model_in_same_output_is_refused(tmp_path, scene_shards, tiny_mode
 
 
 def test_masked_set_feeds_the_view_loader_with_masks_applied(tmp_path, scene_shards, tiny_model) -> None:
-    from pretrain.views.config import PARAM_NAMES
+    from pretrain.views.config import PARAM_NAMES, ViewConfig
     from pretrain.views.loader import ViewLoader
 
     shards, _ = scene_shards
     build_masks(_config(tiny_model, shards, tmp_path / "out"), Ranks(), predictor=SquarePredictor())
-    loader = ViewLoader(tmp_path / "out", 4, backend="reference", large_size=32, small_size=16,
-                        mask_probability=1.0, debug_params=True, num_threads=1)
+    views = ViewConfig(large_size=32, small_size=16, mask_probability=1.0, debug_params=True, num_threads=1)
+    loader = ViewLoader(tmp_path / "out", 4, views, backend="reference")
     batch = next(iter(loader))
     masked = batch["params"][:, :, PARAM_NAMES.index("masked")]
     assert masked[:, :4].sum() > 0  # large views were masked
