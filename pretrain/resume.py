@@ -6,11 +6,9 @@ is the same whatever the number of ranks. Resuming with another world size re-sp
 over the new ranks. With another global batch, progress is kept in images seen (see `restore`).
 
 Data-source state formats (what `ViewSource.load_state_dict` receives):
-- same world size and global batch: the rank's own `state_dict()` from the checkpoint;
-- otherwise, for `SyntheticViews`: `{"epoch": e, "position": samples // global_batch}` (its own format);
-- otherwise, for any other source: `{"format": "global-position", "epoch": e, "samples": s,
-  "global_batch": g, "world_size": w, "rank": r}`; a source that cannot position itself from it
-  raises KeyError/ValueError/TypeError and the resume is refused with the way out.
+- same world size and global batch: the rank's own `state_dict()` from the checkpoint (exact);
+- otherwise the global position, `pretrain.views.source.global_position_state` (every source
+  accepts it; what each keeps is in its `load_state_dict`).
 """
 
 from __future__ import annotations
@@ -25,15 +23,16 @@ from pretrain.checkpoint import CheckpointError
 from pretrain.config import PretrainConfig, to_dict
 from pretrain.distributed import DistributedContext
 from pretrain.trainer import TrainState
-from pretrain.views.source import ViewSource
-from pretrain.views.synthetic import SyntheticViews
-
-GLOBAL_POSITION = "global-position"
+from pretrain.views.source import ViewSource, global_position_state
 
 # Settings a run cannot change on resume: the data order, the augmentations and the data set
 # itself depend on them, so the resumed run would silently train on another stream.
 FIXED_ON_RESUME = ("run.seed", "data.source", "data.train_shards", "data.synthetic_images",
                    "data.synthetic_classes", "views.backend")
+
+
+DALI_RESPLIT = ("; DALI's reader draws the rest of this epoch from a new order over the new shares, so in this "
+                "epoch some images are seen twice and others not at all (the reference backend continues exactly)")
 
 
 @dataclass(frozen=True)
@@ -112,7 +111,8 @@ def restore(state: TrainState, source: ViewSource, payload: dict[str, Any], ctx:
         if saved_ranks != ctx.world_size:
             notes.append(f"note: {path} was written by {saved_ranks} rank(s), this run has {ctx.world_size}; "
                          f"the data position (epoch {position.epoch}, {position.samples} samples in) is split "
-                         "over the new ranks")
+                         "over the new ranks"
+                         + (DALI_RESPLIT if config.data.source == "shards" and config.views.backend == "dali" else ""))
     rng_states = payload["rng"]
     if rng_states:
         rng = rng_states[ctx.rank] if ctx.rank < len(rng_states) else rng_states[0]
@@ -127,17 +127,12 @@ def restore(state: TrainState, source: ViewSource, payload: dict[str, Any], ctx:
 
 def _load_global_position(source: ViewSource, position: DataPosition, global_batch: int,
                           ctx: DistributedContext, path: Path, saved_ranks: int) -> None:
-    if isinstance(source, SyntheticViews):
-        source.load_state_dict({"epoch": position.epoch, "position": position.samples // global_batch})
-        return
-    state = {"format": GLOBAL_POSITION, "epoch": position.epoch, "samples": position.samples,
-             "global_batch": global_batch, "world_size": ctx.world_size, "rank": ctx.rank}
     try:
-        source.load_state_dict(state)
+        source.load_state_dict(global_position_state(position.epoch, position.samples, global_batch))
     except (KeyError, ValueError, TypeError) as error:
         raise CheckpointError(
             f"cannot resume from {path} with {ctx.world_size} rank(s) (it was written by {saved_ranks}) "
-            f"or another global batch: this data source cannot re-split its position ({error}); resume with "
+            f"or another global batch: this data source cannot take the position ({error}); resume with "
             f"{saved_ranks} rank(s) and the same optim.global_batch"
         ) from None
 

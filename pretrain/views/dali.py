@@ -120,7 +120,9 @@ class DaliBackend:
         self.num_views = len(view_specs(setup.config))
         self.debug = setup.config.debug_params
         self.recoveries = 0
-        self.runs = setup.batch_in_epoch  # pipeline runs in the current reader epoch
+        # Pipeline runs in the current reader epoch: restored with the reader (same ranks), or a new
+        # reader at the start of its order (first start, or a position re-split over other ranks).
+        self.runs = setup.batch_in_epoch if setup.restore else 0
         self._build(setup.restore["checkpoint"] if setup.restore else None)
 
     @property

@@ -21,9 +21,11 @@ import torch
 from pretrain.views.backend import BackendSetup, ViewBackend
 from pretrain.views.batch import BackendBatch
 from pretrain.views.config import BACKENDS, ViewConfig
+from pretrain.views.source import GLOBAL_POSITION, batch_from_global_position
 from pretrain.views.sources import SampleSet, exclude_samples, load_sample_set, samples_per_rank
 
-STATE_VERSION = 2
+# 3: the reference backend's order and views no longer depend on the number of ranks
+STATE_VERSION = 3
 VERIFY_MODES = ("structure", "decode")
 
 
@@ -146,7 +148,22 @@ class ViewLoader:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue exactly after the batch that was last delivered when `state` was taken."""
+        """Continue after the batch that was last delivered when `state` was taken.
+
+        `state` is this loader's own `state_dict()` (same ranks: exact, reader state included) or a
+        global position (`pretrain.views.source.global_position_state`, written by any number of
+        ranks). With a global position the "reference" backend continues exactly (its epoch order
+        and views do not depend on the ranks); the "dali" backend keeps the epoch and the batch
+        count, and draws the rest of that epoch from a new reader order over the new ranks' shares
+        (DALI's reader state belongs to one split), so in that one epoch some images are seen twice
+        and others not at all.
+        """
+        if state.get("format") == GLOBAL_POSITION:
+            self.epoch, self.batch_in_epoch = batch_from_global_position(
+                state, self.batch_size, self.world_size, len(self))
+            self._backend = None
+            self._restore = None
+            return
         if state.get("version") != STATE_VERSION:
             raise ValueError(
                 f"loader state has version {state.get('version')!r}, this loader writes {STATE_VERSION}; "

@@ -17,10 +17,11 @@ import torchvision.transforms.functional as F
 from PIL import Image, ImageFile
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from pretrain.seeding import SeedPurpose, derive_seed
 from pretrain.views.backend import BackendSetup
 from pretrain.views.batch import BackendBatch, assemble_params, labels_tensor
 from pretrain.views.config import JITTER_ORDERS, ViewConfig, ViewSpec, view_specs
-from pretrain.views.sources import MASK_EXT, SampleRef, rank_slice
+from pretrain.views.sources import MASK_EXT, SampleRef
 
 ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated JPEG is an error, as in DALI
 
@@ -152,18 +153,21 @@ def augment_sample(encoded: bytes, mask_png: bytes | None, cfg: ViewConfig, rng:
 
 
 class ViewDataset(Dataset):
-    """Samples of a shard set addressed by (epoch, position); returns None for an unreadable one."""
+    """Samples of a shard set addressed by (epoch, position); returns None for an unreadable one.
 
-    def __init__(self, samples: list[SampleRef], cfg: ViewConfig, seed: int, rank: int):
-        self.samples, self.cfg, self.seed, self.rank = samples, cfg, seed, rank
+    A sample's draws are seeded by (seed, epoch, sample position) only, so its views do not depend
+    on which rank reads it."""
+
+    def __init__(self, samples: list[SampleRef], cfg: ViewConfig, seed: int):
+        self.samples, self.cfg, self.seed = samples, cfg, seed
 
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, item: tuple[int, int, int]) -> dict | None:
-        epoch, slot, position = item
+    def __getitem__(self, item: tuple[int, int]) -> dict | None:
+        epoch, position = item
         ref = self.samples[position]
-        rng = np.random.default_rng([self.seed, self.rank, epoch, slot])
+        rng = np.random.default_rng(derive_seed(self.seed, SeedPurpose.VIEW_PARAMETERS, epoch, position))
         try:
             out = augment_sample(ref.read_image(), ref.read(MASK_EXT), self.cfg, rng)
         except (OSError, ValueError, SyntaxError):  # what PIL raises for corrupt image data
@@ -174,25 +178,29 @@ class ViewDataset(Dataset):
 
 
 class RankBatches(Sampler):
-    """This rank's batches from (`epoch`, batch `start`) on, epoch after epoch, DALI-like: a global
-    per-epoch permutation shared by all ranks, a contiguous share per rank, its first `num_batches`
-    full batches. Endless, so one DataLoader (and its workers) lives across epochs and prefetches
-    the next epoch's first batches while the current one ends."""
+    """This rank's batches from (`epoch`, batch `start`) on, epoch after epoch.
+
+    One permutation per epoch shared by all ranks; global batch i is its slice
+    [i * G, (i + 1) * G) with G = batch_size * world_size, and rank r takes the r-th `batch_size`
+    of it. The ranks' batches put together are therefore the same global batches whatever the
+    number of ranks, which is what lets a run resume on another number of ranks and continue the
+    same stream. (DALI's reader instead gives each rank a contiguous share; the loader's epoch
+    length, `num_batches` = samples // G, is the same for both.) Endless, so one DataLoader and
+    its workers live across epochs and prefetch the next epoch's first batches."""
 
     def __init__(self, count: int, batch_size: int, num_batches: int, rank: int, world_size: int, seed: int,
                  epoch: int, start: int):
-        share = rank_slice(count, rank, world_size)
-        if num_batches * batch_size > len(share):
-            raise ValueError(f"rank {rank} holds {len(share)} samples, fewer than {num_batches} batches of {batch_size}")
-        self.count, self.batch_size, self.num_batches, self.share, self.seed = count, batch_size, num_batches, share, seed
+        self.global_batch = batch_size * world_size
+        if num_batches * self.global_batch > count:
+            raise ValueError(f"{count} samples hold fewer than {num_batches} global batches of {self.global_batch}")
+        self.count, self.batch_size, self.num_batches, self.rank, self.seed = count, batch_size, num_batches, rank, seed
         self.epoch, self.start = epoch, start
 
-    def epoch_batches(self, epoch: int, start: int) -> list[list[tuple[int, int, int]]]:
-        """Batches `start`.. of `epoch`, as (epoch, slot in the epoch, sample position) triples."""
-        order = np.random.default_rng([self.seed, epoch]).permutation(self.count)
-        mine = order[self.share.start : self.share.stop]
-        b = self.batch_size
-        return [[(epoch, i * b + j, int(p)) for j, p in enumerate(mine[i * b : (i + 1) * b])]
+    def epoch_batches(self, epoch: int, start: int) -> list[list[tuple[int, int]]]:
+        """Batches `start`.. of `epoch`, as (epoch, sample position) pairs."""
+        order = np.random.default_rng(derive_seed(self.seed, SeedPurpose.EPOCH_ORDER, epoch)).permutation(self.count)
+        offset = self.rank * self.batch_size
+        return [[(epoch, int(p)) for p in order[i * self.global_batch + offset:][: self.batch_size]]
                 for i in range(start, self.num_batches)]
 
     def __iter__(self):
@@ -223,11 +231,11 @@ def collate(items: list[dict | None]) -> BackendBatch:
 
 class ReferenceBackend:
     """Feeds a ViewLoader from one torch DataLoader that runs across epochs; every draw is seeded by
-    (seed, rank, epoch, slot), so the position (epoch, batch) is the whole state."""
+    (seed, epoch, sample position), so the position (epoch, batch) is the whole state."""
 
     def __init__(self, setup: BackendSetup) -> None:
         self.setup = setup
-        self.dataset = ViewDataset(setup.samples.samples, setup.config, setup.seed, setup.rank)
+        self.dataset = ViewDataset(setup.samples.samples, setup.config, setup.seed)
         self.iterator = None
 
     def next_batch(self) -> BackendBatch:

@@ -92,11 +92,6 @@ class SampleSet:
         return len(self.samples)
 
 
-def rank_slice(count: int, rank: int, world_size: int) -> range:
-    """The sample positions DALI's reader gives shard `rank` of `world_size` (contiguous ranges)."""
-    return range(count * rank // world_size, count * (rank + 1) // world_size)
-
-
 def samples_per_rank(count: int, world_size: int) -> int:
     """Samples each rank delivers per epoch (`ViewSource.epoch_size`): the smallest rank's share.
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from pretrain.seeding import SeedPurpose, derive_seed
+from pretrain.views.source import GLOBAL_POSITION, batch_from_global_position
 
 
 def _smooth_noise(generator: torch.Generator, size: int, cells: int) -> Tensor:
@@ -90,6 +91,11 @@ class SyntheticViews:
         return {"epoch": self.epoch, "position": self.position}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Its own `state_dict()`, or a global position (`pretrain.views.source.global_position_state`):
+        the epoch order and the views do not depend on the number of ranks, so any split continues it."""
+        if state.get("format") == GLOBAL_POSITION:
+            self.epoch, self.position = batch_from_global_position(state, self.batch_size, self.world_size, len(self))
+            return
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
 

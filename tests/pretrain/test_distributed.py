@@ -16,19 +16,24 @@ import os
 import socket
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+from PIL import Image
 
 from pretrain.checkpoint import load_checkpoint
 from pretrain.config import load_config
 from pretrain.distributed import describe_environment
 from pretrain.run import run_pretraining
+from shards import ShardSample, write_shard_set
 
 
-def config_overrides(out: Path, global_batch: int, num_negatives: int) -> list[str]:
+def config_overrides(out: Path, global_batch: int, num_negatives: int, shards: Path | None = None) -> list[str]:
+    data = (["data.source=synthetic", "data.synthetic_images=32"] if shards is None else
+            ["data.source=shards", f"data.train_shards={shards}", "views.backend=reference", "views.num_threads=1"])
     return [
-        "data.source=synthetic", "data.synthetic_images=32", "model.depth=18", "model.hidden_dim=32",
+        *data, "model.depth=18", "model.hidden_dim=32",
         "model.out_dim=16", "views.large_views=2", "views.small_views=1", "views.large_size=16",
         "views.small_size=8", f"optim.global_batch={global_batch}", "optim.epochs=1",
         "optim.warmup_epochs=0.5", "optim.base_lr=0.3", f"loss.num_negatives={num_negatives}",
@@ -70,20 +75,41 @@ NEGATIVES = {"all-negatives": 7, "subsampled-negatives": 3}
 CUT = "run.max_steps=2"  # the "killed" runs stop after their step-2 checkpoint
 
 
+def _shard_set(out: Path) -> Path:
+    """32 small random JPEGs in 4 shards."""
+    rng = np.random.default_rng(0)
+    samples = []
+    for i in range(32):
+        buffer = io.BytesIO()
+        Image.fromarray(rng.integers(0, 255, (28, 36, 3), dtype=np.uint8)).save(buffer, "JPEG", quality=90)
+        samples.append(ShardSample(f"s{i:03d}", {"jpg": buffer.getvalue()}, i % 4, {}))
+    write_shard_set(samples, out, max_count=8)
+    return out
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     """4-step runs: 1 process and 2 ranks uninterrupted (both negative settings), and the resumes
-    2 ranks -> 1 process and 1 process -> 2 ranks after step 2 (subsampled negatives)."""
+    2 ranks -> 1 process and 1 process -> 2 ranks after step 2 (subsampled negatives), on
+    generated data and on a shard set (reference view backend)."""
     root = tmp_path_factory.mktemp("distributed")
+    shards = _shard_set(root / "shards")
     for name, negatives in NEGATIVES.items():
         _single(config_overrides(root / f"one-{name}", 8, negatives))
     _single([*config_overrides(root / "one-killed", 8, 3), CUT])
+    _single(config_overrides(root / "one-shards", 8, 3, shards))
+    _single([*config_overrides(root / "one-shards-killed", 8, 3, shards), CUT])
     jobs = [(config_overrides(root / f"two-{name}", 8, negatives), None) for name, negatives in NEGATIVES.items()]
     jobs += [([*config_overrides(root / "two-killed", 8, 3), CUT], None),
-             (config_overrides(root / "one-to-two", 8, 3), str(root / "one-killed" / "checkpoint-000000002.pt"))]
+             (config_overrides(root / "one-to-two", 8, 3), str(root / "one-killed" / "checkpoint-000000002.pt")),
+             ([*config_overrides(root / "two-shards-killed", 8, 3, shards), CUT], None),
+             (config_overrides(root / "one-to-two-shards", 8, 3, shards),
+              str(root / "one-shards-killed" / "checkpoint-000000002.pt"))]
     ports = [_free_port() for _ in jobs]
     mp.spawn(_rank_main, args=(2, ports, jobs), nprocs=2, join=True)
     _single(config_overrides(root / "two-to-one", 8, 3), resume=root / "two-killed" / "checkpoint-000000002.pt")
+    _single(config_overrides(root / "two-to-one-shards", 8, 3, shards),
+            resume=root / "two-shards-killed" / "checkpoint-000000002.pt")
     return root
 
 
@@ -107,16 +133,23 @@ def test_two_gloo_ranks_match_one_process_with_the_global_batch(runs, name):
                 assert torch.equal(a[network][key], value), key
 
 
-@pytest.mark.parametrize("resumed", ["two-to-one", "one-to-two"])
-def test_resume_with_another_number_of_ranks_continues_the_uninterrupted_run(runs, resumed):
+@pytest.mark.parametrize(("resumed", "uninterrupted"), [
+    ("two-to-one", "one-subsampled-negatives"), ("one-to-two", "one-subsampled-negatives"),
+    ("two-to-one-shards", "one-shards"), ("one-to-two-shards", "one-shards"),
+])
+def test_resume_with_another_number_of_ranks_continues_the_uninterrupted_run(runs, resumed, uninterrupted):
     # The data position is global (samples consumed in the epoch's order), so steps 3 and 4 see
     # the same global batches whatever the number of ranks that resumed.
-    expected = _losses(runs / "one-subsampled-negatives")[2:]
+    expected = _losses(runs / uninterrupted)[2:]
     got = _losses(runs / resumed)
     assert len(got) == 2
     assert got == pytest.approx(expected, rel=1e-4)
     # a different data position (starting the epoch over) gives losses far outside that tolerance
-    assert got != pytest.approx(_losses(runs / "one-subsampled-negatives")[:2], rel=1e-2)
+    assert got != pytest.approx(_losses(runs / uninterrupted)[:2], rel=1e-2)
+
+
+def test_two_ranks_on_shards_match_one_process_before_the_kill(runs):
+    assert _losses(runs / "two-shards-killed") == pytest.approx(_losses(runs / "one-shards")[:2], rel=1e-4)
 
 
 def test_environment_description_reads_torchrun_variables():

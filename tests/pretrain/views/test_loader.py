@@ -12,6 +12,7 @@ from PIL import Image
 
 from pretrain.views.config import ViewConfig
 from pretrain.views.loader import ViewLoader
+from pretrain.views.source import global_position_state
 from shards import ShardSample, write_shard_set
 
 TINY = dict(large_views=2, small_views=1, large_size=24, small_size=16, num_threads=1)
@@ -97,6 +98,49 @@ def test_resume_gives_exactly_the_next_batch(forty, backend):
             assert torch.equal(a, b)
     with pytest.raises(ValueError, match="seed"):
         ViewLoader(forty, 4, ViewConfig(**TINY), seed=10, backend=backend).load_state_dict(state)
+
+
+def _epoch_of_global_batches(shards, world_size: int, global_batch: int) -> list[tuple[list[str], list]]:
+    """One epoch as global batches: the ranks' batches put together in rank order (keys, views)."""
+    per_rank = [list(ViewLoader(shards, global_batch // world_size, ViewConfig(**TINY), rank=r, world_size=world_size,
+                                seed=5, backend="reference")) for r in range(world_size)]
+    return [([k for b in parts for k in b["keys"]], [torch.cat([b["views"][v] for b in parts]) for v in range(3)])
+            for parts in zip(*per_rank, strict=True)]
+
+
+def test_reference_global_batches_do_not_depend_on_the_number_of_ranks(forty):
+    # What lets a run resume on another number of ranks and continue the same stream.
+    one, two = _epoch_of_global_batches(forty, 1, 8), _epoch_of_global_batches(forty, 2, 8)
+    assert len(one) == len(two) == 5
+    for (keys_one, views_one), (keys_two, views_two) in zip(one, two, strict=True):
+        assert keys_one == keys_two
+        for a, b in zip(views_one, views_two, strict=True):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 2)])
+def test_a_global_position_continues_on_another_number_of_ranks(forty, backend, before, after):
+    # 2 global batches of 8 consumed by `before` ranks; `after` ranks continue from the global position.
+    state = global_position_state(epoch=0, samples=16, global_batch=8)
+    rest = [ViewLoader(forty, 8 // after, ViewConfig(**TINY), rank=r, world_size=after, seed=5, backend=backend)
+            for r in range(after)]
+    for loader in rest:
+        loader.load_state_dict(state)
+    batches = [list(loader) for loader in rest]
+    assert [len(b) for b in batches] == [3] * after  # the epoch's remaining 3 of 5 global batches
+    keys = [k for parts in zip(*batches, strict=True) for b in parts for k in b["keys"]]
+    if backend == "reference":  # exactly the uninterrupted run's last 3 global batches
+        assert keys == [k for batch_keys, _ in _epoch_of_global_batches(forty, before, 8)[2:] for k in batch_keys]
+    else:  # DALI: 24 distinct images from a new reader order over the new shares
+        assert len(set(keys)) == 24
+    following = {k for loader in rest for b in loader for k in b["keys"]}
+    assert len(following) == 40  # the next epoch is whole again
+    assert all(loader.epoch == 2 for loader in rest)
+    with pytest.raises(ValueError, match="global batches of 8"):
+        ViewLoader(forty, 2, ViewConfig(**TINY), seed=5, backend=backend).load_state_dict(state)
+    with pytest.raises(ValueError, match="not a batch boundary"):
+        rest[0].load_state_dict(global_position_state(epoch=0, samples=12, global_batch=8))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
