@@ -13,9 +13,7 @@ from pathlib import Path
 
 from saliency.images import list_images
 from shards.reader import ReadReport
-
-IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")
-"""Shard members that hold the image, in order of preference (the extensions WebDataset users use)."""
+from shards.sample import IMAGE_MEMBERS
 
 
 @dataclass(frozen=True)

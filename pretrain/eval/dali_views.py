@@ -25,6 +25,7 @@ from nvidia.dali.plugin.pytorch import DALIGenericIterator
 from pretrain.views.config import IMAGENET_MEAN, IMAGENET_STD
 from pretrain.views.dali import find_undecodable
 from pretrain.views.sources import load_sample_set
+from shards.sample import IMAGE_MEMBERS
 
 READER = "eval"
 
@@ -32,7 +33,7 @@ READER = "eval"
 @pipeline_def
 def _eval_pipeline(tars, index_files, *, train: bool, crop_size: int, resize_size: int, scale, gpu: bool,
                    rank: int, world: int, reader_seed: int):
-    jpeg, cls = fn.readers.webdataset(paths=tars, index_paths=index_files, ext=["jpg", "cls"], name=READER,
+    jpeg, cls = fn.readers.webdataset(paths=tars, index_paths=index_files, ext=[";".join(IMAGE_MEMBERS), "cls"], name=READER,
                                       shard_id=rank, num_shards=world, random_shuffle=train, initial_fill=1024,
                                       seed=reader_seed, pad_last_batch=True)
     device = "mixed" if gpu else "cpu"

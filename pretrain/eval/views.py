@@ -84,7 +84,7 @@ class LabelledViews(Dataset):
         sample = self.samples[index]
         try:
             label = int(sample.read("cls").decode())
-            jpeg = sample.read("jpg")
+            jpeg = sample.read_image()
             if self.train:
                 rng = np.random.default_rng([self.seed, self.epoch, index])
                 view = train_view(jpeg, crop_size=self.crop_size, scale=self.scale, rng=rng)

@@ -4,7 +4,7 @@ Bad-data policy (the DALI decoder stops the whole pipeline on an undecodable JPE
 must never reach it):
 1. `relicv2 shards build` decodes every image before writing it, so a fresh shard set is clean.
 2. When a loader opens a shard set, every sample is checked cheaply from its index: exactly one
-   image member (`IMAGE_EXTENSIONS`) must exist, be non-empty and carry its format's signature and
+   image member (`IMAGE_MEMBERS`) must exist, be non-empty and carry its format's signature and
    end marker (catches truncated, empty and mislabelled data); a `mask.png` member, when present,
    must carry the PNG signature; a `cls` member must be a decimal number. `verify="decode"`
    additionally decodes every image and mask with the same decoder as DALI (exact, but as slow as
@@ -34,10 +34,8 @@ from pathlib import Path
 from shards import index_path, list_shards, read_index, read_manifest
 from shards.index import IndexFileError, format_index, split_member_name
 from shards.keys import UnsafeKeyError, check_key
+from shards.sample import IMAGE_MEMBERS
 
-# Image member extensions WebDataset users write. The shards helper is to export the same tuple as
-# `shards.IMAGE_MEMBER_EXTENSIONS`; until that lands this is its only copy in the view pipeline.
-IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")
 MASK_EXT = "mask.png"
 LABEL_EXT = "cls"
 MAX_LABEL_BYTES = 20  # a class index in ASCII decimal, with room for whitespace
@@ -56,8 +54,8 @@ class SampleRef:
 
     @property
     def image_ext(self) -> str | None:
-        """The extension of the sample's image member (one of IMAGE_EXTENSIONS), or None."""
-        return next((ext for ext in IMAGE_EXTENSIONS if ext in self.members), None)
+        """The extension of the sample's image member (one of IMAGE_MEMBERS), or None."""
+        return next((ext for ext in IMAGE_MEMBERS if ext in self.members), None)
 
     def read_image(self) -> bytes | None:
         """The bytes of the image member, whatever its format."""
@@ -108,7 +106,7 @@ def reader_samples_per_rank(count: int, world_size: int) -> int:
 
 def structural_problem(sample: SampleRef, handle) -> str | None:
     """A short reason code when the sample's members are visibly broken, else None."""
-    images = [ext for ext in IMAGE_EXTENSIONS if ext in sample.members]
+    images = [ext for ext in IMAGE_MEMBERS if ext in sample.members]
     if not images:
         return "no_image"
     if len(images) > 1:

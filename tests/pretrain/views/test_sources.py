@@ -12,9 +12,10 @@ from pretrain.views.backend import ViewBackend
 from pretrain.views.config import ViewConfig
 from pretrain.views.loader import ViewLoader
 from pretrain.views.source import ViewSource
-from pretrain.views.sources import IMAGE_EXTENSIONS, load_sample_set
+from pretrain.views.sources import load_sample_set
 from pretrain.views.synthetic import SyntheticViews
 from shards import ShardSample, index_path, list_shards, write_shard_set
+from shards.sample import IMAGE_MEMBERS
 
 TINY = ViewConfig(large_views=2, small_views=1, large_size=24, small_size=16, num_threads=1)
 BACKENDS = ["dali", "reference"]
@@ -39,7 +40,7 @@ def image_set(directory, count: int, formats=(("jpg", "JPEG"),)):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_png_webp_and_jpeg_members_are_images_too(tmp_path, backend):
     formats = (("jpg", "JPEG"), ("jpeg", "JPEG"), ("png", "PNG"), ("webp", "WEBP"))
-    assert {ext for ext, _ in formats} == set(IMAGE_EXTENSIONS)
+    assert {ext for ext, _ in formats} == set(IMAGE_MEMBERS)
     image_set(tmp_path, 12, formats)
     loader = ViewLoader(tmp_path, 4, TINY, seed=1, backend=backend)
     assert loader.skipped == {}
