@@ -16,6 +16,7 @@ from PIL import Image
 import shards
 from shards.images import prepare_image
 from shards.index import write_index
+from tests.exif_images import orientation6_jpeg
 
 
 def jpeg(seed: int = 0, size: tuple[int, int] = (40, 48), **kw) -> bytes:
@@ -159,18 +160,6 @@ def test_one_loader_handles_16_bit_alpha_gif_and_exif():
     Image.new("P", (8, 8), 0).save(gif, "GIF")
     assert shards.load_rgb(gif.getvalue(), "x").shape == (8, 8, 3)
     assert shards.load_rgb(orientation6_jpeg(), "x").shape == (200, 100, 3)
-
-
-def orientation6_jpeg() -> bytes:
-    """Stored 200 wide x 100 high, red left half, blue right; EXIF orientation 6 (rotate 90 clockwise)."""
-    stored = np.zeros((100, 200, 3), np.uint8)
-    stored[:, :100, 0] = 255
-    stored[:, 100:, 2] = 255
-    exif = Image.Exif()
-    exif[0x0112] = 6
-    out = io.BytesIO()
-    Image.fromarray(stored).save(out, "JPEG", quality=95, exif=exif)
-    return out.getvalue()
 
 
 def test_exif_orientation_is_applied_once_by_build(tmp_path):
