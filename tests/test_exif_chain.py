@@ -22,7 +22,14 @@ from PIL import Image
 from pretrain.eval.knn import preprocess
 from pretrain.views.config import IMAGENET_MEAN, IMAGENET_STD, PARAM_NAMES, ViewConfig
 from pretrain.views.loader import ViewLoader, dali_available
-from shards import ShardSample, iter_samples, list_shards, read_manifest, write_index, write_shard_set
+from shards import (
+    ShardSample,
+    iter_samples,
+    list_shards,
+    read_manifest,
+    write_index,
+    write_shard_set,
+)
 from tests.exif_images import orientation6_displayed, orientation6_jpeg, upright_jpeg
 
 ROTATED = "rotated"
