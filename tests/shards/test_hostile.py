@@ -180,6 +180,37 @@ def test_exif_orientation_is_applied_once_by_build(tmp_path):
     assert rgb[:90, :, 0].mean() > 200 and rgb[110:, :, 2].mean() > 200  # stored left (red) is now on top
 
 
+def _png(shape: tuple[int, int]) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(np.full(shape, 255, np.uint8)).save(out, "PNG")
+    return out.getvalue()
+
+
+def test_verify_checks_sizes_and_masks_in_the_displayed_orientation(tmp_path):
+    from shards.verify import verify_shard_set
+
+    displayed = {"width": 100, "height": 200}  # orientation6_jpeg is stored 200 x 100
+    good = [shards.ShardSample("full", {"jpg": orientation6_jpeg(), "mask.png": _png((200, 100))}, 0, displayed),
+            shards.ShardSample("scaled", {"jpg": orientation6_jpeg(), "mask.png": _png((50, 25))}, 0, displayed)]
+    shards.write_shard_set(good, tmp_path / "good", prefix="masked")
+    assert verify_shard_set(tmp_path / "good").problems == []
+    stored = {"width": 200, "height": 100}
+    bad = [shards.ShardSample("stored", {"jpg": orientation6_jpeg(), "mask.png": _png((100, 200))}, 0, stored)]
+    shards.write_shard_set(bad, tmp_path / "bad", prefix="masked")
+    problems = verify_shard_set(tmp_path / "bad").problems
+    assert len(problems) == 2
+    assert "mask.png is 200x100, not the displayed image's 100x200" in problems[0]
+    assert "image is 100x200 as displayed, manifest says 200x100" in problems[1]
+    # A plain WebDataset set (no manifest) gets the mask check too.
+    import webdataset as wds
+
+    (tmp_path / "plain").mkdir()
+    with wds.TarWriter(str(tmp_path / "plain" / "train-000000.tar")) as sink:
+        sink.write({"__key__": "stored", "jpg": orientation6_jpeg(), "mask.png": _png((100, 200))})
+    problems = verify_shard_set(tmp_path / "plain", index_cache=tmp_path / "cache").problems
+    assert len(problems) == 1 and "mask.png is 200x100" in problems[0]
+
+
 def test_plain_webdataset_set_resolves_by_folder_and_brace_pattern(tmp_path):
     import webdataset as wds
 
