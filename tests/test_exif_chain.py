@@ -185,3 +185,25 @@ def test_handcrafted_maps_have_the_displayed_size(foreign, tmp_path):
     assert result.exit_code == 0, result.output
     saliency_map = np.asarray(Image.open(tmp_path / "maps" / "rbd" / f"{ROTATED}.png"))
     assert saliency_map.shape == orientation6_displayed().shape[:2]
+
+
+def test_every_reader_applies_the_pixel_limit():
+    """One loader, one pixel-limit policy: a decompression bomb is refused from its header by the
+    reference views, kNN preprocessing and the saliency network's decoder alike (ImageLoadError,
+    a ValueError: the samples are reported and skipped by their callers)."""
+    from pretrain.views.reference import augment_sample
+    from saliency.network.build_masks import RawSample, prepare
+    from saliency.network.images import SampleDecodeError, decode_displayed
+    from shards import ImageLoadError
+    from tests.shards.test_hostile import bomb_png
+
+    bomb = bomb_png()
+    with pytest.raises(ImageLoadError, match="pixels, over the limit"):
+        augment_sample(bomb, None, ViewConfig(), np.random.default_rng(0))
+    with pytest.raises(ImageLoadError, match="pixels, over the limit"):
+        augment_sample(upright_jpeg(), bomb, ViewConfig(), np.random.default_rng(0))
+    with pytest.raises(ImageLoadError, match="pixels, over the limit"):
+        preprocess(bomb, crop_size=32, resize_size=32)
+    with pytest.raises(SampleDecodeError, match="pixels, over the limit"):
+        decode_displayed(bomb, "bomb")
+    assert prepare(RawSample("bomb", bomb, None, {}), 32).reason == "too_large"

@@ -162,6 +162,26 @@ def test_one_loader_handles_16_bit_alpha_gif_and_exif():
     assert shards.load_rgb(orientation6_jpeg(), "x").shape == (200, 100, 3)
 
 
+def test_scaled_load_decodes_small_and_reports_the_displayed_full_size():
+    from shards.images import exif_orientation, load_scaled
+
+    scaled = load_scaled(orientation6_jpeg(), "x", 32)
+    assert (scaled.width, scaled.height) == (100, 200)  # the full image as displayed
+    assert scaled.rgb.shape == (100, 50, 3)  # decoded at 1/2 (1/4 would make a side 25 < 32), displayed
+    assert scaled.rgb[:40, :, 0].mean() > 200 and scaled.rgb[60:, :, 2].mean() > 200  # red on top
+    big = jpeg(3, size=(640, 480))
+    assert load_scaled(big, "x", 32).rgb.shape == (60, 80, 3)  # 1/8
+    assert load_scaled(big, "x", 1000).rgb.shape == (480, 640, 3)  # never upscaled
+    png = io.BytesIO()
+    Image.new("RGB", (64, 48)).save(png, "PNG")
+    assert load_scaled(png.getvalue(), "x", 8).rgb.shape == (48, 64, 3)  # no DCT scaling outside JPEG
+    with pytest.raises(shards.ImageLoadError) as info:
+        load_scaled(bomb_png(), "bomb.png", 32)
+    assert info.value.reason == "too_large"
+    assert exif_orientation(orientation6_jpeg()) == 6 and exif_orientation(big) == 1
+    assert exif_orientation(b"not an image") == 1
+
+
 def test_exif_orientation_is_applied_once_by_build(tmp_path):
     from shards.build import BuildConfig, build_shards
 
