@@ -36,6 +36,7 @@ from PIL import Image  # noqa: E402
 from pretrain.views.config import ViewConfig  # noqa: E402
 from pretrain.views.loader import ViewLoader  # noqa: E402
 from shards import ShardSample, write_shard_set  # noqa: E402
+from shards.images import displayed_size  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # The team's shared folder beside the checkout (or inside it, where a copy of the tree carries it).
@@ -67,7 +68,7 @@ def build_masked_shards(images: list[Path], out: Path) -> int:
     for path in images:
         data = path.read_bytes()
         with Image.open(io.BytesIO(data)) as im:
-            width, height = im.size
+            width, height = displayed_size(im)  # masks are at the displayed size (EXIF applied), as DALI decodes
         samples.append(ShardSample(path.stem, {"jpg": data, "mask.png": soft_ellipse(width, height, rng)}, None,
                                    {"width": width, "height": height}))
     write_shard_set(samples, out, prefix="masked", max_count=250)

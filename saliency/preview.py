@@ -14,6 +14,7 @@ from saliency.batch import iter_items, map_path
 from saliency.handcrafted.methods import METHODS
 from saliency.images import ImageReadError, decode_rgb, list_images, read_gray, read_rgb
 from saliency.maps import write_png
+from shards.sample import MASK_MEMBER
 
 HEADER = 22
 
@@ -70,7 +71,7 @@ def is_masked_shard_set(source: Path) -> bool:
     from shards import iter_samples
 
     first = next(iter(iter_samples(source)), None)
-    return first is not None and "mask.png" in first
+    return first is not None and MASK_MEMBER in first
 
 
 def build_masked_preview(config: PreviewConfig) -> np.ndarray:
@@ -84,7 +85,7 @@ def build_masked_preview(config: PreviewConfig) -> np.ndarray:
             break
         try:
             rgb = decode_displayed(sample["jpg"], sample["key"])
-            mask = decode_rgb(sample["mask.png"], f"{sample['key']}.mask.png")[..., 0]
+            mask = decode_rgb(sample[MASK_MEMBER], f"{sample['key']}.{MASK_MEMBER}")[..., 0]
         except (SampleDecodeError, ImageReadError, KeyError) as error:
             warnings.warn(f"preview skips {sample['key']}: {error}", stacklevel=2)
             continue

@@ -133,11 +133,12 @@ def _own_pixel_limit():
         Image.MAX_IMAGE_PIXELS = saved
 
 
-def open_checked(data: bytes, limits: ImageLimits = DEFAULT_LIMITS, *, draft: bool = False) -> Image.Image:
-    """Open image bytes, refuse them when over the limits (before decoding), then decode fully.
+def _open(data: bytes, limits: ImageLimits, *, max_side: int | None = None,
+          min_side: int | None = None) -> tuple[Image.Image, tuple[int, int]]:
+    """(decoded image, its full stored size from the header); see :func:`open_checked`.
 
-    With `draft=True` and `limits.max_side` set, JPEGs are decoded at a reduced scale (DCT scaling)
-    no smaller than max_side. Raises :class:`RejectedImage` carrying the Rejection.
+    JPEGs are decoded at the smallest DCT scale (1/2, 1/4, 1/8) keeping the longer side >= `max_side`,
+    or each side >= `min_side`; other formats decode fully.
     """
     if not data:
         raise RejectedImage(Rejection("empty_file", "file is empty (0 bytes)"))
@@ -153,15 +154,33 @@ def open_checked(data: bytes, limits: ImageLimits = DEFAULT_LIMITS, *, draft: bo
                     f"image is {width}x{height} = {width * height} pixels, over the limit of {limits.max_pixels} "
                     "(raise max_pixels to accept it)",
                 ))
-            if draft and limits.max_side is not None and max(width, height) > limits.max_side:
-                scale = limits.max_side / max(width, height)
+            if max_side is not None and max(width, height) > max_side:
+                scale = max_side / max(width, height)
                 image.draft("RGB", (math.ceil(width * scale), math.ceil(height * scale)))
+            elif min_side is not None:
+                image.draft("RGB", (min_side, min_side))
             image.load()
     except RejectedImage:
         raise
     except DECODE_ERRORS as exc:
         raise RejectedImage(classify_error(exc)) from exc
-    return image
+    return image, (width, height)
+
+
+def open_checked(data: bytes, limits: ImageLimits = DEFAULT_LIMITS, *, draft: bool = False) -> Image.Image:
+    """Open image bytes, refuse them when over the limits (before decoding), then decode fully.
+
+    With `draft=True` and `limits.max_side` set, JPEGs are decoded at a reduced scale (DCT scaling)
+    no smaller than max_side. Raises :class:`RejectedImage` carrying the Rejection.
+    """
+    return _open(data, limits, max_side=limits.max_side if draft else None)[0]
+
+
+def displayed_size(image: Image.Image, size: tuple[int, int] | None = None) -> tuple[int, int]:
+    """(width, height) of an opened image as displayed (EXIF orientations 5..8 swap the axes);
+    `size` (stored width, height) instead of the image's current size, e.g. the size before a draft."""
+    width, height = image.size if size is None else size
+    return (height, width) if orientation_of(image) >= 5 else (width, height)
 
 
 def displayed(image: Image.Image, *, max_side: int | None = None) -> Image.Image:
@@ -203,6 +222,42 @@ def load_image(data: bytes, name: str, limits: ImageLimits = DEFAULT_LIMITS) -> 
         raise ImageLoadError(name, classify_error(exc)) from None
 
 
+@dataclass(frozen=True)
+class ScaledImage:
+    """An image decoded at a reduced scale, as displayed, with the displayed size of the full image."""
+
+    rgb: np.ndarray  # uint8 H x W x 3 in the displayed orientation
+    width: int  # the full image as displayed (EXIF orientation applied)
+    height: int
+
+
+def load_scaled(data: bytes, name: str, min_side: int, limits: ImageLimits = DEFAULT_LIMITS) -> ScaledImage:
+    """Image bytes -> the displayed image decoded no smaller than `min_side` on each side (JPEGs at a
+    reduced DCT scale, other formats fully), and the displayed full width and height.
+
+    For work at a small fixed size (a saliency network's square input) whose output must match the
+    full image as displayed. Raises :class:`ImageLoadError` naming `name`.
+    """
+    try:
+        image, stored = _open(data, limits, min_side=min_side)
+        width, height = displayed_size(image, stored)
+        return ScaledImage(np.asarray(displayed(image), dtype=np.uint8), width, height)
+    except RejectedImage as exc:
+        raise ImageLoadError(name, exc.rejection) from None
+    except DECODE_ERRORS as exc:
+        raise ImageLoadError(name, classify_error(exc)) from None
+
+
+def exif_orientation(data: bytes) -> int:
+    """The EXIF orientation (1..8) of encoded image bytes, read from the header only; 1 when absent
+    or when the bytes are not a readable image."""
+    try:
+        with _own_pixel_limit(), Image.open(io.BytesIO(data)) as image:
+            return orientation_of(image)
+    except DECODE_ERRORS:
+        return 1
+
+
 def load_rgb(data: bytes, name: str, limits: ImageLimits = DEFAULT_LIMITS) -> np.ndarray:
     """Image bytes -> uint8 HxWx3 RGB array as displayed; ImageLoadError names `name`."""
     return np.asarray(load_image(data, name, limits), dtype=np.uint8)
@@ -238,9 +293,7 @@ def prepare_image(data: bytes, *, min_side: int = 32, quality: int = 95,
     except RejectedImage as exc:
         return exc.rejection
     orientation = orientation_of(image)
-    width, height = image.size
-    if orientation >= 5:  # 5..8 swap the axes
-        width, height = height, width
+    width, height = displayed_size(image)
     if min(width, height) < min_side:
         return Rejection("too_small", f"image is {width}x{height}, smaller than the minimum side {min_side}")
     fmt, mode = image.format or "unknown", image.mode

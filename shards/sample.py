@@ -15,6 +15,9 @@ GENERATED_MEMBERS = ("cls", "json")
 # Member names an image may have in a sample, in order of preference: what `shards build` writes
 # (jpg) and what other WebDataset tools write. The one list every reader uses.
 IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")
+# The saliency mask member (`saliency build-masks`): 8-bit, at the image's displayed size (EXIF
+# orientation applied) or a scaled copy of it.
+MASK_MEMBER = "mask.png"
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,11 @@
 With a manifest (sets from `shards build`): every manifest shard exists and no unlisted shard
 does; each tar reads completely; each sample's members are adjacent, its key, position, label,
 size and content hash match the manifest; its `.jpg` decodes fully with the recorded width and
-height; each `.idx` exists and equals the index computed from the tar; keys are unique across the
-set; info.json agrees on the sample count. Without one (plain WebDataset shards): every tar reads
-completely, every sample has a decodable image (jpg/jpeg/png/webp) and a valid label when it has
-one, and the index (beside the tar or derived into the cache) agrees with the tar.
+height (as displayed: EXIF orientation applied), and its `mask.png`, when present, decodes at that
+size or a scaled copy of it; each `.idx` exists and equals the index computed from the tar; keys
+are unique across the set; info.json agrees on the sample count. Without one (plain WebDataset shards): every tar reads
+completely, every sample has a decodable image (jpg/jpeg/png/webp), a fitting mask and a valid
+label when it has them, and the index (beside the tar or derived into the cache) agrees with the tar.
 Every problem is one line; nothing raises except a folder without any shard.
 """
 
@@ -21,13 +22,13 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from shards.images import JPEG_FORMATS, ImageLoadError, decode
+from shards.images import JPEG_FORMATS, ImageLoadError, decode, displayed_size
 from shards.index import index_path, index_text, split_member_name
 from shards.limits import DEFAULT_LIMITS
 from shards.manifest import MANIFEST_NAME, MANIFEST_SCHEMA, is_plain_tar_name, read_manifest
 from shards.progress import tracked
 from shards.reader import ReadReport, _tar_samples
-from shards.sample import content_hash
+from shards.sample import MASK_MEMBER, content_hash
 from shards.shardset import (
     SHARD_PATTERN,
     cached_index,
@@ -75,19 +76,42 @@ def read_tar_samples(tar: Path) -> tuple[list[tuple[str, list[tuple[str, bytes]]
     return samples, problems
 
 
-def decode_problem(where: str, data: bytes, row: dict | None) -> str | None:
-    """Why an image member does not decode (or does not match its manifest row), or None."""
+def mask_problem(where: str, mask: bytes, size: tuple[int, int]) -> str | None:
+    """Why a mask member does not fit its image of displayed `size` (width, height), or None.
+
+    A mask is at the displayed size or a scaled copy of it (same aspect up to rounding); one with
+    the stored size of an EXIF-rotated image was made for the wrong orientation.
+    """
+    try:
+        mw, mh = decode(mask).size
+    except ImageLoadError as exc:
+        return f"{where}: {MASK_MEMBER} does not decode ({exc.detail})"
+    width, height = size
+    if abs(mw * height - mh * width) > width + height:
+        return (f"{where}: {MASK_MEMBER} is {mw}x{mh}, not the displayed image's {width}x{height} or a scaled "
+                "copy (made for another image or the stored rather than displayed orientation); rebuild the masks "
+                "with relicv2 saliency build-masks")
+    return None
+
+
+def decode_problems(where: str, data: bytes, row: dict | None, mask: bytes | None = None) -> list[str]:
+    """Why an image member does not decode (or does not match its manifest row or its mask)."""
     try:
         image = decode(data)
     except ImageLoadError as exc:
-        return f"{where}: image does not decode ({exc.detail})"
+        return [f"{where}: image does not decode ({exc.detail})"]
+    size = displayed_size(image)  # what the json, the manifest and every decoder (DALI included) report
+    problems = []
+    if mask is not None and (problem := mask_problem(where, mask, size)):
+        problems.append(problem)
     if row is None:
-        return None
+        return problems
     if image.format not in JPEG_FORMATS or image.mode != "RGB":
-        return f"{where}: .jpg is {image.format} {image.mode}, not an RGB JPEG"
-    if row["width"] is not None and image.size != (row["width"], row["height"]):
-        return f"{where}: image is {image.size[0]}x{image.size[1]}, manifest says {row['width']}x{row['height']}"
-    return None
+        problems.append(f"{where}: .jpg is {image.format} {image.mode}, not an RGB JPEG")
+    elif row["width"] is not None and size != (row["width"], row["height"]):
+        problems.append(f"{where}: image is {size[0]}x{size[1]} as displayed, manifest says "
+                        f"{row['width']}x{row['height']}")
+    return problems
 
 
 def sample_problems(tar: Path, key: str, members: list[tuple[str, bytes]], row: dict, decode_images: bool) -> list[str]:
@@ -109,9 +133,7 @@ def sample_problems(tar: Path, key: str, members: list[tuple[str, bytes]], row: 
     if "jpg" not in found:
         return problems + [f"{where}: has no .jpg member"]
     if decode_images:
-        problem = decode_problem(where, found["jpg"], row)
-        if problem:
-            problems.append(problem)
+        problems += decode_problems(where, found["jpg"], row, found.get(MASK_MEMBER))
     try:
         json.loads(found.get("json", b"{}"))
     except ValueError:
@@ -161,9 +183,8 @@ def verify_plain_shard(tar: Path, index_cache: Path, decode_images: bool = True)
     for sample in _tar_samples(tar, DEFAULT_LIMITS, report, False):
         count += 1
         if decode_images:
-            problem = decode_problem(f"{tar.name}: sample {sample['key']!r}", sample["image"], None)
-            if problem:
-                problems.append(problem)
+            problems += decode_problems(f"{tar.name}: sample {sample['key']!r}", sample["image"], None,
+                                        sample.get(MASK_MEMBER))
     problems += [f"{tar.name}: {reason}" for _, reason in report.lost_shards]
     problems += [f"{tar.name}: {name!r} left out: {reason}" for _, name, reason in report.rejected]
     return count, problems

@@ -9,7 +9,6 @@ and normalised with the ImageNet mean/std, as in the linear-evaluation test tran
 from __future__ import annotations
 
 import dataclasses
-import io
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,7 +17,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import torchvision.transforms.v2.functional as TF
-from PIL import Image
 from torch import Tensor, nn
 from torchvision.transforms import InterpolationMode
 from tqdm import tqdm
@@ -28,14 +26,10 @@ from pretrain.checkpoint import encoder_from_checkpoint, random_encoder, resolve
 from pretrain.config import KnnConfig
 from pretrain.distributed import DistributedContext, gather_object
 from shards import iter_samples, read_manifest
+from shards.images import ImageLoadError, load_image
 
 __all__ = ["KnnResult", "encoder_from_checkpoint", "evaluate_knn", "extract_features", "knn_predict",
            "random_encoder", "resolve_checkpoint"]
-
-# What a corrupt or hostile image raises while decoding (PIL reports truncated/undecodable data
-# as OSError, UnidentifiedImageError is one; oversized images as DecompressionBombError). Anything
-# else is a bug and surfaces.
-DECODE_ERRORS = (OSError, ValueError, SyntaxError, Image.DecompressionBombError)
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -78,10 +72,10 @@ def knn_predict(
     return torch.cat(predictions) if predictions else torch.empty(0, dtype=torch.long)
 
 
-def preprocess(jpeg: bytes, *, crop_size: int, resize_size: int) -> Tensor:
-    """JPEG bytes -> normalised float [3, crop, crop]: resize short side (bicubic), centre crop."""
-    with Image.open(io.BytesIO(jpeg)) as decoded:
-        image = decoded.convert("RGB")
+def preprocess(jpeg: bytes, *, crop_size: int, resize_size: int, name: str = "image") -> Tensor:
+    """Image bytes -> normalised float [3, crop, crop] of the displayed image (EXIF orientation applied,
+    as in training): resize short side (bicubic), centre crop. A bad image raises ImageLoadError naming `name`."""
+    image = load_image(jpeg, name)
     image = TF.resize(image, [resize_size], interpolation=InterpolationMode.BICUBIC, antialias=True)
     image = TF.center_crop(image, [crop_size, crop_size])
     return TF.normalize(TF.to_dtype(TF.pil_to_tensor(image), torch.float32, scale=True), IMAGENET_MEAN, IMAGENET_STD)
@@ -115,10 +109,11 @@ def _labelled_images(
                 "built from a labelled folder (class sub-folders)"
             )
         try:
-            image = preprocess(sample["jpg"], crop_size=crop_size, resize_size=resize_size)
-        except DECODE_ERRORS as error:  # a corrupt image is reported and skipped, never fatal
+            image = preprocess(sample["jpg"], crop_size=crop_size, resize_size=resize_size,
+                               name=f"{sample['key']} in {sample['shard']}")
+        except ImageLoadError as error:  # a corrupt image is reported and skipped, never fatal; a bug surfaces
             skipped.append(sample["key"])
-            print(f"kNN: skipping {sample['key']} in {sample['shard']}: {error}", file=sys.stderr)
+            print(f"kNN: skipping {error}", file=sys.stderr)
             continue
         yield image, sample["label"]
 

@@ -9,7 +9,6 @@ Every draw is seeded by (seed, epoch, sample position), so a resumed run sees th
 
 from __future__ import annotations
 
-import io
 import sys
 import warnings
 from collections.abc import Sequence
@@ -18,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torchvision.transforms.v2.functional as TF
-from PIL import Image, UnidentifiedImageError
+from PIL import UnidentifiedImageError
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
@@ -26,6 +25,7 @@ from pretrain.eval.knn import preprocess
 from pretrain.views.config import IMAGENET_MEAN, IMAGENET_STD
 from pretrain.views.reference import random_resized_crop
 from pretrain.views.sources import SampleRef, load_sample_set
+from shards.images import load_image
 
 CROP_RATIO = (3 / 4, 4 / 3)
 
@@ -57,9 +57,9 @@ def labelled_samples(source: str | Path, keys: set[str] | None = None) -> tuple[
 
 
 def train_view(jpeg: bytes, *, crop_size: int, scale: tuple[float, float], rng: np.random.Generator) -> Tensor:
-    """Random-resized-crop (torchvision's algorithm, seeded) to crop_size + horizontal flip, normalised."""
-    with Image.open(io.BytesIO(jpeg)) as decoded:
-        image = decoded.convert("RGB")
+    """Random-resized-crop (torchvision's algorithm, seeded) to crop_size + horizontal flip, normalised,
+    of the displayed image (EXIF orientation applied); a bad image raises ImageLoadError (a ValueError)."""
+    image = load_image(jpeg, "image")
     left, top, width, height = random_resized_crop(image.width, image.height, scale, CROP_RATIO, rng)
     view = TF.resized_crop(TF.pil_to_tensor(image), top, left, height, width, [crop_size, crop_size],
                            antialias=True)

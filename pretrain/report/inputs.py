@@ -7,7 +7,6 @@ counted and named in `problems`, never raised, so a report can always be written
 
 from __future__ import annotations
 
-import io
 import json
 import math
 from dataclasses import dataclass, field
@@ -16,9 +15,11 @@ from typing import Any
 
 import numpy as np
 import yaml
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
+from shards.images import ImageLoadError, load_gray, load_rgb, read_bytes
 from shards.keys import UnsafeKeyError, safe_relative_path
+from shards.sample import MASK_MEMBER
 
 HANDCRAFTED_METHODS = ("rbd", "mr", "dsr", "mc")  # the folders `relicv2 saliency handcrafted` writes
 EVAL_REQUIRED = ("protocol", "top1")  # the eval `--json` contract: at least these keys
@@ -170,7 +171,6 @@ def read_saliency_samples(shards: Path | None, maps_dir: Path | None, count: int
     """Up to `count` samples of `shards` (a masked or plain shard set), preferring keys that have
     handcrafted maps in `maps_dir`; masks come from `mask.png` members when the set has them."""
     from shards import iter_samples  # imported here: it pulls in the shard reader
-    from shards.images import ImageLoadError, load_rgb
     from shards.reader import ReadReport
 
     problems: list[str] = []
@@ -188,10 +188,10 @@ def read_saliency_samples(shards: Path | None, maps_dir: Path | None, count: int
             image = load_rgb(raw["image"], f"{raw['shard']}:{raw['key']}")
             size = (image.shape[1], image.shape[0])
             sample = SaliencySample(key=raw["key"], image=image)
-            if "mask.png" in raw:
-                sample.mask = _grey(Image.open(io.BytesIO(raw["mask.png"])), size)
+            if MASK_MEMBER in raw:
+                sample.mask = _grey(load_gray(raw[MASK_MEMBER], f"{raw['shard']}:{raw['key']}.{MASK_MEMBER}"), size)
             sample.maps = _maps_for(maps_dir, raw["key"], size) if maps_dir else {}
-        except (ImageLoadError, UnidentifiedImageError, OSError, ValueError) as error:
+        except (ImageLoadError, OSError, ValueError) as error:
             problems.append(f"{shards}: sample {raw.get('key')!r} unreadable ({error}), skipped")
             continue
         (with_maps if sample.maps or not maps_dir else without).append(sample)
@@ -211,12 +211,13 @@ def _maps_for(maps_dir: Path, key: str, size: tuple[int, int]) -> dict[str, np.n
         except UnsafeKeyError:
             return {}  # a hostile key names no file of ours
         if path.is_file():
-            maps[method] = _grey(Image.open(path), size)
+            maps[method] = _grey(load_gray(read_bytes(path), str(path)), size)
     return maps
 
 
-def _grey(image: Image.Image, size: tuple[int, int]) -> np.ndarray:
-    image = image.convert("L")
+def _grey(values: np.ndarray, size: tuple[int, int]) -> np.ndarray:
+    """A uint8 map or mask as float [0, 1] at `size` (width, height), resized bilinearly when it differs."""
+    image = Image.fromarray(values)
     if image.size != size:
         image = image.resize(size, Image.Resampling.BILINEAR)
     return np.asarray(image, dtype=np.float32) / 255.0

@@ -22,7 +22,7 @@ from pretrain.views.backend import BackendSetup
 from pretrain.views.batch import BackendBatch, assemble_params, labels_tensor
 from pretrain.views.config import view_specs
 from pretrain.views.dali_pipeline import READER_NAME, build_view_pipeline
-from pretrain.views.sources import MASK_EXT, SampleRef, exclude_samples, reader_samples_per_rank
+from pretrain.views.sources import MASK_MEMBER, SampleRef, exclude_samples, reader_samples_per_rank
 
 __all__ = ["DaliBackend", "find_undecodable", "is_decode_error"]
 
@@ -73,7 +73,7 @@ def _decodes(chunk: list[SampleRef], ext: str) -> bool:
 
 
 def _bisect_decode(chunk: list[SampleRef], bad: dict[str, str]) -> None:
-    for ext, reason in (("image", "undecodable_image"), (MASK_EXT, "bad_mask")):
+    for ext, reason in (("image", "undecodable_image"), (MASK_MEMBER, "bad_mask")):
         if _decodes(chunk, ext):
             continue
         if len(chunk) == 1:

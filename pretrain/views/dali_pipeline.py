@@ -22,7 +22,7 @@ from nvidia.dali import pipeline_def
 from nvidia.dali.pipeline import DataNode, Pipeline
 
 from pretrain.views.config import GRAYSCALE_WEIGHTS, JITTER_ORDERS, ViewConfig, ViewSpec, view_specs
-from pretrain.views.sources import MASK_EXT, SampleSet
+from pretrain.views.sources import MASK_MEMBER, SampleSet
 from shards.sample import IMAGE_MEMBERS
 
 READER_NAME = "shards"
@@ -322,7 +322,7 @@ def _views_pipeline(sample_set: SampleSet, cfg: ViewConfig, gpu: bool, rank: int
     image_bytes, mask_bytes, cls, meta = fn.readers.webdataset(
         paths=[str(p) for p in sample_set.tars],
         index_paths=[str(p) for p in sample_set.index_files],
-        ext=[";".join(IMAGE_MEMBERS), MASK_EXT, "cls", "json"],
+        ext=[";".join(IMAGE_MEMBERS), MASK_MEMBER, "cls", "json"],
         missing_component_behavior="empty",
         name=READER_NAME,
         shard_id=rank,

@@ -8,22 +8,20 @@ continues with the same batches.
 
 from __future__ import annotations
 
-import io
 import math
 
 import numpy as np
 import torch
 import torchvision.transforms.functional as F
-from PIL import Image, ImageFile
+from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from pretrain.seeding import SeedPurpose, derive_seed
 from pretrain.views.backend import BackendSetup
 from pretrain.views.batch import BackendBatch, assemble_params, labels_tensor
 from pretrain.views.config import JITTER_ORDERS, ViewConfig, ViewSpec, view_specs
-from pretrain.views.sources import MASK_EXT, SampleRef
-
-ImageFile.LOAD_TRUNCATED_IMAGES = False  # a truncated JPEG is an error, as in DALI
+from pretrain.views.sources import MASK_MEMBER, SampleRef
+from shards.images import load_gray, load_image
 
 
 def random_resized_crop(width: int, height: int, scale, ratio, rng: np.random.Generator) -> tuple[int, int, int, int]:
@@ -134,12 +132,14 @@ def augment_view(
 
 def augment_sample(encoded: bytes, mask_png: bytes | None, cfg: ViewConfig, rng: np.random.Generator) -> dict:
     """All views of one sample (image bytes in any format PIL reads), with coverage, grey level and
-    per-view parameters."""
-    image = Image.open(io.BytesIO(encoded)).convert("RGB")
+    per-view parameters. Image and mask are read as displayed (EXIF orientation applied, as DALI's
+    decoder does) through the one image loader; a bad one raises ImageLoadError (a ValueError)."""
+    image = load_image(encoded, "image")
     mask, coverage = None, 0.0
     if mask_png:
-        mask = Image.open(io.BytesIO(mask_png)).convert("L")
-        coverage = float((np.asarray(mask) >= 128).mean())
+        gray = load_gray(mask_png, "mask")
+        mask = Image.fromarray(gray)
+        coverage = float((gray >= 128).mean())
     grey_level = rng.uniform(*cfg.mask_grey_range)
     grey = int(round(grey_level * 255))
     maskable = mask is not None and coverage >= cfg.mask_min_coverage
@@ -169,7 +169,7 @@ class ViewDataset(Dataset):
         ref = self.samples[position]
         rng = np.random.default_rng(derive_seed(self.seed, SeedPurpose.VIEW_PARAMETERS, epoch, position))
         try:
-            out = augment_sample(ref.read_image(), ref.read(MASK_EXT), self.cfg, rng)
+            out = augment_sample(ref.read_image(), ref.read(MASK_MEMBER), self.cfg, rng)
         except (OSError, ValueError, SyntaxError):  # what PIL raises for corrupt image data
             return None
         cls = ref.read("cls")

@@ -34,9 +34,8 @@ from pathlib import Path
 from shards import index_path, list_shards, read_index, read_manifest
 from shards.index import IndexFileError, format_index, split_member_name
 from shards.keys import UnsafeKeyError, check_key
-from shards.sample import IMAGE_MEMBERS
+from shards.sample import IMAGE_MEMBERS, MASK_MEMBER
 
-MASK_EXT = "mask.png"
 LABEL_EXT = "cls"
 MAX_LABEL_BYTES = 20  # a class index in ASCII decimal, with room for whitespace
 # (leading signature, trailing end marker) per image format; WebP has no end marker but a RIFF size.
@@ -125,8 +124,8 @@ def structural_problem(sample: SampleRef, handle) -> str | None:
         return "truncated_image"
     if kind == "webp" and int.from_bytes(head[4:8], "little") + 8 > size:
         return "truncated_image"
-    if MASK_EXT in sample.members:
-        offset, size, _ = sample.members[MASK_EXT]
+    if MASK_MEMBER in sample.members:
+        offset, size, _ = sample.members[MASK_MEMBER]
         if size < len(PNG_SIGNATURE) or os.pread(handle.fileno(), len(PNG_SIGNATURE), offset) != PNG_SIGNATURE:
             return "bad_mask"
     if LABEL_EXT in sample.members:
@@ -235,9 +234,9 @@ def load_sample_set(
     if not samples:
         raise ValueError(f"no usable samples in {directory} (left out: {dict(skipped)}); rebuild the shard set")
     sample_set = SampleSet(directory, tars, [index_path(t) for t in tars], samples, skipped, skipped_keys)
-    sample_set.has_masks = any(MASK_EXT in s.members for s in samples)
+    sample_set.has_masks = any(MASK_MEMBER in s.members for s in samples)
     sample_set.labelled = any("cls" in s.members for s in samples)
-    sample_set.without_mask = sum(MASK_EXT not in s.members for s in samples)
+    sample_set.without_mask = sum(MASK_MEMBER not in s.members for s in samples)
     if skipped:
         warnings.warn(
             f"{directory}: left out {sum(skipped.values())} bad samples {dict(skipped)}, "

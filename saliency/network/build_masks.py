@@ -18,7 +18,6 @@ DALI's decoder applies it). Then `manifest.parquet`, `rejected.parquet` and `inf
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import os
 import time
@@ -30,7 +29,6 @@ from pathlib import Path
 import cv2
 import numpy as np
 import torch
-from PIL import Image, ImageOps, UnidentifiedImageError
 from tqdm import tqdm
 
 from saliency.network.images import member_key, resize_map, resize_square
@@ -38,10 +36,11 @@ from saliency.network.model_file import load_model
 from shards import index_path, list_shards, read_index
 from shards.atomic import atomic_write_bytes, remove_stale_temps
 from shards.build import Ranks, ranks_from_env
+from shards.images import ImageLoadError, Rejection, load_scaled
 from shards.keys import UnsafeKeyError, check_key
 from shards.lock import folder_lock
 from shards.manifest import rejected_table, write_manifest, write_table
-from shards.sample import KEY_PATTERN, ShardSample
+from shards.sample import KEY_PATTERN, MASK_MEMBER, ShardSample
 from shards.tario import Skipped, TarReadError, iter_tar
 from shards.writer import (
     SampleRecord,
@@ -56,7 +55,6 @@ PREFIX = "masked"
 STATE_DIR = ".build-masks"
 MIN_COVERAGE = 0.05  # ViewLoader's default mask_min_coverage: masks below it are never applied
 PNG_COMPRESSION = 3  # zlib level: masks are smooth, level 3 is ~2x faster than 9 for ~10% more bytes
-EXIF_ORIENTATION = 0x0112
 
 
 class MasksError(ValueError):
@@ -125,22 +123,19 @@ def read_input_shard(tar: Path) -> Iterator[RawSample | tuple[str, str, str]]:
             yield RawSample(key, members["jpg"], label, meta if isinstance(meta, dict) else {})
 
 
-def prepare(sample: RawSample, size: int) -> tuple[np.ndarray, int, int] | str:
-    """(network input uint8 [S, S, 3], displayed width, height), or why the image is unusable."""
+def prepare(sample: RawSample, size: int) -> tuple[np.ndarray, int, int] | Rejection:
+    """(network input uint8 [S, S, 3], displayed width, height), or why the image is unusable (the
+    loader's reason: not_an_image, truncated, corrupt, too_large ..., as `shards build` records them).
+
+    The network sees a size x size image, so JPEGs are decoded at a reduced DCT scale (no side under
+    `size`): decoding every pixel of a large photo would be wasted work. The mask is made at the
+    full image's displayed size (EXIF orientation applied, as DALI's decoder applies it).
+    """
     try:
-        with Image.open(io.BytesIO(sample.jpg)) as image:
-            width, height = image.size
-            orientation = image.getexif().get(EXIF_ORIENTATION, 1)
-            # DCT-domain downscaling while decoding (JPEG only): the network sees a size x size
-            # image, so decoding every pixel of a large photo would be wasted work.
-            image.draft("RGB", (size, size))
-            image.load()
-            rgb = np.asarray(ImageOps.exif_transpose(image).convert("RGB"), dtype=np.uint8)
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
-        return f"cannot decode image ({error})"
-    if orientation in (5, 6, 7, 8):  # these orientations swap width and height
-        width, height = height, width
-    return resize_square(rgb, size), width, height
+        scaled = load_scaled(sample.jpg, sample.key, size)
+    except ImageLoadError as error:
+        return Rejection(error.reason, error.detail)
+    return resize_square(scaled.rgb, size), scaled.width, scaled.height
 
 
 def finish(sample: RawSample, probability: np.ndarray, width: int, height: int) -> SampleRecord:
@@ -153,7 +148,7 @@ def finish(sample: RawSample, probability: np.ndarray, width: int, height: int) 
         raise RuntimeError(f"PNG encoding of the mask of {sample.key} failed")
     meta = {**sample.meta, "width": width, "height": height, "mask_coverage": round(coverage, 6),
             "mask_status": "ok" if coverage >= MIN_COVERAGE else "below_min_coverage"}
-    return sample_record(ShardSample(sample.key, {"jpg": sample.jpg, "mask.png": png.tobytes()}, sample.label, meta))
+    return sample_record(ShardSample(sample.key, {"jpg": sample.jpg, MASK_MEMBER: png.tobytes()}, sample.label, meta))
 
 
 class MaskPredictor:
@@ -221,8 +216,9 @@ def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: ThreadP
             ready = []
             for sample, future in current:
                 result = future.result()
-                if isinstance(result, str):
-                    rejected.append({"source": f"{tar.name}:{sample.key}", "reason": "corrupt", "detail": result})
+                if isinstance(result, Rejection):
+                    rejected.append({"source": f"{tar.name}:{sample.key}", "reason": result.reason,
+                                     "detail": result.detail})
                     bar.update(1)
                 else:
                     ready.append((sample, result))

@@ -2,12 +2,12 @@
 
 Orientation: DALI's image decoder applies the EXIF orientation tag (`adjust_orientation`, on by
 default), so a mask must be computed on the displayed image and stored at the displayed size, or
-image and mask disagree in training. `decode_displayed` therefore applies `ImageOps.exif_transpose`.
+image and mask disagree in training. Decoding goes through the project's one image loader
+(`shards.images`), which applies the orientation and the pixel limits.
 """
 
 from __future__ import annotations
 
-import io
 import os
 import random
 import sys
@@ -16,34 +16,26 @@ from pathlib import Path
 
 import cv2
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
 
 from shards import index_path, list_shards, read_index
+from shards.images import ImageLoadError, exif_orientation, load_rgb
 from shards.keys import UnsafeKeyError, check_key
 from shards.sample import KEY_PATTERN
 
-
-class SampleDecodeError(ValueError):
-    """A shard sample whose image cannot be decoded; the message names the sample."""
+# A shard sample whose image cannot be decoded (a ValueError); the message names the sample and the
+# reason. The loader's own error, so callers catching either catch both.
+SampleDecodeError = ImageLoadError
 
 
 def decode_displayed(data: bytes, name: str) -> np.ndarray:
-    """Encoded image bytes -> uint8 [H, W, 3] RGB in the displayed orientation (EXIF applied)."""
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            image.load()
-            return np.asarray(ImageOps.exif_transpose(image).convert("RGB"), dtype=np.uint8)
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
-        raise SampleDecodeError(f"{name}: cannot decode image ({error})") from error
+    """Encoded image bytes -> uint8 [H, W, 3] RGB in the displayed orientation (EXIF applied);
+    :class:`SampleDecodeError` names `name`."""
+    return load_rgb(data, name)
 
 
 def has_rotation(data: bytes) -> bool:
-    """True when the JPEG carries an EXIF orientation other than 1 (its pixels are stored rotated)."""
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            return image.getexif().get(0x0112, 1) not in (1, None)
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
-        return False
+    """True when the image carries an EXIF orientation other than 1 (its pixels are stored rotated)."""
+    return exif_orientation(data) != 1
 
 
 def resize_square(rgb: np.ndarray, size: int) -> np.ndarray:

@@ -16,6 +16,7 @@ from PIL import Image
 import shards
 from shards.images import prepare_image
 from shards.index import write_index
+from tests.exif_images import orientation6_jpeg
 
 
 def jpeg(seed: int = 0, size: tuple[int, int] = (40, 48), **kw) -> bytes:
@@ -161,16 +162,24 @@ def test_one_loader_handles_16_bit_alpha_gif_and_exif():
     assert shards.load_rgb(orientation6_jpeg(), "x").shape == (200, 100, 3)
 
 
-def orientation6_jpeg() -> bytes:
-    """Stored 200 wide x 100 high, red left half, blue right; EXIF orientation 6 (rotate 90 clockwise)."""
-    stored = np.zeros((100, 200, 3), np.uint8)
-    stored[:, :100, 0] = 255
-    stored[:, 100:, 2] = 255
-    exif = Image.Exif()
-    exif[0x0112] = 6
-    out = io.BytesIO()
-    Image.fromarray(stored).save(out, "JPEG", quality=95, exif=exif)
-    return out.getvalue()
+def test_scaled_load_decodes_small_and_reports_the_displayed_full_size():
+    from shards.images import exif_orientation, load_scaled
+
+    scaled = load_scaled(orientation6_jpeg(), "x", 32)
+    assert (scaled.width, scaled.height) == (100, 200)  # the full image as displayed
+    assert scaled.rgb.shape == (100, 50, 3)  # decoded at 1/2 (1/4 would make a side 25 < 32), displayed
+    assert scaled.rgb[:40, :, 0].mean() > 200 and scaled.rgb[60:, :, 2].mean() > 200  # red on top
+    big = jpeg(3, size=(640, 480))
+    assert load_scaled(big, "x", 32).rgb.shape == (60, 80, 3)  # 1/8
+    assert load_scaled(big, "x", 1000).rgb.shape == (480, 640, 3)  # never upscaled
+    png = io.BytesIO()
+    Image.new("RGB", (64, 48)).save(png, "PNG")
+    assert load_scaled(png.getvalue(), "x", 8).rgb.shape == (48, 64, 3)  # no DCT scaling outside JPEG
+    with pytest.raises(shards.ImageLoadError) as info:
+        load_scaled(bomb_png(), "bomb.png", 32)
+    assert info.value.reason == "too_large"
+    assert exif_orientation(orientation6_jpeg()) == 6 and exif_orientation(big) == 1
+    assert exif_orientation(b"not an image") == 1
 
 
 def test_exif_orientation_is_applied_once_by_build(tmp_path):
@@ -189,6 +198,37 @@ def test_exif_orientation_is_applied_once_by_build(tmp_path):
     assert raw.size == (100, 200) and raw.getexif().get(0x0112, 1) == 1  # every decoder sees it upright
     rgb = np.asarray(raw.convert("RGB")).astype(int)
     assert rgb[:90, :, 0].mean() > 200 and rgb[110:, :, 2].mean() > 200  # stored left (red) is now on top
+
+
+def _png(shape: tuple[int, int]) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(np.full(shape, 255, np.uint8)).save(out, "PNG")
+    return out.getvalue()
+
+
+def test_verify_checks_sizes_and_masks_in_the_displayed_orientation(tmp_path):
+    from shards.verify import verify_shard_set
+
+    displayed = {"width": 100, "height": 200}  # orientation6_jpeg is stored 200 x 100
+    good = [shards.ShardSample("full", {"jpg": orientation6_jpeg(), "mask.png": _png((200, 100))}, 0, displayed),
+            shards.ShardSample("scaled", {"jpg": orientation6_jpeg(), "mask.png": _png((50, 25))}, 0, displayed)]
+    shards.write_shard_set(good, tmp_path / "good", prefix="masked")
+    assert verify_shard_set(tmp_path / "good").problems == []
+    stored = {"width": 200, "height": 100}
+    bad = [shards.ShardSample("stored", {"jpg": orientation6_jpeg(), "mask.png": _png((100, 200))}, 0, stored)]
+    shards.write_shard_set(bad, tmp_path / "bad", prefix="masked")
+    problems = verify_shard_set(tmp_path / "bad").problems
+    assert len(problems) == 2
+    assert "mask.png is 200x100, not the displayed image's 100x200" in problems[0]
+    assert "image is 100x200 as displayed, manifest says 200x100" in problems[1]
+    # A plain WebDataset set (no manifest) gets the mask check too.
+    import webdataset as wds
+
+    (tmp_path / "plain").mkdir()
+    with wds.TarWriter(str(tmp_path / "plain" / "train-000000.tar")) as sink:
+        sink.write({"__key__": "stored", "jpg": orientation6_jpeg(), "mask.png": _png((100, 200))})
+    problems = verify_shard_set(tmp_path / "plain", index_cache=tmp_path / "cache").problems
+    assert len(problems) == 1 and "mask.png is 200x100" in problems[0]
 
 
 def test_plain_webdataset_set_resolves_by_folder_and_brace_pattern(tmp_path):

@@ -24,11 +24,18 @@ def jpeg_bytes(seed: int, size: tuple[int, int] = (40, 48)) -> bytes:
     return out.getvalue()
 
 
+def mask_png(seed: int, size: tuple[int, int] = (40, 48)) -> bytes:
+    """A distinct 8-bit mask at the image size (height, width) of :func:`jpeg_bytes`."""
+    out = io.BytesIO()
+    Image.fromarray(np.full(size, seed * 10 % 256, np.uint8)).save(out, "PNG")
+    return out.getvalue()
+
+
 def make_samples(n: int) -> list[shards.ShardSample]:
     return [
         shards.ShardSample(
             key=f"img{i:03d}",
-            members={"jpg": jpeg_bytes(i), "mask.png": bytes([i]) * (10 + i)},
+            members={"jpg": jpeg_bytes(i), "mask.png": mask_png(i)},
             label=(i % 3) if i % 4 else None,
             meta={"width": 48, "height": 40, "source": f"src/{i}.jpg", "mask_coverage": i / 100},
         )

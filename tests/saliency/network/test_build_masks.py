@@ -15,6 +15,7 @@ from saliency.network.build_masks import BuildMasksConfig, MasksError, build_mas
 from shards import iter_samples, read_manifest, read_rejected, write_index, write_shard_set
 from shards.build import Ranks
 from shards.index import index_path
+from tests.exif_images import orientation6_jpeg
 from tests.saliency.network.conftest import SquarePredictor, jpeg_bytes, scene_samples
 
 
@@ -113,23 +114,20 @@ def test_corrupt_and_hostile_samples_are_rejected(tmp_path, tiny_model) -> None:
     summary = build_masks(_config(tiny_model, folder, out), Ranks(), predictor=SquarePredictor())
     assert summary["written"] == 3 and summary["rejected"] == 2
     reasons = {r["reason"] for r in read_rejected(out).to_pylist()}
-    assert reasons == {"unsafe_key", "corrupt"}
+    assert reasons == {"unsafe_key", "truncated"}  # the image loader's reason, as shards build records it
     assert not (tmp_path / "escape.mask.png").exists() and not list(tmp_path.glob("escape*"))
 
 
 def test_exif_rotated_image_gets_mask_in_displayed_orientation(tmp_path, tiny_model) -> None:
-    rgb = np.zeros((40, 80, 3), np.uint8)  # stored 80 wide, 40 high
-    exif = Image.Exif()
-    exif[0x0112] = 6  # rotate 90 degrees when displayed -> 40 wide, 80 high
-    data = jpeg_bytes(rgb, exif=exif.tobytes())
+    data = orientation6_jpeg()  # stored 200 wide x 100 high, displayed 100 wide x 200 high
     from shards import ShardSample
 
     write_shard_set([ShardSample("rotated", {"jpg": data}, None, {})], tmp_path / "in")
     build_masks(_config(tiny_model, tmp_path / "in", tmp_path / "out"), Ranks(), predictor=SquarePredictor())
     sample = next(iter(iter_samples(tmp_path / "out")))
     assert sample["jpg"] == data
-    assert np.asarray(Image.open(io.BytesIO(sample["mask.png"]))).shape == (80, 40)
-    assert (sample["meta"]["width"], sample["meta"]["height"]) == (40, 80)
+    assert np.asarray(Image.open(io.BytesIO(sample["mask.png"]))).shape == (200, 100)
+    assert (sample["meta"]["width"], sample["meta"]["height"]) == (100, 200)
 
 
 def test_other_model_in_same_output_is_refused(tmp_path, scene_shards, tiny_model) -> None:
