@@ -13,6 +13,7 @@ import click
 
 from pretrain.config import KnnConfig  # light (no torch): the one owner of the kNN defaults
 from shards.atomic import atomic_output
+from shards.shardset import ShardSetError, shard_tars
 
 KNN = KnnConfig()
 
@@ -68,9 +69,11 @@ def knn(checkpoint: Path | None, random_depth: int | None, network: str, train_s
         settings = load_config(None, [f"knn.{name}={value}" for name, value in given.items() if value is not None]).knn
     except ConfigError as error:
         raise click.UsageError(str(error).replace("--set overrides: knn.", "--").replace("_", "-")) from None
-    for name, folder in (("--train", train_shards), ("--val", val_shards)):
-        if not folder.exists():
-            raise click.UsageError(f"{name} {folder} does not exist; pass a labelled shard set folder")
+    for name, spec in (("--train", train_shards), ("--val", val_shards)):
+        try:
+            shard_tars(spec)
+        except ShardSetError as error:
+            raise click.UsageError(f"{name} {spec}: {error}") from None
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     elif device == "cuda" and not torch.cuda.is_available():

@@ -64,6 +64,7 @@ from pretrain.views.source import ViewSource
 from pretrain.views.synthetic import SyntheticViews
 from shards.atomic import atomic_write_bytes
 from shards.lock import FolderLockedError, folder_lock
+from shards.shardset import ShardSetError, shard_tars
 
 JOB_NAME = "relicv2 pretrain"
 
@@ -117,9 +118,12 @@ def check_before_starting(config: PretrainConfig, resume: str | Path | None) -> 
         if not config.data.train_shards:
             raise ConfigError("data.train_shards is empty; set it to a shard set folder (or data.source=synthetic)")
         folders["data.train_shards"] = config.data.train_shards
-    for key, folder in folders.items():
-        if folder and not Path(folder).exists():
-            raise ConfigError(f"{key}={folder} does not exist; pass a shard set folder built by relicv2 shards build")
+    for key, spec in folders.items():
+        if spec:
+            try:
+                shard_tars(spec)  # a folder, a brace pattern or a tar: cheap, no index is read yet
+            except ShardSetError as error:
+                raise ConfigError(f"{key}={spec}: {error}") from None
     if resume is not None and not Path(resume).is_file():
         raise ConfigError(f"--resume {resume} does not exist or is not a file; pass a checkpoint-*.pt file")
 

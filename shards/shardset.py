@@ -95,6 +95,9 @@ def shard_tars(spec: str | Path | Sequence[str | Path]) -> tuple[list[Path], Pat
                     f"no shards (*-NNNNNN.tar, 4-6 digits) in {path}; build them with relicv2 shards build"
                 )
             return tars, path
+        if not BRACE.search(text) and not path.exists():
+            raise ShardSetError(f"{path} does not exist; give a shard set folder, a brace pattern "
+                                "(name-{0000..0099}.tar) or a tar file")
         names = expand_braces(text) if BRACE.search(text) and not path.is_file() else [text]
     else:
         names = [str(p) for p in spec]

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from pretrain.checkpoint import encoder_from_checkpoint, random_encoder, resolve_checkpoint
 from pretrain.config import KnnConfig
 from pretrain.distributed import DistributedContext, gather_object
-from shards import iter_samples, read_manifest
+from shards import iter_samples, resolve_shard_set
 from shards.images import ImageLoadError, load_image
 
 __all__ = ["KnnResult", "encoder_from_checkpoint", "evaluate_knn", "extract_features", "knn_predict",
@@ -82,13 +82,11 @@ def preprocess(jpeg: bytes, *, crop_size: int, resize_size: int, name: str = "im
 
 
 def _sample_count(source: str | Path) -> int | None:
-    """Samples in a shard set as its manifest says (None without a manifest: no total is shown)."""
-    path = Path(source)
-    if not path.is_dir():
-        return None
+    """Samples in a shard set (manifest or index files, derived once into the index cache for plain
+    WebDataset sets), for the progress total; None when the set cannot be resolved (reading reports why)."""
     try:
-        return read_manifest(path).num_rows
-    except (FileNotFoundError, OSError, ValueError):
+        return resolve_shard_set(source).samples
+    except (OSError, ValueError):
         return None
 
 

@@ -101,7 +101,7 @@ def _scalars(batch) -> np.ndarray:
 
 
 def sample_key(source_info: str) -> str:
-    """`shard.tar:offset:key.json` (DALI's source info of a webdataset member) -> key."""
+    """`shard.tar:offset:key.ext` (DALI's source info of a webdataset member) -> key."""
     member = source_info.rsplit(":", 1)[-1].rsplit("/", 1)[-1]
     return member.split(".", 1)[0]
 
@@ -174,9 +174,9 @@ class DaliBackend:
         self.runs += 1
         v = self.num_views
         views = [_to_torch(out[i]) for i in range(v)]
-        meta, cls, _has_mask, coverage, grey = out[v : v + 5]
+        carrier, cls, _has_mask, coverage, grey = out[v : v + 5]
         masked = out[v + 5 : 2 * v + 5]
-        keys = [sample_key(meta[i].source_info()) for i in range(len(meta))]
+        keys = [sample_key(carrier[i].source_info()) for i in range(len(carrier))]
         labels = []
         for i in range(len(cls)):
             raw = np.asarray(cls[i]).tobytes()

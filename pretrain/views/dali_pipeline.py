@@ -319,10 +319,10 @@ def _sample_mask(mask_bytes: DataNode, sample_set: SampleSet, cfg: ViewConfig, g
 
 @pipeline_def(enable_conditionals=True, enable_checkpointing=True)
 def _views_pipeline(sample_set: SampleSet, cfg: ViewConfig, gpu: bool, rank: int, world_size: int, reader_seed: int):
-    image_bytes, mask_bytes, cls, meta = fn.readers.webdataset(
+    image_bytes, mask_bytes, cls = fn.readers.webdataset(
         paths=[str(p) for p in sample_set.tars],
         index_paths=[str(p) for p in sample_set.index_files],
-        ext=[";".join(IMAGE_MEMBERS), MASK_MEMBER, "cls", "json"],
+        ext=[";".join(IMAGE_MEMBERS), MASK_MEMBER, "cls"],
         missing_component_behavior="empty",
         name=READER_NAME,
         shard_id=rank,
@@ -345,7 +345,10 @@ def _views_pipeline(sample_set: SampleSet, cfg: ViewConfig, gpu: bool, rank: int
         views.append(v)
         params.append(p)
         masked.append(m)
-    outputs = [*views, meta, cls, mask.has_mask, mask.coverage, mask.grey / MAX, *masked]
+    # The image's first byte carries the reader's source info (tar:offset:member), i.e. the key, to
+    # the batch (sets without a json member have keys too).
+    key_carrier = image_bytes[0:1]
+    outputs = [*views, key_carrier, cls, mask.has_mask, mask.coverage, mask.grey / MAX, *masked]
     if cfg.debug_params:
         outputs += params
     return tuple(outputs)

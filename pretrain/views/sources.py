@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shards import index_path, list_shards, read_index, read_manifest
+from shards import index_path, read_index, resolve_shard_set
 from shards.index import IndexFileError, format_index, split_member_name
 from shards.keys import UnsafeKeyError, check_key
 from shards.sample import IMAGE_MEMBERS, MASK_MEMBER
@@ -74,12 +74,13 @@ class SampleRef:
 class SampleSet:
     """The usable samples of a shard set in reader order, and the index files that list them."""
 
-    directory: Path
-    tars: list[Path]
+    directory: Path  # the set's folder (of its first tar for a pattern or a list)
+    tars: list[Path]  # the tars the index files list (without tars left empty by filtering)
     index_files: list[Path]
     samples: list[SampleRef]
     skipped: Counter = field(default_factory=Counter)
     skipped_keys: list[str] = field(default_factory=list)
+    all_tars: list[Path] = field(default_factory=list)  # every tar of the set, filtered or not
     has_masks: bool = False
     without_mask: int = 0  # usable samples that have no mask member (never masked)
     labelled: bool = False
@@ -184,35 +185,27 @@ def index_samples(tar: Path, idx: Path) -> list[SampleRef]:
     return refs
 
 
-def check_manifest(directory: Path, indexed: int) -> None:
-    """The manifest must exist and list as many samples as the index files (a complete set)."""
-    listed = read_manifest(directory).num_rows
-    if listed != indexed:
-        raise ValueError(
-            f"{directory}: manifest.parquet lists {listed} samples but the .idx files {indexed}; "
-            "the shard set is incomplete or mixed, rebuild it (relicv2 shards build) or merge it"
-        )
-
-
 def load_sample_set(
-    directory: Path | str,
+    spec: Path | str,
     *,
     decode_check: Callable[[Sequence[SampleRef]], dict[str, str]] | None = None,
+    index_cache: Path | None = None,
 ) -> SampleSet:
     """Read and check a shard set; write filtered index files when samples must be left out.
 
+    `spec` is anything `shards.resolve_shard_set` takes: a folder from `relicv2 shards build`
+    (its manifest must agree with the index files), a folder of plain WebDataset tars (no manifest;
+    missing `.idx` files are derived once into `index_cache`), a brace pattern or a tar.
     `decode_check(samples) -> {key: reason}` (e.g. `pretrain.views.dali.find_undecodable`) is run on the
     structurally sound samples when given.
     """
-    directory = Path(directory)
-    tars = list_shards(directory)
+    shard_set = resolve_shard_set(spec, index_cache=index_cache)  # ShardSetError: one line naming the fix
+    directory = shard_set.directory or shard_set.tars[0].parent
+    tars = list(shard_set.tars)
     per_tar: list[list[SampleRef]] = []
     skipped: Counter = Counter()
     skipped_keys: list[str] = []
-    for tar in tars:
-        idx = index_path(tar)
-        if not idx.is_file():
-            raise FileNotFoundError(f"{idx} is missing; rewrite it with shards.write_index({tar})")
+    for tar, idx in zip(tars, shard_set.index_files, strict=True):
         kept = []
         with open(tar, "rb") as handle:
             for ref in index_samples(tar, idx):
@@ -223,7 +216,6 @@ def load_sample_set(
                     skipped[reason] += 1
                     skipped_keys.append(ref.key)
         per_tar.append(kept)
-    check_manifest(directory, sum(len(kept) for kept in per_tar) + sum(skipped.values()))
     if decode_check is not None:
         bad = decode_check([s for kept in per_tar for s in kept])
         for reason in bad.values():
@@ -232,8 +224,9 @@ def load_sample_set(
         per_tar = [[s for s in kept if s.key not in bad] for kept in per_tar]
     samples = [s for kept in per_tar for s in kept]
     if not samples:
-        raise ValueError(f"no usable samples in {directory} (left out: {dict(skipped)}); rebuild the shard set")
-    sample_set = SampleSet(directory, tars, [index_path(t) for t in tars], samples, skipped, skipped_keys)
+        raise ValueError(f"no usable samples in {spec} (left out: {dict(skipped)}); rebuild the shard set")
+    sample_set = SampleSet(directory, tars, list(shard_set.index_files), samples, skipped, skipped_keys,
+                           all_tars=list(tars))
     sample_set.has_masks = any(MASK_MEMBER in s.members for s in samples)
     sample_set.labelled = any("cls" in s.members for s in samples)
     sample_set.without_mask = sum(MASK_MEMBER not in s.members for s in samples)
@@ -256,7 +249,7 @@ def exclude_samples(sample_set: SampleSet, bad: dict[str, str]) -> None:
         sample_set.skipped[reason] += 1
     sample_set.skipped_keys += sorted(bad)
     sample_set.samples = [s for s in sample_set.samples if s.key not in bad]
-    all_tars = list_shards(sample_set.directory)
+    all_tars = sample_set.all_tars
     write_filtered_indexes(sample_set, [[s for s in sample_set.samples if s.tar == t] for t in all_tars], all_tars)
 
 

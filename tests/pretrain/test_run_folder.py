@@ -138,8 +138,9 @@ def test_metrics_carry_throughput_and_data_wait(finished_run):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["knn.train_shards=missing-train", "knn.val_shards=missing-val"], "knn.train_shards=missing-train does not exist"),
-    (["data.source=shards", "data.train_shards=no-such-shards"], "data.train_shards=no-such-shards does not exist"),
+    (["knn.train_shards=missing-train", "knn.val_shards=missing-val"], "knn.train_shards=missing-train: missing-train does not exist"),
+    (["data.source=shards", "data.train_shards=no-such-shards"], "data.train_shards=no-such-shards: no-such-shards does not exist"),
+    (["data.source=shards", "data.train_shards=t-{0000..0001}.tar"], r"shard file\(s\) not found: t-0000.tar, t-0001.tar"),
     pytest.param(["run.device=cuda"], "no CUDA device is visible",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible")),
 ])

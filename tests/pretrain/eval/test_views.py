@@ -50,3 +50,20 @@ def test_dali_views_read_every_image_member(mixed_formats):
     red = images.float().flatten(2).mean(-1)[:, 0]
     order = torch.argsort(labels)
     assert torch.all(red[order][1:] > red[order][:-1])  # each image decoded, not a placeholder
+
+
+def test_plain_webdataset_shards_by_brace_pattern(tmp_path, monkeypatch):
+    """A labelled set written by webdataset's ShardWriter (no manifest, no index, `val-NNNN.tar`)."""
+    import webdataset as wds
+
+    with wds.ShardWriter(str(tmp_path / "val-%04d.tar"), maxcount=3, verbose=0) as sink:
+        for i in range(6):
+            buffer = io.BytesIO()
+            Image.new("RGB", (40, 32), (40 * i, 0, 0)).save(buffer, "PNG")
+            sink.write({"__key__": f"v{i}", "png": buffer.getvalue(), "cls": str(i).encode()})
+    monkeypatch.setenv("RELICV2_INDEX_CACHE", str(tmp_path / "cache"))
+    samples, lost = labelled_samples(str(tmp_path / "val-{0000..0001}.tar"))
+    assert lost == 0 and sorted(s.key for s in samples) == [f"v{i}" for i in range(6)]
+    views = DaliViews(tmp_path, train=False, crop_size=16, resize_size=16, batch_size=6, threads=1)
+    _, labels, _ = next(iter(views.epoch()))
+    assert sorted(labels.tolist()) == list(range(6))

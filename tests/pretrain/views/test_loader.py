@@ -245,7 +245,7 @@ def test_bad_arguments_are_clear_errors(forty, tmp_path):
         ViewLoader(forty, 4, ViewConfig(mask_probability=1.5))
     with pytest.raises(ValueError, match="fewer than one batch"):
         ViewLoader(forty, 64)
-    with pytest.raises(FileNotFoundError, match="no shards"):
+    with pytest.raises(ValueError, match="no shards"):
         ViewLoader(tmp_path, 4)
 
 

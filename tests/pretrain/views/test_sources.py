@@ -48,6 +48,38 @@ def test_png_webp_and_jpeg_members_are_images_too(tmp_path, backend):
     assert sorted(keys) == [f"k{i:03d}" for i in range(12)]  # every format decoded, none dropped
 
 
+def foreign_set(directory, count: int) -> None:
+    """A plain WebDataset set as other tools write it: `train-NNNN.tar`, no manifest, no .idx,
+    jpg/png/webp members, `cls` on some samples only."""
+    import webdataset as wds
+
+    formats = (("jpg", "JPEG"), ("png", "PNG"), ("webp", "WEBP"))
+    directory.mkdir(parents=True)
+    with wds.ShardWriter(str(directory / "train-%04d.tar"), maxcount=5, verbose=0) as sink:
+        for i in range(count):
+            ext, fmt = formats[i % len(formats)]
+            sample = {"__key__": f"f{i:03d}", ext: encoded(i, fmt)}
+            if i % 2 == 0:
+                sample["cls"] = str(i % 3).encode()
+            sink.write(sample)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_plain_webdataset_shards_load_from_a_folder_or_a_brace_pattern(tmp_path, backend, monkeypatch):
+    foreign_set(tmp_path / "plain", 14)  # 3 tars of 5, 5, 4
+    cache = tmp_path / "cache"
+    for spec in (tmp_path / "plain", str(tmp_path / "plain" / "train-{0000..0002}.tar")):
+        sample_set = load_sample_set(spec, index_cache=cache)
+        assert len(sample_set) == 14 and sample_set.skipped == {}
+        assert all(idx.parent == cache for idx in sample_set.index_files)  # derived once, into the cache
+    assert sorted(p.suffix for p in (tmp_path / "plain").iterdir()) == [".tar"] * 3  # nothing written beside
+    monkeypatch.setenv("RELICV2_INDEX_CACHE", str(cache))  # what a pretrain run uses
+    loader = ViewLoader(str(tmp_path / "plain" / "train-{0000..0002}.tar"), 4, TINY, seed=1, backend=backend)
+    keys = [k for batch in loader for k in batch["keys"]]
+    assert len(keys) == 12 and len(set(keys)) == 12  # 3 full batches of the 14 samples
+    assert len(list(cache.iterdir())) == 3  # the cached indexes were reused, not written again
+
+
 def test_truncated_images_and_garbage_labels_are_left_out_by_the_cheap_check(tmp_path):
     good = [ShardSample(f"g{i}", {"png": encoded(i, "PNG")}, None, {}) for i in range(4)]
     png, webp = encoded(50, "PNG"), encoded(51, "WEBP")
