@@ -214,3 +214,14 @@ def test_train_samples_a_plain_webdataset_set_from_a_folder_and_a_pattern(tmp_pa
     exts = {s["image_ext"] for s in iter_samples(out / "sample")}
     assert exts <= {"jpg", "png", "webp"} and len(exts) >= 2
     assert _snapshot(folder) == before and len(list(cache.glob("*.idx"))) == 3
+
+
+def test_verify_flags_an_image_stored_under_another_formats_name(tmp_path) -> None:
+    from shards import ShardSample, verify_shard_set, write_shard_set
+
+    rgb, _ = synthetic_scene(48, 64, seed=1)
+    write_shard_set([ShardSample("honest", {"png": _encoded(rgb, "PNG")}, None, {"width": 64, "height": 48}),
+                     ShardSample("liar", {"png": _encoded(rgb, "JPEG")}, None, {"width": 64, "height": 48})],
+                    tmp_path / "set")
+    report = verify_shard_set(tmp_path / "set", workers=1)
+    assert len(report.problems) == 1 and "'liar'" in report.problems[0] and ".png is JPEG" in report.problems[0]
