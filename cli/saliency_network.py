@@ -14,11 +14,15 @@ from saliency.network.config import (
 )
 from shards.lock import FolderLockedError
 
+SHARDS_HELP = ("a folder (from `relicv2 shards build`, or plain WebDataset tars such as train-0000.tar), "
+               "a brace pattern (train-{0000..0099}.tar) or a tar")
+INDEX_CACHE_HELP = "Folder for index files derived from shards that have none (plain WebDataset sets)."
 # Modules that import torch are imported inside the commands: `relicv2 saliency --help` stays fast.
 
 
 @click.command("train")
-@click.option("--shards", required=True, type=click.Path(path_type=Path), help="Shard set to sample images from.")
+@click.option("--shards", required=True, type=click.Path(path_type=Path),
+              help=f"Shard set to sample images from: {SHARDS_HELP}.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Output folder (model.pt, report.json, caches).")
 @click.option("--preset", type=click.Choice(sorted(PRESETS)), default="paper", show_default=True)
 @click.option("--backbone", required=True,
@@ -29,9 +33,10 @@ from shards.lock import FolderLockedError
               help="Held-back shard set to score the fused network on (needs --gt).")
 @click.option("--config", "yaml_file", type=click.Path(path_type=Path), help="YAML file of settings (flat keys).")
 @click.option("--set", "overrides", multiple=True, help="Override a setting, e.g. --set epochs=5 --set thresholds.mr=0.3")
+@click.option("--index-cache", type=click.Path(file_okay=False, path_type=Path), default=None, help=INDEX_CACHE_HELP)
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def train_command(shards: Path, out: Path, preset: str, backbone: str, gt: Path | None, eval_shards: Path | None,
-                  yaml_file: Path | None, overrides: tuple[str, ...], progress: bool) -> None:
+                  yaml_file: Path | None, overrides: tuple[str, ...], index_cache: Path | None, progress: bool) -> None:
     """Refine the handcrafted maps (phase I) and train the fused saliency network (phase II)."""
     from pretrain.checkpoint import CheckpointError
     from saliency.network.train import TrainJob, TrainStateError, run_train
@@ -41,7 +46,7 @@ def train_command(shards: Path, out: Path, preset: str, backbone: str, gt: Path 
         config = load_saliency_config(preset, overrides, yaml_file)
         click.echo(f"config: {config_to_dict(config)}")
         run_train(TrainJob(shards=shards, out=out, config=config, backbone=backbone, gt=gt,
-                           eval_shards=eval_shards, progress=progress), log=click.echo)
+                           eval_shards=eval_shards, progress=progress, index_cache=index_cache), log=click.echo)
     except (SaliencyConfigError, BackboneError, CheckpointError, TrainStateError, FolderLockedError,
             FileNotFoundError, ValueError) as error:
         raise click.ClickException(str(error)) from error
@@ -49,15 +54,16 @@ def train_command(shards: Path, out: Path, preset: str, backbone: str, gt: Path 
 
 @click.command("build-masks")
 @click.option("--model", "model_path", required=True, type=click.Path(path_type=Path), help="model.pt from `saliency train`.")
-@click.option("--shards", required=True, type=click.Path(path_type=Path), help="Input shard set.")
+@click.option("--shards", required=True, type=click.Path(path_type=Path), help=f"Input shard set: {SHARDS_HELP}.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Output folder for the masked shard set.")
 @click.option("--workers", default=2, show_default=True, help="Threads for decoding, resizing and PNG encoding.")
 @click.option("--batch", "batch_size", default=32, show_default=True, help="Images per forward pass.")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
+@click.option("--index-cache", type=click.Path(file_okay=False, path_type=Path), default=None, help=INDEX_CACHE_HELP)
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def build_masks_command(model_path: Path, shards: Path, out: Path, workers: int, batch_size: int, device: str,
-                        progress: bool) -> None:
-    """Write a masked shard set: every sample's original JPEG plus an 8-bit soft mask (mask.png)."""
+                        index_cache: Path | None, progress: bool) -> None:
+    """Write a masked shard set: every sample's original image plus an 8-bit soft mask (mask.png)."""
     from saliency.network.build_masks import (
         BuildMasksConfig,
         MasksError,
@@ -67,7 +73,8 @@ def build_masks_command(model_path: Path, shards: Path, out: Path, workers: int,
     from saliency.network.model_file import ModelFileError
 
     config = BuildMasksConfig(model=model_path, shards=shards, out=out, workers=max(1, workers),
-                              batch_size=max(1, batch_size), device=device, progress=progress)
+                              batch_size=max(1, batch_size), device=device, progress=progress,
+                              index_cache=index_cache)
     try:
         summary = build_masks(config)
     except (ModelFileError, MasksError, FolderLockedError, FileNotFoundError, ValueError) as error:

@@ -28,7 +28,7 @@ from shards.limits import DEFAULT_LIMITS
 from shards.manifest import MANIFEST_NAME, MANIFEST_SCHEMA, is_plain_tar_name, read_manifest
 from shards.progress import tracked
 from shards.reader import ReadReport, _tar_samples
-from shards.sample import MASK_MEMBER, content_hash
+from shards.sample import IMAGE_MEMBERS, MASK_MEMBER, content_hash
 from shards.shardset import (
     SHARD_PATTERN,
     cached_index,
@@ -94,8 +94,14 @@ def mask_problem(where: str, mask: bytes, size: tuple[int, int]) -> str | None:
     return None
 
 
-def decode_problems(where: str, data: bytes, row: dict | None, mask: bytes | None = None) -> list[str]:
-    """Why an image member does not decode (or does not match its manifest row or its mask)."""
+# The format an image member's name announces, for sets with a manifest: `shards build` writes RGB
+# JPEGs as `jpg`; `saliency build-masks` keeps a png or webp input image under its own name.
+MEMBER_FORMATS = {"jpg": JPEG_FORMATS, "jpeg": JPEG_FORMATS, "png": ("PNG",), "webp": ("WEBP",)}
+
+
+def decode_problems(where: str, data: bytes, row: dict | None, mask: bytes | None = None,
+                    member: str = "jpg") -> list[str]:
+    """Why an image member does not decode (or does not match its name, its manifest row or its mask)."""
     try:
         image = decode(data)
     except ImageLoadError as exc:
@@ -106,8 +112,10 @@ def decode_problems(where: str, data: bytes, row: dict | None, mask: bytes | Non
         problems.append(problem)
     if row is None:
         return problems
-    if image.format not in JPEG_FORMATS or image.mode != "RGB":
+    if member == "jpg" and (image.format not in JPEG_FORMATS or image.mode != "RGB"):
         problems.append(f"{where}: .jpg is {image.format} {image.mode}, not an RGB JPEG")
+    elif image.format not in MEMBER_FORMATS.get(member, JPEG_FORMATS):
+        problems.append(f"{where}: .{member} is {image.format}, not what its name says")
     elif row["width"] is not None and size != (row["width"], row["height"]):
         problems.append(f"{where}: image is {size[0]}x{size[1]} as displayed, manifest says "
                         f"{row['width']}x{row['height']}")
@@ -130,10 +138,11 @@ def sample_problems(tar: Path, key: str, members: list[tuple[str, bytes]], row: 
     label = int(found["cls"]) if "cls" in found and found["cls"].strip().isdigit() else None
     if label != row["label"]:
         problems.append(f"{where}: class {label} differs from the manifest's {row['label']}")
-    if "jpg" not in found:
-        return problems + [f"{where}: has no .jpg member"]
+    member = next((ext for ext in IMAGE_MEMBERS if ext in found), None)
+    if member is None:
+        return problems + [f"{where}: has no image member ({', '.join(IMAGE_MEMBERS)})"]
     if decode_images:
-        problems += decode_problems(where, found["jpg"], row, found.get(MASK_MEMBER))
+        problems += decode_problems(where, found[member], row, found.get(MASK_MEMBER), member)
     try:
         json.loads(found.get("json", b"{}"))
     except ValueError:

@@ -1,9 +1,16 @@
 """`relicv2 saliency build-masks`: a masked shard set from a shard set and a trained saliency model.
 
-Output `OUT/masked-NNNNNN.tar` (+ `.idx`), one per input shard (same number), each sample holding the
-input's `{key}.jpg` bytes unchanged, its `.cls`, its json plus `mask_coverage` / `mask_status`, and
-`{key}.mask.png`: the 8-bit soft mask at the displayed image's size (EXIF orientation applied, as
-DALI's decoder applies it). Then `manifest.parquet`, `rejected.parquet` and `info.json`.
+Input: any shard set `shards.shardset.resolve_shard_set` takes: a folder from `shards build`, a folder
+of plain WebDataset tars (webdataset.ShardWriter, `tar`: no manifest, no index, names like
+`train-0000.tar`), a brace pattern (`train-{0000..0099}.tar`) or one tar. Indexes missing beside the
+tars are derived once into the index cache (`--index-cache`); nothing is written beside the input.
+
+Output `OUT/masked-NNNNNN.tar` (+ `.idx`), one per input shard (numbered by the input's order), each
+sample holding the input's image bytes unchanged (a `jpg` or `jpeg` member as `{key}.jpg`, a `png` or
+`webp` one under its own name), its `.cls` when it has one, its json plus `mask_coverage` /
+`mask_status`, and `{key}.mask.png`: the 8-bit soft mask at the displayed image's size (EXIF
+orientation applied, as DALI's decoder applies it). Then `manifest.parquet`, `rejected.parquet` and
+`info.json`.
 
 - Streaming: one batch being decoded (thread pool), one in the network, one being encoded and
   written; memory is a few batches whatever the data set size.
@@ -33,14 +40,15 @@ from tqdm import tqdm
 
 from saliency.network.images import member_key, resize_map, resize_square
 from saliency.network.model_file import load_model
-from shards import index_path, list_shards, read_index
 from shards.atomic import atomic_write_bytes, remove_stale_temps
 from shards.build import Ranks, ranks_from_env
 from shards.images import ImageLoadError, Rejection, load_scaled
+from shards.index import index_path, read_index
 from shards.keys import UnsafeKeyError, check_key
 from shards.lock import folder_lock
 from shards.manifest import rejected_table, write_manifest, write_table
-from shards.sample import KEY_PATTERN, MASK_MEMBER, ShardSample
+from shards.sample import IMAGE_MEMBERS, KEY_PATTERN, MASK_MEMBER, ShardSample
+from shards.shardset import resolve_shard_set
 from shards.tario import Skipped, TarReadError, iter_tar
 from shards.writer import (
     SampleRecord,
@@ -73,19 +81,29 @@ class BuildMasksConfig:
     device: str = "cpu"
     progress: bool = True
     merge_timeout: float = 3600.0  # rank 0 waits this long for the other ranks' shards
+    # Where indexes of input tars without one are derived; None: shards.shardset.default_index_cache.
+    index_cache: Path | None = None
 
 
 @dataclass
 class RawSample:
     key: str
-    jpg: bytes
+    image: bytes
     label: int | None
     meta: dict
+    ext: str = "jpg"  # the output member name of the image: jpg (for jpg and jpeg), png or webp
 
 
-def read_input_shard(tar: Path) -> Iterator[RawSample | tuple[str, str, str]]:
-    """Samples of one input tar via its DALI index; unusable ones as (source, reason, detail)."""
-    idx = index_path(tar)
+def output_member(ext: str) -> str:
+    """The member name the masked set stores an input image member under: `jpeg` is our `jpg`;
+    the others keep their name, so that a png is never announced as a JPEG."""
+    return "jpg" if ext == "jpeg" else ext
+
+
+def read_input_shard(tar: Path, idx: Path | None = None) -> Iterator[RawSample | tuple[str, str, str]]:
+    """Samples of one input tar via its DALI index (`idx`, default beside the tar); unusable ones as
+    (source, reason, detail)."""
+    idx = index_path(tar) if idx is None else Path(idx)
     if not idx.is_file():
         raise MasksError(f"{idx} is missing; rebuild the index with shards.write_index({tar.name}) or rebuild the shards")
     # The index leaves out members the reader refuses (links, unsafe names, oversized): name them here,
@@ -99,7 +117,7 @@ def read_input_shard(tar: Path) -> Iterator[RawSample | tuple[str, str, str]]:
     except TarReadError as error:
         raise MasksError(f"{tar}: {error}; rebuild or remove this shard") from None
     with open(tar, "rb") as handle:
-        for entries in read_index(idx):
+        for entries in read_index(idx, tar):
             key = member_key(entries[0][3])
             source = f"{tar.name}:{key}"
             try:
@@ -111,8 +129,9 @@ def read_input_shard(tar: Path) -> Iterator[RawSample | tuple[str, str, str]]:
                 yield source, "bad_key", f"key {key!r} is not 1-80 characters of [A-Za-z0-9_-]"
                 continue
             members = {ext: os.pread(handle.fileno(), size, off) for ext, off, size, _ in entries}
-            if "jpg" not in members:
-                yield source, "no_image", "sample has no jpg member"
+            image = next((ext for ext in IMAGE_MEMBERS if ext in members), None)
+            if image is None:
+                yield source, "no_image", f"sample has no image member ({', '.join(IMAGE_MEMBERS)})"
                 continue
             try:
                 label = int(members["cls"]) if "cls" in members else None
@@ -120,7 +139,7 @@ def read_input_shard(tar: Path) -> Iterator[RawSample | tuple[str, str, str]]:
             except ValueError as error:
                 yield source, "corrupt", f"unreadable cls/json member ({error})"
                 continue
-            yield RawSample(key, members["jpg"], label, meta if isinstance(meta, dict) else {})
+            yield RawSample(key, members[image], label, meta if isinstance(meta, dict) else {}, output_member(image))
 
 
 def prepare(sample: RawSample, size: int) -> tuple[np.ndarray, int, int] | Rejection:
@@ -132,14 +151,14 @@ def prepare(sample: RawSample, size: int) -> tuple[np.ndarray, int, int] | Rejec
     full image's displayed size (EXIF orientation applied, as DALI's decoder applies it).
     """
     try:
-        scaled = load_scaled(sample.jpg, sample.key, size)
+        scaled = load_scaled(sample.image, sample.key, size)
     except ImageLoadError as error:
         return Rejection(error.reason, error.detail)
     return resize_square(scaled.rgb, size), scaled.width, scaled.height
 
 
 def finish(sample: RawSample, probability: np.ndarray, width: int, height: int) -> SampleRecord:
-    """The output sample: original JPEG bytes, the mask PNG at image size, coverage in the json."""
+    """The output sample: original image bytes, the mask PNG at image size, coverage in the json."""
     soft = resize_map(probability, width, height)
     coverage = float((soft >= 0.5).mean())
     mask = np.clip(np.rint(soft * 255.0), 0, 255).astype(np.uint8)
@@ -148,7 +167,7 @@ def finish(sample: RawSample, probability: np.ndarray, width: int, height: int) 
         raise RuntimeError(f"PNG encoding of the mask of {sample.key} failed")
     meta = {**sample.meta, "width": width, "height": height, "mask_coverage": round(coverage, 6),
             "mask_status": "ok" if coverage >= MIN_COVERAGE else "below_min_coverage"}
-    return sample_record(ShardSample(sample.key, {"jpg": sample.jpg, MASK_MEMBER: png.tobytes()}, sample.label, meta))
+    return sample_record(ShardSample(sample.key, {sample.ext: sample.image, MASK_MEMBER: png.tobytes()}, sample.label, meta))
 
 
 class MaskPredictor:
@@ -185,7 +204,7 @@ def _batches(items: Iterator, size: int) -> Iterator[list]:
 
 
 def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: ThreadPoolExecutor, batch_size: int,
-               bar) -> dict:
+               bar, index_file: Path | None = None) -> dict:
     """Write the masked copy of one input shard; returns its record (rows, rejected, tar size)."""
     rejected: list[dict] = []
     shard = TarShard(out_tar)
@@ -198,7 +217,7 @@ def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: ThreadP
         pending_writes.clear()
 
     def prepared_batches():
-        for raw_batch in _batches(read_input_shard(tar), batch_size):
+        for raw_batch in _batches(read_input_shard(tar, index_file), batch_size):
             jobs = []
             for item in raw_batch:
                 if isinstance(item, tuple):
@@ -258,6 +277,17 @@ def _record_valid(out: Path, number: int) -> dict | None:
     return record
 
 
+def check_input(tars: list[Path], out: Path) -> None:
+    """Refuse an input that names a tar twice (its samples would be written twice) or lies in `out`
+    (the masked tars, `masked-NNNNNN.tar`, would join the input set)."""
+    resolved = [t.resolve() for t in tars]
+    twice = next((t for i, t in enumerate(resolved) if t in resolved[:i]), None)
+    if twice is not None:
+        raise MasksError(f"the input names {twice} more than once; give each shard once")
+    if any(t.parent == out.resolve() for t in resolved):
+        raise MasksError(f"--out {out} holds input shards; choose an output folder apart from --shards")
+
+
 def _settings(config: BuildMasksConfig, tars: list[Path]) -> dict:
     digest = hashlib.sha256(Path(config.model).read_bytes()).hexdigest()
     return {"model_sha256": digest, "input_shards": [t.name for t in tars], "prefix": PREFIX}
@@ -297,10 +327,10 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
     used instead of the model file's network; the file is still read and fingerprinted.
     """
     ranks = ranks or ranks_from_env()
-    tars = list_shards(Path(config.shards))
+    shard_set = resolve_shard_set(config.shards, index_cache=config.index_cache)
+    tars = list(shard_set.tars)
     out = Path(config.out)
-    if out.resolve() == Path(config.shards).resolve():
-        raise MasksError("--out must differ from --shards")
+    check_input(tars, out)
     with folder_lock(out, "relicv2 saliency build-masks", enabled=ranks.rank == 0):
         predictor = predictor or MaskPredictor(Path(config.model), config.device)
         settings = _settings(config, tars)
@@ -309,13 +339,13 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
         todo = [n for n in mine if _record_valid(out, n) is None]
         # Partial tars a killed run left under temporary names (only this rank's shards).
         remove_stale_temps(out, {shard_name(PREFIX, n) for n in todo} | {index_path(Path(shard_name(PREFIX, n))).name for n in todo})
-        total = sum(len(read_index(index_path(tars[n]))) for n in todo if index_path(tars[n]).is_file())
+        total = sum(shard_set.counts[n] for n in todo)
         started, processed = time.monotonic(), 0
         bar = tqdm(total=total, desc="build-masks", unit="img", disable=not config.progress, dynamic_ncols=True)
         with ThreadPoolExecutor(config.workers) as pool:
             for number in todo:
                 record = mask_shard(tars[number], out / shard_name(PREFIX, number), predictor, pool,
-                                    config.batch_size, bar)
+                                    config.batch_size, bar, shard_set.index_files[number])
                 record["input"] = tars[number].name
                 processed += len(record["rows"]) + len(record["rejected"])
                 _record_path(out, number).parent.mkdir(parents=True, exist_ok=True)

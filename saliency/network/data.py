@@ -47,8 +47,9 @@ class TrainingImages:
         return self.images.permute(0, 2, 3, 1).contiguous().numpy()
 
 
-def _sample_stream(shards: Path, count: int, seed: int, skipped: list) -> Iterator[ShardSample]:
-    for location in sample_locations(shards, count, seed):
+def _sample_stream(shards: Path | str, count: int, seed: int, skipped: list,
+                   index_cache: Path | None) -> Iterator[ShardSample]:
+    for location in sample_locations(shards, count, seed, index_cache=index_cache):
         data = read_member(location)
         try:
             rgb = decode_displayed(data, f"{location.key} in {location.tar.name}")
@@ -56,20 +57,28 @@ def _sample_stream(shards: Path, count: int, seed: int, skipped: list) -> Iterat
             skipped.append((location.key, str(error)))
             print(f"saliency train: skipping {error}", file=sys.stderr)
             continue
+        # The image keeps its member name (png and webp stay what they are; `jpeg` is our `jpg`).
+        member = "jpg" if location.ext == "jpeg" else location.ext
         if has_rotation(data):
             buffer = io.BytesIO()
             Image.fromarray(rgb).save(buffer, "JPEG", quality=95)
-            data = buffer.getvalue()
+            data, member = buffer.getvalue(), "jpg"
         meta = {"source_shard": location.tar.name, "width": rgb.shape[1], "height": rgb.shape[0]}
-        yield ShardSample(location.key, {"jpg": data}, location.label, meta)
+        yield ShardSample(location.key, {member: data}, location.label, meta)
 
 
-def write_sample_set(shards: Path, out: Path, count: int, seed: int) -> tuple[Path, list]:
-    """`OUT/sample/`: the seeded sample of `shards` (kept when it exists: the plan is deterministic)."""
+def write_sample_set(shards: Path | str, out: Path, count: int, seed: int,
+                     index_cache: Path | None = None) -> tuple[Path, list]:
+    """`OUT/sample/`: the seeded sample of `shards` (kept when it exists: the plan is deterministic).
+
+    `shards` is any shard set spec `shards.shardset.resolve_shard_set` takes (folder, brace pattern,
+    tar); indexes missing beside its tars are derived into `index_cache`.
+    """
     folder = Path(out) / "sample"
     skipped: list[tuple[str, str]] = []
     if not (folder / "info.json").is_file():
-        write_shard_set(_sample_stream(Path(shards), count, seed, skipped), folder, prefix=SAMPLE_PREFIX, max_count=1000)
+        write_shard_set(_sample_stream(shards, count, seed, skipped, index_cache), folder, prefix=SAMPLE_PREFIX,
+                        max_count=1000)
     return folder, skipped
 
 
@@ -82,11 +91,11 @@ def handcrafted_maps(images: Path, output: Path, methods: tuple[str, ...], worke
 
 
 def load_training_images(
-    shards: Path, out: Path, *, count: int, seed: int, size: int, methods: tuple[str, ...], workers: int,
-    progress: bool = True,
+    shards: Path | str, out: Path, *, count: int, seed: int, size: int, methods: tuple[str, ...], workers: int,
+    progress: bool = True, index_cache: Path | None = None,
 ) -> TrainingImages:
     """Sample, compute maps (cached), and load everything at `size` x `size` into memory."""
-    sample_dir, skipped = write_sample_set(shards, out, count, seed)
+    sample_dir, skipped = write_sample_set(shards, out, count, seed, index_cache)
     failed = dict(handcrafted_maps(sample_dir, Path(out) / "maps", methods, workers, progress))
     keys, images, maps = [], [], {m: [] for m in methods}
     for sample in iter_samples(sample_dir):
@@ -95,7 +104,7 @@ def load_training_images(
             skipped.append((key, failed[key]))
             continue
         try:
-            rgb = decode_displayed(sample["jpg"], key)
+            rgb = decode_displayed(sample["image"], key)
             raw = {m: read_gray(map_path(Path(out) / "maps", m, key)) for m in methods}
         except (SampleDecodeError, ImageReadError) as error:
             skipped.append((key, str(error)))

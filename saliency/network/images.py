@@ -17,10 +17,11 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from shards import index_path, list_shards, read_index
 from shards.images import ImageLoadError, exif_orientation, load_rgb
+from shards.index import read_index
 from shards.keys import UnsafeKeyError, check_key
-from shards.sample import KEY_PATTERN
+from shards.sample import IMAGE_MEMBERS, KEY_PATTERN
+from shards.shardset import resolve_shard_set
 
 # A shard sample whose image cannot be decoded (a ValueError); the message names the sample and the
 # reason. The loader's own error, so callers catching either catch both.
@@ -59,20 +60,22 @@ def member_key(name: str) -> str:
 
 @dataclass(frozen=True)
 class SampleLocation:
-    """Where a sample's image lies: tar, byte offset and size of its `jpg` member, its label."""
+    """Where a sample's image lies: tar, byte offset and size of its image member, that member's
+    name (one of IMAGE_MEMBERS), and its label (None without a readable `cls`)."""
 
     key: str
     tar: Path
     offset: int
     size: int
     label: int | None
+    ext: str = "jpg"
 
 
-def _locations(tar: Path) -> list[SampleLocation]:
-    """Every sample of one tar with a `jpg` member, from its DALI index; keys validated."""
+def _locations(tar: Path, index_file: Path) -> list[SampleLocation]:
+    """Every sample of one tar with an image member, from its DALI index; keys validated."""
     out = []
     with open(tar, "rb") as handle:
-        for entries in read_index(index_path(tar)):
+        for entries in read_index(index_file, tar):
             members = {ext: (off, size) for ext, off, size, _ in entries}
             key = member_key(entries[0][3])
             try:
@@ -82,22 +85,30 @@ def _locations(tar: Path) -> list[SampleLocation]:
             except UnsafeKeyError:
                 print(f"saliency: skipping a sample of {tar.name} with an unusable key {key!r}", file=sys.stderr)
                 continue  # a hostile name never becomes a file name
-            if "jpg" not in members:
+            image = next((ext for ext in IMAGE_MEMBERS if ext in members), None)
+            if image is None:
                 continue
             label = None
             if "cls" in members:
                 off, size = members["cls"]
                 text = os.pread(handle.fileno(), size, off).decode("ascii", "replace").strip()
                 label = int(text) if text.isdigit() else None
-            out.append(SampleLocation(key, tar, *members["jpg"], label))
+            out.append(SampleLocation(key, tar, *members[image], label, image))
     return out
 
 
-def sample_locations(shards: Path, count: int, seed: int) -> list[SampleLocation]:
-    """`count` samples drawn without replacement (seeded) from a shard set; all when it has fewer."""
-    everything = [loc for tar in list_shards(Path(shards)) for loc in _locations(tar)]
+def sample_locations(shards: Path | str, count: int, seed: int, *, index_cache: Path | None = None) -> list[SampleLocation]:
+    """`count` samples drawn without replacement (seeded) from a shard set; all when it has fewer.
+
+    `shards`: a folder (ours, or plain WebDataset tars without manifest or index), a brace pattern
+    or a tar; indexes missing beside the tars are derived once into `index_cache`
+    (`shards.shardset.resolve_shard_set`). Raises ValueError naming the set when it holds no image.
+    """
+    shard_set = resolve_shard_set(shards, index_cache=index_cache)
+    everything = [loc for tar, idx in zip(shard_set.tars, shard_set.index_files, strict=True)
+                  for loc in _locations(tar, idx)]
     if not everything:
-        raise ValueError(f"{shards} holds no samples with a jpg member")
+        raise ValueError(f"{shards} holds no samples with an image member ({', '.join(IMAGE_MEMBERS)})")
     chosen = sorted(random.Random(seed).sample(range(len(everything)), min(count, len(everything))))
     return [everything[i] for i in chosen]
 

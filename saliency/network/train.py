@@ -54,6 +54,9 @@ class TrainJob:
     gt: Path | None = None  # ground-truth masks named like the sample keys (report only)
     eval_shards: Path | None = None  # held-back images to score the fused network on (needs gt)
     progress: bool = True
+    # Where indexes of shards without one (plain WebDataset tars) are derived; None: the default
+    # cache (shards.shardset.default_index_cache). Not a setting of the run: resuming may use another.
+    index_cache: Path | None = None
 
 
 @dataclass(frozen=True)
@@ -211,7 +214,7 @@ def run_train(job: TrainJob, log: Callable[[str], None] = print) -> dict:
             f"{config.input_size} px, encoder from {backbone}")
         data = load_training_images(
             job.shards, out, count=config.num_images, seed=config.seed, size=config.input_size,
-            methods=config.methods, workers=config.workers, progress=job.progress,
+            methods=config.methods, workers=config.workers, progress=job.progress, index_cache=job.index_cache,
         )
         for key, reason in data.skipped:
             print(f"saliency train: left out {key}: {reason}", file=sys.stderr)
