@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -47,8 +48,10 @@ def manifest_table(rows: Sequence[dict]) -> pa.Table:
         values = [row.get(name) for row in rows]
         try:
             column = pa.array(values)
-        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
-            raise ValueError(f"manifest column {name!r} mixes value types ({exc}); keep one type per meta key") from exc
+        except (pa.ArrowInvalid, pa.ArrowTypeError):
+            # One key with mixed types (foreign json members: "3" here, 3 there) is kept as JSON text,
+            # so a long job never fails at its last step; each sample's json member keeps the values.
+            column = pa.array([None if v is None else json.dumps(v) for v in values], pa.string())
         core = core.append_column(name, column)
     return core
 

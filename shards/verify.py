@@ -99,6 +99,9 @@ def mask_problem(where: str, mask: bytes, size: tuple[int, int]) -> str | None:
 MEMBER_FORMATS = {"jpg": JPEG_FORMATS, "jpeg": JPEG_FORMATS, "png": ("PNG",), "webp": ("WEBP",)}
 
 
+JPEG_MODES = ("RGB", "L")  # JPEG colour modes every decoder here (PIL, DALI) returns as RGB
+
+
 def decode_problems(where: str, data: bytes, row: dict | None, mask: bytes | None = None,
                     member: str = "jpg") -> list[str]:
     """Why an image member does not decode (or does not match its name, its manifest row or its mask)."""
@@ -112,8 +115,9 @@ def decode_problems(where: str, data: bytes, row: dict | None, mask: bytes | Non
         problems.append(problem)
     if row is None:
         return problems
-    if member == "jpg" and (image.format not in JPEG_FORMATS or image.mode != "RGB"):
-        problems.append(f"{where}: .jpg is {image.format} {image.mode}, not an RGB JPEG")
+    # Greyscale JPEGs (from foreign sets copied by build-masks) decode to RGB everywhere; CMYK is refused.
+    if member == "jpg" and (image.format not in JPEG_FORMATS or image.mode not in JPEG_MODES):
+        problems.append(f"{where}: .jpg is {image.format} {image.mode}, not an RGB or greyscale JPEG")
     elif image.format not in MEMBER_FORMATS.get(member, JPEG_FORMATS):
         problems.append(f"{where}: .{member} is {image.format}, not what its name says")
     elif row["width"] is not None and size != (row["width"], row["height"]):

@@ -231,6 +231,22 @@ def test_verify_checks_sizes_and_masks_in_the_displayed_orientation(tmp_path):
     assert len(problems) == 1 and "mask.png is 200x100" in problems[0]
 
 
+def test_verify_accepts_greyscale_jpegs_and_reports_cmyk(tmp_path):
+    # build-masks copies a foreign set's JPEG bytes: greyscale JPEGs decode to RGB everywhere.
+    from shards.verify import verify_shard_set
+
+    def jpeg(mode: str) -> bytes:
+        out = io.BytesIO()
+        Image.new(mode, (48, 40)).save(out, "JPEG")
+        return out.getvalue()
+
+    size = {"width": 48, "height": 40}
+    samples = [shards.ShardSample(mode.lower(), {"jpg": jpeg(mode)}, 0, size) for mode in ("L", "RGB", "CMYK")]
+    shards.write_shard_set(samples, tmp_path / "set", prefix="masked")
+    problems = verify_shard_set(tmp_path / "set").problems
+    assert len(problems) == 1 and "'cmyk'" in problems[0] and "JPEG CMYK, not an RGB or greyscale JPEG" in problems[0]
+
+
 def test_plain_webdataset_set_resolves_by_folder_and_brace_pattern(tmp_path):
     import webdataset as wds
 

@@ -207,3 +207,14 @@ def test_tar_bytes_equal_what_tarfile_writes(shard_set, tmp_path):
     with pytest.raises(ValueError, match="DALI cannot read an empty shard"):
         shards.write_shard([], tmp_path / "empty-000000.tar")
     assert not list(tmp_path.glob("empty-*")) and not list(tmp_path.glob(".empty-*"))
+
+
+def test_a_meta_key_with_mixed_types_becomes_json_text_in_the_manifest():
+    # Foreign json members (build-masks copies them) may disagree on a key's type; the manifest
+    # must still be written at the end of a long job.
+    from shards.manifest import manifest_table
+
+    rows = [{"shard": "a-000000.tar", "position": i, "key": f"k{i}", "source": "x", "label": None, "width": 1,
+             "height": 1, "byte_size": 1, "content_hash": "h", "tag": value} for i, value in enumerate([3, "three", None])]
+    table = manifest_table(rows)
+    assert table.column("tag").to_pylist() == ["3", '"three"', None]
