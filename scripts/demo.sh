@@ -48,12 +48,14 @@ finished() { echo "$2" > "$out/.done/$1"; }
 
 if [[ "$reduced" == "1" ]]; then
   per_class=(--train-per-class 3 --val-per-class 2 --size 96); max_count=8; sample_images=2; view_size=32
+  saliency_preset=tiny
   pretrain_sets=(--set run.max_steps=3 --set optim.global_batch=8 --set loss.num_negatives=7 --set optim.epochs=2
                  --set optim.warmup_epochs=0 --set views.large_size=32 --set views.small_size=16
                  --set views.blur_kernel=3 --set model.hidden_dim=64 --set model.out_dim=32
                  --set knn.every_epochs=1 --set knn.crop_size=32 --set knn.resize_size=32 --set run.progress_bar=false)
 else
   per_class=(); max_count=64; sample_images=6; view_size=64
+  saliency_preset=demo
   pretrain_sets=()
 fi
 
@@ -106,18 +108,19 @@ if stage handcrafted "$sample_images" "handcrafted saliency (RBD, MR, DSR, MC) o
   finished handcrafted "$sample_images"
 fi
 
-# ---- 4. the saliency network (DeepUSPS-style refinement of the handcrafted maps), tiny preset
-network=$out/saliency/network
-if stage saliency-train tiny "saliency network (saliency train --preset tiny, random backbone)"; then
-  relicv2 saliency train --shards "$train" --out "$network" --preset tiny --backbone random
-  finished saliency-train tiny
+# ---- 4. the saliency network (DeepUSPS-style refinement of the handcrafted maps): the demo preset
+# (the reduced demo: tiny); one folder per preset, so a changed preset never meets another's state
+network=$out/saliency/network-$saliency_preset
+if stage saliency-train "$saliency_preset" "saliency network (saliency train --preset $saliency_preset, random backbone)"; then
+  relicv2 saliency train --shards "$train" --out "$network" --preset "$saliency_preset" --backbone random
+  finished saliency-train "$saliency_preset"
 fi
 
 # ---- 5. mask shards: every training image with the network's mask
-masked=$out/shards/masked-train
-if stage build-masks "$max_count" "mask shards (saliency build-masks)"; then
+masked=$out/shards/masked-train-$saliency_preset
+if stage build-masks "$max_count $saliency_preset" "mask shards (saliency build-masks)"; then
   relicv2 saliency build-masks --model "$network/model.pt" --shards "$train" --out "$masked" --workers 2 --device cpu
-  finished build-masks "$max_count"
+  finished build-masks "$max_count $saliency_preset"
 fi
 pretrain_shards=$masked; mask_probability=0.1  # the paper's p_m
 

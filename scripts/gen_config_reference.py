@@ -36,7 +36,7 @@ JOBS: tuple[tuple[str, str, str | None, str, bool], ...] = (
      "a YAML preset (`--config configs/....yaml`) with one mapping per section, and "
      "`--set section.key=value` on the command line", False),
     ("Saliency network (`relicv2 saliency train`)", "saliency.network.config", None,
-     "a preset (`--preset tiny|cpu|paper`) and `--set key=value` on the command line", True),
+     "a preset (`--preset tiny|demo|cpu|paper`) and `--set key=value` on the command line", True),
 )
 
 

@@ -125,6 +125,21 @@ PRESETS: dict[str, dict[str, Any]] = {
         # barrier while descheduled (measured 0.26 vs 0.039 CPU-s per training image at 64 px).
         "threads": 1,
     },
+    # `make demo`: a random backbone (nothing is downloaded) on the demo's ~200 photos, about two
+    # minutes on two cores; enough steps for the masks to follow the handcrafted maps on the images
+    # it trained on (what the demo's build-masks predicts), where `tiny` (seconds) stays near-flat.
+    "demo": {
+        "depth": 18,
+        "input_size": 64,
+        "num_images": 48,
+        "iterations": 1,
+        "epochs": 4,
+        "batch_size": 8,
+        "fuse_epochs": 12,
+        "lr": 1e-3,
+        "fuse_lr": 1e-3,
+        "threads": 1,
+    },
     "tiny": {
         "depth": 18,
         "input_size": 32,

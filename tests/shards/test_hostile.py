@@ -70,7 +70,7 @@ def test_pipe_paths_are_files_not_commands(tmp_path, monkeypatch):
     shards.write_shard_set([shards.ShardSample("a", {"jpg": jpeg(1)})], folder)
     assert [it["key"] for it in shards.iter_samples(folder)] == ["a"]
     assert [it["key"] for it in shards.iter_samples(str(folder / "images-000000.tar"))] == ["a"]
-    with pytest.raises(FileNotFoundError, match="not found"):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
         list(shards.iter_samples("pipe:touch marker2 #"))
     assert not (tmp_path / "marker").exists() and not (tmp_path / "marker2").exists()
 
