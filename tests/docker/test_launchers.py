@@ -119,7 +119,10 @@ def test_usage_lines_name_valid_pretrain_keys():
     assert seen >= 3
 
 
-def _demo_shards(root: Path) -> Path:
+@pytest.fixture(scope="module")
+def demo_shards(tmp_path_factory) -> Path:
+    """The demo images as shards, made once for the launcher runs of this module."""
+    root = tmp_path_factory.mktemp("launch")
     subprocess.run([sys.executable, "-m", "cli", "demo-data", str(root / "images"), "--train-per-class", "4",
                     "--val-per-class", "1", "--size", "64"], cwd=REPO, env=_env(), check=True, capture_output=True)
     subprocess.run([sys.executable, "-m", "cli", "shards", "build", str(root / "images" / "train"),
@@ -129,8 +132,8 @@ def _demo_shards(root: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_launcher_runs_pretrain_on_two_cpu_processes(tmp_path: Path):
-    shards = _demo_shards(tmp_path)
+def test_launcher_runs_pretrain_on_two_cpu_processes(tmp_path: Path, demo_shards: Path):
+    shards = demo_shards
     run = tmp_path / "run"
     overrides = {"data.train_shards": shards, "knn.train_shards": "", "knn.val_shards": "", "run.device": "cpu",
                  "run.max_steps": 2, "run.progress_bar": "false", "optim.global_batch": 8,
@@ -149,14 +152,18 @@ def test_launcher_runs_pretrain_on_two_cpu_processes(tmp_path: Path):
 
 
 @pytest.mark.slow
-def test_launcher_runs_build_masks_on_two_cpu_processes(tmp_path: Path):
-    shards = _demo_shards(tmp_path)
-    model_dir = tmp_path / "saliency"
-    trained = _run([sys.executable, "-m", "cli", "saliency", "train", "--shards", str(shards), "--out",
-                    str(model_dir), "--preset", "tiny", "--backbone", "random"], _env(), timeout=300)
-    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+def test_launcher_runs_build_masks_on_two_cpu_processes(tmp_path: Path, demo_shards: Path):
+    # A random tiny model file is enough here: the launcher and the rank split are under test, and
+    # `saliency train` itself is tested in tests/saliency/network.
+    from saliency.network.model import SaliencyNet
+    from saliency.network.model_file import save_model
+
+    shards = demo_shards
+    torch.manual_seed(0)
+    model = save_model(tmp_path / "saliency" / "model.pt", SaliencyNet(18).eval(), input_size=32, preset="tiny",
+                       backbone="random initialisation", config={}, report={})
     out = tmp_path / "masked"
-    result = _run([str(TORCHRUN), "saliency", "build-masks", "--model", str(model_dir / "model.pt"),
+    result = _run([str(TORCHRUN), "saliency", "build-masks", "--model", str(model),
                    "--shards", str(shards), "--out", str(out), "--device", "cpu", "--workers", "1"],
                   _env(NPROC_PER_NODE="2", MAX_RESTARTS="0"), timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
