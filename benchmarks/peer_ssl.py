@@ -51,13 +51,16 @@ def _cpu_seconds(who: int) -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def train_relicv2(train_shards: Path, out: Path, epochs: int) -> dict:
-    """Run the project's Imagenette preset for `epochs` epochs (no kNN monitor); return wall/CPU seconds."""
+def train_relicv2(train_shards: Path, out: Path, epochs: int, overrides: tuple[str, ...] = ()) -> dict:
+    """Run the project's Imagenette preset for `epochs` epochs (no kNN monitor), with `--set` overrides;
+    return wall/CPU seconds."""
     run_dir = out / "relicv2-run"
     command = [sys.executable, "-m", "cli", "pretrain", "--config", str(ROOT / "configs/imagenette-r18-cpu.yaml"),
                "--set", f"optim.epochs={epochs}", "--set", f"data.train_shards={train_shards}",
                "--set", "knn.train_shards=", "--set", "knn.val_shards=", "--set", "run.checkpoint_every=100000",
                "--output", str(run_dir), "--fresh"]
+    for override in overrides:
+        command += ["--set", override]
     start, cpu_start = time.perf_counter(), _cpu_seconds(resource.RUSAGE_CHILDREN)
     subprocess.run(command, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     wall = time.perf_counter() - start
@@ -67,7 +70,7 @@ def train_relicv2(train_shards: Path, out: Path, epochs: int) -> dict:
     checkpoint = resolve_checkpoint(run_dir)
     save_encoder_file(encoder_from_checkpoint(checkpoint), out / "relicv2.pt", depth=DEPTH, width=1,
                       metadata={"method": "relicv2", "wall_s": wall, "epochs": epochs, "source": str(checkpoint)})
-    return {"wall_s": wall, "cpu_s": cpu, "epochs": epochs}
+    return {"wall_s": wall, "cpu_s": cpu, "epochs": epochs, "overrides": list(overrides)}
 
 
 class _JpegDataset(torch.utils.data.Dataset):
@@ -155,16 +158,19 @@ def main() -> None:
 @click.option("--train-shards", type=click.Path(path_type=Path, exists=True), required=True)
 @click.option("--out", type=click.Path(path_type=Path), required=True)
 @click.option("--relic-epochs", type=int, default=2, show_default=True)
+@click.option("--relic-set", "relic_sets", multiple=True, metavar="KEY=VALUE",
+              help="Override a setting of the ReLICv2 preset, e.g. --relic-set views.small_views=0 (repeatable).")
 @click.option("--budget-s", type=float, default=0.0, help="Peer budget; 0: what the ReLICv2 run used.")
 @click.option("--clock", type=click.Choice(["cpu", "wall"]), default="cpu", show_default=True,
               help="Budget in CPU seconds (fair on a shared, loaded machine) or wall-clock seconds.")
-def train(train_shards: Path, out: Path, relic_epochs: int, budget_s: float, clock: str) -> None:
+def train(train_shards: Path, out: Path, relic_epochs: int, relic_sets: tuple[str, ...], budget_s: float,
+          clock: str) -> None:
     """Train ReLICv2 (preset, `--relic-epochs`) then lightly SimCLR for the same wall clock."""
     out.mkdir(parents=True, exist_ok=True)
     record = out / "train.json"
     results = json.loads(record.read_text()) if record.is_file() else {}
     if "relicv2" not in results:
-        results["relicv2"] = train_relicv2(train_shards, out, relic_epochs)
+        results["relicv2"] = train_relicv2(train_shards, out, relic_epochs, relic_sets)
         record.write_text(json.dumps(results, indent=2))
     budget = budget_s or results["relicv2"][f"{clock}_s"]
     if "simclr" not in results:

@@ -134,12 +134,24 @@ def read_input_shard(tar: Path, idx: Path | None = None) -> Iterator[RawSample |
                 yield source, "no_image", f"sample has no image member ({', '.join(IMAGE_MEMBERS)})"
                 continue
             try:
-                label = int(members["cls"]) if "cls" in members else None
                 meta = json.loads(members["json"]) if "json" in members else {}
             except ValueError as error:
-                yield source, "corrupt", f"unreadable cls/json member ({error})"
+                yield source, "corrupt", f"unreadable json member ({error})"
                 continue
-            yield RawSample(key, members[image], label, meta if isinstance(meta, dict) else {}, output_member(image))
+            meta = meta if isinstance(meta, dict) else {}
+            label, text_label = read_label(members.get("cls"))
+            if text_label is not None:  # a class name (other tools write them): kept in the json, not lost
+                meta = {**meta, "source_cls": text_label}
+            yield RawSample(key, members[image], label, meta, output_member(image))
+
+
+def read_label(cls: bytes | None) -> tuple[int | None, str | None]:
+    """(class index, None) for a decimal `cls` member; (None, its text) for a class name; (None, None)
+    without one. Masks need no label, so a named class is carried in the json rather than refused."""
+    if cls is None:
+        return None, None
+    text = cls.decode("utf-8", "replace").strip()
+    return (int(text), None) if text.isdecimal() else (None, text[:200])
 
 
 def prepare(sample: RawSample, size: int) -> tuple[np.ndarray, int, int] | Rejection:

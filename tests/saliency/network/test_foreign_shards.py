@@ -52,6 +52,8 @@ def foreign(tmp_path: Path) -> tuple[Path, dict[str, dict]]:
             sample = {"__key__": f"img{i:03d}", ext: _encoded(rgb, FORMATS[ext])}
             if i % 2 == 0:
                 sample["cls"] = str(i % 3).encode()
+            elif i == SAMPLES - 1:
+                sample["cls"] = b"tabby cat\n"  # a class name, as some tools write: masks need no label
             sink.write(sample)
             written[f"img{i:03d}"] = {"ext": ext, "image": sample[ext], "label": i % 3 if i % 2 == 0 else None}
     assert sorted(p.name for p in folder.iterdir()) == ["train-0000.tar", "train-0001.tar", "train-0002.tar"]
@@ -78,6 +80,8 @@ def test_build_masks_on_a_plain_webdataset_set(tmp_path, foreign, tiny_model) ->
 
     masked = {s["key"]: s for s in iter_samples(out)}
     assert masked.keys() == written.keys()
+    named = f"img{SAMPLES - 1:03d}"
+    assert masked[named]["label"] is None and masked[named]["meta"]["source_cls"] == "tabby cat"
     for key, source in written.items():
         sample = masked[key]
         member = "jpg" if source["ext"] == "jpeg" else source["ext"]  # png/webp never announced as jpg
