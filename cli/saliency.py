@@ -42,7 +42,7 @@ register_network_commands(saliency_group)  # train, build-masks (cli/saliency_ne
 @saliency_group.command("handcrafted")
 @click.option("--method", "method", default="all", show_default=True, help=METHOD_HELP)
 @click.option("--input", "input_path", required=True, type=click.Path(path_type=Path),
-              help="Image folder, shard folder (*-NNNNNN.tar) or one shard .tar.")
+              help="Image folder, shard folder (*-NNNN.tar), brace pattern ('train-{0000..0099}.tar') or one .tar.")
 @click.option("--output", required=True, type=click.Path(path_type=Path),
               help="Output folder; maps go to OUTPUT/<method>/<name>.png.")
 @click.option("--workers", default=1, show_default=True, help="Worker processes (one core each).")

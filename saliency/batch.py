@@ -259,7 +259,7 @@ def run_handcrafted(config: HandcraftedConfig) -> BatchReport:
     if unknown or not config.methods:
         raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
     source = Path(config.input)
-    if not source.exists():
+    if not is_shard_source(source) and not source.exists():
         raise FileNotFoundError(f"input {source} does not exist; pass an image folder or a shard set")
     report = BatchReport()
     total = count_inputs(source)

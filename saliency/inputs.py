@@ -14,6 +14,7 @@ from pathlib import Path
 from saliency.images import list_images
 from shards.reader import ReadReport
 from shards.sample import IMAGE_MEMBERS
+from shards.shardset import BRACE, list_shard_files, resolve_shard_set
 
 
 @dataclass(frozen=True)
@@ -26,11 +27,14 @@ class Item:
 
 
 def is_shard_source(source: Path) -> bool:
-    """True for one ``.tar`` or a folder of shards (``*-NNNNNN.tar``) without images of its own."""
+    """True for one ``.tar``, a folder of shards (``*-NNNN.tar``, 4-6 digits) without images of its own,
+    or a brace pattern of tars (``train-{0000..0099}.tar``)."""
     source = Path(source)
     if source.is_file():
         return source.suffix == ".tar"
-    return source.is_dir() and not list_images(source) and any(source.glob("*-[0-9]*.tar"))
+    if source.is_dir():
+        return not list_images(source) and bool(list_shard_files(source))
+    return bool(BRACE.search(str(source)))
 
 
 def image_member(sample: dict) -> bytes | None:
@@ -48,7 +52,7 @@ def iter_items(source: Path, read: ReadReport | None = None) -> Iterator[Item]:
     in ``read`` (warnings when None), never yielded.
     """
     source = Path(source)
-    if not source.exists():
+    if not is_shard_source(source) and not source.exists():
         raise FileNotFoundError(f"input {source} does not exist; pass an image folder or a shard set")
     if is_shard_source(source):
         from shards import iter_samples
@@ -73,21 +77,12 @@ def iter_items(source: Path, read: ReadReport | None = None) -> Iterator[Item]:
 
 
 def count_inputs(source: Path) -> int | None:
-    """How many inputs ``source`` holds, when that is known without reading it: the number of
-    images of a folder, or the samples a shard set's manifest lists (None without a manifest)."""
+    """How many inputs ``source`` holds, when that is known without decoding it: the number of images
+    of a folder, or the samples of a shard set (its manifest, or its index files); None when unknown."""
     source = Path(source)
     if not is_shard_source(source):
         return len(list_images(source)) if source.is_dir() else None
-    from shards.manifest import MANIFEST_NAME
-
-    folder = source if source.is_dir() else source.parent
-    if not (folder / MANIFEST_NAME).is_file():
-        return None
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    try:
-        shards = pq.read_table(folder / MANIFEST_NAME, columns=["shard"]).column("shard").to_pylist()
-    except (OSError, pa.ArrowException):
-        return None  # a broken manifest is `shards verify`'s to report; here it only sizes a bar
-    return len(shards) if source.is_dir() else sum(1 for s in shards if s == source.name)
+    try:  # the manifest's count, or the index files' (derived once into the index cache for plain sets)
+        return resolve_shard_set(source).samples
+    except (OSError, ValueError):
+        return None  # a broken set is the reader's (and `shards verify`'s) to report; here it only sizes a bar

@@ -90,6 +90,28 @@ def test_handcrafted_reads_a_shard_set(tmp_path):
     assert read_gray(out / "rbd" / "sample0.png").shape == (80, 100)
 
 
+def test_handcrafted_reads_a_brace_pattern_of_plain_shards(tmp_path, monkeypatch):
+    # Names other tools write (4 digits), png and webp members, no manifest, no index.
+    monkeypatch.setenv("RELICV2_INDEX_CACHE", str(tmp_path / "cache"))
+    shard_dir = tmp_path / "plain"
+    shard_dir.mkdir()
+    with wds.ShardWriter(str(shard_dir / "train-%04d.tar"), maxcount=1, verbose=0) as sink:
+        for i, fmt in enumerate(("PNG", "WEBP", "JPEG")):
+            rgb, _ = synthetic_scene(60, 72, seed=20 + i)
+            buffer = io.BytesIO()
+            Image.fromarray(rgb).save(buffer, format=fmt)
+            sink.write({"__key__": f"s{i}", {"PNG": "png", "WEBP": "webp", "JPEG": "jpeg"}[fmt]: buffer.getvalue()})
+    out = tmp_path / "maps"
+    pattern = str(shard_dir / "train-{0000..0002}.tar")
+    result = _run(["handcrafted", "--method", "mc", "--input", pattern, "--output", str(out), "--no-progress"])
+    assert result.exit_code == 0, result.output
+    assert "3 inputs" in result.output  # the total comes from the derived indexes
+    assert sorted(p.name for p in (out / "mc").iterdir()) == ["s0.png", "s1.png", "s2.png"]
+    missing = _run(["handcrafted", "--method", "mc", "--input", str(shard_dir / "train-{0000..0003}.tar"),
+                    "--output", str(tmp_path / "other"), "--no-progress"])
+    assert missing.exit_code != 0 and "train-0003.tar" in missing.output and "Traceback" not in missing.output
+
+
 def test_evaluate_prints_and_writes_scores(dataset, tmp_path):
     images, masks = dataset
     out = tmp_path / "maps"
