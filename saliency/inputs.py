@@ -14,7 +14,7 @@ from pathlib import Path
 from saliency.images import list_images
 from shards.reader import ReadReport
 from shards.sample import IMAGE_MEMBERS
-from shards.shardset import BRACE, list_shard_files, resolve_shard_set
+from shards.shardset import BRACE, list_shard_files, resolve_shard_set, shard_tars
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,26 @@ def count_inputs(source: Path) -> int | None:
     source = Path(source)
     if not is_shard_source(source):
         return len(list_images(source)) if source.is_dir() else None
-    try:  # the manifest's count, or the index files' (derived once into the index cache for plain sets)
-        return resolve_shard_set(source).samples
-    except (OSError, ValueError):
-        return None  # a broken set is the reader's (and `shards verify`'s) to report; here it only sizes a bar
+    from shards.manifest import MANIFEST_NAME
+
+    folder = source if source.is_dir() else source.parent
+    if not (folder / MANIFEST_NAME).is_file():
+        try:  # a plain set: its index files (derived once into the index cache)
+            return resolve_shard_set(source).samples
+        except (OSError, ValueError):
+            return None  # a broken set is the reader's (and `shards verify`'s) to report
+    # With a manifest, its count is what the job must read (the reader compares the two).
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        shards = pq.read_table(folder / MANIFEST_NAME, columns=["shard"]).column("shard").to_pylist()
+    except (OSError, pa.ArrowException):
+        return None  # a broken manifest is `shards verify`'s to report; here it only sizes a bar
+    if source.is_dir():
+        return len(shards)
+    try:  # one tar or a brace pattern of this set's tars
+        names = {tar.name for tar in shard_tars(source)[0]}
+    except ValueError:
+        return None
+    return sum(1 for s in shards if s in names)

@@ -176,6 +176,7 @@ def test_progress_total_and_lost_samples_come_from_the_manifest(tmp_path):
     write_manifest(rows, shards_dir)  # lists a third sample the tar no longer holds
     assert batch.count_inputs(shards_dir) == 3
     assert batch.count_inputs(shards_dir / "images-000000.tar") == 3
+    assert batch.count_inputs(shards_dir / "images-{000000..000000}.tar") == 3  # a pattern of the set's tars
     result = CliRunner().invoke(
         saliency_group, ["handcrafted", "--method", "mc", "--input", str(shards_dir), "--output", str(tmp_path / "o")]
     )
