@@ -121,8 +121,9 @@ class DaliBackend:
         self.debug = setup.config.debug_params
         self.recoveries = 0
         # Pipeline runs in the current reader epoch: restored with the reader (same ranks), or a new
-        # reader at the start of its order (first start, or a position re-split over other ranks).
-        self.runs = setup.batch_in_epoch if setup.restore else 0
+        # reader at the start of its order (first start, or a position re-split over other ranks: then
+        # the reader's epoch runs behind the loader's batch count until the loader's epoch ends).
+        self.runs = int(setup.restore.get("runs", setup.batch_in_epoch)) if setup.restore else 0
         self._build(setup.restore["checkpoint"] if setup.restore else None)
 
     @property
@@ -197,4 +198,4 @@ class DaliBackend:
         self.runs = 0
 
     def state(self) -> dict:
-        return {"checkpoint": self.pipe.checkpoint()}
+        return {"checkpoint": self.pipe.checkpoint(), "runs": self.runs}
