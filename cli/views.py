@@ -8,8 +8,8 @@ import click
 
 
 @click.command()
-@click.option("--shards", "shards", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Shard set folder (images-*.tar or masked-*.tar with .idx and manifest.parquet).")
+@click.option("--shards", "shards", required=True, type=click.Path(path_type=Path),
+              help="Shard set: a folder (ours, or plain WebDataset tars), a brace pattern or one .tar.")
 @click.option("--output", required=True, type=click.Path(dir_okay=False, path_type=Path), help="PNG file to write.")
 @click.option("--count", default=4, show_default=True, type=click.IntRange(1, 64), help="Images (grid rows).")
 @click.option("--seed", default=0, show_default=True, type=int)

@@ -22,8 +22,8 @@ from torch import Tensor, nn
 
 from pretrain.distributed import DistributedContext, all_gather_object
 from pretrain.eval.knn import extract_features
-from shards import list_shards
 from shards.atomic import atomic_output
+from shards.shardset import shard_tars
 
 CACHE_FORMAT = "relicv2-feature-cache"
 
@@ -60,7 +60,7 @@ def encoder_digest(encoder: nn.Module) -> str:
 
 def shard_set_fingerprint(source: str | Path) -> list[tuple[str, int, int]]:
     """(name, size, mtime_ns) of every tar of a shard set: changes whenever the set is rebuilt."""
-    return [(tar.name, tar.stat().st_size, tar.stat().st_mtime_ns) for tar in list_shards(Path(source))]
+    return [(tar.name, tar.stat().st_size, tar.stat().st_mtime_ns) for tar in shard_tars(source)[0]]
 
 
 def cache_path(cache_dir: str | Path, encoder: nn.Module, source: str | Path, spec: FeatureSpec) -> Path:
