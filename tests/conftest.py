@@ -9,6 +9,17 @@ import pytest
 from tests.paths import SHARED_DATA
 
 
+@pytest.fixture(scope="session", autouse=True)
+def index_cache(tmp_path_factory: pytest.TempPathFactory):
+    """Indexes derived for plain WebDataset sets go to a folder of the test session, never the user's
+    ~/.cache (tests that need their own folder set RELICV2_INDEX_CACHE themselves)."""
+    from shards.shardset import INDEX_CACHE_ENV
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(INDEX_CACHE_ENV, str(tmp_path_factory.mktemp("index-cache")))
+        yield
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """The shared real-image folder; tests that need it skip when it is absent."""
