@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.paths import SHARED_DATA
+from tests.threads import one_torch_thread
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -17,6 +18,13 @@ def index_cache(tmp_path_factory: pytest.TempPathFactory):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(INDEX_CACHE_ENV, str(tmp_path_factory.mktemp("index-cache")))
+        yield
+
+
+@pytest.fixture
+def one_thread():
+    """One torch intra-op thread for the test (see `tests.threads`); use with `usefixtures`."""
+    with one_torch_thread():
         yield
 
 

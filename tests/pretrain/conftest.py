@@ -7,10 +7,10 @@ import io
 from pathlib import Path
 
 import pytest
-import torch
 
 from pretrain.config import PretrainConfig, load_config
 from pretrain.run import run_pretraining
+from tests.threads import one_torch_thread
 
 RESUME_OPTIONS = ("optim.epochs=2", "run.checkpoint_every=2", "run.keep_checkpoints=2")
 
@@ -36,10 +36,6 @@ def quiet_run(config: PretrainConfig, **kwargs):
 def finished_run(tmp_path_factory) -> Path:
     """An uninterrupted 8-step run (2 epochs of 4 steps), checkpoints every 2 steps, the last 2 kept."""
     out = tmp_path_factory.mktemp("whole")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         quiet_run(tiny_config(out, *RESUME_OPTIONS), auto_resume=False)
-    finally:
-        torch.set_num_threads(threads)
     return out

@@ -27,6 +27,7 @@ from pretrain.config import load_config
 from pretrain.distributed import describe_environment
 from pretrain.run import run_pretraining
 from shards import ShardSample, write_shard_set
+from tests.threads import one_torch_thread
 
 
 def config_overrides(out: Path, global_batch: int, num_negatives: int, shards: Path | None = None) -> list[str]:
@@ -52,13 +53,8 @@ def _rank_main(rank: int, world_size: int, ports: list[int], jobs: list[tuple[li
 
 
 def _single(overrides: list[str], resume: Path | None = None) -> None:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            run_pretraining(load_config(None, overrides), resume=resume, auto_resume=False)
-    finally:
-        torch.set_num_threads(threads)
+    with one_torch_thread(), contextlib.redirect_stdout(io.StringIO()):
+        run_pretraining(load_config(None, overrides), resume=resume, auto_resume=False)
 
 
 def _free_port() -> int:

@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from cli.main import cli
@@ -29,11 +28,8 @@ def invoke(*args: str, env: dict[str, str] | None = None):
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+def free_pipelines_after(one_thread):
     yield
-    torch.set_num_threads(threads)
     # Free the runs' DALI pipelines (and their worker threads) now: later tests in this process fork
     # DataLoader workers, and forking while foreign threads hold locks can hang the children.
     gc.collect()

@@ -19,13 +19,7 @@ from shards.lock import acquire, release
 from tests.pretrain.conftest import RESUME_OPTIONS, quiet_run, tiny_config
 from tests.pretrain.test_trainer import logged
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_a_second_job_on_the_run_folder_is_refused_naming_the_holder(tmp_path):

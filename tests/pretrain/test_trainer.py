@@ -56,13 +56,7 @@ def test_fifty_steps_on_generated_data_lower_the_loss(tmp_path):
     assert lrs[1] == 0.0 and max(lrs.values()) == pytest.approx(2.0 * 8 / 256, rel=0.05)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One intra-op thread: on a shared 2-core machine two threads mostly wait for each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_kill_and_resume_equals_an_uninterrupted_run(tmp_path, finished_run):

@@ -30,6 +30,7 @@ from pretrain.eval.knn import (
 from pretrain.model.heads import build_networks
 from pretrain.run import run_pretraining
 from shards import ShardSample, write_shard_set
+from tests.threads import one_torch_thread
 
 
 def test_votes_are_weighted_by_exp_similarity_over_temperature():
@@ -251,13 +252,8 @@ def test_knn_monitor_runs_at_epoch_ends_during_pretraining(colour_shards, tmp_pa
         f"knn.train_shards={train}", f"knn.val_shards={val}", "knn.every_epochs=1", "knn.crop_size=16",
         "knn.k=3",
     ])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            run_pretraining(config, auto_resume=False)
-    finally:
-        torch.set_num_threads(threads)
+    with one_torch_thread(), contextlib.redirect_stdout(io.StringIO()):
+        run_pretraining(config, auto_resume=False)
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     knn = [r for r in records if "knn_top1" in r]
     assert [r["step"] for r in knn] == [2, 4]  # 2 steps per epoch, every epoch

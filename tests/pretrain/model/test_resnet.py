@@ -10,16 +10,15 @@ from torch import nn
 
 from pretrain.model.heads import MLP, build_networks
 from pretrain.model.resnet import load_torchvision_state_dict, resnet, to_torchvision_state_dict
+from tests.threads import one_torch_thread
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     """Tiny convolutions gain nothing from threads, and on a shared CI box OpenMP threads that
     spin-wait for busy cores make them 10-30x slower; restore the setting afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        yield
 
 
 @pytest.mark.parametrize("depth, width", [(18, 1), (50, 1), (18, 2)])  # 34 shares 18's BasicBlock path

@@ -68,12 +68,7 @@ class SquarePredictor:
 
 
 @pytest.fixture(autouse=True)
-def one_torch_thread():
+def tiny_networks_on_one_thread(one_thread):
     """Tiny networks: one intra-op thread is faster, and far faster on a busy shared CPU (torch's
     second thread spins at every barrier while descheduled)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
     yield
-    torch.set_num_threads(before)
