@@ -18,7 +18,7 @@ from pathlib import Path
 from shards.index import split_member_name
 from shards.limits import DEFAULT_LIMITS, ImageLimits
 from shards.manifest import MANIFEST_NAME, read_manifest
-from shards.sample import IMAGE_MEMBERS
+from shards.sample import IMAGE_MEMBERS, LABEL_MEMBER, class_index
 from shards.shardset import SHARD_PATTERN, ShardSetError, list_shard_files, shard_tars
 from shards.tario import Member, Skipped, TarReadError, iter_tar
 
@@ -101,11 +101,10 @@ def make_sample(tar: Path, key: str, members: dict[str, bytes]) -> dict:
     if image is None:
         raise ValueError(f"no image member (one of {', '.join(IMAGE_MEMBERS)}; has {', '.join(sorted(members))})")
     label = None
-    if "cls" in members:
-        text = members["cls"].strip()
-        if not text.isdigit():
-            raise ValueError(f"cls member {text[:20]!r} is not a non-negative integer")
-        label = int(text)
+    if LABEL_MEMBER in members:
+        label = class_index(members[LABEL_MEMBER])
+        if label is None:
+            raise ValueError(f"cls member {members[LABEL_MEMBER][:20]!r} is not a non-negative integer")
     try:
         meta = json.loads(members["json"]) if "json" in members else {}
     except ValueError as exc:

@@ -18,6 +18,18 @@ IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")
 # The saliency mask member (`saliency build-masks`): 8-bit, at the image's displayed size (EXIF
 # orientation applied) or a scaled copy of it.
 MASK_MEMBER = "mask.png"
+# A `cls` member holds a class index in ASCII decimal (what `shards build` writes); other WebDataset
+# tools also write class names there, which readers keep as unlabelled rather than refuse.
+LABEL_MEMBER = "cls"
+MAX_LABEL_BYTES = 20  # a class index with room for whitespace; anything longer is not one
+
+
+def class_index(raw: bytes | None) -> int | None:
+    """The class index a `cls` member holds, or None (no member, empty, or not a decimal number)."""
+    if raw is None or len(raw) > MAX_LABEL_BYTES:
+        return None
+    text = raw.strip()
+    return int(text) if text.isascii() and text.isdigit() else None
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from shards.limits import DEFAULT_LIMITS
 from shards.manifest import MANIFEST_NAME, MANIFEST_SCHEMA, is_plain_tar_name, read_manifest
 from shards.progress import tracked
 from shards.reader import ReadReport, _tar_samples
-from shards.sample import IMAGE_MEMBERS, MASK_MEMBER, content_hash
+from shards.sample import IMAGE_MEMBERS, LABEL_MEMBER, MASK_MEMBER, class_index, content_hash
 from shards.shardset import (
     SHARD_PATTERN,
     cached_index,
@@ -139,7 +139,7 @@ def sample_problems(tar: Path, key: str, members: list[tuple[str, bytes]], row: 
     if sum(len(d) for _, d in members) != row["byte_size"]:
         problems.append(f"{where}: byte size differs from the manifest")
     found = dict(members)
-    label = int(found["cls"]) if "cls" in found and found["cls"].strip().isdigit() else None
+    label = class_index(found.get(LABEL_MEMBER))
     if label != row["label"]:
         problems.append(f"{where}: class {label} differs from the manifest's {row['label']}")
     member = next((ext for ext in IMAGE_MEMBERS if ext in found), None)

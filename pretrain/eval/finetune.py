@@ -27,7 +27,7 @@ from tqdm import tqdm
 from pretrain.distributed import DistributedContext, all_gather_object
 from pretrain.eval.linear import LinearResult, accuracy_report
 from pretrain.eval.paper import HeadCheckpointError, _average_gradients
-from pretrain.eval.views import LabelledViews, labelled_samples, loader, rank_order
+from pretrain.eval.views import LabelledViews, class_count, labelled_samples, loader, rank_order
 from shards.atomic import atomic_output
 
 STATE_FORMAT = "relicv2-finetune"
@@ -132,7 +132,7 @@ def finetune(
     train_set = LabelledViews(train_samples, train=True, crop_size=config.crop_size,
                               resize_size=config.resize_size, scale=config.crop_scale, seed=config.seed)
     val_set = LabelledViews(val_samples, train=False, crop_size=config.crop_size, resize_size=config.resize_size)
-    num_classes = 1 + max(int(s.read("cls").decode()) for s in (*train_samples, *val_samples))
+    num_classes = class_count((train_samples, train_shards), (val_samples, val_shards))
     torch.manual_seed(config.seed)
     model = _Classifier(encoder, num_classes).to(device)
     head_lr = config.head_lr

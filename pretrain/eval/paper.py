@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from pretrain.distributed import DistributedContext, all_gather_object
 from pretrain.eval.linear import LinearConfig, LinearResult, accuracy_report, cosine_lr
-from pretrain.eval.views import LabelledViews, labelled_samples, loader, rank_order
+from pretrain.eval.views import LabelledViews, class_count, labelled_samples, loader, rank_order
 from shards.atomic import atomic_output
 
 HEAD_FORMAT = "relicv2-linear-head"
@@ -113,7 +113,7 @@ def train_linear_paper(
         order = rank_order(len(val_set), seed=0, epoch=0, rank=rank, world=world, shuffle=False)
         return loader(val_set, order, per_rank_batch, config.workers)
 
-    num_classes = 1 + max(int(s.read("cls").decode()) for s in (*train_samples, *val_samples))
+    num_classes = class_count((train_samples, train_shards), (val_samples, val_shards))
     torch.manual_seed(config.seed)
     head = nn.Linear(encoder.num_features, num_classes).to(device)
     nn.init.normal_(head.weight, 0, 0.01)

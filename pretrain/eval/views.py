@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from pretrain.eval.knn import preprocess
 from pretrain.views.config import IMAGENET_MEAN, IMAGENET_STD
 from pretrain.views.reference import random_resized_crop
-from pretrain.views.sources import SampleRef, load_sample_set
+from pretrain.views.sources import SampleRef, load_sample_set, require_class_labels
 from shards.images import load_image
 
 CROP_RATIO = (3 / 4, 4 / 3)
@@ -46,8 +46,6 @@ def labelled_samples(source: str | Path, keys: set[str] | None = None) -> tuple[
     if not samples:
         what = "none of the listed keys is" if keys is not None else "no usable sample is"
         raise ValueError(f"{what} in {source}; check the shard set (and the key list)")
-    if "cls" not in samples[0].members:
-        raise ValueError(f"{source} has no class labels (.cls); build it from a folder with class sub-folders")
     missing = sorted(keys - {s.key for s in samples} - set(sample_set.skipped_keys)) if keys is not None else []
     if missing:
         raise ValueError(f"{len(missing)} listed keys are not in {source} (e.g. {missing[:3]}); "
@@ -68,6 +66,11 @@ def train_view(jpeg: bytes, *, crop_size: int, scale: tuple[float, float], rng: 
     return TF.normalize(TF.to_dtype(view, torch.float32, scale=True), IMAGENET_MEAN, IMAGENET_STD)
 
 
+def class_count(*labelled: tuple[Sequence[SampleRef], str | Path]) -> int:
+    """1 + the largest class index over (samples, source) pairs; ValueError naming an unlabelled sample."""
+    return 1 + max(max(require_class_labels(samples, source)) for samples, source in labelled)
+
+
 class LabelledViews(Dataset):
     """(view, label) per sample; an undecodable image yields None (reported, then dropped by `collate`)."""
 
@@ -83,7 +86,7 @@ class LabelledViews(Dataset):
     def __getitem__(self, index: int) -> tuple[Tensor, int] | None:
         sample = self.samples[index]
         try:
-            label = int(sample.read("cls").decode())
+            label = sample.label  # a class index: `class_count` checked every sample
             jpeg = sample.read_image()
             if self.train:
                 rng = np.random.default_rng([self.seed, self.epoch, index])

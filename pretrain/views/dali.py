@@ -23,6 +23,7 @@ from pretrain.views.batch import BackendBatch, assemble_params, labels_tensor
 from pretrain.views.config import view_specs
 from pretrain.views.dali_pipeline import READER_NAME, build_view_pipeline
 from pretrain.views.sources import MASK_MEMBER, SampleRef, exclude_samples, reader_samples_per_rank
+from shards.sample import class_index
 
 __all__ = ["DaliBackend", "find_undecodable", "is_decode_error"]
 
@@ -178,10 +179,7 @@ class DaliBackend:
         carrier, cls, _has_mask, coverage, grey = out[v : v + 5]
         masked = out[v + 5 : 2 * v + 5]
         keys = [sample_key(carrier[i].source_info()) for i in range(len(carrier))]
-        labels = []
-        for i in range(len(cls)):
-            raw = np.asarray(cls[i]).tobytes()
-            labels.append(int(raw) if raw.strip() else None)
+        labels = [class_index(np.asarray(cls[i]).tobytes()) for i in range(len(cls))]
         params = None
         if self.debug:
             per_view = [np.array(out[2 * v + 5 + j].as_cpu().as_tensor() if isinstance(out[2 * v + 5 + j], TensorListGPU)

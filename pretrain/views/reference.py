@@ -172,8 +172,7 @@ class ViewDataset(Dataset):
             out = augment_sample(ref.read_image(), ref.read(MASK_MEMBER), self.cfg, rng)
         except (OSError, ValueError, SyntaxError):  # what PIL raises for corrupt image data
             return None
-        cls = ref.read("cls")
-        out["key"], out["label"] = ref.key, (int(cls) if cls and cls.strip() else None)
+        out["key"], out["label"] = ref.key, ref.label
         return out
 
 

@@ -6,7 +6,7 @@ must never reach it):
 2. When a loader opens a shard set, every sample is checked cheaply from its index: exactly one
    image member (`IMAGE_MEMBERS`) must exist, be non-empty and carry its format's signature and
    end marker (catches truncated, empty and mislabelled data); a `mask.png` member, when present,
-   must carry the PNG signature; a `cls` member must be a decimal number. `verify="decode"`
+   must carry the PNG signature. `verify="decode"`
    additionally decodes every image and mask with the same decoder as DALI (exact, but as slow as
    an epoch of decoding).
 3. Failing samples are left out of a filtered copy of the index files (the tars are not touched),
@@ -19,6 +19,9 @@ An index file that does not describe its tar (offsets or sizes outside it, unsaf
 garbage fields) is refused with one error naming the file: it was not written by this project's
 `shards.write_index`, and trusting it would read arbitrary bytes.
 A sample without a `mask.png` member is valid: it is never masked (counted in `without_mask`).
+A `cls` member that is not a class index (a class name, as some WebDataset tools write) leaves the
+sample unlabelled: pretraining does not need labels; evaluation refuses such a set
+(`require_class_labels`).
 """
 
 from __future__ import annotations
@@ -34,10 +37,8 @@ from pathlib import Path
 from shards import index_path, read_index, resolve_shard_set
 from shards.index import IndexFileError, format_index, split_member_name
 from shards.keys import UnsafeKeyError, check_key
-from shards.sample import IMAGE_MEMBERS, MASK_MEMBER
+from shards.sample import IMAGE_MEMBERS, LABEL_MEMBER, MASK_MEMBER, class_index
 
-LABEL_EXT = "cls"
-MAX_LABEL_BYTES = 20  # a class index in ASCII decimal, with room for whitespace
 # (leading signature, trailing end marker) per image format; WebP has no end marker but a RIFF size.
 JPEG_SOI, JPEG_EOI = b"\xff\xd8", b"\xff\xd9"
 PNG_SIGNATURE, PNG_IEND = b"\x89PNG\r\n\x1a\n", b"IEND\xaeB`\x82"
@@ -60,6 +61,11 @@ class SampleRef:
         """The bytes of the image member, whatever its format."""
         ext = self.image_ext
         return None if ext is None else self.read(ext)
+
+    @property
+    def label(self) -> int | None:
+        """The sample's class index, or None (no `cls` member, or one that is not a class index)."""
+        return class_index(self.read(LABEL_MEMBER))
 
     def read(self, ext: str) -> bytes | None:
         """The bytes of member `ext`, or None when the sample has no such member."""
@@ -129,11 +135,6 @@ def structural_problem(sample: SampleRef, handle) -> str | None:
         offset, size, _ = sample.members[MASK_MEMBER]
         if size < len(PNG_SIGNATURE) or os.pread(handle.fileno(), len(PNG_SIGNATURE), offset) != PNG_SIGNATURE:
             return "bad_mask"
-    if LABEL_EXT in sample.members:
-        offset, size, _ = sample.members[LABEL_EXT]
-        text = os.pread(handle.fileno(), min(size, MAX_LABEL_BYTES + 1), offset).strip()
-        if size > MAX_LABEL_BYTES or (text and not text.isdigit()):
-            return "bad_label"  # the backends parse labels as decimal integers mid-run: refuse them here
     return None
 
 
@@ -228,7 +229,7 @@ def load_sample_set(
     sample_set = SampleSet(directory, tars, list(shard_set.index_files), samples, skipped, skipped_keys,
                            all_tars=list(tars))
     sample_set.has_masks = any(MASK_MEMBER in s.members for s in samples)
-    sample_set.labelled = any("cls" in s.members for s in samples)
+    sample_set.labelled = any(LABEL_MEMBER in s.members for s in samples)
     sample_set.without_mask = sum(MASK_MEMBER not in s.members for s in samples)
     if skipped:
         warnings.warn(
@@ -238,6 +239,22 @@ def load_sample_set(
         )
         write_filtered_indexes(sample_set, per_tar)
     return sample_set
+
+
+def require_class_labels(samples: Sequence[SampleRef], source: Path | str) -> list[int]:
+    """Every sample's class index; ValueError naming the first sample without one and the fix."""
+    labels = []
+    for sample in samples:
+        label = sample.label
+        if label is None:
+            raw = sample.read(LABEL_MEMBER)
+            what = "no class label (.cls)" if raw is None else f"cls {raw[:40]!r}, not a class index"
+            raise ValueError(
+                f"{source}: sample {sample.key} in {sample.tar.name} has {what}; evaluation needs integer class "
+                "labels: build the set with `relicv2 shards build` from a folder with class sub-folders"
+            )
+        labels.append(label)
+    return labels
 
 
 def exclude_samples(sample_set: SampleSet, bad: dict[str, str]) -> None:

@@ -47,7 +47,7 @@ from shards.index import index_path, read_index
 from shards.keys import UnsafeKeyError, check_key
 from shards.lock import folder_lock
 from shards.manifest import rejected_table, write_manifest, write_table
-from shards.sample import IMAGE_MEMBERS, KEY_PATTERN, MASK_MEMBER, ShardSample
+from shards.sample import IMAGE_MEMBERS, KEY_PATTERN, MASK_MEMBER, ShardSample, class_index
 from shards.shardset import resolve_shard_set
 from shards.tario import Skipped, TarReadError, iter_tar
 from shards.writer import (
@@ -150,8 +150,8 @@ def read_label(cls: bytes | None) -> tuple[int | None, str | None]:
     without one. Masks need no label, so a named class is carried in the json rather than refused."""
     if cls is None:
         return None, None
-    text = cls.decode("utf-8", "replace").strip()
-    return (int(text), None) if text.isdecimal() else (None, text[:200])
+    label = class_index(cls)
+    return (label, None) if label is not None else (None, cls.decode("utf-8", "replace").strip()[:200])
 
 
 def prepare(sample: RawSample, size: int) -> tuple[np.ndarray, int, int] | Rejection:

@@ -20,7 +20,7 @@ import numpy as np
 from shards.images import ImageLoadError, exif_orientation, load_rgb
 from shards.index import read_index
 from shards.keys import UnsafeKeyError, check_key
-from shards.sample import IMAGE_MEMBERS, KEY_PATTERN
+from shards.sample import IMAGE_MEMBERS, KEY_PATTERN, LABEL_MEMBER, MAX_LABEL_BYTES, class_index
 from shards.shardset import resolve_shard_set
 
 # A shard sample whose image cannot be decoded (a ValueError); the message names the sample and the
@@ -89,10 +89,9 @@ def _locations(tar: Path, index_file: Path) -> list[SampleLocation]:
             if image is None:
                 continue
             label = None
-            if "cls" in members:
-                off, size = members["cls"]
-                text = os.pread(handle.fileno(), size, off).decode("ascii", "replace").strip()
-                label = int(text) if text.isdigit() else None
+            if LABEL_MEMBER in members:
+                off, size = members[LABEL_MEMBER]
+                label = class_index(os.pread(handle.fileno(), min(size, MAX_LABEL_BYTES + 1), off))
             out.append(SampleLocation(key, tar, *members[image], label, image))
     return out
 

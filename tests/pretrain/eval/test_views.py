@@ -70,3 +70,25 @@ def test_plain_webdataset_shards_by_brace_pattern(tmp_path, monkeypatch):
     views = DaliViews(tmp_path, train=False, crop_size=16, resize_size=16, batch_size=6, threads=1)
     _, labels, _ = next(iter(views.epoch()))
     assert sorted(labels.tolist()) == list(range(6))
+
+
+@pytest.mark.parametrize("backend", ["pil", "dali"])
+def test_class_names_in_cls_members_are_one_clear_error_before_training(tmp_path, monkeypatch, backend):
+    """Other tools write class names into `cls`; a trained-head evaluation needs indices and says so."""
+    import webdataset as wds
+    from click.testing import CliRunner
+
+    from cli.eval import eval_group
+
+    with wds.ShardWriter(str(tmp_path / "named-%04d.tar"), maxcount=4, verbose=0) as sink:
+        for i in range(4):
+            buffer = io.BytesIO()
+            Image.new("RGB", (40, 32), (40 * i, 0, 0)).save(buffer, "PNG")
+            sink.write({"__key__": f"n{i}", "png": buffer.getvalue(), "cls": ("tench", "church")[i % 2].encode()})
+    monkeypatch.setenv("RELICV2_INDEX_CACHE", str(tmp_path / "cache"))
+    result = CliRunner().invoke(eval_group, [
+        "linear", "--random-init", "18", "--train", str(tmp_path), "--val", str(tmp_path), "--device", "cpu",
+        "--set", f"backend={backend}", "--set", "epochs=1", "--set", "crop_size=16", "--set", "resize_size=16"])
+    assert result.exit_code == 1, result.output
+    assert "sample n0 in named-0000.tar has cls b'tench', not a class index" in result.output
+    assert "relicv2 shards build" in result.output and "Traceback" not in result.output

@@ -12,7 +12,7 @@ from pretrain.views.backend import ViewBackend
 from pretrain.views.config import ViewConfig
 from pretrain.views.loader import ViewLoader
 from pretrain.views.source import ViewSource
-from pretrain.views.sources import load_sample_set
+from pretrain.views.sources import load_sample_set, require_class_labels
 from pretrain.views.synthetic import SyntheticViews
 from shards import ShardSample, index_path, list_shards, write_shard_set
 from shards.sample import IMAGE_MEMBERS
@@ -48,9 +48,9 @@ def test_png_webp_and_jpeg_members_are_images_too(tmp_path, backend):
     assert sorted(keys) == [f"k{i:03d}" for i in range(12)]  # every format decoded, none dropped
 
 
-def foreign_set(directory, count: int) -> None:
+def foreign_set(directory, count: int, class_names: bool = False) -> None:
     """A plain WebDataset set as other tools write it: `train-NNNN.tar`, no manifest, no .idx,
-    jpg/png/webp members, `cls` on some samples only."""
+    jpg/png/webp members, `cls` on some samples only (class indices, or names with `class_names`)."""
     import webdataset as wds
 
     formats = (("jpg", "JPEG"), ("png", "PNG"), ("webp", "WEBP"))
@@ -60,7 +60,7 @@ def foreign_set(directory, count: int) -> None:
             ext, fmt = formats[i % len(formats)]
             sample = {"__key__": f"f{i:03d}", ext: encoded(i, fmt)}
             if i % 2 == 0:
-                sample["cls"] = str(i % 3).encode()
+                sample["cls"] = (("tench", "church", "parachute")[i % 3] if class_names else str(i % 3)).encode()
             sink.write(sample)
 
 
@@ -80,7 +80,16 @@ def test_plain_webdataset_shards_load_from_a_folder_or_a_brace_pattern(tmp_path,
     assert len(list(cache.iterdir())) == 3  # the cached indexes were reused, not written again
 
 
-def test_truncated_images_and_garbage_labels_are_left_out_by_the_cheap_check(tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_class_names_in_cls_members_pretrain_unlabelled_instead_of_being_refused(tmp_path, backend):
+    foreign_set(tmp_path / "named", 8, class_names=True)
+    loader = ViewLoader(tmp_path / "named", 4, TINY, seed=1, backend=backend)
+    batches = list(loader)
+    assert loader.skipped == {} and sorted(k for b in batches for k in b["keys"]) == [f"f{i:03d}" for i in range(8)]
+    assert all(b["labels"] is None for b in batches)  # names are not class indices: no sample is labelled
+
+
+def test_truncated_images_are_left_out_by_the_cheap_check_and_a_garbage_label_unlabels(tmp_path):
     good = [ShardSample(f"g{i}", {"png": encoded(i, "PNG")}, None, {}) for i in range(4)]
     png, webp = encoded(50, "PNG"), encoded(51, "WEBP")
     bad = [ShardSample("cutpng", {"png": png[: len(png) - 20]}, None, {}),
@@ -95,10 +104,15 @@ def test_truncated_images_and_garbage_labels_are_left_out_by_the_cheap_check(tmp
     with open(tar, "r+b") as handle:  # a foreign shard's label that is not a number
         handle.seek(offset)
         handle.write(b"x")
-    with pytest.warns(UserWarning, match="left out 4 bad samples"):
+    with pytest.warns(UserWarning, match="left out 3 bad samples"):
         sample_set = load_sample_set(tmp_path)
-    assert dict(sample_set.skipped) == {"truncated_image": 2, "several_images": 1, "bad_label": 1}
-    assert sorted(s.key for s in sample_set.samples) == [f"g{i}" for i in range(4)]
+    assert dict(sample_set.skipped) == {"truncated_image": 2, "several_images": 1}
+    assert sorted(s.key for s in sample_set.samples) == [f"g{i}" for i in range(4)] + ["garbagelabel"]
+    assert next(s for s in sample_set.samples if s.key == "garbagelabel").label is None  # kept, unlabelled
+    with pytest.raises(ValueError, match=r"sample garbagelabel in images-0+\.tar has cls b'x', not a class index"):
+        require_class_labels(sample_set.samples[-1:], tmp_path)  # what evaluation asks
+    with pytest.raises(ValueError, match=r"sample g0 in images-0+\.tar has no class label \(\.cls\)"):
+        require_class_labels(sample_set.samples, tmp_path)
 
 
 def rewrite_index(tar, edit) -> None:

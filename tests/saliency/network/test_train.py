@@ -18,6 +18,8 @@ from saliency.network.data import TrainingImages
 from saliency.network.model_file import load_model
 from saliency.network.train import Trainer, TrainJob, TrainStateError, run_train
 from saliency.synthetic import synthetic_scene
+from shards import write_shard_set
+from tests.saliency.network.conftest import scene_samples
 
 
 def _iou(a: np.ndarray, b: np.ndarray) -> float:
@@ -59,27 +61,41 @@ def test_one_refinement_iteration_moves_labels_towards_the_masks(tmp_path: Path)
 
 
 @pytest.fixture
-def gt_folder(tmp_path: Path, scene_shards) -> Path:
-    _, masks = scene_shards
+def held_back(tmp_path: Path) -> tuple[str, dict[str, np.ndarray]]:
+    """Four other scenes in two plain tars, named by a brace pattern (no manifest, no index)."""
+    samples, masks = scene_samples(4, start=12)
+    write_shard_set(samples, tmp_path / "held", max_count=2)
+    for extra in [*(tmp_path / "held").glob("*.idx"), *(tmp_path / "held").glob("*.parquet")]:
+        extra.unlink()
+    names = sorted(p.name for p in (tmp_path / "held").glob("*.tar"))
+    assert len(names) == 2
+    stem, first, last = names[0].rsplit("-", 1)[0], names[0].rsplit("-", 1)[1][:-4], names[1].rsplit("-", 1)[1][:-4]
+    return str(tmp_path / "held" / f"{stem}-{{{first}..{last}}}.tar"), masks
+
+
+@pytest.fixture
+def gt_folder(tmp_path: Path, scene_shards, held_back) -> Path:
     folder = tmp_path / "gt"
-    for key, mask in masks.items():
+    for key, mask in {**scene_shards[1], **held_back[1]}.items():
         write_png(folder / f"{key}.png", mask)
     return folder
 
 
-def _job(shards: Path, out: Path, gt: Path | None = None) -> TrainJob:
+def _job(shards: Path, out: Path, gt: Path | None = None, eval_shards: str | None = None) -> TrainJob:
     config = load_saliency_config("tiny", ["methods=mc", "num_images=4", "epochs=2", "fuse_epochs=2"])
-    return TrainJob(shards=shards, out=out, config=config, backbone="random", gt=gt, progress=False)
+    return TrainJob(shards=shards, out=out, config=config, backbone="random", gt=gt, eval_shards=eval_shards,
+                    progress=False)
 
 
 class _Killed(Exception):
     pass
 
 
-def test_train_resumes_after_a_kill_to_the_same_model(tmp_path: Path, scene_shards, gt_folder, monkeypatch) -> None:
+def test_train_resumes_after_a_kill_to_the_same_model(tmp_path: Path, scene_shards, gt_folder, held_back,
+                                                     monkeypatch) -> None:
     shards, _ = scene_shards
-    with pytest.warns(UserWarning, match="random weights"):
-        run_train(_job(shards, tmp_path / "whole", gt_folder), log=lambda _: None)
+    with pytest.warns(UserWarning, match="random weights"):  # held-back images named by a brace pattern
+        run_train(_job(shards, tmp_path / "whole", gt_folder, eval_shards=held_back[0]), log=lambda _: None)
     whole, info = load_model(tmp_path / "whole" / "model.pt")
     report = json.loads((tmp_path / "whole" / "report.json").read_text())
     assert info["input_size"] == 32 and info["preset"] == "tiny" and info["arch"]["depth"] == 18
@@ -87,6 +103,9 @@ def test_train_resumes_after_a_kill_to_the_same_model(tmp_path: Path, scene_shar
     rows = report["train"]
     assert {"mc raw map", "mc refined it1", "mean of handcrafted", "fused network"} <= set(rows)
     assert all(r["count"] == 4 and 0 <= r["mae"] <= 1 for r in rows.values())
+    held = report["heldout"]
+    assert set(held) == {"mc raw map", "mean of handcrafted", "fused network"}
+    assert all(r["count"] == 4 and 0 <= r["mae"] <= 1 for r in held.values())  # every held-back image scored
 
     calls = {"n": 0}
     real_epoch = train_module.train_epoch
