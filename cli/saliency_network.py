@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from cli.options import SHARDS_HELP, index_cache_option
 from saliency.network.config import (
     PRESETS,
     SaliencyConfigError,
@@ -14,9 +15,6 @@ from saliency.network.config import (
 )
 from shards.lock import FolderLockedError
 
-SHARDS_HELP = ("a folder (from `relicv2 shards build`, or plain WebDataset tars such as train-0000.tar), "
-               "a brace pattern (train-{0000..0099}.tar) or a tar")
-INDEX_CACHE_HELP = "Folder for index files derived from shards that have none (plain WebDataset sets)."
 # Modules that import torch are imported inside the commands: `relicv2 saliency --help` stays fast.
 
 
@@ -33,7 +31,7 @@ INDEX_CACHE_HELP = "Folder for index files derived from shards that have none (p
               help="Held-back shard set to score the fused network on (needs --gt).")
 @click.option("--config", "yaml_file", type=click.Path(path_type=Path), help="YAML file of settings (flat keys).")
 @click.option("--set", "overrides", multiple=True, help="Override a setting, e.g. --set epochs=5 --set thresholds.mr=0.3")
-@click.option("--index-cache", type=click.Path(file_okay=False, path_type=Path), default=None, help=INDEX_CACHE_HELP)
+@index_cache_option
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def train_command(shards: Path, out: Path, preset: str, backbone: str, gt: Path | None, eval_shards: Path | None,
                   yaml_file: Path | None, overrides: tuple[str, ...], index_cache: Path | None, progress: bool) -> None:
@@ -59,7 +57,7 @@ def train_command(shards: Path, out: Path, preset: str, backbone: str, gt: Path 
 @click.option("--workers", default=2, show_default=True, help="Threads for decoding, resizing and PNG encoding.")
 @click.option("--batch", "batch_size", default=32, show_default=True, help="Images per forward pass.")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
-@click.option("--index-cache", type=click.Path(file_okay=False, path_type=Path), default=None, help=INDEX_CACHE_HELP)
+@index_cache_option
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def build_masks_command(model_path: Path, shards: Path, out: Path, workers: int, batch_size: int, device: str,
                         index_cache: Path | None, progress: bool) -> None:

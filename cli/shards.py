@@ -12,6 +12,7 @@ from pathlib import Path
 
 import click
 
+from cli.options import index_cache_option
 from shards.build import BuildConfig, build_shards, output_error
 from shards.limits import DEFAULT_MAX_PIXELS
 from shards.lock import folder_lock
@@ -124,8 +125,7 @@ def merge(directory: Path, wait: float) -> None:
 @click.option("--workers", type=click.IntRange(min=1), default=os.cpu_count() or 1, show_default=True,
               help="Processes checking shards (at least 1).")
 @click.option("--decode/--no-decode", default=True, show_default=True, help="Fully decode every image.")
-@click.option("--index-cache", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Folder for index files derived from shards that have none (plain WebDataset sets).")
+@index_cache_option
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show progress.")
 def verify(directory: Path, workers: int, decode: bool, index_cache: Path | None, progress: bool) -> None:
     """Check every shard of DIRECTORY: against the manifest when the set has one (counts, keys,

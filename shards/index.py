@@ -40,6 +40,11 @@ def split_member_name(name: str) -> tuple[str, str]:
     return name[:dot], name[dot + 1 :]
 
 
+def entries_key(entries: Sequence[IndexEntry]) -> str:
+    """The key of the sample an index line describes (its first member's name, without folders)."""
+    return split_member_name(entries[0][3])[0].rsplit("/", 1)[-1]
+
+
 def sample_line(entries: Iterable[IndexEntry]) -> str:
     """One sample's line of an index: `ext offset size name` per member."""
     return " ".join(f"{ext} {offset} {size} {name}" for ext, offset, size, name in entries)

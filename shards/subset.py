@@ -8,15 +8,19 @@ file: `#` comment lines (how it was made), then one key per line, sorted.
 from __future__ import annotations
 
 import math
+import os
 from collections import defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from shards.atomic import atomic_output
+from shards.index import entries_key, read_index
 from shards.keys import check_key
-from shards.manifest import read_manifest
+from shards.sample import LABEL_MEMBER, class_index
+from shards.shardset import resolve_shard_set
 
 
 @dataclass(frozen=True)
@@ -26,24 +30,46 @@ class SubsetReport:
     total: int  # labelled samples in the shard set
 
 
-def class_balanced_keys(directory: str | Path, fraction: float, *, seed: int = 0,
-                        min_per_class: int = 1) -> SubsetReport:
-    """`fraction` of each class's keys (rounded, at least `min_per_class`), drawn with `seed`."""
+def keys_and_labels(spec: str | Path, *, index_cache: Path | None = None) -> Iterator[tuple[str, int | None]]:
+    """(key, class index or None) of every sample of a shard set: from its manifest when it has one,
+    else from each sample's `cls` member found through the (derived) index files."""
+    shard_set = resolve_shard_set(spec, index_cache=index_cache)
+    if shard_set.manifest is not None:
+        table = shard_set.manifest
+        yield from zip(table.column("key").to_pylist(), table.column("label").to_pylist(), strict=True)
+        return
+    for tar, idx in zip(shard_set.tars, shard_set.index_files, strict=True):
+        with open(tar, "rb") as handle:
+            for entries in read_index(idx, tar):
+                key = entries_key(entries)
+                label = next((class_index(os.pread(handle.fileno(), size, offset))
+                              for ext, offset, size, _ in entries if ext == LABEL_MEMBER), None)
+                yield key, label
+
+
+def class_balanced_keys(spec: str | Path, fraction: float, *, seed: int = 0, min_per_class: int = 1,
+                        index_cache: Path | None = None) -> SubsetReport:
+    """`fraction` of each class's keys (rounded, at least `min_per_class`), drawn with `seed`.
+
+    `spec`: any shard set `resolve_shard_set` takes (a `shards build` folder, plain WebDataset tars
+    by folder or brace pattern, a tar).
+    """
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
-    table = read_manifest(Path(directory))
+    directory = spec
     by_class: dict[int, list[str]] = defaultdict(list)
     unlabelled = 0
-    for key, label in zip(table.column("key").to_pylist(), table.column("label").to_pylist(), strict=True):
+    for key, label in keys_and_labels(spec, index_cache=index_cache):
         if label is None:
             unlabelled += 1
         else:
             by_class[int(label)].append(key)
+    fix = "build it with `relicv2 shards build` from a folder with class sub-folders"
     if not by_class:
-        raise ValueError(f"{directory} has no labelled samples; build it from a folder with class sub-folders")
+        raise ValueError(f"{directory} has no labelled samples (no cls member holding a class index); {fix}")
     if unlabelled:
-        raise ValueError(f"{directory} mixes labelled and {unlabelled} unlabelled samples; a label split "
-                         "needs a fully labelled shard set")
+        raise ValueError(f"{directory} mixes labelled and {unlabelled} unlabelled samples (no cls member, or "
+                         f"one that is not a class index); a label split needs a fully labelled set: {fix}")
     rng = np.random.default_rng(seed)
     keys: list[str] = []
     per_class: dict[int, int] = {}

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shards import index_path, read_index, resolve_shard_set
-from shards.index import IndexFileError, format_index, split_member_name
+from shards.index import IndexFileError, entries_key, format_index, split_member_name
 from shards.keys import UnsafeKeyError, check_key
 from shards.sample import IMAGE_MEMBERS, LABEL_MEMBER, MASK_MEMBER, class_index
 
@@ -167,7 +167,7 @@ def index_samples(tar: Path, idx: Path) -> list[SampleRef]:
     for number, entries in enumerate(entries_per_sample):
         if not entries:
             raise ValueError(f"{idx}: sample {number} lists no member; {fix}")
-        key = split_member_name(entries[0][3])[0].rsplit("/", 1)[-1]
+        key = entries_key(entries)
         members = {}
         for ext, offset, size, name in entries:
             if offset < 0 or size < 0 or offset + size > tar_size:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from collections import Counter
 
 import pytest
@@ -38,6 +39,32 @@ def test_subset_is_class_balanced_seeded_and_written_by_the_cli(shape_shards, tm
     (tmp_path / "bad.txt").write_text("../etc/passwd\n")
     with pytest.raises(ValueError, match="bad.txt:1"):
         read_key_list(tmp_path / "bad.txt")
+
+
+def test_subset_of_plain_webdataset_tars_by_brace_pattern_matches_the_manifest_split(shape_shards, tmp_path):
+    train, _ = shape_shards
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    tars = sorted(train.glob("*.tar"))
+    for tar in tars:  # the same tars without manifest or index files
+        shutil.copy(tar, plain / tar.name)
+    stem = tars[0].name.rsplit("-", 1)[0]
+    first, last = (t.name.rsplit("-", 1)[1].removesuffix(".tar") for t in (tars[0], tars[-1]))
+    pattern = str(plain / f"{stem}-{{{first}..{last}}}.tar")
+    split = class_balanced_keys(pattern, 0.5, seed=1, index_cache=tmp_path / "cache")
+    assert split == class_balanced_keys(train, 0.5, seed=1)  # labels read from the cls members
+    assert sorted(p.name for p in plain.iterdir()) == [t.name for t in tars]  # nothing written beside them
+
+    import webdataset as wds
+
+    named = tmp_path / "named"
+    named.mkdir()
+    with wds.ShardWriter(str(named / "train-%04d.tar"), maxcount=4, verbose=0) as sink:
+        for i in range(6):  # class names where indices belong (images are not read)
+            sink.write({"__key__": f"n{i}", "jpg": b"\xff\xd8 not decoded", "cls": ("tench", "church")[i % 2].encode()})
+    result = CliRunner().invoke(shards_group, ["subset", str(named), "--fraction", "0.5", "--out", str(tmp_path / "x"),
+                                               "--index-cache", str(tmp_path / "cache")])
+    assert result.exit_code == 1 and "no labelled samples (no cls member holding a class index)" in result.output
 
 
 class SmallNet(nn.Module):
