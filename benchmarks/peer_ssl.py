@@ -6,7 +6,7 @@ epochs, the time it took (process start to final checkpoint) becomes the peer's 
 peer's cosine learning-rate schedule runs over that time. The default clock is CPU seconds: on a
 machine shared with other jobs wall clock measures the neighbours' load as much as the method
 (`--clock wall` for a quiet machine); both are recorded. Both encoders
-are exported (`pretrain.eval.export`) and scored with this project's kNN (k 20, T 0.07) and linear
+are exported (`pretrain.model.encoder_file`) and scored with this project's kNN (k 20, T 0.07) and linear
 `fast` protocol at 64 px, beside a randomly initialised ResNet-18.
 
     python benchmarks/peer_ssl.py train --train-shards S/train --out OUT [--relic-epochs 2]
@@ -37,7 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pretrain.eval.export import load_encoder_file, save_encoder_file  # noqa: E402
+from pretrain.model.encoder_file import load_encoder_file, save_encoder_file  # noqa: E402
 from pretrain.model.resnet import resnet  # noqa: E402
 from shards import iter_samples  # noqa: E402
 

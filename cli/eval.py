@@ -206,8 +206,8 @@ def _run_evaluation(job: str, evaluate: Callable[[Any, Any], Any], *, checkpoint
     backbone, `evaluate(encoder, ctx)`, then (rank 0) the printed table and the JSON records."""
     from pretrain import distributed
     from pretrain.checkpoint import CheckpointError
-    from pretrain.eval.export import ExportError
     from pretrain.eval.paper import HeadCheckpointError
+    from pretrain.model.encoder_file import ExportError
     from shards.lock import FolderLockedError, folder_lock
 
     ctx = distributed.init(device)

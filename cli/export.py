@@ -22,7 +22,8 @@ def export(checkpoint: Path, out: Path, network: str) -> None:
                print(m.load_state_dict(torch.load('r18.pt'), strict=False))"   # only fc.* missing
     """
     from pretrain.checkpoint import CheckpointError
-    from pretrain.eval.export import export_checkpoint, sidecar_path
+    from pretrain.eval.export import export_checkpoint
+    from pretrain.model.encoder_file import sidecar_path
 
     try:
         sidecar = export_checkpoint(checkpoint, out, network=network)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from pretrain.config import ConfigError, from_dict
+from pretrain.model.encoder_file import is_encoder_file, load_encoder_file
 from pretrain.model.resnet import ResNet, resnet
 from shards.atomic import TEMP_MARK, atomic_output
 
@@ -211,11 +212,7 @@ def encoder_from_checkpoint(path: str | Path, *, network: str = "online") -> Res
     """
     if network not in ("online", "target"):
         raise ValueError(f"network must be 'online' or 'target', got {network!r}")
-    # An exported encoder (`relicv2 export`: state dict + JSON sidecar) is accepted wherever a
-    # checkpoint is; imported here because the export format builds on this module.
-    from pretrain.eval.export import is_encoder_file, load_encoder_file
-
-    if is_encoder_file(path):
+    if is_encoder_file(path):  # an exported encoder is accepted wherever a checkpoint is
         return load_encoder_file(path)
     path = resolve_checkpoint(path)
     payload = load_checkpoint(path)

@@ -1,137 +1,22 @@
-"""Exported encoders: a plain state dict FILE plus a JSON sidecar FILE + ".json".
-
-Two formats, named in the sidecar's "format":
-- "torchvision" (width 1): torchvision's parameter names without `fc.*`, so
-  `torchvision.models.resnetNN().load_state_dict(sd, strict=False)` takes it with only `fc.weight`
-  and `fc.bias` missing (or strictly, after adding an fc of your own);
-- "relicv2" (width 2 or 4): this project's `pretrain.model.resnet.ResNet` names, which torchvision
-  cannot express (it does not widen the stem).
-
-The sidecar carries what a reader needs to rebuild the network without the training code
-(arch, depth, width, padding, num_features) and what it came from (source checkpoint, network,
-step, a config summary, kNN / linear figures when known). `load_encoder_file` is the one loader
-that every command taking a backbone uses.
+"""`relicv2 export`: a pretraining checkpoint's encoder as an exported file (format:
+`pretrain.model.encoder_file`), and `load_backbone`, which takes either kind of file.
 """
 
 from __future__ import annotations
 
 import json
-import pickle
-import zipfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from pretrain.model.resnet import (
-    ResNet,
-    load_torchvision_state_dict,
-    resnet,
-    to_torchvision_state_dict,
+from pretrain.checkpoint import encoder_from_checkpoint, load_checkpoint, resolve_checkpoint
+from pretrain.config import from_dict
+from pretrain.model.encoder_file import (
+    is_encoder_file,
+    load_encoder_file,
+    read_sidecar,
+    save_encoder_file,
 )
-from shards.atomic import atomic_output
-
-FORMATS = ("torchvision", "relicv2")
-SIDECAR_SUFFIX = ".json"
-PADDINGS = ("torch", "same_tf")
-
-
-class ExportError(ValueError):
-    """An exported encoder file (or its sidecar) that cannot be used; the message names the file and the fix."""
-
-
-def sidecar_path(path: str | Path) -> Path:
-    """FILE + ".json" (appended, not replacing the suffix): `encoder.pt` -> `encoder.pt.json`."""
-    path = Path(path)
-    return path.with_name(path.name + SIDECAR_SUFFIX)
-
-
-def encoder_padding(encoder: ResNet) -> str:
-    return getattr(encoder, "padding", "torch")
-
-
-def save_encoder_file(encoder: ResNet, path: str | Path, *, depth: int, width: int,
-                      metadata: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Write `encoder` to `path` (state dict) and its sidecar atomically; return the sidecar dict.
-
-    Width 1 is written in torchvision format, wider encoders in this project's format.
-    """
-    path = Path(path)
-    fmt = "torchvision" if width == 1 else "relicv2"
-    state = to_torchvision_state_dict(encoder) if fmt == "torchvision" else {
-        name: tensor.detach().clone().cpu() for name, tensor in encoder.state_dict().items()}
-    sidecar = {
-        "format": fmt,
-        "arch": f"resnet{depth}" + ("" if width == 1 else f"_{width}x"),
-        "depth": depth,
-        "width": width,
-        "padding": encoder_padding(encoder),
-        "num_features": encoder.num_features,
-        "fc": "not included: the file holds the encoder only (add your own classifier)",
-        **(metadata or {}),
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_output(path) as tmp:
-        torch.save({name: tensor.cpu() for name, tensor in state.items()}, tmp)
-    with atomic_output(sidecar_path(path)) as tmp:
-        Path(tmp).write_text(json.dumps(sidecar, indent=2, sort_keys=True) + "\n")
-    return sidecar
-
-
-def read_sidecar(path: str | Path) -> dict[str, Any]:
-    """The sidecar of an exported file; ExportError when it is missing or malformed."""
-    side = sidecar_path(path)
-    if not side.is_file():
-        raise ExportError(f"{path} has no sidecar {side.name}; export the encoder with `relicv2 export` "
-                          "(or write the sidecar with depth, width and format beside it)")
-    try:
-        info = json.loads(side.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ExportError(f"sidecar {side} is not valid JSON ({error}); re-export the encoder") from None
-    if not isinstance(info, dict):
-        raise ExportError(f"sidecar {side} must hold a JSON object; re-export the encoder")
-    for key, kind in (("depth", int), ("width", int), ("format", str)):
-        if not isinstance(info.get(key), kind):
-            raise ExportError(f"sidecar {side} lacks a valid {key!r}; re-export the encoder")
-    if info["format"] not in FORMATS:
-        raise ExportError(f"sidecar {side}: unknown format {info['format']!r} (expected one of {list(FORMATS)})")
-    if info.get("padding", "torch") not in PADDINGS:
-        raise ExportError(f"sidecar {side}: unknown padding {info.get('padding')!r} (expected one of {list(PADDINGS)})")
-    return info
-
-
-def is_encoder_file(path: str | Path) -> bool:
-    """True when `path` is a file with an export sidecar beside it."""
-    return Path(path).is_file() and sidecar_path(path).is_file()
-
-
-def load_encoder_file(path: str | Path) -> ResNet:
-    """Rebuild the ResNet of an exported file (`relicv2 export` or `relicv2 import-official`), on CPU.
-
-    Loaded with `weights_only=True`; a file that does not fit the sidecar's depth/width gives one
-    ExportError naming the file.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise ExportError(f"encoder file {path} does not exist; check the path")
-    info = read_sidecar(path)
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, OSError) as error:
-        raise ExportError(f"{path} is not a readable state dict ({str(error).splitlines()[0] if str(error) else error!r}); "
-                          "re-export it with `relicv2 export`") from None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ExportError(f"{path} does not hold a state dict of tensors; re-export it with `relicv2 export`")
-    try:
-        encoder = resnet(info["depth"], info["width"], padding=info.get("padding", "torch"))
-        if info["format"] == "torchvision":
-            load_torchvision_state_dict(encoder, state)
-        else:
-            encoder.load_state_dict(state, strict=True)
-    except (ValueError, RuntimeError) as error:
-        raise ExportError(f"{path} does not fit a ResNet-{info['depth']} {info['width']}x as its sidecar says: "
-                          f"{error}") from None
-    return encoder
+from pretrain.model.resnet import ResNet
 
 
 def load_backbone(path: str | Path, *, network: str = "online") -> tuple[ResNet, dict[str, Any]]:
@@ -140,8 +25,6 @@ def load_backbone(path: str | Path, *, network: str = "online") -> tuple[ResNet,
     The description holds what outputs should record: "checkpoint" (the file used), "network",
     "step" when known, and "format".
     """
-    from pretrain.checkpoint import encoder_from_checkpoint, load_checkpoint, resolve_checkpoint
-
     path = Path(path)
     if is_encoder_file(path):
         info = read_sidecar(path)
@@ -179,9 +62,6 @@ def _known_figures(run_dir: Path, step: int) -> dict[str, Any]:
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, network: str = "online") -> dict[str, Any]:
     """Write the encoder of a pretraining checkpoint (or run folder) as an exported file; return the sidecar."""
-    from pretrain.checkpoint import encoder_from_checkpoint, load_checkpoint, resolve_checkpoint
-    from pretrain.config import from_dict
-
     resolved = resolve_checkpoint(checkpoint)
     payload = load_checkpoint(resolved)
     config = from_dict(payload["config"], source=f"the config embedded in {resolved}")

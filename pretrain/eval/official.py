@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pretrain.eval.export import save_encoder_file
+from pretrain.model.encoder_file import save_encoder_file
 from pretrain.model.resnet import STAGE_BLOCKS, ResNet, resnet
 
 ORIGIN_URL = "https://github.com/google-deepmind/relicv2#pretrained-checkpoints"

@@ -13,7 +13,12 @@ from cli.eval import eval_group
 from cli.main import cli
 from pretrain.checkpoint import encoder_from_checkpoint, save_checkpoint
 from pretrain.config import load_config, to_dict
-from pretrain.eval.export import ExportError, load_encoder_file, save_encoder_file, sidecar_path
+from pretrain.model.encoder_file import (
+    ExportError,
+    load_encoder_file,
+    save_encoder_file,
+    sidecar_path,
+)
 from pretrain.model.heads import build_networks
 from pretrain.model.resnet import resnet
 

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from pretrain.eval.export import load_encoder_file
 from pretrain.eval.official import (
     OfficialImportError,
     encoder_from_release,
     import_official_checkpoint,
 )
+from pretrain.model.encoder_file import load_encoder_file
 
 jax = pytest.importorskip("jax", reason="jax is a test-only extra (requirements-dev.lock)")
 hk = pytest.importorskip("haiku", reason="dm-haiku is a test-only extra (requirements-dev.lock)")
