@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+
+from shards.shardset import ShardSetError, derive_missing_indexes
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,20 @@ def teardown(ctx: DistributedContext) -> None:
 def barrier(ctx: DistributedContext) -> None:
     if ctx.is_distributed:
         dist.barrier()
+
+
+def share_index_derivation(spec: str | Path, ctx: DistributedContext) -> None:
+    """In a multi-rank job, derive a plain shard set's missing index files split over the ranks, then
+    wait for all: each tar is read once by one rank instead of once by every rank (given an index
+    cache every rank sees, e.g. `$RELICV2_INDEX_CACHE` on a shared filesystem; with node-local caches
+    each rank derives what its node lacks when it opens the set)."""
+    if not ctx.is_distributed:
+        return
+    try:
+        derive_missing_indexes(spec, part=(ctx.rank, ctx.world_size))
+    except (ShardSetError, OSError):
+        pass  # every rank meets the same error when it opens the set right after, and reports it there
+    barrier(ctx)
 
 
 def all_gather_tensor(tensor: Tensor, ctx: DistributedContext) -> Tensor:

@@ -46,6 +46,7 @@ from pretrain.distributed import (
     all_reduce_mean,
     barrier,
     init,
+    share_index_derivation,
     teardown,
 )
 from pretrain.eval.knn import evaluate_knn
@@ -186,6 +187,7 @@ def _view_loader(shards: str, batch: int, views: ViewConfig, ctx: DistributedCon
     """This rank's `ViewLoader` over `shards`."""
     from pretrain.views.loader import ViewLoader  # imported here: it loads DALI
 
+    share_index_derivation(shards, ctx)
     return ViewLoader(shards, batch, views, device=str(ctx.device), rank=ctx.rank, world_size=ctx.world_size,
                       seed=seed)
 

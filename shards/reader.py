@@ -100,16 +100,14 @@ def make_sample(tar: Path, key: str, members: dict[str, bytes]) -> dict:
     image = image_member(members)
     if image is None:
         raise ValueError(f"no image member (one of {', '.join(IMAGE_MEMBERS)}; has {', '.join(sorted(members))})")
-    label = None
-    if LABEL_MEMBER in members:
-        label = class_index(members[LABEL_MEMBER])
-        if label is None:
-            raise ValueError(f"cls member {members[LABEL_MEMBER][:20]!r} is not a non-negative integer")
+    label = class_index(members.get(LABEL_MEMBER))
     try:
         meta = json.loads(members["json"]) if "json" in members else {}
     except ValueError as exc:
         raise ValueError(f"json member is not valid JSON ({exc})") from None
     sample = {"key": key, "shard": str(tar), "label": label, "meta": meta, "image_ext": image[0], "image": image[1]}
+    if label is None and LABEL_MEMBER in members:  # a class name (other tools write them): kept, unlabelled
+        sample["label_text"] = members[LABEL_MEMBER].decode("utf-8", "replace").strip()[:200]
     for name, value in members.items():
         if name not in ("cls", "json"):
             sample[name] = value
@@ -169,7 +167,8 @@ def iter_samples(
     """Iterate the samples of a shard folder, a tar, a brace pattern or a list of tars, in shard order.
 
     Each item: `key`, `image` (bytes of the jpg/jpeg/png/webp member), `image_ext`, `jpg` (the same
-    bytes), `label` (int or None), `meta` (the json dict), `shard` (tar path) and every other member
+    bytes), `label` (a class index, or None: no `cls`, or one holding a class name, then kept as
+    `label_text`), `meta` (the json dict), `shard` (tar path) and every other member
     by extension, e.g. `"mask.png"`. Bad shards and samples are recorded in `report` (warnings when
     None) and skipped. With a folder holding a manifest, the count read is checked against it.
     No node or worker splitting: callers that run on several ranks pass each its own tars.

@@ -22,6 +22,7 @@ import pyarrow as pa
 from shards.atomic import atomic_write_bytes
 from shards.index import index_path, index_text, read_index
 from shards.manifest import MANIFEST_NAME, is_plain_tar_name, read_manifest
+from shards.progress import Phase, tracked
 
 # Shard file names: ours are `{prefix}-NNNNNN.tar`; other tools write 4 or 5 digits too.
 SHARD_PATTERN = re.compile(r"[^.].*-\d{4,6}\.tar")
@@ -120,15 +121,48 @@ def default_index_cache() -> Path:
     return Path(base) / "relicv2" / "index"
 
 
-def cached_index(tar: Path, cache: Path) -> Path:
-    """The derived index of `tar` in `cache`, written on first use."""
+def cached_index_path(tar: Path, cache: Path) -> Path:
+    """Where the derived index of `tar` lives in `cache` (named after its path, size and mtime)."""
     stat = tar.stat()
     ident = f"{tar.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
-    path = cache / f"{tar.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.idx"
+    return cache / f"{tar.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.idx"
+
+
+def cached_index(tar: Path, cache: Path) -> Path:
+    """The derived index of `tar` in `cache`, written on first use."""
+    path = cached_index_path(tar, cache)
     if not path.is_file():
         cache.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(path, index_text(tar).encode("utf-8"))
     return path
+
+
+def needs_index(tar: Path, cache: Path) -> bool:
+    """True when `tar` has no index beside it and none derived in `cache` yet."""
+    return not index_path(tar).is_file() and not cached_index_path(tar, cache).is_file()
+
+
+def derive_missing_indexes(
+    spec: str | Path | Sequence[str | Path], *, index_cache: Path | None = None, part: tuple[int, int] = (0, 1)
+) -> int:
+    """Derive the missing indexes of part `index` of `parts` of the set's tars (every parts-th tar);
+    returns how many were written.
+
+    The ranks of a job each call it with their own part before a barrier, so a plain set's tars are
+    read once between them instead of once per rank (with the cache on a shared filesystem).
+    Raises like `resolve_shard_set` (ShardSetError, OSError).
+    """
+    index, parts = part
+    tars, _ = shard_tars(spec)
+    cache = Path(index_cache) if index_cache is not None else default_index_cache()
+    missing = [tar for i, tar in enumerate(tars) if i % parts == index and needs_index(tar, cache)]
+    for tar in tracked(missing, f"index files of {len(tars)} tars (part {index + 1}/{parts})", len(missing),
+                       unit="tar", enabled=bool(missing)):
+        try:
+            cached_index(tar, cache)
+        except ValueError as exc:
+            raise ShardSetError(str(exc)) from None
+    return len(missing)
 
 
 def resolve_shard_set(spec: str | Path | Sequence[str | Path], *, index_cache: Path | None = None) -> ShardSet:
@@ -157,10 +191,14 @@ def resolve_shard_set(spec: str | Path | Sequence[str | Path], *, index_cache: P
             raise ShardSetError(f"{directory}: the manifest lists {', '.join(missing[:3])}, which is missing; rebuild the set")
     cache = Path(index_cache) if index_cache is not None else default_index_cache()
     index_files, counts, labelled = [], [], False
+    missing = {tar for tar in tars if needs_index(tar, cache)}  # each read whole once: show progress
+    phase = Phase(f"index files of {len(tars)} tars", len(missing), unit="tar", enabled=bool(missing))
     for tar in tars:
         beside = index_path(tar)
         try:
             idx = beside if beside.is_file() else cached_index(tar, cache)
+            if tar in missing:
+                phase.update()
             samples = read_index(idx, tar)
         except ValueError as exc:
             raise ShardSetError(str(exc)) from None
@@ -172,6 +210,7 @@ def resolve_shard_set(spec: str | Path | Sequence[str | Path], *, index_cache: P
         index_files.append(idx)
         counts.append(len(samples))
         labelled = labelled or any(e[0] == "cls" for s in samples for e in s)
+    phase.close()
     if manifest is not None:
         per_shard: dict[str, int] = {}
         for name in manifest.column("shard").to_pylist():

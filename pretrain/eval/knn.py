@@ -102,8 +102,9 @@ def _labelled_images(
         if position % parts != index:
             continue
         if sample["label"] is None:
+            what = f"cls {sample['label_text']!r}, not a class index" if "label_text" in sample else "no class label"
             raise ValueError(
-                f"sample {sample['key']} in {sample['shard']} has no class label; kNN needs shard sets "
+                f"sample {sample['key']} in {sample['shard']} has {what}; kNN needs shard sets "
                 "built from a labelled folder (class sub-folders)"
             )
         try:

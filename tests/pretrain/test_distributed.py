@@ -13,6 +13,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import socket
 from pathlib import Path
 
@@ -26,7 +27,8 @@ from pretrain.checkpoint import load_checkpoint
 from pretrain.config import load_config
 from pretrain.distributed import describe_environment
 from pretrain.run import run_pretraining
-from shards import ShardSample, write_shard_set
+from shards import ShardSample, index_path, write_shard_set
+from shards.shardset import derive_missing_indexes
 from tests.threads import one_torch_thread
 
 
@@ -83,13 +85,23 @@ def _shard_set(out: Path) -> Path:
     return out
 
 
+def _plain_copy(shards: Path, out: Path) -> Path:
+    """The same tars without manifest or index files, as other WebDataset tools write them."""
+    out.mkdir()
+    for tar in sorted(shards.glob("*.tar")):
+        shutil.copy(tar, out / tar.name)
+    return out
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     """4-step runs: 1 process and 2 ranks uninterrupted (both negative settings), and the resumes
     2 ranks -> 1 process and 1 process -> 2 ranks after step 2 (subsampled negatives), on
-    generated data and on a shard set (reference view backend)."""
+    generated data and on a shard set (reference view backend); the run killed on 2 ranks (and its
+    resume) reads a plain copy of the set, whose index files the ranks derive between them."""
     root = tmp_path_factory.mktemp("distributed")
     shards = _shard_set(root / "shards")
+    plain = _plain_copy(shards, root / "plain")
     for name, negatives in NEGATIVES.items():
         _single(config_overrides(root / f"one-{name}", 8, negatives))
     _single([*config_overrides(root / "one-killed", 8, 3), CUT])
@@ -98,13 +110,15 @@ def runs(tmp_path_factory) -> Path:
     jobs = [(config_overrides(root / f"two-{name}", 8, negatives), None) for name, negatives in NEGATIVES.items()]
     jobs += [([*config_overrides(root / "two-killed", 8, 3), CUT], None),
              (config_overrides(root / "one-to-two", 8, 3), str(root / "one-killed" / "checkpoint-000000002.pt")),
-             ([*config_overrides(root / "two-shards-killed", 8, 3, shards), CUT], None),
+             ([*config_overrides(root / "two-shards-killed", 8, 3, plain), CUT], None),
              (config_overrides(root / "one-to-two-shards", 8, 3, shards),
               str(root / "one-shards-killed" / "checkpoint-000000002.pt"))]
     ports = [_free_port() for _ in jobs]
-    mp.spawn(_rank_main, args=(2, ports, jobs), nprocs=2, join=True)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RELICV2_INDEX_CACHE", str(root / "index-cache"))  # inherited by the ranks
+        mp.spawn(_rank_main, args=(2, ports, jobs), nprocs=2, join=True)
     _single(config_overrides(root / "two-to-one", 8, 3), resume=root / "two-killed" / "checkpoint-000000002.pt")
-    _single(config_overrides(root / "two-to-one-shards", 8, 3, shards),
+    _single(config_overrides(root / "two-to-one-shards", 8, 3, plain),
             resume=root / "two-shards-killed" / "checkpoint-000000002.pt")
     return root
 
@@ -146,6 +160,19 @@ def test_resume_with_another_number_of_ranks_continues_the_uninterrupted_run(run
 
 def test_two_ranks_on_shards_match_one_process_before_the_kill(runs):
     assert _losses(runs / "two-shards-killed") == pytest.approx(_losses(runs / "one-shards")[:2], rel=1e-4)
+    # the plain copy's 4 index files were derived once, between the ranks, and match the originals
+    derived = sorted((runs / "index-cache").glob("*.idx"))
+    assert len(derived) == 4
+    originals = {tar.stem: index_path(tar).read_text() for tar in (runs / "shards").glob("*.tar")}
+    assert all(idx.read_text() == originals[idx.stem.rsplit("-", 1)[0]] for idx in derived)
+
+
+def test_missing_indexes_are_derived_in_disjoint_parts_that_cover_the_set(tmp_path):
+    plain = _plain_copy(_shard_set(tmp_path / "shards"), tmp_path / "plain")
+    cache = tmp_path / "cache"
+    assert [derive_missing_indexes(plain, index_cache=cache, part=(rank, 3)) for rank in range(3)] == [2, 1, 1]
+    assert derive_missing_indexes(plain, index_cache=cache) == 0  # nothing left: opening the set reads no tar
+    assert len(list(cache.iterdir())) == 4
 
 
 def test_environment_description_reads_torchrun_variables():

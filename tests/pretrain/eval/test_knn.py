@@ -155,6 +155,13 @@ def test_unlabelled_shards_are_refused(tmp_path):
     write_shard_set([ShardSample("a", {"jpg": _jpeg((1, 2, 3), (16, 16))})], tmp_path / "unlabelled")
     with pytest.raises(ValueError, match="has no class label"):
         extract_features(MeanColour(), tmp_path / "unlabelled", crop_size=16)
+    import webdataset as wds
+
+    (tmp_path / "named").mkdir()
+    with wds.ShardWriter(str(tmp_path / "named" / "train-%04d.tar"), verbose=0) as sink:
+        sink.write({"__key__": "b", "jpg": _jpeg((1, 2, 3), (16, 16)), "cls": b"tench"})
+    with pytest.raises(ValueError, match="sample b in .* has cls 'tench', not a class index"):
+        extract_features(MeanColour(), tmp_path / "named", crop_size=16)
 
 
 def _tiny_checkpoint(out) -> None:
