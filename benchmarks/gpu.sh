@@ -5,10 +5,15 @@
 #
 # Needs a CUDA GPU, torch and (for the view pipeline) NVIDIA DALI. Environment knobs:
 #   PYTHON (default python), BATCH (256), STEPS (20), THREADS (8 CPU threads for DALI), IMAGES (2000 demo
-#   images for the end-to-end run), SKIP_VIEWS=1 / SKIP_PRETRAIN=1 to leave a part out.
+#   images for the end-to-end run and build-masks), SKIP_VIEWS=1 / SKIP_PRETRAIN=1 / SKIP_MASKS=1 to leave a
+#   part out, MASK_SIZE (432, the saliency network's input);
+#   STEP_ARGS / VIEWS_ARGS / PRETRAIN_ARGS: extra arguments for bench_step.py, bench_views.py and
+#   `relicv2 pretrain` (e.g. STEP_ARGS="--depth 18" PRETRAIN_ARGS="--set model.depth=18" on a small GPU);
+#   DEVICE=cpu runs the same plumbing on the CPU (a check of the script, not a measurement).
 # Figures: bench_step.py (eager, compiled, batch 2x with activation checkpointing), bench_views.py (DALI
 # mixed vs the reference DataLoader), `relicv2 pretrain` on a shard set (images/s and data wait per step
-# from metrics.jsonl after warm-up), and benchmarks/bench_build_masks.py when it exists.
+# from metrics.jsonl after warm-up, and as a ratio of the compiled step alone), and bench_build_masks.py
+# (build-masks vs the bare network forward on the same images).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -18,13 +23,22 @@ BATCH="${BATCH:-256}"
 STEPS="${STEPS:-20}"
 THREADS="${THREADS:-8}"
 IMAGES="${IMAGES:-2000}"
+DEVICE="${DEVICE:-cuda}"
+read -r -a step_args <<< "${STEP_ARGS:-}"
+read -r -a views_args <<< "${VIEWS_ARGS:-}"
+read -r -a pretrain_args <<< "${PRETRAIN_ARGS:-}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$WORK"
 LOG="$WORK/figures.tsv"
 : > "$LOG"
 
-"$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA GPU visible: this script measures GPU figures')"
-echo "GPU: $("$PYTHON" -c 'import torch; print(torch.cuda.get_device_name())'); work folder $WORK"
+device_name() {
+  "$PYTHON" -c "import platform, torch; print(torch.cuda.get_device_name() if '$DEVICE' == 'cuda' else platform.processor() or 'CPU')"
+}
+if [[ "$DEVICE" == cuda ]]; then
+  "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA GPU visible: this script measures GPU figures (DEVICE=cpu checks the plumbing)')"
+fi
+echo "device: $(device_name) ($DEVICE); work folder $WORK"
 
 record() {  # record NAME FILE: the "throughput"/"peak memory"/"ratio" lines of a bench_step output
   local name="$1" file="$2"
@@ -41,62 +55,91 @@ PY
 
 step() {  # step NAME ARGS...: one bench_step.py run, its output kept in WORK
   local name="$1"; shift
-  echo "== bench_step $name: $*"
-  if "$PYTHON" "$ROOT/benchmarks/bench_step.py" --device cuda --bf16 --channels-last --steps "$STEPS" "$@" \
-      > "$WORK/step-$name.txt" 2>&1; then
+  echo "== bench_step $name: $* ${STEP_ARGS:-}"
+  if "$PYTHON" "$ROOT/benchmarks/bench_step.py" --device "$DEVICE" --bf16 --channels-last --steps "$STEPS" "$@" \
+      "${step_args[@]}" > "$WORK/step-$name.txt" 2>&1; then
     cat "$WORK/step-$name.txt"; record "step $name" "$WORK/step-$name.txt"
   else
     tail -n 3 "$WORK/step-$name.txt"; printf 'step %s\tfailed (see %s)\t-\t-\n' "$name" "$WORK/step-$name.txt" >> "$LOG"
   fi
 }
 
-step "R50 batch $BATCH eager" --batch "$BATCH"
-step "R50 batch $BATCH compiled" --batch "$BATCH" --compile
-step "R50 batch $((BATCH * 2)) compiled" --batch "$((BATCH * 2))" --compile
-step "R50 batch $((BATCH * 2)) compiled+ckpt" --batch "$((BATCH * 2))" --compile --activation-checkpointing
+step "batch $BATCH eager" --batch "$BATCH"
+step "batch $BATCH compiled" --batch "$BATCH" --compile
+step "batch $((BATCH * 2)) compiled" --batch "$((BATCH * 2))" --compile
+step "batch $((BATCH * 2)) compiled+ckpt" --batch "$((BATCH * 2))" --compile --activation-checkpointing
 
 if [[ "${SKIP_VIEWS:-0}" != 1 ]]; then
   echo "== bench_views: DALI mixed vs reference, batch $BATCH, $THREADS threads"
-  if "$PYTHON" "$ROOT/benchmarks/bench_views.py" --device cuda --batch "$BATCH" --threads "$THREADS" \
-      > "$WORK/views.txt" 2>&1; then
+  if "$PYTHON" "$ROOT/benchmarks/bench_views.py" --device "$DEVICE" --batch "$BATCH" --threads "$THREADS" \
+      "${views_args[@]}" > "$WORK/views.txt" 2>&1; then
     cat "$WORK/views.txt"
-    grep -E "images/s wall" "$WORK/views.txt" | sed -E 's/^([a-z-]+) +\(([a-z]+)\): +([0-9.]+) images\/s.*/views \1 (\2)\t\3\t-\t-/' >> "$LOG"
+    "$PYTHON" - "$WORK/views.txt" >> "$LOG" <<'PY'
+import re, sys
+text = open(sys.argv[1]).read()
+ratios = dict(re.findall(r"^  ([a-z-]+): ([\d.]+x reference)", text, re.M))
+for name, device, rate in re.findall(r"^([a-z-]+) +\(([a-z]+)\): +([\d.]+) images/s", text, re.M):
+    print(f"views {name} ({device})\t{rate}\t-\t{ratios.get(name, '-')}")
+PY
   else
     tail -n 3 "$WORK/views.txt"; printf 'views\tfailed (see %s)\t-\t-\n' "$WORK/views.txt" >> "$LOG"
   fi
 fi
 
-if [[ "${SKIP_PRETRAIN:-0}" != 1 ]]; then
-  echo "== relicv2 pretrain on $IMAGES demo images (R50, 224 px, batch $BATCH, GPU defaults)"
-  per_class=$(( IMAGES / 6 ))
+demo_shards() {  # the demo images as a shard set in WORK (built once, reused by the parts below)
+  local per_class=$(( IMAGES / 6 ))
   [[ -d "$WORK/images" ]] || "$PYTHON" -m cli demo-data "$WORK/images" --train-per-class "$per_class" \
       --val-per-class 2 --size 256 > /dev/null
   [[ -f "$WORK/shards/manifest.parquet" ]] || "$PYTHON" -m cli shards build "$WORK/images/train" "$WORK/shards" \
       --workers "$THREADS" --no-progress > /dev/null
+}
+
+if [[ "${SKIP_PRETRAIN:-0}" != 1 ]]; then
+  echo "== relicv2 pretrain on $IMAGES demo images (imagenet-r50-1000ep preset, batch $BATCH, $DEVICE defaults) ${PRETRAIN_ARGS:-}"
+  demo_shards
   rm -rf "$WORK/run"
   "$PYTHON" -m cli pretrain --config "$ROOT/configs/imagenet-r50-1000ep.yaml" --output "$WORK/run" \
-      --set data.train_shards="$WORK/shards" --set optim.global_batch="$BATCH" --set run.device=cuda \
+      --set data.train_shards="$WORK/shards" --set optim.global_batch="$BATCH" --set run.device="$DEVICE" \
       --set views.mask_probability=0.0 --set knn.train_shards= --set knn.val_shards= --set run.log_every=1 \
       --set run.max_steps=$(( 3 * IMAGES / BATCH )) --set run.checkpoint_every=100000 --set run.progress_bar=false \
-      > "$WORK/pretrain.txt" 2>&1 || { tail -n 5 "$WORK/pretrain.txt"; exit 1; }
+      "${pretrain_args[@]}" > "$WORK/pretrain.txt" 2>&1 || { tail -n 5 "$WORK/pretrain.txt"; exit 1; }
   grep -E "torch.compile" "$WORK/pretrain.txt" || true
-  "$PYTHON" - "$WORK/run/metrics.jsonl" >> "$LOG" <<'PY'
+  # End to end against the compiled step alone measured above (the trainer's default on CUDA).
+  row=$("$PYTHON" - "$WORK/run/metrics.jsonl" "$LOG" "batch $BATCH compiled" <<'PY'
 import json, statistics, sys
 records = [json.loads(line) for line in open(sys.argv[1]) if '"loss"' in line]
 steady = records[len(records) // 3:] or records  # after compile and warm-up
 speed = statistics.median(r["images_per_s"] for r in steady)
 wait = statistics.median(r["data_wait_s"] for r in steady)
 worst = min(r["images_per_s"] for r in steady)
-print(f"pretrain end to end (median, after warm-up)\t{speed:.0f}\t-\tdata wait {wait * 1000:.0f} ms/step, slowest step {worst:.0f} img/s")
+step_only = next((row.split("\t")[1] for row in open(sys.argv[2]) if row.startswith(f"step {sys.argv[3]}\t")), "-")
+versus = f"{speed / float(step_only):.2f}x step only, " if step_only.replace(".", "").isdigit() else ""
+print(f"pretrain end to end (median, after warm-up)\t{speed:.0f}\t-\t{versus}data wait {wait * 1000:.0f} ms/step, "
+      f"slowest step {worst:.0f} img/s")
 PY
+)
+  echo "$row" >> "$LOG"
 fi
 
-if [[ -f "$ROOT/benchmarks/bench_build_masks.py" ]]; then
-  echo "== bench_build_masks.py --device cuda"
-  "$PYTHON" "$ROOT/benchmarks/bench_build_masks.py" --device cuda > "$WORK/masks.txt" 2>&1 \
-    && tail -n 5 "$WORK/masks.txt" || tail -n 3 "$WORK/masks.txt"
+if [[ "${SKIP_MASKS:-0}" != 1 ]]; then
+  echo "== bench_build_masks.py: saliency build-masks vs the bare forward, 432 px, batch 64"
+  demo_shards
+  if "$PYTHON" "$ROOT/benchmarks/bench_build_masks.py" --shards "$WORK/shards" --size "${MASK_SIZE:-432}" --batch 64 \
+      --workers "$THREADS" --device "$DEVICE" > "$WORK/masks.txt" 2>&1; then
+    cat "$WORK/masks.txt"
+    "$PYTHON" - "$WORK/masks.txt" >> "$LOG" <<'PY'
+import re, sys
+text = open(sys.argv[1]).read()
+job, ratio = re.search(r"build-masks: +([\d.]+) img/s", text), re.search(r"forward: ([\d.]+)", text)
+forward = re.search(r"forward only: ([\d.]+) / ([\d.]+)", text)
+print(f"saliency build-masks\t{job.group(1)}\t-\t{ratio.group(1)}x the bare forward "
+      f"({forward.group(1)} / {forward.group(2)} img/s before / after)")
+PY
+  else
+    tail -n 3 "$WORK/masks.txt"; printf 'build-masks\tfailed (see %s)\t-\t-\n' "$WORK/masks.txt" >> "$LOG"
+  fi
 fi
 
 echo
-echo "== figures ($(date -u +%Y-%m-%d), $("$PYTHON" -c 'import torch; print(torch.cuda.get_device_name())'))"
+echo "== figures ($(date -u +%Y-%m-%d), $(device_name))"
 column -t -s $'\t' -N "what,images/s,peak memory,step/bare encoder" "$LOG" 2>/dev/null || cat "$LOG"

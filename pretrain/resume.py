@@ -23,7 +23,7 @@ from pretrain.checkpoint import CheckpointError
 from pretrain.config import PretrainConfig, to_dict
 from pretrain.distributed import DistributedContext
 from pretrain.trainer import TrainState
-from pretrain.views.source import ViewSource, global_position_state
+from pretrain.views.source import StateVersionError, ViewSource, global_position_state
 
 # Settings a run cannot change on resume: the data order, the augmentations and the data set
 # itself depend on them, so the resumed run would silently train on another stream.
@@ -100,6 +100,11 @@ def restore(state: TrainState, source: ViewSource, payload: dict[str, Any], ctx:
     if saved_batch == global_batch and saved_ranks == ctx.world_size:
         try:
             source.load_state_dict(payload["data"][ctx.rank])  # exact: the rank's own reader state
+        except StateVersionError as error:  # written by another relicv2: continue at the same place
+            position = DataPosition.at_step(step, steps_per_epoch, global_batch)
+            _load_global_position(source, position, global_batch, ctx, path, saved_ranks)
+            notes.append(f"note: {error}; the run continues at the same data position (epoch {position.epoch}, "
+                         f"{position.samples} samples in) with this version's data stream")
         except (KeyError, ValueError, TypeError) as error:
             raise CheckpointError(
                 f"cannot resume from {path}: its data position does not fit this data source ({error}); "

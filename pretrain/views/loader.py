@@ -21,7 +21,7 @@ import torch
 from pretrain.views.backend import BackendSetup, ViewBackend
 from pretrain.views.batch import BackendBatch
 from pretrain.views.config import BACKENDS, ViewConfig
-from pretrain.views.source import GLOBAL_POSITION, batch_from_global_position
+from pretrain.views.source import GLOBAL_POSITION, StateVersionError, batch_from_global_position
 from pretrain.views.sources import SampleSet, exclude_samples, load_sample_set, samples_per_rank
 
 # 3: the reference backend's order and views no longer depend on the number of ranks
@@ -165,9 +165,9 @@ class ViewLoader:
             self._restore = None
             return
         if state.get("version") != STATE_VERSION:
-            raise ValueError(
-                f"loader state has version {state.get('version')!r}, this loader writes {STATE_VERSION}; "
-                "resume with the version of relicv2 that wrote the checkpoint or start a fresh run"
+            raise StateVersionError(  # pretrain.resume falls back to the global position
+                f"the loader state has version {state.get('version')!r}, from another relicv2 version (this one "
+                f"writes {STATE_VERSION})"
             )
         if state.get("excluded"):
             self.exclude(state["excluded"])

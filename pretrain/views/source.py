@@ -40,6 +40,10 @@ class ViewSource(Protocol):
 GLOBAL_POSITION = "global-position"  # the `format` of a data position that any world size can load
 
 
+class StateVersionError(ValueError):
+    """A data-source state written by another version of the loader (its stream may differ)."""
+
+
 def global_position_state(epoch: int, samples: int, global_batch: int) -> dict[str, Any]:
     """A data position every source accepts in `load_state_dict`, whatever its number of ranks:
     `samples` consumed in `epoch`'s global order with global batches of `global_batch`."""

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from cli.main import cli
@@ -90,7 +91,17 @@ def test_pretrain_on_shards_killed_and_resumed_equals_an_uninterrupted_run(shard
         resumed.output
     assert losses(tmp_path / "run") == expected  # bit for bit on CPU, one record per step
     if backend == "dali":
-        return  # --fresh does not depend on the backend: checked once, on the cheaper one
+        return  # --fresh and old states do not depend on the backend: checked once, on the cheaper one
+    # a checkpoint whose loader state an earlier relicv2 wrote: the run continues at its global
+    # position (the reference stream does not depend on how it was reached, so exactly here)
+    (tmp_path / "run" / "checkpoint-000000004.pt").unlink()
+    payload = torch.load(tmp_path / "run" / "checkpoint-000000002.pt", weights_only=False)
+    payload["data"][0]["version"] = 2
+    torch.save(payload, tmp_path / "run" / "checkpoint-000000002.pt")
+    upgraded = pretrain(tmp_path / "run", train, backend, "run.max_steps=4")
+    assert upgraded.exit_code == 0 and "from another relicv2 version" in upgraded.output, upgraded.output
+    assert "continues at the same data position (epoch 0, 16 samples in)" in upgraded.output
+    assert losses(tmp_path / "run") == expected
     fresh = pretrain(tmp_path / "run", train, backend, "run.max_steps=1", fresh=True)
     assert fresh.exit_code == 0 and "moved the earlier run's" in fresh.output, fresh.output
     assert [p.name for p in list_checkpoints(tmp_path / "run")] == ["checkpoint-000000001.pt"]
