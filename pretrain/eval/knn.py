@@ -104,8 +104,8 @@ def _labelled_images(
         if sample["label"] is None:
             what = f"cls {sample['label_text']!r}, not a class index" if "label_text" in sample else "no class label"
             raise ValueError(
-                f"sample {sample['key']} in {sample['shard']} has {what}; kNN needs shard sets "
-                "built from a labelled folder (class sub-folders)"
+                f"sample {sample['key']} in {sample['shard']} has {what}; kNN and linear evaluation need "
+                "integer class labels: build the set with `relicv2 shards build` from a folder with class sub-folders"
             )
         try:
             image = preprocess(sample["jpg"], crop_size=crop_size, resize_size=resize_size,
