@@ -147,6 +147,34 @@ def verify(directory: Path, workers: int, decode: bool, index_cache: Path | None
     click.echo(f"{directory}: OK, {report.shards} shards, {report.samples} samples verified")
 
 
+@shards_group.command("index")
+@click.argument("spec", metavar="SHARDS")
+@index_cache_option
+@click.option("--workers", type=click.IntRange(min=1), default=os.cpu_count() or 1, show_default=True,
+              help="Processes reading tars at once.")
+@click.option("--progress/--no-progress", default=True, show_default=True, help="Show progress.")
+def index(spec: str, index_cache: Path | None, workers: int, progress: bool) -> None:
+    """Derive the DALI index files of a plain WebDataset set once, before a job that reads it.
+
+    SHARDS: a folder of plain tars, a brace pattern ('/data/wds/train-{0000..1023}.tar') or a tar.
+    Each tar without an index beside it is read once and its index written into the cache
+    (`--index-cache`, else $RELICV2_INDEX_CACHE, else ~/.cache/relicv2/index); tars indexed before
+    are skipped. Point every job at the same cache (a shared folder on a cluster).
+    """
+    from shards.shardset import ShardSetError, default_index_cache, derive_missing_indexes
+
+    cache = index_cache if index_cache is not None else default_index_cache()
+    try:
+        written, total = derive_missing_indexes(spec, index_cache=cache, workers=workers, progress=progress)
+    except ShardSetError as exc:
+        raise click.ClickException(str(exc)) from None
+    except OSError as exc:
+        raise click.ClickException(f"cannot write index files into {cache} ({exc.strerror or exc}); "
+                                   "choose a writable --index-cache") from None
+    click.echo(f"{spec}: {written} index file(s) derived into {cache}, {total - written} already there or beside "
+               f"their tar ({total} tars)")
+
+
 from cli.subset import subset  # noqa: E402  (defined with the evaluation tools)
 
 shards_group.add_command(subset)

@@ -93,7 +93,7 @@ def share_index_derivation(spec: str | Path, ctx: DistributedContext) -> None:
     if not ctx.is_distributed:
         return
     try:
-        derive_missing_indexes(spec, part=(ctx.rank, ctx.world_size))
+        derive_missing_indexes(spec, part=(ctx.rank, ctx.world_size))  # progress with a total and ETA
     except (ShardSetError, OSError):
         pass  # every rank meets the same error when it opens the set right after, and reports it there
     barrier(ctx)

@@ -23,6 +23,7 @@ from shards.atomic import atomic_write_bytes
 from shards.index import index_path, index_text, read_index
 from shards.manifest import MANIFEST_NAME, is_plain_tar_name, read_manifest
 from shards.progress import Phase, tracked
+from shards.workers import worker_pool
 
 # Shard file names: ours are `{prefix}-NNNNNN.tar`; other tools write 4 or 5 digits too.
 SHARD_PATTERN = re.compile(r"[^.].*-\d{4,6}\.tar")
@@ -143,10 +144,11 @@ def needs_index(tar: Path, cache: Path) -> bool:
 
 
 def derive_missing_indexes(
-    spec: str | Path | Sequence[str | Path], *, index_cache: Path | None = None, part: tuple[int, int] = (0, 1)
-) -> int:
-    """Derive the missing indexes of part `index` of `parts` of the set's tars (every parts-th tar);
-    returns how many were written.
+    spec: str | Path | Sequence[str | Path], *, index_cache: Path | None = None, part: tuple[int, int] = (0, 1),
+    workers: int = 1, progress: bool = True,
+) -> tuple[int, int]:
+    """Derive the missing indexes of part `index` of `parts` of the set's tars (every parts-th tar),
+    in `workers` processes; returns (how many were written, how many tars the set has).
 
     The ranks of a job each call it with their own part before a barrier, so a plain set's tars are
     read once between them instead of once per rank (with the cache on a shared filesystem).
@@ -156,13 +158,18 @@ def derive_missing_indexes(
     tars, _ = shard_tars(spec)
     cache = Path(index_cache) if index_cache is not None else default_index_cache()
     missing = [tar for i, tar in enumerate(tars) if i % parts == index and needs_index(tar, cache)]
-    for tar in tracked(missing, f"index files of {len(tars)} tars (part {index + 1}/{parts})", len(missing),
-                       unit="tar", enabled=bool(missing)):
-        try:
-            cached_index(tar, cache)
-        except ValueError as exc:
-            raise ShardSetError(str(exc)) from None
-    return len(missing)
+    desc = f"index files of {len(tars)} tars" + (f" (part {index + 1}/{parts})" if parts > 1 else "")
+    try:
+        if workers > 1 and len(missing) > 1:
+            with worker_pool(min(workers, len(missing))) as pool:
+                list(tracked(pool.map(cached_index, missing, [cache] * len(missing)), desc, len(missing),
+                             unit="tar", enabled=progress and bool(missing)))
+        else:
+            for tar in tracked(missing, desc, len(missing), unit="tar", enabled=progress and bool(missing)):
+                cached_index(tar, cache)
+    except ValueError as exc:
+        raise ShardSetError(str(exc)) from None
+    return len(missing), len(tars)
 
 
 def resolve_shard_set(spec: str | Path | Sequence[str | Path], *, index_cache: Path | None = None) -> ShardSet:

@@ -272,6 +272,30 @@ def test_plain_webdataset_set_resolves_by_folder_and_brace_pattern(tmp_path):
         shards.resolve_shard_set(str(folder / "train-{0000..0005}.tar"), index_cache=cache)
 
 
+def test_shards_index_derives_a_plain_sets_indexes_once_in_worker_processes(tmp_path):
+    import webdataset as wds
+    from click.testing import CliRunner
+
+    from cli.shards import shards_group
+
+    folder = tmp_path / "wds"
+    folder.mkdir()
+    with wds.ShardWriter(str(folder / "train-%04d.tar"), maxcount=3, verbose=0) as sink:
+        for i in range(9):
+            sink.write({"__key__": f"s{i:03d}", "jpg": jpeg(i)})
+    cache = tmp_path / "cache"
+    args = ["index", str(folder / "train-{0000..0002}.tar"), "--index-cache", str(cache), "--workers", "2"]
+    first = CliRunner().invoke(shards_group, args)
+    assert first.exit_code == 0 and "3 index file(s) derived" in first.output, first.output
+    resolved = shards.resolve_shard_set(folder, index_cache=cache)
+    assert resolved.counts == (3, 3, 3) and all(p.parent == cache for p in resolved.index_files)
+    second = CliRunner().invoke(shards_group, args)
+    assert second.exit_code == 0 and "0 index file(s) derived" in second.output  # nothing read twice
+    (folder / "train-0004.tar").write_bytes(b"garbage that is not a tar at all" * 40)
+    bad = CliRunner().invoke(shards_group, ["index", str(folder), "--index-cache", str(cache), "--workers", "2"])
+    assert bad.exit_code == 1 and "train-0004.tar" in bad.output and "Traceback" not in bad.output, bad.output
+
+
 def test_own_sets_resolve_against_their_manifest(tmp_path):
     samples = [shards.ShardSample(f"k{i}", {"jpg": jpeg(i)}, label=i % 2) for i in range(5)]
     shards.write_shard_set(samples, tmp_path, max_count=2)
