@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.background_demo import DEMO, DEMO_TESTS
 from tests.paths import SHARED_DATA
 from tests.threads import one_torch_thread
 
@@ -37,12 +38,24 @@ def shared_data() -> Path:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``gpu`` run only where CUDA is available (``pytest -m gpu`` on the GPU machine)."""
+    """Tests marked ``gpu`` run only where CUDA is available (``pytest -m gpu`` on the GPU machine);
+    the reduced-demo tests run last (their demo runs in the background meanwhile)."""
     import torch
 
+    items.sort(key=lambda item: item.nodeid.startswith(DEMO_TESTS))  # stable: the rest keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on a GPU machine)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the reduced demo in the background when a test of it is going to run."""
+    if any(item.nodeid.startswith(DEMO_TESTS) for item in session.items):
+        DEMO.start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    DEMO.stop()

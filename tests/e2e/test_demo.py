@@ -3,32 +3,29 @@ a second run reuses the finished stages, and the page opens in a real browser wi
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from pretrain.report.html import SECTIONS
+from tests.e2e.background_demo import DEMO, TIMEOUT_S, demo_command
 from tests.e2e.conftest import open_page
-from tests.paths import REPO
 
 pytestmark = pytest.mark.slow
 
 
 def _demo(out: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO), DEMO_REDUCED="1", DEMO_OUT=str(out))
-    return subprocess.run(["bash", str(REPO / "scripts" / "demo.sh"), sys.executable], cwd=out.parent, env=env,
-                          capture_output=True, text=True, timeout=900)
+    command, env = demo_command(out)
+    return subprocess.run(command, cwd=out.parent, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
-    out = tmp_path_factory.mktemp("demo") / "demo-out"
-    result = _demo(out)
+def demo() -> tuple[Path, subprocess.CompletedProcess]:
+    """The run started in the background when the session began (tests/conftest.py)."""
+    result = DEMO.result()
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    return out, result
+    return DEMO.out, result
 
 
 def test_reduced_demo_report_has_every_section(demo):
