@@ -46,9 +46,9 @@ from shards.images import ImageLoadError, Rejection, load_scaled
 from shards.index import index_path, read_index
 from shards.keys import UnsafeKeyError, check_key
 from shards.lock import folder_lock
-from shards.manifest import rejected_table, write_manifest, write_table
+from shards.manifest import MANIFEST_NAME, rejected_table, write_manifest, write_table
 from shards.sample import IMAGE_MEMBERS, KEY_PATTERN, MASK_MEMBER, ShardSample, class_index
-from shards.shardset import resolve_shard_set
+from shards.shardset import resolve_shard_set, shard_tars
 from shards.tario import Skipped, TarReadError, iter_tar
 from shards.writer import (
     SampleRecord,
@@ -289,6 +289,15 @@ def _record_valid(out: Path, number: int) -> dict | None:
     return record
 
 
+def _input_tars(config: BuildMasksConfig) -> list[Path]:
+    """The input set's tars in order; a set with a manifest is checked against it (cheap: its index
+    files lie beside its tars). Plain sets are not indexed here (see `build_masks`)."""
+    tars, directory = shard_tars(config.shards)
+    if directory is not None and (directory / MANIFEST_NAME).is_file():
+        return list(resolve_shard_set(config.shards, index_cache=config.index_cache).tars)
+    return tars
+
+
 def check_input(tars: list[Path], out: Path) -> None:
     """Refuse an input that names a tar twice (its samples would be written twice) or lies in `out`
     (the masked tars, `masked-NNNNNN.tar`, would join the input set)."""
@@ -339,8 +348,7 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
     used instead of the model file's network; the file is still read and fingerprinted.
     """
     ranks = ranks or ranks_from_env()
-    shard_set = resolve_shard_set(config.shards, index_cache=config.index_cache)
-    tars = list(shard_set.tars)
+    tars = _input_tars(config)
     out = Path(config.out)
     check_input(tars, out)
     with folder_lock(out, "relicv2 saliency build-masks", enabled=ranks.rank == 0):
@@ -351,13 +359,17 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
         todo = [n for n in mine if _record_valid(out, n) is None]
         # Partial tars a killed run left under temporary names (only this rank's shards).
         remove_stale_temps(out, {shard_name(PREFIX, n) for n in todo} | {index_path(Path(shard_name(PREFIX, n))).name for n in todo})
-        total = sum(shard_set.counts[n] for n in todo)
+        # Only the tars this rank reads are indexed here: a plain set's missing index is derived by
+        # the one rank that masks the tar, not by every rank of the job.
+        indexed = resolve_shard_set([tars[n] for n in todo], index_cache=config.index_cache) if todo else None
+        index_files = dict(zip(todo, indexed.index_files, strict=True)) if indexed else {}
+        total = indexed.samples if indexed else 0
         started, processed = time.monotonic(), 0
         bar = tqdm(total=total, desc="build-masks", unit="img", disable=not config.progress, dynamic_ncols=True)
         with ThreadPoolExecutor(config.workers) as pool:
             for number in todo:
                 record = mask_shard(tars[number], out / shard_name(PREFIX, number), predictor, pool,
-                                    config.batch_size, bar, shard_set.index_files[number])
+                                    config.batch_size, bar, index_files[number])
                 record["input"] = tars[number].name
                 processed += len(record["rows"]) + len(record["rejected"])
                 _record_path(out, number).parent.mkdir(parents=True, exist_ok=True)

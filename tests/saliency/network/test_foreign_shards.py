@@ -186,12 +186,14 @@ def test_kill_and_resume_on_a_foreign_set_is_byte_identical(tmp_path, foreign, t
     files = ("manifest.parquet", "rejected.parquet")
     assert _tars(resumed) == _tars(tmp_path / "whole")
     assert all((resumed / f).read_bytes() == (tmp_path / "whole" / f).read_bytes() for f in files)
-    # Two ranks split the foreign tars without overlap or loss.
-    split = tmp_path / "split"
-    assert build_masks(_config(folder, split, cache, tiny_model), Ranks(1, 2), predictor=SquarePredictor()) is None
+    # Two ranks split the foreign tars without overlap or loss, each indexing only the tars it reads.
+    split, own_cache = tmp_path / "split", tmp_path / "split-cache"
+    assert build_masks(_config(folder, split, own_cache, tiny_model), Ranks(1, 2), predictor=SquarePredictor()) is None
     assert sorted(p.name for p in split.glob("masked-*.tar")) == ["masked-000001.tar", "masked-000002.tar"]
-    build_masks(_config(folder, split, cache, tiny_model), Ranks(0, 2), predictor=SquarePredictor())
+    assert sorted(p.name.rsplit("-", 1)[0] for p in own_cache.iterdir()) == ["train-0001", "train-0002"]
+    build_masks(_config(folder, split, own_cache, tiny_model), Ranks(0, 2), predictor=SquarePredictor())
     assert _tars(split) == _tars(tmp_path / "whole")
+    assert len(list(own_cache.iterdir())) == 3  # train-0000 by rank 0; none derived twice
 
 
 def test_train_samples_a_plain_webdataset_set_from_a_folder_and_a_pattern(tmp_path, foreign) -> None:
