@@ -65,6 +65,7 @@ from pretrain.views.source import ViewSource
 from pretrain.views.synthetic import SyntheticViews
 from shards.atomic import atomic_write_bytes
 from shards.lock import FolderLockedError, folder_lock
+from shards.reader import ReadReport, iter_samples
 from shards.shardset import ShardSetError, shard_tars
 
 JOB_NAME = "relicv2 pretrain"
@@ -125,6 +126,8 @@ def check_before_starting(config: PretrainConfig, resume: str | Path | None) -> 
                 shard_tars(spec)  # a folder, a brace pattern or a tar: cheap, no index is read yet
             except ShardSetError as error:
                 raise ConfigError(f"{key}={spec}: {error}") from None
+            if key.startswith("knn."):
+                _check_first_label(key, spec)
     if resume is not None and not Path(resume).is_file():
         raise ConfigError(f"--resume {resume} does not exist or is not a file; pass a checkpoint-*.pt file")
 
@@ -377,6 +380,18 @@ def _save(state: TrainState, source: ViewSource, config: PretrainConfig, ctx: Di
                               "space or choose another run.output_dir, then rerun to resume") from None
     barrier(ctx)  # no rank moves on (or exits) before the file exists
     return path
+
+
+def _check_first_label(key: str, spec: str) -> None:
+    """The kNN sets' first sample must carry a class index: an unlabelled set (or one with class names
+    in `cls`) would otherwise stop the run at its first epoch end, hours in."""
+    sample = next(iter_samples(spec, report=ReadReport()), None)
+    if sample is None:
+        raise ConfigError(f"{key}={spec}: no readable sample; check the shard set (relicv2 shards verify)")
+    if sample["label"] is None:
+        what = f"cls {sample['label_text']!r}, not a class index" if "label_text" in sample else "no class label"
+        raise ConfigError(f"{key}={spec}: sample {sample['key']} has {what}; the kNN monitor needs integer class "
+                          "labels (relicv2 shards build from class sub-folders), or set knn.train_shards= to turn the monitor off")
 
 
 def _knn_monitor(state: TrainState, config: PretrainConfig, ctx: DistributedContext,

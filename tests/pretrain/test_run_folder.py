@@ -145,6 +145,25 @@ def test_what_the_run_needs_is_checked_before_any_work(tmp_path, monkeypatch, ov
     assert not (tmp_path / "run").exists()
 
 
+def test_a_knn_set_without_class_indices_is_refused_before_any_work(tmp_path):
+    import io
+
+    import webdataset as wds
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (16, 16)).save(buffer, "JPEG")
+    for name, cls in (("unlabelled", None), ("named", b"tench")):
+        (tmp_path / name).mkdir()
+        with wds.ShardWriter(str(tmp_path / name / "train-%04d.tar"), verbose=0) as sink:
+            sink.write({"__key__": "a", "jpg": buffer.getvalue(), **({"cls": cls} if cls else {})})
+    for name, says in (("unlabelled", "sample a has no class label"), ("named", "sample a has cls 'tench', not a class index")):
+        with pytest.raises(ConfigError, match=f"knn.train_shards=.*{name}: {says}.*knn.train_shards= to turn"):
+            quiet_run(tiny_config(tmp_path / "run", f"knn.train_shards={tmp_path / name}",
+                                  f"knn.val_shards={tmp_path / name}"))
+        assert not (tmp_path / "run").exists()
+
+
 def test_output_dir_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "run").write_text("a file")
     with pytest.raises(ConfigError, match="is a file"):
