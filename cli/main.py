@@ -37,7 +37,7 @@ class LazyGroup(click.Group):
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         # Short help comes from the table, so `--help` imports nothing heavy.
         rows = [(name, self.lazy_commands[name][1] if name in self.lazy_commands
-                 else self.commands[name].get_short_help_str())
+                 else self.commands[name].get_short_help_str(limit=formatter.width))
                 for name in self.list_commands(ctx)]
         if rows:
             with formatter.section("Commands"):
@@ -51,8 +51,8 @@ class LazyGroup(click.Group):
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]}, lazy_commands={
-    "shards": ("cli.shards:shards_group", "Build, verify and merge WebDataset shard sets."),
-    "saliency": ("cli.saliency:saliency_group", "Handcrafted saliency maps, evaluation and previews."),
+    "shards": ("cli.shards:shards_group", "Build, verify, index and subset WebDataset shard sets (and merge a multi-rank build)."),
+    "saliency": ("cli.saliency:saliency_group", "Saliency: handcrafted maps, the refined network (train, build-masks), scores, previews."),
     "eval": ("cli.eval:eval_group", "Evaluate pretrained encoders (kNN, linear, fine-tuning)."),
     "demo-data": ("cli.demo:demo_data", "Write the built-in demo image tree (no download)."),
     "report": ("cli.report:report", "Write a static HTML report (PNG figures) of a run's outputs."),
@@ -70,7 +70,10 @@ def cli() -> None:
     "preview-views": ("cli.views:preview_views", "Write a PNG grid of the augmented views of a few images."),
 })
 def pretrain() -> None:
-    """Pretrain a ResNet with ReLICv2 (`relicv2 pretrain [run] ...`), or preview its views."""
+    """Pretrain a ResNet with ReLICv2, or preview its augmented views.
+
+    `relicv2 pretrain --config C ...` is `relicv2 pretrain run --config C ...`.
+    """
 
 
 def main() -> None:

@@ -33,7 +33,7 @@ def _methods(name: str) -> tuple[str, ...]:
 
 @click.group()
 def saliency_group() -> None:
-    """Handcrafted saliency maps, evaluation and previews."""
+    """Saliency: handcrafted maps, the refined network (train, build-masks), scores, previews."""
 
 
 register_network_commands(saliency_group)  # train, build-masks (cli/saliency_network.py)

@@ -1,4 +1,4 @@
-"""`relicv2 shards build | verify | merge`."""
+"""`relicv2 shards build | verify | index | merge | subset`."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def parse_size(text: str) -> int:
 
 @click.group()
 def shards_group() -> None:
-    """Build and verify WebDataset shard sets."""
+    """Build, verify, index and subset WebDataset shard sets (and merge a multi-rank build)."""
 
 
 @shards_group.command("build")
