@@ -165,14 +165,20 @@ def index(spec: str, index_cache: Path | None, workers: int, progress: bool) -> 
 
     cache = index_cache if index_cache is not None else default_index_cache()
     try:
-        written, total = derive_missing_indexes(spec, index_cache=cache, workers=workers, progress=progress)
+        derived = derive_missing_indexes(spec, index_cache=cache, workers=workers, progress=progress)
     except ShardSetError as exc:
         raise click.ClickException(str(exc)) from None
     except OSError as exc:
         raise click.ClickException(f"cannot write index files into {cache} ({exc.strerror or exc}); "
                                    "choose a writable --index-cache") from None
-    click.echo(f"{spec}: {written} index file(s) derived into {cache}, {total - written} already there or beside "
-               f"their tar ({total} tars)")
+    for reason in derived.failed.values():
+        click.echo(reason, err=True)
+    click.echo(f"{spec}: {derived.written} index file(s) derived into {cache}, "
+               f"{derived.tars - derived.written - len(derived.failed)} already there or beside their tar, "
+               f"{len(derived.failed)} unreadable ({derived.tars} tars)")
+    if derived.failed:
+        raise click.ClickException(f"{len(derived.failed)} tar(s) could not be indexed (listed above); "
+                                   "rebuild or remove them")
 
 
 from cli.subset import subset  # noqa: E402  (defined with the evaluation tools)

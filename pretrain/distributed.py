@@ -92,8 +92,8 @@ def share_index_derivation(spec: str | Path, ctx: DistributedContext) -> None:
     each rank derives what its node lacks when it opens the set)."""
     if not ctx.is_distributed:
         return
-    try:
-        derive_missing_indexes(spec, part=(ctx.rank, ctx.world_size))  # progress with a total and ETA
+    try:  # progress with a total and ETA; unreadable tars are reported when every rank opens the set next
+        derive_missing_indexes(spec, part=(ctx.rank, ctx.world_size))
     except (ShardSetError, OSError):
         pass  # every rank meets the same error when it opens the set right after, and reports it there
     barrier(ctx)

@@ -143,33 +143,50 @@ def needs_index(tar: Path, cache: Path) -> bool:
     return not index_path(tar).is_file() and not cached_index_path(tar, cache).is_file()
 
 
+@dataclass(frozen=True)
+class Derived:
+    """What `derive_missing_indexes` did: index files written, tars in the set, unreadable tars."""
+
+    written: int
+    tars: int
+    failed: dict[Path, str]  # tar -> why no index could be derived (one line naming the fix)
+
+
+def _derive(tar: Path, cache: Path) -> str | None:
+    """Write the derived index of `tar`; the reason when the tar cannot be read (a bad tar is
+    reported with the others, not the end of the job)."""
+    try:
+        cached_index(tar, cache)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def derive_missing_indexes(
     spec: str | Path | Sequence[str | Path], *, index_cache: Path | None = None, part: tuple[int, int] = (0, 1),
     workers: int = 1, progress: bool = True,
-) -> tuple[int, int]:
+) -> Derived:
     """Derive the missing indexes of part `index` of `parts` of the set's tars (every parts-th tar),
-    in `workers` processes; returns (how many were written, how many tars the set has).
+    in `workers` processes.
 
     The ranks of a job each call it with their own part before a barrier, so a plain set's tars are
-    read once between them instead of once per rank (with the cache on a shared filesystem).
-    Raises like `resolve_shard_set` (ShardSetError, OSError).
+    read once between them instead of once per rank (with the cache on a shared filesystem). An
+    unreadable spec raises ShardSetError, an unwritable cache OSError; unreadable tars are listed.
     """
     index, parts = part
     tars, _ = shard_tars(spec)
     cache = Path(index_cache) if index_cache is not None else default_index_cache()
     missing = [tar for i, tar in enumerate(tars) if i % parts == index and needs_index(tar, cache)]
     desc = f"index files of {len(tars)} tars" + (f" (part {index + 1}/{parts})" if parts > 1 else "")
-    try:
-        if workers > 1 and len(missing) > 1:
-            with worker_pool(min(workers, len(missing))) as pool:
-                list(tracked(pool.map(cached_index, missing, [cache] * len(missing)), desc, len(missing),
-                             unit="tar", enabled=progress and bool(missing)))
-        else:
-            for tar in tracked(missing, desc, len(missing), unit="tar", enabled=progress and bool(missing)):
-                cached_index(tar, cache)
-    except ValueError as exc:
-        raise ShardSetError(str(exc)) from None
-    return len(missing), len(tars)
+    enabled = progress and bool(missing)
+    if workers > 1 and len(missing) > 1:
+        with worker_pool(min(workers, len(missing))) as pool:
+            reasons = list(tracked(pool.map(_derive, missing, [cache] * len(missing)), desc, len(missing),
+                                   unit="tar", enabled=enabled))
+    else:
+        reasons = [_derive(tar, cache) for tar in tracked(missing, desc, len(missing), unit="tar", enabled=enabled)]
+    failed = {tar: reason for tar, reason in zip(missing, reasons, strict=True) if reason is not None}
+    return Derived(len(missing) - len(failed), len(tars), failed)
 
 
 def resolve_shard_set(spec: str | Path | Sequence[str | Path], *, index_cache: Path | None = None) -> ShardSet:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import shutil
 import struct
 import tarfile
 import zlib
@@ -291,9 +292,13 @@ def test_shards_index_derives_a_plain_sets_indexes_once_in_worker_processes(tmp_
     assert resolved.counts == (3, 3, 3) and all(p.parent == cache for p in resolved.index_files)
     second = CliRunner().invoke(shards_group, args)
     assert second.exit_code == 0 and "0 index file(s) derived" in second.output  # nothing read twice
-    (folder / "train-0004.tar").write_bytes(b"garbage that is not a tar at all" * 40)
+    for number in (3, 4):  # two bad tars among good ones: both reported, the good one still indexed
+        (folder / f"train-000{number}.tar").write_bytes(b"garbage that is not a tar at all" * 40)
+    shutil.copy(folder / "train-0000.tar", folder / "train-0005.tar")
     bad = CliRunner().invoke(shards_group, ["index", str(folder), "--index-cache", str(cache), "--workers", "2"])
-    assert bad.exit_code == 1 and "train-0004.tar" in bad.output and "Traceback" not in bad.output, bad.output
+    assert bad.exit_code == 1 and "Traceback" not in bad.output, bad.output
+    assert "train-0003.tar: is not a readable tar" in bad.output and "train-0004.tar: is not a readable tar" in bad.output
+    assert "1 index file(s) derived" in bad.output and "2 unreadable (6 tars)" in bad.output
 
 
 def test_own_sets_resolve_against_their_manifest(tmp_path):
