@@ -8,6 +8,7 @@ odd/even table from a single place.
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -58,7 +59,7 @@ class ViewConfig:
     # Loading.
     backend: str = "dali"  # "reference": PIL/torchvision on a torch DataLoader (no DALI needed)
     output_dtype: str = "float32"  # "bfloat16" halves host->device traffic on GPU
-    num_threads: int = 2  # DALI CPU threads, or DataLoader workers for the reference
+    num_threads: int = 0  # DALI CPU threads / reference workers; 0: auto (2 on CPU; on GPU a rank's cores - 1, 2-8)
     shuffle_buffer: int = 1024  # reader's in-memory shuffle buffer (samples)
     # Batches prepared ahead (DALI's prefetch queue; DataLoader batches per worker). Three keeps a
     # GPU pipeline ahead of a step whose duration varies (logging, kNN, checkpoints).
@@ -111,8 +112,8 @@ def check_view_config(cfg: ViewConfig) -> None:
         raise ValueError(f"backend must be one of {BACKENDS}, got {cfg.backend!r}")
     if cfg.output_dtype not in OUTPUT_DTYPES:
         raise ValueError(f"output_dtype must be one of {OUTPUT_DTYPES}, got {cfg.output_dtype!r}")
-    if cfg.num_threads < 1 or cfg.shuffle_buffer < 1 or cfg.prefetch < 1:
-        raise ValueError("num_threads, shuffle_buffer and prefetch must be >= 1")
+    if cfg.num_threads < 0 or cfg.shuffle_buffer < 1 or cfg.prefetch < 1:
+        raise ValueError("num_threads must be >= 0 (0: auto), shuffle_buffer and prefetch >= 1")
 
 
 @dataclass(frozen=True)
@@ -177,3 +178,21 @@ PARAM_NAMES = (
 
 # Every order of the colour-jitter operations (0 brightness, 1 contrast, 2 saturation, 3 hue): 4! of them.
 JITTER_ORDERS: tuple[tuple[int, ...], ...] = tuple(itertools.permutations(range(4)))
+
+
+CPU_THREADS = 2  # a laptop: the trainer's own threads need the other cores
+GPU_THREADS_MAX = 8  # per GPU: decoding is mostly on the GPU, the CPU prepares and feeds it
+
+
+def loader_threads(cfg: ViewConfig, device: str, env: dict[str, str] | None = None) -> int:
+    """The loader's CPU threads: `num_threads`, or when 0 (auto) CPU_THREADS on a CPU and, on a GPU,
+    this rank's share of the cores it may use (torchrun's LOCAL_WORLD_SIZE ranks per node) less one
+    for the trainer, between 2 and GPU_THREADS_MAX."""
+    if cfg.num_threads > 0:
+        return cfg.num_threads
+    if not device.startswith("cuda"):
+        return CPU_THREADS
+    env = os.environ if env is None else env
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    per_rank = cores // max(1, int(env.get("LOCAL_WORLD_SIZE", "1")))
+    return max(2, min(GPU_THREADS_MAX, per_rank - 1))

@@ -20,7 +20,7 @@ import torch
 
 from pretrain.views.backend import BackendSetup, ViewBackend
 from pretrain.views.batch import BackendBatch
-from pretrain.views.config import BACKENDS, ViewConfig
+from pretrain.views.config import BACKENDS, ViewConfig, loader_threads
 from pretrain.views.source import GLOBAL_POSITION, StateVersionError, batch_from_global_position
 from pretrain.views.sources import SampleSet, exclude_samples, load_sample_set, samples_per_rank
 
@@ -80,7 +80,7 @@ class ViewLoader:
         if views.backend == "dali" and not dali_available():
             warnings.warn("NVIDIA DALI is not installed; using the PIL/torchvision reference backend", stacklevel=2)
             views = dataclasses.replace(views, backend="reference")
-        self.config: ViewConfig = views
+        self.config: ViewConfig = dataclasses.replace(views, num_threads=loader_threads(views, device))
         self.batch_size, self.device, self.rank, self.world_size, self.seed = batch_size, device, rank, world_size, seed
         decode_check = None
         if verify == "decode":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import warnings
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 import torch
 from PIL import Image
 
-from pretrain.views.config import ViewConfig
+from pretrain.views.config import CPU_THREADS, GPU_THREADS_MAX, ViewConfig, loader_threads
 from pretrain.views.loader import ViewLoader
 from pretrain.views.source import global_position_state
 from shards import ShardSample, write_shard_set
@@ -263,6 +264,19 @@ def test_bad_arguments_are_clear_errors(forty, tmp_path):
         ViewLoader(forty, 64)
     with pytest.raises(ValueError, match="no shards"):
         ViewLoader(tmp_path, 4)
+
+
+def test_auto_threads_are_two_on_a_cpu_and_a_ranks_share_of_the_cores_on_a_gpu(forty, monkeypatch):
+    auto = ViewConfig()
+    assert auto.num_threads == 0 and loader_threads(auto, "cpu") == CPU_THREADS
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)), raising=False)
+    assert loader_threads(auto, "cuda") == GPU_THREADS_MAX  # 16 cores, one GPU: 8, not 15
+    assert loader_threads(auto, "cuda:1", {"LOCAL_WORLD_SIZE": "4"}) == 3  # 4 cores a rank, one for the trainer
+    assert loader_threads(auto, "cuda", {"LOCAL_WORLD_SIZE": "16"}) == 2  # never fewer than 2
+    assert loader_threads(ViewConfig(num_threads=5), "cuda") == 5  # an explicit count is kept
+    assert ViewLoader(forty, 4, auto).config.num_threads == CPU_THREADS  # what the pipeline is built with
+    with pytest.raises(ValueError, match="num_threads must be >= 0"):
+        ViewConfig(num_threads=-1)
 
 
 def test_preview_views_command_writes_a_grid(tmp_path):
