@@ -84,7 +84,7 @@ def build_masked_preview(config: PreviewConfig) -> np.ndarray:
         if len(rows) >= config.count:
             break
         try:
-            rgb = decode_displayed(sample["jpg"], sample["key"])
+            rgb = decode_displayed(sample["image"], sample["key"])
             mask = decode_rgb(sample[MASK_MEMBER], f"{sample['key']}.{MASK_MEMBER}")[..., 0]
         except (SampleDecodeError, ImageReadError, KeyError) as error:
             warnings.warn(f"preview skips {sample['key']}: {error}", stacklevel=2)

@@ -111,8 +111,6 @@ def make_sample(tar: Path, key: str, members: dict[str, bytes]) -> dict:
     for name, value in members.items():
         if name not in ("cls", "json"):
             sample[name] = value
-    # `jpg` holds the image whatever its member name, for callers written before jpeg/png/webp members.
-    sample["jpg"] = image[1]
     return sample
 
 
@@ -166,10 +164,10 @@ def iter_samples(
 ) -> Iterator[dict]:
     """Iterate the samples of a shard folder, a tar, a brace pattern or a list of tars, in shard order.
 
-    Each item: `key`, `image` (bytes of the jpg/jpeg/png/webp member), `image_ext`, `jpg` (the same
-    bytes), `label` (a class index, or None: no `cls`, or one holding a class name, then kept as
-    `label_text`), `meta` (the json dict), `shard` (tar path) and every other member
-    by extension, e.g. `"mask.png"`. Bad shards and samples are recorded in `report` (warnings when
+    Each item: `key`, `image` (bytes of the jpg/jpeg/png/webp member), `image_ext` (its member name),
+    `label` (a class index, or None: no `cls`, or one holding a class name, then kept as `label_text`),
+    `meta` (the json dict), `shard` (tar path) and every other member by extension, e.g. `"mask.png"`
+    (the image too, under its own name). Bad shards and samples are recorded in `report` (warnings when
     None) and skipped. With a folder holding a manifest, the count read is checked against it.
     No node or worker splitting: callers that run on several ranks pass each its own tars.
     """

@@ -108,7 +108,7 @@ def _labelled_images(
                 "integer class labels: build the set with `relicv2 shards build` from a folder with class sub-folders"
             )
         try:
-            image = preprocess(sample["jpg"], crop_size=crop_size, resize_size=resize_size,
+            image = preprocess(sample["image"], crop_size=crop_size, resize_size=resize_size,
                                name=f"{sample['key']} in {sample['shard']}")
         except ImageLoadError as error:  # a corrupt image is reported and skipped, never fatal; a bug surfaces
             skipped.append(sample["key"])

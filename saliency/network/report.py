@@ -96,7 +96,7 @@ def evaluate_report(job, data, trainer, model: SaliencyNet, *, progress: bool = 
     def train_images() -> Iterator[tuple[str, int, np.ndarray]]:
         for sample in iter_samples(out / "sample"):
             if sample["key"] in position:
-                yield sample["key"], position[sample["key"]], decode_displayed(sample["jpg"], sample["key"])
+                yield sample["key"], position[sample["key"]], decode_displayed(sample["image"], sample["key"])
 
     report = {"train": score_rows(train_images(), job.gt, rows, len(position), "report (train)", progress)}
     if job.eval_shards is not None:
@@ -111,7 +111,7 @@ def evaluate_report(job, data, trainer, model: SaliencyNet, *, progress: bool = 
                 if sample["key"] in failed:
                     continue
                 try:
-                    yield sample["key"], i, decode_displayed(sample["jpg"], sample["key"])
+                    yield sample["key"], i, decode_displayed(sample["image"], sample["key"])
                 except SampleDecodeError as error:
                     print(f"report: skipping {error}", file=sys.stderr)
 
