@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs without the
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+import yaml  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from pretrain.views.config import ViewConfig  # noqa: E402
@@ -127,6 +128,8 @@ def main() -> None:
                         help="comma-separated subset of dali-hsv, dali-yiq, reference, floor")
     parser.add_argument("--data", type=Path, default=DATA, help="folder of JPEG photos")
     parser.add_argument("--floor", type=Path, default=FLOOR, help="the dali-views-floor script")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="a views setting for every pipeline (YAML value), e.g. --set hw_decoder_load=0.9")
     args = parser.parse_args()
     if not args.data.is_dir():
         raise SystemExit(f"{args.data} not found; pass --data with a folder of JPEG photos")
@@ -137,7 +140,14 @@ def main() -> None:
     # epoch end, would otherwise count as time without images on a small set.
     images = images[: len(images) // args.batch * args.batch]
     wanted = args.pipelines.split(",")
-    base = ViewConfig(large_size=args.large_size, small_size=args.small_size, num_threads=args.threads)
+    settings = {}
+    for item in args.overrides:
+        key, sep, value = item.partition("=")
+        if not sep or key not in ViewConfig.__dataclass_fields__:
+            raise SystemExit(f"--set {item}: expected KEY=VALUE with KEY a ViewConfig field")
+        settings[key] = yaml.safe_load(value)
+    base = ViewConfig(**{"large_size": args.large_size, "small_size": args.small_size, "num_threads": args.threads,
+                         **settings})
     with tempfile.TemporaryDirectory(prefix="bench-views-") as tmp:
         start = time.perf_counter()
         shards, floor_dir = Path(tmp) / "shards", Path(tmp) / "jpegs"
@@ -147,7 +157,8 @@ def main() -> None:
             (floor_dir / path.name).symlink_to(path.resolve())
         print(f"built {count} masked samples in {time.perf_counter() - start:.1f} s")
         print(f"views: 4 x {args.large_size} + 2 x {args.small_size}, batch {args.batch}, {args.threads} threads/workers, "
-              f"{args.batches} timed batches after {args.warmup}, device {args.device}")
+              f"{args.batches} timed batches after {args.warmup}, device {args.device}"
+              + (f", settings {settings}" if settings else ""))
         rates: dict[str, float] = {}
         cpu_ms: dict[str, float] = {}
         for name in ("dali-hsv", "dali-yiq", "reference"):
@@ -178,7 +189,7 @@ def main() -> None:
                  if other in rates]
         if "reference" in cpu_ms:
             parts.append(f"{cpu_ms['reference'] / cpu_ms[name]:.2f}x reference by CPU time per image")
-        print(f"  {name}: " + ", ".join(parts))
+        print(f"  {name}: " + (", ".join(parts) or "nothing else measured in this run"))
     print(f"load average at the end: {os.getloadavg()[0]:.1f} (a shared machine: wall figures vary)")
 
 
