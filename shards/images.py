@@ -19,6 +19,7 @@ import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -165,6 +166,20 @@ def _open(data: bytes, limits: ImageLimits, *, max_side: int | None = None,
     except DECODE_ERRORS as exc:
         raise RejectedImage(classify_error(exc)) from exc
     return image, (width, height)
+
+
+def header_problem(file: BinaryIO, limits: ImageLimits = DEFAULT_LIMITS) -> Rejection | None:
+    """Why an image (an open binary file) must not be decoded, from its header alone, or None:
+    over `limits.max_pixels`, or a header PIL cannot read. No pixel is decoded."""
+    try:
+        with _own_pixel_limit(), Image.open(file) as image:
+            width, height = image.size
+    except DECODE_ERRORS as exc:
+        return classify_error(exc)
+    if width * height > limits.max_pixels:
+        return Rejection("too_large", f"image is {width}x{height} = {width * height} pixels, over the limit of "
+                                      f"{limits.max_pixels}")
+    return None
 
 
 def open_checked(data: bytes, limits: ImageLimits = DEFAULT_LIMITS, *, draft: bool = False) -> Image.Image:

@@ -8,6 +8,7 @@ reason, and a tar that ends before its end-of-archive blocks is reported as trun
 
 from __future__ import annotations
 
+import io
 import os
 import tarfile
 from collections.abc import Iterator
@@ -122,3 +123,39 @@ def _members(
     handle.seek(end)
     if handle.read(2 * BLOCK) != b"\0" * (2 * BLOCK):
         yield Skipped(None, "truncated", f"the tar ends at byte {size} without its end-of-archive blocks (cut short?)")
+
+
+class MemberReader(io.RawIOBase):
+    """Bytes `offset`..`offset + size` of an open file as a seekable read-only file, read on demand:
+    PIL opens an image member through it and reads only its header. (The standard library has no
+    view of a file slice; tarfile's own member file needs the member's parsed header.)"""
+
+    def __init__(self, handle, offset: int, size: int) -> None:
+        super().__init__()
+        self.fd, self.offset, self.size, self.position = handle.fileno(), offset, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        count = max(0, min(len(buffer), self.size - self.position))
+        data = os.pread(self.fd, count, self.offset + self.position) if count else b""
+        buffer[: len(data)] = data
+        self.position += len(data)
+        return len(data)
+
+    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.size}[whence]
+        self.position = max(0, base + position)
+        return self.position
+
+    def tell(self) -> int:
+        return self.position
+
+
+def member_file(handle, offset: int, size: int) -> io.BufferedReader:
+    """A buffered :class:`MemberReader` (header reads cost one or two small reads)."""
+    return io.BufferedReader(MemberReader(handle, offset, size), buffer_size=16384)

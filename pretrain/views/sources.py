@@ -6,7 +6,10 @@ must never reach it):
 2. When a loader opens a shard set, every sample is checked cheaply from its index: exactly one
    image member (`IMAGE_MEMBERS`) must exist, be non-empty and carry its format's signature and
    end marker (catches truncated, empty and mislabelled data); a `mask.png` member, when present,
-   must carry the PNG signature. `verify="decode"`
+   must carry the PNG signature; no member may exceed `max_member_bytes`. In a set without a
+   manifest (another tool's), the image's and mask's headers are read too and pictures over
+   `max_pixels` are left out ("too_large"), so a decompression bomb never reaches a decoder (sets
+   from `shards build` and `saliency build-masks` were checked when written). `verify="decode"`
    additionally decodes every image and mask with the same decoder as DALI (exact, but as slow as
    an epoch of decoding).
 3. Failing samples are left out of a filtered copy of the index files (the tars are not touched),
@@ -35,9 +38,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shards import index_path, read_index, resolve_shard_set
+from shards.images import header_problem
 from shards.index import IndexFileError, entries_key, format_index, split_member_name
 from shards.keys import UnsafeKeyError, check_key
+from shards.limits import DEFAULT_LIMITS
 from shards.sample import IMAGE_MEMBERS, LABEL_MEMBER, MASK_MEMBER, class_index
+from shards.tario import member_file
 
 # (leading signature, trailing end marker) per image format; WebP has no end marker but a RIFF size.
 JPEG_SOI, JPEG_EOI = b"\xff\xd8", b"\xff\xd9"
@@ -110,13 +116,20 @@ def reader_samples_per_rank(count: int, world_size: int) -> int:
     return -(-count // world_size)
 
 
-def structural_problem(sample: SampleRef, handle) -> str | None:
-    """A short reason code when the sample's members are visibly broken, else None."""
+def structural_problem(sample: SampleRef, handle, headers: bool = False) -> str | None:
+    """A short reason code when the sample's members are visibly broken, else None.
+
+    `headers`: also read the image's and the mask's headers (a few hundred bytes each) and refuse
+    pictures over `DEFAULT_LIMITS.max_pixels` before any decoder sees them (sets from other tools;
+    `shards build` and `saliency build-masks` checked theirs when writing them).
+    """
     images = [ext for ext in IMAGE_MEMBERS if ext in sample.members]
     if not images:
         return "no_image"
     if len(images) > 1:
         return "several_images"  # DALI's reader would refuse the sample: which one is the image?
+    if any(size > DEFAULT_LIMITS.max_member_bytes for _, size, _ in sample.members.values()):
+        return "too_large"
     offset, size, _ = sample.members[images[0]]
     if size < 12:
         return "empty_image"
@@ -135,6 +148,12 @@ def structural_problem(sample: SampleRef, handle) -> str | None:
         offset, size, _ = sample.members[MASK_MEMBER]
         if size < len(PNG_SIGNATURE) or os.pread(handle.fileno(), len(PNG_SIGNATURE), offset) != PNG_SIGNATURE:
             return "bad_mask"
+    if headers:
+        for ext in (images[0], MASK_MEMBER):
+            if ext in sample.members:
+                rejection = header_problem(member_file(handle, *sample.members[ext][:2]))
+                if rejection is not None:
+                    return rejection.reason if ext != MASK_MEMBER else "bad_mask"
     return None
 
 
@@ -210,7 +229,7 @@ def load_sample_set(
         kept = []
         with open(tar, "rb") as handle:
             for ref in index_samples(tar, idx):
-                reason = structural_problem(ref, handle)
+                reason = structural_problem(ref, handle, headers=shard_set.manifest is None)
                 if reason is None:
                     kept.append(ref)
                 else:

@@ -89,6 +89,29 @@ def test_class_names_in_cls_members_pretrain_unlabelled_instead_of_being_refused
     assert all(b["labels"] is None for b in batches)  # names are not class indices: no sample is labelled
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_plain_sets_bomb_images_and_masks_are_left_out_before_any_decoder(tmp_path, backend):
+    """A header claiming 30000 x 30000 pixels (an image or a mask) never reaches a decoder."""
+    import webdataset as wds
+
+    from tests.shards.test_hostile import bomb_png
+
+    (tmp_path / "wds").mkdir()
+    mask = io.BytesIO()
+    Image.new("L", (40, 32), 255).save(mask, "PNG")
+    with wds.ShardWriter(str(tmp_path / "wds" / "train-%04d.tar"), maxcount=5, verbose=0) as sink:
+        for i in range(10):
+            sink.write({"__key__": f"s{i:02d}", "png": encoded(i, "PNG"), "mask.png": mask.getvalue()})
+        sink.write({"__key__": "bomb", "png": bomb_png()})
+        sink.write({"__key__": "maskbomb", "png": encoded(11, "PNG"), "mask.png": bomb_png(20000, 20000)})
+    with pytest.warns(UserWarning, match="left out 2 bad samples"):
+        sample_set = load_sample_set(tmp_path / "wds")
+    assert dict(sample_set.skipped) == {"too_large": 1, "bad_mask": 1} and len(sample_set) == 10
+    with pytest.warns(UserWarning, match="left out 2"):
+        loader = ViewLoader(tmp_path / "wds", 5, TINY, seed=1, backend=backend)
+    assert sorted(k for b in loader for k in b["keys"]) == [f"s{i:02d}" for i in range(10)]
+
+
 def test_truncated_images_are_left_out_by_the_cheap_check_and_a_garbage_label_unlabels(tmp_path):
     good = [ShardSample(f"g{i}", {"png": encoded(i, "PNG")}, None, {}) for i in range(4)]
     png, webp = encoded(50, "PNG"), encoded(51, "WEBP")
