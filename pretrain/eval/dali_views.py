@@ -25,7 +25,7 @@ from nvidia.dali.plugin.pytorch import DALIGenericIterator
 from pretrain.views.config import IMAGENET_MEAN, IMAGENET_STD
 from pretrain.views.dali import find_undecodable
 from pretrain.views.sources import load_sample_set
-from shards.sample import IMAGE_MEMBERS
+from shards.sample import IMAGE_MEMBERS, LABEL_MEMBER, MAX_LABEL_BYTES, class_index
 
 READER = "eval"
 
@@ -33,7 +33,7 @@ READER = "eval"
 @pipeline_def
 def _eval_pipeline(tars, index_files, *, train: bool, crop_size: int, resize_size: int, scale, gpu: bool,
                    rank: int, world: int, reader_seed: int):
-    jpeg, cls = fn.readers.webdataset(paths=tars, index_paths=index_files, ext=[";".join(IMAGE_MEMBERS), "cls"], name=READER,
+    jpeg, cls = fn.readers.webdataset(paths=tars, index_paths=index_files, ext=[";".join(IMAGE_MEMBERS), LABEL_MEMBER], name=READER,
                                       shard_id=rank, num_shards=world, random_shuffle=train, initial_fill=1024,
                                       seed=reader_seed, pad_last_batch=True)
     device = "mixed" if gpu else "cpu"
@@ -50,7 +50,8 @@ def _eval_pipeline(tars, index_files, *, train: bool, crop_size: int, resize_siz
     images = fn.crop_mirror_normalize(images, crop=(crop_size, crop_size), mirror=mirror, dtype=types.FLOAT,
                                       output_layout="CHW", mean=[m * 255 for m in IMAGENET_MEAN],
                                       std=[s * 255 for s in IMAGENET_STD])
-    return images, fn.pad(cls, shape=[12], fill_value=32)  # ASCII class index, space-padded
+    # Labels stay bytes (class indices in ASCII, checked by `class_count`), space-padded to one length.
+    return images, fn.pad(cls, shape=[MAX_LABEL_BYTES], fill_value=32)
 
 
 class DaliViews:
@@ -80,5 +81,5 @@ class DaliViews:
         """One pass over this rank's share: (images, labels, 0) like the PIL loader's batches."""
         for batch in self.iterator:
             codes = batch[0]["cls"].cpu().numpy().astype(np.uint8)
-            labels = torch.tensor([int(bytes(row).decode().strip()) for row in codes])
+            labels = torch.tensor([class_index(bytes(row)) for row in codes])
             yield batch[0]["images"], labels, 0
