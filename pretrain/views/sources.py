@@ -42,9 +42,11 @@ from shards.images import header_problem
 from shards.index import IndexFileError, entries_key, format_index, split_member_name
 from shards.keys import UnsafeKeyError, check_key
 from shards.limits import DEFAULT_LIMITS
+from shards.progress import tracked
 from shards.sample import IMAGE_MEMBERS, LABEL_MEMBER, MASK_MEMBER, class_index
 from shards.tario import member_file
 
+PROGRESS_FROM = 100_000  # samples: a set this large takes seconds to check (a minute with headers)
 # (leading signature, trailing end marker) per image format; WebP has no end marker but a RIFF size.
 JPEG_SOI, JPEG_EOI = b"\xff\xd8", b"\xff\xd9"
 PNG_SIGNATURE, PNG_IEND = b"\x89PNG\r\n\x1a\n", b"IEND\xaeB`\x82"
@@ -225,11 +227,13 @@ def load_sample_set(
     per_tar: list[list[SampleRef]] = []
     skipped: Counter = Counter()
     skipped_keys: list[str] = []
-    for tar, idx in zip(tars, shard_set.index_files, strict=True):
+    headers = shard_set.manifest is None
+    for tar, idx in tracked(zip(tars, shard_set.index_files, strict=True), f"checking the samples of {directory}",
+                            len(tars), unit="tar", enabled=shard_set.samples >= PROGRESS_FROM):
         kept = []
         with open(tar, "rb") as handle:
             for ref in index_samples(tar, idx):
-                reason = structural_problem(ref, handle, headers=shard_set.manifest is None)
+                reason = structural_problem(ref, handle, headers=headers)
                 if reason is None:
                     kept.append(ref)
                 else:

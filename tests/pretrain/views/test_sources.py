@@ -112,6 +112,15 @@ def test_a_plain_sets_bomb_images_and_masks_are_left_out_before_any_decoder(tmp_
     assert sorted(k for b in loader for k in b["keys"]) == [f"s{i:02d}" for i in range(10)]
 
 
+def test_checking_a_large_set_shows_progress_over_its_tars(tmp_path, monkeypatch, capsys):
+    foreign_set(tmp_path / "plain", 14)  # 3 tars
+    load_sample_set(tmp_path / "plain")
+    assert "checking the samples" not in capsys.readouterr().err  # small sets stay quiet
+    monkeypatch.setattr("pretrain.views.sources.PROGRESS_FROM", 10)
+    load_sample_set(tmp_path / "plain")
+    assert "checking the samples of " in capsys.readouterr().err  # a line off a terminal, a bar with ETA on one
+
+
 def test_truncated_images_are_left_out_by_the_cheap_check_and_a_garbage_label_unlabels(tmp_path):
     good = [ShardSample(f"g{i}", {"png": encoded(i, "PNG")}, None, {}) for i in range(4)]
     png, webp = encoded(50, "PNG"), encoded(51, "WEBP")
