@@ -53,7 +53,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Start the reduced demo in the background when a test of it is going to run."""
-    if any(item.nodeid.startswith(DEMO_TESTS) for item in session.items):
+    if not session.config.option.collectonly and any(item.nodeid.startswith(DEMO_TESTS) for item in session.items):
         DEMO.start()
 
 
