@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import sys
@@ -20,6 +19,7 @@ from shards.merge import merge_shard_set
 from shards.ranks import RanksError, ranks_from_env
 from shards.sources import LAYOUTS, InputError
 from shards.verify import verify_shard_set
+from shards.workers import usable_cores
 
 SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -49,7 +49,7 @@ def shards_group() -> None:
 @click.option("--quality", default=95, show_default=True, help="JPEG quality for converted (non-JPEG/non-RGB) images.")
 @click.option("--layout", type=click.Choice(LAYOUTS), default="auto", show_default=True,
               help="Folder input: classes = one sub-folder per class; flat = unlabeled (recursive); auto = classes when sub-folders exist.")
-@click.option("--workers", type=click.IntRange(min=1), default=os.cpu_count() or 1, show_default=True,
+@click.option("--workers", type=click.IntRange(min=1), default=usable_cores(), show_default=True,
               help="Decoding processes (at least 1).")
 @click.option("--max-pixels", type=click.IntRange(min=1), default=DEFAULT_MAX_PIXELS, show_default=True,
               help="Refuse images with more pixels than this (checked from the header, before decoding).")
@@ -122,7 +122,7 @@ def merge(directory: Path, wait: float) -> None:
 
 @shards_group.command("verify")
 @click.argument("directory", type=click.Path(path_type=Path))
-@click.option("--workers", type=click.IntRange(min=1), default=os.cpu_count() or 1, show_default=True,
+@click.option("--workers", type=click.IntRange(min=1), default=usable_cores(), show_default=True,
               help="Processes checking shards (at least 1).")
 @click.option("--decode/--no-decode", default=True, show_default=True, help="Fully decode every image.")
 @index_cache_option
@@ -150,7 +150,7 @@ def verify(directory: Path, workers: int, decode: bool, index_cache: Path | None
 @shards_group.command("index")
 @click.argument("spec", metavar="SHARDS")
 @index_cache_option
-@click.option("--workers", type=click.IntRange(min=1), default=os.cpu_count() or 1, show_default=True,
+@click.option("--workers", type=click.IntRange(min=1), default=usable_cores(), show_default=True,
               help="Processes reading tars at once.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show progress.")
 def index(spec: str, index_cache: Path | None, workers: int, progress: bool) -> None:

@@ -30,6 +30,11 @@ def _watch_parent(parent: int) -> None:
         time.sleep(POLL_S)
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask under SLURM or taskset; all elsewhere)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def die_with_parent(parent: int) -> None:
     """Worker initializer: exit when process `parent` (the job) dies."""
     if sys.platform.startswith("linux"):

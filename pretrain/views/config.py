@@ -11,6 +11,8 @@ import itertools
 import os
 from dataclasses import dataclass
 
+from shards.workers import usable_cores
+
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 GRAYSCALE_WEIGHTS = (0.2989, 0.5870, 0.1140)  # paper and torchvision's rgb_to_grayscale
@@ -193,6 +195,5 @@ def loader_threads(cfg: ViewConfig, device: str, env: dict[str, str] | None = No
     if not device.startswith("cuda"):
         return CPU_THREADS
     env = os.environ if env is None else env
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    per_rank = cores // max(1, int(env.get("LOCAL_WORLD_SIZE", "1")))
+    per_rank = usable_cores() // max(1, int(env.get("LOCAL_WORLD_SIZE", "1")))
     return max(2, min(GPU_THREADS_MAX, per_rank - 1))

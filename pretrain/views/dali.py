@@ -23,21 +23,27 @@ from pretrain.views.batch import BackendBatch, assemble_params, labels_tensor
 from pretrain.views.config import view_specs
 from pretrain.views.dali_pipeline import READER_NAME, build_view_pipeline
 from pretrain.views.sources import MASK_MEMBER, SampleRef, exclude_samples, reader_samples_per_rank
+from shards.progress import tracked
 from shards.sample import class_index
+from shards.workers import usable_cores
 
 __all__ = ["DaliBackend", "find_undecodable", "is_decode_error"]
 
 DECODER_OPERATOR = "operator `nvidia.dali.fn.decoders.image`"  # how DALI names the decoder in its errors
 
 
-def find_undecodable(samples: Sequence[SampleRef], batch_size: int = 64) -> dict[str, str]:
+def find_undecodable(samples: Sequence[SampleRef], batch_size: int = 256, threads: int | None = None) -> dict[str, str]:
     """Keys of samples whose image or mask DALI's CPU decoder rejects, with a reason code.
 
-    A failing batch is bisected (a failed pipeline is unusable, so each try builds a new one).
+    Decodes in batches on every core this process may use (`threads`); a failing batch is bisected
+    (a failed pipeline is unusable, so each try builds a new one). On a large set this is a pass of
+    decoding (minutes for ImageNet), shown with progress.
     """
+    threads = threads or usable_cores()
     bad: dict[str, str] = {}
-    for start in range(0, len(samples), batch_size):
-        _bisect_decode(list(samples[start : start + batch_size]), bad)
+    starts = range(0, len(samples), batch_size)
+    for start in tracked(starts, "decoding every sample", len(starts), unit="batch", enabled=len(starts) > 8):
+        _bisect_decode(list(samples[start : start + batch_size]), bad, threads)
     return bad
 
 
@@ -51,13 +57,13 @@ def is_decode_error(error: RuntimeError) -> bool:
     return DECODER_OPERATOR in str(error)
 
 
-def _decodes(chunk: list[SampleRef], ext: str) -> bool:
+def _decodes(chunk: list[SampleRef], ext: str, threads: int) -> bool:
     data = [s.read_image() if ext == "image" else s.read(ext) for s in chunk]
     data = [d for d in data if d]
     if not data:
         return True
 
-    @pipeline_def(batch_size=len(data), num_threads=1, device_id=None)
+    @pipeline_def(batch_size=len(data), num_threads=max(1, min(threads, len(data))), device_id=None)
     def check():
         raw = fn.external_source(source=lambda: [np.frombuffer(d, np.uint8) for d in data], batch=True)
         return fn.decoders.image(raw, device="cpu", output_type=types.ANY_DATA)
@@ -73,16 +79,16 @@ def _decodes(chunk: list[SampleRef], ext: str) -> bool:
         raise
 
 
-def _bisect_decode(chunk: list[SampleRef], bad: dict[str, str]) -> None:
+def _bisect_decode(chunk: list[SampleRef], bad: dict[str, str], threads: int) -> None:
     for ext, reason in (("image", "undecodable_image"), (MASK_MEMBER, "bad_mask")):
-        if _decodes(chunk, ext):
+        if _decodes(chunk, ext, threads):
             continue
         if len(chunk) == 1:
             bad[chunk[0].key] = reason
             return
         half = len(chunk) // 2
-        _bisect_decode(chunk[:half], bad)
-        _bisect_decode(chunk[half:], bad)
+        _bisect_decode(chunk[:half], bad, threads)
+        _bisect_decode(chunk[half:], bad, threads)
         return
 
 
