@@ -66,6 +66,7 @@ from pretrain.views.synthetic import SyntheticViews
 from shards.atomic import atomic_write_bytes
 from shards.lock import FolderLockedError, folder_lock
 from shards.reader import ReadReport, iter_samples
+from shards.sample import missing_label
 from shards.shardset import ShardSetError, shard_tars
 
 JOB_NAME = "relicv2 pretrain"
@@ -389,8 +390,8 @@ def _check_first_label(key: str, spec: str) -> None:
     if sample is None:
         raise ConfigError(f"{key}={spec}: no readable sample; check the shard set (relicv2 shards verify)")
     if sample["label"] is None:
-        what = f"cls {sample['label_text']!r}, not a class index" if "label_text" in sample else "no class label"
-        raise ConfigError(f"{key}={spec}: sample {sample['key']} has {what}; the kNN monitor needs integer class "
+        raise ConfigError(f"{key}={spec}: sample {sample['key']} has {missing_label(sample.get('label_text'))}; the "
+                          "kNN monitor needs integer class "
                           "labels (relicv2 shards build from class sub-folders), or set knn.train_shards= to turn the monitor off")
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from shards.index import split_member_name
 from shards.limits import DEFAULT_LIMITS, ImageLimits
 from shards.manifest import MANIFEST_NAME, read_manifest
-from shards.sample import IMAGE_MEMBERS, LABEL_MEMBER, class_index
+from shards.sample import IMAGE_MEMBERS, LABEL_MEMBER, class_index, label_text
 from shards.shardset import SHARD_PATTERN, ShardSetError, list_shard_files, shard_tars
 from shards.tario import Member, Skipped, TarReadError, iter_tar
 
@@ -107,7 +107,7 @@ def make_sample(tar: Path, key: str, members: dict[str, bytes]) -> dict:
         raise ValueError(f"json member is not valid JSON ({exc})") from None
     sample = {"key": key, "shard": str(tar), "label": label, "meta": meta, "image_ext": image[0], "image": image[1]}
     if label is None and LABEL_MEMBER in members:  # a class name (other tools write them): kept, unlabelled
-        sample["label_text"] = members[LABEL_MEMBER].decode("utf-8", "replace").strip()[:200]
+        sample["label_text"] = label_text(members[LABEL_MEMBER])
     for name, value in members.items():
         if name not in ("cls", "json"):
             sample[name] = value

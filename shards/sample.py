@@ -24,6 +24,16 @@ LABEL_MEMBER = "cls"
 MAX_LABEL_BYTES = 20  # a class index with room for whitespace; anything longer is not one
 
 
+def label_text(raw: bytes) -> str:
+    """A `cls` member as text for messages and metadata (class names are kept, not refused)."""
+    return raw.decode("utf-8", "replace").strip()[:200]
+
+
+def missing_label(text: str | None) -> str:
+    """Why a sample has no class index, for messages: `text` is its `cls` member's text (None: none)."""
+    return "no class label (.cls)" if text is None else f"cls {text[:40]!r}, not a class index"
+
+
 def class_index(raw: bytes | None) -> int | None:
     """The class index a `cls` member holds, or None (no member, empty, or not a decimal number)."""
     if raw is None or len(raw) > MAX_LABEL_BYTES:

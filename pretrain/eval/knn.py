@@ -27,6 +27,7 @@ from pretrain.config import KnnConfig
 from pretrain.distributed import DistributedContext, gather_object
 from shards import iter_samples, resolve_shard_set
 from shards.images import ImageLoadError, load_image
+from shards.sample import missing_label
 
 __all__ = ["KnnResult", "encoder_from_checkpoint", "evaluate_knn", "extract_features", "knn_predict",
            "random_encoder", "resolve_checkpoint"]
@@ -102,9 +103,9 @@ def _labelled_images(
         if position % parts != index:
             continue
         if sample["label"] is None:
-            what = f"cls {sample['label_text']!r}, not a class index" if "label_text" in sample else "no class label"
             raise ValueError(
-                f"sample {sample['key']} in {sample['shard']} has {what}; kNN and linear evaluation need "
+                f"sample {sample['key']} in {sample['shard']} has {missing_label(sample.get('label_text'))}; kNN "
+                "and linear evaluation need "
                 "integer class labels: build the set with `relicv2 shards build` from a folder with class sub-folders"
             )
         try:

@@ -43,7 +43,14 @@ from shards.index import IndexFileError, entries_key, format_index, split_member
 from shards.keys import UnsafeKeyError, check_key
 from shards.limits import DEFAULT_LIMITS
 from shards.progress import tracked
-from shards.sample import IMAGE_MEMBERS, LABEL_MEMBER, MASK_MEMBER, class_index
+from shards.sample import (
+    IMAGE_MEMBERS,
+    LABEL_MEMBER,
+    MASK_MEMBER,
+    class_index,
+    label_text,
+    missing_label,
+)
 from shards.tario import member_file
 
 PROGRESS_FROM = 100_000  # samples: a set this large takes seconds to check (a minute with headers)
@@ -271,7 +278,7 @@ def require_class_labels(samples: Sequence[SampleRef], source: Path | str) -> li
         label = sample.label
         if label is None:
             raw = sample.read(LABEL_MEMBER)
-            what = "no class label (.cls)" if raw is None else f"cls {raw[:40]!r}, not a class index"
+            what = missing_label(None if raw is None else label_text(raw))
             raise ValueError(
                 f"{source}: sample {sample.key} in {sample.tar.name} has {what}; evaluation needs integer class "
                 "labels: build the set with `relicv2 shards build` from a folder with class sub-folders"

@@ -47,7 +47,14 @@ from shards.index import index_path, read_index
 from shards.keys import UnsafeKeyError, check_key
 from shards.lock import folder_lock
 from shards.manifest import MANIFEST_NAME, rejected_table, write_manifest, write_table
-from shards.sample import IMAGE_MEMBERS, KEY_PATTERN, MASK_MEMBER, ShardSample, class_index
+from shards.sample import (
+    IMAGE_MEMBERS,
+    KEY_PATTERN,
+    MASK_MEMBER,
+    ShardSample,
+    class_index,
+    label_text,
+)
 from shards.shardset import resolve_shard_set, shard_tars
 from shards.tario import Skipped, TarReadError, iter_tar
 from shards.writer import (
@@ -151,7 +158,7 @@ def read_label(cls: bytes | None) -> tuple[int | None, str | None]:
     if cls is None:
         return None, None
     label = class_index(cls)
-    return (label, None) if label is not None else (None, cls.decode("utf-8", "replace").strip()[:200])
+    return (label, None) if label is not None else (None, label_text(cls))
 
 
 def prepare(sample: RawSample, size: int) -> tuple[np.ndarray, int, int] | Rejection:

@@ -90,5 +90,5 @@ def test_class_names_in_cls_members_are_one_clear_error_before_training(tmp_path
         "linear", "--random-init", "18", "--train", str(tmp_path), "--val", str(tmp_path), "--device", "cpu",
         "--set", f"backend={backend}", "--set", "epochs=1", "--set", "crop_size=16", "--set", "resize_size=16"])
     assert result.exit_code == 1, result.output
-    assert "sample n0 in named-0000.tar has cls b'tench', not a class index" in result.output
+    assert "sample n0 in named-0000.tar has cls 'tench', not a class index" in result.output
     assert "relicv2 shards build" in result.output and "Traceback" not in result.output

@@ -141,7 +141,7 @@ def test_truncated_images_are_left_out_by_the_cheap_check_and_a_garbage_label_un
     assert dict(sample_set.skipped) == {"truncated_image": 2, "several_images": 1}
     assert sorted(s.key for s in sample_set.samples) == [f"g{i}" for i in range(4)] + ["garbagelabel"]
     assert next(s for s in sample_set.samples if s.key == "garbagelabel").label is None  # kept, unlabelled
-    with pytest.raises(ValueError, match=r"sample garbagelabel in images-0+\.tar has cls b'x', not a class index"):
+    with pytest.raises(ValueError, match=r"sample garbagelabel in images-0+\.tar has cls 'x', not a class index"):
         require_class_labels(sample_set.samples[-1:], tmp_path)  # what evaluation asks
     with pytest.raises(ValueError, match=r"sample g0 in images-0+\.tar has no class label \(\.cls\)"):
         require_class_labels(sample_set.samples, tmp_path)
