@@ -85,17 +85,18 @@ def barrier(ctx: DistributedContext) -> None:
         dist.barrier()
 
 
-def share_index_derivation(spec: str | Path, ctx: DistributedContext) -> None:
-    """In a multi-rank job, derive a plain shard set's missing index files split over the ranks, then
+def share_index_derivation(ctx: DistributedContext | None, *specs: str | Path) -> None:
+    """In a multi-rank job, derive the shard sets' missing index files split over the ranks, then
     wait for all: each tar is read once by one rank instead of once by every rank (given an index
     cache every rank sees, e.g. `$RELICV2_INDEX_CACHE` on a shared filesystem; with node-local caches
-    each rank derives what its node lacks when it opens the set)."""
-    if not ctx.is_distributed:
+    each rank derives what its node lacks when it opens a set)."""
+    if ctx is None or not ctx.is_distributed:
         return
-    try:  # progress with a total and ETA; unreadable tars are reported when every rank opens the set next
-        derive_missing_indexes(spec, part=(ctx.rank, ctx.world_size))
-    except (ShardSetError, OSError):
-        pass  # every rank meets the same error when it opens the set right after, and reports it there
+    for spec in specs:
+        try:  # progress with a total and ETA; unreadable tars are reported when every rank opens the set next
+            derive_missing_indexes(spec, part=(ctx.rank, ctx.world_size))
+        except (ShardSetError, OSError):
+            pass  # every rank meets the same error when it opens the set right after, and reports it there
     barrier(ctx)
 
 

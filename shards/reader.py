@@ -18,7 +18,14 @@ from pathlib import Path
 from shards.index import split_member_name
 from shards.limits import DEFAULT_LIMITS, ImageLimits
 from shards.manifest import MANIFEST_NAME, read_manifest
-from shards.sample import IMAGE_MEMBERS, LABEL_MEMBER, class_index, label_text
+from shards.sample import (
+    GENERATED_MEMBERS,
+    IMAGE_MEMBERS,
+    LABEL_MEMBER,
+    class_index,
+    image_member_name,
+    label_text,
+)
 from shards.shardset import SHARD_PATTERN, ShardSetError, list_shard_files, shard_tars
 from shards.tario import Member, Skipped, TarReadError, iter_tar
 
@@ -89,10 +96,8 @@ def list_shards(directory: Path, prefix: str | None = None) -> list[Path]:
 
 def image_member(members: dict[str, bytes]) -> tuple[str, bytes] | None:
     """The image of a sample: the first member named like an image (jpg, jpeg, png, webp), or None."""
-    for ext in IMAGE_MEMBERS:
-        if ext in members:
-            return ext, members[ext]
-    return None
+    ext = image_member_name(members)
+    return None if ext is None else (ext, members[ext])
 
 
 def make_sample(tar: Path, key: str, members: dict[str, bytes]) -> dict:
@@ -109,7 +114,7 @@ def make_sample(tar: Path, key: str, members: dict[str, bytes]) -> dict:
     if label is None and LABEL_MEMBER in members:  # a class name (other tools write them): kept, unlabelled
         sample["label_text"] = label_text(members[LABEL_MEMBER])
     for name, value in members.items():
-        if name not in ("cls", "json"):
+        if name not in GENERATED_MEMBERS:
             sample[name] = value
     return sample
 

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+from collections.abc import Container
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 # Keys become tar member names `{key}.{ext}`; webdataset and DALI split a name at its first dot,
 # and ustar headers hold 100 bytes, so keys are short ASCII words without dots.
 KEY_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,80}")
 EXT_PATTERN = re.compile(r"[a-z0-9_]+(\.[a-z0-9_]+)*")
-GENERATED_MEMBERS = ("cls", "json")
 # Member names an image may have in a sample, in order of preference: what `shards build` writes
 # (jpg) and what other WebDataset tools write. The one list every reader uses.
 IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")
@@ -22,6 +24,17 @@ MASK_MEMBER = "mask.png"
 # tools also write class names there, which readers keep as unlabelled rather than refuse.
 LABEL_MEMBER = "cls"
 MAX_LABEL_BYTES = 20  # a class index with room for whitespace; anything longer is not one
+GENERATED_MEMBERS = (LABEL_MEMBER, "json")  # written by the writer from `label` and `meta`
+
+
+def image_member_name(members: Container[str]) -> str | None:
+    """The member holding a sample's image: the first of IMAGE_MEMBERS among `members`, or None."""
+    return next((ext for ext in IMAGE_MEMBERS if ext in members), None)
+
+
+def read_class_index(handle: BinaryIO, offset: int, size: int) -> int | None:
+    """`class_index` of a `cls` member at `offset` in an open tar, reading at most what one can hold."""
+    return class_index(os.pread(handle.fileno(), min(size, MAX_LABEL_BYTES + 1), offset))
 
 
 def label_text(raw: bytes) -> str:
@@ -84,7 +97,7 @@ def sample_members(sample: ShardSample) -> list[tuple[str, bytes]]:
     """All members of a sample as (extension, bytes), sorted by extension: the order in the tar."""
     members = {ext: bytes(data) for ext, data in sample.members.items()}
     if sample.label is not None:
-        members["cls"] = str(sample.label).encode("ascii")
+        members[LABEL_MEMBER] = str(sample.label).encode("ascii")
     try:
         members["json"] = json.dumps(
             sample.meta, sort_keys=True, separators=(",", ":"), ensure_ascii=False

@@ -23,6 +23,7 @@ from shards.atomic import atomic_write_bytes
 from shards.index import index_path, index_text, read_index
 from shards.manifest import MANIFEST_NAME, is_plain_tar_name, read_manifest
 from shards.progress import Phase, tracked
+from shards.sample import LABEL_MEMBER
 from shards.workers import worker_pool
 
 # Shard file names: ours are `{prefix}-NNNNNN.tar`; other tools write 4 or 5 digits too.
@@ -233,7 +234,7 @@ def resolve_shard_set(spec: str | Path | Sequence[str | Path], *, index_cache: P
             ) from None
         index_files.append(idx)
         counts.append(len(samples))
-        labelled = labelled or any(e[0] == "cls" for s in samples for e in s)
+        labelled = labelled or any(e[0] == LABEL_MEMBER for s in samples for e in s)
     phase.close()
     if manifest is not None:
         per_shard: dict[str, int] = {}

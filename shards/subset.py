@@ -8,7 +8,6 @@ file: `#` comment lines (how it was made), then one key per line, sorted.
 from __future__ import annotations
 
 import math
-import os
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ import numpy as np
 from shards.atomic import atomic_output
 from shards.index import entries_key, read_index
 from shards.keys import check_key
-from shards.sample import LABEL_MEMBER, class_index
+from shards.sample import LABEL_MEMBER, read_class_index
 from shards.shardset import resolve_shard_set
 
 
@@ -41,10 +40,9 @@ def keys_and_labels(spec: str | Path, *, index_cache: Path | None = None) -> Ite
     for tar, idx in zip(shard_set.tars, shard_set.index_files, strict=True):
         with open(tar, "rb") as handle:
             for entries in read_index(idx, tar):
-                key = entries_key(entries)
-                label = next((class_index(os.pread(handle.fileno(), size, offset))
+                label = next((read_class_index(handle, offset, size)
                               for ext, offset, size, _ in entries if ext == LABEL_MEMBER), None)
-                yield key, label
+                yield entries_key(entries), label
 
 
 def class_balanced_keys(spec: str | Path, fraction: float, *, seed: int = 0, min_per_class: int = 1,
@@ -56,7 +54,6 @@ def class_balanced_keys(spec: str | Path, fraction: float, *, seed: int = 0, min
     """
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
-    directory = spec
     by_class: dict[int, list[str]] = defaultdict(list)
     unlabelled = 0
     for key, label in keys_and_labels(spec, index_cache=index_cache):
@@ -66,9 +63,9 @@ def class_balanced_keys(spec: str | Path, fraction: float, *, seed: int = 0, min
             by_class[int(label)].append(key)
     fix = "build it with `relicv2 shards build` from a folder with class sub-folders"
     if not by_class:
-        raise ValueError(f"{directory} has no labelled samples (no cls member holding a class index); {fix}")
+        raise ValueError(f"{spec} has no labelled samples (no cls member holding a class index); {fix}")
     if unlabelled:
-        raise ValueError(f"{directory} mixes labelled and {unlabelled} unlabelled samples (no cls member, or "
+        raise ValueError(f"{spec} mixes labelled and {unlabelled} unlabelled samples (no cls member, or "
                          f"one that is not a class index); a label split needs a fully labelled set: {fix}")
     rng = np.random.default_rng(seed)
     keys: list[str] = []

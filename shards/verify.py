@@ -6,8 +6,8 @@ size and content hash match the manifest; its `.jpg` decodes fully with the reco
 height (as displayed: EXIF orientation applied), and its `mask.png`, when present, decodes at that
 size or a scaled copy of it; each `.idx` exists and equals the index computed from the tar; keys
 are unique across the set; info.json agrees on the sample count. Without one (plain WebDataset shards): every tar reads
-completely, every sample has a decodable image (jpg/jpeg/png/webp), a fitting mask and a valid
-label when it has them, and the index (beside the tar or derived into the cache) agrees with the tar.
+completely, every sample has a decodable image (jpg/jpeg/png/webp) and a fitting mask when it has
+one (a `cls` holding a class name is not damage), and the index (beside the tar or derived into the cache) agrees with the tar.
 Every problem is one line; nothing raises except a folder without any shard.
 """
 
@@ -28,7 +28,14 @@ from shards.limits import DEFAULT_LIMITS
 from shards.manifest import MANIFEST_NAME, MANIFEST_SCHEMA, is_plain_tar_name, read_manifest
 from shards.progress import tracked
 from shards.reader import ReadReport, _tar_samples
-from shards.sample import IMAGE_MEMBERS, LABEL_MEMBER, MASK_MEMBER, class_index, content_hash
+from shards.sample import (
+    IMAGE_MEMBERS,
+    LABEL_MEMBER,
+    MASK_MEMBER,
+    class_index,
+    content_hash,
+    image_member_name,
+)
 from shards.shardset import (
     SHARD_PATTERN,
     cached_index,
@@ -142,7 +149,7 @@ def sample_problems(tar: Path, key: str, members: list[tuple[str, bytes]], row: 
     label = class_index(found.get(LABEL_MEMBER))
     if label != row["label"]:
         problems.append(f"{where}: class {label} differs from the manifest's {row['label']}")
-    member = next((ext for ext in IMAGE_MEMBERS if ext in found), None)
+    member = image_member_name(found)
     if member is None:
         return problems + [f"{where}: has no image member ({', '.join(IMAGE_MEMBERS)})"]
     if decode_images:

@@ -127,9 +127,7 @@ def finetune(
     """Fine-tune `encoder` + a new head on the `keys` of `train_shards`; top-1/top-5 on `val_shards`."""
     device = torch.device(device)
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
-    if ctx is not None:
-        share_index_derivation(train_shards, ctx)
-        share_index_derivation(val_shards, ctx)
+    share_index_derivation(ctx, train_shards, val_shards)
     train_samples, train_lost = labelled_samples(train_shards, keys)
     val_samples, val_lost = labelled_samples(val_shards)
     train_set = LabelledViews(train_samples, train=True, crop_size=config.crop_size,

@@ -105,8 +105,8 @@ def _labelled_images(
         if sample["label"] is None:
             raise ValueError(
                 f"sample {sample['key']} in {sample['shard']} has {missing_label(sample.get('label_text'))}; kNN "
-                "and linear evaluation need "
-                "integer class labels: build the set with `relicv2 shards build` from a folder with class sub-folders"
+                "and linear evaluation need integer class labels: build the set with `relicv2 shards build` from "
+                "a folder with class sub-folders"
             )
         try:
             image = preprocess(sample["image"], crop_size=crop_size, resize_size=resize_size,

@@ -84,9 +84,7 @@ def train_linear_paper(
     """Train the head on augmented views of `train_shards`, score it on `val_shards` (exact over ranks)."""
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
     per_rank_batch = max(1, config.batch_size // world)
-    if ctx is not None:
-        share_index_derivation(train_shards, ctx)
-        share_index_derivation(val_shards, ctx)
+    share_index_derivation(ctx, train_shards, val_shards)
     if config.backend == "dali":
         from pretrain.eval.dali_views import DaliViews
 

@@ -23,7 +23,7 @@ from nvidia.dali.pipeline import DataNode, Pipeline
 
 from pretrain.views.config import GRAYSCALE_WEIGHTS, JITTER_ORDERS, ViewConfig, ViewSpec, view_specs
 from pretrain.views.sources import MASK_MEMBER, SampleSet
-from shards.sample import IMAGE_MEMBERS
+from shards.sample import IMAGE_MEMBERS, LABEL_MEMBER
 
 READER_NAME = "shards"
 # The `mixed` decoder's settings: nvJPEG buffers sized once for ImageNet's largest photos (NVIDIA's
@@ -322,7 +322,7 @@ def _views_pipeline(sample_set: SampleSet, cfg: ViewConfig, gpu: bool, rank: int
     image_bytes, mask_bytes, cls = fn.readers.webdataset(
         paths=[str(p) for p in sample_set.tars],
         index_paths=[str(p) for p in sample_set.index_files],
-        ext=[";".join(IMAGE_MEMBERS), MASK_MEMBER, "cls"],
+        ext=[";".join(IMAGE_MEMBERS), MASK_MEMBER, LABEL_MEMBER],
         missing_component_behavior="empty",
         name=READER_NAME,
         shard_id=rank,

@@ -48,6 +48,7 @@ from shards.sample import (
     LABEL_MEMBER,
     MASK_MEMBER,
     class_index,
+    image_member_name,
     label_text,
     missing_label,
 )
@@ -70,7 +71,7 @@ class SampleRef:
     @property
     def image_ext(self) -> str | None:
         """The extension of the sample's image member (one of IMAGE_MEMBERS), or None."""
-        return next((ext for ext in IMAGE_MEMBERS if ext in self.members), None)
+        return image_member_name(self.members)
 
     def read_image(self) -> bytes | None:
         """The bytes of the image member, whatever its format."""
@@ -104,7 +105,6 @@ class SampleSet:
     all_tars: list[Path] = field(default_factory=list)  # every tar of the set, filtered or not
     has_masks: bool = False
     without_mask: int = 0  # usable samples that have no mask member (never masked)
-    labelled: bool = False
     _tmp: tempfile.TemporaryDirectory | None = None  # owns filtered index files
 
     def __len__(self) -> int:
@@ -259,7 +259,6 @@ def load_sample_set(
     sample_set = SampleSet(directory, tars, list(shard_set.index_files), samples, skipped, skipped_keys,
                            all_tars=list(tars))
     sample_set.has_masks = any(MASK_MEMBER in s.members for s in samples)
-    sample_set.labelled = any(LABEL_MEMBER in s.members for s in samples)
     sample_set.without_mask = sum(MASK_MEMBER not in s.members for s in samples)
     if skipped:
         warnings.warn(

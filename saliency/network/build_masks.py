@@ -50,9 +50,11 @@ from shards.manifest import MANIFEST_NAME, rejected_table, write_manifest, write
 from shards.sample import (
     IMAGE_MEMBERS,
     KEY_PATTERN,
+    LABEL_MEMBER,
     MASK_MEMBER,
     ShardSample,
     class_index,
+    image_member_name,
     label_text,
 )
 from shards.shardset import resolve_shard_set, shard_tars
@@ -136,7 +138,7 @@ def read_input_shard(tar: Path, idx: Path | None = None) -> Iterator[RawSample |
                 yield source, "bad_key", f"key {key!r} is not 1-80 characters of [A-Za-z0-9_-]"
                 continue
             members = {ext: os.pread(handle.fileno(), size, off) for ext, off, size, _ in entries}
-            image = next((ext for ext in IMAGE_MEMBERS if ext in members), None)
+            image = image_member_name(members)
             if image is None:
                 yield source, "no_image", f"sample has no image member ({', '.join(IMAGE_MEMBERS)})"
                 continue
@@ -146,7 +148,7 @@ def read_input_shard(tar: Path, idx: Path | None = None) -> Iterator[RawSample |
                 yield source, "corrupt", f"unreadable json member ({error})"
                 continue
             meta = meta if isinstance(meta, dict) else {}
-            label, text_label = read_label(members.get("cls"))
+            label, text_label = read_label(members.get(LABEL_MEMBER))
             if text_label is not None:  # a class name (other tools write them): kept in the json, not lost
                 meta = {**meta, "source_cls": text_label}
             yield RawSample(key, members[image], label, meta, output_member(image))

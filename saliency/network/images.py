@@ -20,7 +20,13 @@ import numpy as np
 from shards.images import ImageLoadError, exif_orientation, load_rgb
 from shards.index import read_index
 from shards.keys import UnsafeKeyError, check_key
-from shards.sample import IMAGE_MEMBERS, KEY_PATTERN, LABEL_MEMBER, MAX_LABEL_BYTES, class_index
+from shards.sample import (
+    IMAGE_MEMBERS,
+    KEY_PATTERN,
+    LABEL_MEMBER,
+    image_member_name,
+    read_class_index,
+)
 from shards.shardset import resolve_shard_set
 
 # A shard sample whose image cannot be decoded (a ValueError); the message names the sample and the
@@ -85,13 +91,10 @@ def _locations(tar: Path, index_file: Path) -> list[SampleLocation]:
             except UnsafeKeyError:
                 print(f"saliency: skipping a sample of {tar.name} with an unusable key {key!r}", file=sys.stderr)
                 continue  # a hostile name never becomes a file name
-            image = next((ext for ext in IMAGE_MEMBERS if ext in members), None)
+            image = image_member_name(members)
             if image is None:
                 continue
-            label = None
-            if LABEL_MEMBER in members:
-                off, size = members[LABEL_MEMBER]
-                label = class_index(os.pread(handle.fileno(), min(size, MAX_LABEL_BYTES + 1), off))
+            label = read_class_index(handle, *members[LABEL_MEMBER]) if LABEL_MEMBER in members else None
             out.append(SampleLocation(key, tar, *members[image], label, image))
     return out
 
