@@ -154,13 +154,17 @@ def verify(directory: Path, workers: int, decode: bool, index_cache: Path | None
               help="Processes reading tars at once.")
 @click.option("--progress/--no-progress", default=True, show_default=True, help="Show progress.")
 def index(spec: str, index_cache: Path | None, workers: int, progress: bool) -> None:
-    """Derive the DALI index files of a plain WebDataset set once, before a job that reads it.
+    """Derive the DALI index files of a shard set and check its samples once, before the jobs that read it.
 
-    SHARDS: a folder of plain tars, a brace pattern ('/data/wds/train-{0000..1023}.tar') or a tar.
-    Each tar without an index beside it is read once and its index written into the cache
-    (`--index-cache`, else $RELICV2_INDEX_CACHE, else ~/.cache/relicv2/index); tars indexed before
-    are skipped. Point every job at the same cache (a shared folder on a cluster).
+    SHARDS: a folder of plain tars, a brace pattern ('/data/wds/train-{0000..1023}.tar'), a tar,
+    or a folder from `relicv2 shards build`. Each tar without an index beside it is read once and
+    its index written into the cache (`--index-cache`, else $RELICV2_INDEX_CACHE, else
+    ~/.cache/relicv2/index); then every sample gets the check the view loaders run when they open a
+    set (members, image signatures, and for sets without a manifest the picture size from its
+    header), and the verdicts are kept in the same cache. Tars done before are skipped. Point every
+    job at the same cache (a shared folder on a cluster): no rank then reads the set at start.
     """
+    from pretrain.views.sources import CHECKS_FOLDER, check_shard_set
     from shards.shardset import ShardSetError, default_index_cache, derive_missing_indexes
 
     cache = index_cache if index_cache is not None else default_index_cache()
@@ -179,6 +183,16 @@ def index(spec: str, index_cache: Path | None, workers: int, progress: bool) -> 
     if derived.failed:
         raise click.ClickException(f"{len(derived.failed)} tar(s) could not be indexed (listed above); "
                                    "rebuild or remove them")
+    try:
+        check = check_shard_set(spec, index_cache=cache, workers=workers, progress=progress)
+    except ValueError as exc:  # a hostile or inconsistent index: one line naming the file and the fix
+        raise click.ClickException(str(exc)) from None
+    left_out = ", ".join(f"{n} {reason}" for reason, n in sorted(check.left_out.items())) or "none"
+    click.echo(f"{spec}: samples of {check.fresh} tar(s) checked, {check.tars - check.fresh} checked before; "
+               f"the loaders will leave out {sum(check.left_out.values())} sample(s) ({left_out})")
+    if check.unstored:
+        raise click.ClickException(f"cannot keep the sample checks in {cache / CHECKS_FOLDER}; "
+                                   "choose a writable --index-cache")
 
 
 from cli.subset import subset  # noqa: E402  (defined with the evaluation tools)

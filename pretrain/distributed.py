@@ -85,18 +85,28 @@ def barrier(ctx: DistributedContext) -> None:
         dist.barrier()
 
 
-def share_index_derivation(ctx: DistributedContext | None, *specs: str | Path) -> None:
-    """In a multi-rank job, derive the shard sets' missing index files split over the ranks, then
-    wait for all: each tar is read once by one rank instead of once by every rank (given an index
-    cache every rank sees, e.g. `$RELICV2_INDEX_CACHE` on a shared filesystem; with node-local caches
-    each rank derives what its node lacks when it opens a set)."""
+def prepare_shard_sets(ctx: DistributedContext | None, *specs: str | Path) -> None:
+    """In a multi-rank job, derive the shard sets' missing index files and check their samples
+    (`pretrain.views.sources.check_shard_set`) split over the ranks, then wait for all: each tar
+    is read once by one rank instead of once by every rank, given an index cache every rank sees
+    (e.g. `$RELICV2_INDEX_CACHE` on a shared filesystem). With node-local caches each rank
+    derives and checks what its node lacks when it opens a set."""
     if ctx is None or not ctx.is_distributed:
         return
+    from pretrain.views.sources import check_shard_set
+
+    part = (ctx.rank, ctx.world_size)
     for spec in specs:
-        try:  # progress with a total and ETA; unreadable tars are reported when every rank opens the set next
-            derive_missing_indexes(spec, part=(ctx.rank, ctx.world_size))
+        try:  # progress with a total and ETA; bad tars and sets are reported when every rank opens the set next
+            derive_missing_indexes(spec, part=part)
         except (ShardSetError, OSError):
-            pass  # every rank meets the same error when it opens the set right after, and reports it there
+            continue  # every rank meets the same error when it opens the set right after, and reports it there
+    barrier(ctx)  # every index exists before any rank checks samples against it
+    for spec in specs:
+        try:
+            check_shard_set(spec, part=part)
+        except (ValueError, OSError):
+            continue  # as above: reported, with the file and the fix, when the set is opened
     barrier(ctx)
 
 

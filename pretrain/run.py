@@ -46,7 +46,7 @@ from pretrain.distributed import (
     all_reduce_mean,
     barrier,
     init,
-    share_index_derivation,
+    prepare_shard_sets,
     teardown,
 )
 from pretrain.eval.knn import evaluate_knn
@@ -191,7 +191,7 @@ def _view_loader(shards: str, batch: int, views: ViewConfig, ctx: DistributedCon
     """This rank's `ViewLoader` over `shards`."""
     from pretrain.views.loader import ViewLoader  # imported here: it loads DALI
 
-    share_index_derivation(ctx, shards)
+    prepare_shard_sets(ctx, shards)
     return ViewLoader(shards, batch, views, device=str(ctx.device), rank=ctx.rank, world_size=ctx.world_size,
                       seed=seed)
 

@@ -92,19 +92,20 @@ def write_index(tar: Path, out: Path | None = None) -> Path:
 
 def _entry(path: Path, number: int, fields: list[str], i: int, tar_size: int | None) -> IndexEntry:
     ext, offset, size, name = fields[i : i + 4]
-    where = f"{path} line {number}"
     try:
         offset, size = int(offset), int(size)
     except ValueError:
-        raise IndexFileError(f"{where}: offset/size {fields[i + 1]!r}/{fields[i + 2]!r} are not integers; rewrite it with write_index") from None
+        raise IndexFileError(f"{path} line {number}: offset/size {fields[i + 1]!r}/{fields[i + 2]!r} are not integers; "
+                             "rewrite it with write_index") from None
     if offset < 0 or size < 0:
-        raise IndexFileError(f"{where}: negative offset or size ({offset}, {size}); rewrite it with write_index")
+        raise IndexFileError(f"{path} line {number}: negative offset or size ({offset}, {size}); rewrite it with write_index")
     if tar_size is not None and offset + size > tar_size:
-        raise IndexFileError(f"{where}: member {name!r} at {offset}+{size} lies beyond the tar's {tar_size} bytes; rewrite it with write_index")
+        raise IndexFileError(f"{path} line {number}: member {name!r} at {offset}+{size} lies beyond the tar's {tar_size} "
+                             "bytes; rewrite it with write_index")
     try:
         check_key(name)
     except UnsafeKeyError as exc:
-        raise IndexFileError(f"{where}: unsafe member name ({exc}); rewrite it with write_index") from None
+        raise IndexFileError(f"{path} line {number}: unsafe member name ({exc}); rewrite it with write_index") from None
     return ext, offset, size, name
 
 

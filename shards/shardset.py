@@ -115,7 +115,7 @@ def shard_tars(spec: str | Path | Sequence[str | Path]) -> tuple[list[Path], Pat
 
 
 def default_index_cache() -> Path:
-    """Where derived index files go unless the caller names a folder."""
+    """Where derived index files (and the view loaders' sample checks) go unless the caller names a folder."""
     env = os.environ.get(INDEX_CACHE_ENV)
     if env:
         return Path(env)
@@ -123,11 +123,22 @@ def default_index_cache() -> Path:
     return Path(base) / "relicv2" / "index"
 
 
+def file_identity(path: Path) -> str:
+    """A file's absolute path, size and modification time: what names the cache entries derived
+    from it, so that a changed file gets new ones."""
+    stat = path.stat()
+    return f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
+
+
+def cache_name(tar: Path, *extra: str) -> str:
+    """The stem of a cache entry derived from `tar` (and whatever else `extra` names)."""
+    ident = "\0".join([file_identity(tar), *extra])
+    return f"{tar.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
+
+
 def cached_index_path(tar: Path, cache: Path) -> Path:
     """Where the derived index of `tar` lives in `cache` (named after its path, size and mtime)."""
-    stat = tar.stat()
-    ident = f"{tar.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
-    return cache / f"{tar.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}.idx"
+    return cache / f"{cache_name(tar)}.idx"
 
 
 def cached_index(tar: Path, cache: Path) -> Path:

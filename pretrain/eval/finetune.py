@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from pretrain.distributed import DistributedContext, all_gather_object, share_index_derivation
+from pretrain.distributed import DistributedContext, all_gather_object, prepare_shard_sets
 from pretrain.eval.linear import LinearResult, accuracy_report
 from pretrain.eval.paper import HeadCheckpointError, _average_gradients
 from pretrain.eval.views import LabelledViews, class_count, labelled_samples, loader, rank_order
@@ -127,7 +127,7 @@ def finetune(
     """Fine-tune `encoder` + a new head on the `keys` of `train_shards`; top-1/top-5 on `val_shards`."""
     device = torch.device(device)
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
-    share_index_derivation(ctx, train_shards, val_shards)
+    prepare_shard_sets(ctx, train_shards, val_shards)
     train_samples, train_lost = labelled_samples(train_shards, keys)
     val_samples, val_lost = labelled_samples(val_shards)
     train_set = LabelledViews(train_samples, train=True, crop_size=config.crop_size,

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from pretrain.distributed import DistributedContext, all_gather_object, share_index_derivation
+from pretrain.distributed import DistributedContext, all_gather_object, prepare_shard_sets
 from pretrain.eval.linear import LinearConfig, LinearResult, accuracy_report, cosine_lr
 from pretrain.eval.views import LabelledViews, class_count, labelled_samples, loader, rank_order
 from shards.atomic import atomic_output
@@ -84,7 +84,7 @@ def train_linear_paper(
     """Train the head on augmented views of `train_shards`, score it on `val_shards` (exact over ranks)."""
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
     per_rank_batch = max(1, config.batch_size // world)
-    share_index_derivation(ctx, train_shards, val_shards)
+    prepare_shard_sets(ctx, train_shards, val_shards)
     if config.backend == "dali":
         from pretrain.eval.dali_views import DaliViews
 

@@ -29,6 +29,7 @@ sample unlabelled: pretraining does not need labels; evaluation refuses such a s
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import warnings
@@ -38,9 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from shards import index_path, read_index, resolve_shard_set
+from shards.atomic import atomic_write_bytes
 from shards.images import header_problem
 from shards.index import IndexFileError, entries_key, format_index, split_member_name
-from shards.keys import UnsafeKeyError, check_key
 from shards.limits import DEFAULT_LIMITS
 from shards.progress import tracked
 from shards.sample import (
@@ -52,7 +53,9 @@ from shards.sample import (
     label_text,
     missing_label,
 )
+from shards.shardset import INDEX_CACHE_ENV, cache_name, default_index_cache, file_identity
 from shards.tario import member_file
+from shards.workers import worker_pool
 
 PROGRESS_FROM = 100_000  # samples: a set this large takes seconds to check (a minute with headers)
 # (leading signature, trailing end marker) per image format; WebP has no end marker but a RIFF size.
@@ -180,17 +183,16 @@ def image_format(head: bytes) -> str | None:
 def index_samples(tar: Path, idx: Path) -> list[SampleRef]:
     """The samples an index file lists, each checked against its tar; ValueError naming `idx` if hostile.
 
-    Offsets and sizes must lie inside the tar, and keys and member names must be safe relative
-    names (`shards.keys.check_key`), with every member of a sample sharing its key.
+    Offsets and sizes must lie inside the tar and member names must be safe relative names
+    (`shards.read_index` with the tar), with every member of a sample sharing its key.
     """
     fix = f"rewrite it with shards.write_index({tar.name}) (or rebuild the shard set)"
     try:
-        entries_per_sample = read_index(idx)
+        entries_per_sample = read_index(idx, tar)
     except IndexFileError:
         raise  # already one line naming the file and the fix
     except (ValueError, IndexError, UnicodeDecodeError) as exc:
         raise ValueError(f"{idx} is not a valid DALI index ({exc}); {fix}") from None
-    tar_size = tar.stat().st_size
     refs = []
     for number, entries in enumerate(entries_per_sample):
         if not entries:
@@ -198,20 +200,128 @@ def index_samples(tar: Path, idx: Path) -> list[SampleRef]:
         key = entries_key(entries)
         members = {}
         for ext, offset, size, name in entries:
-            if offset < 0 or size < 0 or offset + size > tar_size:
-                raise ValueError(
-                    f"{idx}: member {name[:80]!r} claims bytes {offset}..{offset + size} of a {tar_size}-byte tar; {fix}"
-                )
-            try:
-                check_key(name)
-            except UnsafeKeyError as exc:
-                raise ValueError(f"{idx}: {exc}; {fix}") from None
             member_key, member_ext = split_member_name(name)
             if member_key.rsplit("/", 1)[-1] != key or member_ext != ext:
                 raise ValueError(f"{idx}: member {name[:80]!r} does not belong to sample {key!r} as {ext!r}; {fix}")
             members[ext] = (offset, size, name)
         refs.append(SampleRef(key, tar, members))
     return refs
+
+
+CHECK_VERSION = 1  # of `structural_problem`'s verdicts: bump it when they change, and cached ones are ignored
+CHECKS_FOLDER = "checked"  # in the index cache: one JSON file of verdicts per checked tar
+
+
+@dataclass(frozen=True)
+class TarCheck:
+    """The samples an index lists (in order) and those to leave out, {position: reason}."""
+
+    samples: list[SampleRef]
+    left_out: dict[int, str]
+    fresh: bool  # the samples were read now (else the verdicts came from the cache)
+    stored: bool  # the verdicts are kept in the cache (read from it or written to it)
+
+    @property
+    def kept(self) -> list[SampleRef]:
+        return [s for i, s in enumerate(self.samples) if i not in self.left_out]
+
+
+@dataclass(frozen=True)
+class SetCheck:
+    """What `check_shard_set` did: tars of the set, tars of the part read now, tars whose verdicts
+    could not be kept, and the samples the loaders will leave out of the part by reason."""
+
+    tars: int
+    fresh: int
+    unstored: int
+    left_out: Counter
+
+
+def check_path(tar: Path, idx: Path, headers: bool, cache: Path) -> Path:
+    """Where the verdicts on `tar`'s samples are kept: named after the tar, its index, the kind of
+    check and the limits, so that a change to any of them means a new check."""
+    limits = f"{DEFAULT_LIMITS.max_member_bytes}/{DEFAULT_LIMITS.max_pixels}"
+    name = cache_name(tar, file_identity(idx), f"check v{CHECK_VERSION}", f"headers={headers}", limits)
+    return cache / CHECKS_FOLDER / f"{name}.json"
+
+
+def _cached_verdicts(path: Path, count: int) -> dict[int, str] | None:
+    """The verdicts kept at `path` for an index of `count` samples; None when there are none
+    (or the file is torn or not ours: the tar is then checked again)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("samples") != count or not isinstance(data.get("left_out"), list):
+        return None
+    verdicts = {}
+    for entry in data["left_out"]:
+        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int) and 0 <= entry[0] < count
+                and isinstance(entry[1], str)):
+            return None
+        verdicts[entry[0]] = entry[1]
+    return verdicts
+
+
+def check_tar(tar: Path, idx: Path, *, headers: bool, cache: Path) -> TarCheck:
+    """Check every sample of one tar with `structural_problem`, or read the verdicts a previous
+    check kept in `cache` (any rank's or job's, on a shared folder); keep new verdicts there.
+
+    The index is always parsed and checked against its tar (`index_samples`); only the per-sample
+    reads are cached. A cache that cannot be written is not an error (`stored` is then False).
+    """
+    samples = index_samples(tar, idx)
+    path = check_path(tar, idx, headers, cache)
+    verdicts = _cached_verdicts(path, len(samples))
+    if verdicts is not None:
+        return TarCheck(samples, verdicts, fresh=False, stored=True)
+    with open(tar, "rb") as handle:
+        verdicts = {i: reason for i, ref in enumerate(samples)
+                    if (reason := structural_problem(ref, handle, headers=headers)) is not None}
+    record = {"tar": str(tar), "samples": len(samples), "left_out": sorted([i, r] for i, r in verdicts.items())}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, json.dumps(record).encode("utf-8"))
+    except OSError:
+        return TarCheck(samples, verdicts, fresh=True, stored=False)
+    return TarCheck(samples, verdicts, fresh=True, stored=True)
+
+
+def _check_tar_args(args: tuple[Path, Path, bool, Path]) -> tuple[bool, bool, Counter]:
+    tar, idx, headers, cache = args
+    check = check_tar(tar, idx, headers=headers, cache=cache)
+    return check.fresh, check.stored, Counter(check.left_out.values())
+
+
+def check_shard_set(
+    spec: Path | str, *, index_cache: Path | None = None, part: tuple[int, int] = (0, 1), workers: int = 1,
+    progress: bool = True,
+) -> SetCheck:
+    """Check the samples of part `index` of `parts` of the set's tars (every parts-th) ahead of
+    the loaders, in `workers` processes, keeping the verdicts in the index cache.
+
+    The ranks of a job each call it with their own part before a barrier, so that every tar is
+    read once between them; `relicv2 shards index` calls it for the whole set. Tars checked before
+    only have their index parsed and their verdicts read.
+    """
+    index, parts = part
+    cache = Path(index_cache) if index_cache is not None else default_index_cache()
+    shard_set = resolve_shard_set(spec, index_cache=cache)
+    headers = shard_set.manifest is None
+    todo = [(tar, idx, headers, cache) for i, (tar, idx) in enumerate(zip(shard_set.tars, shard_set.index_files, strict=True))
+            if i % parts == index]
+    desc = f"checking the samples of {len(shard_set.tars)} tars" + (f" (part {index + 1}/{parts})" if parts > 1 else "")
+    progress = progress and any(not check_path(*args).is_file() for args in todo)  # quiet when all were checked
+    if workers > 1 and len(todo) > 1:
+        with worker_pool(min(workers, len(todo))) as pool:
+            results = list(tracked(pool.map(_check_tar_args, todo), desc, len(todo), unit="tar", enabled=progress))
+    else:
+        results = [_check_tar_args(args) for args in tracked(todo, desc, len(todo), unit="tar", enabled=progress)]
+    left_out: Counter = Counter()
+    for _, _, reasons in results:
+        left_out.update(reasons)
+    return SetCheck(len(shard_set.tars), sum(fresh for fresh, _, _ in results),
+                    sum(not stored for _, stored, _ in results), left_out)
 
 
 def load_sample_set(
@@ -225,28 +335,30 @@ def load_sample_set(
     `spec` is anything `shards.resolve_shard_set` takes: a folder from `relicv2 shards build`
     (its manifest must agree with the index files), a folder of plain WebDataset tars (no manifest;
     missing `.idx` files are derived once into `index_cache`), a brace pattern or a tar.
-    `decode_check(samples) -> {key: reason}` (e.g. `pretrain.views.dali.find_undecodable`) is run on the
-    structurally sound samples when given.
+    The structural verdicts are kept in the index cache (`check_tar`), so a restart, another rank
+    or another job does not read the samples again. `decode_check(samples) -> {key: reason}`
+    (e.g. `pretrain.views.dali.find_undecodable`) is run on the structurally sound samples when given.
     """
-    shard_set = resolve_shard_set(spec, index_cache=index_cache)  # ShardSetError: one line naming the fix
+    cache = Path(index_cache) if index_cache is not None else default_index_cache()
+    shard_set = resolve_shard_set(spec, index_cache=cache)  # ShardSetError: one line naming the fix
     directory = shard_set.directory or shard_set.tars[0].parent
     tars = list(shard_set.tars)
     per_tar: list[list[SampleRef]] = []
     skipped: Counter = Counter()
     skipped_keys: list[str] = []
     headers = shard_set.manifest is None
+    unstored = 0
     for tar, idx in tracked(zip(tars, shard_set.index_files, strict=True), f"checking the samples of {directory}",
                             len(tars), unit="tar", enabled=shard_set.samples >= PROGRESS_FROM):
-        kept = []
-        with open(tar, "rb") as handle:
-            for ref in index_samples(tar, idx):
-                reason = structural_problem(ref, handle, headers=headers)
-                if reason is None:
-                    kept.append(ref)
-                else:
-                    skipped[reason] += 1
-                    skipped_keys.append(ref.key)
-        per_tar.append(kept)
+        check = check_tar(tar, idx, headers=headers, cache=cache)
+        for i, reason in sorted(check.left_out.items()):
+            skipped[reason] += 1
+            skipped_keys.append(check.samples[i].key)
+        per_tar.append(check.kept)
+        unstored += not check.stored
+    if unstored and shard_set.samples >= PROGRESS_FROM:
+        warnings.warn(f"cannot keep the sample checks of {directory} in {cache / CHECKS_FOLDER}: every start "
+                      f"checks the set again; set ${INDEX_CACHE_ENV} to a writable folder", stacklevel=2)
     if decode_check is not None:
         bad = decode_check([s for kept in per_tar for s in kept])
         for reason in bad.values():

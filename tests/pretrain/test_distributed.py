@@ -27,8 +27,9 @@ from pretrain.checkpoint import load_checkpoint
 from pretrain.config import load_config
 from pretrain.distributed import describe_environment
 from pretrain.run import run_pretraining
+from pretrain.views.sources import check_path, check_shard_set
 from shards import ShardSample, index_path, write_shard_set
-from shards.shardset import derive_missing_indexes
+from shards.shardset import cached_index_path, derive_missing_indexes
 from tests.threads import one_torch_thread
 
 
@@ -165,6 +166,8 @@ def test_two_ranks_on_shards_match_one_process_before_the_kill(runs):
     assert len(derived) == 4
     originals = {tar.stem: index_path(tar).read_text() for tar in (runs / "shards").glob("*.tar")}
     assert all(idx.read_text() == originals[idx.stem.rsplit("-", 1)[0]] for idx in derived)
+    cache = runs / "index-cache"  # and the plain tars' samples checked, their verdicts kept for every later start
+    assert all(check_path(tar, cached_index_path(tar, cache), True, cache).is_file() for tar in (runs / "plain").glob("*.tar"))
 
 
 def test_missing_indexes_are_derived_in_disjoint_parts_that_cover_the_set(tmp_path):
@@ -173,7 +176,10 @@ def test_missing_indexes_are_derived_in_disjoint_parts_that_cover_the_set(tmp_pa
     parts = [derive_missing_indexes(plain, index_cache=cache, part=(rank, 3)) for rank in range(3)]
     assert [(d.written, d.tars, d.failed) for d in parts] == [(2, 4, {}), (1, 4, {}), (1, 4, {})]
     assert derive_missing_indexes(plain, index_cache=cache).written == 0  # nothing left: opening the set reads no tar
-    assert len(list(cache.iterdir())) == 4
+    assert len(list(cache.glob("*.idx"))) == 4
+    checks = [check_shard_set(plain, index_cache=cache, part=(rank, 3)) for rank in range(3)]
+    assert [(c.fresh, c.unstored, sum(c.left_out.values())) for c in checks] == [(2, 0, 0), (1, 0, 0), (1, 0, 0)]
+    assert check_shard_set(plain, index_cache=cache).fresh == 0  # every tar's samples were read once
 
 
 def test_environment_description_reads_torchrun_variables():

@@ -283,15 +283,18 @@ def test_shards_index_derives_a_plain_sets_indexes_once_in_worker_processes(tmp_
     folder.mkdir()
     with wds.ShardWriter(str(folder / "train-%04d.tar"), maxcount=3, verbose=0) as sink:
         for i in range(9):
-            sink.write({"__key__": f"s{i:03d}", "jpg": jpeg(i)})
+            sink.write({"__key__": f"s{i:03d}", "jpg": jpeg(i) if i != 4 else jpeg(i)[:-30]})
     cache = tmp_path / "cache"
     args = ["index", str(folder / "train-{0000..0002}.tar"), "--index-cache", str(cache), "--workers", "2"]
     first = CliRunner().invoke(shards_group, args)
     assert first.exit_code == 0 and "3 index file(s) derived" in first.output, first.output
+    assert "samples of 3 tar(s) checked" in first.output and "leave out 1 sample(s) (1 truncated_image)" in first.output
     resolved = shards.resolve_shard_set(folder, index_cache=cache)
     assert resolved.counts == (3, 3, 3) and all(p.parent == cache for p in resolved.index_files)
     second = CliRunner().invoke(shards_group, args)
     assert second.exit_code == 0 and "0 index file(s) derived" in second.output  # nothing read twice
+    assert "samples of 0 tar(s) checked, 3 checked before" in second.output
+    assert "leave out 1 sample(s) (1 truncated_image)" in second.output  # the kept verdicts still counted
     for number in (3, 4):  # two bad tars among good ones: both reported, the good one still indexed
         (folder / f"train-000{number}.tar").write_bytes(b"garbage that is not a tar at all" * 40)
     shutil.copy(folder / "train-0000.tar", folder / "train-0005.tar")

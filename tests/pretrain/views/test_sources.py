@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import os
+import tarfile
 
 import numpy as np
 import pytest
@@ -77,7 +79,7 @@ def test_plain_webdataset_shards_load_from_a_folder_or_a_brace_pattern(tmp_path,
     loader = ViewLoader(str(tmp_path / "plain" / "train-{0000..0002}.tar"), 4, TINY, seed=1, backend=backend)
     keys = [k for batch in loader for k in batch["keys"]]
     assert len(keys) == 12 and len(set(keys)) == 12  # 3 full batches of the 14 samples
-    assert len(list(cache.iterdir())) == 3  # the cached indexes were reused, not written again
+    assert len(list(cache.glob("*.idx"))) == 3  # the cached indexes were reused, not written again
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -119,6 +121,48 @@ def test_checking_a_large_set_shows_progress_over_its_tars(tmp_path, monkeypatch
     monkeypatch.setattr("pretrain.views.sources.PROGRESS_FROM", 10)
     load_sample_set(tmp_path / "plain")
     assert "checking the samples of " in capsys.readouterr().err  # a line off a terminal, a bar with ETA on one
+
+
+def test_sample_checks_are_kept_in_the_cache_and_redone_when_a_tar_changes(tmp_path, monkeypatch):
+    import shutil
+
+    import pretrain.views.sources as sources
+
+    foreign_set(tmp_path / "plain", 14)  # 3 tars of 5, 5, 4
+    tar = tmp_path / "plain" / "train-0001.tar"
+    with tarfile.open(tar) as archive:
+        member = archive.getmember("f006.jpg")
+    jpeg_end = member.offset_data + member.size - 2  # the image's end marker
+    data = bytearray(tar.read_bytes())
+    data[jpeg_end : jpeg_end + 2] = b"\0\0"  # same size, truncated image
+    tar.write_bytes(bytes(data))
+    cache = tmp_path / "cache"
+    with pytest.warns(UserWarning, match="left out 1 bad samples"):
+        first = load_sample_set(tmp_path / "plain", index_cache=cache)
+    assert len(list((cache / sources.CHECKS_FOLDER).glob("*.json"))) == 3
+    reads = []
+    real = sources.structural_problem
+    monkeypatch.setattr(sources, "structural_problem", lambda *a, **k: reads.append(a[0].key) or real(*a, **k))
+    with pytest.warns(UserWarning, match="left out 1 bad samples"):
+        again = load_sample_set(tmp_path / "plain", index_cache=cache)
+    assert reads == [] and dict(again.skipped) == dict(first.skipped) == {"truncated_image": 1}
+    assert again.skipped_keys == first.skipped_keys and [s.key for s in again.samples] == [s.key for s in first.samples]
+    # a changed tar (here: repaired, a new modification time) is checked again, the others are not
+    data[jpeg_end : jpeg_end + 2] = b"\xff\xd9"
+    tar.write_bytes(bytes(data))
+    os.utime(tar, ns=(tar.stat().st_atime_ns, tar.stat().st_mtime_ns + 10**9))
+    repaired = load_sample_set(tmp_path / "plain", index_cache=cache)
+    assert repaired.skipped == {} and len(repaired) == 14 and len(reads) == 5
+    # a torn or forged verdict file is not trusted: the tar is checked again
+    for path in (cache / sources.CHECKS_FOLDER).glob("*.json"):
+        path.write_text('{"samples": 5, "left_out": [[99, "x"]]}')
+    reads.clear()
+    assert len(load_sample_set(tmp_path / "plain", index_cache=cache)) == 14 and len(reads) == 14
+    # an unwritable cache only costs the check at every start
+    monkeypatch.setattr(sources, "atomic_write_bytes", lambda *a: (_ for _ in ()).throw(PermissionError("read-only")))
+    shutil.rmtree(cache / sources.CHECKS_FOLDER)
+    assert len(load_sample_set(tmp_path / "plain", index_cache=cache)) == 14
+    assert list((cache / sources.CHECKS_FOLDER).glob("*.json")) == []  # nothing kept, nothing failed
 
 
 def test_truncated_images_are_left_out_by_the_cheap_check_and_a_garbage_label_unlabels(tmp_path):
