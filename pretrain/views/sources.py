@@ -63,7 +63,7 @@ JPEG_SOI, JPEG_EOI = b"\xff\xd8", b"\xff\xd9"
 PNG_SIGNATURE, PNG_IEND = b"\x89PNG\r\n\x1a\n", b"IEND\xaeB`\x82"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SampleRef:
     """Where one sample's members are: the tar and, per extension, (offset, size, member name)."""
 
