@@ -85,12 +85,13 @@ def barrier(ctx: DistributedContext) -> None:
         dist.barrier()
 
 
-def prepare_shard_sets(ctx: DistributedContext | None, *specs: str | Path) -> None:
+def prepare_shard_sets(ctx: DistributedContext | None, *specs: str | Path, **check: Any) -> None:
     """In a multi-rank job, derive the shard sets' missing index files and check their samples
-    (`pretrain.views.sources.check_shard_set`) split over the ranks, then wait for all: each tar
-    is read once by one rank instead of once by every rank, given an index cache every rank sees
-    (e.g. `$RELICV2_INDEX_CACHE` on a shared filesystem). With node-local caches each rank
-    derives and checks what its node lacks when it opens a set."""
+    (`pretrain.views.sources.check_shard_set`, `check`: its decode options, as the job's loaders
+    will ask) split over the ranks, then wait for all: each tar is read (or decoded) once by one
+    rank instead of once by every rank, given an index cache every rank sees (e.g.
+    `$RELICV2_INDEX_CACHE` on a shared filesystem). With node-local caches each rank derives and
+    checks what its node lacks when it opens a set."""
     if ctx is None or not ctx.is_distributed:
         return
     from pretrain.views.sources import check_shard_set
@@ -104,7 +105,7 @@ def prepare_shard_sets(ctx: DistributedContext | None, *specs: str | Path) -> No
     barrier(ctx)  # every index exists before any rank checks samples against it
     for spec in specs:
         try:
-            check_shard_set(spec, part=part)
+            check_shard_set(spec, part=part, **check)
         except (ValueError, OSError):
             continue  # as above: reported, with the file and the fix, when the set is opened
     barrier(ctx)

@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 PR_SET_PDEATHSIG = 1
 POLL_S = 1.0
@@ -33,6 +33,13 @@ def _watch_parent(parent: int) -> None:
 def usable_cores() -> int:
     """CPU cores this process may run on (its affinity mask under SLURM or taskset; all elsewhere)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def rank_cores(env: Mapping[str, str] | None = None) -> int:
+    """This process's share of the usable cores when torchrun starts LOCAL_WORLD_SIZE ranks per node
+    (they usually share one affinity mask); all of them outside torchrun."""
+    env = os.environ if env is None else env
+    return max(1, usable_cores() // max(1, int(env.get("LOCAL_WORLD_SIZE", "1"))))
 
 
 def die_with_parent(parent: int) -> None:

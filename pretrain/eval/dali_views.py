@@ -1,8 +1,9 @@
 """Labelled train / test views for linear evaluation through DALI (CPU or GPU decoding).
 
 A small pipeline beside the pretraining one, built from the same pieces: the shard set is read
-with `pretrain.views.sources.load_sample_set` (undecodable images found first by the view
-pipeline's `find_undecodable` and left out through filtered index files), samples come from DALI's
+with `pretrain.views.sources.load_sample_set` (in a set from another tool, undecodable images found
+first by the view pipeline's `find_undecodable`, verdicts kept in the index cache, and left out
+through filtered index files), samples come from DALI's
 webdataset reader over those index files, and the normalisation constants are the view config's.
 Train views: random-resized-crop (area `scale`, ratio 3/4..4/3) + flip; test views: short side
 `resize_size` bicubic + centre crop. Yields (images [B, 3, crop, crop] float, labels [B]).
@@ -28,6 +29,9 @@ from pretrain.views.sources import load_sample_set
 from shards.sample import IMAGE_MEMBERS, LABEL_MEMBER, MAX_LABEL_BYTES, class_index
 
 READER = "eval"
+# The eval pipeline has no recovery from a decode failure (pretraining's view loader has): every image of
+# a set from another tool is decoded once first (sets from `shards build` / `build-masks` were when written).
+DECODE = {"decode_check": find_undecodable, "decode_foreign_only": True}
 
 
 @pipeline_def
@@ -62,7 +66,7 @@ class DaliViews:
                  threads: int = 2, device: torch.device | None = None) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # left-out samples are counted and reported by the caller
-            self.sample_set = load_sample_set(Path(source), decode_check=find_undecodable)
+            self.sample_set = load_sample_set(Path(source), **DECODE)
         self.skipped = len(self.sample_set.skipped_keys)
         gpu = device is not None and device.type == "cuda"
         self.pipe = _eval_pipeline(

@@ -84,10 +84,10 @@ def train_linear_paper(
     """Train the head on augmented views of `train_shards`, score it on `val_shards` (exact over ranks)."""
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
     per_rank_batch = max(1, config.batch_size // world)
-    prepare_shard_sets(ctx, train_shards, val_shards)
     if config.backend == "dali":
-        from pretrain.eval.dali_views import DaliViews
+        from pretrain.eval.dali_views import DECODE, DaliViews
 
+        prepare_shard_sets(ctx, train_shards, val_shards, **DECODE)
         options = {"crop_size": config.crop_size, "resize_size": config.resize_size, "batch_size": per_rank_batch,
                    "rank": rank, "world": world, "threads": config.workers, "device": device}
         dali_train = DaliViews(train_shards, train=True, scale=config.crop_scale, seed=config.seed, **options)
@@ -95,6 +95,7 @@ def train_linear_paper(
         train_samples, train_lost = dali_train.sample_set.samples, dali_train.skipped
         val_samples, val_lost = dali_val.sample_set.samples, dali_val.skipped
     else:
+        prepare_shard_sets(ctx, train_shards, val_shards)
         train_samples, train_lost = labelled_samples(train_shards)
         val_samples, val_lost = labelled_samples(val_shards)
     train_set = LabelledViews(train_samples, train=True, crop_size=config.crop_size,

@@ -8,10 +8,9 @@ odd/even table from a single place.
 from __future__ import annotations
 
 import itertools
-import os
 from dataclasses import dataclass
 
-from shards.workers import usable_cores
+from shards.workers import rank_cores
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -194,6 +193,4 @@ def loader_threads(cfg: ViewConfig, device: str, env: dict[str, str] | None = No
         return cfg.num_threads
     if not device.startswith("cuda"):
         return CPU_THREADS
-    env = os.environ if env is None else env
-    per_rank = usable_cores() // max(1, int(env.get("LOCAL_WORLD_SIZE", "1")))
-    return max(2, min(GPU_THREADS_MAX, per_rank - 1))
+    return max(2, min(GPU_THREADS_MAX, rank_cores(env) - 1))

@@ -25,7 +25,7 @@ from pretrain.views.dali_pipeline import READER_NAME, build_view_pipeline
 from pretrain.views.sources import MASK_MEMBER, SampleRef, exclude_samples, reader_samples_per_rank
 from shards.progress import tracked
 from shards.sample import class_index
-from shards.workers import usable_cores
+from shards.workers import rank_cores
 
 __all__ = ["DaliBackend", "find_undecodable", "is_decode_error"]
 
@@ -35,11 +35,11 @@ DECODER_OPERATOR = "operator `nvidia.dali.fn.decoders.image`"  # how DALI names 
 def find_undecodable(samples: Sequence[SampleRef], batch_size: int = 256, threads: int | None = None) -> dict[str, str]:
     """Keys of samples whose image or mask DALI's CPU decoder rejects, with a reason code.
 
-    Decodes in batches on every core this process may use (`threads`); a failing batch is bisected
+    Decodes in batches on this rank's share of the cores (`threads`); a failing batch is bisected
     (a failed pipeline is unusable, so each try builds a new one). On a large set this is a pass of
     decoding (minutes for ImageNet), shown with progress.
     """
-    threads = threads or usable_cores()
+    threads = threads or rank_cores()
     bad: dict[str, str] = {}
     starts = range(0, len(samples), batch_size)
     for start in tracked(starts, "decoding every sample", len(starts), unit="batch", enabled=len(starts) > 8):

@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shards import index_path, read_index, resolve_shard_set
+from shards import ShardSet, index_path, read_index, resolve_shard_set
 from shards.atomic import atomic_write_bytes
 from shards.images import header_problem
 from shards.index import IndexFileError, entries_key, format_index, split_member_name
@@ -58,6 +58,7 @@ from shards.tario import member_file
 from shards.workers import worker_pool
 
 PROGRESS_FROM = 100_000  # samples: a set this large takes seconds to check (a minute with headers)
+DECODE_PROGRESS_FROM = 2_000  # samples: decoding them takes seconds
 # (leading signature, trailing end marker) per image format; WebP has no end marker but a RIFF size.
 JPEG_SOI, JPEG_EOI = b"\xff\xd8", b"\xff\xd9"
 PNG_SIGNATURE, PNG_IEND = b"\x89PNG\r\n\x1a\n", b"IEND\xaeB`\x82"
@@ -237,11 +238,15 @@ class SetCheck:
     left_out: Counter
 
 
-def check_path(tar: Path, idx: Path, headers: bool, cache: Path) -> Path:
+DecodeCheck = Callable[[Sequence[SampleRef]], dict[str, str]]  # samples -> {key: reason} of those that fail to decode
+
+
+def check_path(tar: Path, idx: Path, headers: bool, cache: Path, decode: bool = False) -> Path:
     """Where the verdicts on `tar`'s samples are kept: named after the tar, its index, the kind of
-    check and the limits, so that a change to any of them means a new check."""
+    check (headers read, images decoded) and the limits, so that a change to any of them means a new check."""
     limits = f"{DEFAULT_LIMITS.max_member_bytes}/{DEFAULT_LIMITS.max_pixels}"
-    name = cache_name(tar, file_identity(idx), f"check v{CHECK_VERSION}", f"headers={headers}", limits)
+    name = cache_name(tar, file_identity(idx), f"check v{CHECK_VERSION}", f"headers={headers}", f"decode={decode}",
+                      limits)
     return cache / CHECKS_FOLDER / f"{name}.json"
 
 
@@ -263,21 +268,25 @@ def _cached_verdicts(path: Path, count: int) -> dict[int, str] | None:
     return verdicts
 
 
-def check_tar(tar: Path, idx: Path, *, headers: bool, cache: Path) -> TarCheck:
-    """Check every sample of one tar with `structural_problem`, or read the verdicts a previous
-    check kept in `cache` (any rank's or job's, on a shared folder); keep new verdicts there.
+def check_tar(tar: Path, idx: Path, *, headers: bool, cache: Path, decode_check: DecodeCheck | None = None) -> TarCheck:
+    """Check every sample of one tar with `structural_problem` (then `decode_check` on the sound
+    ones when given), or read the verdicts a previous check kept in `cache` (any rank's or job's,
+    on a shared folder); keep new verdicts there.
 
     The index is always parsed and checked against its tar (`index_samples`); only the per-sample
     reads are cached. A cache that cannot be written is not an error (`stored` is then False).
     """
     samples = index_samples(tar, idx)
-    path = check_path(tar, idx, headers, cache)
+    path = check_path(tar, idx, headers, cache, decode=decode_check is not None)
     verdicts = _cached_verdicts(path, len(samples))
     if verdicts is not None:
         return TarCheck(samples, verdicts, fresh=False, stored=True)
     with open(tar, "rb") as handle:
         verdicts = {i: reason for i, ref in enumerate(samples)
                     if (reason := structural_problem(ref, handle, headers=headers)) is not None}
+    if decode_check is not None:
+        undecodable = decode_check([s for i, s in enumerate(samples) if i not in verdicts])
+        verdicts.update({i: undecodable[s.key] for i, s in enumerate(samples) if i not in verdicts and s.key in undecodable})
     record = {"tar": str(tar), "samples": len(samples), "left_out": sorted([i, r] for i, r in verdicts.items())}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -287,18 +296,25 @@ def check_tar(tar: Path, idx: Path, *, headers: bool, cache: Path) -> TarCheck:
     return TarCheck(samples, verdicts, fresh=True, stored=True)
 
 
-def _check_tar_args(args: tuple[Path, Path, bool, Path]) -> tuple[bool, bool, Counter]:
-    tar, idx, headers, cache = args
-    check = check_tar(tar, idx, headers=headers, cache=cache)
+def _check_tar_args(args: tuple[Path, Path, bool, Path, DecodeCheck | None]) -> tuple[bool, bool, Counter]:
+    tar, idx, headers, cache, decode_check = args
+    check = check_tar(tar, idx, headers=headers, cache=cache, decode_check=decode_check)
     return check.fresh, check.stored, Counter(check.left_out.values())
+
+
+def _decoding(shard_set: ShardSet, decode_check: DecodeCheck | None, decode_foreign_only: bool) -> DecodeCheck | None:
+    """The decode check to run on a set: none for a set from `shards build` or `saliency build-masks`
+    with `decode_foreign_only` (they decoded every image when they wrote it)."""
+    return None if decode_foreign_only and shard_set.manifest is not None else decode_check
 
 
 def check_shard_set(
     spec: Path | str, *, index_cache: Path | None = None, part: tuple[int, int] = (0, 1), workers: int = 1,
-    progress: bool = True,
+    progress: bool = True, decode_check: DecodeCheck | None = None, decode_foreign_only: bool = False,
 ) -> SetCheck:
     """Check the samples of part `index` of `parts` of the set's tars (every parts-th) ahead of
-    the loaders, in `workers` processes, keeping the verdicts in the index cache.
+    the loaders, in `workers` processes, keeping the verdicts in the index cache; `decode_check`
+    and `decode_foreign_only` as in `load_sample_set`.
 
     The ranks of a job each call it with their own part before a barrier, so that every tar is
     read once between them; `relicv2 shards index` calls it for the whole set. Tars checked before
@@ -308,10 +324,11 @@ def check_shard_set(
     cache = Path(index_cache) if index_cache is not None else default_index_cache()
     shard_set = resolve_shard_set(spec, index_cache=cache)
     headers = shard_set.manifest is None
-    todo = [(tar, idx, headers, cache) for i, (tar, idx) in enumerate(zip(shard_set.tars, shard_set.index_files, strict=True))
-            if i % parts == index]
+    decode_check = _decoding(shard_set, decode_check, decode_foreign_only)
+    todo = [(tar, idx, headers, cache, decode_check)
+            for i, (tar, idx) in enumerate(zip(shard_set.tars, shard_set.index_files, strict=True)) if i % parts == index]
     desc = f"checking the samples of {len(shard_set.tars)} tars" + (f" (part {index + 1}/{parts})" if parts > 1 else "")
-    progress = progress and any(not check_path(*args).is_file() for args in todo)  # quiet when all were checked
+    progress = progress and any(not check_path(*args[:4], decode=decode_check is not None).is_file() for args in todo)
     if workers > 1 and len(todo) > 1:
         with worker_pool(min(workers, len(todo))) as pool:
             results = list(tracked(pool.map(_check_tar_args, todo), desc, len(todo), unit="tar", enabled=progress))
@@ -327,7 +344,8 @@ def check_shard_set(
 def load_sample_set(
     spec: Path | str,
     *,
-    decode_check: Callable[[Sequence[SampleRef]], dict[str, str]] | None = None,
+    decode_check: DecodeCheck | None = None,
+    decode_foreign_only: bool = False,
     index_cache: Path | None = None,
 ) -> SampleSet:
     """Read and check a shard set; write filtered index files when samples must be left out.
@@ -335,9 +353,11 @@ def load_sample_set(
     `spec` is anything `shards.resolve_shard_set` takes: a folder from `relicv2 shards build`
     (its manifest must agree with the index files), a folder of plain WebDataset tars (no manifest;
     missing `.idx` files are derived once into `index_cache`), a brace pattern or a tar.
-    The structural verdicts are kept in the index cache (`check_tar`), so a restart, another rank
-    or another job does not read the samples again. `decode_check(samples) -> {key: reason}`
-    (e.g. `pretrain.views.dali.find_undecodable`) is run on the structurally sound samples when given.
+    `decode_check(samples) -> {key: reason}` (e.g. `pretrain.views.dali.find_undecodable`) is run on
+    the structurally sound samples when given; with `decode_foreign_only` only on sets without a
+    manifest (sets from `shards build` and `saliency build-masks` decoded every image when writing it).
+    The verdicts are kept per tar in the index cache (`check_tar`), so a restart, another rank
+    or another job does not read or decode the samples again.
     """
     cache = Path(index_cache) if index_cache is not None else default_index_cache()
     shard_set = resolve_shard_set(spec, index_cache=cache)  # ShardSetError: one line naming the fix
@@ -347,24 +367,20 @@ def load_sample_set(
     skipped: Counter = Counter()
     skipped_keys: list[str] = []
     headers = shard_set.manifest is None
+    decode_check = _decoding(shard_set, decode_check, decode_foreign_only)
+    progress_from = PROGRESS_FROM if decode_check is None else DECODE_PROGRESS_FROM
     unstored = 0
     for tar, idx in tracked(zip(tars, shard_set.index_files, strict=True), f"checking the samples of {directory}",
-                            len(tars), unit="tar", enabled=shard_set.samples >= PROGRESS_FROM):
-        check = check_tar(tar, idx, headers=headers, cache=cache)
+                            len(tars), unit="tar", enabled=shard_set.samples >= progress_from):
+        check = check_tar(tar, idx, headers=headers, cache=cache, decode_check=decode_check)
         for i, reason in sorted(check.left_out.items()):
             skipped[reason] += 1
             skipped_keys.append(check.samples[i].key)
         per_tar.append(check.kept)
         unstored += not check.stored
-    if unstored and shard_set.samples >= PROGRESS_FROM:
+    if unstored and shard_set.samples >= progress_from:
         warnings.warn(f"cannot keep the sample checks of {directory} in {cache / CHECKS_FOLDER}: every start "
                       f"checks the set again; set ${INDEX_CACHE_ENV} to a writable folder", stacklevel=2)
-    if decode_check is not None:
-        bad = decode_check([s for kept in per_tar for s in kept])
-        for reason in bad.values():
-            skipped[reason] += 1
-        skipped_keys += sorted(bad)
-        per_tar = [[s for s in kept if s.key not in bad] for kept in per_tar]
     samples = [s for kept in per_tar for s in kept]
     if not samples:
         raise ValueError(f"no usable samples in {spec} (left out: {dict(skipped)}); rebuild the shard set")

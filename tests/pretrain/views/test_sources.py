@@ -165,6 +165,51 @@ def test_sample_checks_are_kept_in_the_cache_and_redone_when_a_tar_changes(tmp_p
     assert list((cache / sources.CHECKS_FOLDER).glob("*.json")) == []  # nothing kept, nothing failed
 
 
+def test_decoding_is_cached_per_tar_and_spared_to_sets_decoded_when_written(tmp_path):
+    """What `eval linear` asks (pretrain.eval.dali_views.DECODE): decode every image of a foreign set once."""
+    import webdataset as wds
+
+    from pretrain.views.dali import find_undecodable
+
+    calls = []
+
+    def spy(samples):
+        calls.append(len(samples))
+        return find_undecodable(samples, threads=1)
+
+    body = encoded(60, "JPEG")
+    scan = body.index(b"\xff\xda")  # start of scan: marker, length, component count, first component id
+    undecodable = body[: scan + 5] + bytes([9]) + body[scan + 6 :]  # a scan of a component that does not exist
+    (tmp_path / "wds").mkdir()
+    with wds.ShardWriter(str(tmp_path / "wds" / "train-%04d.tar"), maxcount=5, verbose=0) as sink:
+        for i in range(9):
+            sink.write({"__key__": f"s{i:02d}", "jpg": encoded(i, "JPEG"), "cls": b"1"})
+        sink.write({"__key__": "midcorrupt", "jpg": undecodable, "cls": b"1"})  # its header reads fine
+    cache = tmp_path / "cache"
+    with pytest.warns(UserWarning, match="left out 1 bad samples"):
+        first = load_sample_set(tmp_path / "wds", decode_check=spy, decode_foreign_only=True, index_cache=cache)
+    assert dict(first.skipped) == {"undecodable_image": 1} and first.skipped_keys == ["midcorrupt"]
+    assert calls == [5, 5]  # one call per tar
+    with pytest.warns(UserWarning, match="left out 1 bad samples"):
+        again = load_sample_set(tmp_path / "wds", decode_check=spy, decode_foreign_only=True, index_cache=cache)
+    assert calls == [5, 5] and again.skipped_keys == ["midcorrupt"]  # the verdicts came from the cache
+    structure_only = load_sample_set(tmp_path / "wds", index_cache=cache)  # its own verdicts: corruption unseen
+    assert structure_only.skipped == {} and len(structure_only) == 10
+    image_set(tmp_path / "own", 12)  # from shards build: every image was decoded when it was written
+    assert len(load_sample_set(tmp_path / "own", decode_check=spy, decode_foreign_only=True, index_cache=cache)) == 12
+    assert calls == [5, 5]
+    load_sample_set(tmp_path / "own", decode_check=spy, index_cache=cache)  # asked for explicitly (verify="decode")
+    assert calls == [5, 5, 9, 3]
+
+
+def test_a_ranks_share_of_the_cores_under_torchrun():
+    from shards.workers import rank_cores, usable_cores
+
+    assert rank_cores({}) == usable_cores()
+    assert rank_cores({"LOCAL_WORLD_SIZE": "4"}) == max(1, usable_cores() // 4)
+    assert rank_cores({"LOCAL_WORLD_SIZE": str(10 * usable_cores())}) == 1
+
+
 def test_truncated_images_are_left_out_by_the_cheap_check_and_a_garbage_label_unlabels(tmp_path):
     good = [ShardSample(f"g{i}", {"png": encoded(i, "PNG")}, None, {}) for i in range(4)]
     png, webp = encoded(50, "PNG"), encoded(51, "WEBP")
