@@ -50,7 +50,22 @@ class LazyGroup(click.Group):
         return super().parse_args(ctx, args)
 
 
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]}, lazy_commands={
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, as a shell reports a process stopped by Ctrl-C
+
+
+class RootGroup(LazyGroup):
+    """The `relicv2` group: Ctrl-C anywhere outside the training loop (which checkpoints and stops
+    itself) ends the command with one line and exit 130, not click's "Aborted!" and exit 1."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            click.echo("\ninterrupted (Ctrl-C): finished work is kept; rerun the same command to continue", err=True)
+            ctx.exit(INTERRUPTED_EXIT)
+
+
+@click.group(cls=RootGroup, context_settings={"help_option_names": ["-h", "--help"]}, lazy_commands={
     "shards": ("cli.shards:shards_group", "Build, verify, index and subset WebDataset shard sets (and merge a multi-rank build)."),
     "saliency": ("cli.saliency:saliency_group", "Saliency: handcrafted maps, the refined network (train, build-masks), scores, previews."),
     "eval": ("cli.eval:eval_group", "Evaluate pretrained encoders (kNN, linear, fine-tuning)."),

@@ -37,3 +37,14 @@ def test_demo_data_writes_a_labelled_tree(tmp_path):
     assert all(len(list((tmp_path / "val" / c).glob("*.jpg"))) == 1 for c in classes)
     # The awkward inputs that `shards build` must convert or reject are there too.
     assert (tmp_path / "train" / "astronaut" / "empty.jpg").stat().st_size == 0
+
+
+def test_ctrl_c_outside_training_ends_with_one_line_and_exit_130(tmp_path, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("cli.shards.build_shards", interrupted)
+    (tmp_path / "images").mkdir()
+    result = CliRunner().invoke(cli, ["shards", "build", str(tmp_path / "images"), str(tmp_path / "out")])
+    assert result.exit_code == 130 and "Aborted" not in result.output
+    assert "interrupted (Ctrl-C)" in result.output and "rerun the same command" in result.output
