@@ -13,6 +13,7 @@ Data-source state formats (what `ViewSource.load_state_dict` receives):
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from pretrain.views.source import StateVersionError, ViewSource, global_position
 # itself depend on them, so the resumed run would silently train on another stream.
 FIXED_ON_RESUME = ("run.seed", "data.source", "data.train_shards", "data.synthetic_images",
                    "data.synthetic_classes", "views.backend")
+PATH_SETTINGS = ("data.train_shards",)  # compared as the places they name
 
 
 DALI_RESPLIT = ("; DALI's reader draws the rest of this epoch from a new order over the new shares, so in this "
@@ -55,12 +57,20 @@ def _lookup(tree: dict[str, Any], dotted: str) -> Any:
     return node
 
 
+def _same(key: str, old: Any, new: Any) -> bool:
+    """Equal settings; paths (shard set specs) are equal when they name the same place from here,
+    so `sh/train`, `sh/train/` and `/abs/sh/train` do not refuse a resume."""
+    if key in PATH_SETTINGS and isinstance(old, str) and isinstance(new, str) and old and new:
+        return os.path.abspath(old) == os.path.abspath(new)  # abspath also normalises `//`, `./`, a final `/`
+    return old == new
+
+
 def check_compatible(saved: dict[str, Any], config: PretrainConfig, path: Path) -> None:
     """Refuse a resume whose fixed settings differ, naming the first setting and both values."""
     current = to_dict(config)
     for key in FIXED_ON_RESUME:
         old, new = _lookup(saved, key), _lookup(current, key)
-        if old is not None and old != new:
+        if old is not None and not _same(key, old, new):
             raise CheckpointError(
                 f"cannot resume from {path}: {key} is {old!r} there and {new!r} here, and the data stream "
                 f"depends on it; resume with --set {key}={old}, or start a new run with --fresh"

@@ -210,3 +210,15 @@ def test_a_run_logged_to_a_file_prints_progress_lines_with_total_and_eta(tmp_pat
     assert len(lines) == 4 and "\r" not in "".join(lines)
     assert lines[-1].startswith("pretrain: step 4/4 (100%)") and "ETA 0:00:00" in lines[-1] and "loss " in lines[-1]
     assert "ETA" in lines[0] and lines[0].startswith("pretrain: step 1/4 (25%)")
+
+
+def test_a_resume_compares_shard_sets_as_places_not_as_text(tmp_path, monkeypatch):
+    from pretrain.config import load_config, to_dict
+    from pretrain.resume import check_compatible
+
+    monkeypatch.chdir(tmp_path)
+    saved = to_dict(load_config(None, ["data.train_shards=sh/train"]))
+    for same in ("sh/train/", "./sh/train", str(tmp_path / "sh" / "train")):
+        check_compatible(saved, load_config(None, [f"data.train_shards={same}"]), tmp_path / "c.pt")
+    with pytest.raises(CheckpointError, match=r"data\.train_shards is 'sh/train' there and 'sh/val' here"):
+        check_compatible(saved, load_config(None, ["data.train_shards=sh/val"]), tmp_path / "c.pt")
