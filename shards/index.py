@@ -65,7 +65,7 @@ def index_text(tar: Path) -> str:
     try:
         for item in iter_tar(tar, read_data=False):
             if isinstance(item, Skipped):
-                if item.name is None:  # the tar itself is cut short: an index would hide the loss
+                if item.name is None or item.reason == "truncated":  # cut short: an index would hide the loss
                     raise TarReadError(f"{tar}: {item.detail}; rebuild or remove this shard")
                 continue
             assert isinstance(item, Member)
@@ -78,9 +78,26 @@ def index_text(tar: Path) -> str:
                 last_key = key
             else:
                 samples[-1].append(entry)
+        _check_members_together(tar, samples)
     except TarReadError as exc:
         raise ValueError(str(exc)) from exc
     return format_index(samples)
+
+
+def _check_members_together(tar: Path, samples: list[list[IndexEntry]]) -> None:
+    """TarReadError when a sample's members are split over several places of the tar (written as
+    `tar cf x.tar *.jpg *.cls`): DALI's reader, like webdataset, takes a sample from one run of
+    members, so every sample would lose its label or its image. (Two runs with the same extensions
+    are two samples that share a key, which the readers take as they are.)"""
+    runs: dict[str, list[set[str]]] = {}
+    for entries in samples:
+        runs.setdefault(entries_key(entries), []).append({entry[0] for entry in entries})
+    for key, extensions in runs.items():
+        if len(extensions) > 1 and sum(map(len, extensions)) == len(set().union(*extensions)):
+            raise TarReadError(
+                f"{tar}: the members of sample {key!r} are not next to each other (as `tar cf x.tar *.jpg *.cls` "
+                "writes them); write the tar in key order (`tar cf x.tar $(ls | sort)`, or webdataset.ShardWriter)"
+            )
 
 
 def write_index(tar: Path, out: Path | None = None) -> Path:
@@ -101,7 +118,8 @@ def _entry(path: Path, number: int, fields: list[str], i: int, tar_size: int | N
         raise IndexFileError(f"{path} line {number}: negative offset or size ({offset}, {size}); rewrite it with write_index")
     if tar_size is not None and offset + size > tar_size:
         raise IndexFileError(f"{path} line {number}: member {name!r} at {offset}+{size} lies beyond the tar's {tar_size} "
-                             "bytes; rewrite it with write_index")
+                             "bytes: the tar is cut short or the index belongs to another tar; check the set with "
+                             "`relicv2 shards verify` and rebuild it (rerun `relicv2 shards build`)")
     try:
         check_key(name)
     except UnsafeKeyError as exc:
