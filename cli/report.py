@@ -33,7 +33,7 @@ def report(out: Path, run_dir: Path | None, eval_json: tuple[Path, ...], salienc
     from pretrain.report import ReportInputs, build_report
 
     inputs = ReportInputs(run_dir=run_dir, eval_json=eval_json, saliency_report=saliency_report,
-                          maps_dir=maps_dir, shards=shards if shards and shards.is_dir() else None,
+                          maps_dir=maps_dir, shards=shards,
                           views=views, count=count, title=title)
     try:
         summary = build_report(inputs, out)

@@ -95,6 +95,7 @@ def build_report(inputs: ReportInputs, out: Path) -> ReportSummary:
     if page.figure_dir.exists():
         shutil.rmtree(page.figure_dir)  # figures of an earlier build, all written by this function
     page.figure_dir.mkdir(parents=True)
+    page.summary.problems += _missing_inputs(inputs)
     _saliency_section(page, inputs)
     _saliency_training_section(page, inputs)
     _views_section(page, inputs)
@@ -104,8 +105,22 @@ def build_report(inputs: ReportInputs, out: Path) -> ReportSummary:
     return page.summary
 
 
+def _missing_inputs(inputs: ReportInputs) -> list[str]:
+    """The inputs a user named that hold nothing the report can read (a typo reads as "not run" otherwise)."""
+    problems = []
+    for option, path, wanted in (("--run", inputs.run_dir, "metrics.jsonl"), ("--maps", inputs.maps_dir, None),
+                                 ("--shards", inputs.shards, None), ("--saliency-report", inputs.saliency_report, None)):
+        if path is None:
+            continue
+        if not Path(path).exists():
+            problems.append(f"{option} {path}: does not exist")
+        elif wanted is not None and not (Path(path) / wanted).is_file():
+            problems.append(f"{option} {path}: has no {wanted} (not a pretraining output folder)")
+    return problems
+
+
 def _saliency_section(page: _Page, inputs: ReportInputs) -> None:
-    if inputs.shards is None:
+    if inputs.shards is None or not Path(inputs.shards).is_dir():
         page.not_run("saliency", "no shard set given (--shards: the masked shards of saliency build-masks)")
         return
     samples, problems = read_saliency_samples(inputs.shards, inputs.maps_dir, inputs.count)
@@ -227,15 +242,18 @@ def _evaluation_section(page: _Page, inputs: ReportInputs) -> None:
 
 
 def _deltas(results: list[EvalResult]) -> str:
-    """One line per protocol: the pretrained encoder's gain over random init."""
+    """One line per protocol and data: the pretrained encoder's gain over random init, only between
+    results on the same numbers of train and val images (the JSON names no set; counts that differ
+    mean different data, and such a gain would mean nothing)."""
     lines = []
-    for protocol in sorted({r.protocol for r in results}):
-        trained = [r for r in results if r.protocol == protocol and not r.random_init]
-        baseline = [r for r in results if r.protocol == protocol and r.random_init]
+    for protocol, num_train, num_val in sorted({(r.protocol, r.num_train, r.num_val) for r in results}, key=str):
+        same = [r for r in results if (r.protocol, r.num_train, r.num_val) == (protocol, num_train, num_val)]
+        trained = [r for r in same if not r.random_init]
+        baseline = [r for r in same if r.random_init]
         if trained and baseline:
             gain = trained[0].top1 - baseline[0].top1
-            lines.append(f"{protocol}: pretrained {trained[0].top1:.4f} vs random init {baseline[0].top1:.4f} "
-                         f"({gain:+.4f})")
+            lines.append(f"{protocol} ({_fmt(num_train)} train / {_fmt(num_val)} val images): pretrained "
+                         f"{trained[0].top1:.4f} vs random init {baseline[0].top1:.4f} ({gain:+.4f})")
     return _notes(lines)
 
 

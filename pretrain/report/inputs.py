@@ -97,6 +97,7 @@ def read_eval_results(paths: list[Path]) -> tuple[list[EvalResult], list[str]]:
     files: list[Path] = []
     for path in paths:
         files += sorted(Path(path).glob("*.json")) if Path(path).is_dir() else [Path(path)]
+    files = list({file.resolve(): file for file in files}.values())  # a folder and a file in it: read once
     results, problems = [], []
     for path in files:
         try:

@@ -160,3 +160,22 @@ def test_report_opens_in_a_headless_browser_with_every_image_loaded(outputs: Rep
     assert set(seen["sections"]) >= {sid for sid, _ in SECTIONS}
     assert "0.8125" in seen["sections"]["evaluation"]
     assert not seen["remote"], f"the page asked for remote resources: {seen['remote']}"
+
+
+def test_named_inputs_that_hold_nothing_are_listed_and_gains_pair_only_the_same_data(outputs: ReportInputs,
+                                                                                      tmp_path: Path):
+    (tmp_path / "shards-like").mkdir()
+    evals = outputs.eval_json[0]
+    (evals / "knn-random-bigger-val.json").write_text(json.dumps({
+        "protocol": "knn", "checkpoint": None, "random_init": 18, "top1": 0.1, "top5": None,
+        "num_train": 190, "num_val": 128}))
+    result = CliRunner().invoke(cli, [
+        "report", "--out", str(tmp_path / "r.html"), "--run", str(tmp_path / "shards-like"), "--maps",
+        str(tmp_path / "nope"), "--eval", str(evals), "--eval", str(evals / "broken.json")])
+    assert result.exit_code == 0, result.output
+    assert f"left out: --run {tmp_path / 'shards-like'}: has no metrics.jsonl" in result.output
+    assert f"left out: --maps {tmp_path / 'nope'}: does not exist" in result.output
+    assert result.output.count("broken.json: not an eval result") == 1  # a folder and a file in it: once
+    page = (tmp_path / "r.html").read_text()
+    assert "knn (190 train / 64 val images): pretrained 0.8125 vs random init 0.4375" in page
+    assert "0.1000 (" not in page and "vs random init 0.1000" not in page  # never paired across val sets
