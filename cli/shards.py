@@ -15,7 +15,8 @@ from cli.options import index_cache_option
 from shards.build import BuildConfig, build_shards, output_error
 from shards.limits import DEFAULT_MAX_PIXELS
 from shards.lock import folder_lock
-from shards.merge import merge_shard_set
+from shards.manifest import REJECTED_NAME
+from shards.merge import merge_shard_set, rejected_listing_command
 from shards.ranks import RanksError, ranks_from_env
 from shards.sources import LAYOUTS, InputError
 from shards.verify import verify_shard_set
@@ -85,9 +86,10 @@ def build(input_path: Path, out_arg: Path | None, out_opt: Path | None, max_byte
         report = build_shards(config, ranks)
     except (InputError, RanksError, FileNotFoundError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from None
+    repaired = f" ({len(report.repaired)} of them damaged since an earlier run: rebuilt)" if report.repaired else ""
     click.echo(
-        f"rank {ranks.rank}/{ranks.world_size}: {report.shards_built} shard(s) built, {report.shards_kept} kept "
-        f"from an earlier run, {report.written} images written, {report.rejected} rejected while decoding"
+        f"rank {ranks.rank}/{ranks.world_size}: {report.shards_built} shard(s) built{repaired}, {report.shards_kept} "
+        f"kept from an earlier run, {report.written} images written, {report.rejected} rejected while decoding"
     )
     if report.merge is not None:
         echo_merge(out_dir, report.merge)
@@ -100,7 +102,8 @@ def echo_merge(out_dir: Path, merge) -> None:
     if merge.empty_shards:
         click.echo(f"note: every input of {', '.join(merge.empty_shards)} was rejected; no file was written for it")
     if merge.rejected:
-        click.echo(f"see {out_dir / 'rejected.parquet'} for each rejected file and why")
+        rejected = out_dir / REJECTED_NAME
+        click.echo(f"each rejected file and why: {rejected}; list them with: {rejected_listing_command(rejected)}")
 
 
 @shards_group.command("merge")
@@ -141,8 +144,10 @@ def verify(directory: Path, workers: int, decode: bool, index_cache: Path | None
     for problem in report.problems:
         click.echo(problem)
     if not report.ok:
+        repair = f"; {report.repair}" if report.repair else ""
         raise click.ClickException(
             f"{len(report.problems)} problem(s) in {directory} ({report.shards} shards, {report.samples} samples)"
+            + repair
         )
     click.echo(f"{directory}: OK, {report.shards} shards, {report.samples} samples verified")
 

@@ -2,17 +2,20 @@
 
 The job plans everything up front (shards.plan), then builds each unfinished shard of this rank:
 images are decode-verified (and converted when needed) in a process pool, written in plan order
-into the shard's tar, and a done-marker named after the shard's digest is written last. Killing the
-job at any point and rerunning the same command skips finished shards and redoes the rest, giving
-the same bytes. Rank 0 then merges the per-shard records into manifest.parquet, rejected.parquet
+into the shard's tar, and a done-marker named after the shard's digest, recording the size and
+SHA-256 of the shard's files, is written last. Killing the job at any point and rerunning the same
+command skips finished shards and redoes the rest, giving the same bytes; a finished shard whose
+files changed since (truncated, edited, deleted) is redone the same way. Rank 0 then merges the per-shard records into manifest.parquet, rejected.parquet
 and info.json (shards.merge).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import errno
 import functools
+import hashlib
 import json
 import sys
 from collections import deque
@@ -32,6 +35,7 @@ from shards.merge import (
     MergeReport,
     done_marker,
     merge_shard_set,
+    rejected_listing_command,
     work_dir,
 )
 from shards.outdir import claim_out_dir
@@ -83,6 +87,7 @@ class BuildReport:
     written: int
     rejected: int
     merge: MergeReport | None
+    repaired: tuple[str, ...] = ()  # finished shards whose files had changed since, rebuilt (part of shards_built)
 
 
 def settings_of(config: BuildConfig) -> dict:
@@ -129,18 +134,57 @@ def plan_record(config: BuildConfig, listing: Listing, shards: list[ShardPlan]) 
     }
 
 
-def shard_is_done(out: Path, shard: ShardPlan) -> bool:
-    """A shard is finished when its done-marker (named after its digest) exists and so do its files
-    (an all-rejected shard has a marker and no files)."""
+NOT_BUILT = "not built yet"
+
+
+def pending_reason(out: Path, shard: ShardPlan) -> str | None:
+    """None when the shard is finished: its done-marker (named after its digest) exists and its files
+    are those the marker records (an all-rejected shard has a marker and no files). Otherwise why it
+    must be (re)built: NOT_BUILT, or what is wrong with the files of a shard that was finished."""
     marker = done_marker(out, shard)
     if not marker.is_file():
-        return False
+        return NOT_BUILT
     try:
-        empty = bool(json.loads(marker.read_text())["empty"])
+        record = json.loads(marker.read_text())
+        empty = bool(record["empty"])
     except (OSError, ValueError, KeyError, TypeError):
-        return False  # an unreadable marker: redo the shard (its marker is rewritten)
-    tar = out / shard.name
-    return empty or (tar.is_file() and index_path(tar).is_file())
+        return f"its done-marker {marker.name} is unreadable"  # redone: the marker is rewritten
+    return None if empty else files_changed(out / shard.name, record, marker)
+
+
+def files_changed(tar: Path, record: dict, marker: Path) -> str | None:
+    """What differs between a finished shard's tar and index and its done-record, or None.
+
+    The index (small) is hashed on every check. The tar is compared by size; it is hashed only when
+    its modification time is not the recorded one, so rerunning a finished build of any size costs
+    no read of its tars, while any write to a tar (in place, truncation, a copy) is caught. A
+    confirmed tar's new time is recorded, so a copied set is hashed once. Damage that keeps both
+    size and time (bit rot on disk) is left to `relicv2 shards verify`.
+    """
+    idx = index_path(tar)
+    for what, path in (("tar", tar), ("index", idx)):
+        if not path.is_file():
+            return f"its {what} {path.name} is missing"
+    if "tar_sha256" not in record:
+        # A marker written before files were recorded: only presence can be checked. Such sets are
+        # kept as they are (not rebuilt wholesale); delete a damaged tar to have it rebuilt.
+        return None
+    stat = tar.stat()
+    if stat.st_size != record.get("tar_bytes"):  # .get: a hand-edited record is a mismatch, not a crash
+        return f"its tar has {stat.st_size} bytes, {record.get('tar_bytes')} when it was built"
+    if sha256_of(idx) != record.get("index_sha256"):
+        return f"its index {idx.name} differs from the one written with it"
+    if stat.st_mtime_ns != record.get("tar_mtime_ns"):
+        if sha256_of(tar) != record["tar_sha256"]:
+            return "its tar was changed after it was built (its SHA-256 differs)"
+        atomic_write_bytes(marker, json.dumps({**record, "tar_mtime_ns": stat.st_mtime_ns}, sort_keys=True).encode())
+    return None
+
+
+def sha256_of(path: Path) -> str:
+    """Hex SHA-256 of a file's bytes."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def prepared_stream(images: list[SourceImage], config: BuildConfig) -> Iterator[SampleRecord | Rejection]:
@@ -212,6 +256,10 @@ def build_one(out: Path, shard: ShardPlan, results: Iterator[SampleRecord | Reje
         raise
     rows = tar.close() if tar is not None else []
     marker = {"shard": shard.name, "digest": shard.digest, "empty": not rows, "manifest": rows, "rejected": rejected}
+    if tar is not None:  # what identifies the finished files, so a rerun can tell a damaged shard (files_changed)
+        stat = tar.path.stat()
+        marker |= {"tar_bytes": stat.st_size, "tar_mtime_ns": stat.st_mtime_ns, "tar_sha256": tar.sha256,
+                   "index_sha256": tar.index_sha256}
     atomic_write_bytes(done_marker(out, shard), json.dumps(marker, sort_keys=True).encode())
     return len(rows), len(rejected)
 
@@ -234,11 +282,29 @@ def build_shards(config: BuildConfig, ranks: Ranks = Ranks()) -> BuildReport:
     check_config(config)
     check_out_dir(config)
     try:
-        config.out_dir.mkdir(parents=True, exist_ok=True)
-        with folder_lock(config.out_dir, "relicv2 shards build", enabled=ranks.rank == 0):
+        # The lock is released (its file removed) before an empty folder is removed.
+        with output_folder(config.out_dir), \
+                folder_lock(config.out_dir, "relicv2 shards build", enabled=ranks.rank == 0):
             return _build_locked(config, ranks)
     except OSError as exc:
         raise output_error(exc, config.out_dir) from exc
+
+
+@contextlib.contextmanager
+def output_folder(folder: Path) -> Iterator[None]:
+    """Create `folder` (and missing parents) for the block; when the block fails, remove the folders
+    it created that are still empty, so a refused build (missing input, no files) leaves nothing behind."""
+    created = [p for p in (folder, *folder.parents) if not p.exists()]  # deepest first
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        for path in created:
+            try:
+                path.rmdir()
+            except OSError:  # not empty (the build wrote something: kept for the rerun) or already gone
+                break
+        raise
 
 
 def output_error(exc: OSError, out: Path) -> OutputError:
@@ -277,7 +343,11 @@ def _build_locked(config: BuildConfig, ranks: Ranks) -> BuildReport:
     if ranks.rank == 0:
         write_table(rejected_table(listing.rejected), work_dir(out) / "plan-rejected.parquet")
     mine = [shards[n] for n in rank_shards(len(shards), ranks.rank, ranks.world_size)]
-    pending = [s for s in mine if not shard_is_done(out, s)]
+    reasons = {s.name: pending_reason(out, s) for s in mine}
+    pending = [s for s in mine if reasons[s.name] is not None]
+    repaired = tuple(s.name for s in pending if reasons[s.name] != NOT_BUILT)
+    for name in repaired:
+        print(f"rebuilding {name}, finished by an earlier run: {reasons[name]}", file=sys.stderr)
     if ranks.world_size == 1:  # alone in the folder (we hold its lock): every temporary is stale
         stale = remove_stale_temps(out) + remove_stale_temps(work_dir(out))
     else:  # other ranks write beside us: only our own shards' temporaries
@@ -301,11 +371,12 @@ def _build_locked(config: BuildConfig, ranks: Ranks) -> BuildReport:
         merge = merge_shard_set(out, wait_s=config.merge_timeout_s if ranks.world_size > 1 else 0,
                                 progress=config.progress)
         if merge.written == 0:
+            reasons = ", ".join(f"{k} {v}" for k, v in merge.rejected_by_reason.items())
             raise InputError(
-                f"none of the {merge.rejected} input file(s) could be written; "
-                f"see {out / REJECTED_NAME} for the reasons"
+                f"none of the {merge.rejected} input file(s) could be written ({reasons}); each file and "
+                f"why is in {out / REJECTED_NAME}; list them with: {rejected_listing_command(out / REJECTED_NAME)}"
             )
-    return BuildReport(len(shards), len(pending), len(mine) - len(pending), written, rejected, merge)
+    return BuildReport(len(shards), len(pending), len(mine) - len(pending), written, rejected, merge, repaired)
 
 
 def counting(results: Iterator, bar: Phase) -> Iterator:

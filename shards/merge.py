@@ -7,6 +7,7 @@ its own as `relicv2 shards merge DIR` once every rank has finished.
 from __future__ import annotations
 
 import json
+import shlex
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -65,6 +66,12 @@ def read_marker(out: Path, shard: dict) -> dict:
         return marker
     except (OSError, ValueError) as exc:
         raise RuntimeError(f"{path} is not a done-marker ({exc}); delete it and rerun the build to redo that shard") from None
+
+
+def rejected_listing_command(path: Path) -> str:
+    """A shell line that prints a rejected.parquet one file per line (pyarrow only: pandas is not installed)."""
+    code = f"import pyarrow.parquet as pq; print(*pq.read_table({json.dumps(str(path))}).to_pylist(), sep=chr(10))"
+    return shlex.join(["python", "-c", code])
 
 
 def wait_for_markers(out: Path, shards: list[dict], wait_s: float, progress: bool = True) -> list[dict]:

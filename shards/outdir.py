@@ -66,6 +66,27 @@ def other_entries(out: Path, ours: set[str]) -> list[str]:
     )
 
 
+def plan_differences(previous: dict, record: dict) -> str:
+    """What differs between the plan a folder holds and this build's, e.g. 'max_count: 50 there, 40 now'."""
+    def shown(settings: dict, name: str) -> str:
+        # A setting missing from a plan is at its default (settings_of leaves some out then).
+        return "default" if name not in settings else "none" if settings[name] is None else str(settings[name])
+
+    old = previous.get("settings") if isinstance(previous.get("settings"), dict) else {}
+    new = record["settings"]
+    found = [f"{name}: {shown(old, name)} there, {shown(new, name)} now"
+             for name in sorted(set(old) | set(new)) if old.get(name, ...) != new.get(name, ...)]
+    if previous.get("layout") != record["layout"]:
+        found.append(f"layout: {previous.get('layout')} there, {record['layout']} now")
+    if previous.get("inputs") != record["inputs"]:
+        found.append(f"input files: {previous.get('inputs')} there, {record['inputs']} now")
+    elif previous.get("classes") != record["classes"]:
+        found.append("class folders: other names")
+    if not found and previous.get("version") != record["version"]:
+        found.append(f"made by relicv2 {previous.get('version')}, this is {record['version']}")
+    return "; ".join(found) or "the same number of input files, but a file's name, size or label changed"
+
+
 def claim_out_dir(out: Path, record: dict, *, overwrite: bool, multi_rank: bool) -> int:
     """Make `out` hold only this build (or an unfinished run of it); write its plan. Returns files removed.
 
@@ -86,7 +107,7 @@ def claim_out_dir(out: Path, record: dict, *, overwrite: bool, multi_rank: bool)
         if previous is CORRUPT:
             what = f"an unreadable build plan ({plan_file(out)})"
         elif stale:
-            what = "a build of other inputs or settings"
+            what = f"a build of other inputs or settings ({plan_differences(previous, record)})"
         elif unknown:
             what = "a shard set this command did not plan"
         else:

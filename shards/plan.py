@@ -2,7 +2,8 @@
 
 Planning needs no image decoding, so every rank of a multi-node build computes the same plan on
 its own, and every shard can be (re)built independently. A shard is finished when its done-marker
-carries the shard's digest, which covers its inputs and the settings that shape its bytes.
+carries the shard's digest, which covers its inputs and the settings that shape its bytes, and its
+files are still those the marker records (shards.build.files_changed).
 """
 
 from __future__ import annotations

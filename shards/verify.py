@@ -25,7 +25,14 @@ import pyarrow as pa
 from shards.images import JPEG_FORMATS, ImageLoadError, decode, displayed_size
 from shards.index import index_path, index_text, split_member_name
 from shards.limits import DEFAULT_LIMITS
-from shards.manifest import MANIFEST_NAME, MANIFEST_SCHEMA, is_plain_tar_name, read_manifest
+from shards.manifest import (
+    MANIFEST_NAME,
+    MANIFEST_SCHEMA,
+    REJECTED_NAME,
+    is_plain_tar_name,
+    read_manifest,
+)
+from shards.merge import plan_file
 from shards.progress import tracked
 from shards.reader import ReadReport, _tar_samples
 from shards.sample import (
@@ -53,6 +60,7 @@ class VerifyReport:
     shards: int
     samples: int
     problems: list[str] = field(default_factory=list)
+    repair: str | None = None  # how to rebuild damaged shards (sets from `relicv2 shards build`), else None
 
     @property
     def ok(self) -> bool:
@@ -254,7 +262,10 @@ def verify_shard_set(directory: Path, *, workers: int = 1, decode_images: bool =
         check = functools.partial(verify_plain_shard, index_cache=cache, decode_images=decode_images)
         results = _run(check, tars, None, workers, progress)
         problems += [p for _, ps in results for p in ps]
-        return VerifyReport(len(tars), sum(n for n, _ in results), problems)
+        samples = sum(n for n, _ in results)
+        if samples == 0:
+            problems.append(f"{directory}: its {len(tars)} shard(s) hold no samples; the set is empty")
+        return VerifyReport(len(tars), samples, problems)
     by_shard: dict[str, list[dict]] = {}
     for row in manifest:
         by_shard.setdefault(row["shard"], []).append(row)
@@ -278,7 +289,28 @@ def verify_shard_set(directory: Path, *, workers: int = 1, decode_images: bool =
     per_shard = _run(check, tars, [by_shard[t.name] for t in tars], workers, progress)
     problems += [p for shard_problems in per_shard for p in shard_problems]
     problems += info_problems(directory, len(manifest))
-    return VerifyReport(len(tars), len(manifest), problems)
+    if not manifest:  # a build whose every input was rejected still writes a (0-row) manifest
+        rejected = directory / REJECTED_NAME
+        why = f"; every input was rejected, each with its reason in {rejected}" if rejected.is_file() else ""
+        problems.append(f"{MANIFEST_NAME}: lists no samples, the set is empty{why}")
+        return VerifyReport(len(tars), 0, problems)  # no repair: rerunning the build would reject them again
+    return VerifyReport(len(tars), len(manifest), problems, repair_command(directory))
+
+
+def repair_command(directory: Path) -> str | None:
+    """How to rebuild the damaged shards of a set made by `relicv2 shards build` (rerunning its
+    command redoes every shard whose files changed, and the manifest and info), or None for sets
+    made otherwise. The command comes from info.json, as the build recorded it."""
+    try:
+        info = json.loads((directory / "info.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(info, dict) or "plan_digest" not in info:
+        return None  # not from shards build (e.g. saliency build-masks, write_shard_set)
+    command = info.get("command") or "relicv2 shards build INPUT OUT [the options of the first run]"
+    if not plan_file(directory).is_file():  # without its plan the build no longer knows the set as its own
+        return f"rebuild the set, replacing it: {command} --overwrite"
+    return f"rerun the build that made this set, which rebuilds damaged shards: {command}"
 
 
 def info_problems(directory: Path, samples: int) -> list[str]:

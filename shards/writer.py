@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tarfile
@@ -87,13 +88,17 @@ class TarShard:
     The tar is assembled from SampleRecords rather than through tarfile.TarFile so that records can
     be serialised in worker processes; the bytes equal what tarfile writes for the same members.
     Publishing order: the index is renamed into place first, then the tar, so a final tar name
-    always has an index beside it.
+    always has an index beside it. The SHA-256 of both files is computed as they are written (no
+    second read), for the done-record of `shards build` (`sha256`, `index_sha256`, set by `close()`).
     """
 
     def __init__(self, tar: Path):
         self.path = Path(tar)
         self.tmp = temp_path_for(self.path)
         self._file = open(self.tmp, "wb")  # noqa: SIM115 (closed in close/abort)
+        self._hash = hashlib.sha256()
+        self.sha256: str | None = None
+        self.index_sha256: str | None = None
         self.size = 0
         self.rows: list[dict] = []
         self.keys: set[str] = set()
@@ -109,6 +114,7 @@ class TarShard:
             raise ValueError(f"duplicate key {record.key!r} in {self.path.name}; keys must be unique")
         self._index.append([(ext, self.size + off, size, f"{record.key}.{ext}") for ext, off, size in record.entries])
         self._file.write(record.blob)
+        self._hash.update(record.blob)
         self.size += len(record.blob)
         row = {**record.row, "shard": self.path.name, "position": len(self.rows)}
         self.rows.append(row)
@@ -121,11 +127,13 @@ class TarShard:
         end = 2 * TAR_BLOCK
         end += -(self.size + end) % tarfile.RECORDSIZE
         self._file.write(b"\0" * end)
+        self._hash.update(b"\0" * end)
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
-        text = format_index(self._index)
-        atomic_write_bytes(index_path(self.path), text.encode("utf-8"))
+        index = format_index(self._index).encode("utf-8")
+        atomic_write_bytes(index_path(self.path), index)
+        self.sha256, self.index_sha256 = self._hash.hexdigest(), hashlib.sha256(index).hexdigest()
         os.replace(self.tmp, self.path)
         fsync_dir(self.path.parent)
         return self.rows
