@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from pretrain.checkpoint import (
+    CheckpointError,
     checkpoint_path,
     latest_checkpoint,
     load_checkpoint,
@@ -204,6 +205,12 @@ def _epoch_layout(source: ViewSource, world_size: int) -> tuple[int, int]:
 def _pretrain(config: PretrainConfig, ctx: DistributedContext, *, resume: str | Path | None, auto_resume: bool,
               stop: _StopSignals) -> PretrainResult:
     out = Path(config.run.output_dir)
+    own = latest_checkpoint(out)
+    if resume is not None and own is not None and Path(resume).resolve().parent != out.resolve():
+        # Its steps would be written beside another run's checkpoints, and a later rerun would continue
+        # whichever of the two lines has the newest step.
+        raise CheckpointError(f"--resume {resume} is not a checkpoint of {out}, which holds another run (up to "
+                              f"{own.name}); resume into another --output folder, or move that run out of {out} first")
     source = build_view_source(config, ctx)
     dataset_size, steps_per_epoch = _epoch_layout(source, ctx.world_size)
     derived = derive(config, world_size=ctx.world_size, dataset_size=dataset_size, steps_per_epoch=steps_per_epoch)

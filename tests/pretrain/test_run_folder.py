@@ -222,3 +222,16 @@ def test_a_resume_compares_shard_sets_as_places_not_as_text(tmp_path, monkeypatc
         check_compatible(saved, load_config(None, [f"data.train_shards={same}"]), tmp_path / "c.pt")
     with pytest.raises(CheckpointError, match=r"data\.train_shards is 'sh/train' there and 'sh/val' here"):
         check_compatible(saved, load_config(None, ["data.train_shards=sh/val"]), tmp_path / "c.pt")
+
+
+def test_resuming_another_runs_checkpoint_into_a_folder_holding_a_run_is_refused(tmp_path, finished_run):
+    out = tmp_path / "run"
+    quiet_run(tiny_config(out, *RESUME_OPTIONS, "run.max_steps=2"))  # this folder's own run, up to step 2
+    before = sorted(p.name for p in out.iterdir())
+    config_text = (out / "config.yaml").read_text()
+    with pytest.raises(CheckpointError, match=r"is not a checkpoint of .*run, which holds another run \(up to "
+                                              r"checkpoint-000000002\.pt\); resume into another --output"):
+        quiet_run(tiny_config(out, *RESUME_OPTIONS), resume=finished_run / "checkpoint-000000006.pt")
+    assert sorted(p.name for p in out.iterdir()) == before and (out / "config.yaml").read_text() == config_text
+    other = tmp_path / "other"  # an empty folder takes another run's checkpoint
+    assert quiet_run(tiny_config(other, *RESUME_OPTIONS), resume=finished_run / "checkpoint-000000006.pt").step >= 6
