@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,11 @@ from shards.atomic import atomic_output
 from shards.shardset import ShardSetError, shard_tars
 
 KNN = KnnConfig()
+ALLOW_LOST_HINT = ", or pass --allow-lost to score the samples that remain (the loss is then in every output)"
+ALLOW_LOST_OPTION = click.option(
+    "--allow-lost", is_flag=True,
+    help="Score a set that lost samples while read (truncated or missing tars) instead of refusing it; "
+         "the loss is printed and in the JSON.")
 
 
 @click.group()
@@ -44,9 +48,10 @@ def eval_group() -> None:
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of --random-init.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
               help="Also write the result as JSON (protocol, checkpoint, top1, num_train, ...) to this file.")
+@ALLOW_LOST_OPTION
 def knn(checkpoint: Path | None, random_depth: int | None, network: str, train_shards: Path, val_shards: Path,
         k: int | None, temperature: float | None, crop_size: int | None, resize_size: int | None,
-        batch_size: int | None, device: str, seed: int, json_path: Path | None) -> None:
+        batch_size: int | None, device: str, seed: int, json_path: Path | None, allow_lost: bool) -> None:
     """Weighted cosine kNN top-1 of an encoder: train features as the bank (defaults: pretrain.config.KnnConfig)."""
     import dataclasses
 
@@ -54,12 +59,8 @@ def knn(checkpoint: Path | None, random_depth: int | None, network: str, train_s
 
     from pretrain.checkpoint import CheckpointError
     from pretrain.config import ConfigError, load_config
-    from pretrain.eval.knn import (
-        encoder_from_checkpoint,
-        evaluate_knn,
-        random_encoder,
-        resolve_checkpoint,
-    )
+    from pretrain.eval.knn import evaluate_knn
+    from pretrain.eval.outcome import LostSamplesError, lost_text
 
     if (checkpoint is None) == (random_depth is None):
         raise click.UsageError("give exactly one of --checkpoint or --random-init DEPTH")
@@ -79,29 +80,40 @@ def knn(checkpoint: Path | None, random_depth: int | None, network: str, train_s
     elif device == "cuda" and not torch.cuda.is_available():
         raise click.UsageError("--device cuda but no CUDA device is visible; use --device cpu")
     try:
-        if checkpoint is not None:
-            checkpoint = resolve_checkpoint(checkpoint)
-            encoder, what = encoder_from_checkpoint(checkpoint, network=network), f"{checkpoint} ({network})"
-        else:
-            encoder, what = random_encoder(random_depth, seed=seed), f"random-init ResNet-{random_depth}"
+        encoder, record = _backbone(checkpoint, random_depth, network, seed)
         result = evaluate_knn(encoder.to(device), train_shards, val_shards, settings=settings, device=device,
-                              progress=True)
+                              progress=True, allow_lost=allow_lost)
+    except LostSamplesError as error:
+        raise click.ClickException(f"{error}{ALLOW_LOST_HINT}") from None
     except (CheckpointError, FileNotFoundError, ValueError) as error:
         raise click.ClickException(str(error)) from None
     assert result is not None  # a single process is rank 0
+    what = (f"{record['checkpoint']} ({record['network']})" if checkpoint is not None
+            else f"random-init ResNet-{random_depth}")
     click.echo(f"{what}: kNN top-1 {result.top1:.4f} (k={settings.k}, T={settings.temperature}; "
-               f"{result.num_train} train, {result.num_val} val, {result.skipped} undecodable skipped)")
+               f"{result.num_train} train, {result.num_val} val, {result.skipped} undecodable skipped, "
+               f"{lost_text(result.lost)} lost while reading)")
+    _warn_shortfalls(result)
     if json_path is not None:
-        record = {"protocol": "knn", "checkpoint": str(checkpoint) if checkpoint is not None else None,
-                  "random_init": random_depth, "top1": result.top1, "top5": None,
-                  "num_train": result.num_train, "num_val": result.num_val, "skipped": result.skipped,
-                  "network": network if checkpoint is not None else None,
-                  "settings": {key: value for key, value in dataclasses.asdict(settings).items()
-                               if key in given}}
+        payload = result.as_json(checkpoint=record["checkpoint"], random_init=random_depth, extra={
+            "network": record["network"],
+            "settings": {key: value for key, value in dataclasses.asdict(settings).items() if key in given}})
         try:
-            _write_json(json_path, record)
+            _write_json(json_path, payload)
         except OSError as error:
             raise click.ClickException(f"cannot write --json {json_path}: {error.strerror or error}") from None
+
+
+def _warn_shortfalls(result: Any) -> None:
+    """One stderr line per kind of sample an evaluation left out: undecodable images by key, lost samples by set."""
+    from pretrain.eval.outcome import NAMED_KEYS, named
+
+    if result.skipped_keys:
+        more = " (all in --json)" if len(result.skipped_keys) > NAMED_KEYS else ""
+        click.echo(f"warning: {len(result.skipped_keys)} undecodable image(s) left out: "
+                   f"{named(result.skipped_keys)}{more}", err=True)
+    for entry in result.lost:
+        click.echo(entry.warning(), err=True)
 
 
 def _parse_sets(items: tuple[str, ...]) -> dict[str, str]:
@@ -177,9 +189,10 @@ def _backbone_options(function):
 @_backbone_options
 @click.option("--preset", type=click.Choice(["paper", "fast"]), default="paper", show_default=True,
               help="paper: augmented views, 100 epochs; fast: cached centre-crop features (seconds on CPU).")
+@ALLOW_LOST_OPTION
 def linear(checkpoint: Path | None, random_depth: int | None, network: str, train_shards: Path, val_shards: Path,
            output: Path | None, json_path: Path | None, overrides: tuple[str, ...], device: str, seed: int,
-           preset: str) -> None:
+           preset: str, allow_lost: bool) -> None:
     """Linear probe of a frozen encoder: top-1 / top-5 (paper protocol or the fast cached one).
 
     \b
@@ -194,7 +207,8 @@ def linear(checkpoint: Path | None, random_depth: int | None, network: str, trai
         raise click.BadParameter(str(error), param_hint="--set") from None
     _run_evaluation(
         "relicv2 eval linear", lambda encoder, ctx: evaluate_linear(
-            encoder, train_shards, val_shards, config, device=ctx.device, output_dir=output, ctx=ctx),
+            encoder, train_shards, val_shards, config, device=ctx.device, output_dir=output, ctx=ctx,
+            allow_lost=allow_lost),
         checkpoint=checkpoint, random_depth=random_depth, network=network, seed=seed, device=device,
         output=output, json_path=json_path, extra={"config": _plain(config)})
 
@@ -206,6 +220,7 @@ def _run_evaluation(job: str, evaluate: Callable[[Any, Any], Any], *, checkpoint
     backbone, `evaluate(encoder, ctx)`, then (rank 0) the printed table and the JSON records."""
     from pretrain import distributed
     from pretrain.checkpoint import CheckpointError
+    from pretrain.eval.outcome import LostSamplesError, lost_text
     from pretrain.eval.paper import HeadCheckpointError
     from pretrain.model.encoder_file import ExportError
     from shards.lock import FolderLockedError, folder_lock
@@ -215,6 +230,8 @@ def _run_evaluation(job: str, evaluate: Callable[[Any, Any], Any], *, checkpoint
         with folder_lock(output, job, enabled=ctx.rank == 0) if output else contextlib.nullcontext():
             encoder, record = _backbone(checkpoint, random_depth, network, seed)
             result = evaluate(encoder, ctx)
+    except LostSamplesError as error:
+        raise click.ClickException(f"{error}{ALLOW_LOST_HINT}") from None
     except (CheckpointError, ExportError, HeadCheckpointError, FolderLockedError, FileNotFoundError,
             ValueError) as error:
         raise click.ClickException(str(error)) from None
@@ -226,7 +243,8 @@ def _run_evaluation(job: str, evaluate: Callable[[Any, Any], Any], *, checkpoint
     payload = result.as_json(checkpoint=record["checkpoint"], random_init=record["random_init"],
                              extra={"network": record["network"], "step": record["step"],
                                     "world_size": ctx.world_size, **extra})
-    _print_result(f"{result.protocol} of {what}", payload)
+    _print_result(f"{result.protocol} of {what}", payload, lost_text(result.lost))
+    _warn_shortfalls(result)
     _write_json(json_path, payload)
     if output is not None:
         _write_json(output / "result.json", payload)
@@ -238,15 +256,13 @@ def _plain(config) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()}
 
 
-def _print_result(title: str, payload: dict[str, Any]) -> None:
+def _print_result(title: str, payload: dict[str, Any], lost: str) -> None:
     top5 = payload["top5"]
     rows = [("protocol", payload["protocol"]), ("top-1", f"{payload['top1']:.4f}"),
             ("top-5", f"{top5:.4f}" if top5 is not None else "- (fewer than 5 classes)"),
             ("train images", str(payload["num_train"])), ("val images", str(payload["num_val"])),
-            ("undecodable skipped", str(payload.get("skipped", 0)))]
+            ("undecodable skipped", str(payload["skipped"])), ("lost while reading", lost)]
     print_table(title, rows)
-    if payload.get("skipped"):
-        print(f"warning: {payload['skipped']} undecodable images were left out (named above)", file=sys.stderr)
 
 
 

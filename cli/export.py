@@ -27,8 +27,10 @@ def export(checkpoint: Path, out: Path, network: str) -> None:
 
     try:
         sidecar = export_checkpoint(checkpoint, out, network=network)
-    except (CheckpointError, ValueError) as error:
+    except (CheckpointError, ValueError) as error:  # ExportError (a folder as --out) is a ValueError
         raise click.ClickException(str(error)) from None
+    except OSError as error:  # a full disk, a read-only folder, a file where a folder should be
+        raise click.ClickException(f"{error.filename or out}: {error.strerror or error}") from None
     click.echo(f"wrote {out} ({sidecar['format']} format, {sidecar['arch']}, {network} network, step "
                f"{sidecar['step']}; fc not included) and {sidecar_path(out)}")
 
@@ -47,10 +49,14 @@ def import_official(source: Path, out: Path, params: str) -> None:
     padding (recorded in the sidecar) so its features equal the JAX model's.
     """
     from pretrain.eval.official import OfficialImportError, import_official_checkpoint
+    from pretrain.model.encoder_file import ExportError, check_output_file
 
     try:
+        check_output_file(out)  # before the (large) release file is read
         sidecar = import_official_checkpoint(source, out, network=params)
-    except OfficialImportError as error:
+    except (OfficialImportError, ExportError) as error:
         raise click.ClickException(str(error)) from None
+    except OSError as error:
+        raise click.ClickException(f"{error.filename or out}: {error.strerror or error}") from None
     click.echo(f"wrote {out} ({sidecar['arch']}, padding {sidecar['padding']}, {sidecar['format']} format) "
                f"from {source}")

@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from pretrain.config import ConfigError, from_dict
-from pretrain.model.encoder_file import is_encoder_file, load_encoder_file
+from pretrain.config import ConfigError, PretrainConfig, from_dict
+from pretrain.model.encoder_file import is_encoder_file, load_encoder_file, sidecar_path
 from pretrain.model.resnet import ResNet, resnet
 from shards.atomic import TEMP_MARK, atomic_output
 
@@ -37,6 +37,9 @@ REQUIRED_KEYS = ("config", "step", "online", "target", "optimizer", "rng", "data
 _NAME = re.compile(r"^checkpoint-(\d{9})\.pt$")
 # The files a run writes in its output folder besides its checkpoints (moved aside together by --fresh).
 RUN_FILES = ("config.yaml", "metrics.jsonl", "tensorboard")
+# What to give instead of a file that is not a checkpoint.
+_WHAT_TO_PASS = ("a run folder, a checkpoint-*.pt file written by `relicv2 pretrain` or (to eval) an encoder "
+                 "exported by `relicv2 export`")
 
 
 class CheckpointError(RuntimeError):
@@ -100,17 +103,23 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as error:
         first_line = _first_line(error)
+        if step_of(path) is not None:  # a run's own checkpoint, damaged (a killed copy, a full disk)
+            raise CheckpointError(
+                f"{path} is not a readable relicv2 pretraining checkpoint ({first_line}); it may be truncated: "
+                "delete it (a run then resumes from the previous checkpoint) or pass another file"
+            ) from None
         raise CheckpointError(
-            f"{path} is not a readable relicv2 pretraining checkpoint ({first_line}); it may be truncated "
-            "or come from another program: delete it (a run then resumes from the previous checkpoint) "
-            "or pass another file"
+            f"{path} is not a readable relicv2 pretraining checkpoint ({first_line}); pass {_WHAT_TO_PASS}"
         ) from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
+        if _is_plain_state_dict(payload):
+            raise CheckpointError(
+                f"{path} is not a relicv2 pretraining checkpoint: it holds a plain encoder state dict, like an "
+                f"exported encoder whose sidecar {sidecar_path(path).name} is missing (`relicv2 export` writes "
+                "it beside the .pt): put the sidecar back beside it, or pass a run folder or a checkpoint-*.pt"
+            )
         held = sorted(payload)[:5] if isinstance(payload, dict) else type(payload).__name__
-        raise CheckpointError(
-            f"{path} is not a relicv2 pretraining checkpoint (it holds {held}); pass a checkpoint-*.pt "
-            "file written by `relicv2 pretrain`"
-        )
+        raise CheckpointError(f"{path} is not a relicv2 pretraining checkpoint (it holds {held}); pass {_WHAT_TO_PASS}")
     if payload.get("version") != VERSION:
         raise CheckpointError(
             f"{path} has checkpoint format version {payload.get('version')}, this relicv2 reads version "
@@ -121,6 +130,12 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         raise CheckpointError(f"{path} lacks {missing}; the file is incomplete, delete it and resume from an older one")
     _check_types(path, payload)
     return payload
+
+
+def _is_plain_state_dict(payload: Any) -> bool:
+    """A dict of tensors named like a ResNet's (what `relicv2 export` writes, without its sidecar)."""
+    return (isinstance(payload, dict) and "conv1.weight" in payload
+            and all(isinstance(value, torch.Tensor) for value in payload.values()))
 
 
 def _first_line(error: BaseException) -> str:
@@ -213,13 +228,22 @@ def encoder_from_checkpoint(path: str | Path, *, network: str = "online") -> Res
     if network not in ("online", "target"):
         raise ValueError(f"network must be 'online' or 'target', got {network!r}")
     if is_encoder_file(path):  # an exported encoder is accepted wherever a checkpoint is
-        return load_encoder_file(path)
+        return load_encoder_file(path, network=network)
     path = resolve_checkpoint(path)
-    payload = load_checkpoint(path)
+    return encoder_from_payload(load_checkpoint(path), path, network=network)
+
+
+def checkpoint_config(payload: dict[str, Any], path: Path) -> PretrainConfig:
+    """The run config embedded in a checkpoint read by `load_checkpoint` from `path`; CheckpointError if damaged."""
     try:
-        config = from_dict(payload["config"], source=f"the config embedded in {path}")
+        return from_dict(payload["config"], source=f"the config embedded in {path}")
     except ConfigError as error:
         raise CheckpointError(f"{error}; the checkpoint is damaged or from another relicv2 version") from None
+
+
+def encoder_from_payload(payload: dict[str, Any], path: Path, *, network: str = "online") -> ResNet:
+    """The encoder of a checkpoint read by `load_checkpoint` from `path` (named in errors)."""
+    config = checkpoint_config(payload, path)
     encoder = resnet(config.model.depth, config.model.width)
     prefix = "encoder."
     state = {name[len(prefix):]: value for name, value in payload[network].items() if name.startswith(prefix)}

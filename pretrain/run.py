@@ -50,7 +50,9 @@ from pretrain.distributed import (
     prepare_shard_sets,
     teardown,
 )
+from pretrain.eval.classes import ClassMismatchError, check_same_classes
 from pretrain.eval.knn import evaluate_knn
+from pretrain.eval.outcome import lost_fields
 from pretrain.metrics_log import MetricsLogger, truncate_metrics
 from pretrain.resume import DataPosition, restore
 from pretrain.trainer import (
@@ -130,6 +132,11 @@ def check_before_starting(config: PretrainConfig, resume: str | Path | None) -> 
                 raise ConfigError(f"{key}={spec}: {error}") from None
             if key.startswith("knn."):
                 _check_first_label(key, spec)
+    if config.knn.train_shards and config.knn.val_shards:
+        try:
+            check_same_classes(config.knn.train_shards, config.knn.val_shards)
+        except ClassMismatchError as error:
+            raise ConfigError(f"knn.train_shards / knn.val_shards: {error}") from None
     if resume is not None and not Path(resume).is_file():
         raise ConfigError(f"--resume {resume} does not exist or is not a file; pass a checkpoint-*.pt file")
 
@@ -407,11 +414,16 @@ def _knn_monitor(state: TrainState, config: PretrainConfig, ctx: DistributedCont
     """kNN accuracy of the online encoder: every rank extracts the features of 1/W of the images,
     rank 0 gathers them, classifies and logs (so the wait stays short on large labelled sets)."""
     knn = config.knn
+    # A monitor never stops a training: a set that loses samples is scored on what remains, and the
+    # loss is logged (`knn_lost`) and said (`relicv2 eval knn` refuses such a set instead).
     result = evaluate_knn(state.online.encoder, knn.train_shards, knn.val_shards, settings=knn,
-                          device=ctx.device, ctx=ctx)
+                          device=ctx.device, ctx=ctx, allow_lost=True)
     if result is not None and logger is not None:
-        logger.log(state.step, {"knn_top1": result.top1, "knn_skipped": float(result.skipped)})
+        lost = lost_fields(result.lost)["lost"]
+        logger.log(state.step, {"knn_top1": result.top1, "knn_skipped": float(result.skipped), "knn_lost": float(lost)})
         logger.message(f"step {state.step}: kNN top-1 {result.top1:.4f} ({result.num_train} bank, {result.num_val} val)")
+        for entry in result.lost:
+            logger.message(entry.warning())
 
 
 def _rng_state(ctx: DistributedContext) -> dict[str, Any]:

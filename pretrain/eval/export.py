@@ -8,9 +8,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pretrain.checkpoint import encoder_from_checkpoint, load_checkpoint, resolve_checkpoint
-from pretrain.config import from_dict
+from pretrain.checkpoint import (
+    checkpoint_config,
+    encoder_from_payload,
+    load_checkpoint,
+    resolve_checkpoint,
+)
 from pretrain.model.encoder_file import (
+    check_output_file,
+    exported_network,
     is_encoder_file,
     load_encoder_file,
     read_sidecar,
@@ -23,18 +29,19 @@ def load_backbone(path: str | Path, *, network: str = "online") -> tuple[ResNet,
     """(encoder, description) of an exported file or a pretraining checkpoint / run folder.
 
     The description holds what outputs should record: "checkpoint" (the file used), "network",
-    "step" when known, and "format".
+    "step" when known, and "format". An exported file holds one network: `network="target"` of a
+    file holding the online one is an ExportError.
     """
     path = Path(path)
     if is_encoder_file(path):
+        encoder = load_encoder_file(path, network=network)
         info = read_sidecar(path)
-        return load_encoder_file(path), {"checkpoint": str(path), "format": f"export-{info['format']}",
-                                         "network": info.get("network"), "step": info.get("step")}
+        return encoder, {"checkpoint": str(path), "format": f"export-{info['format']}",
+                         "network": exported_network(info), "step": info.get("step")}
     resolved = resolve_checkpoint(path)
-    encoder = encoder_from_checkpoint(resolved, network=network)
-    step = load_checkpoint(resolved).get("step")
-    return encoder, {"checkpoint": str(resolved), "format": "relicv2-checkpoint", "network": network,
-                     "step": int(step) if step is not None else None}
+    payload = load_checkpoint(resolved)  # read once: a large run's checkpoint takes seconds
+    return encoder_from_payload(payload, resolved, network=network), {
+        "checkpoint": str(resolved), "format": "relicv2-checkpoint", "network": network, "step": int(payload["step"])}
 
 
 def _known_figures(run_dir: Path, step: int) -> dict[str, Any]:
@@ -61,11 +68,14 @@ def _known_figures(run_dir: Path, step: int) -> dict[str, Any]:
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, network: str = "online") -> dict[str, Any]:
-    """Write the encoder of a pretraining checkpoint (or run folder) as an exported file; return the sidecar."""
+    """Write the encoder of a pretraining checkpoint (or run folder) as an exported file; return the sidecar.
+
+    An `out` that cannot become the file (a folder) is refused before the checkpoint is read."""
+    check_output_file(out)
     resolved = resolve_checkpoint(checkpoint)
     payload = load_checkpoint(resolved)
-    config = from_dict(payload["config"], source=f"the config embedded in {resolved}")
-    encoder = encoder_from_checkpoint(resolved, network=network)
+    config = checkpoint_config(payload, resolved)
+    encoder = encoder_from_payload(payload, resolved, network=network)
     step = int(payload["step"])
     summary = {
         "model": {"depth": config.model.depth, "width": config.model.width},

@@ -4,7 +4,8 @@ Extraction is the kNN monitor's (`pretrain.eval.knn.extract_features`: decode, r
 side bicubic, centre crop, ImageNet mean/std), so kNN and the linear `fast` protocol see the same
 test views. The cache file name is a digest of the encoder's weights, the shard set's files (name,
 size, mtime) and the view spec: a changed checkpoint or a rebuilt shard set never reuses stale
-features. Cache files are written atomically and read with `weights_only=True`.
+features. Cache files are written atomically and read with `weights_only=True`; they keep the
+keys of the undecodable images and what the set lost while read, so a cached result reports them too.
 """
 
 from __future__ import annotations
@@ -22,10 +23,14 @@ from torch import Tensor, nn
 
 from pretrain.distributed import DistributedContext, all_gather_object
 from pretrain.eval.knn import extract_features
+from pretrain.eval.outcome import LostSamples, LostSamplesError
 from shards.atomic import atomic_output
 from shards.shardset import shard_tars
 
 CACHE_FORMAT = "relicv2-feature-cache"
+# Part of the cache file name: version 2 records the skipped keys and the samples lost while reading,
+# so files of version 1 (which may hide a loss) are never read again.
+CACHE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,8 @@ class FeatureSet:
     features: Tensor  # [N, F] float32
     labels: Tensor  # [N] int64
     skipped: int = 0  # undecodable samples left out (named on stderr when extracted)
+    skipped_keys: tuple[str, ...] = ()  # their keys, sorted
+    lost: tuple[LostSamples, ...] = ()  # samples the set lost while read (only when allowed)
 
     def __len__(self) -> int:
         return int(self.labels.numel())
@@ -64,7 +71,8 @@ def shard_set_fingerprint(source: str | Path) -> list[tuple[str, int, int]]:
 
 
 def cache_path(cache_dir: str | Path, encoder: nn.Module, source: str | Path, spec: FeatureSpec) -> Path:
-    key = json.dumps({"encoder": encoder_digest(encoder), "shards": str(Path(source).resolve()),
+    key = json.dumps({"version": CACHE_VERSION, "encoder": encoder_digest(encoder),
+                      "shards": str(Path(source).resolve()),
                       "files": shard_set_fingerprint(source), "spec": asdict(spec)}, sort_keys=True)
     return Path(cache_dir) / f"features-{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt"
 
@@ -78,7 +86,9 @@ def _read_cache(path: Path) -> FeatureSet | None:
     if not isinstance(payload, dict) or payload.get("format") != CACHE_FORMAT:
         print(f"feature cache {path} is not a relicv2 feature cache; extracting again", file=sys.stderr)
         return None
-    return FeatureSet(payload["features"], payload["labels"], int(payload["skipped"]))
+    return FeatureSet(payload["features"], payload["labels"], int(payload["skipped"]),
+                      tuple(payload.get("skipped_keys", ())),
+                      tuple(LostSamples.from_json(entry) for entry in payload.get("lost", ())))
 
 
 def extract_feature_set(
@@ -88,22 +98,26 @@ def extract_feature_set(
     *,
     device: str | torch.device = "cpu",
     ctx: DistributedContext | None = None,
+    allow_lost: bool = False,
 ) -> FeatureSet:
-    """Features of every decodable sample; with a multi-rank ctx each rank extracts 1/W and all get the union."""
+    """Features of every decodable sample; with a multi-rank ctx each rank extracts 1/W and all get the union.
+
+    A set that loses samples while read raises LostSamplesError unless `allow_lost`."""
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
     skipped: list[str] = []
+    lost: list[LostSamples] = []  # every rank reads the whole set: the same on every rank
     features, labels = extract_features(encoder, source, crop_size=spec.crop_size, resize_size=spec.resize_size,
                                         batch_size=spec.batch_size, device=device, skipped=skipped,
-                                        part=(rank, world))
+                                        part=(rank, world), allow_lost=allow_lost, lost=lost)
     if world > 1:
-        parts = all_gather_object((features, labels, len(skipped)), ctx)
+        parts = all_gather_object((features, labels, skipped), ctx)
         kept = [(f, lab) for f, lab, _ in parts if lab.numel()]
         if not kept:
             raise ValueError(f"no decodable labelled images in {source}")
         features = torch.cat([f for f, _ in kept])
         labels = torch.cat([lab for _, lab in kept])
-        return FeatureSet(features, labels, sum(count for _, _, count in parts))
-    return FeatureSet(features, labels, len(skipped))
+        skipped = [key for _, _, keys in parts for key in keys]
+    return FeatureSet(features, labels, len(skipped), tuple(sorted(skipped)), tuple(lost))
 
 
 def cached_features(
@@ -114,19 +128,29 @@ def cached_features(
     cache_dir: str | Path | None,
     device: str | torch.device = "cpu",
     ctx: DistributedContext | None = None,
+    allow_lost: bool = False,
 ) -> FeatureSet:
-    """`extract_feature_set`, read from / written to `cache_dir` when one is given (rank 0 writes)."""
+    """`extract_feature_set`, read from / written to `cache_dir` when one is given (rank 0 writes).
+
+    Features cached from a set that lost samples (extracted with `allow_lost`) are refused like
+    the set itself unless `allow_lost`."""
     if cache_dir is None:
-        return extract_feature_set(encoder, source, spec, device=device, ctx=ctx)
+        return extract_feature_set(encoder, source, spec, device=device, ctx=ctx, allow_lost=allow_lost)
     path = cache_path(cache_dir, encoder, source, spec)
     if path.is_file():
         cached = _read_cache(path)
         if cached is not None:
+            if cached.lost and not allow_lost:
+                raise LostSamplesError(
+                    f"shard set {source} lost samples when its cached features {path.name} were taken "
+                    f"({cached.lost[0].detail}): check it with `relicv2 shards verify {source}` and rebuild it")
             return cached
-    result = extract_feature_set(encoder, source, spec, device=device, ctx=ctx)
+    result = extract_feature_set(encoder, source, spec, device=device, ctx=ctx, allow_lost=allow_lost)
     if ctx is None or ctx.rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_output(path) as tmp:
             torch.save({"format": CACHE_FORMAT, "features": result.features, "labels": result.labels,
-                        "skipped": result.skipped, "source": str(source), "spec": asdict(spec)}, tmp)
+                        "skipped": result.skipped, "skipped_keys": list(result.skipped_keys),
+                        "lost": [entry.as_json() for entry in result.lost], "source": str(source),
+                        "spec": asdict(spec)}, tmp)
     return result

@@ -25,6 +25,7 @@ from torch import nn
 from tqdm import tqdm
 
 from pretrain.distributed import DistributedContext, all_gather_object, prepare_shard_sets
+from pretrain.eval.classes import check_same_classes
 from pretrain.eval.linear import LinearResult, accuracy_report
 from pretrain.eval.paper import HeadCheckpointError, _average_gradients
 from pretrain.eval.views import LabelledViews, class_count, labelled_samples, loader, rank_order
@@ -124,12 +125,18 @@ def finetune(
     output_dir: str | Path | None = None,
     ctx: DistributedContext | None = None,
 ) -> LinearResult:
-    """Fine-tune `encoder` + a new head on the `keys` of `train_shards`; top-1/top-5 on `val_shards`."""
+    """Fine-tune `encoder` + a new head on the `keys` of `train_shards`; top-1/top-5 on `val_shards`.
+
+    Sets whose recorded class names differ are refused first (ClassMismatchError)."""
+    check_same_classes(train_shards, val_shards)
     device = torch.device(device)
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
     prepare_shard_sets(ctx, train_shards, val_shards)
-    train_samples, train_lost = labelled_samples(train_shards, keys)
-    val_samples, val_lost = labelled_samples(val_shards)
+    train_left_out: list[str] = []
+    val_left_out: list[str] = []
+    train_samples, _ = labelled_samples(train_shards, keys, left_out=train_left_out)
+    val_samples, _ = labelled_samples(val_shards, left_out=val_left_out)
+    train_skipped, val_skipped = set(train_left_out), set(val_left_out)
     train_set = LabelledViews(train_samples, train=True, crop_size=config.crop_size,
                               resize_size=config.resize_size, scale=config.crop_scale, seed=config.seed)
     val_set = LabelledViews(val_samples, train=False, crop_size=config.crop_size, resize_size=config.resize_size)
@@ -151,7 +158,6 @@ def finetune(
         start_epoch = int(saved["epoch"])
     progress = tqdm(total=steps_per_epoch * config.epochs, initial=start_epoch * steps_per_epoch,
                     desc=config.protocol, disable=rank != 0, unit="step")
-    skipped = 0
     for epoch in range(start_epoch, config.epochs):
         model.train()
         train_set.epoch = epoch
@@ -159,7 +165,7 @@ def finetune(
             group["lr"] = group["base"] * config.lr_factor(epoch)
         order = rank_order(len(train_set), seed=config.seed, epoch=epoch, rank=rank, world=world, shuffle=True)
         for images, labels, bad in loader(train_set, order, per_rank_batch, config.workers):
-            skipped += bad
+            train_skipped.update(bad)  # a set: an undecodable image is met once per epoch, counted once
             if labels.numel() > 1:  # BatchNorm in train mode needs more than one image
                 loss = F.cross_entropy(model(images.to(device)), labels.to(device))
             else:
@@ -177,19 +183,19 @@ def finetune(
                             "model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp)
     progress.close()
     model.eval()
-    logits, labels, val_skipped = [], [], 0
+    logits, labels = [], []
     order = rank_order(len(val_set), seed=0, epoch=0, rank=rank, world=world, shuffle=False)
     with torch.no_grad():
         for images, batch_labels, bad in loader(val_set, order, per_rank_batch, config.workers):
-            val_skipped += bad
+            val_skipped.update(bad)
             if batch_labels.numel():
                 logits.append(model(images.to(device)).float().cpu())
                 labels.append(batch_labels)
     part = (torch.cat(logits) if logits else torch.empty(0, num_classes),
-            torch.cat(labels) if labels else torch.empty(0, dtype=torch.long), skipped, val_skipped)
+            torch.cat(labels) if labels else torch.empty(0, dtype=torch.long), train_skipped, val_skipped)
     parts = all_gather_object(part, ctx) if ctx is not None else [part]
     all_logits, all_labels = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     top1, top5, per_class = accuracy_report(all_logits, all_labels, num_classes)
-    epochs_run = max(config.epochs - start_epoch, 1)
-    lost = sum(p[2] for p in parts) // epochs_run + sum(p[3] for p in parts) + train_lost + val_lost
-    return LinearResult(config.protocol, top1, top5, len(train_set), len(all_labels), lost, per_class, config.epochs)
+    skipped_keys = sorted([*train_skipped.union(*(p[2] for p in parts)), *val_skipped.union(*(p[3] for p in parts))])
+    return LinearResult(config.protocol, top1, top5, len(train_set), len(all_labels), len(skipped_keys), per_class,
+                        config.epochs, skipped_keys)

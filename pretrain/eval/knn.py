@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -25,7 +25,9 @@ from tqdm import tqdm
 from pretrain.checkpoint import encoder_from_checkpoint, random_encoder, resolve_checkpoint
 from pretrain.config import KnnConfig
 from pretrain.distributed import DistributedContext, gather_object
-from shards import iter_samples, resolve_shard_set
+from pretrain.eval.classes import check_same_classes
+from pretrain.eval.outcome import LostSamples, figure, lost_fields, refuse_lost
+from shards import ReadReport, iter_samples, resolve_shard_set
 from shards.images import ImageLoadError, load_image
 from shards.sample import missing_label
 
@@ -42,6 +44,13 @@ class KnnResult:
     num_train: int
     num_val: int
     skipped: int  # samples that could not be decoded (reported on stderr)
+    skipped_keys: list[str] = field(default_factory=list)  # their keys, sorted
+    lost: list[LostSamples] = field(default_factory=list)  # samples lost while reading (only with allow_lost)
+
+    def as_json(self, *, checkpoint: str | None, random_init: int | None, extra: dict | None = None) -> dict:
+        return {"protocol": "knn", "checkpoint": checkpoint, "random_init": random_init, "top1": figure(self.top1),
+                "top5": None, "num_train": self.num_train, "num_val": self.num_val, "skipped": self.skipped,
+                "skipped_keys": self.skipped_keys, **lost_fields(self.lost), **(extra or {})}
 
 
 def knn_predict(
@@ -93,13 +102,15 @@ def _sample_count(source: str | Path) -> int | None:
 
 def _labelled_images(
     source: str | Path, *, crop_size: int, resize_size: int, skipped: list[str], part: tuple[int, int],
-    progress: bool = False,
+    report: ReadReport, allow_lost: bool, progress: bool = False,
 ) -> Iterator[tuple[Tensor, int]]:
     index, parts = part
     total = _sample_count(source)
-    bar = tqdm(iter_samples(Path(source)), total=total, desc=f"kNN features {Path(source).name}", unit="img",
-               disable=not progress, dynamic_ncols=True)
+    bar = tqdm(iter_samples(Path(source), report=report), total=total, desc=f"kNN features {Path(source).name}",
+               unit="img", disable=not progress, dynamic_ncols=True)
     for position, sample in enumerate(bar):
+        if not allow_lost:  # every rank reads the whole set, so every rank stops here alike
+            refuse_lost(source, report, finished=False)
         if position % parts != index:
             continue
         if sample["label"] is None:
@@ -130,11 +141,16 @@ def extract_features(
     skipped: list[str] | None = None,
     part: tuple[int, int] = (0, 1),
     progress: bool = False,
+    allow_lost: bool = False,
+    lost: list[LostSamples] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(features [N, F] float32 on CPU, labels [N]) of every decodable sample of a labelled shard set.
 
     part = (index, parts): only the samples at positions p (shard-set order) with p % parts ==
     index, so `parts` ranks together extract each sample once. Only a split set's part may be empty.
+    The keys of undecodable images are appended to `skipped`. A set that loses samples while it is
+    read (truncated or missing tars, refused samples; `shards.ReadReport`) raises LostSamplesError,
+    or with `allow_lost` goes on and appends what it lost to `lost`.
     """
     if not 0 <= part[0] < part[1]:
         raise ValueError(f"part must be (index, parts) with 0 <= index < parts, got {part}")
@@ -144,6 +160,7 @@ def extract_features(
     encoder.eval()
     features, labels, images, batch_labels = [], [], [], []
     skipped = [] if skipped is None else skipped
+    report = ReadReport()
 
     def flush() -> None:
         batch = torch.stack(images).to(device)
@@ -155,7 +172,8 @@ def extract_features(
 
     try:
         for image, label in _labelled_images(source, crop_size=crop_size, resize_size=resize_size,
-                                             skipped=skipped, part=part, progress=progress):
+                                             skipped=skipped, part=part, report=report, allow_lost=allow_lost,
+                                             progress=progress):
             images.append(image)
             batch_labels.append(label)
             if len(images) == batch_size:
@@ -164,6 +182,10 @@ def extract_features(
             flush()
     finally:
         encoder.train(was_training)
+    if not allow_lost:
+        refuse_lost(source, report, finished=True)
+    elif (entry := LostSamples.of(source, report)) is not None and lost is not None:
+        lost.append(entry)
     if not features:
         if part[1] > 1:  # the other ranks may hold this set's images; evaluate_knn checks the union
             return torch.empty(0, 0), torch.empty(0, dtype=torch.long)
@@ -180,6 +202,7 @@ def evaluate_knn(
     device: str | torch.device = "cpu",
     ctx: DistributedContext | None = None,
     progress: bool = False,
+    allow_lost: bool = False,
     **overrides: int | float,
 ) -> KnnResult | None:
     """Top-1 accuracy on `val_shards` of the kNN classifier whose bank is `train_shards`' features.
@@ -189,31 +212,35 @@ def evaluate_knn(
     batch_size=) replace single fields of it. `progress` shows a bar with the manifest's total on rank 0.
     With a multi-rank `ctx` every rank must call it: each extracts the features of 1/W of the
     samples, rank 0 gathers them, classifies and returns the result; the other ranks return None.
+    Sets whose recorded class names differ are refused first (ClassMismatchError); a set that loses
+    samples while read raises LostSamplesError unless `allow_lost` (then the result lists the loss).
     """
     try:
         settings = dataclasses.replace(settings or KnnConfig(), **overrides)
     except TypeError as error:  # an unknown keyword
         raise TypeError(f"evaluate_knn: {error}") from None
     k, temperature = settings.k, settings.temperature
+    check_same_classes(train_shards, val_shards)
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
     skipped: list[str] = []
+    lost: list[LostSamples] = []  # every rank reads every sample, so each rank's list is the whole set's
     options = {"crop_size": settings.crop_size, "resize_size": settings.resize_size,
                "batch_size": settings.batch_size, "device": device, "skipped": skipped, "part": (rank, world),
-               "progress": progress and rank == 0}
+               "progress": progress and rank == 0, "allow_lost": allow_lost, "lost": lost}
     bank, bank_labels = extract_features(encoder, train_shards, **options)
     queries, query_labels = extract_features(encoder, val_shards, **options)
-    skipped_count = len(skipped)
     if world > 1:
-        gathered = gather_object((bank, bank_labels, queries, query_labels, skipped_count), ctx)
+        gathered = gather_object((bank, bank_labels, queries, query_labels, skipped), ctx)
         if gathered is None:
             return None
         bank, bank_labels = _join_parts([(g[0], g[1]) for g in gathered], train_shards)
         queries, query_labels = _join_parts([(g[2], g[3]) for g in gathered], val_shards)
-        skipped_count = sum(g[4] for g in gathered)
+        skipped = [key for g in gathered for key in g[4]]
     num_classes = int(max(bank_labels.max(), query_labels.max())) + 1
     predicted = knn_predict(bank, bank_labels, queries, num_classes=num_classes, k=k, temperature=temperature)
-    top1 = float((predicted == query_labels).float().mean())
-    return KnnResult(top1=top1, num_train=len(bank_labels), num_val=len(query_labels), skipped=skipped_count)
+    top1 = int((predicted == query_labels).sum()) / len(query_labels)
+    return KnnResult(top1=top1, num_train=len(bank_labels), num_val=len(query_labels), skipped=len(skipped),
+                     skipped_keys=sorted(skipped), lost=lost)
 
 
 def _join_parts(parts: list[tuple[Tensor, Tensor]], source: str | Path) -> tuple[Tensor, Tensor]:

@@ -29,7 +29,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pretrain.distributed import DistributedContext
+from pretrain.eval.classes import check_same_classes
 from pretrain.eval.features import FeatureSet, FeatureSpec, cached_features
+from pretrain.eval.outcome import LostSamples, figure, lost_fields
 
 PROTOCOLS = ("paper", "fast")
 
@@ -86,15 +88,19 @@ class LinearResult:
     top5: float | None  # None with fewer than 5 classes
     num_train: int
     num_val: int
-    skipped: int
+    skipped: int  # undecodable images and structurally broken samples left out
     per_class_top1: dict[int, float] = field(default_factory=dict)
     epochs: int = 0
+    skipped_keys: list[str] = field(default_factory=list)  # their keys, sorted
+    lost: list[LostSamples] = field(default_factory=list)  # samples lost while reading (only when allowed)
 
     def as_json(self, *, checkpoint: str | None, random_init: int | None, extra: dict | None = None) -> dict:
         return {"protocol": self.protocol, "checkpoint": checkpoint, "random_init": random_init,
-                "top1": self.top1, "top5": self.top5, "num_train": self.num_train, "num_val": self.num_val,
-                "skipped": self.skipped, "epochs": self.epochs,
-                "per_class_top1": {str(k): v for k, v in sorted(self.per_class_top1.items())}, **(extra or {})}
+                "top1": figure(self.top1), "top5": figure(self.top5), "num_train": self.num_train,
+                "num_val": self.num_val, "skipped": self.skipped, "skipped_keys": self.skipped_keys,
+                **lost_fields(self.lost), "epochs": self.epochs,
+                "per_class_top1": {str(k): figure(v) for k, v in sorted(self.per_class_top1.items())},
+                **(extra or {})}
 
 
 def topk_correct(logits: Tensor, labels: Tensor, k: int) -> int:
@@ -110,7 +116,7 @@ def accuracy_report(logits: Tensor, labels: Tensor, num_classes: int) -> tuple[f
     top1 = topk_correct(logits, labels, 1) / labels.numel()
     top5 = topk_correct(logits, labels, 5) / labels.numel() if num_classes >= 5 else None
     predicted = logits.argmax(dim=1)
-    per_class = {int(c): float((predicted[labels == c] == c).float().mean()) for c in labels.unique()}
+    per_class = {int(c): int((predicted[labels == c] == c).sum()) / int((labels == c).sum()) for c in labels.unique()}
     return top1, top5, per_class
 
 
@@ -161,7 +167,8 @@ def train_linear_on_features(
         logits = head(x_val)
     top1, top5, per_class = accuracy_report(logits, val.labels, num_classes)
     return LinearResult(config.name, top1, top5, len(train), len(val), train.skipped + val.skipped,
-                        per_class, config.epochs)
+                        per_class, config.epochs, sorted(train.skipped_keys + val.skipped_keys),
+                        [*train.lost, *val.lost])
 
 
 def evaluate_linear(
@@ -173,12 +180,17 @@ def evaluate_linear(
     device: str | torch.device = "cpu",
     output_dir: str | Path | None = None,
     ctx: DistributedContext | None = None,
+    allow_lost: bool = False,
 ) -> LinearResult:
     """Linear top-1/top-5 of a frozen `encoder` on `val_shards` after training a head on `train_shards`.
 
     `output_dir` holds the feature cache (fast) or the head's checkpoints (paper); None keeps
-    nothing on disk (and the paper protocol then cannot resume).
+    nothing on disk (and the paper protocol then cannot resume). Sets whose recorded class names
+    differ are refused first (ClassMismatchError). The fast protocol reads the tars itself: a set
+    that loses samples raises LostSamplesError unless `allow_lost`; the paper protocol resolves
+    each set through its index first, which refuses a damaged set from `shards build`.
     """
+    check_same_classes(train_shards, val_shards)
     encoder = encoder.to(device).eval()
     for parameter in encoder.parameters():
         parameter.requires_grad_(False)
@@ -186,8 +198,10 @@ def evaluate_linear(
         spec = FeatureSpec(crop_size=config.crop_size, resize_size=config.resize_size,
                            batch_size=config.feature_batch)
         cache = Path(output_dir) / "features" if output_dir is not None else None
-        train = cached_features(encoder, train_shards, spec, cache_dir=cache, device=device, ctx=ctx)
-        val = cached_features(encoder, val_shards, spec, cache_dir=cache, device=device, ctx=ctx)
+        train = cached_features(encoder, train_shards, spec, cache_dir=cache, device=device, ctx=ctx,
+                                allow_lost=allow_lost)
+        val = cached_features(encoder, val_shards, spec, cache_dir=cache, device=device, ctx=ctx,
+                              allow_lost=allow_lost)
         num_classes = int(max(train.labels.max(), val.labels.max())) + 1
         return train_linear_on_features(train, val, config, num_classes=num_classes)
     from pretrain.eval.paper import train_linear_paper

@@ -92,26 +92,29 @@ def train_linear_paper(
                    "rank": rank, "world": world, "threads": config.workers, "device": device}
         dali_train = DaliViews(train_shards, train=True, scale=config.crop_scale, seed=config.seed, **options)
         dali_val = DaliViews(val_shards, train=False, **options)
-        train_samples, train_lost = dali_train.sample_set.samples, dali_train.skipped
-        val_samples, val_lost = dali_val.sample_set.samples, dali_val.skipped
+        train_samples, val_samples = dali_train.sample_set.samples, dali_val.sample_set.samples
+        train_skipped, val_skipped = set(dali_train.sample_set.skipped_keys), set(dali_val.sample_set.skipped_keys)
     else:
         prepare_shard_sets(ctx, train_shards, val_shards)
-        train_samples, train_lost = labelled_samples(train_shards)
-        val_samples, val_lost = labelled_samples(val_shards)
+        train_left_out: list[str] = []
+        val_left_out: list[str] = []
+        train_samples, _ = labelled_samples(train_shards, left_out=train_left_out)
+        val_samples, _ = labelled_samples(val_shards, left_out=val_left_out)
+        train_skipped, val_skipped = set(train_left_out), set(val_left_out)
     train_set = LabelledViews(train_samples, train=True, crop_size=config.crop_size,
                               resize_size=config.resize_size, scale=config.crop_scale, seed=config.seed)
     val_set = LabelledViews(val_samples, train=False, crop_size=config.crop_size, resize_size=config.resize_size)
 
     def train_batches(epoch: int):
-        if config.backend == "dali":
-            return dali_train.epoch()
+        if config.backend == "dali":  # undecodable images were left out before: no batch holds one
+            return ((images, labels, []) for images, labels, _ in dali_train.epoch())
         train_set.epoch = epoch
         order = rank_order(len(train_set), seed=config.seed, epoch=epoch, rank=rank, world=world, shuffle=True)
         return loader(train_set, order, per_rank_batch, config.workers)
 
     def val_batches():
         if config.backend == "dali":
-            return dali_val.epoch()
+            return ((images, labels, []) for images, labels, _ in dali_val.epoch())
         order = rank_order(len(val_set), seed=0, epoch=0, rank=rank, world=world, shuffle=False)
         return loader(val_set, order, per_rank_batch, config.workers)
 
@@ -130,12 +133,11 @@ def train_linear_paper(
         head.load_state_dict(saved["head"])
         optimizer.load_state_dict(saved["optimizer"])
         start_epoch = int(saved["epoch"])
-    skipped = 0
     progress = tqdm(total=total, initial=start_epoch * steps_per_epoch, desc="linear", disable=rank != 0,
                     unit="step")
     for epoch in range(start_epoch, config.epochs):
         for step_in_epoch, (images, labels, bad) in enumerate(train_batches(epoch)):
-            skipped += bad
+            train_skipped.update(bad)  # a set: an undecodable image is met once per epoch, counted once
             for group in optimizer.param_groups:
                 group["lr"] = cosine_lr(config.peak_lr, epoch * steps_per_epoch + step_in_epoch, total)
             if labels.numel():
@@ -154,21 +156,20 @@ def train_linear_paper(
                 torch.save({"format": HEAD_FORMAT, "epoch": epoch + 1, "config": _config_dict(config),
                             "head": head.state_dict(), "optimizer": optimizer.state_dict()}, tmp)
     progress.close()
-    logits, labels, val_skipped = [], [], 0
+    logits, labels = [], []
     head.eval()
     with torch.no_grad():
         for images, batch_labels, bad in val_batches():
-            val_skipped += bad
+            val_skipped.update(bad)
             if batch_labels.numel():
                 logits.append(head(_features(encoder, images, device)).float().cpu())
                 labels.append(batch_labels)
     part = (torch.cat(logits) if logits else torch.empty(0, num_classes),
-            torch.cat(labels) if labels else torch.empty(0, dtype=torch.long), skipped, val_skipped)
+            torch.cat(labels) if labels else torch.empty(0, dtype=torch.long), train_skipped, val_skipped)
     parts = all_gather_object(part, ctx) if ctx is not None else [part]
     all_logits = torch.cat([p[0] for p in parts])
     all_labels = torch.cat([p[1] for p in parts])
     top1, top5, per_class = accuracy_report(all_logits, all_labels, num_classes)
-    # Train images skipped are counted once per epoch they were drawn in; report per epoch.
-    epochs_run = max(config.epochs - start_epoch, 1)
-    lost = sum(p[2] for p in parts) // epochs_run + sum(p[3] for p in parts) + train_lost + val_lost
-    return LinearResult(config.name, top1, top5, len(train_set), len(all_labels), lost, per_class, config.epochs)
+    skipped_keys = sorted([*train_skipped.union(*(p[2] for p in parts)), *val_skipped.union(*(p[3] for p in parts))])
+    return LinearResult(config.name, top1, top5, len(train_set), len(all_labels), len(skipped_keys), per_class,
+                        config.epochs, skipped_keys)

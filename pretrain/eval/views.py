@@ -30,11 +30,13 @@ from shards.images import load_image
 CROP_RATIO = (3 / 4, 4 / 3)
 
 
-def labelled_samples(source: str | Path, keys: set[str] | None = None) -> tuple[list[SampleRef], int]:
+def labelled_samples(source: str | Path, keys: set[str] | None = None,
+                     left_out: list[str] | None = None) -> tuple[list[SampleRef], int]:
     """(usable samples of a labelled shard set, optionally only `keys`, in reader order; how many were left out).
 
     Structurally broken samples (truncated, missing members) are left out by `load_sample_set`,
-    which names them in a warning; they are counted here so outputs report them.
+    which names them in a warning; they are counted here so outputs report them, and their keys
+    (of the listed ones, with `keys`) are appended to `left_out`.
     """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the skipped keys are printed below instead
@@ -50,8 +52,10 @@ def labelled_samples(source: str | Path, keys: set[str] | None = None) -> tuple[
     if missing:
         raise ValueError(f"{len(missing)} listed keys are not in {source} (e.g. {missing[:3]}); "
                          "the key list belongs to another shard set")
-    lost = len(sample_set.skipped_keys) if keys is None else len(keys & set(sample_set.skipped_keys))
-    return samples, lost
+    lost_keys = [key for key in sample_set.skipped_keys if keys is None or key in keys]
+    if left_out is not None:
+        left_out.extend(lost_keys)
+    return samples, len(lost_keys)
 
 
 def train_view(jpeg: bytes, *, crop_size: int, scale: tuple[float, float], rng: np.random.Generator) -> Tensor:
@@ -72,7 +76,7 @@ def class_count(*labelled: tuple[Sequence[SampleRef], str | Path]) -> int:
 
 
 class LabelledViews(Dataset):
-    """(view, label) per sample; an undecodable image yields None (reported, then dropped by `collate`)."""
+    """(view, label) per sample; an undecodable image yields its key (reported, then dropped by `collate`)."""
 
     def __init__(self, samples: Sequence[SampleRef], *, train: bool, crop_size: int, resize_size: int,
                  scale: tuple[float, float] = (0.08, 1.0), seed: int = 0) -> None:
@@ -83,7 +87,7 @@ class LabelledViews(Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, index: int) -> tuple[Tensor, int] | None:
+    def __getitem__(self, index: int) -> tuple[Tensor, int] | str:
         sample = self.samples[index]
         try:
             label = sample.label  # a class index: `class_count` checked every sample
@@ -95,17 +99,17 @@ class LabelledViews(Dataset):
                 view = preprocess(jpeg, crop_size=self.crop_size, resize_size=self.resize_size)
         except (OSError, UnidentifiedImageError, ValueError, AttributeError) as error:
             print(f"skipping {sample.key} in {sample.tar}: {error}", file=sys.stderr)
-            return None
+            return sample.key
         return view, label
 
 
-def collate(items: list[tuple[Tensor, int] | None]) -> tuple[Tensor, Tensor, int]:
-    """(images, labels, how many items were undecodable)."""
-    kept = [item for item in items if item is not None]
+def collate(items: list[tuple[Tensor, int] | str]) -> tuple[Tensor, Tensor, list[str]]:
+    """(images, labels, the keys of the undecodable items)."""
+    kept = [item for item in items if not isinstance(item, str)]
+    bad = [item for item in items if isinstance(item, str)]
     if not kept:
-        return torch.empty(0), torch.empty(0, dtype=torch.long), len(items)
-    return (torch.stack([image for image, _ in kept]), torch.tensor([label for _, label in kept]),
-            len(items) - len(kept))
+        return torch.empty(0), torch.empty(0, dtype=torch.long), bad
+    return torch.stack([image for image, _ in kept]), torch.tensor([label for _, label in kept]), bad
 
 
 def loader(dataset: LabelledViews, indices: Sequence[int], batch_size: int, workers: int) -> DataLoader:

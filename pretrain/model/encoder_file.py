@@ -51,6 +51,17 @@ def encoder_padding(encoder: ResNet) -> str:
     return getattr(encoder, "padding", "torch")
 
 
+def check_output_file(path: str | Path) -> None:
+    """Refuse an output path that cannot become the encoder file (call it before any work)."""
+    path = Path(path)
+    if path.is_dir():
+        raise ExportError(f"--out {path} is a folder; give the encoder file's path, e.g. {path / 'encoder.pt'} "
+                          f"(its sidecar is written beside it as encoder.pt{SIDECAR_SUFFIX})")
+    if sidecar_path(path).is_dir():
+        raise ExportError(f"the sidecar of --out {path} would be {sidecar_path(path)}, which is a folder; "
+                          "choose another --out")
+
+
 def save_encoder_file(encoder: ResNet, path: str | Path, *, depth: int, width: int,
                       metadata: dict[str, Any] | None = None) -> dict[str, Any]:
     """Write `encoder` to `path` (state dict) and its sidecar atomically; return the sidecar dict.
@@ -58,6 +69,7 @@ def save_encoder_file(encoder: ResNet, path: str | Path, *, depth: int, width: i
     Width 1 is written in torchvision format, wider encoders in this project's format.
     """
     path = Path(path)
+    check_output_file(path)
     fmt = "torchvision" if width == 1 else "relicv2"
     state = to_torchvision_state_dict(encoder) if fmt == "torchvision" else {
         name: tensor.detach().clone().cpu() for name, tensor in encoder.state_dict().items()}
@@ -106,16 +118,28 @@ def is_encoder_file(path: str | Path) -> bool:
     return Path(path).is_file() and sidecar_path(path).is_file()
 
 
-def load_encoder_file(path: str | Path) -> ResNet:
+def exported_network(info: dict[str, Any]) -> str:
+    """The network ("online" or "target") an exported file holds, per its sidecar (online when unsaid)."""
+    return "target" if info.get("network") == "target" else "online"
+
+
+def load_encoder_file(path: str | Path, *, network: str | None = None) -> ResNet:
     """Rebuild the ResNet of an exported file (`relicv2 export` or `relicv2 import-official`), on CPU.
 
     Loaded with `weights_only=True`; a file that does not fit the sidecar's depth/width gives one
-    ExportError naming the file.
+    ExportError naming the file. An exported file holds one network: asking for the target
+    (`network="target"`) of a file that holds the online one is an ExportError, not a silent swap.
     """
     path = Path(path)
     if not path.is_file():
         raise ExportError(f"encoder file {path} does not exist; check the path")
     info = read_sidecar(path)
+    if network == "target" and exported_network(info) != "target":
+        raise ExportError(
+            f"{path} is an exported encoder holding the {exported_network(info)} network only (per "
+            f"{sidecar_path(path).name}); --network target needs a pretraining checkpoint: pass the run folder or "
+            "its checkpoint-*.pt, or export the target with `relicv2 export --network target`"
+        )
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, OSError) as error:
