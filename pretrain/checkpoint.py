@@ -17,6 +17,7 @@ reads them and nothing in the file can run code):
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import re
 import time
@@ -29,14 +30,17 @@ import torch
 from pretrain.config import ConfigError, PretrainConfig, from_dict
 from pretrain.model.encoder_file import is_encoder_file, load_encoder_file, sidecar_path
 from pretrain.model.resnet import ResNet, resnet
-from shards.atomic import TEMP_MARK, atomic_output
+from shards.atomic import TEMP_MARK, atomic_output, atomic_write_bytes
 
 FORMAT = "relicv2-pretrain-checkpoint"
 VERSION = 1
 REQUIRED_KEYS = ("config", "step", "online", "target", "optimizer", "rng", "data")
 _NAME = re.compile(r"^checkpoint-(\d{9})\.pt$")
+CONFIG_NAME = "config.yaml"  # the resolved config of the run in its folder
 # The files a run writes in its output folder besides its checkpoints (moved aside together by --fresh).
-RUN_FILES = ("config.yaml", "metrics.jsonl", "tensorboard")
+RUN_FILES = (CONFIG_NAME, "metrics.jsonl", "tensorboard")
+# The config a run had up to a step, kept when a resume changed it (`write_run_config`).
+_EARLIER_CONFIG = re.compile(r"^config-to-step-(\d{9})\.yaml$")
 # What to give instead of a file that is not a checkpoint.
 _WHAT_TO_PASS = ("a run folder, a checkpoint-*.pt file written by `relicv2 pretrain` or (to eval) an encoder "
                  "exported by `relicv2 export`")
@@ -186,13 +190,35 @@ def remove_stale_temporaries(output_dir: str | Path) -> int:
     return removed
 
 
+def earlier_config_path(folder: Path, step: int) -> Path:
+    """Where the config that trained a run's steps up to `step` is kept after a resume changed it."""
+    return Path(folder) / f"config-to-step-{step:09d}.yaml"
+
+
+def write_run_config(folder: Path, text: str, *, resumed_at: int | None) -> Path | None:
+    """Write the run's `config.yaml`. On a resume (`resumed_at`: the checkpoint's step) with a config
+    whose text differs, the one that trained the steps so far is first kept as
+    config-to-step-N.yaml (the first one for that step: a resume that trained nothing since does not
+    replace it), so the folder always says which settings made which steps. Returns that file, if kept."""
+    path = Path(folder) / CONFIG_NAME
+    kept = None
+    if resumed_at is not None and path.is_file() and path.read_text(encoding="utf-8") != text:
+        earlier = earlier_config_path(folder, resumed_at)
+        if not earlier.exists():
+            os.replace(path, earlier)
+            kept = earlier
+    atomic_write_bytes(path, text.encode("utf-8"))
+    return kept
+
+
 def move_run_aside(output_dir: str | Path) -> Path | None:
     """Move an earlier run's checkpoints and logs into `<output_dir>/previous-<time>/` (for `--fresh`).
 
     Returns the new folder, or None when there was nothing to move.
     """
     folder = Path(output_dir)
-    found = [*list_checkpoints(folder), *(folder / name for name in RUN_FILES if (folder / name).exists())]
+    found = [*list_checkpoints(folder), *(folder / name for name in RUN_FILES if (folder / name).exists()),
+             *sorted(p for p in folder.glob("config-to-step-*.yaml") if _EARLIER_CONFIG.match(p.name))]
     if not found:
         return None
     aside = folder / time.strftime("previous-%Y%m%d-%H%M%S")

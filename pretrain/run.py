@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from pretrain.checkpoint import (
+    CONFIG_NAME,
     CheckpointError,
     checkpoint_path,
     latest_checkpoint,
@@ -31,6 +32,7 @@ from pretrain.checkpoint import (
     remove_stale_temporaries,
     save_checkpoint,
     step_of,
+    write_run_config,
 )
 from pretrain.config import (
     ConfigError,
@@ -66,7 +68,6 @@ from pretrain.trainer import (
 from pretrain.views.config import ViewConfig
 from pretrain.views.source import ViewSource
 from pretrain.views.synthetic import SyntheticViews
-from shards.atomic import atomic_write_bytes
 from shards.lock import FolderLockedError, folder_lock
 from shards.reader import ReadReport, iter_samples
 from shards.sample import missing_label
@@ -231,12 +232,24 @@ def _pretrain(config: PretrainConfig, ctx: DistributedContext, *, resume: str | 
     if ctx.is_main:
         text = describe(config, derived, version=_version())
         print(text, flush=True)
-        atomic_write_bytes(out / "config.yaml", text.encode())
+        if start is not None and state.step >= final_step(config, derived):
+            print(f"the run is finished at step {state.step}: nothing to train, {out / CONFIG_NAME} kept as it was "
+                  "(raise run.max_steps or optim.epochs to train on)", flush=True)
+        else:
+            kept = write_run_config(out, text, resumed_at=state.step if start is not None else None)
+            if kept is not None:
+                print(f"the settings changed: the config that trained steps 1-{state.step} is kept as {kept.name}",
+                      flush=True)
         dropped = truncate_metrics(out, state.step)
         if dropped:
             print(f"metrics.jsonl: dropped {dropped} record(s) logged after step {state.step} by the interrupted run")
     barrier(ctx)
     return _train(config, ctx, state, source, settings, derived, stop=stop, last_saved=start)
+
+
+def final_step(config: PretrainConfig, derived: DerivedValues) -> int:
+    """The step the run ends at: the schedule's last, or `run.max_steps` when that comes first."""
+    return derived.total_steps if not config.run.max_steps else min(derived.total_steps, config.run.max_steps)
 
 
 def _train(config: PretrainConfig, ctx: DistributedContext, state: TrainState, source: ViewSource,
@@ -247,7 +260,7 @@ def _train(config: PretrainConfig, ctx: DistributedContext, state: TrainState, s
     online_forward, target_forward = wrap_networks(state, ctx, compile=compile_networks,
                                                    backend=config.run.compile_backend)
     steps_per_epoch = derived.steps_per_epoch
-    end_step = derived.total_steps if not config.run.max_steps else min(derived.total_steps, config.run.max_steps)
+    end_step = final_step(config, derived)
     logger = (MetricsLogger(config.run.output_dir, total_steps=end_step, initial_step=state.step,
                             progress_bar=config.run.progress_bar) if ctx.is_main else None)
     metrics: dict[str, float] = {}

@@ -235,3 +235,22 @@ def test_resuming_another_runs_checkpoint_into_a_folder_holding_a_run_is_refused
     assert sorted(p.name for p in out.iterdir()) == before and (out / "config.yaml").read_text() == config_text
     other = tmp_path / "other"  # an empty folder takes another run's checkpoint
     assert quiet_run(tiny_config(other, *RESUME_OPTIONS), resume=finished_run / "checkpoint-000000006.pt").step >= 6
+
+
+def test_the_folder_keeps_the_config_that_trained_each_stretch_of_steps(tmp_path, capsys):
+    from pretrain.run import run_pretraining
+
+    out = tmp_path / "run"
+    run_pretraining(tiny_config(out, *RESUME_OPTIONS, "run.max_steps=2", "optim.base_lr=4.0"))
+    first = (out / "config.yaml").read_text()
+    run_pretraining(tiny_config(out, *RESUME_OPTIONS, "run.max_steps=3", "optim.base_lr=1.0"))
+    assert "the config that trained steps 1-2 is kept as config-to-step-000000002.yaml" in capsys.readouterr().out
+    assert (out / "config-to-step-000000002.yaml").read_text() == first
+    assert "base_lr: 1.0" in (out / "config.yaml").read_text()
+    latest = (out / "config.yaml").read_text()
+    run_pretraining(tiny_config(out, *RESUME_OPTIONS, "run.max_steps=3", "optim.base_lr=2.0"))  # finished: no step
+    assert "the run is finished at step 3: nothing to train" in capsys.readouterr().out
+    assert (out / "config.yaml").read_text() == latest  # still the settings that made its steps
+    run_pretraining(tiny_config(out, *RESUME_OPTIONS, "run.max_steps=3", "optim.base_lr=1.0"), fresh=True)
+    (aside,) = [p for p in out.iterdir() if p.name.startswith("previous-")]
+    assert (aside / "config-to-step-000000002.yaml").is_file() and not list(out.glob("config-to-step-*"))
