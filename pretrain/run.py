@@ -69,6 +69,7 @@ from pretrain.views.config import ViewConfig
 from pretrain.views.source import ViewSource
 from pretrain.views.synthetic import SyntheticViews
 from shards.lock import FolderLockedError, folder_lock
+from shards.outdir import output_folder
 from shards.reader import ReadReport, iter_samples
 from shards.sample import missing_label
 from shards.shardset import ShardSetError, shard_tars
@@ -153,6 +154,7 @@ def _run_folder(config: PretrainConfig, ctx: DistributedContext, *, fresh: bool)
     with contextlib.ExitStack() as stack:
         if ctx.is_main:
             try:
+                stack.enter_context(output_folder(out))  # a run refused at start leaves no empty folder
                 stack.enter_context(folder_lock(out, JOB_NAME))
                 _tidy_folder(out, fresh=fresh)
             except FolderLockedError as locked:

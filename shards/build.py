@@ -12,7 +12,6 @@ and info.json (shards.merge).
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import errno
 import functools
 import hashlib
@@ -38,7 +37,7 @@ from shards.merge import (
     rejected_listing_command,
     work_dir,
 )
-from shards.outdir import claim_out_dir
+from shards.outdir import claim_out_dir, output_folder
 from shards.plan import ShardPlan, plan_digest, plan_shards, rank_shards
 from shards.progress import Phase
 from shards.ranks import Ranks, ranks_from_env  # noqa: F401 (re-exported for callers of shards.build)
@@ -288,23 +287,6 @@ def build_shards(config: BuildConfig, ranks: Ranks = Ranks()) -> BuildReport:
             return _build_locked(config, ranks)
     except OSError as exc:
         raise output_error(exc, config.out_dir) from exc
-
-
-@contextlib.contextmanager
-def output_folder(folder: Path) -> Iterator[None]:
-    """Create `folder` (and missing parents) for the block; when the block fails, remove the folders
-    it created that are still empty, so a refused build (missing input, no files) leaves nothing behind."""
-    created = [p for p in (folder, *folder.parents) if not p.exists()]  # deepest first
-    folder.mkdir(parents=True, exist_ok=True)
-    try:
-        yield
-    except BaseException:
-        for path in created:
-            try:
-                path.rmdir()
-            except OSError:  # not empty (the build wrote something: kept for the rerun) or already gone
-                break
-        raise
 
 
 def output_error(exc: OSError, out: Path) -> OutputError:

@@ -8,9 +8,11 @@ overwritten by this build's outputs but was not written by a build is always ref
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 from shards.atomic import atomic_write_bytes
@@ -135,3 +137,21 @@ def claim_out_dir(out: Path, record: dict, *, overwrite: bool, multi_rank: bool)
     work_dir(out).mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(plan_file(out), (json.dumps(record, indent=1, sort_keys=True) + "\n").encode())
     return removed
+
+
+@contextlib.contextmanager
+def output_folder(folder: Path) -> Iterator[None]:
+    """Create `folder` (and missing parents) for the block; when the block fails, remove the folders
+    it created that are still empty, so a refused job (a build without inputs, a pretraining run
+    refused at start) leaves nothing behind."""
+    created = [p for p in (folder, *folder.parents) if not p.exists()]  # deepest first
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        for path in created:
+            try:
+                path.rmdir()
+            except OSError:  # not empty (the job wrote something: kept for the rerun) or already gone
+                break
+        raise

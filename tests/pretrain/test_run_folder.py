@@ -254,3 +254,14 @@ def test_the_folder_keeps_the_config_that_trained_each_stretch_of_steps(tmp_path
     run_pretraining(tiny_config(out, *RESUME_OPTIONS, "run.max_steps=3", "optim.base_lr=1.0"), fresh=True)
     (aside,) = [p for p in out.iterdir() if p.name.startswith("previous-")]
     assert (aside / "config-to-step-000000002.yaml").is_file() and not list(out.glob("config-to-step-*"))
+
+
+def test_a_run_refused_at_start_leaves_no_empty_folder(tmp_path):
+    from shards import ShardSample, write_shard_set
+    from tests.pretrain.views.test_sources import encoded
+
+    write_shard_set([ShardSample(f"k{i}", {"jpg": encoded(i, "JPEG")}, None, {}) for i in range(3)], tmp_path / "few")
+    out = tmp_path / "runs" / "refused"
+    with pytest.raises(ConfigError, match="fewer than one batch"):
+        quiet_run(tiny_config(out, "data.source=shards", f"data.train_shards={tmp_path / 'few'}"))
+    assert not (tmp_path / "runs").exists()  # the folders it created are gone again
