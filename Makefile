@@ -30,8 +30,9 @@ $(DEV_STAMP): $(STAMP) $(DEV_LOCK)
 lint: setup-dev
 	$(PY) -m ruff check .
 
+# On every core (pytest-xdist); plain `pytest` runs in one process (the reduced demo then runs in the background).
 test: lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto
 
 demo: setup
 	DEMO_DATA="$(DATA)" bash scripts/demo.sh "$(PY)"

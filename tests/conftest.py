@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -37,12 +38,19 @@ def shared_data() -> Path:
     return SHARED_DATA
 
 
+def _xdist_worker() -> bool:
+    """True in a pytest-xdist worker (`make test` runs the suite on every core)."""
+    return "PYTEST_XDIST_WORKER" in os.environ
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``gpu`` run only where CUDA is available (``pytest -m gpu`` on the GPU machine);
-    the reduced-demo tests run last (their demo runs in the background meanwhile)."""
+    """Tests marked ``gpu`` run only where CUDA is available (``pytest -m gpu`` on the GPU machine).
+    In one process the reduced-demo tests run last (their demo runs in the background meanwhile);
+    under xdist first, so that the worker that takes them runs the demo while the others go on."""
     import torch
 
-    items.sort(key=lambda item: item.nodeid.startswith(DEMO_TESTS))  # stable: the rest keep their order
+    first = _xdist_worker()
+    items.sort(key=lambda item: item.nodeid.startswith(DEMO_TESTS) != first)  # stable: the rest keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on a GPU machine)")
@@ -52,7 +60,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the reduced demo in the background when a test of it is going to run."""
+    """Start the reduced demo in the background when a test of it is going to run (in one process;
+    an xdist worker starts it when it gets the first demo test: every worker collects every test)."""
+    if _xdist_worker():
+        return
     if not session.config.option.collectonly and any(item.nodeid.startswith(DEMO_TESTS) for item in session.items):
         DEMO.start()
 
