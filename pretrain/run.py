@@ -438,7 +438,9 @@ def _knn_monitor(state: TrainState, config: PretrainConfig, ctx: DistributedCont
         logger.log(state.step, {"knn_top1": result.top1, "knn_skipped": float(result.skipped), "knn_lost": float(lost)})
         logger.message(f"step {state.step}: kNN top-1 {result.top1:.4f} ({result.num_train} bank, {result.num_val} val)")
         for entry in result.lost:
-            logger.message(entry.warning())
+            logger.message(f"warning: the kNN monitor's set {entry.source} lost samples while being read "
+                           f"({entry.detail}); scored without them: check it with `relicv2 shards verify "
+                           f"{entry.source}` and rebuild it")
 
 
 def _rng_state(ctx: DistributedContext) -> dict[str, Any]:
