@@ -269,3 +269,23 @@ def test_knn_monitor_runs_at_epoch_ends_during_pretraining(colour_shards, tmp_pa
     final = encoder_from_checkpoint(tmp_path / "run")
     expected = evaluate_knn(final, train, val, settings=config.knn)
     assert knn[-1]["knn_top1"] == pytest.approx(expected.top1)
+
+
+def test_the_knn_monitor_scores_a_damaged_set_without_stopping_the_run_and_says_so(colour_shards, tmp_path):
+    train, val = colour_shards
+    (tar,) = sorted(val.glob("*.tar"))
+    tar.write_bytes(tar.read_bytes()[: tar.stat().st_size // 3])  # the last samples are cut off
+    config = load_config(None, [
+        "data.source=synthetic", "data.synthetic_images=8", "model.depth=18", "model.hidden_dim=16",
+        "model.out_dim=8", "views.large_views=2", "views.small_views=0", "views.large_size=16",
+        "optim.global_batch=8", "optim.epochs=1", "optim.warmup_epochs=0", "loss.num_negatives=7",
+        f"run.output_dir={tmp_path / 'run'}", "run.device=cpu", "run.progress_bar=false", "run.log_every=1",
+        f"knn.train_shards={train}", f"knn.val_shards={val}", "knn.every_epochs=1", "knn.crop_size=16", "knn.k=3",
+    ])
+    printed = io.StringIO()
+    with one_torch_thread(), contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        assert run_pretraining(config, auto_resume=False).step == 1
+    (knn,) = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+              if "knn_top1" in r]
+    assert knn["knn_lost"] > 0
+    assert f"the kNN monitor's set {val} lost samples" in printed.getvalue() and "shards verify" in printed.getvalue()
