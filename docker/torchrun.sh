@@ -58,4 +58,9 @@ if [[ "${DRY_RUN:-0}" == "1" ]]; then
   printf '\n'
   exit 0
 fi
+if [[ "$nproc" == "gpu" ]] && ! "$python" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
+  # torchrun's own answer is a traceback ("Cuda is not available") from every launch.
+  echo "torchrun.sh: NPROC_PER_NODE=gpu (the default) but no GPU is visible; set NPROC_PER_NODE=N to run N CPU processes" >&2
+  exit 2
+fi
 exec "${cmd[@]}"

@@ -102,7 +102,7 @@ if stage handcrafted "$sample_images" "handcrafted saliency (RBD, MR, DSR, MC) o
   rm -rf "$sample" && mkdir -p "$sample"
   # Links named like the files, so the maps are named like the shard keys of the same images. (The list
   # is read in full: `| head` would end `sort` with SIGPIPE, which pipefail turns into a failure.)
-  mapfile -t images < <(find "$train_images" -type f \( -iname '*.jpg' -o -iname '*.jpeg' \) -size +0 | LC_ALL=C sort)
+  mapfile -t images < <(find -L "$train_images" -type f \( -iname '*.jpg' -o -iname '*.jpeg' \) -size +0 | LC_ALL=C sort)
   for image in "${images[@]:0:$sample_images}"; do ln -sf "$image" "$sample/"; done
   relicv2 saliency handcrafted --method all --input "$sample" --output "$maps" --workers 2 --no-progress
   finished handcrafted "$sample_images"

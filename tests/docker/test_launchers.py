@@ -39,6 +39,16 @@ def test_torchrun_dry_run_single_node_is_standalone_with_restarts():
     assert line.endswith("-m cli pretrain --config configs/demo-cpu.yaml")
 
 
+def test_torchrun_default_one_process_per_gpu_without_a_gpu_is_one_line_naming_the_fix():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible here: the default is valid")
+    result = _run([str(TORCHRUN), "shards", "verify", "nowhere"], _env())
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "no GPU is visible; set NPROC_PER_NODE=N" in result.stderr
+
+
 def test_torchrun_dry_run_multi_node_uses_c10d_rendezvous_and_needs_an_endpoint():
     args = [str(TORCHRUN), "saliency", "build-masks", "--model", "m.pt", "--shards", "in", "--out", "out"]
     result = _run(args, _env(DRY_RUN="1", NNODES="4", RDZV_ENDPOINT="node01:29500", RDZV_ID="77",
