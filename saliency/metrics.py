@@ -169,12 +169,14 @@ class DatasetScores:
     s_measure: float
     count: int
 
-    def as_dict(self) -> dict[str, float | int]:
+    def as_dict(self) -> dict[str, float | int | None]:
+        """Plain values for JSON; the scores of an empty set are None (null), not NaN (invalid JSON)."""
+        empty = self.count == 0
         return {
-            "mae": self.mae,
-            "max_f": self.max_f,
-            "adaptive_f": self.adaptive_f,
-            "s_measure": self.s_measure,
+            "mae": None if empty else self.mae,
+            "max_f": None if empty else self.max_f,
+            "adaptive_f": None if empty else self.adaptive_f,
+            "s_measure": None if empty else self.s_measure,
             "count": self.count,
         }
 

@@ -18,6 +18,8 @@ orientation applied, as DALI's decoder applies it). Then `manifest.parquet`, `re
   rejections and size); a rerun keeps shards whose record and files agree and redoes the rest.
   Batches never span input shards and inference is deterministic, so the result is byte-identical
   to an uninterrupted run.
+- Refusals: an --out holding files this job did not write (a user's, another tool's) is refused,
+  naming them, before anything is written; a refused job (bad model, foreign files) leaves no --out.
 - Multi-node: under torchrun each rank takes a contiguous range of input shards; rank 0 writes the
   manifest once every shard's record is there.
 """
@@ -39,14 +41,21 @@ import torch
 from tqdm import tqdm
 
 from saliency.network.images import member_key, resize_map, resize_square
-from saliency.network.model_file import load_model
+from saliency.network.model_file import load_model, resolve_model_path
 from shards.atomic import atomic_write_bytes, remove_stale_temps
 from shards.build import Ranks, ranks_from_env
 from shards.images import ImageLoadError, Rejection, load_scaled
 from shards.index import index_path, read_index
 from shards.keys import UnsafeKeyError, check_key
 from shards.lock import folder_lock
-from shards.manifest import MANIFEST_NAME, rejected_table, write_manifest, write_table
+from shards.manifest import (
+    MANIFEST_NAME,
+    REJECTED_NAME,
+    rejected_table,
+    write_manifest,
+    write_table,
+)
+from shards.outdir import SET_FILES, other_entries, output_folder, shard_files
 from shards.sample import (
     IMAGE_MEMBERS,
     KEY_PATTERN,
@@ -318,19 +327,28 @@ def check_input(tars: list[Path], out: Path) -> None:
         raise MasksError(f"--out {out} holds input shards; choose an output folder apart from --shards")
 
 
-def _settings(config: BuildMasksConfig, tars: list[Path]) -> dict:
-    digest = hashlib.sha256(Path(config.model).read_bytes()).hexdigest()
+def _settings(model: Path, tars: list[Path]) -> dict:
+    digest = hashlib.sha256(model.read_bytes()).hexdigest()
     return {"model_sha256": digest, "input_shards": [t.name for t in tars], "prefix": PREFIX}
 
 
+def _settings_path(out: Path) -> Path:
+    return Path(out) / STATE_DIR / "settings.json"
+
+
 def _check_settings(out: Path, settings: dict) -> None:
-    path = Path(out) / STATE_DIR / "settings.json"
-    if path.is_file():
-        if json.loads(path.read_text()) != settings:
-            raise MasksError(
-                f"{out} holds a masked set built from another model or input; choose another --out or delete it"
-            )
-    else:  # every rank may write it: the content is the same, and the write is atomic
+    """Refuse an --out folder holding a masked set of another model or input (read only)."""
+    path = _settings_path(out)
+    if path.is_file() and json.loads(path.read_text()) != settings:
+        raise MasksError(
+            f"{out} holds a masked set built from another model or input; choose another --out or delete it"
+        )
+
+
+def _write_settings(out: Path, settings: dict) -> None:
+    """Mark `out` as this job's, before any of its outputs (see `check_out_folder`)."""
+    path = _settings_path(out)
+    if not path.is_file():  # every rank may write it: the content is the same, and the write is atomic
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(path, (json.dumps(settings, sort_keys=True) + "\n").encode())
 
@@ -350,6 +368,25 @@ def _summary(records: list[dict], seconds: float) -> dict:
     }
 
 
+def check_out_folder(out: Path, count: int) -> None:
+    """Refuse an --out folder holding files this job did not write: anything, when no build-masks run
+    began there (`STATE_DIR/settings.json`); otherwise anything but its shards and set files. Like
+    `shards build`, a job never overwrites, nor writes among, a user's own files."""
+    if out.exists() and not out.is_dir():
+        raise MasksError(f"--out {out} is a file; choose an empty or new folder")
+    ours = shard_files([shard_name(PREFIX, n) for n in range(count)]) | set(SET_FILES)
+    # Listed before the settings are looked at: under torchrun, rank 0 writes the settings before any
+    # output, so an output seen here always comes with the settings that make it ours.
+    visible = other_entries(out, set())
+    if not visible:
+        return
+    started = _settings_path(out).is_file()
+    others = [name for name in visible if name not in ours] if started else visible
+    if others:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise MasksError(f"--out {out} holds files this job did not write ({shown}); choose an empty or new folder")
+
+
 def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=None) -> dict | None:
     """Run (or resume) the job; rank 0 returns the summary, the other ranks None.
 
@@ -360,12 +397,19 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
     tars = _input_tars(config)
     out = Path(config.out)
     check_input(tars, out)
-    with folder_lock(out, "relicv2 saliency build-masks", enabled=ranks.rank == 0):
-        predictor = predictor or MaskPredictor(Path(config.model), config.device)
-        settings = _settings(config, tars)
-        _check_settings(out, settings)
+    model = resolve_model_path(config.model)
+    settings = _settings(model, tars)
+    _check_settings(out, settings)
+    check_out_folder(out, len(tars))
+    # The model is read before --out is created: a refused model leaves no folder behind.
+    predictor = predictor or MaskPredictor(model, config.device)
+    with output_folder(out), folder_lock(out, "relicv2 saliency build-masks", enabled=ranks.rank == 0):
+        _write_settings(out, settings)
         mine = range(len(tars) * ranks.rank // ranks.world_size, len(tars) * (ranks.rank + 1) // ranks.world_size)
         todo = [n for n in mine if _record_valid(out, n) is None]
+        # Shards of the other ranks with a record now were finished by an earlier run (a record one of
+        # them writes in the moments since it started would be counted as kept: a report, not a decision).
+        kept = sum(n not in mine and _record_path(out, n).is_file() for n in range(len(tars))) + len(mine) - len(todo)
         # Partial tars a killed run left under temporary names (only this rank's shards).
         remove_stale_temps(out, {shard_name(PREFIX, n) for n in todo} | {index_path(Path(shard_name(PREFIX, n))).name for n in todo})
         # Only the tars this rank reads are indexed here: a plain set's missing index is derived by
@@ -374,7 +418,8 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
         index_files = dict(zip(todo, indexed.index_files, strict=True)) if indexed else {}
         total = indexed.samples if indexed else 0
         started, processed = time.monotonic(), 0
-        bar = tqdm(total=total, desc="build-masks", unit="img", disable=not config.progress, dynamic_ncols=True)
+        bar = tqdm(total=total, desc="build-masks", unit="img", disable=not config.progress or not todo,
+                   dynamic_ncols=True)
         with ThreadPoolExecutor(config.workers) as pool:
             for number in todo:
                 record = mask_shard(tars[number], out / shard_name(PREFIX, number), predictor, pool,
@@ -392,7 +437,7 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
         rejected = [r for rec in records for r in rec["rejected"]]
         if rows:
             write_manifest(rows, out)
-        write_table(rejected_table(rejected), out / "rejected.parquet")
+        write_table(rejected_table(rejected), out / REJECTED_NAME)
         summary = _summary(records, time.monotonic() - started)
         written = [shard_name(PREFIX, n) for n, rec in enumerate(records) if rec["tar_size"] is not None]
         write_info(out, {
@@ -402,7 +447,9 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
             "model": settings["model_sha256"], "mask": {k: summary[k] for k in ("below_min_coverage", "min_coverage", "coverage_histogram")},
             "version": package_version(),
         })
-        summary["images_per_s"] = round(processed / seconds, 2) if processed else None
+        summary["shards_kept"], summary["shards_built"] = kept, len(tars) - kept
+        summary["rejected_file"] = str(out / REJECTED_NAME)
+        summary["images_per_s"] = round(processed / seconds, 2) if processed and seconds > 0 else None
         return summary
 
 
@@ -422,12 +469,17 @@ def _wait_for_records(out: Path, count: int, timeout: float) -> list[dict]:
 
 
 def format_summary(summary: dict) -> str:
-    """A human summary: counts, coverage histogram, the masks below the minimum coverage."""
+    """A human summary: counts, shards kept and built, coverage histogram, the masks below the minimum
+    coverage, and where the rejected samples are listed."""
     bars = "  ".join(f"{i * 10}-{i * 10 + 10}%: {n}" for i, n in enumerate(summary["coverage_histogram"]))
-    return (
-        f"build-masks: {summary['written']} masked, {summary['rejected']} rejected "
-        f"({summary['images_per_s']} img/s this run)\n"
-        f"coverage (fraction >= 0.5): {bars}\n"
+    rate = f" ({summary['images_per_s']} img/s this run)" if summary.get("images_per_s") is not None else ""
+    lines = [
+        f"build-masks: {summary['written']} masked, {summary['rejected']} rejected",
+        f"{summary['shards_kept']} shard(s) kept from an earlier run, {summary['shards_built']} built{rate}",
+        f"coverage (fraction >= 0.5): {bars}",
         f"{summary['below_min_coverage']} masks cover less than {summary['min_coverage']:.0%} and will not be "
-        "applied in pretraining"
-    )
+        "applied in pretraining",
+    ]
+    if summary["rejected"]:
+        lines.append(f"why each sample was rejected: {summary['rejected_file']}")
+    return "\n".join(lines)

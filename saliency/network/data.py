@@ -22,6 +22,7 @@ from saliency.batch import HandcraftedConfig, map_path, run_handcrafted
 from saliency.images import ImageReadError, read_gray
 from saliency.network.images import (
     SampleDecodeError,
+    SampleLocation,
     decode_displayed,
     has_rotation,
     read_member,
@@ -47,9 +48,8 @@ class TrainingImages:
         return self.images.permute(0, 2, 3, 1).contiguous().numpy()
 
 
-def _sample_stream(shards: Path | str, count: int, seed: int, skipped: list,
-                   index_cache: Path | None) -> Iterator[ShardSample]:
-    for location in sample_locations(shards, count, seed, index_cache=index_cache):
+def _sample_stream(locations: list[SampleLocation], skipped: list) -> Iterator[ShardSample]:
+    for location in locations:
         data = read_member(location)
         try:
             rgb = decode_displayed(data, f"{location.key} in {location.tar.name}")
@@ -67,18 +67,21 @@ def _sample_stream(shards: Path | str, count: int, seed: int, skipped: list,
         yield ShardSample(location.key, {member: data}, location.label, meta)
 
 
-def write_sample_set(shards: Path | str, out: Path, count: int, seed: int,
-                     index_cache: Path | None = None) -> tuple[Path, list]:
+def write_sample_set(shards: Path | str, out: Path, count: int, seed: int, index_cache: Path | None = None,
+                     locations: list[SampleLocation] | None = None) -> tuple[Path, list]:
     """`OUT/sample/`: the seeded sample of `shards` (kept when it exists: the plan is deterministic).
 
     `shards` is any shard set spec `shards.shardset.resolve_shard_set` takes (folder, brace pattern,
-    tar); indexes missing beside its tars are derived into `index_cache`.
+    tar); indexes missing beside its tars are derived into `index_cache`. `locations`: the sample
+    already drawn (`sample_locations(shards, count, seed)`, as `saliency train` does before it
+    writes anything), so the set's indexes are not read twice.
     """
     folder = Path(out) / "sample"
     skipped: list[tuple[str, str]] = []
     if not (folder / "info.json").is_file():
-        write_shard_set(_sample_stream(shards, count, seed, skipped, index_cache), folder, prefix=SAMPLE_PREFIX,
-                        max_count=1000)
+        if locations is None:
+            locations = sample_locations(shards, count, seed, index_cache=index_cache)
+        write_shard_set(_sample_stream(locations, skipped), folder, prefix=SAMPLE_PREFIX, max_count=1000)
     return folder, skipped
 
 
@@ -92,10 +95,10 @@ def handcrafted_maps(images: Path, output: Path, methods: tuple[str, ...], worke
 
 def load_training_images(
     shards: Path | str, out: Path, *, count: int, seed: int, size: int, methods: tuple[str, ...], workers: int,
-    progress: bool = True, index_cache: Path | None = None,
+    progress: bool = True, index_cache: Path | None = None, locations: list[SampleLocation] | None = None,
 ) -> TrainingImages:
     """Sample, compute maps (cached), and load everything at `size` x `size` into memory."""
-    sample_dir, skipped = write_sample_set(shards, out, count, seed, index_cache)
+    sample_dir, skipped = write_sample_set(shards, out, count, seed, index_cache, locations)
     failed = dict(handcrafted_maps(sample_dir, Path(out) / "maps", methods, workers, progress))
     keys, images, maps = [], [], {m: [] for m in methods}
     for sample in iter_samples(sample_dir):

@@ -12,18 +12,26 @@ Contents (plain containers only):
 from __future__ import annotations
 
 import pickle
+import struct
 import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pretrain.checkpoint import FORMAT as PRETRAIN_FORMAT
 from saliency.network.model import SaliencyNet
 from shards.atomic import atomic_output
 
 FORMAT = "relicv2-saliency-model"
 VERSION = 1
 ARCH = "dilated-resnet-os8-decoder-v1"
+MODEL_NAME = "model.pt"  # the model file in a `relicv2 saliency train` output folder
+PASS_MODEL = "pass the model.pt written by `relicv2 saliency train`"
+# What `torch.load(weights_only=True)` raises for a file it cannot read: a zip it cannot open, and the
+# legacy unpickler meeting bytes that are no pickle (text -> KeyError, a short file -> IndexError/EOFError).
+TORCH_LOAD_ERRORS = (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError,
+                     KeyError, IndexError, struct.error)
 
 
 class ModelFileError(ValueError):
@@ -51,17 +59,47 @@ def save_model(path: Path, model: SaliencyNet, *, input_size: int, preset: str, 
     return path
 
 
-def load_model(path: Path | str, device: str = "cpu") -> tuple[SaliencyNet, dict[str, Any]]:
-    """(network in eval mode on `device`, the file's description without the weights)."""
+def load_failure(error: BaseException) -> str:
+    """Why `torch.load(weights_only=True)` could not read a file, in one line, without torch's advice to
+    retry with weights_only=False or to allowlist globals: the file is not trusted, so running its code is
+    never the way out."""
+    for line in str(error).strip().splitlines():
+        line = line.strip().removeprefix("WeightsUnpickler error:").strip()
+        if line and "weights_only" not in line and not line.startswith(
+                ("Weights only load failed", "(1)", "(2)", "Please file", "Check the documentation")):
+            break
+    else:
+        line = ""
+    # Text or random bytes read as a pickle: a byte that is no opcode, or a stack or memo entry missing.
+    if isinstance(error, (KeyError, IndexError, EOFError, struct.error)) or line.startswith("Unsupported operand"):
+        return "not a file written by torch.save"
+    return line.split(" Please use `torch.serialization")[0].rstrip(".") or type(error).__name__
+
+
+def resolve_model_path(path: Path | str) -> Path:
+    """The model file `path` names: the file itself, or the model.pt of a `saliency train` output folder."""
     path = Path(path)
+    if path.is_dir():
+        if not (path / MODEL_NAME).is_file():
+            raise ModelFileError(f"{path} is a folder without {MODEL_NAME}; {PASS_MODEL} (its --out folder or the file)")
+        return path / MODEL_NAME
     if not path.is_file():
         raise ModelFileError(f"saliency model {path} does not exist; train one with `relicv2 saliency train`")
+    return path
+
+
+def load_model(path: Path | str, device: str = "cpu") -> tuple[SaliencyNet, dict[str, Any]]:
+    """(network in eval mode on `device`, the file's description without the weights). `path` is the
+    model file or the `saliency train` output folder holding it."""
+    path = resolve_model_path(path)
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as error:
-        raise ModelFileError(f"{path} is not a readable saliency model ({str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__}); pass the model.pt written by `relicv2 saliency train`") from None
+    except TORCH_LOAD_ERRORS as error:
+        raise ModelFileError(f"{path} is not a saliency model file ({load_failure(error)}); {PASS_MODEL}") from None
+    if isinstance(payload, dict) and payload.get("format") == PRETRAIN_FORMAT:
+        raise ModelFileError(f"{path} is a relicv2 pretraining checkpoint, not a saliency model; {PASS_MODEL}")
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise ModelFileError(f"{path} is not a relicv2 saliency model; pass the model.pt written by `relicv2 saliency train`")
+        raise ModelFileError(f"{path} is not a saliency model file (no '{FORMAT}' format entry); {PASS_MODEL}")
     if payload.get("version") != VERSION or payload.get("arch", {}).get("name") != ARCH:
         raise ModelFileError(f"{path} is saliency model version {payload.get('version')} ({payload.get('arch')}); this relicv2 reads version {VERSION} ({ARCH})")
     arch = payload["arch"]

@@ -9,7 +9,7 @@ at the network's input size are resized back (bilinear; binary labels nearest).
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import cv2
@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from saliency.batch import map_path
-from saliency.images import ImageReadError, list_images, read_gray
+from saliency.images import ImageReadError, list_images, read_gray, read_rgb
 from saliency.metrics import aggregate, score_image
 from saliency.network.data import handcrafted_maps
 from saliency.network.images import SampleDecodeError, decode_displayed, resize_map, resize_square
@@ -29,6 +29,57 @@ MEAN_ROW = "mean of handcrafted"
 FUSED_ROW = "fused network"
 
 RowFn = Callable[[str, int, np.ndarray], np.ndarray]
+
+# What counts as a ground-truth mask: an image whose pixels are grey (R, G and B within
+# GREY_TOLERANCE of each other, which a greyscale, 1-bit or grey-palette file always is and a colour
+# JPEG of a black-and-white mask nearly is) on at least GREY_FRACTION of its pixels. A photo fails
+# this; a greyscale photo would pass (nothing short of the values tells it from a graded mask such
+# as PASCAL-S's, so graded masks are accepted and binarised at 128 by `saliency.metrics`).
+GREY_TOLERANCE = 8
+GREY_FRACTION = 0.99
+
+
+class GroundTruthError(ValueError):
+    """A --gt folder that cannot score the run: missing, no mask named like the images, or not masks."""
+
+
+def mask_problem(path: Path) -> str | None:
+    """Why the file at `path` is not a ground-truth mask (see GREY_TOLERANCE), or None when it is one."""
+    try:
+        rgb = read_rgb(path)
+    except ImageReadError as error:
+        return str(error)
+    spread = rgb.max(axis=2).astype(np.int16) - rgb.min(axis=2)
+    coloured = float(np.mean(spread > GREY_TOLERANCE))
+    if coloured > 1.0 - GREY_FRACTION:
+        return f"{path} is a colour image ({coloured:.0%} of its pixels are not grey), not a mask"
+    return None
+
+
+def check_ground_truth(gt: Path, keys: Iterable[str]) -> int:
+    """Refuse `gt` unless it is a folder holding, for at least one of `keys`, a mask `KEY.<image ext>`,
+    and every such mask is one (`mask_problem`). Returns how many keys have a mask. Reads each
+    matching mask once: seconds for thousands, before hours of training."""
+    gt = Path(gt)
+    if not gt.is_dir():
+        raise GroundTruthError(f"--gt {gt}: no such folder; give the folder of ground-truth masks (KEY.png)")
+    masks = {p.stem: p for p in list_images(gt)}
+    keys = sorted(set(keys))
+    matched = [masks[k] for k in keys if k in masks]
+    if not matched:
+        names = sorted(p.name for p in masks.values())
+        found = f"it holds {', '.join(names[:2])}{', ...' if len(names) > 2 else ''}" if names else "it holds no image"
+        raise GroundTruthError(
+            f"--gt {gt}: no mask is named like an image of the run ({found}); expected files named by the "
+            f"sample keys, e.g. {keys[0] if keys else 'KEY'}.png"
+        )
+    problems = [(p, why) for p in matched if (why := mask_problem(p)) is not None]
+    if problems:
+        raise GroundTruthError(
+            f"--gt {gt}: {len(problems)} of {len(matched)} matching files are not masks, e.g. {problems[0][1]}; "
+            "a mask is a greyscale (or 1-bit, or grey-palette) image, foreground >= 128"
+        )
+    return len(matched)
 
 
 def predict_map(model: SaliencyNet, rgb: np.ndarray, size: int) -> np.ndarray:
@@ -128,5 +179,6 @@ def format_report(report: dict) -> str:
         lines.append(f"\n{part} images:")
         lines.append(f"{'':28s} {'MAE':>7s} {'max-F':>7s} {'adapt-F':>7s} {'count':>6s}")
         for name, s in report[part].items():
-            lines.append(f"{name:28s} {s['mae']:7.3f} {s['max_f']:7.3f} {s['adaptive_f']:7.3f} {s['count']:6d}")
+            values = " ".join("      -" if s[k] is None else f"{s[k]:7.3f}" for k in ("mae", "max_f", "adaptive_f"))
+            lines.append(f"{name:28s} {values} {s['count']:6d}")
     return "\n".join(lines)

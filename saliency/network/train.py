@@ -15,6 +15,7 @@ epoch into `OUT/work/`; rerunning the same command resumes at the epoch after th
 from __future__ import annotations
 
 import json
+import math
 import sys
 import zlib
 from collections.abc import Callable
@@ -28,15 +29,20 @@ from tqdm import tqdm
 from pretrain.model.resnet import load_torchvision_state_dict
 from saliency.network.config import SaliencyTrainConfig, config_to_dict
 from saliency.network.data import TrainingImages, load_training_images
+from saliency.network.images import SampleLocation, sample_locations
 from saliency.network.loop import CrfPool, train_epoch
 from saliency.network.model import SaliencyNet
 from saliency.network.model_file import save_model
-from saliency.network.report import evaluate_report, format_report
-from saliency.network.weights import encoder_state_dict, random_backbone_warning
+from saliency.network.report import check_ground_truth, evaluate_report, format_report
+from saliency.network.weights import BackboneError, encoder_state_dict
 from shards.atomic import atomic_output, atomic_write_bytes
 from shards.lock import folder_lock
 
 CONFIG_NAME = "config.json"
+RANDOM_BACKBONE_NOTE = (
+    "saliency train: note: the encoder starts from random weights (--backbone random); refinement works "
+    "far better from a self-supervised backbone (a relicv2 pretrain run folder)"
+)
 
 
 class TrainStateError(RuntimeError):
@@ -86,17 +92,108 @@ def plan_units(config: SaliencyTrainConfig) -> list[Unit]:
     return units
 
 
-def _check_config(out: Path, tree: dict) -> None:
+def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+    flat: dict[str, object] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def config_differences(old: dict, new: dict) -> list[str]:
+    """`name: OLD there, NEW now` for each setting that differs (settings named as `--set` spells them)."""
+    before = {k.removeprefix("config."): v for k, v in _flatten(old).items()}
+    after = {k.removeprefix("config."): v for k, v in _flatten(new).items()}
+    absent = "(absent)"
+    return [f"{k}: {before.get(k, absent)} there, {after.get(k, absent)} now"
+            for k in sorted(before.keys() | after.keys()) if before.get(k, absent) != after.get(k, absent)]
+
+
+def _check_config(out: Path, tree: dict) -> bool:
+    """Refuse an earlier run in `out` with other settings; True when `config.json` must be written.
+
+    A config.json beside nothing else (no sample, no work: an earlier version wrote it before a
+    failed check) is not a run, and is replaced."""
     path = out / CONFIG_NAME
-    text = json.dumps(tree, indent=2, sort_keys=True)
-    if path.is_file():
-        if json.loads(path.read_text()) != json.loads(text):
-            raise TrainStateError(
-                f"{out} holds a saliency run with other settings ({path}); rerun with the same options "
-                "to resume it, or choose another --out"
-            )
-        return
-    atomic_write_bytes(path, (text + "\n").encode())
+    if not path.is_file():
+        return True
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise TrainStateError(f"{path} cannot be read ({error}); choose another --out") from None
+    new = json.loads(json.dumps(tree))  # as it would read back (tuples as lists)
+    if old == new:
+        return False
+    started = (out / "sample" / "info.json").is_file() or (out / "work").is_dir()
+    if not started:
+        return True
+    differences = config_differences(old if isinstance(old, dict) else {}, new)
+    raise TrainStateError(
+        f"{out} holds a saliency run with other settings ({path}: {'; '.join(differences)}); rerun with the "
+        "same options to resume it, or choose another --out"
+    )
+
+
+def _finite_or_null(tree: object) -> object:
+    """`tree` with every NaN or infinite float (a diverged epoch's loss) as None: JSON has no NaN."""
+    if isinstance(tree, dict):
+        return {k: _finite_or_null(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return [_finite_or_null(v) for v in tree]
+    if isinstance(tree, float) and not math.isfinite(tree):
+        return None
+    return tree
+
+
+def _write_config(out: Path, tree: dict) -> None:
+    atomic_write_bytes(out / CONFIG_NAME, (json.dumps(tree, indent=2, sort_keys=True) + "\n").encode())
+
+
+@dataclass(frozen=True)
+class CheckedInputs:
+    """What `check_inputs` found usable: the seeded sample of --shards and the encoder weights."""
+
+    locations: list[SampleLocation]
+    encoder_state: dict | None  # None: random initialisation
+    backbone: str  # where the encoder weights came from, in words
+
+
+def check_inputs(job: TrainJob) -> CheckedInputs:
+    """Check every input of the job before anything is written to OUT (a ValueError naming the option).
+
+    --shards resolvable and holding images, --backbone loadable into the encoder, --eval-shards
+    resolvable, and --gt a folder of masks named like the training or held-back images."""
+    config = job.config
+    if config.fuse_epochs < 1:
+        raise ValueError("fuse_epochs must be >= 1: the fused network is the job's output")
+    if job.eval_shards is not None and job.gt is None:
+        raise ValueError("--eval-shards needs --gt (the held-back images are only scored against their masks)")
+    try:
+        locations = sample_locations(job.shards, config.num_images, config.seed, index_cache=job.index_cache)
+    except ValueError as error:  # ShardSetError, or a set without images
+        raise ValueError(f"--shards: {error}") from None
+    if job.backbone == "random":
+        encoder_state, backbone = None, "random initialisation"
+    else:
+        encoder_state, backbone = encoder_state_dict(job.backbone, config.depth, config.width)
+        try:  # fail now, not after the maps: the weights must fit the encoder
+            load_torchvision_state_dict(SaliencyNet(config.depth, config.width).encoder, encoder_state)
+        except ValueError as error:
+            raise BackboneError(
+                f"--backbone {job.backbone} does not fit a ResNet-{config.depth} at width {config.width}: {error}"
+            ) from None
+    if job.gt is not None:
+        keys = [loc.key for loc in locations]
+        if job.eval_shards is not None:
+            try:
+                held = sample_locations(job.eval_shards, sys.maxsize, 0, index_cache=job.index_cache)
+            except ValueError as error:
+                raise ValueError(f"--eval-shards: {error}") from None
+            keys += [loc.key for loc in held]
+        check_ground_truth(Path(job.gt), keys)
+    return CheckedInputs(locations, encoder_state, backbone)
 
 
 class Trainer:
@@ -194,45 +291,40 @@ class Trainer:
 def run_train(job: TrainJob, log: Callable[[str], None] = print) -> dict:
     """Run (or resume) the job; returns the report written to `OUT/report.json`."""
     config, out = job.config, Path(job.out)
-    if config.fuse_epochs < 1:
-        raise ValueError("fuse_epochs must be >= 1: the fused network is the job's output")
-    if job.eval_shards is not None and job.gt is None:
-        raise ValueError("--eval-shards needs --gt (the held-back images are only scored against their masks)")
+    checked = check_inputs(job)  # before OUT exists: a mistake leaves nothing behind
     with folder_lock(out, "relicv2 saliency train"):
         tree = {"config": config_to_dict(config), "shards": str(job.shards), "backbone": job.backbone}
-        _check_config(out, tree)
+        if _check_config(out, tree):
+            _write_config(out, tree)
         if config.threads:
             torch.set_num_threads(config.threads)
-        if job.backbone == "random":
-            random_backbone_warning()
-            encoder_state, backbone = None, "random initialisation"
-        else:
-            encoder_state, backbone = encoder_state_dict(job.backbone, config.depth, config.width)
-            # Fail now, not after the maps: check the weights fit before any long work.
-            load_torchvision_state_dict(SaliencyNet(config.depth, config.width).encoder, encoder_state)
+        if checked.encoder_state is None:
+            print(RANDOM_BACKBONE_NOTE, file=sys.stderr)
         log(f"saliency train: preset {config.preset}, ResNet-{config.depth} x{config.width}, "
-            f"{config.input_size} px, encoder from {backbone}")
+            f"{config.input_size} px, encoder from {checked.backbone}")
         data = load_training_images(
             job.shards, out, count=config.num_images, seed=config.seed, size=config.input_size,
             methods=config.methods, workers=config.workers, progress=job.progress, index_cache=job.index_cache,
+            locations=checked.locations,
         )
         for key, reason in data.skipped:
             print(f"saliency train: left out {key}: {reason}", file=sys.stderr)
         log(f"saliency train: {len(data.keys)} images ({len(data.skipped)} left out)")
-        trainer = Trainer(job, data, encoder_state)
+        trainer = Trainer(job, data, checked.encoder_state)
         try:
             for unit in plan_units(config):
                 trainer.run_unit(unit)
         finally:
             trainer.crf.close()
         model = trainer.fused_network()
-        report = {"preset": config.preset, "backbone": backbone, "images": len(data.keys),
+        report = {"preset": config.preset, "backbone": checked.backbone, "images": len(data.keys),
                   "left_out": [list(s) for s in data.skipped], "losses": trainer.losses()}
         if job.gt is not None:
             report.update(evaluate_report(job, data, trainer, model, progress=job.progress))
             log(format_report(report))
-        atomic_write_bytes(out / "report.json", (json.dumps(report, indent=2, sort_keys=True) + "\n").encode())
+        text = json.dumps(_finite_or_null(report), indent=2, sort_keys=True, allow_nan=False)  # strict JSON
+        atomic_write_bytes(out / "report.json", (text + "\n").encode())
         save_model(out / "model.pt", model, input_size=config.input_size, preset=config.preset,
-                   backbone=backbone, config=tree["config"], report=report)
+                   backbone=checked.backbone, config=tree["config"], report=report)
         log(f"saliency train: wrote {out / 'model.pt'} and {out / 'report.json'}")
         return report

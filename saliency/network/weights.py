@@ -14,9 +14,6 @@ mismatched keys.
 from __future__ import annotations
 
 import json
-import pickle
-import warnings
-import zipfile
 from pathlib import Path
 
 import torch
@@ -25,6 +22,7 @@ from torch import Tensor
 from pretrain.checkpoint import FORMAT as PRETRAIN_FORMAT
 from pretrain.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
 from pretrain.model.resnet import ResNet, load_torchvision_state_dict
+from saliency.network.model_file import TORCH_LOAD_ERRORS, load_failure
 
 # Prefixes stripped from names, in order: DDP's `module.`, then an `encoder.` / `backbone.` wrapper.
 WRAPPER_PREFIXES = ("module.", "encoder.", "backbone.", "trunk.")
@@ -36,17 +34,12 @@ class BackboneError(ValueError):
     """A backbone file that cannot initialise the encoder (missing, corrupt, foreign, wrong architecture)."""
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
-
-
 def _read(path: Path) -> object:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as error:
+    except TORCH_LOAD_ERRORS as error:
         raise BackboneError(
-            f"{path} is not a readable weights file ({_first_line(error)}); pass a relicv2 pretrain "
+            f"{path} is not a readable weights file ({load_failure(error)}); pass a relicv2 pretrain "
             "checkpoint or run folder, a torchvision/SwAV ResNet state dict, or --backbone random"
         ) from None
 
@@ -128,11 +121,3 @@ def load_encoder_weights(encoder: ResNet, source: str | Path, depth: int, width:
     except ValueError as error:
         raise BackboneError(f"{source} does not fit a ResNet-{depth} at width {width}: {error}") from None
     return description
-
-
-def random_backbone_warning() -> None:
-    warnings.warn(
-        "the saliency network's encoder starts from random weights (--backbone random); refinement "
-        "works far better from a self-supervised backbone (a relicv2 pretrain run folder)",
-        stacklevel=2,
-    )

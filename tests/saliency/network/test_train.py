@@ -94,8 +94,8 @@ class _Killed(Exception):
 def test_train_resumes_after_a_kill_to_the_same_model(tmp_path: Path, scene_shards, gt_folder, held_back,
                                                      monkeypatch) -> None:
     shards, _ = scene_shards
-    with pytest.warns(UserWarning, match="random weights"):  # held-back images named by a brace pattern
-        run_train(_job(shards, tmp_path / "whole", gt_folder, eval_shards=held_back[0]), log=lambda _: None)
+    # held-back images named by a brace pattern
+    run_train(_job(shards, tmp_path / "whole", gt_folder, eval_shards=held_back[0]), log=lambda _: None)
     whole, info = load_model(tmp_path / "whole" / "model.pt")
     report = json.loads((tmp_path / "whole" / "report.json").read_text())
     assert info["input_size"] == 32 and info["preset"] == "tiny" and info["arch"]["depth"] == 18
@@ -117,13 +117,12 @@ def test_train_resumes_after_a_kill_to_the_same_model(tmp_path: Path, scene_shar
         return real_epoch(*args, **kwargs)
 
     monkeypatch.setattr(train_module, "train_epoch", dying_epoch)
-    with pytest.raises(_Killed), pytest.warns(UserWarning):
+    with pytest.raises(_Killed):
         run_train(_job(shards, tmp_path / "resumed", gt_folder), log=lambda _: None)
     work = tmp_path / "resumed" / "work"
     assert (work / "mc-it1.current.pt").is_file() and not (work / "mc-it1.done.pt").exists()
     monkeypatch.setattr(train_module, "train_epoch", real_epoch)
-    with pytest.warns(UserWarning):
-        run_train(_job(shards, tmp_path / "resumed", gt_folder), log=lambda _: None)
+    run_train(_job(shards, tmp_path / "resumed", gt_folder), log=lambda _: None)
     resumed, _ = load_model(tmp_path / "resumed" / "model.pt")
     for name, tensor in whole.state_dict().items():
         assert torch.equal(tensor, resumed.state_dict()[name]), name
@@ -133,7 +132,8 @@ def test_train_resumes_after_a_kill_to_the_same_model(tmp_path: Path, scene_shar
 def test_other_settings_in_the_same_folder_are_refused(tmp_path: Path, scene_shards) -> None:
     shards, _ = scene_shards
     job = _job(shards, tmp_path / "out")
-    (tmp_path / "out").mkdir()
-    train_module._check_config(tmp_path / "out", {"config": {"epochs": 1}})
-    with pytest.raises(TrainStateError, match="other settings"):
+    (tmp_path / "out" / "work").mkdir(parents=True)  # an earlier run got past its checks
+    train_module._write_config(tmp_path / "out", {"config": {"epochs": 1}, "shards": "nope", "backbone": "random"})
+    with pytest.raises(TrainStateError, match=f"shards: nope there, {shards} now") as refused:
         run_train(dataclasses.replace(job), log=lambda _: None)
+    assert "epochs: 1 there, 2 now" in str(refused.value) and "backbone" not in str(refused.value)
