@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import re
 import time
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +28,7 @@ import torch
 from pretrain.config import ConfigError, PretrainConfig, from_dict
 from pretrain.model.encoder_file import is_encoder_file, load_encoder_file, sidecar_path
 from pretrain.model.resnet import ResNet, resnet
+from pretrain.untrusted import TORCH_LOAD_ERRORS, load_failure
 from shards.atomic import TEMP_MARK, atomic_output, atomic_write_bytes
 
 FORMAT = "relicv2-pretrain-checkpoint"
@@ -105,8 +104,8 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         raise CheckpointError(f"checkpoint {path} does not exist; check the path")
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError) as error:
-        first_line = _first_line(error)
+    except TORCH_LOAD_ERRORS as error:
+        first_line = load_failure(error)
         if step_of(path) is not None:  # a run's own checkpoint, damaged (a killed copy, a full disk)
             raise CheckpointError(
                 f"{path} is not a readable relicv2 pretraining checkpoint ({first_line}); it may be truncated: "
@@ -140,16 +139,6 @@ def _is_plain_state_dict(payload: Any) -> bool:
     """A dict of tensors named like a ResNet's (what `relicv2 export` writes, without its sidecar)."""
     return (isinstance(payload, dict) and "conv1.weight" in payload
             and all(isinstance(value, torch.Tensor) for value in payload.values()))
-
-
-def _first_line(error: BaseException) -> str:
-    """The cause of a load failure in one line, without torch's advice to retry with weights_only=False
-    (the file is not trusted, so that advice is never the way out here)."""
-    for line in str(error).strip().splitlines():
-        line = line.strip()
-        if line and "weights_only" not in line and not line.startswith(("(1)", "(2)", "Please file")):
-            return line
-    return type(error).__name__
 
 
 def _check_types(path: Path, payload: dict[str, Any]) -> None:
@@ -276,7 +265,7 @@ def encoder_from_payload(payload: dict[str, Any], path: Path, *, network: str = 
     try:
         encoder.load_state_dict(state)
     except RuntimeError as error:
-        problem = next((line.strip() for line in str(error).splitlines()[1:] if line.strip()), _first_line(error))
+        problem = next((line.strip() for line in str(error).splitlines()[1:] if line.strip()), load_failure(error))
         raise CheckpointError(
             f"{path}: the {network} encoder's weights do not fit the ResNet-{config.model.depth} "
             f"(width {config.model.width}) its config describes ({problem[:300]}); the file is damaged or hand-made"

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import pickle
 import sys
-import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -24,6 +22,7 @@ from torch import Tensor, nn
 from pretrain.distributed import DistributedContext, all_gather_object
 from pretrain.eval.knn import extract_features
 from pretrain.eval.outcome import LostSamples, LostSamplesError
+from pretrain.untrusted import TORCH_LOAD_ERRORS
 from shards.atomic import atomic_output
 from shards.shardset import shard_tars
 
@@ -80,7 +79,7 @@ def cache_path(cache_dir: str | Path, encoder: nn.Module, source: str | Path, sp
 def _read_cache(path: Path) -> FeatureSet | None:
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, OSError) as error:
+    except TORCH_LOAD_ERRORS as error:
         print(f"feature cache {path} is unreadable ({type(error).__name__}); extracting again", file=sys.stderr)
         return None
     if not isinstance(payload, dict) or payload.get("format") != CACHE_FORMAT:

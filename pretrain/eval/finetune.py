@@ -29,6 +29,7 @@ from pretrain.eval.classes import check_same_classes
 from pretrain.eval.linear import LinearResult, accuracy_report
 from pretrain.eval.paper import HeadCheckpointError, _average_gradients
 from pretrain.eval.views import LabelledViews, class_count, labelled_samples, loader, rank_order
+from pretrain.untrusted import TORCH_LOAD_ERRORS
 from shards.atomic import atomic_output
 
 STATE_FORMAT = "relicv2-finetune"
@@ -104,7 +105,7 @@ def _load_state(path: Path, config: FinetuneConfig) -> dict | None:
         return None
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError, OSError) as error:
+    except TORCH_LOAD_ERRORS as error:
         raise HeadCheckpointError(f"{path} is unreadable ({type(error).__name__}); delete it to start over") from None
     if not isinstance(payload, dict) or payload.get("format") != STATE_FORMAT:
         raise HeadCheckpointError(f"{path} is not a fine-tuning checkpoint; use another --output folder")

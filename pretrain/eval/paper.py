@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import pickle
-import zipfile
 from pathlib import Path
 
 import torch
@@ -22,6 +20,7 @@ from tqdm import tqdm
 from pretrain.distributed import DistributedContext, all_gather_object, prepare_shard_sets
 from pretrain.eval.linear import LinearConfig, LinearResult, accuracy_report, cosine_lr
 from pretrain.eval.views import LabelledViews, class_count, labelled_samples, loader, rank_order
+from pretrain.untrusted import TORCH_LOAD_ERRORS
 from shards.atomic import atomic_output
 
 HEAD_FORMAT = "relicv2-linear-head"
@@ -43,7 +42,7 @@ def load_head_checkpoint(path: Path, config: LinearConfig) -> dict | None:
         return None
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, OSError) as error:
+    except TORCH_LOAD_ERRORS as error:
         raise HeadCheckpointError(f"{path} is unreadable ({type(error).__name__}); delete it to start the "
                                   "linear evaluation over") from None
     if not isinstance(payload, dict) or payload.get("format") != HEAD_FORMAT:

@@ -17,8 +17,6 @@ and export all build on it.
 from __future__ import annotations
 
 import json
-import pickle
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +28,7 @@ from pretrain.model.resnet import (
     resnet,
     to_torchvision_state_dict,
 )
+from pretrain.untrusted import TORCH_LOAD_ERRORS, load_failure
 from shards.atomic import atomic_output
 
 FORMATS = ("torchvision", "relicv2")
@@ -142,8 +141,8 @@ def load_encoder_file(path: str | Path, *, network: str | None = None) -> ResNet
         )
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, OSError) as error:
-        raise ExportError(f"{path} is not a readable state dict ({str(error).splitlines()[0] if str(error) else error!r}); "
+    except TORCH_LOAD_ERRORS as error:
+        raise ExportError(f"{path} is not a readable state dict ({load_failure(error)}); "
                           "re-export it with `relicv2 export`") from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
         raise ExportError(f"{path} does not hold a state dict of tensors; re-export it with `relicv2 export`")

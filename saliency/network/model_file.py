@@ -11,15 +11,13 @@ Contents (plain containers only):
 
 from __future__ import annotations
 
-import pickle
-import struct
-import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pretrain.checkpoint import FORMAT as PRETRAIN_FORMAT
+from pretrain.untrusted import TORCH_LOAD_ERRORS, load_failure
 from saliency.network.model import SaliencyNet
 from shards.atomic import atomic_output
 
@@ -28,10 +26,6 @@ VERSION = 1
 ARCH = "dilated-resnet-os8-decoder-v1"
 MODEL_NAME = "model.pt"  # the model file in a `relicv2 saliency train` output folder
 PASS_MODEL = "pass the model.pt written by `relicv2 saliency train`"
-# What `torch.load(weights_only=True)` raises for a file it cannot read: a zip it cannot open, and the
-# legacy unpickler meeting bytes that are no pickle (text -> KeyError, a short file -> IndexError/EOFError).
-TORCH_LOAD_ERRORS = (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError,
-                     KeyError, IndexError, struct.error)
 
 
 class ModelFileError(ValueError):
@@ -57,23 +51,6 @@ def save_model(path: Path, model: SaliencyNet, *, input_size: int, preset: str, 
     with atomic_output(path) as tmp:
         torch.save(payload, tmp)
     return path
-
-
-def load_failure(error: BaseException) -> str:
-    """Why `torch.load(weights_only=True)` could not read a file, in one line, without torch's advice to
-    retry with weights_only=False or to allowlist globals: the file is not trusted, so running its code is
-    never the way out."""
-    for line in str(error).strip().splitlines():
-        line = line.strip().removeprefix("WeightsUnpickler error:").strip()
-        if line and "weights_only" not in line and not line.startswith(
-                ("Weights only load failed", "(1)", "(2)", "Please file", "Check the documentation")):
-            break
-    else:
-        line = ""
-    # Text or random bytes read as a pickle: a byte that is no opcode, or a stack or memo entry missing.
-    if isinstance(error, (KeyError, IndexError, EOFError, struct.error)) or line.startswith("Unsupported operand"):
-        return "not a file written by torch.save"
-    return line.split(" Please use `torch.serialization")[0].rstrip(".") or type(error).__name__
 
 
 def resolve_model_path(path: Path | str) -> Path:

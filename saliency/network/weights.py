@@ -22,7 +22,7 @@ from torch import Tensor
 from pretrain.checkpoint import FORMAT as PRETRAIN_FORMAT
 from pretrain.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
 from pretrain.model.resnet import ResNet, load_torchvision_state_dict
-from saliency.network.model_file import TORCH_LOAD_ERRORS, load_failure
+from pretrain.untrusted import TORCH_LOAD_ERRORS, load_failure
 
 # Prefixes stripped from names, in order: DDP's `module.`, then an `encoder.` / `backbone.` wrapper.
 WRAPPER_PREFIXES = ("module.", "encoder.", "backbone.", "trunk.")
