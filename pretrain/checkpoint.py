@@ -26,7 +26,12 @@ from typing import Any
 import torch
 
 from pretrain.config import ConfigError, PretrainConfig, from_dict
-from pretrain.model.encoder_file import is_encoder_file, load_encoder_file, sidecar_path
+from pretrain.model.encoder_file import (
+    is_encoder_file,
+    is_state_dict,
+    load_encoder_file,
+    sidecar_path,
+)
 from pretrain.model.resnet import ResNet, resnet
 from pretrain.untrusted import TORCH_LOAD_ERRORS, load_failure
 from shards.atomic import TEMP_MARK, atomic_output, atomic_write_bytes
@@ -115,7 +120,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
             f"{path} is not a readable relicv2 pretraining checkpoint ({first_line}); pass {_WHAT_TO_PASS}"
         ) from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        if _is_plain_state_dict(payload):
+        if is_state_dict(payload) and "conv1.weight" in payload:  # an exported ResNet without its sidecar
             raise CheckpointError(
                 f"{path} is not a relicv2 pretraining checkpoint: it holds a plain encoder state dict, like an "
                 f"exported encoder whose sidecar {sidecar_path(path).name} is missing (`relicv2 export` writes "
@@ -133,12 +138,6 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
         raise CheckpointError(f"{path} lacks {missing}; the file is incomplete, delete it and resume from an older one")
     _check_types(path, payload)
     return payload
-
-
-def _is_plain_state_dict(payload: Any) -> bool:
-    """A dict of tensors named like a ResNet's (what `relicv2 export` writes, without its sidecar)."""
-    return (isinstance(payload, dict) and "conv1.weight" in payload
-            and all(isinstance(value, torch.Tensor) for value in payload.values()))
 
 
 def _check_types(path: Path, payload: dict[str, Any]) -> None:

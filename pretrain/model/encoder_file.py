@@ -117,6 +117,11 @@ def is_encoder_file(path: str | Path) -> bool:
     return Path(path).is_file() and sidecar_path(path).is_file()
 
 
+def is_state_dict(payload: Any) -> bool:
+    """A dict of tensors: what `relicv2 export` writes (with its sidecar beside it)."""
+    return isinstance(payload, dict) and all(isinstance(value, torch.Tensor) for value in payload.values())
+
+
 def exported_network(info: dict[str, Any]) -> str:
     """The network ("online" or "target") an exported file holds, per its sidecar (online when unsaid)."""
     return "target" if info.get("network") == "target" else "online"
@@ -144,7 +149,7 @@ def load_encoder_file(path: str | Path, *, network: str | None = None) -> ResNet
     except TORCH_LOAD_ERRORS as error:
         raise ExportError(f"{path} is not a readable state dict ({load_failure(error)}); "
                           "re-export it with `relicv2 export`") from None
-    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+    if not is_state_dict(state):
         raise ExportError(f"{path} does not hold a state dict of tensors; re-export it with `relicv2 export`")
     try:
         encoder = resnet(info["depth"], info["width"], padding=info.get("padding", "torch"))
