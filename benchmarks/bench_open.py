@@ -1,9 +1,12 @@
 """Opening a shard set in a view loader: the first open (every sample checked) vs a later one
-(the verdicts kept in the index cache), for a set from `shards build` and a plain copy of it.
+(the verdicts kept in the index cache), for a set from `shards build` and a plain copy of it;
+then the memory the loader holds per sample for the whole run.
 
 What a `pretrain` rank pays at every start before its first batch, per sample. The floor is the
 bare parse of the index files (`shards.read_index`), measured in the same run; figures are
-microseconds per sample, medians of --repeats, and ratios to that floor.
+microseconds per sample, medians of --repeats, and ratios to that floor. The memory is traced
+(`tracemalloc`) for the loader's `SampleTable` and, as the baseline, for the same samples as a
+list of `SampleRef` objects (what loaders held before the table).
 
     .venv/bin/python benchmarks/bench_open.py [--data DIR] [--repeats 3]
 """
@@ -11,11 +14,13 @@ microseconds per sample, medians of --repeats, and ratios to that floor.
 from __future__ import annotations
 
 import argparse
+import gc
 import shutil
 import statistics
 import sys
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -37,6 +42,18 @@ def timed(fn, repeats: int, before=None) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def held_bytes(make) -> int:
+    """Bytes of memory still allocated when `make()`'s result is alive (its temporaries freed)."""
+    gc.collect()
+    tracemalloc.start()
+    kept = make()
+    gc.collect()
+    size = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    del kept
+    return size
 
 
 def main() -> None:
@@ -64,12 +81,17 @@ def main() -> None:
             load_sample_set(spec, index_cache=cache)
             later = timed(lambda s=spec: load_sample_set(s, index_cache=cache), args.repeats)
             rows.append((name, floor, first, later))
+        table = load_sample_set(own, index_cache=cache).samples
+        as_table = held_bytes(lambda: load_sample_set(own, index_cache=cache).samples)
+        as_list = held_bytes(lambda: list(table))
     per = 1e6 / samples
     print(f"{samples} samples from {args.data}; microseconds per sample (x the index parse)")
     print(f"{'set':<24}{'index parse':>12}{'first open':>18}{'later open':>18}{'first/later':>13}")
     for name, floor, first, later in rows:
         print(f"{name:<24}{floor * per:>12.1f}{first * per:>10.1f} ({first / floor:4.1f}x)"
               f"{later * per:>10.1f} ({later / floor:4.1f}x){first / later:>12.1f}x")
+    print(f"held per sample: {as_table / samples:.0f} B as a SampleTable ({table.nbytes() / samples:.0f} B of columns), "
+          f"{as_list / samples:.0f} B as a list of SampleRef ({as_list / as_table:.1f}x)")
 
 
 if __name__ == "__main__":

@@ -40,9 +40,14 @@ def split_member_name(name: str) -> tuple[str, str]:
     return name[:dot], name[dot + 1 :]
 
 
+def name_key(name: str) -> str:
+    """The key of the sample a member belongs to: its name without folders and extension."""
+    return split_member_name(name)[0].rsplit("/", 1)[-1]
+
+
 def entries_key(entries: Sequence[IndexEntry]) -> str:
     """The key of the sample an index line describes (its first member's name, without folders)."""
-    return split_member_name(entries[0][3])[0].rsplit("/", 1)[-1]
+    return name_key(entries[0][3])
 
 
 def sample_line(entries: Iterable[IndexEntry]) -> str:

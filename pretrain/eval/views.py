@@ -24,14 +24,15 @@ from torch.utils.data import DataLoader, Dataset
 from pretrain.eval.knn import preprocess
 from pretrain.views.config import IMAGENET_MEAN, IMAGENET_STD
 from pretrain.views.reference import random_resized_crop
-from pretrain.views.sources import SampleRef, load_sample_set, require_class_labels
+from pretrain.views.sample_table import SampleRef, SampleTable
+from pretrain.views.sources import load_sample_set, require_class_labels
 from shards.images import load_image
 
 CROP_RATIO = (3 / 4, 4 / 3)
 
 
 def labelled_samples(source: str | Path, keys: set[str] | None = None,
-                     left_out: list[str] | None = None) -> tuple[list[SampleRef], int]:
+                     left_out: list[str] | None = None) -> tuple[SampleTable, int]:
     """(usable samples of a labelled shard set, optionally only `keys`, in reader order; how many were left out).
 
     Structurally broken samples (truncated, missing members) are left out by `load_sample_set`,
@@ -44,11 +45,13 @@ def labelled_samples(source: str | Path, keys: set[str] | None = None,
     if sample_set.skipped_keys:
         print(f"{source}: left out {len(sample_set.skipped_keys)} broken samples {dict(sample_set.skipped)}, "
               f"e.g. {sample_set.skipped_keys[:5]}", file=sys.stderr)
-    samples = [s for s in sample_set.samples if keys is None or s.key in keys]
+    samples = sample_set.samples
+    if keys is not None:
+        samples = samples.select([i for i, key in enumerate(samples.keys()) if key in keys])
     if not samples:
         what = "none of the listed keys is" if keys is not None else "no usable sample is"
         raise ValueError(f"{what} in {source}; check the shard set (and the key list)")
-    missing = sorted(keys - {s.key for s in samples} - set(sample_set.skipped_keys)) if keys is not None else []
+    missing = sorted(keys - set(samples.keys()) - set(sample_set.skipped_keys)) if keys is not None else []
     if missing:
         raise ValueError(f"{len(missing)} listed keys are not in {source} (e.g. {missing[:3]}); "
                          "the key list belongs to another shard set")
@@ -80,7 +83,7 @@ class LabelledViews(Dataset):
 
     def __init__(self, samples: Sequence[SampleRef], *, train: bool, crop_size: int, resize_size: int,
                  scale: tuple[float, float] = (0.08, 1.0), seed: int = 0) -> None:
-        self.samples, self.train = list(samples), train
+        self.samples, self.train = samples, train
         self.crop_size, self.resize_size, self.scale, self.seed = crop_size, resize_size, scale, seed
         self.epoch = 0
 

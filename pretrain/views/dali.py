@@ -22,7 +22,8 @@ from pretrain.views.backend import BackendSetup
 from pretrain.views.batch import BackendBatch, assemble_params, labels_tensor
 from pretrain.views.config import view_specs
 from pretrain.views.dali_pipeline import READER_NAME, build_view_pipeline
-from pretrain.views.sources import MASK_MEMBER, SampleRef, exclude_samples, reader_samples_per_rank
+from pretrain.views.sample_table import SampleRef
+from pretrain.views.sources import MASK_MEMBER, exclude_samples, reader_samples_per_rank
 from shards.progress import tracked
 from shards.sample import class_index
 from shards.workers import rank_cores

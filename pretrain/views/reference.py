@@ -9,6 +9,7 @@ continues with the same batches.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -20,7 +21,8 @@ from pretrain.seeding import SeedPurpose, derive_seed
 from pretrain.views.backend import BackendSetup
 from pretrain.views.batch import BackendBatch, assemble_params, labels_tensor
 from pretrain.views.config import JITTER_ORDERS, ViewConfig, ViewSpec, view_specs
-from pretrain.views.sources import MASK_MEMBER, SampleRef
+from pretrain.views.sample_table import SampleRef
+from pretrain.views.sources import MASK_MEMBER
 from shards.images import load_gray, load_image
 
 
@@ -158,7 +160,7 @@ class ViewDataset(Dataset):
     A sample's draws are seeded by (seed, epoch, sample position) only, so its views do not depend
     on which rank reads it."""
 
-    def __init__(self, samples: list[SampleRef], cfg: ViewConfig, seed: int):
+    def __init__(self, samples: Sequence[SampleRef], cfg: ViewConfig, seed: int):
         self.samples, self.cfg, self.seed = samples, cfg, seed
 
     def __len__(self) -> int:

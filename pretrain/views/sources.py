@@ -38,21 +38,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pretrain.views.sample_table import SampleRef, SampleTable, SampleTableBuilder
 from shards import ShardSet, index_path, read_index, resolve_shard_set
 from shards.atomic import atomic_write_bytes
 from shards.images import header_problem
 from shards.index import IndexFileError, entries_key, format_index, split_member_name
 from shards.limits import DEFAULT_LIMITS
 from shards.progress import tracked
-from shards.sample import (
-    IMAGE_MEMBERS,
-    LABEL_MEMBER,
-    MASK_MEMBER,
-    class_index,
-    image_member_name,
-    label_text,
-    missing_label,
-)
+from shards.sample import IMAGE_MEMBERS, LABEL_MEMBER, MASK_MEMBER, label_text, missing_label
 from shards.shardset import INDEX_CACHE_ENV, cache_name, default_index_cache, file_identity
 from shards.tario import member_file
 from shards.workers import worker_pool
@@ -64,38 +57,6 @@ JPEG_SOI, JPEG_EOI = b"\xff\xd8", b"\xff\xd9"
 PNG_SIGNATURE, PNG_IEND = b"\x89PNG\r\n\x1a\n", b"IEND\xaeB`\x82"
 
 
-@dataclass(frozen=True, slots=True)
-class SampleRef:
-    """Where one sample's members are: the tar and, per extension, (offset, size, member name)."""
-
-    key: str
-    tar: Path
-    members: dict[str, tuple[int, int, str]]
-
-    @property
-    def image_ext(self) -> str | None:
-        """The extension of the sample's image member (one of IMAGE_MEMBERS), or None."""
-        return image_member_name(self.members)
-
-    def read_image(self) -> bytes | None:
-        """The bytes of the image member, whatever its format."""
-        ext = self.image_ext
-        return None if ext is None else self.read(ext)
-
-    @property
-    def label(self) -> int | None:
-        """The sample's class index, or None (no `cls` member, or one that is not a class index)."""
-        return class_index(self.read(LABEL_MEMBER))
-
-    def read(self, ext: str) -> bytes | None:
-        """The bytes of member `ext`, or None when the sample has no such member."""
-        if ext not in self.members:
-            return None
-        offset, size, _ = self.members[ext]
-        with open(self.tar, "rb") as f:
-            return os.pread(f.fileno(), size, offset)
-
-
 @dataclass
 class SampleSet:
     """The usable samples of a shard set in reader order, and the index files that list them."""
@@ -103,7 +64,7 @@ class SampleSet:
     directory: Path  # the set's folder (of its first tar for a pattern or a list)
     tars: list[Path]  # the tars the index files list (without tars left empty by filtering)
     index_files: list[Path]
-    samples: list[SampleRef]
+    samples: SampleTable
     skipped: Counter = field(default_factory=Counter)
     skipped_keys: list[str] = field(default_factory=list)
     all_tars: list[Path] = field(default_factory=list)  # every tar of the set, filtered or not
@@ -363,7 +324,7 @@ def load_sample_set(
     shard_set = resolve_shard_set(spec, index_cache=cache)  # ShardSetError: one line naming the fix
     directory = shard_set.directory or shard_set.tars[0].parent
     tars = list(shard_set.tars)
-    per_tar: list[list[SampleRef]] = []
+    table = SampleTableBuilder()
     skipped: Counter = Counter()
     skipped_keys: list[str] = []
     headers = shard_set.manifest is None
@@ -376,25 +337,25 @@ def load_sample_set(
         for i, reason in sorted(check.left_out.items()):
             skipped[reason] += 1
             skipped_keys.append(check.samples[i].key)
-        per_tar.append(check.kept)
+        table.extend(check.kept)
         unstored += not check.stored
     if unstored and shard_set.samples >= progress_from:
         warnings.warn(f"cannot keep the sample checks of {directory} in {cache / CHECKS_FOLDER}: every start "
                       f"checks the set again; set ${INDEX_CACHE_ENV} to a writable folder", stacklevel=2)
-    samples = [s for kept in per_tar for s in kept]
+    samples = table.build()
     if not samples:
         raise ValueError(f"no usable samples in {spec} (left out: {dict(skipped)}); rebuild the shard set")
     sample_set = SampleSet(directory, tars, list(shard_set.index_files), samples, skipped, skipped_keys,
                            all_tars=list(tars))
-    sample_set.has_masks = any(MASK_MEMBER in s.members for s in samples)
-    sample_set.without_mask = sum(MASK_MEMBER not in s.members for s in samples)
+    masked = samples.with_member(MASK_MEMBER)
+    sample_set.has_masks, sample_set.without_mask = bool(masked.any()), int((~masked).sum())
     if skipped:
         warnings.warn(
             f"{directory}: left out {sum(skipped.values())} bad samples {dict(skipped)}, "
             f"e.g. {skipped_keys[:5]}; rebuild the shards to recover them",
             stacklevel=2,
         )
-        write_filtered_indexes(sample_set, per_tar)
+        write_filtered_indexes(sample_set)
     return sample_set
 
 
@@ -422,26 +383,25 @@ def exclude_samples(sample_set: SampleSet, bad: dict[str, str]) -> None:
     for reason in bad.values():
         sample_set.skipped[reason] += 1
     sample_set.skipped_keys += sorted(bad)
-    sample_set.samples = [s for s in sample_set.samples if s.key not in bad]
-    all_tars = sample_set.all_tars
-    write_filtered_indexes(sample_set, [[s for s in sample_set.samples if s.tar == t] for t in all_tars], all_tars)
+    sample_set.samples = sample_set.samples.select([i for i, key in enumerate(sample_set.samples.keys())
+                                                    if key not in bad])
+    write_filtered_indexes(sample_set)
 
 
-def write_filtered_indexes(
-    sample_set: SampleSet, per_tar: list[list[SampleRef]], tars: list[Path] | None = None
-) -> None:
-    """Index files listing only the kept samples, in a temporary folder owned by the set.
+def write_filtered_indexes(sample_set: SampleSet) -> None:
+    """Index files listing only the set's kept samples, in a temporary folder owned by the set.
 
     Tars left empty are dropped: DALI's reader rejects an index with no samples.
     """
     sample_set._tmp = tempfile.TemporaryDirectory(prefix="relicv2-index-")
     kept_tars, indexes = [], []
-    for tar, kept in zip(sample_set.tars if tars is None else tars, per_tar, strict=True):
-        if not kept:
+    per_tar = sample_set.samples.by_tar()
+    for tar in sample_set.all_tars:
+        if tar not in per_tar:
             continue
-        text = format_index([[(ext, *member) for ext, member in s.members.items()] for s in kept])
+        kept = per_tar[tar]
         path = Path(sample_set._tmp.name) / index_path(tar).name
-        path.write_text(text, encoding="utf-8")
+        path.write_text(format_index([s.entries for s in kept]), encoding="utf-8")
         kept_tars.append(tar)
         indexes.append(path)
     sample_set.tars, sample_set.index_files = kept_tars, indexes
