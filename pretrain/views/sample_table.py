@@ -1,11 +1,11 @@
 """Where a shard set's samples are: `SampleRef` for one sample, `SampleTable` for a set of them.
 
 A loader holds every sample of its set for the whole run. As a list of SampleRef objects that
-costs about 1.4 KB per sample (a dataclass, a dict, and per member a tuple, a string and two
-integers): 1.8 GB on every rank for ImageNet's 1.28 M images, 14 GB on a node of 8 GPUs, and more
-again in the reference backend, whose forked DataLoader workers copy those pages as soon as they
-touch the objects' reference counts. `SampleTable` keeps the same facts in a few numpy arrays and
-one byte string (about 120 B per sample, measured by `benchmarks/bench_open.py`; nothing a forked
+costs 0.8-1 KB per sample (a dataclass, a dict, and per member a tuple, a string and two
+integers): 1.1-1.3 GB on every rank for ImageNet's 1.28 M images, ~10 GB on a node of 8 GPUs, and
+more again in the reference backend, whose forked DataLoader workers copy those pages as soon as
+they touch the objects' reference counts. `SampleTable` keeps the same facts in a few numpy arrays
+and one byte string (~150 B per sample, measured by `benchmarks/bench_open.py`; nothing a forked
 worker copies) and builds a SampleRef only for the sample asked for. Written by hand because
 what it stores is the project's own index layout; numpy does the storing.
 """
