@@ -124,8 +124,11 @@ class SampleTable(Sequence[SampleRef]):
         return refs
 
     def keys(self) -> Iterator[str]:
-        """Every sample's key, in order."""
-        return (ref.key for ref in self)
+        """Every sample's key, in order (from its first member's name; no SampleRef built)."""
+        first = self._starts[:-1]
+        ends = self._name_ends[first].tolist() if len(self) else []
+        begins = self._name_begins(first).tolist()
+        return (name_key(self._names[a:b].decode("utf-8")) for a, b in zip(begins, ends, strict=True))
 
     def with_member(self, ext: str) -> np.ndarray:
         """Per sample, whether it has member `ext` (a boolean array)."""
@@ -149,13 +152,17 @@ class SampleTable(Sequence[SampleRef]):
         np.cumsum(counts, out=starts[1:])
         members = (np.repeat(self._starts[:-1][positions] - starts[:-1], counts) + np.arange(starts[-1])
                    if len(positions) else np.zeros(0, np.int64))
-        name_starts = np.where(members > 0, self._name_ends[np.maximum(members - 1, 0)], 0)
+        name_starts = self._name_begins(members)
         # One slice per member: at most a few million, each a short name (a numpy gather of every
         # byte would need 8 bytes of index per byte of name).
         pieces = [self._names[a:b] for a, b in zip(name_starts.tolist(), self._name_ends[members].tolist(), strict=True)]
         name_ends = np.cumsum([len(p) for p in pieces], dtype=np.int64) if pieces else np.zeros(0, np.int64)
         return SampleTable(self.tars, self._tar_ids[positions], starts, self._exts, self._ext_ids[members],
                            self._offsets[members], self._sizes[members], b"".join(pieces), name_ends)
+
+    def _name_begins(self, members: np.ndarray) -> np.ndarray:
+        """Where the names of `members` (member positions) start in the byte string."""
+        return np.where(members > 0, self._name_ends[np.maximum(members - 1, 0)], 0)
 
     def nbytes(self) -> int:
         """The bytes the table's columns hold (what a loader keeps per set)."""
