@@ -3,7 +3,9 @@
 Builds a masked shard set from `../shared/data/msra-unlabeled` in a temporary folder (the photos'
 JPEG bytes as they are, plus a synthetic soft elliptic mask per image so mask decoding, cropping
 and blending are part of the work), then, in one run on the same images:
-- the project's pipeline (`ViewLoader`, DALI backend) with the exact HSV hue and with DALI's YIQ hue;
+- the project's pipeline (`ViewLoader`, DALI backend) with its colour steps as batched torch operations
+  (`colour_stage=torch`, the default) and as DALI operators (`colour_stage=dali`, exact HSV hue and DALI's
+  YIQ hue), each with the operator count of its GPU graph (what the DALI executor runs per batch);
 - the PIL/torchvision reference (`ViewLoader`, reference backend: a torch DataLoader, one worker per thread);
 - `../shared/tools/dali-views-floor`: a plain DALI pipeline with the same view geometry, colour jitter
   and blur but no masks (what DALI itself reaches here), bare and with colour;
@@ -24,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,6 +48,12 @@ SHARED = next((p for p in (REPO.parent / "shared", REPO / "shared") if p.is_dir(
 DATA = SHARED / "data" / "msra-unlabeled"
 FLOOR = SHARED / "tools" / "dali-views-floor"
 FLOOR_LINE = re.compile(r"colour\+blur=(True|False)\): (\d+) images/s")
+# The project's pipelines: name -> view settings (colour stage, hue model).
+STAGES = {
+    "torch-colour": {"colour_stage": "torch"},
+    "dali-hsv": {"colour_stage": "dali", "hue_model": "hsv"},
+    "dali-yiq": {"colour_stage": "dali", "hue_model": "yiq"},
+}
 
 
 def soft_ellipse(width: int, height: int, rng: np.random.Generator) -> bytes:
@@ -99,6 +108,18 @@ def timed(shards: Path, views: ViewConfig, device: str, args) -> tuple[float, fl
     return done / wall, 1000 * cpu / done, done
 
 
+def gpu_graph_size(shards: Path, views: ViewConfig, batch: int) -> str:
+    """Operators of the view pipeline's GPU graph by device, traced without building (no GPU needed)."""
+    from pretrain.views.dali_pipeline import _views_pipeline
+    from pretrain.views.sources import load_sample_set
+
+    pipe = _views_pipeline(load_sample_set(shards), views, True, 0, 1, 0, batch_size=batch, num_threads=1, device_id=0,
+                           seed=1)
+    pipe._build_graph()  # private: DALI has no public listing of a pipeline's operators
+    devices = Counter(op._op.device for op in pipe._ops)
+    return f"{sum(devices.values())} operators ({', '.join(f'{n} {d}' for d, n in sorted(devices.items()))})"
+
+
 def floor_rates(image_dir: Path, args) -> dict[str, float]:
     """{"floor-bare": images/s, "floor-colour": images/s} from the DALI floor tool, same images."""
     if not args.floor.is_file():
@@ -124,8 +145,8 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=1000)
     parser.add_argument("--large-size", type=int, default=224)
     parser.add_argument("--small-size", type=int, default=96)
-    parser.add_argument("--pipelines", default="dali-hsv,dali-yiq,reference,floor",
-                        help="comma-separated subset of dali-hsv, dali-yiq, reference, floor")
+    parser.add_argument("--pipelines", default=",".join([*STAGES, "reference", "floor"]),
+                        help=f"comma-separated subset of {', '.join(STAGES)}, reference, floor")
     parser.add_argument("--data", type=Path, default=DATA, help="folder of JPEG photos")
     parser.add_argument("--floor", type=Path, default=FLOOR, help="the dali-views-floor script")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -161,13 +182,14 @@ def main() -> None:
               + (f", settings {settings}" if settings else ""))
         rates: dict[str, float] = {}
         cpu_ms: dict[str, float] = {}
-        for name in ("dali-hsv", "dali-yiq", "reference"):
+        for name in (*STAGES, "reference"):
             if name not in wanted:
                 continue
             if name == "reference":
                 views, device = ViewConfig(**{**base.__dict__, "backend": "reference"}), "cpu"
             else:
-                views, device = ViewConfig(**{**base.__dict__, "hue_model": name[5:]}), args.device
+                views, device = ViewConfig(**{**base.__dict__, **STAGES[name]}), args.device
+                print(f"{name:12s} GPU graph: {gpu_graph_size(shards, views, args.batch)}", flush=True)
             rates[name], ms, done = timed(shards, views, device, args)
             if name == "reference":
                 # DataLoader workers are other processes: the CPU cost per image is timed in-process.
@@ -182,7 +204,7 @@ def main() -> None:
                 if name in rates:
                     print(f"{name:12s} ({args.device}): {rates[name]:8.1f} images/s", flush=True)
     print("ratios (same run):")
-    for name in ("dali-hsv", "dali-yiq"):
+    for name in STAGES:
         if name not in rates:
             continue
         parts = [f"{rates[name] / rates[other]:.2f}x {other}" for other in ("reference", "floor-colour", "floor-bare")

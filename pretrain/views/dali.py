@@ -20,8 +20,9 @@ from nvidia.dali.tensors import TensorListGPU
 
 from pretrain.views.backend import BackendSetup
 from pretrain.views.batch import BackendBatch, assemble_params, labels_tensor
+from pretrain.views.colour import ColourDraws, colour_view
 from pretrain.views.config import view_specs
-from pretrain.views.dali_pipeline import READER_NAME, build_view_pipeline
+from pretrain.views.dali_pipeline import READER_NAME, build_view_pipeline, returns_params
 from pretrain.views.sample_table import SampleRef
 from pretrain.views.sources import MASK_MEMBER, exclude_samples, reader_samples_per_rank
 from shards.progress import tracked
@@ -94,13 +95,19 @@ def _bisect_decode(chunk: list[SampleRef], bad: dict[str, str], threads: int) ->
 
 
 def _to_torch(batch) -> torch.Tensor:
-    """A DALI batch of equal-shape samples as a torch tensor that owns its memory."""
+    """A DALI batch of equal-shape samples (float32 or uint8) as a torch tensor that owns its memory."""
     if isinstance(batch, TensorListGPU):
         dense = batch.as_tensor()
-        out = torch.empty(dense.shape(), dtype=torch.float32, device="cuda")
+        dtype = torch.uint8 if dense.dtype == types.UINT8 else torch.float32
+        out = torch.empty(dense.shape(), dtype=dtype, device="cuda")
         feed_ndarray(dense, out, cuda_stream=torch.cuda.current_stream())
         return out
     return torch.from_numpy(np.array(batch.as_tensor()))
+
+
+def _host_array(batch) -> np.ndarray:
+    """A DALI batch of equal-shape samples as a numpy array (copied from the GPU when it is there)."""
+    return np.array(batch.as_cpu().as_tensor() if isinstance(batch, TensorListGPU) else batch.as_tensor())
 
 
 def _scalars(batch) -> np.ndarray:
@@ -125,8 +132,10 @@ class DaliBackend:
     def __init__(self, setup: BackendSetup) -> None:
         self.setup = setup
         self.samples = setup.samples
-        self.num_views = len(view_specs(setup.config))
+        self.specs = view_specs(setup.config)
+        self.num_views = len(self.specs)
         self.debug = setup.config.debug_params
+        self.torch_colour = setup.config.colour_stage == "torch"
         self.recoveries = 0
         # Pipeline runs in the current reader epoch: restored with the reader (same ranks), or a new
         # reader at the start of its order (first start, or a position re-split over other ranks: then
@@ -187,10 +196,12 @@ class DaliBackend:
         masked = out[v + 5 : 2 * v + 5]
         keys = [sample_key(carrier[i].source_info()) for i in range(len(carrier))]
         labels = [class_index(np.asarray(cls[i]).tobytes()) for i in range(len(cls))]
+        per_view = [_host_array(out[2 * v + 5 + j]) for j in range(v)] if returns_params(self.setup.config) else []
+        if self.torch_colour:
+            views = [colour_view(view, ColourDraws.from_params(p), spec, self.setup.config)
+                     for view, p, spec in zip(views, per_view, self.specs, strict=True)]
         params = None
         if self.debug:
-            per_view = [np.array(out[2 * v + 5 + j].as_cpu().as_tensor() if isinstance(out[2 * v + 5 + j], TensorListGPU)
-                                 else out[2 * v + 5 + j].as_tensor()) for j in range(v)]
             params = assemble_params(per_view, [_scalars(m) for m in masked], _scalars(coverage), _scalars(grey))
         return BackendBatch(views=views, keys=keys, labels=labels_tensor(labels), params=params, excluded=excluded)
 

@@ -7,8 +7,11 @@ Random parameters come from DALI's own random operators (no Python callback per 
 the CPU as argument inputs; masks are decoded (`mixed` on a GPU) and cropped with the same crop
 window as their view. The pipeline is built once and lives across epochs.
 
-Views stay 8-bit from the resize to the normalisation, as in the PIL reference: the colour
-operators then run DALI's fast integer kernels (with rounding between steps, like PIL).
+The colour steps run where `ViewConfig.colour_stage` says: "torch" (default) leaves them to
+`pretrain.views.colour`, which applies this pipeline's draws as batched torch operations (DALI would
+need ~100 operators a view for them); "dali" runs them here. There views stay 8-bit from the resize to
+the normalisation, as in the PIL reference: the colour operators then run DALI's fast integer kernels
+(with rounding between steps, like PIL).
 """
 
 from __future__ import annotations
@@ -184,11 +187,21 @@ def _apply_mask(view: DataNode, mask: SampleMask, window: CropWindow, spec: View
     return view, fn.cast(masked, dtype=types.FLOAT)
 
 
-def _colour_jitter(view: DataNode, cfg: ViewConfig, gpu: bool) -> tuple[DataNode, list[DataNode]]:
-    """Brightness, contrast, saturation and hue in a random order, with probability p_jitter.
+@dataclass(frozen=True)
+class ColourNodes:
+    """One view's colour parameters, drawn by DALI's random operators (CPU, per sample)."""
 
-    Returns the view and the drawn (jitter, order, brightness, contrast, saturation, hue).
-    """
+    jitter: DataNode
+    order: DataNode  # index into JITTER_ORDERS
+    factors: tuple[DataNode, DataNode, DataNode, DataNode]  # brightness, contrast, saturation, hue
+    gray: DataNode
+    sigma: DataNode
+    blur: DataNode
+    solarize: DataNode
+
+
+def _colour_draws(spec: ViewSpec, cfg: ViewConfig) -> ColourNodes:
+    """Every colour parameter of a view, whichever stage (`cfg.colour_stage`) applies them."""
     jitter = fn.random.coin_flip(probability=cfg.jitter_probability, dtype=types.BOOL)
     order = fn.random.uniform(values=list(range(len(JITTER_ORDERS))), dtype=types.INT32)
     factors = (
@@ -197,11 +210,20 @@ def _colour_jitter(view: DataNode, cfg: ViewConfig, gpu: bool) -> tuple[DataNode
         _uniform(max(0.0, 1 - cfg.saturation), 1 + cfg.saturation),
         _uniform(-cfg.hue, cfg.hue),
     )
+    gray = fn.random.coin_flip(probability=cfg.grayscale_probability, dtype=types.BOOL)
+    sigma = _uniform(*cfg.blur_sigma)
+    blur = fn.random.coin_flip(probability=spec.blur_probability, dtype=types.BOOL)
+    solarize = fn.random.coin_flip(probability=spec.solarize_probability, dtype=types.BOOL)
+    return ColourNodes(jitter, order, factors, gray, sigma, blur, solarize)
+
+
+def _colour_jitter(view: DataNode, draws: ColourNodes, cfg: ViewConfig, gpu: bool) -> DataNode:
+    """Brightness, contrast, saturation and hue in the sample's random order, with probability p_jitter."""
     active = [op for op, strength in enumerate((cfg.brightness, cfg.contrast, cfg.saturation, cfg.hue)) if strength > 0]
     if active and cfg.jitter_probability > 0:
-        if jitter:
-            view = _jitter_in_order(view, order, factors, active, cfg.hue_model, gpu)
-    return view, [jitter, order, *factors]
+        if draws.jitter:
+            view = _jitter_in_order(view, draws.order, draws.factors, active, cfg.hue_model, gpu)
+    return view
 
 
 def _order_lookup(order: DataNode, values: list[int]) -> DataNode:
@@ -241,53 +263,56 @@ def _jitter_in_order(view: DataNode, order: DataNode, factors, active: list[int]
     return view
 
 
-def _grayscale(view: DataNode, cfg: ViewConfig) -> tuple[DataNode, DataNode]:
-    gray = fn.random.coin_flip(probability=cfg.grayscale_probability, dtype=types.BOOL)
+def _grayscale(view: DataNode, draws: ColourNodes, cfg: ViewConfig) -> DataNode:
     if cfg.grayscale_probability > 0:  # static skips: an operation of probability 0 costs nothing
-        if gray:
+        if draws.gray:
             # DALI's RGB->GRAY uses the same ITU-R 601 weights; GRAY->RGB replicates the channel.
             grey_view = fn.color_space_conversion(view, image_type=types.RGB, output_type=types.GRAY)
             view = fn.color_space_conversion(grey_view, image_type=types.GRAY, output_type=types.RGB)
-    return view, gray
+    return view
 
 
-def _blur(view: DataNode, spec: ViewSpec, cfg: ViewConfig) -> tuple[DataNode, DataNode, DataNode]:
-    sigma = _uniform(*cfg.blur_sigma)
-    blur = fn.random.coin_flip(probability=spec.blur_probability, dtype=types.BOOL)
+def _blur(view: DataNode, draws: ColourNodes, spec: ViewSpec, cfg: ViewConfig) -> DataNode:
     if spec.blur_probability > 0:
-        if blur:
+        if draws.blur:
             # The configured kernel (the paper's 23x23), truncated at 4 sigma: the dropped tails
             # hold < 2e-4 of the weight, under 0.05 of an 8-bit level, and the blur, the costliest
             # step on a CPU, gets ~2x cheaper on average.
-            window = dmath.min(2.0 * dmath.ceil(4.0 * sigma) + 1.0, float(cfg.blur_kernel))
-            view = fn.gaussian_blur(view, window_size=fn.cast(window, dtype=types.INT32), sigma=sigma)
-    return view, blur, sigma
+            window = dmath.min(2.0 * dmath.ceil(4.0 * draws.sigma) + 1.0, float(cfg.blur_kernel))
+            view = fn.gaussian_blur(view, window_size=fn.cast(window, dtype=types.INT32), sigma=draws.sigma)
+    return view
 
 
-def _solarize(view: DataNode, spec: ViewSpec) -> tuple[DataNode, DataNode]:
-    solarize = fn.random.coin_flip(probability=spec.solarize_probability, dtype=types.BOOL)
+def _solarize(view: DataNode, draws: ColourNodes, spec: ViewSpec) -> DataNode:
     if spec.solarize_probability > 0:
-        if solarize:
+        if draws.solarize:
             view = fn.lookup_table(view, keys=list(range(256)), values=SOLARIZE_TABLE, dtype=types.UINT8)
-    return view, solarize
+    return view
 
 
 def _view(image: DataNode, mask: SampleMask, shape: DataNode, spec: ViewSpec, cfg: ViewConfig, gpu: bool):
-    """One augmented view (CHW float), its drawn parameters (PARAM_NAMES without masked/coverage/grey)
-    and its masked flag, in the paper's order: crop and flip, mask, jitter, grayscale, blur, solarize."""
+    """One view, its drawn parameters (PARAM_NAMES without masked/coverage/grey) and its masked flag.
+
+    The paper's order: crop and flip, mask, jitter, grayscale, blur, solarize. With the DALI colour
+    stage the view comes out coloured and normalised (CHW float); with the torch stage it comes out
+    after the mask (HWC uint8) and `pretrain.views.colour` applies the drawn colour steps.
+    """
     window = _crop_window(shape, spec, cfg)
     view = fn.resize(image, interp_type=types.INTERP_CUBIC, **_resize_args(window, spec))  # uint8: rounded, clamped
     view, masked = _apply_mask(view, mask, window, spec, gpu)
-    view, jitter_params = _colour_jitter(view, cfg, gpu)
-    view, gray = _grayscale(view, cfg)
-    view, blur, sigma = _blur(view, spec, cfg)
-    view, solarize = _solarize(view, spec)
-    view = fn.crop_mirror_normalize(
-        view, mean=[m * MAX for m in cfg.mean], std=[s * MAX for s in cfg.std], output_layout="CHW", dtype=types.FLOAT,
-    )
+    draws = _colour_draws(spec, cfg)
+    if cfg.colour_stage == "dali":
+        view = _colour_jitter(view, draws, cfg, gpu)
+        view = _grayscale(view, draws, cfg)
+        view = _blur(view, draws, spec, cfg)
+        view = _solarize(view, draws, spec)
+        view = fn.crop_mirror_normalize(
+            view, mean=[m * MAX for m in cfg.mean], std=[s * MAX for s in cfg.std], output_layout="CHW",
+            dtype=types.FLOAT,
+        )
     f = lambda x: fn.cast(x, dtype=types.FLOAT)  # noqa: E731
-    params = fn.stack(f(window.area), f(window.ratio), window.flip, *[f(x) for x in jitter_params], f(gray), f(blur),
-                      f(sigma), f(solarize))
+    params = fn.stack(f(window.area), f(window.ratio), window.flip, f(draws.jitter), f(draws.order),
+                      *[f(x) for x in draws.factors], f(draws.gray), f(draws.blur), f(draws.sigma), f(draws.solarize))
     return view, params, masked
 
 
@@ -349,9 +374,15 @@ def _views_pipeline(sample_set: SampleSet, cfg: ViewConfig, gpu: bool, rank: int
     # the batch (sets without a json member have keys too).
     key_carrier = image_bytes[0:1]
     outputs = [*views, key_carrier, cls, mask.has_mask, mask.coverage, mask.grey / MAX, *masked]
-    if cfg.debug_params:
+    if returns_params(cfg):
         outputs += params
     return tuple(outputs)
+
+
+def returns_params(cfg: ViewConfig) -> bool:
+    """Whether the pipeline outputs each view's drawn parameters: for debugging, or for the torch
+    colour stage, which applies them."""
+    return cfg.debug_params or cfg.colour_stage == "torch"
 
 
 def build_view_pipeline(

@@ -82,9 +82,10 @@ def reference_replay(image: Image.Image, mask: Image.Image, p: torch.Tensor, cfg
     ],
     ids=["mask-and-mirror", "every-step"],
 )
+@pytest.mark.parametrize("stage", ["torch", "dali"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_dali_views_match_the_reference_replaying_the_same_draws(masked_squares, colour, device):
-    cfg = ViewConfig(**FIXED_GEOMETRY, **colour)
+def test_dali_views_match_the_reference_replaying_the_same_draws(masked_squares, colour, device, stage):
+    cfg = ViewConfig(**FIXED_GEOMETRY, **colour, colour_stage=stage)
     batch = next(iter(ViewLoader(masked_squares, 16, cfg, backend="dali", device=device, seed=4)))
     batch["views"] = [v.cpu() for v in batch["views"]]
     mean, std = torch.tensor(IMAGENET_MEAN).view(3, 1, 1), torch.tensor(IMAGENET_STD).view(3, 1, 1)

@@ -32,11 +32,15 @@ FIXED = ViewConfig(**{**FIXED_GEOMETRY, "mask_grey_range": (0.5, 0.5), "jitter_p
 
 
 @pytest.mark.parametrize("every_sample_masked", [True, False], ids=["masks-on-gpu", "some-without-mask"])
-@pytest.mark.parametrize("settings", [{"debug_params": True}, {"hue_model": "yiq"}], ids=["hsv-debug", "yiq-training"])
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"debug_params": True, "colour_stage": "dali"}, {"hue_model": "yiq", "colour_stage": "dali"}],
+    ids=["torch-colour", "dali-hsv-debug", "dali-yiq-training"],
+)
 def test_the_gpu_graph_traces_with_views_and_masks_on_the_gpu(tmp_path, every_sample_masked, settings):
     """Defining the GPU pipeline (no GPU needed until it is built) catches device mix-ups in the graph:
-    a GPU value used as a condition, CPU and GPU inputs to one operator, a view left on the CPU; with
-    and without the debug outputs, for both hue models."""
+    a GPU value used as a condition, CPU and GPU inputs to one operator, a view left on the CPU; for
+    both colour stages, with and without the debug outputs, for both hue models of the DALI stage."""
     shards = mask_set(tmp_path, every_sample_masked=every_sample_masked)
     sample_set = load_sample_set(shards)
     views = ViewConfig(large_size=64, small_size=32, mask_probability=0.5, **settings)

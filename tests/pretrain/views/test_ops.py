@@ -1,4 +1,5 @@
-"""DALI's colour operations, pixel by pixel, against torchvision's functional ops with the same draws.
+"""The DALI backend's colour steps, pixel by pixel, against torchvision's functional ops with the same draws,
+for both colour stages (torch operations on DALI's draws, and DALI operators).
 
 The crop is forced to the whole (square) image at its own size and flips are off, so a DALI view is
 exactly the decoded image passed through the colour steps whose parameters the pipeline reports.
@@ -50,6 +51,11 @@ def square_shards(tmp_path_factory):
     return out
 
 
+@pytest.fixture(params=["torch", "dali"])
+def stage(request) -> str:
+    return request.param
+
+
 def decoded(shards, keys: list[str]) -> dict[str, torch.Tensor]:
     from shards import iter_samples
 
@@ -79,14 +85,14 @@ def torchvision_jitter(image: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return image
 
 
-def test_identity_settings_reproduce_the_image(square_shards):
-    views, _, images, keys = dali_batch(square_shards)
+def test_identity_settings_reproduce_the_image(square_shards, stage):
+    views, _, images, keys = dali_batch(square_shards, colour_stage=stage)
     for i, key in enumerate(keys):
         assert torch.allclose(views[0][i], images[key], atol=0.02)
 
 
-def test_brightness_contrast_saturation_in_random_order_match_torchvision(square_shards):
-    views, params, images, keys = dali_batch(square_shards, jitter_probability=1.0, hue=0.0)
+def test_brightness_contrast_saturation_in_random_order_match_torchvision(square_shards, stage):
+    views, params, images, keys = dali_batch(square_shards, colour_stage=stage, jitter_probability=1.0, hue=0.0)
     orders = set()
     for j in range(2):
         for i, key in enumerate(keys):
@@ -97,8 +103,9 @@ def test_brightness_contrast_saturation_in_random_order_match_torchvision(square
     assert len(orders) > 8  # many different orders were exercised
 
 
-def test_hue_matches_torchvision(square_shards):
-    views, params, images, keys = dali_batch(square_shards, jitter_probability=1.0, brightness=0.0, contrast=0.0,
+def test_hue_matches_torchvision(square_shards, stage):
+    views, params, images, keys = dali_batch(square_shards, colour_stage=stage, jitter_probability=1.0,
+                                             brightness=0.0, contrast=0.0,
                                              saturation=0.0)
     shifts = []
     for j in range(2):
@@ -109,9 +116,9 @@ def test_hue_matches_torchvision(square_shards):
     assert np.mean(shifts) > 0.02  # the hue really moved
 
 
-def test_grayscale_blur_solarize_match_torchvision(square_shards):
+def test_grayscale_blur_solarize_match_torchvision(square_shards, stage):
     views, params, images, keys = dali_batch(
-        square_shards, grayscale_probability=1.0, blur_probability_odd=1.0, blur_probability_even=1.0,
+        square_shards, colour_stage=stage, grayscale_probability=1.0, blur_probability_odd=1.0, blur_probability_even=1.0,
         solarize_probability_odd=1.0, solarize_probability_even=1.0,
     )
     for j in range(2):

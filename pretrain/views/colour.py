@@ -1,0 +1,170 @@
+"""The colour steps of a view as batched torch operations, with the draws the DALI pipeline made.
+
+With `colour_stage="torch"` the DALI pipeline renders each view's geometry (decode, crop, resize,
+flip, saliency mask) and draws every colour parameter with its own random operators; this module
+then applies the paper's colour steps (jitter in a random order, grayscale, blur, solarize) and the
+normalisation on the views' device, with torchvision's float semantics (clamped to [0, 1] after
+each step, no rounding between steps).
+
+Why not DALI operators: DALI has no fused element-wise operator (its arithmetic runs one operator
+per `+`/`*`), so torchvision's exact HSV hue and the mean-centred contrast cost ~100 operators a
+view, and the pipeline's GPU graph held ~2,200 operators against the ~30 of a plain pipeline
+(benchmarks/RESULTS.md); each operator costs CPU time per sample. Here a step is a handful of
+batched kernels, applied only to the samples that draw it (their rows are known on the host,
+because DALI draws the parameters on the CPU, so selecting them needs no device synchronisation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pretrain.views.config import (
+    GRAYSCALE_WEIGHTS,
+    JITTER_ORDERS,
+    PARAM_NAMES,
+    ViewConfig,
+    ViewSpec,
+)
+
+ORDER_TABLE = np.array(JITTER_ORDERS, np.int64)  # [order, slot] -> operation (0 b, 1 c, 2 s, 3 hue)
+# Output channel n of hsv -> rgb reads the hue at n + H sextants (torchvision's table, as one formula).
+HUE_CHANNEL_OFFSETS = (5.0, 3.0, 1.0)
+
+
+@dataclass(frozen=True)
+class ColourDraws:
+    """One view's colour parameters for a batch, one entry per sample (host arrays)."""
+
+    jitter: np.ndarray  # bool
+    order: np.ndarray  # int, index into JITTER_ORDERS
+    factors: np.ndarray  # float [B, 4]: brightness, contrast, saturation, hue
+    grayscale: np.ndarray  # bool
+    blur: np.ndarray  # bool
+    sigma: np.ndarray  # float
+    solarize: np.ndarray  # bool
+
+    @classmethod
+    def from_params(cls, params: np.ndarray) -> ColourDraws:
+        """From a B x (PARAM_NAMES without masked/coverage/grey) array, the layout the pipeline returns."""
+        names = [n for n in PARAM_NAMES if n not in ("masked", "coverage", "grey")]
+        col = {n: params[:, names.index(n)] for n in names}
+        return cls(
+            jitter=col["jitter"] > 0.5,
+            order=np.rint(col["order"]).astype(np.int64),
+            factors=np.stack([col[n] for n in ("brightness", "contrast", "saturation", "hue")], axis=1),
+            grayscale=col["grayscale"] > 0.5,
+            blur=col["blur"] > 0.5,
+            sigma=col["sigma"].astype(np.float64),
+            solarize=col["solarize"] > 0.5,
+        )
+
+
+def _per_sample(values: np.ndarray, x: torch.Tensor) -> torch.Tensor:
+    """A host vector as a B x 1 x 1 x 1 tensor beside `x`, to scale each sample."""
+    return torch.as_tensor(np.asarray(values, np.float32)).to(x.device, non_blocking=True).view(-1, 1, 1, 1)
+
+
+def _grey(x: torch.Tensor) -> torch.Tensor:
+    """torchvision's rgb_to_grayscale (ITU-R 601 weights) of B x 3 x H x W, as B x 1 x H x W."""
+    r, g, b = GRAYSCALE_WEIGHTS
+    return r * x[:, 0:1] + g * x[:, 1:2] + b * x[:, 2:3]
+
+
+def adjust_brightness(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    return (x * factor).clamp_(0.0, 1.0)
+
+
+def adjust_contrast(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """Blend with the image's mean grey level (torchvision): mean of the luma = luma of the channel means."""
+    means = x.mean(dim=(2, 3))  # B x 3
+    centre = (means @ torch.tensor(GRAYSCALE_WEIGHTS, device=x.device, dtype=x.dtype)).view(-1, 1, 1, 1)
+    return torch.lerp(centre, x, factor).clamp_(0.0, 1.0)
+
+
+def adjust_saturation(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    return torch.lerp(_grey(x), x, factor).clamp_(0.0, 1.0)
+
+
+def adjust_hue(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """torchvision's adjust_hue: H (HSV) rotated by `shift` of the circle, S and V kept.
+
+    The hue in sextants comes from the channel holding the maximum (r before g before b on ties, as
+    torchvision); channel n of the result is V - C * clamp(min(k, 4 - k), 0, 1), k = (n + H) mod 6,
+    which is torchvision's six-case hsv -> rgb table in one expression.
+    """
+    value = x.amax(dim=1, keepdim=True)
+    chroma = value - x.amin(dim=1, keepdim=True)
+    safe = torch.where(chroma == 0, torch.ones_like(chroma), chroma)
+    r, g, b = x[:, 0:1], x[:, 1:2], x[:, 2:3]
+    sextant = torch.where(value == r, (g - b) / safe,
+                          torch.where(value == g, (b - r) / safe + 2.0, (r - g) / safe + 4.0))
+    turns = torch.remainder(sextant / 6.0 + shift, 1.0)
+    offsets = torch.tensor(HUE_CHANNEL_OFFSETS, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
+    k = torch.remainder(offsets + 6.0 * turns, 6.0)
+    return value - chroma * torch.minimum(k, 4.0 - k).clamp_(0.0, 1.0)
+
+
+JITTER_STEPS = (adjust_brightness, adjust_contrast, adjust_saturation, adjust_hue)
+
+
+def gaussian_blur(x: torch.Tensor, sigma: np.ndarray, kernel: int) -> torch.Tensor:
+    """torchvision's gaussian_blur (reflect padding) with one sigma per sample, as two 1-D passes.
+
+    The kernel is separable, so a vertical then a horizontal pass give torchvision's 2-D kernel
+    (the outer product) at 2k instead of k^2 multiplications a pixel; one grouped convolution per
+    pass blurs every channel of every sample with its own kernel. Views smaller than the kernel get
+    the largest kernel that fits (reflect padding needs the half-kernel under the view size).
+    """
+    n, c, h, w = x.shape
+    kernel = min(kernel, 2 * min(h, w) - 1)
+    half = kernel // 2
+    taps = torch.linspace(-half, half, kernel, dtype=torch.float64)
+    weights = torch.exp(-0.5 * (taps[None, :] / torch.as_tensor(sigma, dtype=torch.float64)[:, None]) ** 2)
+    weights = (weights / weights.sum(dim=1, keepdim=True)).to(x.device, x.dtype).repeat_interleave(c, dim=0)
+    padded = F.pad(x, (half, half, half, half), mode="reflect").reshape(1, n * c, h + 2 * half, w + 2 * half)
+    out = F.conv2d(padded, weights.view(n * c, 1, kernel, 1), groups=n * c)
+    out = F.conv2d(out, weights.view(n * c, 1, 1, kernel), groups=n * c)
+    return out.view(n, c, h, w)
+
+
+def solarize(x: torch.Tensor) -> torch.Tensor:
+    return torch.where(x >= 0.5, 1.0 - x, x)  # torchvision's solarize at 0.5 on [0, 1] values
+
+
+def _on_rows(x: torch.Tensor, rows: np.ndarray, step, *per_row: np.ndarray) -> torch.Tensor:
+    """`step` applied to the samples where `rows` is set (x[rows] = step(x[rows], ...)); the others
+    are left as they are and cost nothing. Per-row host values are passed as B x 1 x 1 x 1 tensors."""
+    if not rows.any():
+        return x
+    if rows.all():
+        return step(x, *[_per_sample(v, x) for v in per_row])
+    index = torch.as_tensor(np.flatnonzero(rows)).to(x.device, non_blocking=True)
+    selected = step(x.index_select(0, index), *[_per_sample(v[rows], x) for v in per_row])
+    return x.index_copy_(0, index, selected)
+
+
+def colour_view(view: torch.Tensor, draws: ColourDraws, spec: ViewSpec, cfg: ViewConfig) -> torch.Tensor:
+    """B x H x W x 3 uint8 views (as DALI renders them) -> B x 3 x H x W float32, coloured and normalised.
+
+    The steps and their order are the paper's: jitter (brightness, contrast, saturation, hue in the
+    sample's order, with probability p), grayscale, blur, solarize, then the ImageNet mean/std.
+    """
+    x = view.permute(0, 3, 1, 2).to(torch.float32, memory_format=torch.contiguous_format).div_(255.0)
+    strengths = (cfg.brightness, cfg.contrast, cfg.saturation, cfg.hue)
+    operations = ORDER_TABLE[draws.order]  # B x 4
+    for slot in range(len(JITTER_STEPS)):
+        for op, step in enumerate(JITTER_STEPS):
+            if strengths[op] > 0:  # a step of strength 0 draws factor 1 (or hue 0): the identity
+                x = _on_rows(x, draws.jitter & (operations[:, slot] == op), step, draws.factors[:, op])
+    x = _on_rows(x, draws.grayscale, lambda v: _grey(v).repeat(1, 3, 1, 1))
+    if spec.blur_probability > 0:
+        x = _on_rows(x, draws.blur, lambda v: gaussian_blur(v, draws.sigma[draws.blur], cfg.blur_kernel))
+    if spec.solarize_probability > 0:
+        x = _on_rows(x, draws.solarize, solarize)
+    mean = torch.tensor(cfg.mean, device=x.device).view(1, 3, 1, 1)
+    std = torch.tensor(cfg.std, device=x.device).view(1, 3, 1, 1)
+    return x.sub_(mean).div_(std)

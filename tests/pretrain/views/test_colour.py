@@ -1,0 +1,137 @@
+"""The torch colour stage against torchvision's functional ops, sample by sample, on float images.
+
+Both compute in float32 with a clamp after each step, so they agree to float rounding; a wrong
+factor, order, formula or sample mix-up is orders of magnitude above the tolerances.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torchvision.transforms.functional as F
+
+from pretrain.views.colour import (
+    ColourDraws,
+    adjust_brightness,
+    adjust_contrast,
+    adjust_hue,
+    adjust_saturation,
+    colour_view,
+    gaussian_blur,
+)
+from pretrain.views.config import (
+    IMAGENET_MEAN,
+    IMAGENET_STD,
+    JITTER_ORDERS,
+    PARAM_NAMES,
+    ViewConfig,
+    view_specs,
+)
+
+TOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def images() -> torch.Tensor:
+    """Eight 3 x 24 x 20 images in [0, 1]: smooth colours, saturated primaries, greys and exact ties
+    between channels (the cases where the hue's choice of sextant matters)."""
+    rng = np.random.default_rng(3)
+    x = rng.uniform(0, 1, (8, 3, 24, 20)).astype(np.float32)
+    x[1] = np.round(x[1] * 4) / 4  # many ties between channels
+    x[2, :, :12] = np.array([1.0, 0.0, 0.0], np.float32)[:, None, None]  # pure red, then pure blue
+    x[2, :, 12:] = np.array([0.0, 0.0, 1.0], np.float32)[:, None, None]
+    x[3] = x[3, :1]  # grey: no hue at all
+    x[4, 1] = x[4, 0]  # r == g everywhere
+    x[5] = (np.round(rng.uniform(0, 255, (3, 24, 20))) / 255).astype(np.float32)  # 8-bit levels, as decoded
+    return torch.from_numpy(x)
+
+
+FACTORS = torch.tensor([0.6, 0.8, 1.0, 1.2, 1.4, 0.0, 1.37, 0.93])
+HUES = torch.tensor([-0.1, -0.05, 0.0, 0.03, 0.1, 0.5, -0.5, 0.071])
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs", "values"),
+    [
+        (adjust_brightness, F.adjust_brightness, FACTORS),
+        (adjust_contrast, F.adjust_contrast, FACTORS),
+        (adjust_saturation, F.adjust_saturation, FACTORS),
+        (adjust_hue, F.adjust_hue, HUES),
+    ],
+    ids=["brightness", "contrast", "saturation", "hue"],
+)
+def test_each_jitter_step_matches_torchvision_per_sample(images, ours, theirs, values):
+    out = ours(images.clone(), values.view(-1, 1, 1, 1))
+    for i in range(len(images)):
+        expected = theirs(images[i], float(values[i]))
+        assert (out[i] - expected).abs().max() < TOL, (ours.__name__, i, float(values[i]))
+    assert (out - images).abs().mean() > 0.01  # the steps really changed the images
+
+
+def test_blur_matches_torchvision_per_sample_sigma(images):
+    sigma = np.array([0.1, 0.5, 1.0, 1.5, 2.0, 0.7, 1.2, 1.9])
+    out = gaussian_blur(images, sigma, kernel=23)  # 23 > 20 px: clamped to the largest that fits (19)
+    for i in range(len(images)):
+        expected = F.gaussian_blur(images[i], [19, 19], [float(sigma[i])] * 2)
+        assert (out[i] - expected).abs().max() < 1e-5, (i, sigma[i])
+    sharp = gaussian_blur(images[:1], np.array([2.0]), kernel=5)
+    assert (sharp - F.gaussian_blur(images[0], [5, 5], [2.0, 2.0])).abs().max() < 1e-5
+
+
+def draws_for(batch: int, rng: np.random.Generator, **fixed) -> ColourDraws:
+    params = {
+        "jitter": rng.uniform(size=batch) < 0.8, "order": rng.integers(0, len(JITTER_ORDERS), batch),
+        "brightness": rng.uniform(0.6, 1.4, batch), "contrast": rng.uniform(0.6, 1.4, batch),
+        "saturation": rng.uniform(0.8, 1.2, batch), "hue": rng.uniform(-0.1, 0.1, batch),
+        "grayscale": rng.uniform(size=batch) < 0.3, "blur": rng.uniform(size=batch) < 0.5,
+        "sigma": rng.uniform(0.1, 2.0, batch), "solarize": rng.uniform(size=batch) < 0.5, **fixed,
+    }
+    names = [n for n in PARAM_NAMES if n not in ("masked", "coverage", "grey")]
+    table = np.zeros((batch, len(names)), np.float32)
+    for name, values in params.items():
+        table[:, names.index(name)] = values
+    return ColourDraws.from_params(table)
+
+
+def torchvision_view(image: torch.Tensor, d: ColourDraws, i: int, kernel: int) -> torch.Tensor:
+    """torchvision's functional ops in the paper's order with sample i's draws, normalised."""
+    steps = (F.adjust_brightness, F.adjust_contrast, F.adjust_saturation, F.adjust_hue)
+    if d.jitter[i]:
+        for op in JITTER_ORDERS[d.order[i]]:
+            image = steps[op](image, float(d.factors[i, op]))
+    if d.grayscale[i]:
+        image = F.rgb_to_grayscale(image, num_output_channels=3)
+    if d.blur[i]:
+        image = F.gaussian_blur(image, [kernel, kernel], [float(d.sigma[i])] * 2)
+    if d.solarize[i]:
+        image = F.solarize(image, 0.5)
+    return F.normalize(image, IMAGENET_MEAN, IMAGENET_STD)
+
+
+def test_colour_view_replays_torchvision_in_each_samples_order():
+    rng = np.random.default_rng(8)
+    batch = 48
+    images = torch.from_numpy(rng.integers(0, 256, (batch, 20, 22, 3), dtype=np.uint8))  # B x H x W x 3, as DALI
+    draws = draws_for(batch, rng)
+    spec = view_specs(ViewConfig(large_views=1, small_views=0, blur_probability_even=1.0, solarize_probability_odd=1.0))[0]
+    out = colour_view(images, draws, spec, ViewConfig())
+    assert out.shape == (batch, 3, 20, 22) and out.dtype == torch.float32
+    untouched = 0
+    for i in range(batch):
+        expected = torchvision_view(images[i].permute(2, 0, 1).float() / 255, draws, i, kernel=min(23, 2 * 20 - 1))
+        assert (out[i] - expected).abs().max() < 1e-4, (i, draws.order[i], draws.jitter[i])
+        untouched += not (draws.jitter[i] or draws.grayscale[i] or draws.blur[i] or draws.solarize[i])
+    assert len(set(draws.order[draws.jitter].tolist())) > 12  # many orders exercised
+    assert untouched > 0  # and samples that take no step at all
+
+
+def test_steps_of_probability_zero_leave_the_view_alone():
+    rng = np.random.default_rng(1)
+    images = torch.from_numpy(rng.integers(0, 256, (6, 16, 16, 3), dtype=np.uint8))
+    draws = draws_for(6, rng, jitter=np.zeros(6), grayscale=np.zeros(6), blur=np.ones(6), solarize=np.ones(6))
+    cfg = ViewConfig(blur_probability_even=0.0, blur_probability_odd=0.0, solarize_probability_odd=0.0)
+    spec = view_specs(cfg)[0]  # the spec says no blur and no solarize: drawn flags are not applied
+    out = colour_view(images, draws, spec, cfg)
+    expected = F.normalize(images.permute(0, 3, 1, 2).float() / 255, IMAGENET_MEAN, IMAGENET_STD)
+    assert torch.allclose(out, expected, atol=1e-6)
