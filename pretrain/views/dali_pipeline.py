@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import nvidia.dali.fn as fn
 import nvidia.dali.math as dmath
 import nvidia.dali.types as types
@@ -50,8 +51,8 @@ class CropWindow:
 
     start: DataNode  # (y, x) relative
     end: DataNode
-    area: DataNode  # crop area / image area
-    ratio: DataNode  # crop width / height
+    area: DataNode  # crop area / image area (0 unless cfg.debug_params)
+    ratio: DataNode  # crop width / height (0 unless cfg.debug_params)
     flip: DataNode  # 0.0 or 1.0
 
 
@@ -70,6 +71,13 @@ class SampleMask:
 def _uniform(lo: float, hi: float) -> DataNode:
     """U[lo, hi) per sample; a constant when the range is empty (DALI rejects zero-width ranges)."""
     return fn.random.uniform(range=[lo, hi]) if hi > lo else fn.constant(fdata=float(lo), shape=[])
+
+
+def _coin(probability: float, dtype) -> DataNode:
+    """1 with `probability`, else 0, per sample, as a bool or (coin_flip has no float output) a float."""
+    if dtype == types.FLOAT:
+        return fn.random.choice(np.array([0.0, 1.0], np.float32), p=[1.0 - probability, probability])
+    return fn.random.coin_flip(probability=probability, dtype=dtype)
 
 
 def _to_uint8(x: DataNode) -> DataNode:
@@ -141,21 +149,23 @@ def _one_of(view: DataNode, op: DataNode, ops: list[int], exhaustive: bool, fact
     return view
 
 
-def _crop_window(shape: DataNode, spec: ViewSpec, cfg: ViewConfig) -> CropWindow:
+def _crop_window(shape: DataNode, image_hw: DataNode, spec: ViewSpec, cfg: ViewConfig) -> CropWindow:
     """The relative ROI of one random-resized crop, flip included, drawn by DALI's own random ops.
 
     Drawn once per view and applied to both image and mask; a flip is an ROI whose x start is
     greater than its end (DALI's resize then mirrors), so crop and flip stay identical for both.
+    `image_hw`: the image's (height, width) as floats. Written as (y, x) vector arithmetic: every
+    operator here runs once per sample per view, so each one saved counts.
     """
     anchor, size = fn.random_crop_generator(shape, random_area=list(spec.crop_scale), random_aspect_ratio=list(cfg.crop_ratio))
-    flip = fn.cast(fn.random.coin_flip(probability=cfg.flip_probability), dtype=types.FLOAT)
-    height, width = fn.cast(shape[0], dtype=types.FLOAT), fn.cast(shape[1], dtype=types.FLOAT)
-    y0, x0 = fn.cast(anchor[0], dtype=types.FLOAT) / height, fn.cast(anchor[1], dtype=types.FLOAT) / width
-    h, w = fn.cast(size[0], dtype=types.FLOAT) / height, fn.cast(size[1], dtype=types.FLOAT) / width
-    return CropWindow(
-        start=fn.stack(y0, x0 + flip * w), end=fn.stack(y0 + h, x0 + w - flip * w), area=h * w,
-        ratio=(w * width) / (h * height), flip=flip,
-    )
+    flip = _coin(cfg.flip_probability, types.FLOAT)
+    start, extent = anchor / image_hw, size / image_hw  # relative (y, x)
+    mirror = fn.stack(flip * 0.0, flip) * extent  # a flip moves x start to x end and back
+    if cfg.debug_params:
+        area, ratio = extent[0] * extent[1], size[1] / size[0]
+    else:  # only reported, never used: no operators for them
+        area = ratio = flip * 0.0
+    return CropWindow(start=start + mirror, end=start + extent - mirror, area=area, ratio=ratio, flip=flip)
 
 
 def _resize_args(window: CropWindow, spec: ViewSpec) -> dict:
@@ -201,19 +211,25 @@ class ColourNodes:
 
 
 def _colour_draws(spec: ViewSpec, cfg: ViewConfig) -> ColourNodes:
-    """Every colour parameter of a view, whichever stage (`cfg.colour_stage`) applies them."""
-    jitter = fn.random.coin_flip(probability=cfg.jitter_probability, dtype=types.BOOL)
-    order = fn.random.uniform(values=list(range(len(JITTER_ORDERS))), dtype=types.INT32)
+    """Every colour parameter of a view, whichever stage (`cfg.colour_stage`) applies them.
+
+    The DALI stage branches on the flags (booleans) and looks the order up (an integer); the torch
+    stage only returns them, so they are drawn as floats and stacked without casts.
+    """
+    dali = cfg.colour_stage == "dali"
+    flag, index = (types.BOOL, types.INT32) if dali else (types.FLOAT, types.FLOAT)
+    jitter = _coin(cfg.jitter_probability, flag)
+    order = fn.random.uniform(values=list(range(len(JITTER_ORDERS))), dtype=index)
     factors = (
         _uniform(max(0.0, 1 - cfg.brightness), 1 + cfg.brightness),
         _uniform(max(0.0, 1 - cfg.contrast), 1 + cfg.contrast),
         _uniform(max(0.0, 1 - cfg.saturation), 1 + cfg.saturation),
         _uniform(-cfg.hue, cfg.hue),
     )
-    gray = fn.random.coin_flip(probability=cfg.grayscale_probability, dtype=types.BOOL)
+    gray = _coin(cfg.grayscale_probability, flag)
     sigma = _uniform(*cfg.blur_sigma)
-    blur = fn.random.coin_flip(probability=spec.blur_probability, dtype=types.BOOL)
-    solarize = fn.random.coin_flip(probability=spec.solarize_probability, dtype=types.BOOL)
+    blur = _coin(spec.blur_probability, flag)
+    solarize = _coin(spec.solarize_probability, flag)
     return ColourNodes(jitter, order, factors, gray, sigma, blur, solarize)
 
 
@@ -290,14 +306,15 @@ def _solarize(view: DataNode, draws: ColourNodes, spec: ViewSpec) -> DataNode:
     return view
 
 
-def _view(image: DataNode, mask: SampleMask, shape: DataNode, spec: ViewSpec, cfg: ViewConfig, gpu: bool):
+def _view(image: DataNode, mask: SampleMask, shape: DataNode, image_hw: DataNode, spec: ViewSpec, cfg: ViewConfig,
+          gpu: bool):
     """One view, its drawn parameters (PARAM_NAMES without masked/coverage/grey) and its masked flag.
 
     The paper's order: crop and flip, mask, jitter, grayscale, blur, solarize. With the DALI colour
     stage the view comes out coloured and normalised (CHW float); with the torch stage it comes out
     after the mask (HWC uint8) and `pretrain.views.colour` applies the drawn colour steps.
     """
-    window = _crop_window(shape, spec, cfg)
+    window = _crop_window(shape, image_hw, spec, cfg)
     view = fn.resize(image, interp_type=types.INTERP_CUBIC, **_resize_args(window, spec))  # uint8: rounded, clamped
     view, masked = _apply_mask(view, mask, window, spec, gpu)
     draws = _colour_draws(spec, cfg)
@@ -310,9 +327,9 @@ def _view(image: DataNode, mask: SampleMask, shape: DataNode, spec: ViewSpec, cf
             view, mean=[m * MAX for m in cfg.mean], std=[s * MAX for s in cfg.std], output_layout="CHW",
             dtype=types.FLOAT,
         )
-    f = lambda x: fn.cast(x, dtype=types.FLOAT)  # noqa: E731
-    params = fn.stack(f(window.area), f(window.ratio), window.flip, f(draws.jitter), f(draws.order),
-                      *[f(x) for x in draws.factors], f(draws.gray), f(draws.blur), f(draws.sigma), f(draws.solarize))
+    f = (lambda x: fn.cast(x, dtype=types.FLOAT)) if cfg.colour_stage == "dali" else (lambda x: x)  # noqa: E731
+    params = fn.stack(window.area, window.ratio, window.flip, f(draws.jitter), f(draws.order), *draws.factors,
+                      f(draws.gray), f(draws.blur), draws.sigma, f(draws.solarize))
     return view, params, masked
 
 
@@ -363,10 +380,11 @@ def _views_pipeline(sample_set: SampleSet, cfg: ViewConfig, gpu: bool, rank: int
     decoder = dict(device="mixed", hw_decoder_load=cfg.hw_decoder_load, **MIXED_DECODER) if gpu else dict(device="cpu")
     image = fn.decoders.image(image_bytes, output_type=types.RGB, **decoder)
     shape = fn.peek_image_shape(image_bytes)
+    image_hw = fn.cast(shape[0:2], dtype=types.FLOAT)
     mask = _sample_mask(mask_bytes, sample_set, cfg, gpu)
     views, params, masked = [], [], []
     for spec in view_specs(cfg):
-        v, p, m = _view(image, mask, shape, spec, cfg, gpu)
+        v, p, m = _view(image, mask, shape, image_hw, spec, cfg, gpu)
         views.append(v)
         params.append(p)
         masked.append(m)
