@@ -31,8 +31,9 @@ from pretrain.views.config import (
 )
 
 ORDER_TABLE = np.array(JITTER_ORDERS, np.int64)  # [order, slot] -> operation (0 b, 1 c, 2 s, 3 hue)
-# Output channel n of hsv -> rgb reads the hue at n + H sextants (torchvision's table, as one formula).
-HUE_CHANNEL_OFFSETS = (5.0, 3.0, 1.0)
+# Output channel n of hsv -> rgb reads the hue at n + H sextants for n = 5, 3, 1 (r, g, b): torchvision's
+# table as one formula; held as arange arguments.
+HUE_CHANNEL_OFFSETS = (5.0, 0.0, -2.0)
 
 
 @dataclass(frozen=True)
@@ -63,11 +64,6 @@ class ColourDraws:
         )
 
 
-def _per_sample(values: np.ndarray, x: torch.Tensor) -> torch.Tensor:
-    """A host vector as a B x 1 x 1 x 1 tensor beside `x`, to scale each sample."""
-    return torch.as_tensor(np.asarray(values, np.float32)).to(x.device, non_blocking=True).view(-1, 1, 1, 1)
-
-
 def _grey(x: torch.Tensor) -> torch.Tensor:
     """torchvision's rgb_to_grayscale (ITU-R 601 weights) of B x 3 x H x W, as B x 1 x H x W."""
     r, g, b = GRAYSCALE_WEIGHTS
@@ -80,9 +76,7 @@ def adjust_brightness(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
 
 def adjust_contrast(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
     """Blend with the image's mean grey level (torchvision): mean of the luma = luma of the channel means."""
-    means = x.mean(dim=(2, 3))  # B x 3
-    centre = (means @ torch.tensor(GRAYSCALE_WEIGHTS, device=x.device, dtype=x.dtype)).view(-1, 1, 1, 1)
-    return torch.lerp(centre, x, factor).clamp_(0.0, 1.0)
+    return torch.lerp(_grey(x.mean(dim=(2, 3), keepdim=True)), x, factor).clamp_(0.0, 1.0)
 
 
 def adjust_saturation(x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
@@ -103,7 +97,7 @@ def adjust_hue(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     sextant = torch.where(value == r, (g - b) / safe,
                           torch.where(value == g, (b - r) / safe + 2.0, (r - g) / safe + 4.0))
     turns = torch.remainder(sextant / 6.0 + shift, 1.0)
-    offsets = torch.tensor(HUE_CHANNEL_OFFSETS, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)
+    offsets = torch.arange(*HUE_CHANNEL_OFFSETS, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)  # made on the device
     k = torch.remainder(offsets + 6.0 * turns, 6.0)
     return value - chroma * torch.minimum(k, 4.0 - k).clamp_(0.0, 1.0)
 
@@ -131,20 +125,42 @@ def gaussian_blur(x: torch.Tensor, sigma: np.ndarray, kernel: int) -> torch.Tens
     return out.view(n, c, h, w)
 
 
-def solarize(x: torch.Tensor) -> torch.Tensor:
+def solarize_view(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x >= 0.5, 1.0 - x, x)  # torchvision's solarize at 0.5 on [0, 1] values
 
 
-def _on_rows(x: torch.Tensor, rows: np.ndarray, step, *per_row: np.ndarray) -> torch.Tensor:
-    """`step` applied to the samples where `rows` is set (x[rows] = step(x[rows], ...)); the others
-    are left as they are and cost nothing. Per-row host values are passed as B x 1 x 1 x 1 tensors."""
-    if not rows.any():
-        return x
-    if rows.all():
-        return step(x, *[_per_sample(v, x) for v in per_row])
-    index = torch.as_tensor(np.flatnonzero(rows)).to(x.device, non_blocking=True)
-    selected = step(x.index_select(0, index), *[_per_sample(v[rows], x) for v in per_row])
-    return x.index_copy_(0, index, selected)
+class _Rows:
+    """Selects a batch's samples by host-side flags, moving one array to the device per view.
+
+    Every group of rows a view's steps need is known on the host before any step runs; their
+    indices travel as one array and each group is a slice of it, and the per-sample values travel
+    once as a B x K table: a few host-to-device copies a view instead of two per step.
+    """
+
+    def __init__(self, groups: list[np.ndarray], values: np.ndarray, device: torch.device) -> None:
+        self.groups = [np.flatnonzero(g) for g in groups]
+        flat = np.concatenate([*self.groups, np.zeros(0, np.int64)])
+        self.index = torch.as_tensor(flat).to(device, non_blocking=True)
+        self.values = torch.as_tensor(np.asarray(values, np.float32)).to(device, non_blocking=True)
+        self.size = len(values)
+        self.starts = np.cumsum([0] + [len(g) for g in self.groups])
+
+    def apply(self, x: torch.Tensor, group: int, step, column: int | None = None) -> torch.Tensor:
+        """x[rows] = step(x[rows], values[rows, column]) for the rows of `group`; the other samples
+        are left as they are and cost nothing."""
+        count = len(self.groups[group])
+        if count == 0:
+            return x
+        if count == self.size:
+            value = None if column is None else self.values[:, column].view(-1, 1, 1, 1)
+            return step(x) if value is None else step(x, value)
+        index = self.index[self.starts[group] : self.starts[group + 1]]
+        selected = x.index_select(0, index)
+        if column is None:
+            selected = step(selected)
+        else:
+            selected = step(selected, self.values.index_select(0, index)[:, column].view(-1, 1, 1, 1))
+        return x.index_copy_(0, index, selected)
 
 
 def colour_view(view: torch.Tensor, draws: ColourDraws, spec: ViewSpec, cfg: ViewConfig) -> torch.Tensor:
@@ -156,15 +172,21 @@ def colour_view(view: torch.Tensor, draws: ColourDraws, spec: ViewSpec, cfg: Vie
     x = view.permute(0, 3, 1, 2).to(torch.float32, memory_format=torch.contiguous_format).div_(255.0)
     strengths = (cfg.brightness, cfg.contrast, cfg.saturation, cfg.hue)
     operations = ORDER_TABLE[draws.order]  # B x 4
-    for slot in range(len(JITTER_STEPS)):
-        for op, step in enumerate(JITTER_STEPS):
-            if strengths[op] > 0:  # a step of strength 0 draws factor 1 (or hue 0): the identity
-                x = _on_rows(x, draws.jitter & (operations[:, slot] == op), step, draws.factors[:, op])
-    x = _on_rows(x, draws.grayscale, lambda v: _grey(v).repeat(1, 3, 1, 1))
-    if spec.blur_probability > 0:
-        x = _on_rows(x, draws.blur, lambda v: gaussian_blur(v, draws.sigma[draws.blur], cfg.blur_kernel))
-    if spec.solarize_probability > 0:
-        x = _on_rows(x, draws.solarize, solarize)
-    mean = torch.tensor(cfg.mean, device=x.device).view(1, 3, 1, 1)
-    std = torch.tensor(cfg.std, device=x.device).view(1, 3, 1, 1)
+    jitter = [(slot, op) for slot in range(len(JITTER_STEPS)) for op in range(len(JITTER_STEPS)) if strengths[op] > 0]
+    blur = spec.blur_probability > 0
+    solarize = spec.solarize_probability > 0
+    rows = _Rows(
+        [draws.jitter & (operations[:, slot] == op) for slot, op in jitter]
+        + [draws.grayscale, draws.blur & blur, draws.solarize & solarize],
+        draws.factors, x.device,
+    )
+    # A step of strength 0 draws factor 1 (or hue 0), the identity: it is left out.
+    for group, (_, op) in enumerate(jitter):
+        x = rows.apply(x, group, JITTER_STEPS[op], column=op)
+    x = rows.apply(x, len(jitter), lambda v: _grey(v).repeat(1, 3, 1, 1))
+    if blur:
+        x = rows.apply(x, len(jitter) + 1, lambda v: gaussian_blur(v, draws.sigma[draws.blur], cfg.blur_kernel))
+    if solarize:
+        x = rows.apply(x, len(jitter) + 2, solarize_view)
+    mean, std = torch.tensor([cfg.mean, cfg.std], device=x.device).view(2, 1, 3, 1, 1)  # one copy to the device
     return x.sub_(mean).div_(std)
