@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pretrain.views.config import PARAM_NAMES
+from pretrain.views.config import DRAWN_PARAM_NAMES, PARAM_NAMES
 
 
 @dataclass
@@ -36,12 +36,12 @@ def assemble_params(
 ) -> torch.Tensor:
     """B x V x len(PARAM_NAMES) tensor from per-view drawn values (backend-neutral layout).
 
-    `per_view[j]` is B x (PARAM_NAMES without masked/coverage/grey), in PARAM_NAMES order.
+    `per_view[j]` is B x DRAWN_PARAM_NAMES.
     """
     b, v = len(coverage), len(per_view)
     out = np.zeros((b, v, len(PARAM_NAMES)), np.float32)
     col = {n: i for i, n in enumerate(PARAM_NAMES)}
-    rest = [col[n] for n in PARAM_NAMES if n not in ("masked", "coverage", "grey")]
+    rest = [col[n] for n in DRAWN_PARAM_NAMES]
     for j in range(v):
         out[:, j, rest] = per_view[j]
         out[:, j, col["masked"]] = masked[j]

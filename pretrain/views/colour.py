@@ -23,17 +23,14 @@ import torch
 import torch.nn.functional as F
 
 from pretrain.views.config import (
+    DRAWN_PARAM_NAMES,
     GRAYSCALE_WEIGHTS,
     JITTER_ORDERS,
-    PARAM_NAMES,
     ViewConfig,
     ViewSpec,
 )
 
 ORDER_TABLE = np.array(JITTER_ORDERS, np.int64)  # [order, slot] -> operation (0 b, 1 c, 2 s, 3 hue)
-# Output channel n of hsv -> rgb reads the hue at n + H sextants for n = 5, 3, 1 (r, g, b): torchvision's
-# table as one formula; held as arange arguments.
-HUE_CHANNEL_OFFSETS = (5.0, 0.0, -2.0)
 
 
 @dataclass(frozen=True)
@@ -50,9 +47,8 @@ class ColourDraws:
 
     @classmethod
     def from_params(cls, params: np.ndarray) -> ColourDraws:
-        """From a B x (PARAM_NAMES without masked/coverage/grey) array, the layout the pipeline returns."""
-        names = [n for n in PARAM_NAMES if n not in ("masked", "coverage", "grey")]
-        col = {n: params[:, names.index(n)] for n in names}
+        """From a B x DRAWN_PARAM_NAMES array, the layout the pipeline returns."""
+        col = {n: params[:, i] for i, n in enumerate(DRAWN_PARAM_NAMES)}
         return cls(
             jitter=col["jitter"] > 0.5,
             order=np.rint(col["order"]).astype(np.int64),
@@ -97,7 +93,7 @@ def adjust_hue(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     sextant = torch.where(value == r, (g - b) / safe,
                           torch.where(value == g, (b - r) / safe + 2.0, (r - g) / safe + 4.0))
     turns = torch.remainder(sextant / 6.0 + shift, 1.0)
-    offsets = torch.arange(*HUE_CHANNEL_OFFSETS, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)  # made on the device
+    offsets = torch.arange(5.0, 0.0, -2.0, device=x.device, dtype=x.dtype).view(1, 3, 1, 1)  # n = 5, 3, 1 for r, g, b
     k = torch.remainder(offsets + 6.0 * turns, 6.0)
     return value - chroma * torch.minimum(k, 4.0 - k).clamp_(0.0, 1.0)
 
@@ -151,16 +147,12 @@ class _Rows:
         count = len(self.groups[group])
         if count == 0:
             return x
-        if count == self.size:
-            value = None if column is None else self.values[:, column].view(-1, 1, 1, 1)
-            return step(x) if value is None else step(x, value)
-        index = self.index[self.starts[group] : self.starts[group + 1]]
-        selected = x.index_select(0, index)
-        if column is None:
-            selected = step(selected)
-        else:
-            selected = step(selected, self.values.index_select(0, index)[:, column].view(-1, 1, 1, 1))
-        return x.index_copy_(0, index, selected)
+        index = None if count == self.size else self.index[self.starts[group] : self.starts[group + 1]]
+        values = self.values if index is None else self.values.index_select(0, index)
+        args = () if column is None else (values[:, column].view(-1, 1, 1, 1),)
+        if index is None:
+            return step(x, *args)
+        return x.index_copy_(0, index, step(x.index_select(0, index), *args))
 
 
 def colour_view(view: torch.Tensor, draws: ColourDraws, spec: ViewSpec, cfg: ViewConfig) -> torch.Tensor:

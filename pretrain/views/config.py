@@ -183,6 +183,8 @@ PARAM_NAMES = (
     "coverage",  # mask coverage of the sample (0 when it has no mask)
     "grey",  # the sample's background grey level in [0, 1]
 )
+# The columns a backend draws per view, in PARAM_NAMES order (the rest are per sample or the mask's).
+DRAWN_PARAM_NAMES = tuple(n for n in PARAM_NAMES if n not in ("masked", "coverage", "grey"))
 
 
 # Every order of the colour-jitter operations (0 brightness, 1 contrast, 2 saturation, 3 hue): 4! of them.

@@ -308,7 +308,7 @@ def _solarize(view: DataNode, draws: ColourNodes, spec: ViewSpec) -> DataNode:
 
 def _view(image: DataNode, mask: SampleMask, shape: DataNode, image_hw: DataNode, spec: ViewSpec, cfg: ViewConfig,
           gpu: bool):
-    """One view, its drawn parameters (PARAM_NAMES without masked/coverage/grey) and its masked flag.
+    """One view, its drawn parameters (DRAWN_PARAM_NAMES) and its masked flag.
 
     The paper's order: crop and flip, mask, jitter, grayscale, blur, solarize. With the DALI colour
     stage the view comes out coloured and normalised (CHW float); with the torch stage it comes out

@@ -21,10 +21,10 @@ from pretrain.views.colour import (
     gaussian_blur,
 )
 from pretrain.views.config import (
+    DRAWN_PARAM_NAMES,
     IMAGENET_MEAN,
     IMAGENET_STD,
     JITTER_ORDERS,
-    PARAM_NAMES,
     ViewConfig,
     view_specs,
 )
@@ -87,10 +87,9 @@ def draws_for(batch: int, rng: np.random.Generator, **fixed) -> ColourDraws:
         "grayscale": rng.uniform(size=batch) < 0.3, "blur": rng.uniform(size=batch) < 0.5,
         "sigma": rng.uniform(0.1, 2.0, batch), "solarize": rng.uniform(size=batch) < 0.5, **fixed,
     }
-    names = [n for n in PARAM_NAMES if n not in ("masked", "coverage", "grey")]
-    table = np.zeros((batch, len(names)), np.float32)
+    table = np.zeros((batch, len(DRAWN_PARAM_NAMES)), np.float32)
     for name, values in params.items():
-        table[:, names.index(name)] = values
+        table[:, DRAWN_PARAM_NAMES.index(name)] = values
     return ColourDraws.from_params(table)
 
 
