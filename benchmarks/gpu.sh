@@ -94,18 +94,19 @@ demo_shards() {  # the demo images as a shard set in WORK (built once, reused by
       --workers "$THREADS" --no-progress > /dev/null
 }
 
-if [[ "${SKIP_PRETRAIN:-0}" != 1 ]]; then
-  echo "== relicv2 pretrain on $IMAGES demo images (imagenet-r50-1000ep preset, batch $BATCH, $DEVICE defaults) ${PRETRAIN_ARGS:-}"
-  demo_shards
+pretrain() {  # pretrain NAME ARGS...: one short `relicv2 pretrain`, its steady images/s and data wait as a row
+  local name="$1"; shift
+  echo "== relicv2 pretrain ($name) on $IMAGES demo images (imagenet-r50-1000ep preset, batch $BATCH, $DEVICE defaults) $* ${PRETRAIN_ARGS:-}"
   rm -rf "$WORK/run"
   "$PYTHON" -m cli pretrain --config "$ROOT/configs/imagenet-r50-1000ep.yaml" --output "$WORK/run" \
       --set data.train_shards="$WORK/shards" --set optim.global_batch="$BATCH" --set run.device="$DEVICE" \
       --set views.mask_probability=0.0 --set knn.train_shards= --set knn.val_shards= --set run.log_every=1 \
       --set run.max_steps=$(( 3 * IMAGES / BATCH )) --set run.checkpoint_every=100000 --set run.progress_bar=false \
-      "${pretrain_args[@]}" > "$WORK/pretrain.txt" 2>&1 || { tail -n 5 "$WORK/pretrain.txt"; exit 1; }
-  grep -E "torch.compile" "$WORK/pretrain.txt" || true
+      "$@" "${pretrain_args[@]}" > "$WORK/pretrain-$name.txt" 2>&1 || { tail -n 5 "$WORK/pretrain-$name.txt"; exit 1; }
+  grep -E "torch.compile" "$WORK/pretrain-$name.txt" || true
   # End to end against the compiled step alone measured above (the trainer's default on CUDA).
-  row=$("$PYTHON" - "$WORK/run/metrics.jsonl" "$LOG" "batch $BATCH compiled" <<'PY'
+  local row
+  row=$("$PYTHON" - "$WORK/run/metrics.jsonl" "$LOG" "batch $BATCH compiled" "$name" <<'PY'
 import json, statistics, sys
 records = [json.loads(line) for line in open(sys.argv[1]) if '"loss"' in line]
 steady = records[len(records) // 3:] or records  # after compile and warm-up
@@ -114,11 +115,17 @@ wait = statistics.median(r["data_wait_s"] for r in steady)
 worst = min(r["images_per_s"] for r in steady)
 step_only = next((row.split("\t")[1] for row in open(sys.argv[2]) if row.startswith(f"step {sys.argv[3]}\t")), "-")
 versus = f"{speed / float(step_only):.2f}x step only, " if step_only.replace(".", "").isdigit() else ""
-print(f"pretrain end to end (median, after warm-up)\t{speed:.0f}\t-\t{versus}data wait {wait * 1000:.0f} ms/step, "
-      f"slowest step {worst:.0f} img/s")
+print(f"pretrain end to end, {sys.argv[4]} (median, after warm-up)\t{speed:.0f}\t-\t{versus}data wait "
+      f"{wait * 1000:.0f} ms/step, slowest step {worst:.0f} img/s")
 PY
 )
   echo "$row" >> "$LOG"
+}
+
+if [[ "${SKIP_PRETRAIN:-0}" != 1 ]]; then
+  demo_shards
+  pretrain "batches made ahead"  # the default: views.ready_batches=1
+  pretrain "batches made on demand" --set views.ready_batches=0
 fi
 
 if [[ "${SKIP_MASKS:-0}" != 1 ]]; then

@@ -69,6 +69,10 @@ class ViewConfig:
     # Batches prepared ahead (DALI's prefetch queue; DataLoader batches per worker). Three keeps a
     # GPU pipeline ahead of a step whose duration varies (logging, kNN, checkpoints).
     prefetch: int = 3
+    # Finished batches (on the training device, colour stage done) a background thread keeps ready,
+    # across epochs, while the trainer steps; 0: each batch is made when the trainer asks for it.
+    # None: 1 on a GPU (the CPU is free while the GPU steps), 0 on a CPU (the trainer uses every core).
+    ready_batches: int | None = None
     hw_decoder_load: float = 0.65  # share of JPEG decoding given to the GPU's hardware decoder
     debug_params: bool = False  # also return the drawn augmentation parameters per view
 
@@ -123,6 +127,8 @@ def check_view_config(cfg: ViewConfig) -> None:
         raise ValueError(f"output_dtype must be one of {OUTPUT_DTYPES}, got {cfg.output_dtype!r}")
     if cfg.num_threads < 0 or cfg.shuffle_buffer < 1 or cfg.prefetch < 1:
         raise ValueError("num_threads must be >= 0 (0: auto), shuffle_buffer and prefetch >= 1")
+    if cfg.ready_batches is not None and cfg.ready_batches < 0:
+        raise ValueError(f"ready_batches must be >= 0 (or null: auto), got {cfg.ready_batches}")
 
 
 @dataclass(frozen=True)
@@ -193,6 +199,13 @@ JITTER_ORDERS: tuple[tuple[int, ...], ...] = tuple(itertools.permutations(range(
 
 CPU_THREADS = 2  # a laptop: the trainer's own threads need the other cores
 GPU_THREADS_MAX = 8  # per GPU: decoding is mostly on the GPU, the CPU prepares and feeds it
+
+
+def ready_batches(cfg: ViewConfig, device: str) -> int:
+    """`ready_batches`, or when None (auto) 1 on a GPU and 0 on a CPU."""
+    if cfg.ready_batches is not None:
+        return cfg.ready_batches
+    return 1 if device.startswith("cuda") else 0
 
 
 def loader_threads(cfg: ViewConfig, device: str, env: dict[str, str] | None = None) -> int:

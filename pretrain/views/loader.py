@@ -13,14 +13,16 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pretrain.views.ahead import Made, Position, ahead, stop
 from pretrain.views.backend import BackendSetup, ViewBackend
 from pretrain.views.batch import BackendBatch
-from pretrain.views.config import BACKENDS, ViewConfig, loader_threads
+from pretrain.views.config import BACKENDS, ViewConfig, loader_threads, ready_batches
 from pretrain.views.source import GLOBAL_POSITION, StateVersionError, batch_from_global_position
 from pretrain.views.sources import SampleSet, exclude_samples, load_sample_set, samples_per_rank
 
@@ -80,7 +82,8 @@ class ViewLoader:
         if views.backend == "dali" and not dali_available():
             warnings.warn("NVIDIA DALI is not installed; using the PIL/torchvision reference backend", stacklevel=2)
             views = dataclasses.replace(views, backend="reference")
-        self.config: ViewConfig = dataclasses.replace(views, num_threads=loader_threads(views, device))
+        self.config: ViewConfig = dataclasses.replace(views, num_threads=loader_threads(views, device),
+                                                      ready_batches=ready_batches(views, device))
         self.batch_size, self.device, self.rank, self.world_size, self.seed = batch_size, device, rank, world_size, seed
         decode_check = None
         if verify == "decode":
@@ -99,6 +102,8 @@ class ViewLoader:
         self.batch_in_epoch = 0
         self._restore: dict | None = None
         self._backend: ViewBackend | None = None
+        self._made: Iterator[Made] | None = None
+        self._position: Position | None = None  # after the last batch delivered (set when the backend is built)
 
     @property
     def epoch_size(self) -> int:
@@ -118,22 +123,24 @@ class ViewLoader:
         return self.epoch_size // self.batch_size
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        """The remaining batches of the current epoch (a whole epoch after the previous one ended)."""
-        backend = self._ensure_backend()
-        while self.batch_in_epoch < len(self):
-            batch = backend.next_batch()
-            if batch.excluded:
-                self.exclude(batch.excluded)
-            self.unreadable += batch.unreadable
-            self.batch_in_epoch += 1
-            yield self._finish(batch)
-        backend.end_epoch()
-        self.epoch += 1
-        self.batch_in_epoch = 0
+        """The remaining batches of the current epoch (a whole epoch after the previous one ended).
+
+        With `views.ready_batches` > 0 they are made in a background thread that runs on across
+        epochs; breaking off an iteration loses nothing (the next one continues after the last
+        batch delivered).
+        """
+        made = self._ensure_made()
+        while True:
+            item = next(made)
+            self._deliver(item)
+            if item.batch is None:  # the epoch ended; the position is the next epoch's start
+                return
+            yield item.batch
 
     def state_dict(self) -> dict[str, Any]:
-        """Resume position: epoch, batch within it, and the backend's reader/random state."""
-        backend = self._ensure_backend()
+        """Resume position after the last batch delivered: epoch, batch within it, the backend's
+        reader/random state (batches made ahead but not delivered are made again on resume)."""
+        self._ensure_backend()
         return {
             "version": STATE_VERSION,
             "backend": self.config.backend,
@@ -144,7 +151,7 @@ class ViewLoader:
             "rank": self.rank,
             "seed": self.seed,
             "excluded": dict(self.excluded),
-            "backend_state": backend.state(),
+            "backend_state": self._position.backend_state,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -161,7 +168,7 @@ class ViewLoader:
         if state.get("format") == GLOBAL_POSITION:
             self.epoch, self.batch_in_epoch = batch_from_global_position(
                 state, self.batch_size, self.world_size, len(self))
-            self._backend = None
+            self._drop_backend()
             self._restore = None
             return
         if state.get("version") != STATE_VERSION:
@@ -180,7 +187,7 @@ class ViewLoader:
                     "resume with the same shards, seed, backend and ranks"
                 )
         self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
-        self._backend = None
+        self._drop_backend()
         self._restore = state["backend_state"]
 
     def exclude(self, bad: dict[str, str]) -> None:
@@ -189,6 +196,7 @@ class ViewLoader:
         self.excluded.update(bad)
 
     def _ensure_backend(self) -> ViewBackend:
+        """The backend, built at the loader's position (the position's snapshot taken with it)."""
         if self._backend is None:
             setup = BackendSetup(
                 samples=self.samples, config=self.config, batch_size=self.batch_size, batches_per_epoch=len(self),
@@ -204,13 +212,67 @@ class ViewLoader:
 
                 self._backend = ReferenceBackend(setup)
             self._restore = None
+            self._position = Position(self.epoch, self.batch_in_epoch, self._backend.state(), dict(self.excluded))
         return self._backend
 
-    def _finish(self, batch: BackendBatch) -> dict[str, Any]:
-        """Move views to the requested device and dtype; add `params` when asked for."""
+    def _ensure_made(self) -> Iterator[Made]:
+        """The stream of made batches from the loader's position, started on first use."""
+        if self._made is None:
+            backend = self._ensure_backend()
+            # The stream gets the backend and the sample set, never the loader: a thread that made
+            # batches ahead must not keep its loader alive (dropping the loader stops the thread).
+            items = _made_batches(backend, self.samples, self._position, self.batch_size, self.world_size,
+                                  _Finish(self.device, self.config))
+            self._made = ahead(items, self.config.ready_batches, self.device)
+        return self._made
+
+    def _drop_backend(self) -> None:
+        if self._made is not None:
+            stop(self._made)
+        self._made = None
+        self._backend = None
+
+    def _deliver(self, item: Made) -> None:
+        """Take over the position after `item`: the loader's state now describes it."""
+        position = item.position
+        self.epoch, self.batch_in_epoch = position.epoch, position.batch_in_epoch
+        self.excluded = dict(position.excluded)
+        self.unreadable += item.unreadable
+        self._position = position
+
+
+@dataclass(frozen=True)
+class _Finish:
+    """Moves a backend's views to the training device and dtype, and keeps `params` when asked for."""
+
+    device: str
+    config: ViewConfig
+
+    def __call__(self, batch: BackendBatch) -> dict[str, Any]:
         dtype = torch.bfloat16 if self.config.output_dtype == "bfloat16" else torch.float32
         views = [v.to(self.device, dtype=dtype, non_blocking=True) for v in batch.views]
         out: dict[str, Any] = {"views": views, "keys": batch.keys, "labels": batch.labels}
         if self.config.debug_params:
             out["params"] = batch.params
         return out
+
+
+def _made_batches(backend: ViewBackend, samples: SampleSet, start: Position, batch_size: int, world_size: int,
+                  finish: _Finish) -> Iterator[Made]:
+    """Every batch from `start` on, epoch after epoch, each with the loader position after it.
+
+    Samples the backend leaves out shrink the epoch from then on (`len(ViewLoader)` follows them).
+    """
+    epoch, batch_in_epoch, excluded = start.epoch, start.batch_in_epoch, dict(start.excluded)
+    while True:
+        while batch_in_epoch < samples_per_rank(len(samples), world_size) // batch_size:
+            batch = backend.next_batch()
+            if batch.excluded:
+                exclude_samples(samples, batch.excluded)
+                excluded.update(batch.excluded)
+            batch_in_epoch += 1
+            yield Made(finish(batch), Position(epoch, batch_in_epoch, backend.state(), dict(excluded)),
+                       unreadable=batch.unreadable)
+        backend.end_epoch()
+        epoch, batch_in_epoch = epoch + 1, 0
+        yield Made(None, Position(epoch, batch_in_epoch, backend.state(), dict(excluded)))

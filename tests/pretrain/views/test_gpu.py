@@ -114,3 +114,19 @@ def test_bfloat16_output_is_the_float32_views_rounded(masked_squares):  # noqa: 
     for a, b in zip(fp32["views"], bf16["views"], strict=True):
         assert b.dtype == torch.bfloat16
         assert np.allclose(a.cpu().numpy(), b.float().cpu().numpy(), atol=0.02)
+
+
+@pytest.mark.gpu
+def test_batches_made_ahead_on_their_own_stream_are_the_batches_made_on_demand(tmp_path):
+    """The background thread queues its GPU work on its own stream; the consumer's stream must wait for
+    it (a missing wait shows as views still being written), and the views must stay valid while the
+    consumer allocates and writes on its own stream (a missing record_stream lets memory be reused)."""
+    shards = mask_set(tmp_path, every_sample_masked=True)
+    views = ViewConfig(large_size=64, small_size=32, mask_probability=0.5, num_threads=2)
+    on_demand = [b["views"] for b in ViewLoader(shards, 8, dataclasses.replace(views, ready_batches=0),
+                                                device="cuda", seed=3)]
+    ahead = ViewLoader(shards, 8, dataclasses.replace(views, ready_batches=3), device="cuda", seed=3)
+    for want, batch in zip(on_demand, ahead, strict=True):
+        scratch = [torch.full_like(v, float("nan")) for v in batch["views"]]  # the consumer's own work
+        assert all(torch.equal(a, b) for a, b in zip(want, batch["views"], strict=True))
+        del scratch

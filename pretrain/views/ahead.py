@@ -1,0 +1,154 @@
+"""Batches made ahead in a background thread, so the view pipeline overlaps the training step.
+
+`ViewLoader` describes its batches as an endless stream of `Made` items: each finished batch (views
+already on the training device, colour stage done) travels with the loader position *after* it, and
+an item without a batch marks an epoch's end. `ahead` runs that stream in a thread, `depth` items
+ahead of the consumer, across epoch boundaries; the loader applies an item's position when it
+delivers the batch, so a checkpoint describes the last batch delivered, not the last one made.
+
+On a GPU the thread queues its work (DALI's copies out, the torch colour stage) on a CUDA stream of
+its own; the consumer's stream waits for each batch's event, and the views are marked as used there
+so the caching allocator does not hand their memory back to the thread's stream too early.
+
+Hand-written: torch's DataLoader prefetches from worker processes, but the DALI backend must run in
+this process (its pipeline owns the GPU work and the reader state), and no library thread pool keeps
+an ordered, bounded queue that forwards the producer's errors and stops with its owner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+__all__ = ["Made", "Position", "ahead", "stop"]
+
+POLL_S = 0.5  # how often a blocked producer or consumer checks that the other side is still there
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where the loader stands after an item: what `ViewLoader.state_dict` saves."""
+
+    epoch: int
+    batch_in_epoch: int
+    backend_state: dict[str, Any]
+    excluded: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Made:
+    """One item of the stream: a finished batch (None at an epoch's end) and the position after it."""
+
+    batch: dict[str, Any] | None
+    position: Position
+    unreadable: int = 0
+    ready: torch.cuda.Event | None = None  # recorded on the producer's stream after the batch's work
+
+
+@dataclass(frozen=True)
+class _Failed:
+    error: BaseException
+
+
+def ahead(items: Iterator[Made], depth: int, device: str) -> Iterator[Made]:
+    """`items` made `depth` ahead in a background thread; with depth 0, `items` itself (made on demand)."""
+    return _Ahead(items, depth, device) if depth > 0 else items
+
+
+def stop(items: Iterator[Made]) -> None:
+    """Stop the thread making `items` (when `ahead` gave them one) and drop what it made."""
+    if isinstance(items, _Ahead):
+        items.close()
+
+
+class _Ahead:
+    """The consumer's end of the thread; the thread stops when this object is collected."""
+
+    def __init__(self, items: Iterator[Made], depth: int, device: str) -> None:
+        target = torch.device(device)
+        if target.type == "cuda" and target.index is None:
+            target = torch.device("cuda", torch.cuda.current_device())
+        self._device = target
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._failure: BaseException | None = None
+        # The thread gets no reference to this object, so dropping the loader stops it.
+        self._thread = threading.Thread(target=_fill, args=(items, self._queue, self._stop, target),
+                                        name="relicv2-views-ahead", daemon=True)
+        self._thread.start()
+        self._finalizer = weakref.finalize(self, _stop_thread, self._stop, self._queue, self._thread)
+
+    def __iter__(self) -> _Ahead:
+        return self
+
+    def __next__(self) -> Made:
+        if self._failure is not None:
+            raise self._failure
+        while True:
+            try:
+                item = self._queue.get(timeout=POLL_S)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive():
+                    raise RuntimeError("the view loader's background thread stopped without a batch") from None
+        if isinstance(item, _Failed):
+            self._failure = item.error
+            raise item.error
+        if item.ready is not None:
+            stream = torch.cuda.current_stream(self._device)
+            stream.wait_event(item.ready)
+            for view in item.batch["views"] if item.batch is not None else []:
+                view.record_stream(stream)
+        return item
+
+    def close(self) -> None:
+        """Stop the thread and drop the batches it made (also done when this object is collected)."""
+        self._finalizer()
+
+
+def _fill(items: Iterator[Made], out: queue.Queue, stop: threading.Event, device: torch.device) -> None:
+    stream = None
+    if device.type == "cpu":
+        # The trainer's intra-op threads already use every core; a second team of them here only
+        # oversubscribes (torch's thread count is per thread, so the trainer keeps its own).
+        torch.set_num_threads(1)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # a new thread starts on GPU 0, not on its rank's GPU
+        stream = torch.cuda.Stream(device)
+    try:
+        while not stop.is_set():
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                item = next(items)
+                if stream is not None:
+                    item.ready = torch.cuda.Event()
+                    item.ready.record(stream)
+            _put(out, item, stop)
+    except BaseException as error:  # not handled here: forwarded, and raised in the consumer's thread
+        _put(out, _Failed(error), stop)
+
+
+def _put(out: queue.Queue, item: Made | _Failed, stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            out.put(item, timeout=POLL_S)
+            return
+        except queue.Full:
+            continue
+
+
+def _stop_thread(stop: threading.Event, out: queue.Queue, thread: threading.Thread) -> None:
+    stop.set()
+    while thread.is_alive():  # it may be blocked on a full queue or inside a pipeline run
+        try:
+            while True:
+                out.get_nowait()
+        except queue.Empty:
+            pass
+        thread.join(timeout=POLL_S)
