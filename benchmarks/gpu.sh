@@ -5,14 +5,16 @@
 #
 # Needs a CUDA GPU, torch and (for the view pipeline) NVIDIA DALI. Environment knobs:
 #   PYTHON (default python), BATCH (256), STEPS (20), THREADS (8 CPU threads for DALI), IMAGES (2000 demo
-#   images for the end-to-end run and build-masks), SKIP_VIEWS=1 / SKIP_PRETRAIN=1 / SKIP_MASKS=1 to leave a
-#   part out, MASK_SIZE (432, the saliency network's input);
+#   images for the end-to-end run and build-masks), SKIP_STEPS=1 / SKIP_VIEWS=1 / SKIP_PRETRAIN=1 /
+#   SKIP_MASKS=1 to leave a part out (the figures of calls with the same WORK_DIR add up in its
+#   figures.tsv, so parts can run in separate calls), MASK_SIZE (432, the saliency network's input);
 #   STEP_ARGS / VIEWS_ARGS / PRETRAIN_ARGS: extra arguments for bench_step.py, bench_views.py and
 #   `relicv2 pretrain` (e.g. STEP_ARGS="--depth 18" PRETRAIN_ARGS="--set model.depth=18" on a small GPU);
 #   DEVICE=cpu runs the same plumbing on the CPU (a check of the script, not a measurement).
 # Figures: bench_step.py (eager, compiled, batch 2x with activation checkpointing), bench_views.py (DALI
 # mixed vs the reference DataLoader), `relicv2 pretrain` on a shard set (images/s and data wait per step
-# from metrics.jsonl after warm-up, and as a ratio of the compiled step alone), and bench_build_masks.py
+# from metrics.jsonl after warm-up, with batches made ahead and on demand, each as a ratio of the compiled
+# step alone when that figure is in figures.tsv), and bench_build_masks.py
 # (build-masks vs the bare network forward on the same images).
 set -euo pipefail
 
@@ -29,8 +31,8 @@ read -r -a views_args <<< "${VIEWS_ARGS:-}"
 read -r -a pretrain_args <<< "${PRETRAIN_ARGS:-}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$WORK"
-LOG="$WORK/figures.tsv"
-: > "$LOG"
+LOG="$WORK/figures.tsv"  # kept across calls with the same WORK_DIR: parts run in separate calls add up
+touch "$LOG"
 
 device_name() {
   "$PYTHON" -c "import platform, torch; print(torch.cuda.get_device_name() if '$DEVICE' == 'cuda' else platform.processor() or 'CPU')"
@@ -64,10 +66,12 @@ step() {  # step NAME ARGS...: one bench_step.py run, its output kept in WORK
   fi
 }
 
-step "batch $BATCH eager" --batch "$BATCH"
-step "batch $BATCH compiled" --batch "$BATCH" --compile
-step "batch $((BATCH * 2)) compiled" --batch "$((BATCH * 2))" --compile
-step "batch $((BATCH * 2)) compiled+ckpt" --batch "$((BATCH * 2))" --compile --activation-checkpointing
+if [[ "${SKIP_STEPS:-0}" != 1 ]]; then
+  step "batch $BATCH eager" --batch "$BATCH"
+  step "batch $BATCH compiled" --batch "$BATCH" --compile
+  step "batch $((BATCH * 2)) compiled" --batch "$((BATCH * 2))" --compile
+  step "batch $((BATCH * 2)) compiled+ckpt" --batch "$((BATCH * 2))" --compile --activation-checkpointing
+fi
 
 if [[ "${SKIP_VIEWS:-0}" != 1 ]]; then
   echo "== bench_views: DALI mixed vs reference, batch $BATCH, $THREADS threads"
@@ -124,7 +128,7 @@ PY
 
 if [[ "${SKIP_PRETRAIN:-0}" != 1 ]]; then
   demo_shards
-  pretrain "batches made ahead"  # the default: views.ready_batches=1
+  pretrain "batches made ahead" --set views.ready_batches=1  # the default on a GPU
   pretrain "batches made on demand" --set views.ready_batches=0
 fi
 
