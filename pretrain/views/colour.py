@@ -1,17 +1,20 @@
 """The colour steps of a view as batched torch operations, with the draws the DALI pipeline made.
 
 With `colour_stage="torch"` the DALI pipeline renders each view's geometry (decode, crop, resize,
-flip, saliency mask) and draws every colour parameter with its own random operators; this module
-then applies the paper's colour steps (jitter in a random order, grayscale, blur, solarize) and the
-normalisation on the views' device, with torchvision's float semantics (clamped to [0, 1] after
-each step, no rounding between steps).
+flip, and the same crop of the saliency mask) and draws every colour parameter with its own random
+operators; this module then applies the saliency masking (8-bit, as the reference's composite), the
+paper's colour steps (jitter in a random order, grayscale, blur, solarize) and the normalisation on
+the views' device, with torchvision's float semantics (clamped to [0, 1] after each step, no
+rounding between steps).
 
 Why not DALI operators: DALI has no fused element-wise operator (its arithmetic runs one operator
 per `+`/`*`), so torchvision's exact HSV hue and the mean-centred contrast cost ~100 operators a
 view, and the pipeline's GPU graph held ~2,200 operators against the ~30 of a plain pipeline
 (benchmarks/RESULTS.md); each operator costs CPU time per sample. Here a step is a handful of
 batched kernels, applied only to the samples that draw it (their rows are known on the host,
-because DALI draws the parameters on the CPU, so selecting them needs no device synchronisation).
+because DALI draws the parameters on the CPU, so selecting them needs no device synchronisation;
+the masked flags, GPU data when the masks are decoded there, are read back by the thread that
+makes the batch, not by the trainer).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from pretrain.views.config import (
 )
 
 ORDER_TABLE = np.array(JITTER_ORDERS, np.int64)  # [order, slot] -> operation (0 b, 1 c, 2 s, 3 hue)
+GREY_COLUMN = 4  # the per-sample values a view's steps read: the 4 jitter factors, then the grey level
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,17 @@ def gaussian_blur(x: torch.Tensor, sigma: np.ndarray, kernel: int) -> torch.Tens
     return out.view(n, c, h, w)
 
 
+def replace_background(x: torch.Tensor, grey: torch.Tensor, soft: torch.Tensor) -> torch.Tensor:
+    """The saliency masking of a view: grey + (view - grey) * mask, rounded to 8 bits.
+
+    `x` B x 3 x H x W in [0, 1] (8-bit values), `grey` the samples' grey levels in [0, 1], `soft`
+    the views' crops of the mask, B x H x W x 1 uint8. Rounded to 8 bits like the DALI blend (and
+    PIL's composite in the reference), so the colour steps see the same values on every path.
+    """
+    keep = soft.permute(0, 3, 1, 2).to(x.dtype) / 255.0
+    return torch.lerp(grey, x, keep).mul_(255.0).round_().div_(255.0)
+
+
 def solarize_view(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x >= 0.5, 1.0 - x, x)  # torchvision's solarize at 0.5 on [0, 1] values
 
@@ -141,25 +156,39 @@ class _Rows:
         self.size = len(values)
         self.starts = np.cumsum([0] + [len(g) for g in self.groups])
 
-    def apply(self, x: torch.Tensor, group: int, step, column: int | None = None) -> torch.Tensor:
-        """x[rows] = step(x[rows], values[rows, column]) for the rows of `group`; the other samples
-        are left as they are and cost nothing."""
+    def apply(self, x: torch.Tensor, group: int, step, column: int | None = None,
+              aligned: torch.Tensor | None = None) -> torch.Tensor:
+        """x[rows] = step(x[rows], values[rows, column], aligned[rows]) for the rows of `group` (the
+        last two when given); the other samples are left as they are and cost nothing."""
         count = len(self.groups[group])
         if count == 0:
             return x
         index = None if count == self.size else self.index[self.starts[group] : self.starts[group + 1]]
         values = self.values if index is None else self.values.index_select(0, index)
         args = () if column is None else (values[:, column].view(-1, 1, 1, 1),)
+        if aligned is not None:
+            args += (aligned if index is None else aligned.index_select(0, index),)
         if index is None:
             return step(x, *args)
         return x.index_copy_(0, index, step(x.index_select(0, index), *args))
 
 
-def colour_view(view: torch.Tensor, draws: ColourDraws, spec: ViewSpec, cfg: ViewConfig) -> torch.Tensor:
+@dataclass(frozen=True)
+class Background:
+    """What a view needs to have its background replaced (the pipeline's masked views)."""
+
+    masked: np.ndarray  # bool per sample: this view of the sample is masked
+    grey: np.ndarray  # per sample, the background grey level in [0, 1]
+    soft: torch.Tensor  # B x H x W x 1 uint8: the view's crop of the sample's mask, on the views' device
+
+
+def colour_view(view: torch.Tensor, draws: ColourDraws, spec: ViewSpec, cfg: ViewConfig,
+                background: Background | None = None) -> torch.Tensor:
     """B x H x W x 3 uint8 views (as DALI renders them) -> B x 3 x H x W float32, coloured and normalised.
 
-    The steps and their order are the paper's: jitter (brightness, contrast, saturation, hue in the
-    sample's order, with probability p), grayscale, blur, solarize, then the ImageNet mean/std.
+    The steps and their order are the paper's: the saliency mask (`background`, when the view may
+    be masked), jitter (brightness, contrast, saturation, hue in the sample's order, with
+    probability p), grayscale, blur, solarize, then the ImageNet mean/std.
     """
     x = view.permute(0, 3, 1, 2).to(torch.float32, memory_format=torch.contiguous_format).div_(255.0)
     strengths = (cfg.brightness, cfg.contrast, cfg.saturation, cfg.hue)
@@ -167,18 +196,24 @@ def colour_view(view: torch.Tensor, draws: ColourDraws, spec: ViewSpec, cfg: Vie
     jitter = [(slot, op) for slot in range(len(JITTER_STEPS)) for op in range(len(JITTER_STEPS)) if strengths[op] > 0]
     blur = spec.blur_probability > 0
     solarize = spec.solarize_probability > 0
+    masked = background.masked if background is not None else np.zeros(len(draws.order), bool)
+    grey = background.grey if background is not None else np.zeros(len(draws.order))
     rows = _Rows(
-        [draws.jitter & (operations[:, slot] == op) for slot, op in jitter]
+        [masked]
+        + [draws.jitter & (operations[:, slot] == op) for slot, op in jitter]
         + [draws.grayscale, draws.blur & blur, draws.solarize & solarize],
-        draws.factors, x.device,
+        np.column_stack([draws.factors, grey]), x.device,
     )
+    if background is not None:
+        x = rows.apply(x, 0, replace_background, column=GREY_COLUMN, aligned=background.soft)
     # A step of strength 0 draws factor 1 (or hue 0), the identity: it is left out.
-    for group, (_, op) in enumerate(jitter):
+    for group, (_, op) in enumerate(jitter, start=1):
         x = rows.apply(x, group, JITTER_STEPS[op], column=op)
-    x = rows.apply(x, len(jitter), lambda v: _grey(v).repeat(1, 3, 1, 1))
+    later = len(jitter) + 1
+    x = rows.apply(x, later, lambda v: _grey(v).repeat(1, 3, 1, 1))
     if blur:
-        x = rows.apply(x, len(jitter) + 1, lambda v: gaussian_blur(v, draws.sigma[draws.blur], cfg.blur_kernel))
+        x = rows.apply(x, later + 1, lambda v: gaussian_blur(v, draws.sigma[draws.blur], cfg.blur_kernel))
     if solarize:
-        x = rows.apply(x, len(jitter) + 2, solarize_view)
+        x = rows.apply(x, later + 2, solarize_view)
     mean, std = torch.tensor([cfg.mean, cfg.std], device=x.device).view(2, 1, 3, 1, 1)  # one copy to the device
     return x.sub_(mean).div_(std)

@@ -20,9 +20,14 @@ from nvidia.dali.tensors import TensorListGPU
 
 from pretrain.views.backend import BackendSetup
 from pretrain.views.batch import BackendBatch, assemble_params, labels_tensor
-from pretrain.views.colour import ColourDraws, colour_view
+from pretrain.views.colour import Background, ColourDraws, colour_view
 from pretrain.views.config import view_specs
-from pretrain.views.dali_pipeline import READER_NAME, build_view_pipeline, returns_params
+from pretrain.views.dali_pipeline import (
+    READER_NAME,
+    build_view_pipeline,
+    returns_params,
+    soft_mask_views,
+)
 from pretrain.views.sample_table import SampleRef
 from pretrain.views.sources import MASK_MEMBER, exclude_samples, reader_samples_per_rank
 from shards.progress import tracked
@@ -198,12 +203,23 @@ class DaliBackend:
         labels = [class_index(np.asarray(cls[i]).tobytes()) for i in range(len(cls))]
         per_view = [_host_array(out[2 * v + 5 + j]) for j in range(v)] if returns_params(self.setup.config) else []
         if self.torch_colour:
-            views = [colour_view(view, ColourDraws.from_params(p), spec, self.setup.config)
-                     for view, p, spec in zip(views, per_view, self.specs, strict=True)]
+            backgrounds = self._backgrounds(out, grey)
+            views = [colour_view(view, ColourDraws.from_params(p), spec, self.setup.config, backgrounds.get(j))
+                     for j, (view, p, spec) in enumerate(zip(views, per_view, self.specs, strict=True))]
         params = None
         if self.debug:
             params = assemble_params(per_view, [_scalars(m) for m in masked], _scalars(coverage), _scalars(grey))
         return BackendBatch(views=views, keys=keys, labels=labels_tensor(labels), params=params, excluded=excluded)
+
+    def _backgrounds(self, out, grey) -> dict[int, Background]:
+        """{view: what the torch stage needs to mask it} for the views the pipeline gave a crop of the mask."""
+        mask_views = soft_mask_views(self.samples, self.setup.config)
+        if not mask_views:
+            return {}
+        v, first = self.num_views, len(out) - len(mask_views)
+        grey = _host_array(grey)
+        return {j: Background(masked=_host_array(out[v + 5 + j]) > 0.5, grey=grey, soft=_to_torch(out[first + i]))
+                for i, j in enumerate(mask_views)}
 
     def end_epoch(self) -> None:
         # Batches the loader does not deliver (the reader's padded tail): run and drop them so

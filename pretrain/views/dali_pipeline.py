@@ -172,29 +172,37 @@ def _resize_args(window: CropWindow, spec: ViewSpec) -> dict:
     return dict(size=[spec.size, spec.size], roi_start=window.start, roi_end=window.end, roi_relative=True, antialias=True)
 
 
-def _apply_mask(view: DataNode, mask: SampleMask, window: CropWindow, spec: ViewSpec, gpu: bool) -> tuple[DataNode, DataNode]:
+def _apply_mask(view: DataNode, mask: SampleMask, window: CropWindow, spec: ViewSpec, cfg: ViewConfig,
+                gpu: bool) -> tuple[DataNode, DataNode, DataNode | None]:
     """Replace the background of a large view by the sample's grey level with probability p_m.
 
-    The mask gets the view's crop window (and so its flip). Returns (view, masked flag as float).
-    With masks on the GPU (`mask.on_gpu`) the blend is arithmetic with a 0/1 weight, because the
-    maskable flag is GPU data and cannot drive a conditional; otherwise only masked views pay for
-    the mask crop and the blend.
+    The mask gets the view's crop window (and so its flip). Returns (view, masked flag as float,
+    the view's crop of the mask or None). With the torch colour stage the view comes back as it was
+    and the crop of the mask (HW1 uint8, on the views' device) goes out with it: the blend is a few
+    element-wise operations there, against ~9 DALI operators a view here. Otherwise, with masks on
+    the GPU (`mask.on_gpu`) the blend is arithmetic with a 0/1 weight, because the maskable flag is
+    GPU data and cannot drive a conditional; on the CPU only masked views pay for the mask crop and
+    the blend.
     """
     draw = fn.random.coin_flip(probability=spec.mask_probability, dtype=types.BOOL)
     if mask.image is None or spec.mask_probability == 0:
-        return view, fn.cast(draw, dtype=types.FLOAT) * 0.0
+        return view, fn.cast(draw, dtype=types.FLOAT) * 0.0, None
+    if cfg.colour_stage == "torch":
+        masked = (draw.gpu() if mask.on_gpu else draw) & mask.maskable
+        soft = fn.resize(mask.image, interp_type=types.INTERP_LINEAR, **_resize_args(window, spec))  # uint8
+        return view, fn.cast(masked, dtype=types.FLOAT), soft if mask.on_gpu else _on_device(soft, gpu)
     if mask.on_gpu:
         masked = fn.cast(draw.gpu() & mask.maskable, dtype=types.FLOAT)
         soft = fn.resize(mask.image, interp_type=types.INTERP_LINEAR, dtype=types.FLOAT, **_resize_args(window, spec)) / MAX
         keep = 1.0 - masked + masked * soft  # 1 everywhere when the view is not masked
         grey = mask.grey.gpu()
-        return _to_uint8(grey + (view - grey) * keep), masked
+        return _to_uint8(grey + (view - grey) * keep), masked, None
     masked = draw & mask.maskable
     if masked:
         soft = fn.resize(mask.image, interp_type=types.INTERP_LINEAR, dtype=types.FLOAT, **_resize_args(window, spec)) / MAX
         grey = _on_device(mask.grey, gpu)
         view = _to_uint8(grey + (view - grey) * _on_device(soft, gpu))
-    return view, fn.cast(masked, dtype=types.FLOAT)
+    return view, fn.cast(masked, dtype=types.FLOAT), None
 
 
 @dataclass(frozen=True)
@@ -308,15 +316,16 @@ def _solarize(view: DataNode, draws: ColourNodes, spec: ViewSpec) -> DataNode:
 
 def _view(image: DataNode, mask: SampleMask, shape: DataNode, image_hw: DataNode, spec: ViewSpec, cfg: ViewConfig,
           gpu: bool):
-    """One view, its drawn parameters (DRAWN_PARAM_NAMES) and its masked flag.
+    """One view, its drawn parameters (DRAWN_PARAM_NAMES), its masked flag and its crop of the mask.
 
     The paper's order: crop and flip, mask, jitter, grayscale, blur, solarize. With the DALI colour
-    stage the view comes out coloured and normalised (CHW float); with the torch stage it comes out
-    after the mask (HWC uint8) and `pretrain.views.colour` applies the drawn colour steps.
+    stage the view comes out masked, coloured and normalised (CHW float); with the torch stage it
+    comes out as cropped (HWC uint8), with its crop of the mask when masks are in play, and
+    `pretrain.views.colour` applies the mask and the drawn colour steps.
     """
     window = _crop_window(shape, image_hw, spec, cfg)
     view = fn.resize(image, interp_type=types.INTERP_CUBIC, **_resize_args(window, spec))  # uint8: rounded, clamped
-    view, masked = _apply_mask(view, mask, window, spec, gpu)
+    view, masked, soft = _apply_mask(view, mask, window, spec, cfg, gpu)
     draws = _colour_draws(spec, cfg)
     if cfg.colour_stage == "dali":
         view = _colour_jitter(view, draws, cfg, gpu)
@@ -330,7 +339,7 @@ def _view(image: DataNode, mask: SampleMask, shape: DataNode, image_hw: DataNode
     f = (lambda x: fn.cast(x, dtype=types.FLOAT)) if cfg.colour_stage == "dali" else (lambda x: x)  # noqa: E731
     params = fn.stack(window.area, window.ratio, window.flip, f(draws.jitter), f(draws.order), *draws.factors,
                       f(draws.gray), f(draws.blur), draws.sigma, f(draws.solarize))
-    return view, params, masked
+    return view, params, masked, soft
 
 
 def _sample_mask(mask_bytes: DataNode, sample_set: SampleSet, cfg: ViewConfig, gpu: bool) -> SampleMask:
@@ -344,7 +353,7 @@ def _sample_mask(mask_bytes: DataNode, sample_set: SampleSet, cfg: ViewConfig, g
     grey = _uniform(*[g * MAX for g in cfg.mask_grey_range])
     has_mask = mask_bytes.shape()[0] > 0
     zero = fn.cast(mask_bytes.shape()[0], dtype=types.FLOAT) * 0.0
-    if not (sample_set.has_masks and cfg.mask_probability > 0 and cfg.large_views > 0):
+    if not masks_in_play(sample_set, cfg):
         return SampleMask(None, zero, zero >= 1.0, grey, has_mask, on_gpu=False)
     if gpu and sample_set.without_mask == 0:
         image = fn.decoders.image(mask_bytes, device="mixed", output_type=types.GRAY)
@@ -382,19 +391,34 @@ def _views_pipeline(sample_set: SampleSet, cfg: ViewConfig, gpu: bool, rank: int
     shape = fn.peek_image_shape(image_bytes)
     image_hw = fn.cast(shape[0:2], dtype=types.FLOAT)
     mask = _sample_mask(mask_bytes, sample_set, cfg, gpu)
-    views, params, masked = [], [], []
+    views, params, masked, softs = [], [], [], []
     for spec in view_specs(cfg):
-        v, p, m = _view(image, mask, shape, image_hw, spec, cfg, gpu)
+        v, p, m, soft = _view(image, mask, shape, image_hw, spec, cfg, gpu)
         views.append(v)
         params.append(p)
         masked.append(m)
+        softs += [soft] if soft is not None else []
     # The image's first byte carries the reader's source info (tar:offset:member), i.e. the key, to
     # the batch (sets without a json member have keys too).
     key_carrier = image_bytes[0:1]
     outputs = [*views, key_carrier, cls, mask.has_mask, mask.coverage, mask.grey / MAX, *masked]
     if returns_params(cfg):
         outputs += params
-    return tuple(outputs)
+    assert len(softs) == len(soft_mask_views(sample_set, cfg))  # the backend reads them by this layout
+    return tuple(outputs + softs)
+
+
+def masks_in_play(sample_set: SampleSet, cfg: ViewConfig) -> bool:
+    """Whether any view of this set can be masked (the pipeline decodes masks only then)."""
+    return sample_set.has_masks and cfg.mask_probability > 0 and cfg.large_views > 0
+
+
+def soft_mask_views(sample_set: SampleSet, cfg: ViewConfig) -> list[int]:
+    """The views whose crop of the mask the pipeline outputs (last, in view order): with the torch
+    colour stage, which applies the mask, every view that may be masked."""
+    if cfg.colour_stage != "torch" or not masks_in_play(sample_set, cfg):
+        return []
+    return [j for j, spec in enumerate(view_specs(cfg)) if spec.mask_probability > 0]
 
 
 def returns_params(cfg: ViewConfig) -> bool:

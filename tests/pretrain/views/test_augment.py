@@ -125,6 +125,24 @@ def test_unmasked_views_keep_the_background(object_shards, backend):
     assert batch["params"][:, :, COL["masked"]].sum() == 0
 
 
+@pytest.mark.parametrize(("backend", "device"), BACKEND_DEVICES)
+def test_only_the_views_drawn_for_masking_lose_their_background(object_shards, backend, device):
+    """With p_m = 0.5 the masking applies to the views whose flag says so and to no other one (the
+    torch colour stage selects those rows itself, from the pipeline's flags)."""
+    views = ViewConfig(mask_probability=0.5, debug_params=True, num_threads=1, **SMALL, **NO_COLOUR)
+    loader = ViewLoader(object_shards, 16, views, backend=backend, device=device, seed=5)
+    batch = next(iter(loader))
+    offs = {0.0: [], 1.0: []}
+    for j in range(loader.config.large_views):
+        pixels = unnormalise(batch["views"][j])
+        for i, p in enumerate(pixels):
+            params = batch["params"][i, j]
+            offs[float(params[COL["masked"]])].append(off_segment_fraction(p, float(params[COL["grey"]])))
+    assert len(offs[0.0]) >= 4 and len(offs[1.0]) >= 4
+    assert np.mean(offs[1.0]) < 0.05 and max(offs[1.0]) < 0.15
+    assert np.mean(offs[0.0]) > 0.3
+
+
 def binomial_ok(flags: np.ndarray, p: float) -> bool:
     """Observed rate within 4.5 standard deviations of p (exactly p when p is 0 or 1)."""
     n = flags.size

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pretrain.views.config import IMAGENET_STD, PARAM_NAMES, ViewConfig
-from pretrain.views.dali_pipeline import _views_pipeline
+from pretrain.views.dali_pipeline import _views_pipeline, soft_mask_views
 from pretrain.views.loader import ViewLoader
 from pretrain.views.sources import load_sample_set
 from shards import ShardSample, write_shard_set
@@ -48,8 +48,11 @@ def test_the_gpu_graph_traces_with_views_and_masks_on_the_gpu(tmp_path, every_sa
     devices = [node.device for node in pipe._graph_out]
     count = views.large_views + views.small_views
     assert devices[:count] == ["gpu"] * count  # every view is made on the GPU
-    coverage = devices[count + 3]  # outputs: views, meta, cls, has_mask, coverage, grey, masked..., params...
+    coverage = devices[count + 3]  # outputs: views, meta, cls, has_mask, coverage, grey, masked..., params..., crops
     assert coverage == ("gpu" if every_sample_masked else "cpu")  # masks decoded by `mixed` when all have one
+    crops = soft_mask_views(sample_set, views)  # the large views' crops of the mask, for the torch stage's blend
+    assert len(crops) == (views.large_views if views.colour_stage == "torch" else 0)
+    assert devices[len(devices) - len(crops):] == ["gpu"] * len(crops)
 
 
 @pytest.mark.gpu
