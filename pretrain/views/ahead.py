@@ -58,14 +58,38 @@ class _Failed:
 
 
 def ahead(items: Iterator[Made], depth: int, device: str) -> Iterator[Made]:
-    """`items` made `depth` ahead in a background thread; with depth 0, `items` itself (made on demand)."""
-    return _Ahead(items, depth, device) if depth > 0 else items
+    """`items` made `depth` ahead in a background thread; with depth 0, made on demand in the caller's.
+
+    Either way a failure is raised in the caller's thread, and again on every later call (the
+    stream cannot go on after it: its position would no longer match the backend's).
+    """
+    return _Ahead(items, depth, device) if depth > 0 else _OnDemand(items)
 
 
 def stop(items: Iterator[Made]) -> None:
     """Stop the thread making `items` (when `ahead` gave them one) and drop what it made."""
     if isinstance(items, _Ahead):
         items.close()
+
+
+class _OnDemand:
+    """`items` made in the consumer's thread when asked for."""
+
+    def __init__(self, items: Iterator[Made]) -> None:
+        self._items = items
+        self._failure: BaseException | None = None
+
+    def __iter__(self) -> _OnDemand:
+        return self
+
+    def __next__(self) -> Made:
+        if self._failure is not None:
+            raise self._failure
+        try:
+            return next(self._items)
+        except BaseException as error:  # not handled here: remembered, and raised again on later calls
+            self._failure = error
+            raise
 
 
 class _Ahead:
@@ -145,6 +169,8 @@ def _put(out: queue.Queue, item: Made | _Failed, stop: threading.Event) -> None:
 
 def _stop_thread(stop: threading.Event, out: queue.Queue, thread: threading.Thread) -> None:
     stop.set()
+    if threading.current_thread() is thread:  # collected by a garbage collection the thread itself ran
+        return  # it ends after the item in hand
     while thread.is_alive():  # it may be blocked on a full queue or inside a pipeline run
         try:
             while True:

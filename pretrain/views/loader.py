@@ -120,7 +120,7 @@ class ViewLoader:
 
     def __len__(self) -> int:
         """Full batches per epoch on this rank."""
-        return self.epoch_size // self.batch_size
+        return batches_per_epoch(self.samples, self.world_size, self.batch_size)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         """The remaining batches of the current epoch (a whole epoch after the previous one ended).
@@ -177,7 +177,8 @@ class ViewLoader:
                 f"writes {STATE_VERSION})"
             )
         if state.get("excluded"):
-            self.exclude(state["excluded"])
+            exclude_samples(self.samples, state["excluded"])
+            self.excluded.update(state["excluded"])
         expected = {"backend": self.config.backend, "samples": len(self.samples), "world_size": self.world_size,
                     "rank": self.rank, "seed": self.seed}
         for name, value in expected.items():
@@ -189,11 +190,6 @@ class ViewLoader:
         self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
         self._drop_backend()
         self._restore = state["backend_state"]
-
-    def exclude(self, bad: dict[str, str]) -> None:
-        """Leave samples out from now on ({key: reason}); the per-rank epoch shrinks accordingly."""
-        exclude_samples(self.samples, bad)
-        self.excluded.update(bad)
 
     def _ensure_backend(self) -> ViewBackend:
         """The backend, built at the loader's position (the position's snapshot taken with it)."""
@@ -257,6 +253,11 @@ class _Finish:
         return out
 
 
+def batches_per_epoch(samples: SampleSet, world_size: int, batch_size: int) -> int:
+    """Full batches per epoch on each rank: its share of the samples (the smallest rank's), batch by batch."""
+    return samples_per_rank(len(samples), world_size) // batch_size
+
+
 def _made_batches(backend: ViewBackend, samples: SampleSet, start: Position, batch_size: int, world_size: int,
                   finish: _Finish) -> Iterator[Made]:
     """Every batch from `start` on, epoch after epoch, each with the loader position after it.
@@ -265,7 +266,7 @@ def _made_batches(backend: ViewBackend, samples: SampleSet, start: Position, bat
     """
     epoch, batch_in_epoch, excluded = start.epoch, start.batch_in_epoch, dict(start.excluded)
     while True:
-        while batch_in_epoch < samples_per_rank(len(samples), world_size) // batch_size:
+        while batch_in_epoch < batches_per_epoch(samples, world_size, batch_size):
             batch = backend.next_batch()
             if batch.excluded:
                 exclude_samples(samples, batch.excluded)

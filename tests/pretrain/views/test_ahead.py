@@ -105,7 +105,8 @@ def test_without_ready_batches_nothing_is_made_before_it_is_asked_for(ten, monke
     assert len(calls) == 2
 
 
-def test_an_error_in_the_thread_reaches_the_consumer_after_the_batches_made_before_it(ten, monkeypatch):
+@pytest.mark.parametrize("ready", [0, 2])
+def test_an_error_reaches_the_consumer_after_the_batches_made_before_it_and_again_later(ten, monkeypatch, ready):
     calls = _counted(monkeypatch)
     original = ReferenceBackend.next_batch
 
@@ -115,7 +116,7 @@ def test_an_error_in_the_thread_reaches_the_consumer_after_the_batches_made_befo
         return original(self)
 
     monkeypatch.setattr(ReferenceBackend, "next_batch", failing)
-    loader = ViewLoader(ten, 4, ViewConfig(**TINY, ready_batches=2), seed=1, backend="reference")
+    loader = ViewLoader(ten, 4, ViewConfig(**TINY, ready_batches=ready), seed=1, backend="reference")
     assert len(list(loader)) == 2  # the batches made before the failure are delivered
     state = loader.state_dict()
     for _ in range(2):  # raised as itself, and again on a later try rather than a hang
