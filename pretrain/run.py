@@ -87,7 +87,7 @@ class PretrainingInterrupted(RuntimeError):
 
 
 class OutOfMemory(RuntimeError):
-    """A step did not fit in the GPU's memory; the message says what to change."""
+    """A step, or the views made for it, did not fit in the GPU's memory; the message says what to change."""
 
 
 @dataclass(frozen=True)
@@ -322,7 +322,8 @@ def _step(state: TrainState, batch: dict[str, Any], online_forward: Any, target_
         raise OutOfMemory(
             f"out of GPU memory in step {state.step + 1} with {batch_size} images per rank; lower the "
             "per-rank batch (optim.global_batch, or more GPUs), set model.activation_checkpointing=true, "
-            f"and keep run.bf16 on (now {settings.bf16})"
+            f"and keep run.bf16 on (now {settings.bf16}); views.ready_batches=0 and views.output_dtype=bfloat16 "
+            "free the memory of the batches the view loader keeps ready"
         ) from None
 
 
@@ -341,6 +342,12 @@ class _Window:
                 batch = next(batches)
             except StopIteration:
                 return
+            except torch.OutOfMemoryError:  # raised where the views are made (the loader's thread on a GPU)
+                raise OutOfMemory(
+                    "out of GPU memory while making the next batch of views; set views.ready_batches=0 (batches "
+                    "made on demand) or views.output_dtype=bfloat16, or lower the per-rank batch "
+                    "(optim.global_batch, or more GPUs)"
+                ) from None
             self.data_wait += time.perf_counter() - waited
             yield batch
 

@@ -180,6 +180,23 @@ def test_a_step_out_of_gpu_memory_says_what_to_change(tmp_path, monkeypatch):
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert "out of GPU memory in step 1 with 8 images per rank" in result.output
     assert "model.activation_checkpointing=true" in result.output
+    assert "views.ready_batches=0" in result.output  # the batches made ahead hold memory too
+
+
+def test_views_out_of_gpu_memory_say_what_to_change(tmp_path, monkeypatch):
+    """Made in the view loader (its thread on a GPU), outside the step: the same one-line error."""
+    from pretrain.views.synthetic import SyntheticViews
+
+    def out_of_memory(self):  # a generator, like every source's __iter__: it fails at the first batch
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        yield
+
+    monkeypatch.setattr(SyntheticViews, "__iter__", out_of_memory)
+    result = CliRunner().invoke(pretrain_command, ["--config", "configs/demo-cpu.yaml", "--output",
+                                                   str(tmp_path / "run"), *_tiny_cli_options()])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "out of GPU memory while making the next batch of views" in result.output
+    assert "views.ready_batches=0" in result.output
 
 
 def test_metrics_truncation_keeps_the_records_up_to_the_resumed_step(tmp_path):
