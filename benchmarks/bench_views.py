@@ -11,9 +11,13 @@ and blending are part of the work), then, in one run on the same images:
   and blur but no masks (what DALI itself reaches here), bare and with colour;
 and prints each as images/s and as ratios to the reference and to the floor. Timed batches run
 across epoch ends (the loader is iterated epoch after epoch), so `--batches` may exceed one pass.
+`--profile N` then runs N more batches of the first project pipeline under torch.profiler and prints
+where a batch's time goes: the loader's stages (DALI's run, its outputs, the torch colour stage) in
+CPU and device ms per batch, and the operators with the most time (`--trace FILE` keeps the trace).
 
     python benchmarks/bench_views.py --batch 16 --threads 2                       # CPU box
     python benchmarks/bench_views.py --device cuda --batch 256 --threads 8        # issue 16 goal 1 (one H100)
+    python benchmarks/bench_views.py --device cuda --batch 256 --threads 8 --pipelines torch-colour --profile 4
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import yaml  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from pretrain.views.config import ViewConfig  # noqa: E402
+from pretrain.views.dali import PROFILE_RANGES  # noqa: E402
 from pretrain.views.loader import ViewLoader  # noqa: E402
 from shards import ShardSample, write_shard_set  # noqa: E402
 from shards.images import displayed_size  # noqa: E402
@@ -108,6 +113,43 @@ def timed(shards: Path, views: ViewConfig, device: str, args) -> tuple[float, fl
     return done / wall, 1000 * cpu / done, done
 
 
+def profiled(shards: Path, views: ViewConfig, device: str, args) -> None:
+    """Print where a batch's time goes, from torch.profiler over `args.profile` batches after warm-up.
+
+    Batches are made on demand (`ready_batches=0`), so every stage runs in this thread between two
+    timestamps and the stages add up to the wall time per batch.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    loader = ViewLoader(shards, args.batch, ViewConfig(**{**views.__dict__, "ready_batches": 0}), device=device, seed=1)
+    batches = endless(loader)
+    for _ in range(args.warmup):
+        next(batches)
+    cuda = device != "cpu"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    start = time.perf_counter()
+    with profile(activities=activities) as trace:
+        for _ in range(args.profile):
+            next(batches)
+        if cuda:
+            torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / args.profile
+    events = trace.key_averages()
+    stages = {e.key: e for e in events if e.key in PROFILE_RANGES}
+    print(f"profile: {args.profile} batches of {args.batch} made on demand, {1000 * wall:.1f} ms wall a batch "
+          "(profiler overhead included); per batch:")
+    for name in PROFILE_RANGES:
+        if name in stages:
+            e = stages[name]
+            print(f"  {name:22s} CPU {e.cpu_time_total / 1000 / args.profile:8.1f} ms"
+                  + (f", device {e.device_time_total / 1000 / args.profile:8.1f} ms" if cuda else ""))
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    print(events.table(sort_by=sort, row_limit=args.profile_rows))
+    if args.trace:
+        trace.export_chrome_trace(str(args.trace))
+        print(f"trace written to {args.trace} (chrome://tracing or ui.perfetto.dev)")
+
+
 def gpu_graph_size(shards: Path, views: ViewConfig, batch: int) -> str:
     """Operators of the view pipeline's GPU graph by device, traced without building (no GPU needed)."""
     from pretrain.views.dali_pipeline import _views_pipeline
@@ -149,6 +191,10 @@ def main() -> None:
                         help=f"comma-separated subset of {', '.join(STAGES)}, reference, floor")
     parser.add_argument("--data", type=Path, default=DATA, help="folder of JPEG photos")
     parser.add_argument("--floor", type=Path, default=FLOOR, help="the dali-views-floor script")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="then profile N batches of the first project pipeline (stages and top operators)")
+    parser.add_argument("--profile-rows", type=int, default=15, help="operators listed by --profile")
+    parser.add_argument("--trace", type=Path, help="with --profile: write the Chrome trace to this file")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="a views setting for every pipeline (YAML value), e.g. --set hw_decoder_load=0.9")
     args = parser.parse_args()
@@ -198,6 +244,9 @@ def main() -> None:
             cpu_ms[name] = ms
             print(f"{name:12s} ({device}): {rates[name]:8.1f} images/s, {ms:6.1f} CPU ms/image ({done} images)",
                   flush=True)
+        project = [name for name in STAGES if name in wanted]
+        if args.profile and project:
+            profiled(shards, ViewConfig(**{**base.__dict__, **STAGES[project[0]]}), args.device, args)
         if "floor" in wanted:
             rates.update(floor_rates(floor_dir, args))
             for name in ("floor-bare", "floor-colour"):

@@ -12,10 +12,11 @@
 #   `relicv2 pretrain` (e.g. STEP_ARGS="--depth 18" PRETRAIN_ARGS="--set model.depth=18" on a small GPU);
 #   DEVICE=cpu runs the same plumbing on the CPU (a check of the script, not a measurement).
 # Figures: bench_step.py (eager, compiled, batch 2x with activation checkpointing), bench_views.py (DALI
-# mixed vs the reference DataLoader), `relicv2 pretrain` on a shard set (images/s and data wait per step
-# from metrics.jsonl after warm-up, with batches made ahead and on demand, each as a ratio of the compiled
-# step alone when that figure is in figures.tsv), and bench_build_masks.py
-# (build-masks vs the bare network forward on the same images).
+# mixed vs the reference DataLoader, then a torch.profiler breakdown of a batch in views.txt and its trace
+# in views-trace.json), `relicv2 pretrain` on a shard set (images/s and data wait per step from
+# metrics.jsonl after warm-up, with batches made ahead and on demand, each as a ratio of the compiled
+# step alone when that figure is in figures.tsv), and bench_build_masks.py (build-masks vs the bare
+# network forward on the same images).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -75,8 +76,9 @@ fi
 
 if [[ "${SKIP_VIEWS:-0}" != 1 ]]; then
   echo "== bench_views: DALI mixed vs reference, batch $BATCH, $THREADS threads"
+  # --profile: then where a batch's time goes (the loader's stages, the top operators), kept in views.txt
   if "$PYTHON" "$ROOT/benchmarks/bench_views.py" --device "$DEVICE" --batch "$BATCH" --threads "$THREADS" \
-      "${views_args[@]}" > "$WORK/views.txt" 2>&1; then
+      --profile 4 --trace "$WORK/views-trace.json" "${views_args[@]}" > "$WORK/views.txt" 2>&1; then
     cat "$WORK/views.txt"
     "$PYTHON" - "$WORK/views.txt" >> "$LOG" <<'PY'
 import re, sys

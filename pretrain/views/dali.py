@@ -17,6 +17,7 @@ import torch
 from nvidia.dali import pipeline_def
 from nvidia.dali.plugin.pytorch import feed_ndarray
 from nvidia.dali.tensors import TensorListGPU
+from torch.profiler import record_function
 
 from pretrain.views.backend import BackendSetup
 from pretrain.views.batch import BackendBatch, assemble_params, labels_tensor
@@ -37,6 +38,10 @@ from shards.workers import rank_cores
 __all__ = ["DaliBackend", "find_undecodable", "is_decode_error"]
 
 DECODER_OPERATOR = "operator `nvidia.dali.fn.decoders.image`"  # how DALI names the decoder in its errors
+# The stages of a batch as ranges in a torch.profiler trace (a profile of training shows where the
+# views' time goes; `benchmarks/bench_views.py --profile` sums them per batch).
+RANGE_RUN, RANGE_OUTPUTS, RANGE_COLOUR = "views: DALI run", "views: DALI outputs", "views: colour stage"
+PROFILE_RANGES = (RANGE_RUN, RANGE_OUTPUTS, RANGE_COLOUR)
 
 
 def find_undecodable(samples: Sequence[SampleRef], batch_size: int = 256, threads: int | None = None) -> dict[str, str]:
@@ -187,25 +192,28 @@ class DaliBackend:
 
     def next_batch(self) -> BackendBatch:
         excluded: dict[str, str] = {}
-        try:
-            out = self.pipe.run()
-        except RuntimeError as error:
-            if not is_decode_error(error):
-                raise
-            excluded = self._recover(error)
-            out = self.pipe.run()
+        with record_function(RANGE_RUN):
+            try:
+                out = self.pipe.run()
+            except RuntimeError as error:
+                if not is_decode_error(error):
+                    raise
+                excluded = self._recover(error)
+                out = self.pipe.run()
         self.runs += 1
         v = self.num_views
-        views = [_to_torch(out[i]) for i in range(v)]
-        carrier, cls, _has_mask, coverage, grey = out[v : v + 5]
-        masked = out[v + 5 : 2 * v + 5]
-        keys = [sample_key(carrier[i].source_info()) for i in range(len(carrier))]
-        labels = [class_index(np.asarray(cls[i]).tobytes()) for i in range(len(cls))]
-        per_view = [_host_array(out[2 * v + 5 + j]) for j in range(v)] if returns_params(self.setup.config) else []
+        with record_function(RANGE_OUTPUTS):
+            views = [_to_torch(out[i]) for i in range(v)]
+            carrier, cls, _has_mask, coverage, grey = out[v : v + 5]
+            masked = out[v + 5 : 2 * v + 5]
+            keys = [sample_key(carrier[i].source_info()) for i in range(len(carrier))]
+            labels = [class_index(np.asarray(cls[i]).tobytes()) for i in range(len(cls))]
+            per_view = [_host_array(out[2 * v + 5 + j]) for j in range(v)] if returns_params(self.setup.config) else []
+            backgrounds = self._backgrounds(out, grey) if self.torch_colour else {}
         if self.torch_colour:
-            backgrounds = self._backgrounds(out, grey)
-            views = [colour_view(view, ColourDraws.from_params(p), spec, self.setup.config, backgrounds.get(j))
-                     for j, (view, p, spec) in enumerate(zip(views, per_view, self.specs, strict=True))]
+            with record_function(RANGE_COLOUR):
+                views = [colour_view(view, ColourDraws.from_params(p), spec, self.setup.config, backgrounds.get(j))
+                         for j, (view, p, spec) in enumerate(zip(views, per_view, self.specs, strict=True))]
         params = None
         if self.debug:
             params = assemble_params(per_view, [_scalars(m) for m in masked], _scalars(coverage), _scalars(grey))

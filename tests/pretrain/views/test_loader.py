@@ -247,6 +247,24 @@ def test_a_pipeline_error_that_is_not_a_bad_sample_surfaces(forty, monkeypatch):
     assert searched == []  # no hunt for undecodable samples, no rebuild
 
 
+def test_a_profile_of_training_shows_each_stage_of_a_dali_batch(forty):
+    """A user's torch.profiler trace names where the views' time goes: DALI's run, its outputs, the
+    torch colour stage, once a batch each (bench_views.py --profile sums them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pretrain.views.dali import PROFILE_RANGES, RANGE_COLOUR
+
+    iterator = iter(ViewLoader(forty, 4, ViewConfig(**TINY, ready_batches=0), backend="dali"))
+    next(iterator)
+    with profile(activities=[ProfilerActivity.CPU]) as trace:
+        next(iterator)
+        next(iterator)
+    ranges = {e.key: e for e in trace.key_averages() if e.key in PROFILE_RANGES}
+    assert {name: e.count for name, e in ranges.items()} == dict.fromkeys(PROFILE_RANGES, 2)
+    colour_ops = {e.key for e in trace.events() if e.cpu_parent is not None and e.cpu_parent.name == RANGE_COLOUR}
+    assert "aten::index_select" in colour_ops or "aten::lerp" in colour_ops  # the colour steps run inside it
+
+
 def test_reference_blurs_views_smaller_than_the_blur_kernel(forty):
     views = ViewConfig(**{**TINY, "small_size": 8, "blur_probability_odd": 1.0, "blur_probability_even": 1.0})
     batch = next(iter(ViewLoader(forty, 4, views, backend="reference")))
