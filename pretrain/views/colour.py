@@ -141,18 +141,19 @@ def solarize_view(x: torch.Tensor) -> torch.Tensor:
 
 
 class _Rows:
-    """Selects a batch's samples by host-side flags, moving one array to the device per view.
+    """Selects a batch's samples by host-side flags, moving two arrays to the device per view.
 
     Every group of rows a view's steps need is known on the host before any step runs; their
-    indices travel as one array and each group is a slice of it, and the per-sample values travel
-    once as a B x K table: a few host-to-device copies a view instead of two per step.
+    indices travel as one array and each group is a slice of it, and so do the per-sample values,
+    gathered on the host in the same order (a slice per step, no gather kernel on the device): two
+    host-to-device copies a view instead of two per step.
     """
 
     def __init__(self, groups: list[np.ndarray], values: np.ndarray, device: torch.device) -> None:
         self.groups = [np.flatnonzero(g) for g in groups]
         flat = np.concatenate([*self.groups, np.zeros(0, np.int64)])
         self.index = torch.as_tensor(flat).to(device, non_blocking=True)
-        self.values = torch.as_tensor(np.asarray(values, np.float32)).to(device, non_blocking=True)
+        self.values = torch.as_tensor(np.asarray(values, np.float32)[flat]).to(device, non_blocking=True)
         self.size = len(values)
         self.starts = np.cumsum([0] + [len(g) for g in self.groups])
 
@@ -163,9 +164,9 @@ class _Rows:
         count = len(self.groups[group])
         if count == 0:
             return x
-        index = None if count == self.size else self.index[self.starts[group] : self.starts[group + 1]]
-        values = self.values if index is None else self.values.index_select(0, index)
-        args = () if column is None else (values[:, column].view(-1, 1, 1, 1),)
+        rows = slice(self.starts[group], self.starts[group + 1])
+        index = None if count == self.size else self.index[rows]
+        args = () if column is None else (self.values[rows, column].view(-1, 1, 1, 1),)
         if aligned is not None:
             args += (aligned if index is None else aligned.index_select(0, index),)
         if index is None:
