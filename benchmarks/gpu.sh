@@ -13,7 +13,7 @@
 #   DEVICE=cpu runs the same plumbing on the CPU (a check of the script, not a measurement).
 # Figures: bench_step.py (eager, compiled, batch 2x with activation checkpointing), bench_views.py (DALI
 # mixed vs the reference DataLoader, then a torch.profiler breakdown of a batch in views.txt and its trace
-# in views-trace.json), `relicv2 pretrain` on a shard set (images/s and data wait per step from
+# in views-trace.json), `relicv2 pretrain` on a masked shard set (images/s and data wait per step from
 # metrics.jsonl after warm-up, with batches made ahead and on demand, each as a ratio of the compiled
 # step alone when that figure is in figures.tsv), and bench_build_masks.py (build-masks vs the bare
 # network forward on the same images).
@@ -92,21 +92,45 @@ PY
   fi
 fi
 
-demo_shards() {  # the demo images as a shard set in WORK (built once, reused by the parts below)
+demo_images() {  # the demo images in WORK (made once, reused by the parts below)
   local per_class=$(( IMAGES / 6 ))
   [[ -d "$WORK/images" ]] || "$PYTHON" -m cli demo-data "$WORK/images" --train-per-class "$per_class" \
       --val-per-class 2 --size 256 > /dev/null
+}
+
+demo_shards() {  # the demo images as a shard set (what build-masks reads)
+  demo_images
   [[ -f "$WORK/shards/manifest.parquet" ]] || "$PYTHON" -m cli shards build "$WORK/images/train" "$WORK/shards" \
       --workers "$THREADS" --no-progress > /dev/null
 }
 
+masked_shards() {  # the demo images with a mask each (bench_views.py's soft ellipses), as build-masks writes them
+  demo_images
+  [[ -f "$WORK/masked/manifest.parquet" ]] || "$PYTHON" - "$WORK/images/train" "$WORK/masked" <<'PY'
+import sys
+from pathlib import Path
+from PIL import Image
+from benchmarks.bench_views import build_masked_shards
+
+def readable(path):  # the demo data holds a few broken files on purpose (for shards build's checks)
+    try:
+        with Image.open(path) as image:
+            image.verify()
+        return True
+    except OSError:
+        return False
+
+build_masked_shards([p for p in sorted(Path(sys.argv[1]).rglob("*.jpg")) if readable(p)], Path(sys.argv[2]))
+PY
+}
+
 pretrain() {  # pretrain NAME ARGS...: one short `relicv2 pretrain`, its steady images/s and data wait as a row
   local name="$1"; shift
-  echo "== relicv2 pretrain ($name) on $IMAGES demo images (imagenet-r50-1000ep preset, batch $BATCH, $DEVICE defaults) $* ${PRETRAIN_ARGS:-}"
+  echo "== relicv2 pretrain ($name) on $IMAGES masked demo images (imagenet-r50-1000ep preset: p_m 0.1, batch $BATCH, $DEVICE defaults) $* ${PRETRAIN_ARGS:-}"
   rm -rf "$WORK/run"
   "$PYTHON" -m cli pretrain --config "$ROOT/configs/imagenet-r50-1000ep.yaml" --output "$WORK/run" \
-      --set data.train_shards="$WORK/shards" --set optim.global_batch="$BATCH" --set run.device="$DEVICE" \
-      --set views.mask_probability=0.0 --set knn.train_shards= --set knn.val_shards= --set run.log_every=1 \
+      --set data.train_shards="$WORK/masked" --set optim.global_batch="$BATCH" --set run.device="$DEVICE" \
+      --set knn.train_shards= --set knn.val_shards= --set run.log_every=1 \
       --set run.max_steps=$(( 3 * IMAGES / BATCH )) --set run.checkpoint_every=100000 --set run.progress_bar=false \
       "$@" "${pretrain_args[@]}" > "$WORK/pretrain-$name.txt" 2>&1 || { tail -n 5 "$WORK/pretrain-$name.txt"; exit 1; }
   grep -E "torch.compile" "$WORK/pretrain-$name.txt" || true
@@ -129,7 +153,7 @@ PY
 }
 
 if [[ "${SKIP_PRETRAIN:-0}" != 1 ]]; then
-  demo_shards
+  masked_shards
   pretrain "batches made ahead" --set views.ready_batches=1  # the default on a GPU
   pretrain "batches made on demand" --set views.ready_batches=0
 fi
