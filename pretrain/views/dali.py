@@ -209,7 +209,7 @@ class DaliBackend:
             keys = [sample_key(carrier[i].source_info()) for i in range(len(carrier))]
             labels = [class_index(np.asarray(cls[i]).tobytes()) for i in range(len(cls))]
             per_view = [_host_array(out[2 * v + 5 + j]) for j in range(v)] if returns_params(self.setup.config) else []
-            backgrounds = self._backgrounds(out, grey) if self.torch_colour else {}
+            backgrounds = self._backgrounds(out, grey)  # {} unless the torch stage masks
         if self.torch_colour:
             with record_function(RANGE_COLOUR):
                 views = [colour_view(view, ColourDraws.from_params(p), spec, self.setup.config, backgrounds.get(j))
