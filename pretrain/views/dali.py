@@ -146,6 +146,7 @@ class DaliBackend:
         self.num_views = len(self.specs)
         self.debug = setup.config.debug_params
         self.torch_colour = setup.config.colour_stage == "torch"
+        self.returns_params = returns_params(setup.config)
         self.recoveries = 0
         # Pipeline runs in the current reader epoch: restored with the reader (same ranks), or a new
         # reader at the start of its order (first start, or a position re-split over other ranks: then
@@ -166,6 +167,7 @@ class DaliBackend:
             self.samples, st.config, batch_size=st.batch_size, gpu=self.gpu, rank=st.rank, world_size=st.world_size,
             seed=st.seed, device_id=device_id, checkpoint=checkpoint,
         )
+        self.mask_views = soft_mask_views(self.samples, st.config)  # the pipeline's last outputs, in this order
         meta = self.pipe.reader_meta(READER_NAME)
         reader_epoch = meta["epoch_size_padded"] // meta["number_of_shards"]
         expected = reader_samples_per_rank(len(self.samples), st.world_size)
@@ -208,7 +210,7 @@ class DaliBackend:
             masked = out[v + 5 : 2 * v + 5]
             keys = [sample_key(carrier[i].source_info()) for i in range(len(carrier))]
             labels = [class_index(np.asarray(cls[i]).tobytes()) for i in range(len(cls))]
-            per_view = [_host_array(out[2 * v + 5 + j]) for j in range(v)] if returns_params(self.setup.config) else []
+            per_view = [_host_array(out[2 * v + 5 + j]) for j in range(v)] if self.returns_params else []
             backgrounds = self._backgrounds(out, grey)  # {} unless the torch stage masks
         if self.torch_colour:
             with record_function(RANGE_COLOUR):
@@ -221,13 +223,12 @@ class DaliBackend:
 
     def _backgrounds(self, out, grey) -> dict[int, Background]:
         """{view: what the torch stage needs to mask it} for the views the pipeline gave a crop of the mask."""
-        mask_views = soft_mask_views(self.samples, self.setup.config)
-        if not mask_views:
+        if not self.mask_views:
             return {}
-        v, first = self.num_views, len(out) - len(mask_views)
+        v, first = self.num_views, len(out) - len(self.mask_views)
         grey = _host_array(grey)
         return {j: Background(masked=_host_array(out[v + 5 + j]) > 0.5, grey=grey, soft=_to_torch(out[first + i]))
-                for i, j in enumerate(mask_views)}
+                for i, j in enumerate(self.mask_views)}
 
     def end_epoch(self) -> None:
         # Batches the loader does not deliver (the reader's padded tail): run and drop them so
