@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -44,7 +45,9 @@ class BackgroundDemo:
         self.folder = Path(tempfile.mkdtemp(prefix="relicv2-test-demo-"))
         command, env = demo_command(self.out)
         with open(self.folder / "stdout", "wb") as stdout, open(self.folder / "stderr", "wb") as stderr:
-            self.process = subprocess.Popen(command, cwd=self.folder, env=env, stdout=stdout, stderr=stderr)
+            # Its own process group, so that stop() ends the stage running under bash too, not only bash.
+            self.process = subprocess.Popen(command, cwd=self.folder, env=env, stdout=stdout, stderr=stderr,
+                                            start_new_session=True)
 
     def result(self) -> subprocess.CompletedProcess:
         """The finished run (started here if the session did not start it)."""
@@ -57,7 +60,7 @@ class BackgroundDemo:
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
-            self.process.kill()
+            os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)
