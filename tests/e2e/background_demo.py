@@ -29,6 +29,21 @@ def demo_command(out: Path) -> tuple[list[str], dict[str, str]]:
     return ["bash", str(REPO / "scripts" / "demo.sh"), sys.executable], env
 
 
+def run_demo(out: Path) -> subprocess.CompletedProcess:
+    """The reduced demo run to its end in the foreground; on a timeout its whole process group is
+    killed (not only bash) before `subprocess.TimeoutExpired` propagates."""
+    command, env = demo_command(out)
+    with subprocess.Popen(command, cwd=out.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            raise
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
 class BackgroundDemo:
     """One run of the reduced demo in a temporary folder: `start()`, then `result()` waits for it."""
 

@@ -9,15 +9,10 @@ from pathlib import Path
 import pytest
 
 from pretrain.report.html import SECTIONS
-from tests.e2e.background_demo import DEMO, TIMEOUT_S, demo_command
+from tests.e2e.background_demo import DEMO, run_demo
 from tests.e2e.conftest import open_page
 
 pytestmark = pytest.mark.slow
-
-
-def _demo(out: Path) -> subprocess.CompletedProcess:
-    command, env = demo_command(out)
-    return subprocess.run(command, cwd=out.parent, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +42,7 @@ def test_reduced_demo_report_has_every_section(demo):
 def test_second_run_reuses_the_finished_stages(demo):
     out, _ = demo
     checkpoints = sorted((out / "run").glob("checkpoint-*.pt"))
-    again = _demo(out)
+    again = run_demo(out)
     assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-4000:]
     for title in ("demo images", "shards", "handcrafted saliency", "saliency network", "mask shards",
                   "ReLICv2 pretraining", "evaluation", "export"):
