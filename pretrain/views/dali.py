@@ -211,7 +211,7 @@ class DaliBackend:
             keys = [sample_key(carrier[i].source_info()) for i in range(len(carrier))]
             labels = [class_index(np.asarray(cls[i]).tobytes()) for i in range(len(cls))]
             per_view = [_host_array(out[2 * v + 5 + j]) for j in range(v)] if self.returns_params else []
-            backgrounds = self._backgrounds(out, grey)  # {} unless the torch stage masks
+            backgrounds = self._backgrounds(out, masked, grey)  # {} unless the torch stage masks
         if self.torch_colour:
             with record_function(RANGE_COLOUR):
                 views = [colour_view(view, ColourDraws.from_params(p), spec, self.setup.config, backgrounds.get(j))
@@ -221,13 +221,13 @@ class DaliBackend:
             params = assemble_params(per_view, [_scalars(m) for m in masked], _scalars(coverage), _scalars(grey))
         return BackendBatch(views=views, keys=keys, labels=labels_tensor(labels), params=params, excluded=excluded)
 
-    def _backgrounds(self, out, grey) -> dict[int, Background]:
+    def _backgrounds(self, out, masked, grey) -> dict[int, Background]:
         """{view: what the torch stage needs to mask it} for the views the pipeline gave a crop of the mask."""
         if not self.mask_views:
             return {}
-        v, first = self.num_views, len(out) - len(self.mask_views)
+        first = len(out) - len(self.mask_views)
         grey = _host_array(grey)
-        return {j: Background(masked=_host_array(out[v + 5 + j]) > 0.5, grey=grey, soft=_to_torch(out[first + i]))
+        return {j: Background(masked=_host_array(masked[j]) > 0.5, grey=grey, soft=_to_torch(out[first + i]))
                 for i, j in enumerate(self.mask_views)}
 
     def end_epoch(self) -> None:
