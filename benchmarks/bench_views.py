@@ -41,9 +41,10 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from pretrain.views.config import ViewConfig  # noqa: E402
+from pretrain.views.config import ViewConfig, ready_batches  # noqa: E402
 from pretrain.views.dali import PROFILE_RANGES  # noqa: E402
 from pretrain.views.loader import ViewLoader  # noqa: E402
+from pretrain.views.reference import dataloader_workers  # noqa: E402
 from shards import ShardSample, write_shard_set  # noqa: E402
 from shards.images import displayed_size  # noqa: E402
 
@@ -96,15 +97,32 @@ def endless(loader: ViewLoader) -> Iterator[dict]:
         yield from loader
 
 
+def window(views: ViewConfig, device: str, args) -> tuple[int, int]:
+    """(warm-up batches, timed batches) for a pipeline, so that batches made before the clock starts do not
+    count as made in the timed window.
+
+    The project's pipelines make up to DALI's prefetch queue plus the loader's ready batches ahead, all at
+    once at the start: the warm-up takes at least that many. The reference's DataLoader workers start
+    together and each makes a whole batch, so with a consumer faster than they are its batches arrive in
+    rounds of one per worker (a round of 8 all at once, then nothing for a batch's time): both counts are
+    whole rounds, or a short window (6 batches after 2, with 8 workers) times batches that were already made.
+    """
+    if views.backend == "reference":
+        workers = max(1, dataloader_workers(views))
+        return workers * -(-max(1, args.warmup) // workers), workers * -(-args.batches // workers)
+    return max(args.warmup, views.prefetch + ready_batches(views, device)), args.batches
+
+
 def timed(shards: Path, views: ViewConfig, device: str, args) -> tuple[float, float, int]:
     """(images/s wall clock, CPU ms per image of this process, images timed)."""
     loader = ViewLoader(shards, args.batch, views, device=device, seed=1)
     batches = endless(loader)
-    for _ in range(args.warmup):
+    warmup, count = window(views, device, args)
+    for _ in range(warmup):
         next(batches)
     start, cpu = time.perf_counter(), time.process_time()
     done = 0
-    for _ in range(args.batches):
+    for _ in range(count):
         batch = next(batches)
         done += len(batch["keys"])
     if device != "cpu":
@@ -122,9 +140,10 @@ def profiled(shards: Path, views: ViewConfig, device: str, args) -> None:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    loader = ViewLoader(shards, args.batch, ViewConfig(**{**views.__dict__, "ready_batches": 0}), device=device, seed=1)
+    views = ViewConfig(**{**views.__dict__, "ready_batches": 0})
+    loader = ViewLoader(shards, args.batch, views, device=device, seed=1)
     batches = endless(loader)
-    for _ in range(args.warmup):
+    for _ in range(window(views, device, args)[0]):
         next(batches)
     cuda = device != "cpu"
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
@@ -226,7 +245,8 @@ def main() -> None:
             (floor_dir / path.name).symlink_to(path.resolve())
         print(f"built {count} masked samples in {time.perf_counter() - start:.1f} s")
         print(f"views: 4 x {args.large_size} + 2 x {args.small_size}, batch {args.batch}, {args.threads} threads/workers, "
-              f"{args.batches} timed batches after {args.warmup}, device {args.device}"
+              f"{args.batches} timed batches after {args.warmup} (more where batches are made ahead), "
+              f"device {args.device}"
               + (f", settings {settings}" if settings else ""))
         rates: dict[str, float] = {}
         cpu_ms: dict[str, float] = {}
@@ -244,8 +264,9 @@ def main() -> None:
                 torch.set_num_threads(1)
                 _, ms, _ = timed(shards, ViewConfig(**{**views.__dict__, "num_threads": 1}), device, args)
             cpu_ms[name] = ms
-            print(f"{name:12s} ({device}): {rates[name]:8.1f} images/s, {ms:6.1f} CPU ms/image ({done} images)",
-                  flush=True)
+            warmup, count = window(views, device, args)
+            print(f"{name:12s} ({device}): {rates[name]:8.1f} images/s, {ms:6.1f} CPU ms/image ({done} images, "
+                  f"{count} batches after {warmup})", flush=True)
         project = [name for name in STAGES if name in wanted]
         if args.profile and project:
             profiled(shards, ViewConfig(**{**base.__dict__, **STAGES[project[0]]}), args.device, args)

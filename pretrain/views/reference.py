@@ -230,6 +230,11 @@ def collate(items: list[dict | None]) -> BackendBatch:
     )
 
 
+def dataloader_workers(config: ViewConfig) -> int:
+    """The reference DataLoader's worker processes: one per thread, none (in this process) for one thread."""
+    return config.num_threads if config.num_threads > 1 else 0
+
+
 class ReferenceBackend:
     """Feeds a ViewLoader from one torch DataLoader that runs across epochs; every draw is seeded by
     (seed, epoch, sample position), so the position (epoch, batch) is the whole state."""
@@ -244,7 +249,7 @@ class ReferenceBackend:
             st = self.setup
             sampler = RankBatches(len(st.samples), st.batch_size, st.batches_per_epoch, st.rank, st.world_size, st.seed,
                                   st.epoch, st.batch_in_epoch)
-            workers = st.config.num_threads if st.config.num_threads > 1 else 0
+            workers = dataloader_workers(st.config)
             self.iterator = iter(
                 DataLoader(self.dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
                            prefetch_factor=st.config.prefetch if workers else None)
