@@ -127,7 +127,9 @@ def bare_encoder_time(online: torch.nn.Module, views: list[torch.Tensor], settin
     small = torch.cat(views[args.large_views :]).to(dtype=dtype, memory_format=memory_format) \
         if args.small_views else None
 
-    run = torch.compile(encoder) if args.compile else encoder  # never checkpointed: the baseline
+    # Never checkpointed: the baseline. Static shapes: the second view size would otherwise recompile the
+    # encoder with dynamic shapes (slower kernels: on the H100 that baseline was slower than the whole step).
+    run = torch.compile(encoder, dynamic=False) if args.compile else encoder
 
     def once() -> None:
         with torch.autocast(ctx.device.type, dtype=torch.bfloat16, enabled=settings.bf16):
