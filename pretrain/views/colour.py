@@ -118,7 +118,9 @@ def gaussian_blur(x: torch.Tensor, sigma: np.ndarray, kernel: int) -> torch.Tens
     half = kernel // 2
     taps = torch.linspace(-half, half, kernel, dtype=torch.float64)
     weights = torch.exp(-0.5 * (taps[None, :] / torch.as_tensor(sigma, dtype=torch.float64)[:, None]) ** 2)
-    weights = (weights / weights.sum(dim=1, keepdim=True)).to(x.device, x.dtype).repeat_interleave(c, dim=0)
+    # non_blocking: a blocking copy waits for every kernel queued on the stream (see colour_view).
+    weights = (weights / weights.sum(dim=1, keepdim=True)).to(x.device, x.dtype, non_blocking=True)
+    weights = weights.repeat_interleave(c, dim=0)
     padded = F.pad(x, (half, half, half, half), mode="reflect").reshape(1, n * c, h + 2 * half, w + 2 * half)
     out = F.conv2d(padded, weights.view(n * c, 1, kernel, 1), groups=n * c)
     out = F.conv2d(out, weights.view(n * c, 1, 1, kernel), groups=n * c)
@@ -216,5 +218,7 @@ def colour_view(view: torch.Tensor, draws: ColourDraws, spec: ViewSpec, cfg: Vie
         x = rows.apply(x, later + 1, lambda v: gaussian_blur(v, draws.sigma[draws.blur], cfg.blur_kernel))
     if solarize:
         x = rows.apply(x, later + 2, solarize_view)
-    mean, std = torch.tensor([cfg.mean, cfg.std], device=x.device).view(2, 1, 3, 1, 1)  # one copy to the device
+    # One copy to the device, and non-blocking like every copy here: a blocking one waits until the
+    # stream's queued kernels have run (two such waits a view cost the H100 12 waits a batch, RESULTS.md).
+    mean, std = torch.tensor([cfg.mean, cfg.std]).to(x.device, non_blocking=True).view(2, 1, 3, 1, 1)
     return x.sub_(mean).div_(std)

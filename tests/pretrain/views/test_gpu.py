@@ -133,3 +133,27 @@ def test_batches_made_ahead_on_their_own_stream_are_the_batches_made_on_demand(t
         scratch = [torch.full_like(v, float("nan")) for v in batch["views"]]  # the consumer's own work
         assert all(torch.equal(a, b) for a, b in zip(want, batch["views"], strict=True))
         del scratch
+
+
+@pytest.mark.gpu
+def test_the_colour_stage_never_waits_for_the_gpu():
+    """The loader's thread launches a batch's colour stage without waiting for the GPU: a blocking copy
+    (two a view before) stalls it until the stream's queued kernels have run, which during training
+    share the GPU with the step."""
+    from pretrain.views.colour import Background, colour_view
+    from pretrain.views.config import view_specs
+    from tests.pretrain.views.test_colour import draws_for
+
+    rng = np.random.default_rng(3)
+    batch = 32
+    images = torch.from_numpy(rng.integers(0, 256, (batch, 40, 40, 3), dtype=np.uint8)).cuda()
+    soft = torch.from_numpy(rng.integers(0, 256, (batch, 40, 40, 1), dtype=np.uint8)).cuda()
+    cfg = ViewConfig(blur_probability_even=1.0, solarize_probability_odd=1.0)
+    background = Background(masked=rng.uniform(size=batch) < 0.5, grey=rng.uniform(size=batch), soft=soft)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for spec in view_specs(cfg):
+            colour_view(images, draws_for(batch, rng), spec, cfg, background)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
