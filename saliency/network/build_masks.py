@@ -30,7 +30,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -205,7 +205,13 @@ def finish(sample: RawSample, probability: np.ndarray, width: int, height: int) 
 
 
 class MaskPredictor:
-    """Batched inference: fp32 on CPU; bf16 autocast and channels_last on GPU."""
+    """Batched inference: fp32 on CPU; bf16 autocast and channels_last on GPU.
+
+    `launch` starts a batch and returns a function that waits for its probabilities, so the caller
+    can write the previous batch while the GPU runs. On a GPU the squares go up from pinned memory
+    and the probabilities come back into pinned memory, both without blocking; on the CPU the forward
+    runs inside `launch` (same code, nothing to overlap).
+    """
 
     def __init__(self, model_path: Path, device: str):
         self.model, self.info = load_model(model_path, device)
@@ -215,15 +221,57 @@ class MaskPredictor:
             self.model = self.model.to(memory_format=torch.channels_last)
 
     @torch.no_grad()
+    def launch(self, squares: list[np.ndarray]) -> Callable[[], np.ndarray]:
+        """Start the forward pass of uint8 squares [S, S, 3]; the returned function waits for it and
+        returns the probabilities, float32 [B, S, S]."""
+        # Stacked straight into pinned memory on a GPU (the caching host allocator reuses the block),
+        # so the upload below is asynchronous.
+        batch = torch.empty((len(squares), self.size, self.size, 3), dtype=torch.uint8, pin_memory=self.cuda)
+        np.stack(squares, out=batch.numpy())
+        x = self.model.normalise(batch.permute(0, 3, 1, 2))
+        if not self.cuda:
+            probabilities = torch.sigmoid(self.model(x)).squeeze(1).numpy()
+            return lambda: probabilities
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = self.model(x.contiguous(memory_format=torch.channels_last))
+        result = torch.sigmoid(logits.float()).squeeze(1)
+        host = torch.empty(result.shape, dtype=torch.float32, pin_memory=True)
+        host.copy_(result, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+
+        def wait() -> np.ndarray:
+            done.synchronize()  # releases the GIL: the pool keeps decoding and encoding meanwhile
+            return host.numpy()
+
+        return wait
+
     def __call__(self, squares: list[np.ndarray]) -> np.ndarray:
-        batch = torch.from_numpy(np.stack(squares)).permute(0, 3, 1, 2)
-        x = self.model.normalise(batch)
-        if self.cuda:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                logits = self.model(x.contiguous(memory_format=torch.channels_last))
-        else:
-            logits = self.model(x)
-        return torch.sigmoid(logits.float()).squeeze(1).cpu().numpy()
+        return self.launch(squares)()
+
+
+def launch_forward(predictor, squares: list[np.ndarray]) -> Callable[[], np.ndarray]:
+    """`predictor.launch(squares)` when it has one (MaskPredictor, the benchmark's stand-in); a plain
+    callable (tests) runs now, its result handed back by the returned function."""
+    if hasattr(predictor, "launch"):
+        return predictor.launch(squares)
+    probabilities = predictor(squares)
+    return lambda: probabilities
+
+
+@dataclass
+class MainThreadClock:
+    """Where the job's main thread spent its time (seconds): waiting for the forward pass, waiting for
+    the pool (decode, mask encoding), and in all. The rest is its own work: reading input and
+    writing tars. A GPU run with much waiting on the pool is host-bound."""
+
+    waiting_for_forward: float = 0.0
+    waiting_for_pool: float = 0.0
+    total: float = 0.0
+
+    def report(self) -> dict:
+        return {"waiting_for_forward_s": round(self.waiting_for_forward, 3),
+                "waiting_for_pool_s": round(self.waiting_for_pool, 3), "main_thread_s": round(self.total, 3)}
 
 
 def prepare_chunk(samples: list[RawSample], size: int) -> list[tuple[np.ndarray, int, int] | Rejection]:
@@ -255,7 +303,7 @@ def _batches(items: Iterator, size: int) -> Iterator[list]:
 
 
 def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: ThreadPoolExecutor, batch_size: int,
-               bar, index_file: Path | None = None, workers: int = 1) -> dict:
+               bar, index_file: Path | None = None, workers: int = 1, clock: MainThreadClock | None = None) -> dict:
     """Write the masked copy of one input shard; returns its record (rows, rejected, tar size).
 
     Each batch goes to the pool as `workers` chunks (decode, then mask + PNG + tar record), not one task
@@ -264,10 +312,18 @@ def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: ThreadP
     rejected: list[dict] = []
     shard = TarShard(out_tar)
     writing: list[Future] = []  # the finish chunks of the batch before, in sample order
+    clock = clock or MainThreadClock()
+    began = time.perf_counter()
+
+    def pool_result(future: Future) -> list:
+        waited = time.perf_counter()
+        result = future.result()
+        clock.waiting_for_pool += time.perf_counter() - waited
+        return result
 
     def write_finished() -> None:
         for future in writing:
-            for record in future.result():
+            for record in pool_result(future):
                 shard.add_record(record)
                 bar.update(1)
         writing.clear()
@@ -290,7 +346,7 @@ def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: ThreadP
         while current is not None:
             following = next(batches, None)  # decode the next batch while this one is in the network
             samples, futures = current
-            results = [result for future in futures for result in future.result()]
+            results = [result for future in futures for result in pool_result(future)]
             ready, squares = [], []
             for sample, result in zip(samples, results, strict=True):
                 if isinstance(result, Rejection):
@@ -301,12 +357,16 @@ def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: ThreadP
                     squares.append(result[0])
                     ready.append((sample, result[1], result[2]))
             if ready:
-                probabilities = predictor(squares)
-                write_finished()  # the previous batch's encodes ran during this forward pass
+                wait = launch_forward(predictor, squares)
+                write_finished()  # the previous batch's records, written while this one is in the network
+                waited = time.perf_counter()
+                probabilities = wait()
+                clock.waiting_for_forward += time.perf_counter() - waited
                 writing.extend(pool.submit(finish_chunk, ready[part], probabilities[part])
                                for part in _chunks(len(ready), workers))
             current = following
         write_finished()
+        clock.total += time.perf_counter() - began
         if not shard.rows:
             shard.abort()
             return {"rows": [], "rejected": rejected, "tar_size": None}
@@ -419,8 +479,9 @@ def check_out_folder(out: Path, count: int) -> None:
 def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=None) -> dict | None:
     """Run (or resume) the job; rank 0 returns the summary, the other ranks None.
 
-    `predictor` (tests): a callable like `MaskPredictor` (uint8 squares -> probabilities, `.size`)
-    used instead of the model file's network; the file is still read and fingerprinted.
+    `predictor` (tests, benchmarks): a callable like `MaskPredictor` (uint8 squares -> probabilities,
+    `.size`, optionally `.launch`, see `launch_forward`) used instead of the model file's network; the
+    file is still read and fingerprinted.
     """
     ranks = ranks or ranks_from_env()
     tars = _input_tars(config)
@@ -446,7 +507,7 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
         indexed = resolve_shard_set([tars[n] for n in todo], index_cache=config.index_cache) if todo else None
         index_files = dict(zip(todo, indexed.index_files, strict=True)) if indexed else {}
         total = indexed.samples if indexed else 0
-        started, processed = time.monotonic(), 0
+        started, processed, clock = time.monotonic(), 0, MainThreadClock()
         bar = tqdm(total=total, desc="build-masks", unit="img", disable=not config.progress or not todo,
                    dynamic_ncols=True)
         # OpenCV's own thread pool inside each worker thread only adds contention (and CPU: a 432 px resize
@@ -457,7 +518,7 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
             with ThreadPoolExecutor(config.workers) as pool:
                 for number in todo:
                     record = mask_shard(tars[number], out / shard_name(PREFIX, number), predictor, pool,
-                                        config.batch_size, bar, index_files[number], config.workers)
+                                        config.batch_size, bar, index_files[number], config.workers, clock)
                     record["input"] = tars[number].name
                     processed += len(record["rows"]) + len(record["rejected"])
                     _record_path(out, number).parent.mkdir(parents=True, exist_ok=True)
@@ -486,6 +547,7 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
         summary["shards_kept"], summary["shards_built"] = kept, len(tars) - kept
         summary["rejected_file"] = str(out / REJECTED_NAME)
         summary["images_per_s"] = round(processed / seconds, 2) if processed and seconds > 0 else None
+        summary.update(clock.report())  # this rank's
         return summary
 
 
