@@ -7,7 +7,8 @@
 #   PYTHON (default python), BATCH (256), STEPS (20), THREADS (8 CPU threads for DALI), IMAGES (2000 demo
 #   images for the end-to-end run and build-masks), SKIP_STEPS=1 / SKIP_VIEWS=1 / SKIP_PRETRAIN=1 /
 #   SKIP_MASKS=1 to leave a part out (the figures of calls with the same WORK_DIR add up in its
-#   figures.tsv, so parts can run in separate calls), MASK_SIZE (432, the saliency network's input);
+#   figures.tsv, so parts can run in separate calls), SKIP_DOUBLE=1 to leave out the step rows at twice
+#   the batch, MASK_SIZE (432, the saliency network's input);
 #   STEP_ARGS / VIEWS_ARGS / PRETRAIN_ARGS: extra arguments for bench_step.py, bench_views.py and
 #   `relicv2 pretrain` (e.g. STEP_ARGS="--depth 18" PRETRAIN_ARGS="--set model.depth=18" on a small GPU);
 #   DEVICE=cpu runs the same plumbing on the CPU (a check of the script, not a measurement).
@@ -70,8 +71,10 @@ step() {  # step NAME ARGS...: one bench_step.py run, its output kept in WORK
 if [[ "${SKIP_STEPS:-0}" != 1 ]]; then
   step "batch $BATCH eager" --batch "$BATCH"
   step "batch $BATCH compiled" --batch "$BATCH" --compile
-  step "batch $((BATCH * 2)) compiled" --batch "$((BATCH * 2))" --compile
-  step "batch $((BATCH * 2)) compiled+ckpt" --batch "$((BATCH * 2))" --compile --activation-checkpointing
+  if [[ "${SKIP_DOUBLE:-0}" != 1 ]]; then  # each compiles again (minutes on a machine with a cold cache)
+    step "batch $((BATCH * 2)) compiled" --batch "$((BATCH * 2))" --compile
+    step "batch $((BATCH * 2)) compiled+ckpt" --batch "$((BATCH * 2))" --compile --activation-checkpointing
+  fi
 fi
 
 if [[ "${SKIP_VIEWS:-0}" != 1 ]]; then
