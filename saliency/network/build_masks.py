@@ -292,7 +292,7 @@ def finish_chunk(ready: list[tuple[RawSample, int, int]], probabilities: np.ndar
 
 def _chunks(count: int, parts: int) -> list[slice]:
     """`count` items as at most `parts` contiguous slices of near-equal length."""
-    step = -(-count // max(1, parts))
+    step = max(1, -(-count // max(1, parts)))  # none for no items (a batch the reader rejected whole)
     return [slice(start, min(start + step, count)) for start in range(0, count, step)]
 
 
