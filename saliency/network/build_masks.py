@@ -242,7 +242,7 @@ class MaskPredictor:
         result = torch.sigmoid(logits.float()).squeeze(1)
         host = torch.empty(result.shape, dtype=torch.float32, pin_memory=True)
         host.copy_(result, non_blocking=True)
-        done = torch.cuda.Event()
+        done = torch.cuda.Event(blocking=True)  # the wait sleeps rather than spins: a core for the pool
         done.record()
 
         def wait() -> np.ndarray:
@@ -266,16 +266,17 @@ def launch_forward(predictor, squares: list[np.ndarray]) -> Callable[[], np.ndar
 
 @dataclass
 class MainThreadClock:
-    """Where the job's main thread spent its time (seconds): waiting for the forward pass, waiting for
-    the pool (decode, mask encoding), and in all. The rest is its own work: reading input and
-    writing tars. A GPU run with much waiting on the pool is host-bound."""
+    """Where the job's main thread spent its time (seconds): in the forward pass (launching it and
+    waiting for it; on the CPU, running it), waiting for the pool (decode, mask encoding), and in all.
+    The rest is its own work: reading input and writing tars. A GPU run with much waiting on the pool
+    is host-bound."""
 
-    waiting_for_forward: float = 0.0
+    forward: float = 0.0
     waiting_for_pool: float = 0.0
     total: float = 0.0
 
     def report(self) -> dict:
-        return {"waiting_for_forward_s": round(self.waiting_for_forward, 3),
+        return {"forward_s": round(self.forward, 3),
                 "waiting_for_pool_s": round(self.waiting_for_pool, 3), "main_thread_s": round(self.total, 3)}
 
 
@@ -362,11 +363,13 @@ def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: ThreadP
                     squares.append(result[0])
                     ready.append((sample, result[1], result[2]))
             if ready:
+                launched = time.perf_counter()
                 wait = launch_forward(predictor, squares)
+                clock.forward += time.perf_counter() - launched
                 write_finished()  # the previous batch's records, written while this one is in the network
                 waited = time.perf_counter()
                 probabilities = wait()
-                clock.waiting_for_forward += time.perf_counter() - waited
+                clock.forward += time.perf_counter() - waited
                 writing.extend(pool.submit(finish_chunk, ready[part], probabilities[part])
                                for part in _chunks(len(ready), workers))
             current = following
