@@ -113,8 +113,8 @@ def window(views: ViewConfig, device: str, args) -> tuple[int, int]:
     return max(args.warmup, views.prefetch + ready_batches(views, device)), args.batches
 
 
-def timed(shards: Path, views: ViewConfig, device: str, args) -> tuple[float, float, int]:
-    """(images/s wall clock, CPU ms per image of this process, images timed)."""
+def timed(shards: Path, views: ViewConfig, device: str, args) -> tuple[float, float, int, str]:
+    """(images/s wall clock, CPU ms per image of this process, images timed, the window in words)."""
     loader = ViewLoader(shards, args.batch, views, device=device, seed=1)
     batches = endless(loader)
     warmup, count = window(views, device, args)
@@ -128,7 +128,7 @@ def timed(shards: Path, views: ViewConfig, device: str, args) -> tuple[float, fl
     if device != "cpu":
         torch.cuda.synchronize()  # the last views are ready
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-    return done / wall, 1000 * cpu / done, done
+    return done / wall, 1000 * cpu / done, done, f"{count} batches after {warmup}"
 
 
 def profiled(shards: Path, views: ViewConfig, device: str, args) -> None:
@@ -258,15 +258,14 @@ def main() -> None:
             else:
                 views, device = ViewConfig(**{**base.__dict__, **STAGES[name]}), args.device
                 print(f"{name:12s} GPU graph: {gpu_graph_size(shards, views, args.batch)}", flush=True)
-            rates[name], ms, done = timed(shards, views, device, args)
+            rates[name], ms, done, span = timed(shards, views, device, args)
             if name == "reference":
                 # DataLoader workers are other processes: the CPU cost per image is timed in-process.
                 torch.set_num_threads(1)
-                _, ms, _ = timed(shards, ViewConfig(**{**views.__dict__, "num_threads": 1}), device, args)
+                _, ms, _, _ = timed(shards, ViewConfig(**{**views.__dict__, "num_threads": 1}), device, args)
             cpu_ms[name] = ms
-            warmup, count = window(views, device, args)
             print(f"{name:12s} ({device}): {rates[name]:8.1f} images/s, {ms:6.1f} CPU ms/image ({done} images, "
-                  f"{count} batches after {warmup})", flush=True)
+                  f"{span})", flush=True)
         project = [name for name in STAGES if name in wanted]
         if args.profile and project:
             profiled(shards, ViewConfig(**{**base.__dict__, **STAGES[project[0]]}), args.device, args)

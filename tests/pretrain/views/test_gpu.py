@@ -139,7 +139,8 @@ def test_batches_made_ahead_on_their_own_stream_are_the_batches_made_on_demand(t
 def test_the_colour_stage_never_waits_for_the_gpu():
     """The loader's thread launches a batch's colour stage without waiting for the GPU: a blocking copy
     (two a view before) stalls it until the stream's queued kernels have run, which during training
-    share the GPU with the step."""
+    share the GPU with the step. Any wait raises under sync debug mode "error"; the views are those
+    the CPU makes from the same draws."""
     from pretrain.views.colour import Background, colour_view
     from pretrain.views.config import view_specs
     from tests.pretrain.views.test_colour import draws_for
@@ -149,11 +150,17 @@ def test_the_colour_stage_never_waits_for_the_gpu():
     images = torch.from_numpy(rng.integers(0, 256, (batch, 40, 40, 3), dtype=np.uint8)).cuda()
     soft = torch.from_numpy(rng.integers(0, 256, (batch, 40, 40, 1), dtype=np.uint8)).cuda()
     cfg = ViewConfig(blur_probability_even=1.0, solarize_probability_odd=1.0)
-    background = Background(masked=rng.uniform(size=batch) < 0.5, grey=rng.uniform(size=batch), soft=soft)
+    masked, grey = rng.uniform(size=batch) < 0.5, rng.uniform(size=batch)
+    specs = view_specs(cfg)
+    draws = [draws_for(batch, rng) for _ in specs]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for spec in view_specs(cfg):
-            colour_view(images, draws_for(batch, rng), spec, cfg, background)
+        on_gpu = [colour_view(images, d, spec, cfg, Background(masked=masked, grey=grey, soft=soft))
+                  for d, spec in zip(draws, specs, strict=True)]
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    for d, spec, out in zip(draws, specs, on_gpu, strict=True):
+        on_cpu = colour_view(images.cpu(), d, spec, cfg, Background(masked=masked, grey=grey, soft=soft.cpu()))
+        # Float rounding apart (normalised units); a wrong factor or row is orders of magnitude above.
+        assert (out.cpu() - on_cpu).abs().max() < 1e-3, spec
