@@ -19,7 +19,8 @@ makes the batch, not by the trainer).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -62,6 +63,17 @@ class ColourDraws:
             sigma=col["sigma"].astype(np.float64),
             solarize=col["solarize"] > 0.5,
         )
+
+    def for_view(self, spec: ViewSpec) -> ColourDraws:
+        """These draws with the steps `spec` never takes switched off: a step of probability 0 is
+        not applied, whatever flag was drawn for it."""
+        return replace(self, blur=self.blur & (spec.blur_probability > 0),
+                       solarize=self.solarize & (spec.solarize_probability > 0))
+
+    @classmethod
+    def concat(cls, draws: Sequence[ColourDraws]) -> ColourDraws:
+        """The draws of several views as those of one batch, rows in the given order."""
+        return cls(**{f.name: np.concatenate([getattr(d, f.name) for d in draws]) for f in fields(cls)})
 
 
 def _grey(x: torch.Tensor) -> torch.Tensor:
@@ -193,18 +205,66 @@ def colour_view(view: torch.Tensor, draws: ColourDraws, spec: ViewSpec, cfg: Vie
     be masked), jitter (brightness, contrast, saturation, hue in the sample's order, with
     probability p), grayscale, blur, solarize, then the ImageNet mean/std.
     """
+    return _colour(view, draws.for_view(spec), cfg, background)
+
+
+def colour_views(views: Sequence[torch.Tensor], draws: Sequence[ColourDraws], specs: Sequence[ViewSpec],
+                 cfg: ViewConfig, backgrounds: Mapping[int, Background], stack: bool | None = None) -> list[torch.Tensor]:
+    """`colour_view` of every view of a batch; with `stack`, the views of one size as one batch.
+
+    Every step works row by row with each row's own draws, so stacking the views of one size (the
+    4 large, then the 2 small) gives each view the same pixels as colouring it alone, with a third
+    of the operators. That is what a GPU needs: there the stage is launch-bound (110 CPU ms against
+    25.5 GPU ms a batch of 256 on an H100, benchmarks/RESULTS.md). A CPU is not: each operator
+    is a pass over memory, and a view at a time keeps more of it in cache (stacked is ~1.4x slower
+    at batch 32 on the CPU box, `benchmarks/bench_colour.py`). `stack` defaults to "on a GPU".
+    """
+    if stack is None:
+        stack = views[0].device.type != "cpu"
+    if not stack:
+        return [colour_view(view, draws[j], specs[j], cfg, backgrounds.get(j)) for j, view in enumerate(views)]
+    out: list[torch.Tensor | None] = [None] * len(views)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for j, view in enumerate(views):
+        groups.setdefault(tuple(view.shape[1:]), []).append(j)
+    for members in groups.values():
+        stacked = torch.cat([views[j] for j in members]) if len(members) > 1 else views[members[0]]
+        joined = ColourDraws.concat([draws[j].for_view(specs[j]) for j in members])
+        coloured = _colour(stacked, joined, cfg, _joined_background([backgrounds.get(j) for j in members]))
+        for j, part in zip(members, coloured.split(len(views[members[0]])), strict=True):
+            out[j] = part
+    return out
+
+
+def _joined_background(parts: list[Background | None]) -> Background | None:
+    """The backgrounds of views coloured as one batch; a view without one is never masked (its rows
+    of the mask are left uninitialised: no step reads an unmasked row's mask)."""
+    present = [b for b in parts if b is not None]
+    if not present:
+        return None
+    if len(parts) == 1:
+        return present[0]
+    soft = present[0].soft
+    rows = len(soft)
+    return Background(
+        masked=np.concatenate([b.masked if b is not None else np.zeros(rows, bool) for b in parts]),
+        grey=np.concatenate([b.grey if b is not None else np.zeros(rows) for b in parts]),
+        soft=torch.cat([b.soft if b is not None else soft.new_empty(soft.shape) for b in parts]),
+    )
+
+
+def _colour(view: torch.Tensor, draws: ColourDraws, cfg: ViewConfig, background: Background | None) -> torch.Tensor:
+    """`colour_view` with draws already switched off where their view's spec never takes the step."""
     x = view.permute(0, 3, 1, 2).to(torch.float32, memory_format=torch.contiguous_format).div_(255.0)
     strengths = (cfg.brightness, cfg.contrast, cfg.saturation, cfg.hue)
     operations = ORDER_TABLE[draws.order]  # B x 4
     jitter = [(slot, op) for slot in range(len(JITTER_STEPS)) for op in range(len(JITTER_STEPS)) if strengths[op] > 0]
-    blur = spec.blur_probability > 0
-    solarize = spec.solarize_probability > 0
     masked = background.masked if background is not None else np.zeros(len(draws.order), bool)
     grey = background.grey if background is not None else np.zeros(len(draws.order))
     rows = _Rows(
         [masked]
         + [draws.jitter & (operations[:, slot] == op) for slot, op in jitter]
-        + [draws.grayscale, draws.blur & blur, draws.solarize & solarize],
+        + [draws.grayscale, draws.blur, draws.solarize],
         np.column_stack([draws.factors, grey]), x.device,
     )
     if background is not None:
@@ -214,10 +274,8 @@ def colour_view(view: torch.Tensor, draws: ColourDraws, spec: ViewSpec, cfg: Vie
         x = rows.apply(x, group, JITTER_STEPS[op], column=op)
     later = len(jitter) + 1
     x = rows.apply(x, later, lambda v: _grey(v).repeat(1, 3, 1, 1))
-    if blur:
-        x = rows.apply(x, later + 1, lambda v: gaussian_blur(v, draws.sigma[draws.blur], cfg.blur_kernel))
-    if solarize:
-        x = rows.apply(x, later + 2, solarize_view)
+    x = rows.apply(x, later + 1, lambda v: gaussian_blur(v, draws.sigma[draws.blur], cfg.blur_kernel))
+    x = rows.apply(x, later + 2, solarize_view)
     # One copy to the device, and non-blocking like every copy here: a blocking one waits until the
     # stream's queued kernels have run (two such waits a view cost the H100 12 waits a batch, RESULTS.md).
     mean, std = torch.tensor([cfg.mean, cfg.std]).to(x.device, non_blocking=True).view(2, 1, 3, 1, 1)

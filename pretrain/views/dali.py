@@ -21,7 +21,7 @@ from torch.profiler import record_function
 
 from pretrain.views.backend import BackendSetup
 from pretrain.views.batch import BackendBatch, assemble_params, labels_tensor
-from pretrain.views.colour import Background, ColourDraws, colour_view
+from pretrain.views.colour import Background, ColourDraws, colour_views
 from pretrain.views.config import view_specs
 from pretrain.views.dali_pipeline import (
     READER_NAME,
@@ -214,8 +214,8 @@ class DaliBackend:
             backgrounds = self._backgrounds(out, masked, grey)  # {} unless the torch stage masks
         if self.torch_colour:
             with record_function(RANGE_COLOUR):
-                views = [colour_view(view, ColourDraws.from_params(p), spec, self.setup.config, backgrounds.get(j))
-                         for j, (view, p, spec) in enumerate(zip(views, per_view, self.specs, strict=True))]
+                draws = [ColourDraws.from_params(p) for p in per_view]
+                views = colour_views(views, draws, self.specs, self.setup.config, backgrounds)
         params = None
         if self.debug:
             params = assemble_params(per_view, [_scalars(m) for m in masked], _scalars(coverage), _scalars(grey))

@@ -6,6 +6,8 @@ factor, order, formula or sample mix-up is orders of magnitude above the toleran
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +22,7 @@ from pretrain.views.colour import (
     adjust_hue,
     adjust_saturation,
     colour_view,
+    colour_views,
     gaussian_blur,
 )
 from pretrain.views.config import (
@@ -169,3 +172,39 @@ def test_the_background_is_replaced_on_the_masked_rows_only_before_the_colour_st
     # The same 8-bit values as PIL's composite (float rounding after the colour steps); a weight
     # off by one level of the mask, or an unrounded blend, is ~1e-2 here.
     assert worst < 1e-4, worst
+
+
+def batch_of_views(specs, batch: int, rng: np.random.Generator, **fixed):
+    """Random B x H x W x 3 uint8 views for `specs`, their draws and, for the views that may be
+    masked, half their samples masked by a random mask."""
+    views = [torch.from_numpy(rng.integers(0, 256, (batch, s.size, s.size, 3), dtype=np.uint8)) for s in specs]
+    draws = [draws_for(batch, rng, **fixed) for _ in specs]
+    backgrounds = {
+        j: Background(masked=rng.uniform(size=batch) < 0.5, grey=rng.uniform(size=batch),
+                      soft=torch.from_numpy(rng.integers(0, 256, (batch, s.size, s.size, 1), dtype=np.uint8)))
+        for j, s in enumerate(specs) if s.mask_probability > 0
+    }
+    return views, draws, backgrounds
+
+
+@pytest.mark.parametrize("small_size", [12, 16], ids=["two-sizes", "one-size-some-unmasked"])
+def test_views_coloured_together_are_each_view_coloured_alone(small_size):
+    """The loader colours the views of one size as one batch: every view must come out as it does
+    alone, with its own draws, its own spec (the large odd view never solarizes, whatever was drawn)
+    and its own mask; with one size for all, masked and unmasked views share a batch."""
+    batch = 10
+    cfg = ViewConfig(large_size=16, small_size=small_size, blur_probability_even=0.5, solarize_probability_odd=0.0)
+    specs = view_specs(cfg)
+    # Every step drawn for every sample: the spec alone decides what a view applies.
+    views, draws, backgrounds = batch_of_views(specs, batch, np.random.default_rng(12), blur=np.ones(batch),
+                                               solarize=np.ones(batch))
+    together = colour_views(views, draws, specs, cfg, backgrounds, stack=True)  # the default on a GPU
+    assert len(together) == len(specs)
+    for j, spec in enumerate(specs):
+        alone = colour_view(views[j], draws[j], spec, cfg, backgrounds.get(j))
+        assert together[j].shape == alone.shape == (batch, 3, spec.size, spec.size)
+        assert (together[j] - alone).abs().max() < 1e-5, j  # a row or draw mixed up is > 1e-2
+    odd_large = specs[0]
+    assert odd_large.solarize_probability == 0 and not torch.equal(
+        together[0], colour_view(views[0], draws[0], dataclasses.replace(odd_large, solarize_probability=1.0), cfg,
+                                 backgrounds.get(0)))

@@ -137,30 +137,26 @@ def test_batches_made_ahead_on_their_own_stream_are_the_batches_made_on_demand(t
 
 @pytest.mark.gpu
 def test_the_colour_stage_never_waits_for_the_gpu():
-    """The loader's thread launches a batch's colour stage without waiting for the GPU: a blocking copy
-    (two a view before) stalls it until the stream's queued kernels have run, which during training
-    share the GPU with the step. Any wait raises under sync debug mode "error"; the views are those
-    the CPU makes from the same draws."""
-    from pretrain.views.colour import Background, colour_view
+    """The loader's thread launches a batch's colour stage (every view, those of one size as one batch)
+    without waiting for the GPU: a blocking copy (two a view before) stalls it until the stream's queued
+    kernels have run, which during training share the GPU with the step. Any wait raises under sync
+    debug mode "error"; each view is the one the CPU makes from the same draws, coloured alone."""
+    from pretrain.views.colour import colour_view, colour_views
     from pretrain.views.config import view_specs
-    from tests.pretrain.views.test_colour import draws_for
+    from tests.pretrain.views.test_colour import batch_of_views
 
-    rng = np.random.default_rng(3)
-    batch = 32
-    images = torch.from_numpy(rng.integers(0, 256, (batch, 40, 40, 3), dtype=np.uint8)).cuda()
-    soft = torch.from_numpy(rng.integers(0, 256, (batch, 40, 40, 1), dtype=np.uint8)).cuda()
-    cfg = ViewConfig(blur_probability_even=1.0, solarize_probability_odd=1.0)
-    masked, grey = rng.uniform(size=batch) < 0.5, rng.uniform(size=batch)
+    cfg = ViewConfig(large_size=40, small_size=24, blur_probability_even=1.0, solarize_probability_odd=1.0)
     specs = view_specs(cfg)
-    draws = [draws_for(batch, rng) for _ in specs]
+    views, draws, backgrounds = batch_of_views(specs, 32, np.random.default_rng(3))
+    on_device = [v.cuda() for v in views]
+    backgrounds_on_device = {j: dataclasses.replace(b, soft=b.soft.cuda()) for j, b in backgrounds.items()}
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        on_gpu = [colour_view(images, d, spec, cfg, Background(masked=masked, grey=grey, soft=soft))
-                  for d, spec in zip(draws, specs, strict=True)]
+        on_gpu = colour_views(on_device, draws, specs, cfg, backgrounds_on_device)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    for d, spec, out in zip(draws, specs, on_gpu, strict=True):
-        on_cpu = colour_view(images.cpu(), d, spec, cfg, Background(masked=masked, grey=grey, soft=soft.cpu()))
+    for j, (d, spec, out) in enumerate(zip(draws, specs, on_gpu, strict=True)):
+        on_cpu = colour_view(views[j], d, spec, cfg, backgrounds.get(j))
         # Float rounding apart (normalised units); a wrong factor or row is orders of magnitude above.
         assert (out.cpu() - on_cpu).abs().max() < 1e-3, spec

@@ -1,0 +1,138 @@
+"""The torch colour stage alone: each view coloured on its own against the views of one size as one batch.
+
+Random 8-bit views (4 x 224 + 2 x 96 by default) with draws at the paper's probabilities (jitter,
+grayscale, each view's blur and solarize, saliency masking at p_m) go through `colour_views` twice, in
+the same run and on the same draws: each view alone (`stack=False`, the default on the CPU) and the
+views of one size as one batch (`stack=True`, the default on a GPU). Printed for each: the operators
+dispatched a batch (each is at least one kernel launch on a GPU, where the stage is launch-bound),
+the CPU ms the calling thread spends a batch, the wall ms a batch (the device synchronised after
+each batch), and the ratios.
+
+    python benchmarks/bench_colour.py --batch 32                   # CPU box
+    python benchmarks/bench_colour.py --device cuda --batch 256    # one H100
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runs without the project installed
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from pretrain.views.colour import Background, ColourDraws, colour_views  # noqa: E402
+from pretrain.views.config import DRAWN_PARAM_NAMES, JITTER_ORDERS, ViewConfig, ViewSpec, view_specs  # noqa: E402
+
+
+class OperatorCount(TorchDispatchMode):
+    """Counts the operators that reach a backend (after autograd and composite decompositions)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def paper_draws(spec: ViewSpec, cfg: ViewConfig, batch: int, rng: np.random.Generator) -> ColourDraws:
+    """One view's colour draws at the configured probabilities and ranges (what DALI draws)."""
+    values = {
+        "jitter": rng.uniform(size=batch) < cfg.jitter_probability,
+        "order": rng.integers(0, len(JITTER_ORDERS), batch),
+        "brightness": rng.uniform(1 - cfg.brightness, 1 + cfg.brightness, batch),
+        "contrast": rng.uniform(1 - cfg.contrast, 1 + cfg.contrast, batch),
+        "saturation": rng.uniform(1 - cfg.saturation, 1 + cfg.saturation, batch),
+        "hue": rng.uniform(-cfg.hue, cfg.hue, batch),
+        "grayscale": rng.uniform(size=batch) < cfg.grayscale_probability,
+        "blur": rng.uniform(size=batch) < spec.blur_probability,
+        "sigma": rng.uniform(*cfg.blur_sigma, batch),
+        "solarize": rng.uniform(size=batch) < spec.solarize_probability,
+    }
+    table = np.zeros((batch, len(DRAWN_PARAM_NAMES)), np.float32)
+    for name, column in values.items():
+        table[:, DRAWN_PARAM_NAMES.index(name)] = column
+    return ColourDraws.from_params(table)
+
+
+def make_batch(cfg: ViewConfig, batch: int, device: torch.device, rng: np.random.Generator):
+    specs = view_specs(cfg)
+    views = [torch.from_numpy(rng.integers(0, 256, (batch, s.size, s.size, 3), dtype=np.uint8)).to(device)
+             for s in specs]
+    draws = [paper_draws(s, cfg, batch, rng) for s in specs]
+    grey = rng.uniform(*cfg.mask_grey_range, batch)
+    backgrounds = {
+        j: Background(masked=rng.uniform(size=batch) < s.mask_probability, grey=grey,
+                      soft=torch.from_numpy(rng.integers(0, 256, (batch, s.size, s.size, 1), dtype=np.uint8)).to(device))
+        for j, s in enumerate(specs) if s.mask_probability > 0
+    }
+    return specs, views, draws, backgrounds
+
+
+def each_alone(cfg, specs, views, draws, backgrounds):
+    return colour_views(views, draws, specs, cfg, backgrounds, stack=False)
+
+
+def together(cfg, specs, views, draws, backgrounds):
+    return colour_views(views, draws, specs, cfg, backgrounds, stack=True)
+
+
+def measure(run, args, cfg, batches, device) -> dict[str, float]:
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for batch in batches[: args.warmup]:
+        run(cfg, *batch)
+    sync()
+    with OperatorCount() as counter:
+        run(cfg, *batches[0])
+    cpu_ms, wall_ms = [], []
+    for batch in batches[args.warmup :]:
+        wall, cpu = time.perf_counter(), time.thread_time()
+        run(cfg, *batch)
+        cpu_ms.append((time.thread_time() - cpu) * 1e3)
+        sync()
+        wall_ms.append((time.perf_counter() - wall) * 1e3)
+    return {"operators": counter.count, "cpu_ms": statistics.median(cpu_ms), "wall_ms": statistics.median(wall_ms)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--batches", type=int, default=5, help="timed batches (medians are printed)")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--large-size", type=int, default=224)
+    parser.add_argument("--small-size", type=int, default=96)
+    parser.add_argument("--mask-probability", type=float, default=0.1, help="p_m (the paper's default)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    cfg = ViewConfig(large_size=args.large_size, small_size=args.small_size, mask_probability=args.mask_probability)
+    rng = np.random.default_rng(0)
+    batches = [make_batch(cfg, args.batch, device, rng) for _ in range(args.warmup + args.batches)]
+    first = batches[0]
+    for got, want in zip(together(cfg, *first), each_alone(cfg, *first), strict=True):
+        assert (got - want).abs().max().item() < 1e-3, "the two ways disagree"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"colour stage, {cfg.large_views} x {args.large_size} + {cfg.small_views} x {args.small_size}, "
+          f"batch {args.batch}, p_m {args.mask_probability}, {name}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} intra-op threads; medians of {args.batches} batches")
+    alone = measure(each_alone, args, cfg, batches, device)
+    joined = measure(together, args, cfg, batches, device)
+    print(f"{'':<26}{'operators':>10}{'CPU ms':>10}{'wall ms':>10}")
+    for label, row in (("each view alone", alone), ("views of one size together", joined)):
+        print(f"{label:<26}{row['operators']:>10}{row['cpu_ms']:>10.1f}{row['wall_ms']:>10.1f}")
+    print(f"together / alone: operators {joined['operators'] / alone['operators']:.2f}x, "
+          f"CPU ms {joined['cpu_ms'] / alone['cpu_ms']:.2f}x, wall ms {joined['wall_ms'] / alone['wall_ms']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
