@@ -12,7 +12,8 @@
 #   STEP_ARGS / VIEWS_ARGS / PRETRAIN_ARGS: extra arguments for bench_step.py, bench_views.py and
 #   `relicv2 pretrain` (e.g. STEP_ARGS="--depth 18" PRETRAIN_ARGS="--set model.depth=18" on a small GPU);
 #   DEVICE=cpu runs the same plumbing on the CPU (a check of the script, not a measurement).
-# Figures: bench_step.py (eager, compiled, batch 2x with activation checkpointing), bench_views.py (DALI
+# Figures: bench_step.py (eager, compiled, batch 2x with activation checkpointing), bench_colour.py (the torch
+# colour stage, each view alone vs the views of one size as one batch), bench_views.py (DALI
 # mixed vs the reference DataLoader, then a torch.profiler breakdown of a batch in views.txt and its trace
 # in views-trace.json), `relicv2 pretrain` on a masked shard set (images/s and data wait per step from
 # metrics.jsonl after warm-up, with batches made ahead and on demand, each as a ratio of the compiled
@@ -78,6 +79,19 @@ if [[ "${SKIP_STEPS:-0}" != 1 ]]; then
 fi
 
 if [[ "${SKIP_VIEWS:-0}" != 1 ]]; then
+  echo "== bench_colour: the torch colour stage, each view alone vs the views of one size together, batch $BATCH"
+  if "$PYTHON" "$ROOT/benchmarks/bench_colour.py" --device "$DEVICE" --batch "$BATCH" > "$WORK/colour.txt" 2>&1; then
+    cat "$WORK/colour.txt"
+    "$PYTHON" - "$WORK/colour.txt" >> "$LOG" <<'PY'
+import re, sys
+text = open(sys.argv[1]).read()
+for label, name in (("each view alone", "alone"), ("views of one size together", "together")):
+    operators, cpu_ms, wall_ms = re.search(rf"^{label} +(\d+) +([\d.]+) +([\d.]+)$", text, re.M).groups()
+    print(f"colour stage {name} ({operators} operators)\t-\t-\t{cpu_ms} CPU ms, {wall_ms} wall ms a batch")
+PY
+  else
+    tail -n 3 "$WORK/colour.txt"; printf 'colour stage\tfailed (see %s)\t-\t-\n' "$WORK/colour.txt" >> "$LOG"
+  fi
   echo "== bench_views: DALI mixed vs reference, batch $BATCH, $THREADS threads"
   # --profile: then where a batch's time goes (the loader's stages, the top operators), kept in views.txt
   if "$PYTHON" "$ROOT/benchmarks/bench_views.py" --device "$DEVICE" --batch "$BATCH" --threads "$THREADS" \
