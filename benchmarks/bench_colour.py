@@ -3,10 +3,10 @@
 Random 8-bit views (4 x 224 + 2 x 96 by default) with draws at the paper's probabilities (jitter,
 grayscale, each view's blur and solarize, saliency masking at p_m) go through `colour_views` twice, in
 the same run and on the same draws: each view alone (`stack=False`, the default on the CPU) and the
-views of one size as one batch (`stack=True`, the default on a GPU). Printed for each: the operators
-dispatched a batch (each is at least one kernel launch on a GPU, where the stage is launch-bound),
-the CPU ms the calling thread spends a batch, the wall ms a batch (the device synchronised after
-each batch), and the ratios.
+views of one size as one batch (`stack=True`, the default on a GPU). Printed for each:
+the operators dispatched a batch and those among them that compute (each at least one kernel launch
+on a GPU, where the stage is launch-bound; the others are views), the CPU ms the calling thread
+spends a batch, the wall ms a batch (the device synchronised after each batch), and the ratios.
 
     python benchmarks/bench_colour.py --batch 32                   # CPU box
     python benchmarks/bench_colour.py --device cuda --batch 256    # one H100
@@ -31,14 +31,17 @@ from pretrain.views.config import DRAWN_PARAM_NAMES, JITTER_ORDERS, ViewConfig, 
 
 
 class OperatorCount(TorchDispatchMode):
-    """Counts the operators that reach a backend (after autograd and composite decompositions)."""
+    """Counts the operators that reach a backend (after autograd and composite decompositions): all of
+    them, and those that compute (not views: a slice or a reshape costs dispatch time, no kernel)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
+        self.computing = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
+        self.computing += not func.is_view
         return func(*args, **(kwargs or {}))
 
 
@@ -101,7 +104,7 @@ def measure(run, args, cfg, batches, device) -> dict[str, float]:
         cpu_ms.append((time.thread_time() - cpu) * 1e3)
         sync()
         wall_ms.append((time.perf_counter() - wall) * 1e3)
-    return {"operators": counter.count, "cpu_ms": statistics.median(cpu_ms), "wall_ms": statistics.median(wall_ms)}
+    return {"operators": counter.count, "computing": counter.computing, "cpu_ms": statistics.median(cpu_ms), "wall_ms": statistics.median(wall_ms)}
 
 
 def main() -> None:
@@ -127,10 +130,11 @@ def main() -> None:
           f"{torch.get_num_threads()} intra-op threads; medians of {args.batches} batches")
     alone = measure(each_alone, args, cfg, batches, device)
     joined = measure(together, args, cfg, batches, device)
-    print(f"{'':<26}{'operators':>10}{'CPU ms':>10}{'wall ms':>10}")
+    print(f"{'':<26}{'operators':>10}{'computing':>10}{'CPU ms':>10}{'wall ms':>10}")
     for label, row in (("each view alone", alone), ("views of one size together", joined)):
-        print(f"{label:<26}{row['operators']:>10}{row['cpu_ms']:>10.1f}{row['wall_ms']:>10.1f}")
-    print(f"together / alone: operators {joined['operators'] / alone['operators']:.2f}x, "
+        print(f"{label:<26}{row['operators']:>10}{row['computing']:>10}{row['cpu_ms']:>10.1f}{row['wall_ms']:>10.1f}")
+    print(f"together / alone: operators {joined['operators'] / alone['operators']:.2f}x "
+          f"(computing {joined['computing'] / alone['computing']:.2f}x), "
           f"CPU ms {joined['cpu_ms'] / alone['cpu_ms']:.2f}x, wall ms {joined['wall_ms'] / alone['wall_ms']:.2f}x")
 
 

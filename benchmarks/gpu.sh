@@ -86,8 +86,8 @@ if [[ "${SKIP_VIEWS:-0}" != 1 ]]; then
 import re, sys
 text = open(sys.argv[1]).read()
 for label, name in (("each view alone", "alone"), ("views of one size together", "together")):
-    operators, cpu_ms, wall_ms = re.search(rf"^{label} +(\d+) +([\d.]+) +([\d.]+)$", text, re.M).groups()
-    print(f"colour stage {name} ({operators} operators)\t-\t-\t{cpu_ms} CPU ms, {wall_ms} wall ms a batch")
+    operators, computing, cpu_ms, wall_ms = re.search(rf"^{label} +(\d+) +(\d+) +([\d.]+) +([\d.]+)$", text, re.M).groups()
+    print(f"colour stage {name} ({computing} kernels)\t-\t-\t{cpu_ms} CPU ms, {wall_ms} wall ms a batch")
 PY
   else
     tail -n 3 "$WORK/colour.txt"; printf 'colour stage\tfailed (see %s)\t-\t-\n' "$WORK/colour.txt" >> "$LOG"

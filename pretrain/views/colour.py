@@ -215,9 +215,10 @@ def colour_views(views: Sequence[torch.Tensor], draws: Sequence[ColourDraws], sp
     Every step works row by row with each row's own draws, so stacking the views of one size (the
     4 large, then the 2 small) gives each view the same pixels as colouring it alone, with a third
     of the operators. That is what a GPU needs: there the stage is launch-bound (110 CPU ms against
-    25.5 GPU ms a batch of 256 on an H100, benchmarks/RESULTS.md). A CPU is not: each operator
-    is a pass over memory, and a view at a time keeps more of it in cache (stacked is ~1.4x slower
-    at batch 32 on the CPU box, `benchmarks/bench_colour.py`). `stack` defaults to "on a GPU".
+    25.5 GPU ms a batch of 256 on an H100, benchmarks/RESULTS.md), and torch's caching allocator
+    reuses the larger blocks. A CPU is not launch-bound, and glibc maps fresh pages for each large
+    allocation: stacked was 1.6-2x slower on the CPU box (`benchmarks/bench_colour.py`), 1.09x with
+    malloc's mmap threshold raised. `stack` defaults to "on a GPU".
     """
     if stack is None:
         stack = views[0].device.type != "cpu"
