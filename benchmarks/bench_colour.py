@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from pretrain.views.colour import Background, ColourDraws, colour_views  # noqa: E402
-from pretrain.views.config import DRAWN_PARAM_NAMES, JITTER_ORDERS, ViewConfig, ViewSpec, view_specs  # noqa: E402
+from pretrain.views.config import JITTER_ORDERS, ViewConfig, ViewSpec, view_specs  # noqa: E402
 
 
 class OperatorCount(TorchDispatchMode):
@@ -47,22 +47,18 @@ class OperatorCount(TorchDispatchMode):
 
 def paper_draws(spec: ViewSpec, cfg: ViewConfig, batch: int, rng: np.random.Generator) -> ColourDraws:
     """One view's colour draws at the configured probabilities and ranges (what DALI draws)."""
-    values = {
-        "jitter": rng.uniform(size=batch) < cfg.jitter_probability,
-        "order": rng.integers(0, len(JITTER_ORDERS), batch),
-        "brightness": rng.uniform(1 - cfg.brightness, 1 + cfg.brightness, batch),
-        "contrast": rng.uniform(1 - cfg.contrast, 1 + cfg.contrast, batch),
-        "saturation": rng.uniform(1 - cfg.saturation, 1 + cfg.saturation, batch),
-        "hue": rng.uniform(-cfg.hue, cfg.hue, batch),
-        "grayscale": rng.uniform(size=batch) < cfg.grayscale_probability,
-        "blur": rng.uniform(size=batch) < spec.blur_probability,
-        "sigma": rng.uniform(*cfg.blur_sigma, batch),
-        "solarize": rng.uniform(size=batch) < spec.solarize_probability,
-    }
-    table = np.zeros((batch, len(DRAWN_PARAM_NAMES)), np.float32)
-    for name, column in values.items():
-        table[:, DRAWN_PARAM_NAMES.index(name)] = column
-    return ColourDraws.from_params(table)
+    return ColourDraws(
+        jitter=rng.uniform(size=batch) < cfg.jitter_probability,
+        order=rng.integers(0, len(JITTER_ORDERS), batch),
+        factors=np.stack([rng.uniform(1 - cfg.brightness, 1 + cfg.brightness, batch),
+                          rng.uniform(1 - cfg.contrast, 1 + cfg.contrast, batch),
+                          rng.uniform(1 - cfg.saturation, 1 + cfg.saturation, batch),
+                          rng.uniform(-cfg.hue, cfg.hue, batch)], axis=1),
+        grayscale=rng.uniform(size=batch) < cfg.grayscale_probability,
+        blur=rng.uniform(size=batch) < spec.blur_probability,
+        sigma=rng.uniform(*cfg.blur_sigma, batch),
+        solarize=rng.uniform(size=batch) < spec.solarize_probability,
+    )
 
 
 def make_batch(cfg: ViewConfig, batch: int, device: torch.device, rng: np.random.Generator):
@@ -104,7 +100,8 @@ def measure(run, args, cfg, batches, device) -> dict[str, float]:
         cpu_ms.append((time.thread_time() - cpu) * 1e3)
         sync()
         wall_ms.append((time.perf_counter() - wall) * 1e3)
-    return {"operators": counter.count, "computing": counter.computing, "cpu_ms": statistics.median(cpu_ms), "wall_ms": statistics.median(wall_ms)}
+    return {"operators": counter.count, "computing": counter.computing,
+            "cpu_ms": statistics.median(cpu_ms), "wall_ms": statistics.median(wall_ms)}
 
 
 def main() -> None:

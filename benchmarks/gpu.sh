@@ -86,7 +86,7 @@ if [[ "${SKIP_VIEWS:-0}" != 1 ]]; then
 import re, sys
 text = open(sys.argv[1]).read()
 for label, name in (("each view alone", "alone"), ("views of one size together", "together")):
-    operators, computing, cpu_ms, wall_ms = re.search(rf"^{label} +(\d+) +(\d+) +([\d.]+) +([\d.]+)$", text, re.M).groups()
+    _, computing, cpu_ms, wall_ms = re.search(rf"^{label} +(\d+) +(\d+) +([\d.]+) +([\d.]+)$", text, re.M).groups()
     print(f"colour stage {name} ({computing} kernels)\t-\t-\t{cpu_ms} CPU ms, {wall_ms} wall ms a batch")
 PY
   else

@@ -222,12 +222,10 @@ def colour_views(views: Sequence[torch.Tensor], draws: Sequence[ColourDraws], sp
     """
     if stack is None:
         stack = views[0].device.type != "cpu"
-    if not stack:
-        return [colour_view(view, draws[j], specs[j], cfg, backgrounds.get(j)) for j, view in enumerate(views)]
     out: list[torch.Tensor | None] = [None] * len(views)
-    groups: dict[tuple[int, ...], list[int]] = {}
+    groups: dict[object, list[int]] = {}  # views coloured as one batch: by size when stacking, else one each
     for j, view in enumerate(views):
-        groups.setdefault(tuple(view.shape[1:]), []).append(j)
+        groups.setdefault(tuple(view.shape[1:]) if stack else j, []).append(j)
     for members in groups.values():
         stacked = torch.cat([views[j] for j in members]) if len(members) > 1 else views[members[0]]
         joined = ColourDraws.concat([draws[j].for_view(specs[j]) for j in members])
