@@ -8,7 +8,8 @@
 #   images for the end-to-end run and build-masks), SKIP_STEPS=1 / SKIP_VIEWS=1 / SKIP_PRETRAIN=1 /
 #   SKIP_MASKS=1 to leave a part out (the figures of calls with the same WORK_DIR add up in its
 #   figures.tsv, so parts can run in separate calls), SKIP_DOUBLE=1 to leave out the step rows at twice
-#   the batch, MASK_SIZE (432, the saliency network's input);
+#   the batch, MASK_SIZE (432, the saliency network's input), MASK_WORKERS (build-masks' worker processes;
+#   default: the job's, the cores less one);
 #   STEP_ARGS / VIEWS_ARGS / PRETRAIN_ARGS: extra arguments for bench_step.py, bench_views.py and
 #   `relicv2 pretrain` (e.g. STEP_ARGS="--depth 18" PRETRAIN_ARGS="--set model.depth=18" on a small GPU);
 #   DEVICE=cpu runs the same plumbing on the CPU (a check of the script, not a measurement).
@@ -175,7 +176,7 @@ if [[ "${SKIP_MASKS:-0}" != 1 ]]; then
   echo "== bench_build_masks.py: saliency build-masks vs the bare forward, 432 px, batch 64"
   demo_shards
   if "$PYTHON" "$ROOT/benchmarks/bench_build_masks.py" --shards "$WORK/shards" --size "${MASK_SIZE:-432}" --batch 64 \
-      --workers "$THREADS" --device "$DEVICE" > "$WORK/masks.txt" 2>&1; then
+      ${MASK_WORKERS:+--workers "$MASK_WORKERS"} --device "$DEVICE" > "$WORK/masks.txt" 2>&1; then
     cat "$WORK/masks.txt"
     "$PYTHON" - "$WORK/masks.txt" >> "$LOG" <<'PY'
 import re, sys

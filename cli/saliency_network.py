@@ -54,12 +54,14 @@ def train_command(shards: Path, out: Path, preset: str, backbone: str, gt: Path 
 @click.option("--model", "model_path", required=True, type=click.Path(path_type=Path), help="model.pt from `saliency train`.")
 @click.option("--shards", required=True, type=click.Path(path_type=Path), help=f"Input shard set: {SHARDS_HELP}.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Output folder for the masked shard set.")
-@click.option("--workers", default=2, show_default=True, help="Threads for decoding, resizing and PNG encoding.")
+@click.option("--workers", type=click.IntRange(min=0), default=None,
+              help="Processes for decoding, resizing and mask encoding (0: all in this process). "
+                   "[default: this rank's CPU cores less one]")
 @click.option("--batch", "batch_size", default=32, show_default=True, help="Images per forward pass.")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
 @index_cache_option
 @click.option("--progress/--no-progress", default=True, show_default=True)
-def build_masks_command(model_path: Path, shards: Path, out: Path, workers: int, batch_size: int, device: str,
+def build_masks_command(model_path: Path, shards: Path, out: Path, workers: int | None, batch_size: int, device: str,
                         index_cache: Path | None, progress: bool) -> None:
     """Write a masked shard set: every sample's original image plus an 8-bit soft mask (mask.png)."""
     from saliency.network.build_masks import (
@@ -70,7 +72,7 @@ def build_masks_command(model_path: Path, shards: Path, out: Path, workers: int,
     )
     from saliency.network.model_file import ModelFileError
 
-    config = BuildMasksConfig(model=model_path, shards=shards, out=out, workers=max(1, workers),
+    config = BuildMasksConfig(model=model_path, shards=shards, out=out, workers=workers,
                               batch_size=max(1, batch_size), device=device, progress=progress,
                               index_cache=index_cache)
     try:

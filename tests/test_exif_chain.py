@@ -184,8 +184,8 @@ def test_every_reader_applies_the_pixel_limit():
     reference views, kNN preprocessing and the saliency network's decoder alike (ImageLoadError,
     a ValueError: the samples are reported and skipped by their callers)."""
     from pretrain.views.reference import augment_sample
-    from saliency.network.build_masks import RawSample, prepare
     from saliency.network.images import SampleDecodeError, decode_displayed
+    from saliency.network.mask_work import RawSample, prepare
     from shards import ImageLoadError
     from tests.shards.test_hostile import bomb_png
 

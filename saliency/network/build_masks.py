@@ -12,8 +12,9 @@ sample holding the input's image bytes unchanged (a `jpg` or `jpeg` member as `{
 orientation applied, as DALI's decoder applies it). Then `manifest.parquet`, `rejected.parquet` and
 `info.json`.
 
-- Streaming: one batch being decoded (thread pool), one in the network, one being encoded and
-  written; memory is a few batches whatever the data set size.
+- Streaming: one batch being decoded (worker processes), one in the network, one being encoded and
+  written; memory is a few batches whatever the data set size (the batches in flight live in a
+  shared-memory ring, `mask_work.SlotRing`: 3 x batch x size^2 x 7 bytes, 250 MiB at 64 x 432 px).
 - Resumable: each finished output shard is recorded in `OUT/.build-masks/NNNNNN.json` (its rows,
   rejections and size); a rerun keeps shards whose record and files agree and redoes the rest.
   Batches never span input shards and inference is deterministic, so the result is byte-identical
@@ -26,13 +27,15 @@ orientation applied, as DALI's decoder applies it). Then `manifest.parquet`, `re
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import Executor, Future
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import cv2
@@ -40,11 +43,24 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from saliency.network.images import member_key, resize_map, resize_square
+from saliency.network.images import member_key
+from saliency.network.mask_work import (
+    MIN_COVERAGE,
+    RawSample,
+    RingSpaceError,
+    SlotRing,
+    check_shm_space,
+    finish_chunk,
+    forget_ring,
+    init_worker,
+    prepare_chunk,
+    ring_bytes,
+    use_ring,
+)
 from saliency.network.model_file import load_model, resolve_model_path
 from shards.atomic import atomic_write_bytes, remove_stale_temps
 from shards.build import Ranks, ranks_from_env
-from shards.images import ImageLoadError, Rejection, load_scaled
+from shards.images import Rejection
 from shards.index import index_path, read_index
 from shards.keys import UnsafeKeyError, check_key
 from shards.lock import folder_lock
@@ -60,36 +76,21 @@ from shards.sample import (
     IMAGE_MEMBERS,
     KEY_PATTERN,
     LABEL_MEMBER,
-    MASK_MEMBER,
-    ShardSample,
     class_index,
     image_member_name,
     label_text,
 )
 from shards.shardset import resolve_shard_set, shard_tars
 from shards.tario import Skipped, TarReadError, iter_tar
-from shards.writer import (
-    SampleRecord,
-    TarShard,
-    package_version,
-    sample_record,
-    shard_name,
-    write_info,
-)
+from shards.workers import rank_cores, worker_pool
+from shards.writer import TarShard, package_version, shard_name, write_info
 
 PREFIX = "masked"
 STATE_DIR = ".build-masks"
-MIN_COVERAGE = 0.05  # ViewLoader's default mask_min_coverage: masks below it are never applied
-# zlib level 3 with run-length matching (Z_RLE): masks are smooth, so after PNG's row filters they are
-# runs of equal bytes. Against the default strategy at level 3 on 256 px masks: ~40% less encoding time
-# (the largest per-image cost of the job), -19% to +3% bytes. Level 3 was ~2x faster than 9 for ~10%
-# more bytes. The decoded pixels do not depend on either setting.
-PNG_COMPRESSION = 3
-PNG_PARAMS = [cv2.IMWRITE_PNG_COMPRESSION, PNG_COMPRESSION, cv2.IMWRITE_PNG_STRATEGY, cv2.IMWRITE_PNG_STRATEGY_RLE]
 
 
 class MasksError(ValueError):
-    """A build-masks input or output folder that cannot be used."""
+    """A build-masks input, output folder or machine the job cannot use, or a job that could not go on."""
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,7 @@ class BuildMasksConfig:
     model: Path
     shards: Path
     out: Path
-    workers: int = 2
+    workers: int | None = None  # processes; None: default_workers(); 0: all in the job's own process
     batch_size: int = 32
     device: str = "cpu"
     progress: bool = True
@@ -108,13 +109,20 @@ class BuildMasksConfig:
     index_cache: Path | None = None
 
 
-@dataclass
-class RawSample:
-    key: str
-    image: bytes
-    label: int | None
-    meta: dict
-    ext: str = "jpg"  # the output member name of the image: jpg (for jpg and jpeg), png or webp
+def default_workers() -> int:
+    """Worker processes when --workers is not given: this rank's share of the cores, less one for the
+    job's own process (reading, the network, tar writing)."""
+    return max(1, rank_cores() - 1)
+
+
+class InlineExecutor(Executor):
+    """The pool's interface with every task run at once in the calling process (--workers 0: for a
+    debugger, or a machine where starting processes costs more than it gives)."""
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future: Future = Future()
+        future.set_result(fn(*args, **kwargs))
+        return future
 
 
 def output_member(ext: str) -> str:
@@ -177,38 +185,6 @@ def read_label(cls: bytes | None) -> tuple[int | None, str | None]:
     return (label, None) if label is not None else (None, label_text(cls))
 
 
-def prepare(sample: RawSample, size: int) -> tuple[np.ndarray, int, int] | Rejection:
-    """(network input uint8 [S, S, 3], displayed width, height), or why the image is unusable (the
-    loader's reason: not_an_image, truncated, corrupt, too_large ..., as `shards build` records them).
-
-    The network sees a size x size image, so JPEGs are decoded at a reduced DCT scale (no side under
-    `size`): decoding every pixel of a large photo would be wasted work. The mask is made at the
-    full image's displayed size (EXIF orientation applied, as DALI's decoder applies it).
-    """
-    try:
-        scaled = load_scaled(sample.image, sample.key, size)
-    except ImageLoadError as error:
-        return Rejection(error.reason, error.detail)
-    return resize_square(scaled.rgb, size), scaled.width, scaled.height
-
-
-def finish(sample: RawSample, probability: np.ndarray, width: int, height: int) -> SampleRecord:
-    """The output sample: original image bytes, the mask PNG at image size, coverage in the json."""
-    soft = resize_map(probability, width, height)
-    coverage = np.count_nonzero(soft >= 0.5) / soft.size
-    # In place (soft is this call's own array): the same float32 values as clip(rint(soft * 255)), without
-    # three temporary maps per image.
-    np.multiply(soft, 255.0, out=soft)
-    np.rint(soft, out=soft)
-    mask = np.clip(soft, 0, 255, out=soft).astype(np.uint8)
-    ok, png = cv2.imencode(".png", mask, PNG_PARAMS)
-    if not ok:  # pragma: no cover - encoding a uint8 array does not fail
-        raise RuntimeError(f"PNG encoding of the mask of {sample.key} failed")
-    meta = {**sample.meta, "width": width, "height": height, "mask_coverage": round(coverage, 6),
-            "mask_status": "ok" if coverage >= MIN_COVERAGE else "below_min_coverage"}
-    return sample_record(ShardSample(sample.key, {sample.ext: sample.image, MASK_MEMBER: png.tobytes()}, sample.label, meta))
-
-
 class MaskPredictor:
     """Batched inference: fp32 on CPU; bf16 autocast and channels_last on GPU.
 
@@ -226,13 +202,12 @@ class MaskPredictor:
             self.model = self.model.to(memory_format=torch.channels_last)
 
     @torch.no_grad()
-    def launch(self, squares: list[np.ndarray]) -> Callable[[], np.ndarray]:
-        """Start the forward pass of uint8 squares [S, S, 3]; the returned function waits for it and
-        returns the probabilities, float32 [B, S, S]."""
-        # Stacked straight into pinned memory on a GPU (the caching host allocator reuses the block),
-        # so the upload below is asynchronous.
-        batch = torch.empty((len(squares), self.size, self.size, 3), dtype=torch.uint8, pin_memory=self.cuda)
-        np.stack(squares, out=batch.numpy())
+    def launch(self, squares: np.ndarray) -> Callable[[], np.ndarray]:
+        """Start the forward pass of uint8 squares [B, S, S, 3]; the returned function waits for it and
+        returns the probabilities, float32 [B, S, S]. `squares` may be reused once this returns."""
+        batch = torch.from_numpy(squares)
+        if self.cuda:  # copied into pinned memory (the caching host allocator reuses the block), so the upload is asynchronous
+            batch = torch.empty(batch.shape, dtype=torch.uint8, pin_memory=True).copy_(batch)
         x = self.model.normalise(batch.permute(0, 3, 1, 2))
         if not self.cuda:
             probabilities = torch.sigmoid(self.model(x)).squeeze(1).numpy()
@@ -242,20 +217,20 @@ class MaskPredictor:
         result = torch.sigmoid(logits.float()).squeeze(1)
         host = torch.empty(result.shape, dtype=torch.float32, pin_memory=True)
         host.copy_(result, non_blocking=True)
-        done = torch.cuda.Event(blocking=True)  # the wait sleeps rather than spins: a core for the pool
+        done = torch.cuda.Event(blocking=True)  # the wait sleeps rather than spins: a core for the workers
         done.record()
 
         def wait() -> np.ndarray:
-            done.synchronize()  # releases the GIL: the pool keeps decoding and encoding meanwhile
+            done.synchronize()  # releases the GIL
             return host.numpy()
 
         return wait
 
-    def __call__(self, squares: list[np.ndarray]) -> np.ndarray:
+    def __call__(self, squares: np.ndarray) -> np.ndarray:
         return self.launch(squares)()
 
 
-def launch_forward(predictor, squares: list[np.ndarray]) -> Callable[[], np.ndarray]:
+def launch_forward(predictor, squares: np.ndarray) -> Callable[[], np.ndarray]:
     """`predictor.launch(squares)` when it has one (MaskPredictor, the benchmark's stand-in); a plain
     callable (tests) runs now, its result handed back by the returned function."""
     if hasattr(predictor, "launch"):
@@ -269,26 +244,19 @@ class MainThreadClock:
     """Where the job's main thread spent its time (seconds): in the forward pass (launching it and
     waiting for it; on the CPU, running it), waiting for the pool (decode, mask encoding), and in all.
     The rest is its own work: reading input and writing tars. A GPU run with much waiting on the pool
-    is host-bound."""
+    is host-bound. Also how long after the clock's start the first batch was decoded: the one-time
+    start of the worker processes, which a short benchmark should not count as throughput."""
 
     forward: float = 0.0
     waiting_for_pool: float = 0.0
     total: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
+    first_batch: float | None = None
 
     def report(self) -> dict:
-        return {"forward_s": round(self.forward, 3),
-                "waiting_for_pool_s": round(self.waiting_for_pool, 3), "main_thread_s": round(self.total, 3)}
-
-
-def prepare_chunk(samples: list[RawSample], size: int) -> list[tuple[np.ndarray, int, int] | Rejection]:
-    """`prepare` for a run of samples: one pool task per worker and batch, not one per image."""
-    return [prepare(sample, size) for sample in samples]
-
-
-def finish_chunk(ready: list[tuple[RawSample, int, int]], probabilities: np.ndarray) -> list[SampleRecord]:
-    """`finish` for a run of (sample, width, height) and their probability maps."""
-    return [finish(sample, probability, width, height)
-            for (sample, width, height), probability in zip(ready, probabilities, strict=True)]
+        first = None if self.first_batch is None else round(self.first_batch, 3)
+        return {"forward_s": round(self.forward, 3), "waiting_for_pool_s": round(self.waiting_for_pool, 3),
+                "main_thread_s": round(self.total, 3), "first_batch_s": first}
 
 
 def _chunks(count: int, parts: int) -> list[slice]:
@@ -308,13 +276,18 @@ def _batches(items: Iterator, size: int) -> Iterator[list]:
         yield batch
 
 
-def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: ThreadPoolExecutor, batch_size: int,
-               bar, index_file: Path | None = None, workers: int = 1, clock: MainThreadClock | None = None) -> dict:
+def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: Executor, ring: SlotRing, bar,
+               index_file: Path | None = None, workers: int = 1, clock: MainThreadClock | None = None) -> dict:
     """Write the masked copy of one input shard; returns its record (rows, rejected, tar size).
 
-    Each batch goes to the pool as `workers` chunks (decode, then mask + PNG + tar record), not one task
-    per image: a task per image costs a future, a queue round trip and GIL hand-overs per image.
+    Batch n lives in ring slot n % 3 from its decode to its finish. In the loop's turn for batch n the
+    job reads batch n+1 and hands it to the workers, launches batch n, collects the records of batch
+    n-1 and writes them while the network runs, then hands batch n's maps to the workers. Batch n-1's
+    records are all in before batch n+2 is read into its slot, so three slots never collide. Each batch
+    goes to the pool as `workers` chunks, not a task per image (a task costs a pickled call and a pipe
+    round trip).
     """
+    spec, parts = ring.spec, max(1, workers)
     rejected: list[dict] = []
     shard = TarShard(out_tar)
     writing: list[Future] = []  # the finish chunks of the batch before, in sample order
@@ -335,7 +308,7 @@ def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: ThreadP
         writing.clear()
 
     def prepared_batches():
-        for raw_batch in _batches(read_input_shard(tar, index_file), batch_size):
+        for number, raw_batch in enumerate(_batches(read_input_shard(tar, index_file), spec.batch)):
             samples = []
             for item in raw_batch:
                 if isinstance(item, tuple):
@@ -343,35 +316,40 @@ def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: ThreadP
                     bar.update(1)
                 else:
                     samples.append(item)
-            yield samples, [pool.submit(prepare_chunk, samples[part], predictor.size)
-                            for part in _chunks(len(samples), workers)]
+            slot = number % spec.slots
+            yield slot, samples, [pool.submit(prepare_chunk, spec, slot, part.start, samples[part])
+                                  for part in _chunks(len(samples), parts)]
 
     try:
         batches = prepared_batches()
         current = next(batches, None)
         while current is not None:
             following = next(batches, None)  # decode the next batch while this one is in the network
-            samples, futures = current
+            slot, samples, futures = current
             results = [result for future in futures for result in pool_result(future)]
-            ready, squares = [], []
-            for sample, result in zip(samples, results, strict=True):
+            if clock.first_batch is None:
+                clock.first_batch = time.perf_counter() - clock.started
+            ready, kept = [], []
+            for position, (sample, result) in enumerate(zip(samples, results, strict=True)):
                 if isinstance(result, Rejection):
                     rejected.append({"source": f"{tar.name}:{sample.key}", "reason": result.reason,
                                      "detail": result.detail})
                     bar.update(1)
                 else:
-                    squares.append(result[0])
-                    ready.append((sample, result[1], result[2]))
+                    kept.append(position)
+                    ready.append((sample, *result))
             if ready:
+                squares = ring.squares(slot)[: len(samples)]
                 launched = time.perf_counter()
-                wait = launch_forward(predictor, squares)
+                wait = launch_forward(predictor, squares if len(kept) == len(samples) else squares[kept])
                 clock.forward += time.perf_counter() - launched
                 write_finished()  # the previous batch's records, written while this one is in the network
                 waited = time.perf_counter()
                 probabilities = wait()
                 clock.forward += time.perf_counter() - waited
-                writing.extend(pool.submit(finish_chunk, ready[part], probabilities[part])
-                               for part in _chunks(len(ready), workers))
+                ring.probabilities(slot)[: len(ready)] = probabilities
+                writing.extend(pool.submit(finish_chunk, spec, slot, part.start, ready[part])
+                               for part in _chunks(len(ready), parts))
             current = following
         write_finished()
         clock.total += time.perf_counter() - began
@@ -383,6 +361,27 @@ def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: ThreadP
         shard.abort()
         raise
     return {"rows": rows, "rejected": rejected, "tar_size": out_tar.stat().st_size}
+
+
+@contextlib.contextmanager
+def _workers(count: int, batch: int, size: int) -> Iterator[tuple[Executor, SlotRing]]:
+    """The job's pool and its ring of batches: `count` worker processes, or the job's own process for
+    0; OpenCV on one thread in either. Spawned, not forked: a fork of a process running CUDA or torch's
+    thread pools can hang. The ring goes when the workers have gone."""
+    ring = SlotRing.create(batch, size)
+    opencv_threads = cv2.getNumThreads()
+    cv2.setNumThreads(1)
+    use_ring(ring)
+    try:
+        if count == 0:
+            yield InlineExecutor(), ring
+        else:
+            with worker_pool(count, start_method="spawn", initializer=init_worker) as pool:
+                yield pool, ring
+    finally:
+        forget_ring(ring)
+        cv2.setNumThreads(opencv_threads)
+        ring.release()
 
 
 def _record_path(out: Path, number: int) -> Path:
@@ -501,6 +500,11 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
     check_out_folder(out, len(tars))
     # The model is read before --out is created: a refused model leaves no folder behind.
     predictor = predictor or MaskPredictor(model, config.device)
+    workers = default_workers() if config.workers is None else config.workers
+    try:  # before --out exists, like the other refusals (the ring itself is made with the workers)
+        check_shm_space(ring_bytes(config.batch_size, predictor.size))
+    except RingSpaceError as error:
+        raise MasksError(str(error)) from None
     with output_folder(out), folder_lock(out, "relicv2 saliency build-masks", enabled=ranks.rank == 0):
         _write_settings(out, settings)
         mine = range(len(tars) * ranks.rank // ranks.world_size, len(tars) * (ranks.rank + 1) // ranks.world_size)
@@ -518,21 +522,20 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
         started, processed, clock = time.monotonic(), 0, MainThreadClock()
         bar = tqdm(total=total, desc="build-masks", unit="img", disable=not config.progress or not todo,
                    dynamic_ncols=True)
-        # OpenCV's own thread pool inside each worker thread only adds contention (and CPU: a 432 px resize
-        # costs twice the CPU time on two OpenCV threads): the workers are the parallelism here.
-        opencv_threads = cv2.getNumThreads()
-        cv2.setNumThreads(1)
-        try:
-            with ThreadPoolExecutor(config.workers) as pool:
-                for number in todo:
-                    record = mask_shard(tars[number], out / shard_name(PREFIX, number), predictor, pool,
-                                        config.batch_size, bar, index_files[number], config.workers, clock)
-                    record["input"] = tars[number].name
-                    processed += len(record["rows"]) + len(record["rejected"])
-                    _record_path(out, number).parent.mkdir(parents=True, exist_ok=True)
-                    atomic_write_bytes(_record_path(out, number), (json.dumps(record, sort_keys=True) + "\n").encode())
-        finally:
-            cv2.setNumThreads(opencv_threads)
+        with _workers(workers, config.batch_size, predictor.size) as (pool, ring):
+            for number in todo:
+                try:
+                    record = mask_shard(tars[number], out / shard_name(PREFIX, number), predictor, pool, ring,
+                                        bar, index_files[number], workers, clock)
+                except BrokenProcessPool as error:
+                    raise MasksError(
+                        f"a worker process died while masking {tars[number]} (killed by the system for memory? "
+                        "see dmesg); finished shards are kept: rerun the same command to resume"
+                    ) from error
+                record["input"] = tars[number].name
+                processed += len(record["rows"]) + len(record["rejected"])
+                _record_path(out, number).parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_bytes(_record_path(out, number), (json.dumps(record, sort_keys=True) + "\n").encode())
         seconds = time.monotonic() - started
         bar.close()
         if ranks.rank != 0:
@@ -554,6 +557,7 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
         })
         summary["shards_kept"], summary["shards_built"] = kept, len(tars) - kept
         summary["rejected_file"] = str(out / REJECTED_NAME)
+        summary["workers"] = workers
         summary["images_per_s"] = round(processed / seconds, 2) if processed and seconds > 0 else None
         summary.update(clock.report())  # this rank's
         return summary
@@ -581,7 +585,8 @@ def format_summary(summary: dict) -> str:
     rate = f" ({summary['images_per_s']} img/s this run)" if summary.get("images_per_s") is not None else ""
     lines = [
         f"build-masks: {summary['written']} masked, {summary['rejected']} rejected",
-        f"{summary['shards_kept']} shard(s) kept from an earlier run, {summary['shards_built']} built{rate}",
+        f"{summary['shards_kept']} shard(s) kept from an earlier run, {summary['shards_built']} built{rate}"
+        f" with {summary['workers']} worker process(es)",
         f"coverage (fraction >= 0.5): {bars}",
         f"{summary['below_min_coverage']} masks cover less than {summary['min_coverage']:.0%} and will not be "
         "applied in pretraining",

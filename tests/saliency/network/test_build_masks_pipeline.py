@@ -1,5 +1,5 @@
-"""`saliency build-masks` pipeline: chunked pool tasks, asynchronous forwards, the mask encoding, and
-OpenCV's thread count around the job."""
+"""`saliency build-masks` pipeline: chunked pool tasks (in worker processes or in the job's own), asynchronous
+forwards, the mask encoding, and OpenCV's thread count around the job."""
 
 from __future__ import annotations
 
@@ -11,14 +11,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from saliency.network.build_masks import (
-    BuildMasksConfig,
-    RawSample,
-    _chunks,
-    build_masks,
-    finish,
-)
+from saliency.network.build_masks import BuildMasksConfig, _chunks, build_masks
 from saliency.network.images import resize_map
+from saliency.network.mask_work import RawSample, finish
 from shards import read_rejected, write_index, write_shard_set
 from shards.build import Ranks
 from tests.saliency.network.conftest import SquarePredictor, scene_samples
@@ -68,8 +63,8 @@ def test_chunks_cover_every_item_once_in_order(count, parts) -> None:
 
 
 def test_output_does_not_depend_on_workers_or_batch(tmp_path, scene_shards, tiny_model) -> None:
-    shards, _ = scene_shards
-    _run(tiny_model, shards, tmp_path / "one", SmoothPredictor(), workers=1, batch_size=4)
+    shards, _ = scene_shards  # 0: everything in this process, the ring included; 3: worker processes
+    _run(tiny_model, shards, tmp_path / "one", SmoothPredictor(), workers=0, batch_size=4)
     _run(tiny_model, shards, tmp_path / "three", SmoothPredictor(), workers=3, batch_size=3)
     assert _tars(tmp_path / "one") == _tars(tmp_path / "three")
 

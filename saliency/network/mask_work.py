@@ -1,0 +1,207 @@
+"""The per-image work of `saliency build-masks`, done in worker processes.
+
+`prepare` decodes an image and squares it for the network; `finish` makes the mask at the image's
+displayed size, its PNG and the output sample's tar record. Worker processes, not threads: with
+threads the Python parts of this work (tar headers, json, the pool's hand-overs) run one at a time
+under the GIL, which capped the job at ~1 core on a 16-core GPU host.
+
+A batch's network input and probabilities cross between the processes through a ring of
+shared-memory slots (`SlotRing`): a worker writes its squares straight into the slot the network
+reads, and reads the probabilities the job wrote there. Only the encoded image bytes and the
+finished tar records go through the pool's pipes. This module does not import torch, so that a
+spawned worker starts in well under a second and costs no torch memory.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+from multiprocessing.shared_memory import SharedMemory
+
+import cv2
+import numpy as np
+
+from saliency.network.images import resize_map, resize_square
+from shards.images import ImageLoadError, Rejection, load_scaled
+from shards.sample import MASK_MEMBER, ShardSample
+from shards.writer import SampleRecord, sample_record
+
+MIN_COVERAGE = 0.05  # ViewLoader's default mask_min_coverage: masks below it are never applied
+# zlib level 3 with run-length matching (Z_RLE): masks are smooth, so after PNG's row filters they are
+# runs of equal bytes. Against the default strategy at level 3 on 256 px masks: ~40% less encoding time
+# (the largest per-image cost of the job), -19% to +3% bytes. Level 3 was ~2x faster than 9 for ~10%
+# more bytes. The decoded pixels do not depend on either setting.
+PNG_COMPRESSION = 3
+PNG_PARAMS = [cv2.IMWRITE_PNG_COMPRESSION, PNG_COMPRESSION, cv2.IMWRITE_PNG_STRATEGY, cv2.IMWRITE_PNG_STRATEGY_RLE]
+# Batches in the ring at once: one being prepared, one in the network, one being finished (see
+# build_masks.mask_shard for why three never collide).
+RING_SLOTS = 3
+SHM_FOLDER = "/dev/shm"  # where Linux keeps POSIX shared memory (a tmpfs; Docker's is 64 MiB by default)
+
+
+@dataclass
+class RawSample:
+    key: str
+    image: bytes
+    label: int | None
+    meta: dict
+    ext: str = "jpg"  # the output member name of the image: jpg (for jpg and jpeg), png or webp
+
+
+def prepare(sample: RawSample, size: int) -> tuple[np.ndarray, int, int] | Rejection:
+    """(network input uint8 [S, S, 3], displayed width, height), or why the image is unusable (the
+    loader's reason: not_an_image, truncated, corrupt, too_large ..., as `shards build` records them).
+
+    The network sees a size x size image, so JPEGs are decoded at a reduced DCT scale (no side under
+    `size`): decoding every pixel of a large photo would be wasted work. The mask is made at the
+    full image's displayed size (EXIF orientation applied, as DALI's decoder applies it).
+    """
+    try:
+        scaled = load_scaled(sample.image, sample.key, size)
+    except ImageLoadError as error:
+        return Rejection(error.reason, error.detail)
+    return resize_square(scaled.rgb, size), scaled.width, scaled.height
+
+
+def finish(sample: RawSample, probability: np.ndarray, width: int, height: int) -> SampleRecord:
+    """The output sample: original image bytes, the mask PNG at image size, coverage in the json."""
+    soft = resize_map(probability, width, height)
+    coverage = np.count_nonzero(soft >= 0.5) / soft.size
+    # In place (soft is this call's own array): the same float32 values as clip(rint(soft * 255)), without
+    # three temporary maps per image.
+    np.multiply(soft, 255.0, out=soft)
+    np.rint(soft, out=soft)
+    mask = np.clip(soft, 0, 255, out=soft).astype(np.uint8)
+    ok, png = cv2.imencode(".png", mask, PNG_PARAMS)
+    if not ok:  # pragma: no cover - encoding a uint8 array does not fail
+        raise RuntimeError(f"PNG encoding of the mask of {sample.key} failed")
+    meta = {**sample.meta, "width": width, "height": height, "mask_coverage": round(coverage, 6),
+            "mask_status": "ok" if coverage >= MIN_COVERAGE else "below_min_coverage"}
+    return sample_record(ShardSample(sample.key, {sample.ext: sample.image, MASK_MEMBER: png.tobytes()}, sample.label, meta))
+
+
+@dataclass(frozen=True)
+class RingSpec:
+    """What a worker needs to attach to a job's ring: its shared-memory name and its shape."""
+
+    name: str
+    batch: int
+    size: int
+    slots: int = RING_SLOTS
+
+    @property
+    def nbytes(self) -> int:
+        return ring_bytes(self.batch, self.size, self.slots)
+
+
+def ring_bytes(batch: int, size: int, slots: int = RING_SLOTS) -> int:
+    """A ring's size: float32 probabilities [slots, B, S, S], then uint8 squares [slots, B, S, S, 3]."""
+    return slots * batch * size * size * (4 + 3)
+
+
+class RingSpaceError(OSError):
+    """The shared-memory folder has too little room for the ring."""
+
+
+class SlotRing:
+    """`spec.slots` batches of network input (uint8 [B, S, S, 3]) and probabilities (float32
+    [B, S, S]) in one shared-memory block. The job creates it; workers attach by name."""
+
+    def __init__(self, memory: SharedMemory, spec: RingSpec):
+        self.memory, self.spec = memory, spec
+        maps = (spec.slots, spec.batch, spec.size, spec.size)
+        # Probabilities first: their float32 rows stay 4-byte aligned whatever the batch and size.
+        self._probabilities = np.ndarray(maps, np.float32, buffer=memory.buf)
+        self._squares = np.ndarray((*maps, 3), np.uint8, buffer=memory.buf, offset=self._probabilities.nbytes)
+
+    @classmethod
+    def create(cls, batch: int, size: int) -> SlotRing:
+        """A new ring named after this process (visible as such in /dev/shm while the job runs)."""
+        spec = RingSpec(f"relicv2-masks-{os.getpid()}-{secrets.token_hex(4)}", batch, size)
+        check_shm_space(spec.nbytes)
+        return cls(SharedMemory(spec.name, create=True, size=spec.nbytes), spec)
+
+    @classmethod
+    def attach(cls, spec: RingSpec) -> SlotRing:
+        return cls(SharedMemory(spec.name), spec)
+
+    def squares(self, slot: int) -> np.ndarray:
+        return self._squares[slot]
+
+    def probabilities(self, slot: int) -> np.ndarray:
+        return self._probabilities[slot]
+
+    def release(self) -> None:
+        """Remove the block (the job's ring, once its workers are gone). Its name goes at once; the
+        memory goes with the last mapping."""
+        self.memory.unlink()
+        del self._probabilities, self._squares
+        try:
+            self.memory.close()
+        except BufferError:  # a view still held by the caller (a predictor's result): the GC unmaps it later
+            pass
+
+
+def check_shm_space(nbytes: int, folder: str = SHM_FOLDER) -> None:
+    """Refuse a ring the shared-memory folder cannot hold: the block is created sparse, so a short
+    tmpfs would only show itself as a bus error (SIGBUS) in the middle of the job."""
+    try:
+        stats = os.statvfs(folder)
+    except (FileNotFoundError, AttributeError):  # no such tmpfs (not Linux): nothing to check against
+        return
+    free = stats.f_bavail * stats.f_frsize
+    if free < nbytes:
+        raise RingSpaceError(
+            f"{folder} has {free / 2**20:.0f} MiB free but build-masks needs {nbytes / 2**20:.0f} MiB for "
+            f"the batches in flight; lower --batch, or give the machine more shared memory (Docker: "
+            "--ipc=host or --shm-size=16g)"
+        )
+
+
+_rings: dict[str, SlotRing] = {}  # the rings this process uses, by name: a worker attaches once per job
+
+
+def use_ring(ring: SlotRing) -> None:
+    """Let this process's tasks find `ring` without attaching it again (the job's own ring, for work
+    done in the job's process when it has no workers)."""
+    _rings[ring.spec.name] = ring
+
+
+def forget_ring(ring: SlotRing) -> None:
+    _rings.pop(ring.spec.name, None)
+
+
+def _ring(spec: RingSpec) -> SlotRing:
+    ring = _rings.get(spec.name)
+    if ring is None:
+        ring = _rings[spec.name] = SlotRing.attach(spec)
+    return ring
+
+
+def prepare_chunk(spec: RingSpec, slot: int, start: int, samples: list[RawSample]) -> list[tuple[int, int] | Rejection]:
+    """`prepare` for a run of samples: each square goes into the slot at `start` + its position; the
+    result is (width, height) per sample, or its Rejection (its place in the slot is left unused)."""
+    squares = _ring(spec).squares(slot)
+    results: list[tuple[int, int] | Rejection] = []
+    for position, sample in enumerate(samples, start):
+        prepared = prepare(sample, spec.size)
+        if isinstance(prepared, Rejection):
+            results.append(prepared)
+        else:
+            squares[position] = prepared[0]
+            results.append(prepared[1:])
+    return results
+
+
+def finish_chunk(spec: RingSpec, slot: int, start: int, ready: list[tuple[RawSample, int, int]]) -> list[SampleRecord]:
+    """`finish` for a run of (sample, width, height) whose probability maps are in the slot from `start`."""
+    probabilities = _ring(spec).probabilities(slot)
+    return [finish(sample, probabilities[position], width, height)
+            for position, (sample, width, height) in enumerate(ready, start)]
+
+
+def init_worker() -> None:
+    """One thread per worker: the workers are the parallelism (OpenCV's own pool in every worker only
+    adds contention; a 432 px resize costs twice the CPU on two OpenCV threads)."""
+    cv2.setNumThreads(1)
