@@ -32,7 +32,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Executor, Future
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -40,7 +40,6 @@ from pathlib import Path
 
 import cv2
 import numpy as np
-import torch
 from tqdm import tqdm
 
 from saliency.network.images import member_key
@@ -57,7 +56,8 @@ from saliency.network.mask_work import (
     ring_bytes,
     use_ring,
 )
-from saliency.network.model_file import load_model, resolve_model_path
+from saliency.network.model_file import resolve_model_path
+from saliency.network.predictor import MaskPredictor, launch_forward
 from shards.atomic import atomic_write_bytes, remove_stale_temps
 from shards.build import Ranks, ranks_from_env
 from shards.images import Rejection
@@ -185,60 +185,6 @@ def read_label(cls: bytes | None) -> tuple[int | None, str | None]:
     return (label, None) if label is not None else (None, label_text(cls))
 
 
-class MaskPredictor:
-    """Batched inference: fp32 on CPU; bf16 autocast and channels_last on GPU.
-
-    `launch` starts a batch and returns a function that waits for its probabilities, so the caller
-    can write the previous batch while the GPU runs. On a GPU the squares go up from pinned memory
-    and the probabilities come back into pinned memory, both without blocking; on the CPU the forward
-    runs inside `launch` (same code, nothing to overlap).
-    """
-
-    def __init__(self, model_path: Path, device: str):
-        self.model, self.info = load_model(model_path, device)
-        self.device, self.size = device, int(self.info["input_size"])
-        self.cuda = device.startswith("cuda")
-        if self.cuda:
-            self.model = self.model.to(memory_format=torch.channels_last)
-
-    @torch.no_grad()
-    def launch(self, squares: np.ndarray) -> Callable[[], np.ndarray]:
-        """Start the forward pass of uint8 squares [B, S, S, 3]; the returned function waits for it and
-        returns the probabilities, float32 [B, S, S]. `squares` may be reused once this returns."""
-        batch = torch.from_numpy(squares)
-        if self.cuda:  # copied into pinned memory (the caching host allocator reuses the block), so the upload is asynchronous
-            batch = torch.empty(batch.shape, dtype=torch.uint8, pin_memory=True).copy_(batch)
-        x = self.model.normalise(batch.permute(0, 3, 1, 2))
-        if not self.cuda:
-            probabilities = torch.sigmoid(self.model(x)).squeeze(1).numpy()
-            return lambda: probabilities
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = self.model(x.contiguous(memory_format=torch.channels_last))
-        result = torch.sigmoid(logits.float()).squeeze(1)
-        host = torch.empty(result.shape, dtype=torch.float32, pin_memory=True)
-        host.copy_(result, non_blocking=True)
-        done = torch.cuda.Event(blocking=True)  # the wait sleeps rather than spins: a core for the workers
-        done.record()
-
-        def wait() -> np.ndarray:
-            done.synchronize()  # releases the GIL
-            return host.numpy()
-
-        return wait
-
-    def __call__(self, squares: np.ndarray) -> np.ndarray:
-        return self.launch(squares)()
-
-
-def launch_forward(predictor, squares: np.ndarray) -> Callable[[], np.ndarray]:
-    """`predictor.launch(squares)` when it has one (MaskPredictor, the benchmark's stand-in); a plain
-    callable (tests) runs now, its result handed back by the returned function."""
-    if hasattr(predictor, "launch"):
-        return predictor.launch(squares)
-    probabilities = predictor(squares)
-    return lambda: probabilities
-
-
 @dataclass
 class MainThreadClock:
     """Where the job's main thread spent its time (seconds): in the forward pass (launching it and
@@ -341,13 +287,13 @@ def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: Executo
             if ready:
                 squares = ring.squares(slot)[: len(samples)]
                 launched = time.perf_counter()
-                wait = launch_forward(predictor, squares if len(kept) == len(samples) else squares[kept])
+                maps = ring.probabilities(slot)[: len(ready)]
+                fill_maps = launch_forward(predictor, squares if len(kept) == len(samples) else squares[kept], maps)
                 clock.forward += time.perf_counter() - launched
                 write_finished()  # the previous batch's records, written while this one is in the network
                 waited = time.perf_counter()
-                probabilities = wait()
+                fill_maps()
                 clock.forward += time.perf_counter() - waited
-                ring.probabilities(slot)[: len(ready)] = probabilities
                 writing.extend(pool.submit(finish_chunk, spec, slot, part.start, ready[part])
                                for part in _chunks(len(ready), parts))
             current = following
@@ -364,11 +310,15 @@ def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: Executo
 
 
 @contextlib.contextmanager
-def _workers(count: int, batch: int, size: int) -> Iterator[tuple[Executor, SlotRing]]:
+def _workers(count: int, batch: int, predictor) -> Iterator[tuple[Executor, SlotRing]]:
     """The job's pool and its ring of batches: `count` worker processes, or the job's own process for
     0; OpenCV on one thread in either. Spawned, not forked: a fork of a process running CUDA or torch's
-    thread pools can hang. The ring goes when the workers have gone."""
-    ring = SlotRing.create(batch, size)
+    thread pools can hang. On a GPU the ring is page-locked for the predictor's DMA (see
+    `MaskPredictor.register_host_memory`; `ring.page_locked` says whether it is). The ring goes when
+    the workers have gone."""
+    ring = SlotRing.create(batch, predictor.size)
+    register = getattr(predictor, "register_host_memory", None)
+    ring.page_locked = register is not None and register(*ring.address())
     opencv_threads = cv2.getNumThreads()
     cv2.setNumThreads(1)
     use_ring(ring)
@@ -381,6 +331,8 @@ def _workers(count: int, batch: int, size: int) -> Iterator[tuple[Executor, Slot
     finally:
         forget_ring(ring)
         cv2.setNumThreads(opencv_threads)
+        if ring.page_locked:
+            predictor.unregister_host_memory()
         ring.release()
 
 
@@ -522,7 +474,8 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
         started, processed, clock = time.monotonic(), 0, MainThreadClock()
         bar = tqdm(total=total, desc="build-masks", unit="img", disable=not config.progress or not todo,
                    dynamic_ncols=True)
-        with _workers(workers, config.batch_size, predictor.size) as (pool, ring):
+        with _workers(workers, config.batch_size, predictor) as (pool, ring):
+            page_locked = ring.page_locked
             for number in todo:
                 try:
                     record = mask_shard(tars[number], out / shard_name(PREFIX, number), predictor, pool, ring,
@@ -557,7 +510,7 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
         })
         summary["shards_kept"], summary["shards_built"] = kept, len(tars) - kept
         summary["rejected_file"] = str(out / REJECTED_NAME)
-        summary["workers"] = workers
+        summary["workers"], summary["ring_page_locked"] = workers, page_locked
         summary["images_per_s"] = round(processed / seconds, 2) if processed and seconds > 0 else None
         summary.update(clock.report())  # this rank's
         return summary

@@ -110,6 +110,7 @@ class SlotRing:
 
     def __init__(self, memory: SharedMemory, spec: RingSpec):
         self.memory, self.spec = memory, spec
+        self.page_locked = False  # set by the job when a GPU predictor page-locked the block for its DMA
         maps = (spec.slots, spec.batch, spec.size, spec.size)
         # Probabilities first: their float32 rows stay 4-byte aligned whatever the batch and size.
         self._probabilities = np.ndarray(maps, np.float32, buffer=memory.buf)
@@ -125,6 +126,10 @@ class SlotRing:
     @classmethod
     def attach(cls, spec: RingSpec) -> SlotRing:
         return cls(SharedMemory(spec.name), spec)
+
+    def address(self) -> tuple[int, int]:
+        """The block's start address and size, for page-locking it."""
+        return self._probabilities.ctypes.data, self.spec.nbytes
 
     def squares(self, slot: int) -> np.ndarray:
         return self._squares[slot]

@@ -1,0 +1,119 @@
+"""The saliency network as `saliency build-masks` runs it: batches of uint8 squares in, probability maps out.
+
+fp32 on the CPU; bf16 autocast and channels_last on a GPU. `launch` starts a batch and returns a
+function that waits for it, so that the job writes the previous batch's records while the GPU runs.
+On a GPU the job's ring of batches (shared memory, `mask_work.SlotRing`) is page-locked for CUDA once
+(`register_host_memory`): squares go up from it and probabilities come down into it by DMA, with no
+staging copy on the host. Memory that is not page-locked still works, through pinned copies.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from saliency.network.model_file import load_model
+
+CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context, as torch's own staging does
+
+
+class MaskPredictor:
+    """Batched inference of a `saliency train` model file (see the module's docstring)."""
+
+    def __init__(self, model_path: Path, device: str):
+        self.model, self.info = load_model(model_path, device)
+        self.device, self.size = device, int(self.info["input_size"])
+        self.cuda = device.startswith("cuda")
+        if self.cuda:
+            self.model = self.model.to(memory_format=torch.channels_last)
+        self.registered: tuple[int, int] | None = None  # (address, bytes) page-locked for CUDA
+
+    def register_host_memory(self, address: int, nbytes: int) -> bool:
+        """Page-lock [address, address + nbytes) for CUDA; False on the CPU or when the driver refuses
+        (then batches in it go through pinned copies: slower, as correct)."""
+        if not self.cuda:
+            return False
+        errors = []
+        # In a thread of its own: a refusal is also CUDA's "last error" of the calling thread, which torch
+        # reads after its next kernel launch in that thread and would report as that kernel's failure.
+        worker = threading.Thread(target=lambda: errors.append(int(torch.cuda.cudart().cudaHostRegister(
+            address, nbytes, CUDA_HOST_REGISTER_PORTABLE))), name="cuda-host-register")
+        worker.start()
+        worker.join()
+        if errors[0] != 0:
+            return False
+        self.registered = (address, nbytes)
+        return True
+
+    def unregister_host_memory(self) -> None:
+        """Undo `register_host_memory` (before the memory is unmapped)."""
+        if self.registered is not None:
+            torch.cuda.cudart().cudaHostUnregister(self.registered[0])
+            self.registered = None
+
+    def _page_locked(self, array: np.ndarray) -> bool:
+        if self.registered is None:
+            return False
+        start, nbytes = self.registered
+        return start <= array.ctypes.data and array.ctypes.data + array.nbytes <= start + nbytes
+
+    @torch.no_grad()
+    def launch(self, squares: np.ndarray, out: np.ndarray | None = None) -> Callable[[], np.ndarray]:
+        """Start the forward pass of uint8 squares [B, S, S, 3]; the returned function waits for it and
+        returns the probabilities, float32 [B, S, S]: `out` itself when given, filled. `squares` may be
+        reused once the returned function has returned."""
+        batch = torch.from_numpy(squares)
+        if self.cuda and not self._page_locked(squares):  # a pinned copy (the caching host allocator reuses it): the upload is asynchronous
+            batch = torch.empty(batch.shape, dtype=torch.uint8, pin_memory=True).copy_(batch)
+        x = self.model.normalise(batch.permute(0, 3, 1, 2))
+        if not self.cuda:
+            if out is None:
+                probabilities = torch.sigmoid(self.model(x)).squeeze(1).numpy()
+                return lambda: probabilities
+            torch.sigmoid(self.model(x).squeeze(1), out=torch.from_numpy(out))
+            return lambda: out
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = self.model(x.contiguous(memory_format=torch.channels_last))
+        result = torch.sigmoid(logits.float()).squeeze(1)
+        direct = out is not None and self._page_locked(out)
+        host = torch.from_numpy(out) if direct else torch.empty(result.shape, dtype=torch.float32, pin_memory=True)
+        host.copy_(result, non_blocking=True)
+        done = torch.cuda.Event(blocking=True)  # the wait sleeps rather than spins: a core for the workers
+        done.record()
+
+        def wait() -> np.ndarray:
+            done.synchronize()  # releases the GIL
+            if out is None:
+                return host.numpy()
+            if not direct:
+                np.copyto(out, host.numpy())
+            return out
+
+        return wait
+
+    def __call__(self, squares: np.ndarray) -> np.ndarray:
+        return self.launch(squares)()
+
+
+def launch_forward(predictor, squares: np.ndarray, out: np.ndarray) -> Callable[[], None]:
+    """Start `predictor`'s forward of `squares`; the returned function waits for it with the probabilities
+    in `out`. A predictor with `launch` (MaskPredictor, the benchmark's stand-in) may fill `out` itself;
+    a plain callable (tests) runs now."""
+    if hasattr(predictor, "launch"):
+        wait = predictor.launch(squares, out)
+    else:
+        probabilities = predictor(squares)
+
+        def wait() -> np.ndarray:
+            return probabilities
+
+    def fill() -> None:
+        probabilities = wait()
+        if probabilities is not out:
+            out[...] = probabilities
+
+    return fill
