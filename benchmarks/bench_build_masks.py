@@ -159,7 +159,9 @@ def main() -> None:
               f"{all_cpu / seconds:.2f} cores busy on average; ceiling on {cores} cores (workers + the job's "
               f"process): {cores * 1000 / host_ms:.0f} img/s")
         print(f"the job's own process: {own_ms:.2f} CPU ms per image, a ceiling of {1000 / own_ms:.0f} img/s "
-              "whatever the cores (reading, the network's launches, tar writing, the pool's hand-overs)")
+              f"whatever the cores (reading, the network's launches, tar writing, the pool's hand-overs{included})")
+        if not simulated:
+            print(f"the job's ring page-locked for the GPU's DMA: {summary['ring_page_locked']} (False on a CPU)")
         main_s = summary["main_thread_s"] or 1e-9
         print(f"main thread: {summary['main_thread_s']:.2f} s, in the forward (launch + wait) "
               f"{summary['forward_s'] / main_s:.0%}, for the pool (decode, masks) "
