@@ -36,19 +36,31 @@ import numpy as np
 
 
 def forward_images_per_s(predictor, count: int, batch: int) -> float:
-    """Images/s of the bare forward pass (uint8 squares in, probabilities out) on `count` images."""
+    """Images/s of the bare forward pass (uint8 squares in, probabilities out) on `count` images, at its
+    best: from and into a block page-locked for the GPU's DMA, as the job's ring is (no host copies)."""
     import torch
 
-    rng = np.random.default_rng(0)
-    squares = rng.integers(0, 256, (batch, predictor.size, predictor.size, 3), dtype=np.uint8)
-    predictor(squares)  # warm-up
-    done, start = 0, time.perf_counter()
-    while done < count:
-        predictor(squares[: min(batch, count - done)])
-        done += min(batch, count - done)
-    if predictor.cuda:
-        torch.cuda.synchronize()
-    return count / (time.perf_counter() - start)
+    from saliency.network.mask_work import SlotRing
+
+    ring = SlotRing.create(batch, predictor.size)
+    locked = predictor.register_host_memory(*ring.address())
+    squares, out = ring.squares(0), ring.probabilities(0)
+    try:
+        squares[...] = np.random.default_rng(0).integers(0, 256, squares.shape, dtype=np.uint8)
+        predictor.launch(squares, out)()  # warm-up
+        done, start = 0, time.perf_counter()
+        while done < count:
+            part = min(batch, count - done)
+            predictor.launch(squares[:part], out[:part])()
+            done += part
+        if predictor.cuda:
+            torch.cuda.synchronize()
+        return count / (time.perf_counter() - start)
+    finally:
+        del squares, out
+        if locked:
+            predictor.unregister_host_memory()
+        ring.release()
 
 
 class StandInForward:

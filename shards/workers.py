@@ -35,11 +35,16 @@ def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def local_ranks(env: Mapping[str, str] | None = None) -> int:
+    """How many ranks torchrun started on this node (LOCAL_WORLD_SIZE); 1 outside torchrun."""
+    env = os.environ if env is None else env
+    return max(1, int(env.get("LOCAL_WORLD_SIZE", "1")))
+
+
 def rank_cores(env: Mapping[str, str] | None = None) -> int:
     """This process's share of the usable cores when torchrun starts LOCAL_WORLD_SIZE ranks per node
     (they usually share one affinity mask); all of them outside torchrun."""
-    env = os.environ if env is None else env
-    return max(1, usable_cores() // max(1, int(env.get("LOCAL_WORLD_SIZE", "1"))))
+    return max(1, usable_cores() // local_ranks(env))
 
 
 def die_with_parent(parent: int) -> None:

@@ -82,7 +82,7 @@ from shards.sample import (
 )
 from shards.shardset import resolve_shard_set, shard_tars
 from shards.tario import Skipped, TarReadError, iter_tar
-from shards.workers import rank_cores, worker_pool
+from shards.workers import local_ranks, rank_cores, worker_pool
 from shards.writer import TarShard, package_version, shard_name, write_info
 
 PREFIX = "masked"
@@ -317,12 +317,12 @@ def _workers(count: int, batch: int, predictor) -> Iterator[tuple[Executor, Slot
     `MaskPredictor.register_host_memory`; `ring.page_locked` says whether it is). The ring goes when
     the workers have gone."""
     ring = SlotRing.create(batch, predictor.size)
-    register = getattr(predictor, "register_host_memory", None)
-    ring.page_locked = register is not None and register(*ring.address())
     opencv_threads = cv2.getNumThreads()
-    cv2.setNumThreads(1)
-    use_ring(ring)
     try:
+        register = getattr(predictor, "register_host_memory", None)
+        ring.page_locked = register is not None and register(*ring.address())
+        cv2.setNumThreads(1)
+        use_ring(ring)
         if count == 0:
             yield InlineExecutor(), ring
         else:
@@ -454,7 +454,7 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
     predictor = predictor or MaskPredictor(model, config.device)
     workers = default_workers() if config.workers is None else config.workers
     try:  # before --out exists, like the other refusals (the ring itself is made with the workers)
-        check_shm_space(ring_bytes(config.batch_size, predictor.size))
+        check_shm_space(ring_bytes(config.batch_size, predictor.size) * local_ranks())  # every rank of the node has one
     except RingSpaceError as error:
         raise MasksError(str(error)) from None
     with output_folder(out), folder_lock(out, "relicv2 saliency build-masks", enabled=ranks.rank == 0):

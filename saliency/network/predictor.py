@@ -44,7 +44,7 @@ class MaskPredictor:
             address, nbytes, CUDA_HOST_REGISTER_PORTABLE))), name="cuda-host-register")
         worker.start()
         worker.join()
-        if errors[0] != 0:
+        if errors != [0]:  # refused, or the call itself raised (printed by the thread)
             return False
         self.registered = (address, nbytes)
         return True

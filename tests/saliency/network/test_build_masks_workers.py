@@ -86,6 +86,25 @@ def test_too_little_shared_memory_is_refused_before_the_output_exists(tmp_path, 
 
 
 @needs_shm
+def test_room_for_every_local_ranks_ring_is_required(tmp_path, scene_shards, tiny_model, monkeypatch) -> None:
+    shards, _ = scene_shards
+    real = os.statvfs(SHM)
+    one_ring = ring_bytes(64, SquarePredictor.size)
+
+    class RoomForTwo:
+        f_frsize, f_bavail = real.f_frsize, 2 * one_ring // real.f_frsize + 1
+
+    monkeypatch.setattr(os, "statvfs", lambda folder: RoomForTwo())
+    config = BuildMasksConfig(model=tiny_model, shards=shards, out=tmp_path / "out", workers=0, batch_size=64,
+                              progress=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's 4 ranks on this node: 4 rings
+    with pytest.raises(MasksError, match="lower --batch"):
+        build_masks(config, Ranks(), predictor=SquarePredictor())
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert build_masks(config, Ranks(), predictor=SquarePredictor())["written"] == 12
+
+
+@needs_shm
 def test_ring_is_removed_after_a_job_and_after_a_failed_one(tmp_path, scene_shards, tiny_model) -> None:
     shards, _ = scene_shards
     build_masks(_config(tiny_model, shards, tmp_path / "done"), Ranks(), predictor=SquarePredictor())
