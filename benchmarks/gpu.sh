@@ -183,8 +183,11 @@ import re, sys
 text = open(sys.argv[1]).read()
 job, ratio = re.search(r"build-masks: +([\d.]+) img/s", text), re.search(r"forward: ([\d.]+)", text)
 forward = re.search(r"forward only: ([\d.]+) / ([\d.]+)", text)
+steady = re.search(r"without the start .*, ratio ([\d.]+)", text)
+own = re.search(r"own process: ([\d.]+) CPU ms per image, a ceiling of (\d+) img/s", text)
 print(f"saliency build-masks\t{job.group(1)}\t-\t{ratio.group(1)}x the bare forward "
-      f"({forward.group(1)} / {forward.group(2)} img/s before / after)")
+      f"({forward.group(1)} / {forward.group(2)} img/s before / after; {steady.group(1)}x without the workers' "
+      f"start; job process {own.group(1)} CPU ms an image, a ceiling of {own.group(2)} img/s)")
 PY
   else
     tail -n 3 "$WORK/masks.txt"; printf 'build-masks\tfailed (see %s)\t-\t-\n' "$WORK/masks.txt" >> "$LOG"
