@@ -159,7 +159,7 @@ def check_shm_space(nbytes: int, folder: str = SHM_FOLDER) -> None:
     if free < nbytes:
         raise RingSpaceError(
             f"{folder} has {free / 2**20:.0f} MiB free but build-masks needs {nbytes / 2**20:.0f} MiB for "
-            f"the batches in flight; lower --batch, or give the machine more shared memory (Docker: "
+            "the batches in flight; lower --batch, or give the machine more shared memory (Docker: "
             "--ipc=host or --shm-size=16g)"
         )
 
