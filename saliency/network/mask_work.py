@@ -118,9 +118,9 @@ class SlotRing:
 
     @classmethod
     def create(cls, batch: int, size: int) -> SlotRing:
-        """A new ring named after this process (visible as such in /dev/shm while the job runs)."""
+        """A new ring named after this process (visible as such in /dev/shm while the job runs). Room for
+        it is the job's check, made once for every rank of the node (`check_shm_space`)."""
         spec = RingSpec(f"relicv2-masks-{os.getpid()}-{secrets.token_hex(4)}", batch, size)
-        check_shm_space(spec.nbytes)
         return cls(SharedMemory(spec.name, create=True, size=spec.nbytes), spec)
 
     @classmethod
