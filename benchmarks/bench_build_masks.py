@@ -75,10 +75,8 @@ class StandInForward:
         self.map = np.clip(np.add.outer(ramp, ramp) - 0.5, 0.0, 1.0)  # smooth, like a network's upsampled output
         self.filled: set[tuple[int, int]] = set()
 
-    def launch(self, squares: np.ndarray, out: np.ndarray | None = None):
+    def launch(self, squares: np.ndarray, out: np.ndarray):
         until = time.perf_counter() + self.seconds
-        if out is None:
-            out = np.empty((len(squares), self.size, self.size), np.float32)
         if (out.ctypes.data, len(out)) not in self.filled:
             out[...] = self.map
             self.filled.add((out.ctypes.data, len(out)))
@@ -88,9 +86,6 @@ class StandInForward:
             return out
 
         return wait
-
-    def __call__(self, squares: np.ndarray) -> np.ndarray:
-        return self.launch(squares)()
 
 
 def cpu_seconds() -> tuple[float, float]:

@@ -438,9 +438,9 @@ def check_out_folder(out: Path, count: int) -> None:
 def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=None) -> dict | None:
     """Run (or resume) the job; rank 0 returns the summary, the other ranks None.
 
-    `predictor` (tests, benchmarks): a callable like `MaskPredictor` (uint8 squares -> probabilities,
-    `.size`, optionally `.launch`, see `launch_forward`) used instead of the model file's network; the
-    file is still read and fingerprinted.
+    `predictor` (tests, benchmarks): used instead of the model file's network, with a `.size` and either
+    `MaskPredictor`'s `.launch` or a call (uint8 squares -> probabilities; see `launch_forward`); the file
+    is still read and fingerprinted.
     """
     ranks = ranks or ranks_from_env()
     tars = _input_tars(config)

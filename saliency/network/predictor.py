@@ -62,24 +62,21 @@ class MaskPredictor:
         return start <= array.ctypes.data and array.ctypes.data + array.nbytes <= start + nbytes
 
     @torch.no_grad()
-    def launch(self, squares: np.ndarray, out: np.ndarray | None = None) -> Callable[[], np.ndarray]:
+    def launch(self, squares: np.ndarray, out: np.ndarray) -> Callable[[], np.ndarray]:
         """Start the forward pass of uint8 squares [B, S, S, 3]; the returned function waits for it and
-        returns the probabilities, float32 [B, S, S]: `out` itself when given, filled. `squares` may be
-        reused once the returned function has returned."""
+        returns `out` (float32 [B, S, S]) filled with the probabilities. `squares` may be reused once the
+        returned function has returned."""
         batch = torch.from_numpy(squares)
         if self.cuda and not self._page_locked(squares):  # a pinned copy (the caching host allocator reuses it): the upload is asynchronous
             batch = torch.empty(batch.shape, dtype=torch.uint8, pin_memory=True).copy_(batch)
         x = self.model.normalise(batch.permute(0, 3, 1, 2))
         if not self.cuda:
-            if out is None:
-                probabilities = torch.sigmoid(self.model(x)).squeeze(1).numpy()
-                return lambda: probabilities
             torch.sigmoid(self.model(x).squeeze(1), out=torch.from_numpy(out))
             return lambda: out
         with torch.autocast("cuda", dtype=torch.bfloat16):
             logits = self.model(x.contiguous(memory_format=torch.channels_last))
         result = torch.sigmoid(logits.float()).squeeze(1)
-        direct = out is not None and self._page_locked(out)
+        direct = self._page_locked(out)
         host = torch.from_numpy(out) if direct else torch.empty(result.shape, dtype=torch.float32, pin_memory=True)
         host.copy_(result, non_blocking=True)
         done = torch.cuda.Event(blocking=True)  # the wait sleeps rather than spins: a core for the workers
@@ -87,8 +84,6 @@ class MaskPredictor:
 
         def wait() -> np.ndarray:
             done.synchronize()  # releases the GIL
-            if out is None:
-                return host.numpy()
             if not direct:
                 np.copyto(out, host.numpy())
             return out
@@ -96,7 +91,7 @@ class MaskPredictor:
         return wait
 
     def __call__(self, squares: np.ndarray) -> np.ndarray:
-        return self.launch(squares)()
+        return self.launch(squares, np.empty((len(squares), self.size, self.size), np.float32))()
 
 
 def launch_forward(predictor, squares: np.ndarray, out: np.ndarray) -> Callable[[], None]:
