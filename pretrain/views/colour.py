@@ -130,7 +130,7 @@ def gaussian_blur(x: torch.Tensor, sigma: np.ndarray, kernel: int) -> torch.Tens
     half = kernel // 2
     taps = torch.linspace(-half, half, kernel, dtype=torch.float64)
     weights = torch.exp(-0.5 * (taps[None, :] / torch.as_tensor(sigma, dtype=torch.float64)[:, None]) ** 2)
-    # non_blocking: a blocking copy waits for every kernel queued on the stream (see colour_view).
+    # non_blocking: a blocking copy waits for every kernel queued on the stream (see _colour).
     weights = (weights / weights.sum(dim=1, keepdim=True)).to(x.device, x.dtype, non_blocking=True)
     weights = weights.repeat_interleave(c, dim=0)
     padded = F.pad(x, (half, half, half, half), mode="reflect").reshape(1, n * c, h + 2 * half, w + 2 * half)
