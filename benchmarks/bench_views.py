@@ -263,8 +263,8 @@ def main() -> None:
             if name == "reference":
                 # DataLoader workers are other processes: the CPU cost per image is timed in-process, where
                 # all of the reference's work runs in this thread. The process's CPU time also counts any
-                # other thread still running (the H100 host's 180.7 ms an image against this thread's cost
-                # was never explained), so the ratios use this thread's, the smaller, and both are printed.
+                # other thread still running (a suspect for the H100 host's unexplained 180.7 ms an image,
+                # RESULTS.md), so the ratios use this thread's, the smaller, and both are printed.
                 torch.set_num_threads(1)
                 _, whole, ms, _, _ = timed(shards, ViewConfig(**{**views.__dict__, "num_threads": 1}), device, args)
                 print(f"reference in-process: {whole:.1f} CPU ms/image for the process, {ms:.1f} for its own thread"
