@@ -321,7 +321,7 @@ def _workers(count: int, batch: int, predictor) -> Iterator[tuple[Executor, Slot
     try:
         register = getattr(predictor, "register_host_memory", None)
         ring.page_locked = register is not None and register(*ring.address())
-        cv2.setNumThreads(1)
+        init_worker()  # OpenCV as in a worker: with --workers 0 this process runs the tasks
         use_ring(ring)
         if count == 0:
             yield InlineExecutor(), ring
