@@ -216,3 +216,29 @@ def test_results_keeps_the_gpu_runbook():
     text = RESULTS.read_text()
     runbook = text.split("## GPU runbook")[1]
     assert "pytest -m gpu" in runbook and "benchmarks/gpu.sh" in runbook
+
+
+# ---- links between the documents resolve
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a markdown heading."""
+    text = heading.lstrip("#").strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def test_links_between_the_documents_resolve():
+    documents = [REPO / "README.md", RESULTS, *sorted((REPO / "docs").glob("*.md"))]
+    broken = []
+    for document in documents:
+        for target, anchor in re.findall(r"\]\(([^)\s#]*)(?:#([^)\s]+))?\)", document.read_text()):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            path = (document.parent / target).resolve() if target else document
+            if not path.exists():
+                broken.append(f"{document.relative_to(REPO)}: {target} does not exist")
+            elif anchor and path.suffix == ".md":
+                anchors = {_slug(line) for line in path.read_text().splitlines() if line.startswith("#")}
+                if anchor not in anchors:
+                    broken.append(f"{document.relative_to(REPO)}: no heading #{anchor} in {path.relative_to(REPO)}")
+    assert not broken, "\n".join(broken)
