@@ -16,7 +16,7 @@ where a batch's time goes: the loader's stages (DALI's run, its outputs, the tor
 CPU and device ms per batch, and the operators with the most time (`--trace FILE` keeps the trace).
 
     python benchmarks/bench_views.py --batch 16 --threads 2                       # CPU box
-    python benchmarks/bench_views.py --device cuda --batch 256 --threads 8        # issue 16 goal 1 (one H100)
+    python benchmarks/bench_views.py --device cuda --batch 256 --threads 8        # the GPU figure (one H100)
     python benchmarks/bench_views.py --device cuda --batch 256 --threads 8 --pipelines torch-colour --profile 4
 """
 

@@ -1,6 +1,6 @@
 """The ReLICv2 objective (paper eq. 2 and 4, pseudo-code listing 1) as a pure function of tensors.
 
-Notation (DESIGN.md "Loss"): for an online view a and a target view b, o_a / t_b are the
+Notation (docs/design.md "Loss"): for an online view a and a target view b, o_a / t_b are the
 l2-normalised online predictions / target projections, and for anchor i the candidate set c_i
 holds its positive (c_i0 = i) and n_e negatives drawn from the other images of the global batch.
 

@@ -456,7 +456,7 @@ def _rng_state(ctx: DistributedContext) -> dict[str, Any]:
 
 
 def _version() -> str:
-    # The shards helper is adding shards.version.package_version(), the one owner of this; switch when merged.
+    # A copy of shards.version.package_version(), the one owner of this: to be replaced by a call to it.
     try:
         return metadata.version("relicv2")
     except metadata.PackageNotFoundError:

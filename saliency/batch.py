@@ -40,7 +40,7 @@ from shards.keys import UnsafeKeyError, safe_relative_path
 from shards.lock import folder_lock
 from shards.reader import ReadReport
 
-try:  # the shared image loader (issue 14.3) names its errors itself; saliency.images wraps it
+try:  # the shared image loader (shards.images) names its errors itself; saliency.images wraps it
     from shards.images import ImageLoadError
 except ImportError:  # a tree without it: saliency.images raises ImageReadError only
     ImageLoadError = ImageReadError

@@ -1,6 +1,6 @@
 """How many lost inputs a batch job accepts: ``--max-failures`` as a count or a fraction.
 
-DESIGN.md: a job that lost data or did nothing exits non-zero; ``--max-failures`` lets the user
+docs/design.md: a job that lost data or did nothing exits non-zero; ``--max-failures`` lets the user
 accept a known number or share of bad inputs (corrupt photos in a web crawl).
 """
 

@@ -2,7 +2,7 @@
 
 A shard made by someone else may hold members named ``/etc/x.jpg`` or ``../../x.jpg``; every
 place that turns a key, a member name or a manifest field into a path goes through
-:func:`safe_relative_path` (DESIGN.md "Keys and member names from any tar are untrusted").
+:func:`safe_relative_path` (docs/design.md "Keys and member names from any tar are untrusted").
 """
 
 from __future__ import annotations

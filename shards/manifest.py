@@ -1,4 +1,4 @@
-"""Manifest and rejection tables of a shard set (parquet, DESIGN.md Formats)."""
+"""Manifest and rejection tables of a shard set (parquet, docs/design.md Formats)."""
 
 from __future__ import annotations
 

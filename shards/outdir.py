@@ -1,6 +1,6 @@
 """Which files of an output folder belong to a build, and claiming a folder for a new one.
 
-A build deletes only files its own plan (`.build/plan.json`) or manifest lists (DESIGN.md: a job
+A build deletes only files its own plan (`.build/plan.json`) or manifest lists (docs/design.md: a job
 never deletes what it did not write). A folder holding anything else is refused unless the user
 passes `--overwrite`, which removes only a previous build's own files; a file that would be
 overwritten by this build's outputs but was not written by a build is always refused.

@@ -1,4 +1,4 @@
-"""One sample of a shard set, and the rules its key and member names follow (DESIGN.md, Formats)."""
+"""One sample of a shard set, and the rules its key and member names follow (docs/design.md, Formats)."""
 
 from __future__ import annotations
 

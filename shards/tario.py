@@ -1,6 +1,6 @@
 """Reading tar files the project opens itself: no URL opener, no decompression, no links, capped members.
 
-A shard may come from anyone (DESIGN.md): the tar is opened as a local file (never a `pipe:` URL),
+A shard may come from anyone (docs/design.md): the tar is opened as a local file (never a `pipe:` URL),
 compressed archives are refused (a 1 MB gzip can expand to GBs), each member's size is checked
 from its header before a byte is read, link/device members and unsafe names are skipped with a
 reason, and a tar that ends before its end-of-archive blocks is reported as truncated.

@@ -16,7 +16,7 @@ from shards.manifest import CORE_COLUMNS, manifest_shards, write_manifest
 from shards.sample import ShardSample, check_sample, content_hash, sample_members
 from shards.version import package_version
 
-# Fixed header fields make a rebuilt tar byte-identical (DESIGN.md: mtime 0, fixed owner).
+# Fixed header fields make a rebuilt tar byte-identical (docs/design.md: mtime 0, fixed owner).
 OWNER_NAME = "relicv2"
 MEMBER_MODE = 0o444
 TAR_BLOCK = 512

@@ -1,4 +1,4 @@
-"""EXIF orientation end to end (issue 14 point 18): one convention, the displayed orientation.
+"""EXIF orientation end to end: one convention, the displayed orientation.
 
 A FOREIGN shard set (written with webdataset's ShardWriter, as a user's own set would be) holds a
 JPEG stored 200 wide x 100 high (red left, blue right) with EXIF orientation 6, so it is displayed

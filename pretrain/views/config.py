@@ -1,4 +1,4 @@
-"""Options of the multi-view augmentation (DESIGN.md "Views and augmentations", paper Table "aug").
+"""Options of the multi-view augmentation (docs/design.md "Views and augmentations", paper Table "aug").
 
 One frozen dataclass holds every view option; the trainer's config embeds it. `view_specs` turns it
 into one `ViewSpec` per output view, so the DALI pipeline and the PIL reference read the paper's

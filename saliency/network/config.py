@@ -1,6 +1,6 @@
 """Configuration of `relicv2 saliency train`: one frozen dataclass, three presets, `--set k=v` overrides.
 
-Presets (the values of DESIGN.md "Refinement (DeepUSPS-style)" unless a comment says otherwise):
+Presets (the values of docs/design.md "Refinement (DeepUSPS-style)" unless a comment says otherwise):
 - `paper`: ResNet-50 encoder, 432 px input, 2500 images, 3 iterations x 25 epochs per method, 200
   fused epochs; what the ReLICv2 appendix describes.
 - `cpu`: a real but small run for a 2-core machine (ResNet-18, 112 px, fewer images and epochs).

@@ -46,7 +46,7 @@ def has_rotation(data: bytes) -> bool:
 
 
 def resize_square(rgb: np.ndarray, size: int) -> np.ndarray:
-    """uint8 [H, W, 3] -> uint8 [size, size, 3], bicubic (DESIGN.md: fixed square input, no augmentation)."""
+    """uint8 [H, W, 3] -> uint8 [size, size, 3], bicubic (docs/design.md: fixed square input, no augmentation)."""
     return cv2.resize(rgb, (size, size), interpolation=cv2.INTER_CUBIC)
 
 

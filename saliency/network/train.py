@@ -1,6 +1,6 @@
 """`relicv2 saliency train`: DeepUSPS-style refinement of handcrafted maps and the fused saliency network.
 
-Steps (DESIGN.md "Refinement (DeepUSPS-style) and the saliency network"):
+Steps (docs/design.md "Refinement (DeepUSPS-style) and the saliency network"):
 1. sample N images, compute the handcrafted maps (cached; `data.py`);
 2. phase I, per method, K iterations: a fresh network trained E epochs on the current binary
    labels; after each epoch its train-mode predictions are CRF-refined and folded into a moving

@@ -1,4 +1,4 @@
-"""`relicv2 saliency handcrafted` under hostile keys, a second job, kills, full disks (issue 14)."""
+"""`relicv2 saliency handcrafted` under hostile keys, a second job, kills, full disks."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`shards build / merge / verify` on folders a user already has: own files only, locks, disks, links (issue 14)."""
+"""`shards build / merge / verify` on folders a user already has: own files only, locks, disks, links."""
 
 from __future__ import annotations
 

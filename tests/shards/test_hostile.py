@@ -1,4 +1,4 @@
-"""Shards from strangers: traversal and link members, `pipe:` paths, bombs, truncation, foreign sets (issue 14)."""
+"""Shards from strangers: traversal and link members, `pipe:` paths, bombs, truncation, foreign sets."""
 
 from __future__ import annotations
 
