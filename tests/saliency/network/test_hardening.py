@@ -193,3 +193,14 @@ def test_more_workers_than_can_be_busy_are_lowered_and_said(tmp_path: Path, tiny
     assert result.exit_code == 0, result.output
     assert "--workers 100000 lowered to" in result.output
     assert "100000 worker process" not in result.output
+
+
+def test_a_backbone_sidecar_with_a_depth_that_is_not_a_number_is_one_clear_error(tmp_path: Path) -> None:
+    from pretrain.model.resnet import resnet
+    from saliency.network.weights import BackboneError, encoder_state_dict
+
+    weights = tmp_path / "r18.pt"
+    torch.save(resnet(18).state_dict(), weights)
+    (tmp_path / "r18.pt.json").write_text('{"depth": "eighteen", "width": 1}')
+    with pytest.raises(BackboneError, match=r"r18.pt.json.*not whole numbers"):
+        encoder_state_dict(weights, 18, 1)
