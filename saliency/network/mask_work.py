@@ -109,6 +109,9 @@ class RingSpaceError(ValueError):
     """The shared-memory folder has too little room for the ring."""
 
 
+SHM_REMEDY = "lower --batch, or give the machine more shared memory (Docker: --ipc=host or --shm-size=16g)"
+
+
 RING_PREFIX = "relicv2-masks"
 # relicv2-masks-<pid>-<output folder tag>-<random>: who made a ring, and for which output folder.
 RING_NAME = re.compile(re.escape(RING_PREFIX) + r"-(\d+)-([0-9a-f]{12}|none)-[0-9a-f]+")
@@ -144,11 +147,8 @@ def _reserve(name: str, nbytes: int, folder: str = SHM_FOLDER) -> None:
     try:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as error:
-        raise RingSpaceError(
-            f"{folder} cannot hold the {readable_size(nbytes)} build-masks needs for the batches in flight "
-            f"({error.strerror}); lower --batch, or give the machine more shared memory (Docker: --ipc=host "
-            "or --shm-size=16g)"
-        ) from None
+        raise RingSpaceError(f"{folder} cannot hold the {readable_size(nbytes)} build-masks needs for the batches in "
+                             f"flight ({error.strerror}); {SHM_REMEDY}") from None
     finally:
         os.close(fd)
 
@@ -207,8 +207,8 @@ class SlotRing:
 
 
 def readable_size(nbytes: float) -> str:
-    """`nbytes` in the largest binary unit under which it is at least 1, e.g. "512 KiB", "1 MiB",
-    "1.5 GiB" (never a rounded "0 MiB")."""
+    """`nbytes` in the largest binary unit that keeps it at least 1, e.g. "512 KiB", "1 MiB", "1.5 GiB"
+    (never a rounded "0 MiB")."""
     for unit in ("bytes", "KiB", "MiB", "GiB"):
         if nbytes < 1024:
             return f"{nbytes:.4g} {unit}"
@@ -217,8 +217,9 @@ def readable_size(nbytes: float) -> str:
 
 
 def check_shm_space(nbytes: int, folder: str = SHM_FOLDER) -> None:
-    """Refuse a ring the shared-memory folder cannot hold: the block is created sparse, so a short
-    tmpfs would only show itself as a bus error (SIGBUS) in the middle of the job."""
+    """Refuse rings the shared-memory folder cannot hold, before the job writes anything (`nbytes`: the
+    rings of every rank of the node). Each ring also reserves its pages when made (`SlotRing.create`),
+    for a /dev/shm that filled in between."""
     try:
         stats = os.statvfs(folder)
     except (FileNotFoundError, AttributeError):  # no such tmpfs (not Linux): nothing to check against
@@ -227,8 +228,7 @@ def check_shm_space(nbytes: int, folder: str = SHM_FOLDER) -> None:
     if free < nbytes:
         raise RingSpaceError(
             f"{folder} has {readable_size(free)} free but build-masks needs {readable_size(nbytes)} for "
-            "the batches in flight; lower --batch, or give the machine more shared memory (Docker: "
-            "--ipc=host or --shm-size=16g)"
+            f"the batches in flight; {SHM_REMEDY}"
         )
 
 
