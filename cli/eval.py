@@ -224,7 +224,15 @@ def _run_evaluation(job: str, evaluate: Callable[[Any, Any], Any], *, checkpoint
     from pretrain.eval.paper import HeadCheckpointError
     from pretrain.model.encoder_file import ExportError
     from shards.lock import FolderLockedError, folder_lock
+    from shards.outdir import OutputError, check_output_file, check_output_folder, writing
 
+    try:  # before any work: an unwritable --json must not be found after the whole evaluation
+        if output is not None:
+            check_output_folder(output, "--output")
+        if json_path is not None:
+            check_output_file(json_path, "--json")
+    except OutputError as error:
+        raise click.ClickException(str(error)) from None
     ctx = distributed.init(device)
     try:
         with folder_lock(output, job, enabled=ctx.rank == 0) if output else contextlib.nullcontext():
@@ -245,9 +253,14 @@ def _run_evaluation(job: str, evaluate: Callable[[Any, Any], Any], *, checkpoint
                                     "world_size": ctx.world_size, **extra})
     _print_result(f"{result.protocol} of {what}", payload, lost_text(result.lost))
     _warn_shortfalls(result)
-    _write_json(json_path, payload)
-    if output is not None:
-        _write_json(output / "result.json", payload)
+    try:  # the disk may have filled during the work
+        with writing(json_path, "--json"):
+            _write_json(json_path, payload)
+        if output is not None:
+            with writing(output / "result.json", "--output"):
+                _write_json(output / "result.json", payload)
+    except OutputError as error:
+        raise click.ClickException(str(error)) from None
 
 
 def _plain(config) -> dict[str, Any]:

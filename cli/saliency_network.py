@@ -57,7 +57,8 @@ def train_command(shards: Path, out: Path, preset: str, backbone: str, gt: Path 
 @click.option("--workers", type=click.IntRange(min=0), default=None,
               help="Processes for decoding, resizing and mask encoding (0: all in this process). "
                    "[default: this rank's CPU cores less one]")
-@click.option("--batch", "batch_size", default=32, show_default=True, help="Images per forward pass.")
+@click.option("--batch", "batch_size", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Images per forward pass.")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
 @index_cache_option
 @click.option("--progress/--no-progress", default=True, show_default=True)
@@ -73,7 +74,7 @@ def build_masks_command(model_path: Path, shards: Path, out: Path, workers: int 
     from saliency.network.model_file import ModelFileError
 
     config = BuildMasksConfig(model=model_path, shards=shards, out=out, workers=workers,
-                              batch_size=max(1, batch_size), device=device, progress=progress,
+                              batch_size=batch_size, device=device, progress=progress,
                               index_cache=index_cache)
     try:
         summary = build_masks(config)

@@ -26,16 +26,18 @@ def subset(shards_dir: str, fraction: float, out: Path, seed: int, min_per_class
     relicv2 shards subset shards/train --fraction 0.01 --out splits/1pct.txt
     relicv2 eval finetune --checkpoint C --train shards/train --val shards/val --labels splits/1pct.txt
     """
+    from shards.outdir import check_output_file
     from shards.subset import class_balanced_keys, write_key_list
 
     try:
+        check_output_file(out, "--out")
         report = class_balanced_keys(shards_dir, fraction, seed=seed, min_per_class=min_per_class,
                                      index_cache=index_cache)
+        write_key_list(out, report.keys, header=f"relicv2 shards subset {shards_dir} --fraction {fraction} "
+                                                f"--seed {seed}\n{len(report.keys)} of {report.total} keys, "
+                                                f"{len(report.per_class)} classes")
     except (FileNotFoundError, ValueError) as error:
         raise click.ClickException(str(error)) from None
-    write_key_list(out, report.keys, header=f"relicv2 shards subset {shards_dir} --fraction {fraction} "
-                                            f"--seed {seed}\n{len(report.keys)} of {report.total} keys, "
-                                            f"{len(report.per_class)} classes")
     counts = sorted(report.per_class.values())
     click.echo(f"wrote {out}: {len(report.keys)} of {report.total} keys, {len(report.per_class)} classes "
                f"({counts[0]}-{counts[-1]} per class)")

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import multiprocessing
 import os
 import re
 import sys
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,10 +34,10 @@ from saliency.handcrafted.methods import METHODS
 from saliency.images import ImageReadError, decode_rgb, read_rgb
 from saliency.inputs import IMAGE_MEMBERS, Item, count_inputs, is_shard_source, iter_items
 from saliency.maps import is_map_temporary, write_map
-from saliency.workers import init_worker, single_threaded
 from shards.keys import UnsafeKeyError, safe_relative_path
 from shards.lock import folder_lock
 from shards.reader import ReadReport
+from shards.workers import one_thread, single_threaded, worker_pool
 
 try:  # the shared image loader (shards.images) names its errors itself; saliency.images wraps it
     from shards.images import ImageLoadError
@@ -228,11 +227,8 @@ def _compute_serial(config: HandcraftedConfig, work: Iterator) -> Iterator[Resul
 def _compute_pooled(config: HandcraftedConfig, work: Iterator) -> Iterator[Result]:
     # spawn, not fork: forking a process whose BLAS/OpenCV thread pools are running can
     # leave the children deadlocked on a lock held by a thread that no longer exists.
-    context = multiprocessing.get_context("spawn")
     in_flight: set[Future] = set()
-    with ProcessPoolExecutor(
-        config.workers, mp_context=context, initializer=init_worker, initargs=(os.getpid(),)
-    ) as pool:
+    with worker_pool(config.workers, start_method="spawn", initializer=one_thread) as pool:
         try:
             for item, methods in work:
                 in_flight.add(pool.submit(process_item, item, methods, config.output))

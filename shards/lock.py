@@ -39,7 +39,8 @@ class LockHolder:
         return f"{self.job!r} (host {self.host}, pid {self.pid}, started {when})"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host (a zombie counts: its parent has not reaped it yet)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -78,7 +79,7 @@ def acquire(folder: Path, job: str) -> Path:
             if holder is None:
                 continue  # released between our open and read: try again
             stale_unknown = holder.pid == -1 and time.time() - holder.started > 60
-            if stale_unknown or (holder.host == me["host"] and not _pid_alive(holder.pid)):
+            if stale_unknown or (holder.host == me["host"] and not pid_alive(holder.pid)):
                 print(f"note: taking over the lock of {folder} left by {holder.describe()}, "
                       "which is no longer running", file=sys.stderr)
                 with contextlib.suppress(FileNotFoundError):

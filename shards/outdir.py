@@ -1,4 +1,5 @@
-"""Which files of an output folder belong to a build, and claiming a folder for a new one.
+"""Which files of an output folder belong to a build, claiming a folder for a new one, and the check
+every job makes of its output paths before it works.
 
 A build deletes only files its own plan (`.build/plan.json`) or manifest lists (docs/design.md: a job
 never deletes what it did not write). A folder holding anything else is refused unless the user
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import shutil
 from collections.abc import Iterator
@@ -24,6 +26,47 @@ from shards.sources import InputError
 INFO_NAME = "info.json"
 SET_FILES = (MANIFEST_NAME, REJECTED_NAME, INFO_NAME)
 CORRUPT = object()  # a plan.json that cannot be read
+
+
+class OutputError(ValueError):
+    """An output path a job cannot write (a file where a folder goes, or the reverse; no permission;
+    a full disk). Its message names the path and the option that gave it."""
+
+
+def _nearest_existing(path: Path) -> Path:
+    return next(p for p in (path, *path.parents) if p.exists() or p.is_symlink())
+
+
+def check_output_folder(folder: Path, option: str) -> None:
+    """Refuse, before any work, an output folder the job could not create or write into: a file at its
+    place or above it, or a folder (its own or its nearest existing parent) this user may not write."""
+    folder = Path(folder)
+    existing = _nearest_existing(folder.absolute())
+    if not existing.is_dir():
+        where = "is a file" if existing == folder.absolute() else f"lies under {existing}, which is a file"
+        raise OutputError(f"{option} {folder} {where}, not a folder; choose another {option}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise OutputError(f"{option} {folder}: {existing} is not writable (read-only, or another user's); "
+                          f"choose another {option}")
+
+
+def check_output_file(path: Path, option: str) -> None:
+    """Refuse, before any work, an output file the job could not write (see `check_output_folder`)."""
+    path = Path(path)
+    if path.is_dir():
+        raise OutputError(f"{option} {path} is a folder; give the path of the file to write")
+    check_output_folder(path.parent, option)
+
+
+@contextlib.contextmanager
+def writing(path: Path, option: str, errors: tuple[type[Exception], ...] = (OSError,)) -> Iterator[None]:
+    """Turn a failed write inside the block (a full disk, a file system gone read-only) into one
+    OutputError naming `path`. `errors`: what the writer raises (torch.save raises RuntimeError)."""
+    try:
+        yield
+    except errors as error:
+        detail = error.strerror if isinstance(error, OSError) and error.strerror else "the write failed; is the disk full?"
+        raise OutputError(f"cannot write {option} {path}: {detail}; free some space or choose another {option}") from None
 
 
 def read_plan(out: Path) -> dict | None | object:

@@ -18,6 +18,7 @@ import numpy as np
 from shards.atomic import atomic_output
 from shards.index import entries_key, read_index
 from shards.keys import check_key
+from shards.outdir import writing
 from shards.sample import LABEL_MEMBER, read_class_index
 from shards.shardset import resolve_shard_set
 
@@ -80,16 +81,20 @@ def class_balanced_keys(spec: str | Path, fraction: float, *, seed: int = 0, min
 
 
 def write_key_list(path: str | Path, keys: list[str], header: str = "") -> None:
+    """Write the key list atomically; an OutputError (naming `path`) when it cannot be written."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     lines = [f"# {line}" for line in header.splitlines()] + keys
-    with atomic_output(path) as tmp:
-        Path(tmp).write_text("\n".join(lines) + "\n")
+    with writing(path, "--out"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_output(path) as tmp:
+            Path(tmp).write_text("\n".join(lines) + "\n")
 
 
 def read_key_list(path: str | Path) -> set[str]:
     """The keys of a key list (blank and `#` lines ignored); each is validated like a shard key."""
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"key list {path} is a folder; pass the key list file `relicv2 shards subset` wrote")
     if not path.is_file():
         raise FileNotFoundError(f"key list {path} does not exist; write one with `relicv2 shards subset`")
     keys = set()

@@ -1,14 +1,24 @@
-"""Process pools whose workers exit when their parent dies (a `kill -9` of the job leaves no orphans).
+"""Process pools whose workers exit when their parent dies (a `kill -9` of the job leaves no orphans),
+and one thread per worker.
 
 Linux: each worker asks the kernel for SIGKILL when its parent exits (prctl PR_SET_PDEATHSIG).
 Everywhere: a daemon thread in each worker also polls its parent pid once a second and exits when
-the parent is gone, so the pool never outlives the job. Saliency and any other job's pool can use
-:func:`worker_pool` too.
+the parent is gone, so the pool never outlives the job. Every job's pool is a :func:`worker_pool`.
+
+Ctrl-C reaches every process of the terminal's group: the workers ignore it and the job handles it
+(one line, exit 130), stopping the work queued for the pool; a worker interrupted while idle would
+otherwise print a KeyboardInterrupt traceback of its own.
+
+The handcrafted methods and OpenCV work on small arrays: BLAS, OpenMP and OpenCV threads cost more
+than they give there and oversubscribe the cores (the saliency tests ran 6x slower with default
+threading under load), so a job's computations run one thread each (:func:`single_threaded`,
+:func:`one_thread`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import ctypes
 import ctypes.util
 import multiprocessing
@@ -17,7 +27,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 PR_SET_PDEATHSIG = 1
 POLL_S = 1.0
@@ -62,8 +72,43 @@ def die_with_parent(parent: int) -> None:
 
 def _initialize(parent: int, initializer: Callable[..., object] | None, initargs: tuple) -> None:
     die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the job's to handle (see the module docstring)
     if initializer is not None:
         initializer(*initargs)
+
+
+class _Pool(cf.ProcessPoolExecutor):
+    """A pool that, left by an exception (Ctrl-C, a failed task), cancels the work not yet started
+    instead of running all of it first; the workers finish the tasks in hand and exit."""
+
+    def __exit__(self, exc_type, exc_value, traceback) -> bool:
+        self.shutdown(wait=True, cancel_futures=exc_type is not None)
+        return False
+
+
+@contextlib.contextmanager
+def single_threaded() -> Iterator[None]:
+    """BLAS, OpenMP and OpenCV limited to one thread inside the block (restored after it)."""
+    import cv2
+    from threadpoolctl import threadpool_limits
+
+    previous = cv2.getNumThreads()
+    cv2.setNumThreads(1)
+    try:
+        with threadpool_limits(1):
+            yield
+    finally:
+        cv2.setNumThreads(previous)
+
+
+def one_thread() -> None:
+    """Worker initializer: BLAS, OpenMP and OpenCV on one thread for the worker's life (one worker, one core)."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import cv2
+    from threadpoolctl import threadpool_limits
+
+    cv2.setNumThreads(1)
+    threadpool_limits(1)
 
 
 def worker_pool(
@@ -81,7 +126,7 @@ def worker_pool(
     """
     if start_method is None:
         start_method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    return cf.ProcessPoolExecutor(
+    return _Pool(
         workers,
         mp_context=multiprocessing.get_context(start_method),
         initializer=_initialize,

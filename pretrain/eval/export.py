@@ -23,6 +23,8 @@ from pretrain.model.encoder_file import (
     save_encoder_file,
 )
 from pretrain.model.resnet import ResNet
+from shards.outdir import check_output_file as check_writable
+from shards.outdir import writing
 
 
 def load_backbone(path: str | Path, *, network: str = "online") -> tuple[ResNet, dict[str, Any]]:
@@ -70,8 +72,10 @@ def _known_figures(run_dir: Path, step: int) -> dict[str, Any]:
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, network: str = "online") -> dict[str, Any]:
     """Write the encoder of a pretraining checkpoint (or run folder) as an exported file; return the sidecar.
 
-    An `out` that cannot become the file (a folder) is refused before the checkpoint is read."""
+    An `out` that cannot become the file (a folder, an unwritable place) is refused before the checkpoint
+    is read; a failed write (a full disk) is an OutputError naming it, and leaves no partial file."""
     check_output_file(out)
+    check_writable(out, "--out")
     resolved = resolve_checkpoint(checkpoint)
     payload = load_checkpoint(resolved)
     config = checkpoint_config(payload, resolved)
@@ -90,4 +94,5 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, network: str =
     }
     metadata = {"source": str(resolved), "network": network, "step": step, "config_summary": summary,
                 "figures": _known_figures(resolved.parent, step)}
-    return save_encoder_file(encoder, out, depth=config.model.depth, width=config.model.width, metadata=metadata)
+    with writing(out, "--out", errors=(OSError, RuntimeError)):  # torch.save fails with a RuntimeError
+        return save_encoder_file(encoder, out, depth=config.model.depth, width=config.model.width, metadata=metadata)

@@ -187,14 +187,9 @@ def to_torchvision_state_dict(model: ResNet) -> dict[str, Tensor]:
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
 
-def load_torchvision_state_dict(model: ResNet, state_dict: dict[str, Tensor]) -> None:
-    """Load a `torchvision.models.resnet*` state dict into `model` (its `fc.*` entries are dropped).
-
-    Raises ValueError naming the missing, unexpected or wrongly shaped entries when the state
-    dict is not for this depth and width.
-    """
-    own = model.state_dict()
-    incoming = {name: t for name, t in state_dict.items() if not name.startswith("fc.")}
+def state_dict_differences(own: dict[str, Tensor], incoming: dict[str, Tensor]) -> str:
+    """How `incoming` differs from a model's `own` state dict in names and shapes, e.g. "2 missing
+    (e.g. layer4.1.conv1.weight); 1 wrong shape (e.g. fc.weight (10, 512) != (10, 2048))"; "" when it fits."""
     missing = sorted(set(own) - set(incoming))
     unexpected = sorted(set(incoming) - set(own))
     wrong_shape = sorted(
@@ -202,13 +197,22 @@ def load_torchvision_state_dict(model: ResNet, state_dict: dict[str, Tensor]) ->
         for name in set(own) & set(incoming)
         if incoming[name].shape != own[name].shape
     )
-    if missing or unexpected or wrong_shape:
-        problems = []
-        for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong_shape)):
-            if items:
-                problems.append(f"{len(items)} {label} (e.g. {', '.join(items[:3])})")
+    return "; ".join(f"{len(items)} {label} (e.g. {', '.join(items[:3])})"
+                     for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong_shape))
+                     if items)
+
+
+def load_torchvision_state_dict(model: ResNet, state_dict: dict[str, Tensor]) -> None:
+    """Load a `torchvision.models.resnet*` state dict into `model` (its `fc.*` entries are dropped).
+
+    Raises ValueError naming the missing, unexpected or wrongly shaped entries when the state
+    dict is not for this depth and width.
+    """
+    incoming = {name: t for name, t in state_dict.items() if not name.startswith("fc.")}
+    differences = state_dict_differences(model.state_dict(), incoming)
+    if differences:
         raise ValueError(
-            "state dict does not fit this ResNet (" + "; ".join(problems) + "); check that the "
+            f"state dict does not fit this ResNet ({differences}); check that the "
             "weights are a torchvision resnet of the same depth, at width 1, and without a "
             "'module.' prefix"
         )

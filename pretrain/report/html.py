@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import html
-import shutil
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +25,8 @@ from pretrain.report.inputs import (
 from shards.atomic import atomic_write_bytes
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# In the figures folder: the names of the figures the report wrote there, the only files a rebuild removes.
+FIGURES_RECORD = ".written-by-report.json"
 # (id, title) of every section, in page order; tests check that each is present.
 SECTIONS = (
     ("saliency", "Saliency: handcrafted maps vs the network's masks"),
@@ -68,8 +70,13 @@ class _Page:
         self.figure_dir = out.parent / f"{out.stem}-figures"
         self.summary = ReportSummary(page=out)
         self.blocks: dict[str, str] = {}
+        self.written: list[str] = []
 
     def figure(self, name: str) -> Path:
+        """Where to write figure `name`; recorded before it is written, so a killed build's partial file
+        is still this report's to remove."""
+        self.written.append(name)
+        atomic_write_bytes(self.figure_dir / FIGURES_RECORD, (json.dumps(sorted(set(self.written))) + "\n").encode())
         return self.figure_dir / name
 
     def img(self, path: Path, alt: str) -> str:
@@ -92,9 +99,7 @@ def build_report(inputs: ReportInputs, out: Path) -> ReportSummary:
     if out.suffix.lower() not in (".html", ".htm"):
         raise ValueError(f"report path {out} must end in .html")
     page = _Page(out)
-    if page.figure_dir.exists():
-        shutil.rmtree(page.figure_dir)  # figures of an earlier build, all written by this function
-    page.figure_dir.mkdir(parents=True)
+    claim_figure_dir(page.figure_dir)
     page.summary.problems += _missing_inputs(inputs)
     _saliency_section(page, inputs)
     _saliency_training_section(page, inputs)
@@ -103,6 +108,28 @@ def build_report(inputs: ReportInputs, out: Path) -> ReportSummary:
     _evaluation_section(page, inputs)
     atomic_write_bytes(out, _render(page, inputs).encode("utf-8"))
     return page.summary
+
+
+def claim_figure_dir(folder: Path) -> None:
+    """Make `folder` an empty figures folder: create it, or remove the figures an earlier build recorded
+    there. A folder holding anything else (a user's files, a build of an older relicv2 that kept no
+    record) is refused, never emptied."""
+    if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+        raise ValueError(f"{folder} (the report's figures folder) is not a folder; move it away or choose another --out")
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        recorded = json.loads((folder / FIGURES_RECORD).read_text())
+    except (OSError, ValueError):  # none (a new folder or a user's), or unreadable: nothing is ours
+        recorded = []
+    recorded = {name for name in recorded if isinstance(name, str)} if isinstance(recorded, list) else set()
+    entries = [p for p in folder.iterdir() if p.name != FIGURES_RECORD]
+    foreign = sorted(p.name for p in entries if p.name not in recorded or p.is_symlink() or not p.is_file())
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise ValueError(f"{folder} (the report's figures folder) holds files no report wrote ({shown}); move them "
+                         "away or choose another --out")
+    for path in entries:  # only the recorded figures of an earlier build are left
+        path.unlink()
 
 
 def _missing_inputs(inputs: ReportInputs) -> list[str]:

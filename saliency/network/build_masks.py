@@ -53,6 +53,7 @@ from saliency.network.mask_work import (
     forget_ring,
     init_worker,
     prepare_chunk,
+    remove_dead_rings,
     ring_bytes,
     use_ring,
 )
@@ -82,7 +83,7 @@ from shards.sample import (
 )
 from shards.shardset import resolve_shard_set, shard_tars
 from shards.tario import Skipped, TarReadError, iter_tar
-from shards.workers import local_ranks, rank_cores, worker_pool
+from shards.workers import local_ranks, rank_cores, usable_cores, worker_pool
 from shards.writer import TarShard, package_version, shard_name, write_info
 
 PREFIX = "masked"
@@ -113,6 +114,21 @@ def default_workers() -> int:
     """Worker processes when --workers is not given: this rank's share of the cores, less one for the
     job's own process (reading, the network, tar writing)."""
     return max(1, rank_cores() - 1)
+
+
+def job_workers(config: BuildMasksConfig) -> tuple[int, str | None]:
+    """(worker processes, a note when --workers was lowered); MasksError for a batch under 1. More
+    workers than the usable cores, or than the tasks in flight at once (a batch being prepared and
+    one being finished, each cut in at most a batch's worth of chunks), would only wait."""
+    if config.batch_size < 1:
+        raise MasksError(f"--batch {config.batch_size}: a batch holds at least 1 image")
+    if config.workers is None:
+        return default_workers(), None
+    limit = max(1, min(usable_cores(), 2 * config.batch_size))
+    if config.workers <= limit:
+        return config.workers, None
+    return limit, (f"--workers {config.workers} lowered to {limit}: more than {usable_cores()} usable cores or "
+                   f"2 x --batch {config.batch_size} tasks at once would only wait")
 
 
 class InlineExecutor(Executor):
@@ -310,13 +326,14 @@ def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: Executo
 
 
 @contextlib.contextmanager
-def _workers(count: int, batch: int, predictor) -> Iterator[tuple[Executor, SlotRing]]:
+def _workers(count: int, batch: int, predictor, out: Path) -> Iterator[tuple[Executor, SlotRing]]:
     """The job's pool and its ring of batches: `count` worker processes, or the job's own process for
     0; OpenCV on one thread in either. Spawned, not forked: a fork of a process running CUDA or torch's
     thread pools can hang. On a GPU the ring is page-locked for the predictor's DMA (see
     `MaskPredictor.register_host_memory`; `ring.page_locked` says whether it is). The ring goes when
-    the workers have gone."""
-    ring = SlotRing.create(batch, predictor.size)
+    the workers have gone; the rings of earlier jobs on `out` killed with their process group go first."""
+    remove_dead_rings(out)
+    ring = SlotRing.create(batch, predictor.size, out)
     opencv_threads = cv2.getNumThreads()
     try:
         register = getattr(predictor, "register_host_memory", None)
@@ -452,7 +469,7 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
     check_out_folder(out, len(tars))
     # The model is read before --out is created: a refused model leaves no folder behind.
     predictor = predictor or MaskPredictor(model, config.device)
-    workers = default_workers() if config.workers is None else config.workers
+    workers, workers_note = job_workers(config)
     try:  # before --out exists, like the other refusals (the ring itself is made with the workers)
         check_shm_space(ring_bytes(config.batch_size, predictor.size) * local_ranks())  # every rank of the node has one
     except RingSpaceError as error:
@@ -474,7 +491,7 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
         started, processed, clock = time.monotonic(), 0, MainThreadClock()
         bar = tqdm(total=total, desc="build-masks", unit="img", disable=not config.progress or not todo,
                    dynamic_ncols=True)
-        with _workers(workers, config.batch_size, predictor) as (pool, ring):
+        with _workers(workers, config.batch_size, predictor, out) as (pool, ring):
             page_locked = ring.page_locked
             for number in todo:
                 try:
@@ -510,7 +527,7 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
         })
         summary["shards_kept"], summary["shards_built"] = kept, len(tars) - kept
         summary["rejected_file"] = str(out / REJECTED_NAME)
-        summary["workers"], summary["ring_page_locked"] = workers, page_locked
+        summary["workers"], summary["workers_note"], summary["ring_page_locked"] = workers, workers_note, page_locked
         summary["images_per_s"] = round(processed / seconds, 2) if processed and seconds > 0 else None
         summary.update(clock.report())  # this rank's
         return summary
@@ -544,6 +561,8 @@ def format_summary(summary: dict) -> str:
         f"{summary['below_min_coverage']} masks cover less than {summary['min_coverage']:.0%} and will not be "
         "applied in pretraining",
     ]
+    if summary.get("workers_note"):
+        lines.append(summary["workers_note"])
     if summary["rejected"]:
         lines.append(f"why each sample was rejected: {summary['rejected_file']}")
     return "\n".join(lines)

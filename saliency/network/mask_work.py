@@ -14,16 +14,21 @@ spawned worker starts in well under a second and costs no torch memory.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
+import re
 import secrets
 from dataclasses import dataclass
 from multiprocessing.shared_memory import SharedMemory
+from pathlib import Path
 
 import cv2
 import numpy as np
 
 from saliency.network.images import resize_map, resize_square
 from shards.images import ImageLoadError, Rejection, load_scaled
+from shards.lock import pid_alive
 from shards.sample import MASK_MEMBER, ShardSample
 from shards.writer import SampleRecord, sample_record
 
@@ -100,8 +105,52 @@ def ring_bytes(batch: int, size: int, slots: int = RING_SLOTS) -> int:
     return slots * batch * size * size * (4 + 3)
 
 
-class RingSpaceError(OSError):
+class RingSpaceError(ValueError):
     """The shared-memory folder has too little room for the ring."""
+
+
+SHM_REMEDY = "lower --batch, or give the machine more shared memory (Docker: --ipc=host or --shm-size=16g)"
+
+
+RING_PREFIX = "relicv2-masks"
+# relicv2-masks-<pid>-<output folder tag>-<random>: who made a ring, and for which output folder.
+RING_NAME = re.compile(re.escape(RING_PREFIX) + r"-(\d+)-([0-9a-f]{12}|none)-[0-9a-f]+")
+
+
+def folder_tag(out: Path | None) -> str:
+    """A short digest of the output folder a ring serves ("none" for a ring that serves none)."""
+    return "none" if out is None else hashlib.sha256(str(Path(out).resolve()).encode()).hexdigest()[:12]
+
+
+def remove_dead_rings(out: Path, folder: str = SHM_FOLDER) -> int:
+    """Remove the rings earlier jobs on `out` left on this host when they were killed with their whole
+    process group (their resource tracker, which removes a killed job's ring, went with them). A ring
+    whose process still runs (another rank of this job) is kept. Returns how many were removed."""
+    tag, removed = folder_tag(out), 0
+    for path in Path(folder).glob(f"{RING_PREFIX}-*-{tag}-*"):
+        match = RING_NAME.fullmatch(path.name)
+        if match is None or pid_alive(int(match.group(1))):
+            continue
+        with contextlib.suppress(FileNotFoundError):  # another rank of the job removed it first
+            path.unlink()
+            removed += 1
+    return removed
+
+
+def _reserve(name: str, nbytes: int, folder: str = SHM_FOLDER) -> None:
+    """Allocate a new block's pages now. The block is created sparse, and a page tmpfs cannot find
+    later is a SIGBUS in whichever process touches it first (a worker, mid-job): refuse at start."""
+    path = Path(folder) / name
+    if not hasattr(os, "posix_fallocate") or not path.exists():  # no /dev/shm tmpfs (not Linux): nothing to reserve
+        return
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as error:
+        raise RingSpaceError(f"{folder} cannot hold the {readable_size(nbytes)} build-masks needs for the batches in "
+                             f"flight ({error.strerror}); {SHM_REMEDY}") from None
+    finally:
+        os.close(fd)
 
 
 class SlotRing:
@@ -117,11 +166,20 @@ class SlotRing:
         self._squares = np.ndarray((*maps, 3), np.uint8, buffer=memory.buf, offset=self._probabilities.nbytes)
 
     @classmethod
-    def create(cls, batch: int, size: int) -> SlotRing:
-        """A new ring named after this process (visible as such in /dev/shm while the job runs). Room for
-        it is the job's check, made once for every rank of the node (`check_shm_space`)."""
-        spec = RingSpec(f"relicv2-masks-{os.getpid()}-{secrets.token_hex(4)}", batch, size)
-        return cls(SharedMemory(spec.name, create=True, size=spec.nbytes), spec)
+    def create(cls, batch: int, size: int, out: Path | None = None) -> SlotRing:
+        """A new ring named after this process and the output folder `out` it serves (visible as such in
+        /dev/shm while the job runs; `remove_dead_rings` finds it after a kill). Its pages are reserved
+        here: RingSpaceError when /dev/shm is too full (the job's check of the room for every rank of
+        the node, `check_shm_space`, comes before it, but /dev/shm may have filled since)."""
+        spec = RingSpec(f"{RING_PREFIX}-{os.getpid()}-{folder_tag(out)}-{secrets.token_hex(4)}", batch, size)
+        memory = SharedMemory(spec.name, create=True, size=spec.nbytes)
+        try:
+            _reserve(memory.name, spec.nbytes)
+        except BaseException:
+            memory.close()
+            memory.unlink()
+            raise
+        return cls(memory, spec)
 
     @classmethod
     def attach(cls, spec: RingSpec) -> SlotRing:
@@ -148,9 +206,20 @@ class SlotRing:
             pass
 
 
+def readable_size(nbytes: float) -> str:
+    """`nbytes` in the largest binary unit that keeps it at least 1, e.g. "512 KiB", "1 MiB", "1.5 GiB"
+    (never a rounded "0 MiB")."""
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if nbytes < 1024:
+            return f"{nbytes:.4g} {unit}"
+        nbytes /= 1024
+    return f"{nbytes:.4g} TiB"
+
+
 def check_shm_space(nbytes: int, folder: str = SHM_FOLDER) -> None:
-    """Refuse a ring the shared-memory folder cannot hold: the block is created sparse, so a short
-    tmpfs would only show itself as a bus error (SIGBUS) in the middle of the job."""
+    """Refuse rings the shared-memory folder cannot hold, before the job writes anything (`nbytes`: the
+    rings of every rank of the node). Each ring also reserves its pages when made (`SlotRing.create`),
+    for a /dev/shm that filled in between."""
     try:
         stats = os.statvfs(folder)
     except (FileNotFoundError, AttributeError):  # no such tmpfs (not Linux): nothing to check against
@@ -158,9 +227,8 @@ def check_shm_space(nbytes: int, folder: str = SHM_FOLDER) -> None:
     free = stats.f_bavail * stats.f_frsize
     if free < nbytes:
         raise RingSpaceError(
-            f"{folder} has {free / 2**20:.0f} MiB free but build-masks needs {nbytes / 2**20:.0f} MiB for "
-            "the batches in flight; lower --batch, or give the machine more shared memory (Docker: "
-            "--ipc=host or --shm-size=16g)"
+            f"{folder} has {readable_size(free)} free but build-masks needs {readable_size(nbytes)} for "
+            f"the batches in flight; {SHM_REMEDY}"
         )
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from pretrain.checkpoint import FORMAT as PRETRAIN_FORMAT
+from pretrain.model.resnet import state_dict_differences
 from pretrain.untrusted import TORCH_LOAD_ERRORS, load_failure
 from saliency.network.model import SaliencyNet
 from shards.atomic import atomic_output
@@ -77,13 +78,28 @@ def load_model(path: Path | str, device: str = "cpu") -> tuple[SaliencyNet, dict
         raise ModelFileError(f"{path} is a relicv2 pretraining checkpoint, not a saliency model; {PASS_MODEL}")
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ModelFileError(f"{path} is not a saliency model file (no '{FORMAT}' format entry); {PASS_MODEL}")
-    if payload.get("version") != VERSION or payload.get("arch", {}).get("name") != ARCH:
-        raise ModelFileError(f"{path} is saliency model version {payload.get('version')} ({payload.get('arch')}); this relicv2 reads version {VERSION} ({ARCH})")
-    arch = payload["arch"]
-    model = SaliencyNet(int(arch["depth"]), int(arch["width"]))
+    arch = payload.get("arch")
+    if not isinstance(arch, dict):
+        raise ModelFileError(f"{path}: its arch entry is a {type(arch).__name__}, not the network's description "
+                             f"(name, depth, width); {PASS_MODEL}")
+    if payload.get("version") != VERSION or arch.get("name") != ARCH:
+        raise ModelFileError(f"{path} is saliency model version {payload.get('version')} ({arch!r:.80}); this relicv2 reads version {VERSION} ({ARCH})")
+    depth, width = arch.get("depth"), arch.get("width")
     try:
-        model.load_state_dict(payload["state_dict"])
-    except RuntimeError as error:
-        raise ModelFileError(f"{path}: weights do not fit the recorded architecture ({str(error).splitlines()[0]})") from None
+        if type(depth) is not int or type(width) is not int:
+            raise ValueError(f"depth {depth!r:.20} and width {width!r:.20} must be whole numbers")
+        model = SaliencyNet(depth, width)
+    except ValueError as error:  # a hand-made or damaged description
+        raise ModelFileError(f"{path}: its arch entry names no network this relicv2 builds ({error}); {PASS_MODEL}") from None
+    state = payload.get("state_dict")
+    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
+        raise ModelFileError(f"{path}: its state_dict entry is not a table of named weight tensors; {PASS_MODEL}")
+    differences = state_dict_differences(model.state_dict(), state)
+    if differences:
+        raise ModelFileError(
+            f"{path}: the weights do not fit the ResNet-{depth} x{width} its arch entry records ({differences}); "
+            "the file's depth or width setting does not match its weights (edited or written by another tool?); "
+            f"{PASS_MODEL}")
+    model.load_state_dict(state)
     info = {k: v for k, v in payload.items() if k != "state_dict"}
     return model.to(device).eval(), info

@@ -37,6 +37,7 @@ from saliency.network.report import check_ground_truth, evaluate_report, format_
 from saliency.network.weights import BackboneError, encoder_state_dict
 from shards.atomic import atomic_output, atomic_write_bytes
 from shards.lock import folder_lock
+from shards.outdir import check_output_folder, writing
 
 CONFIG_NAME = "config.json"
 RANDOM_BACKBONE_NOTE = (
@@ -291,6 +292,7 @@ class Trainer:
 def run_train(job: TrainJob, log: Callable[[str], None] = print) -> dict:
     """Run (or resume) the job; returns the report written to `OUT/report.json`."""
     config, out = job.config, Path(job.out)
+    check_output_folder(out, "--out")
     checked = check_inputs(job)  # before OUT exists: a mistake leaves nothing behind
     with folder_lock(out, "relicv2 saliency train"):
         tree = {"config": config_to_dict(config), "shards": str(job.shards), "backbone": job.backbone}
@@ -323,8 +325,9 @@ def run_train(job: TrainJob, log: Callable[[str], None] = print) -> dict:
             report.update(evaluate_report(job, data, trainer, model, progress=job.progress))
             log(format_report(report))
         text = json.dumps(_finite_or_null(report), indent=2, sort_keys=True, allow_nan=False)  # strict JSON
-        atomic_write_bytes(out / "report.json", (text + "\n").encode())
-        save_model(out / "model.pt", model, input_size=config.input_size, preset=config.preset,
-                   backbone=checked.backbone, config=tree["config"], report=report)
+        with writing(out, "--out", errors=(OSError, RuntimeError)):  # torch.save fails with a RuntimeError
+            atomic_write_bytes(out / "report.json", (text + "\n").encode())
+            save_model(out / "model.pt", model, input_size=config.input_size, preset=config.preset,
+                       backbone=checked.backbone, config=tree["config"], report=report)
         log(f"saliency train: wrote {out / 'model.pt'} and {out / 'report.json'}")
         return report

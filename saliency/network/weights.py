@@ -66,8 +66,13 @@ def _check_sidecar(path: Path, depth: int, width: int) -> None:
         raise BackboneError(f"{sidecar} (the sidecar of {path.name}) is not readable JSON ({error})") from None
     if not isinstance(info, dict):
         return
-    found = (info.get("depth"), info.get("width", 1))
-    if found[0] is not None and (int(found[0]), int(found[1] or 1)) != (depth, width):
+    found = (info.get("depth"), info.get("width") or 1)
+    if found[0] is None:
+        return
+    if type(found[0]) is not int or type(found[1]) is not int:
+        raise BackboneError(f"{sidecar} (the sidecar of {path.name}) gives depth {found[0]!r:.20} and width "
+                            f"{found[1]!r:.20}, not whole numbers; rewrite it with `relicv2 export`")
+    if found != (depth, width):
         raise BackboneError(
             f"{path} holds a ResNet-{found[0]} at width {found[1]} (per {sidecar.name}), but the "
             f"saliency network is a ResNet-{depth} at width {width}; set depth={found[0]} "

@@ -1,4 +1,4 @@
-"""The saliency tests run single-threaded, as the batch job does (see saliency.workers)."""
+"""The saliency tests run single-threaded, as the batch job does (see shards.workers)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from saliency.workers import single_threaded
+from shards.workers import single_threaded
 
 
 @pytest.fixture(scope="package", autouse=True)

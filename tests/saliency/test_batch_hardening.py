@@ -192,13 +192,10 @@ def test_progress_total_and_lost_samples_come_from_the_manifest(tmp_path):
 
 _ORPHAN_SCRIPT = """
 import os, sys, time
-from concurrent.futures import ProcessPoolExecutor
-import multiprocessing
-from saliency.workers import init_worker
+from shards.workers import one_thread, worker_pool
 
 if __name__ == "__main__":
-    pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=init_worker, initargs=(os.getpid(),))
+    pool = worker_pool(1, start_method="spawn", initializer=one_thread)
     print(pool.submit(os.getpid).result(), flush=True)
     pool.submit(time.sleep, 120)
     time.sleep(120)
