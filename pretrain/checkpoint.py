@@ -7,12 +7,11 @@ reads them and nothing in the file can run code):
 
     format       "relicv2-pretrain-checkpoint"      version  1
     config       the resolved config as a nested dict
-    -- the training state, `pretrain.trainer.TrainState.state_dict()`, its "rng" gathered from every rank:
+    (step to rng: `pretrain.trainer.TrainState.state_dict()`, "rng" gathered from every rank)
     step         global steps done                  skipped_steps  non-finite steps skipped
     online       online network state dict          target   target network state dict
     optimizer    LARS state dict
     rng          per rank: {"torch": CPU RNG state, "cuda": [CUDA RNG states]}
-    -- the data position:
     data         per rank: the view loader's state_dict (DALI reader checkpoint or generator position)
 """
 

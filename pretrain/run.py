@@ -65,7 +65,6 @@ from pretrain.trainer import (
     train_step,
     wrap_networks,
 )
-from pretrain.views.config import ViewConfig
 from pretrain.views.source import ViewSource
 from pretrain.views.synthetic import SyntheticViews
 from shards.lock import FolderLockedError, folder_lock
@@ -105,11 +104,10 @@ def run_pretraining(
     config: PretrainConfig, *, resume: str | Path | None = None, auto_resume: bool = True, fresh: bool = False,
     views: ViewsFactory | None = None,
 ) -> PretrainResult:
-    """Pretrain as `config` says on the data source `views(config, ctx)` builds (default
-    `build_view_source`: the view loader over `data.train_shards`, or generated views); resume from
-    `resume`, or else from the newest checkpoint in the output folder when `auto_resume`. `fresh`: move
-    an earlier run in the folder aside and start anew. Joins/leaves the torchrun process group around
-    the run; rank 0 holds the folder's lock."""
+    """Pretrain as `config` says on the data source `views(config, ctx)` builds (default: `build_view_source`);
+    resume from `resume`, or else from the newest checkpoint in the output folder when `auto_resume`. `fresh`:
+    move an earlier run in the folder aside and start anew. Joins/leaves the torchrun process group around the
+    run; rank 0 holds the folder's lock."""
     check_before_starting(config, resume)
     ctx = init(config.run.device)
     try:
@@ -198,24 +196,14 @@ def build_view_source(config: PretrainConfig, ctx: DistributedContext) -> ViewSo
             large_size=views.large_size, small_size=views.small_size,
             num_classes=config.data.synthetic_classes, device=ctx.device,
         )
-    try:
-        return _view_loader(config.data.train_shards, batch, views, ctx, seed=config.run.seed)
-    except (FileNotFoundError, ValueError) as error:
-        raise ConfigError(f"data.train_shards={config.data.train_shards}: {error}") from None
-
-
-def _view_loader(shards: str, batch: int, views: ViewConfig, ctx: DistributedContext, *, seed: int) -> ViewSource:
-    """This rank's `ViewLoader` over `shards`."""
     from pretrain.views.loader import ViewLoader  # imported here: it loads DALI
 
-    prepare_shard_sets(ctx, shards)
-    return ViewLoader(shards, batch, views, device=str(ctx.device), rank=ctx.rank, world_size=ctx.world_size,
-                      seed=seed)
-
-
-def _epoch_layout(source: ViewSource, world_size: int) -> tuple[int, int]:
-    """(images per epoch over all ranks, steps per epoch) as the data source counts them."""
-    return int(source.epoch_size) * world_size, len(source)
+    try:
+        prepare_shard_sets(ctx, config.data.train_shards)
+        return ViewLoader(config.data.train_shards, batch, views, device=str(ctx.device), rank=ctx.rank,
+                          world_size=ctx.world_size, seed=config.run.seed)
+    except (FileNotFoundError, ValueError) as error:
+        raise ConfigError(f"data.train_shards={config.data.train_shards}: {error}") from None
 
 
 def _pretrain(config: PretrainConfig, ctx: DistributedContext, views: ViewsFactory, *, resume: str | Path | None,
@@ -227,14 +215,15 @@ def _pretrain(config: PretrainConfig, ctx: DistributedContext, views: ViewsFacto
         # whichever of the two lines has the newest step.
         raise CheckpointError(f"--resume {resume} is not a checkpoint of {out}, which holds another run (up to "
                               f"{own.name}); resume into another --output folder, or move that run out of {out} first")
-    source = views(config, ctx)
-    dataset_size, steps_per_epoch = _epoch_layout(source, ctx.world_size)
-    derived = derive(config, world_size=ctx.world_size, dataset_size=dataset_size, steps_per_epoch=steps_per_epoch)
+    source = views(config, ctx)  # the epoch as the source counts it: its share of images, its full batches
+    derived = derive(config, world_size=ctx.world_size, dataset_size=int(source.epoch_size) * ctx.world_size,
+                     steps_per_epoch=len(source))
     settings = StepSettings.from_config(config, derived, ctx)
     state = build_state(config, ctx, settings)
     start = Path(resume) if resume is not None else (latest_checkpoint(out) if auto_resume else None)
     if start is not None:  # before config.yaml is written: a refused resume leaves the folder as it was
-        notes = restore(state, source, load_checkpoint(start), ctx, start, config, steps_per_epoch=steps_per_epoch)
+        notes = restore(state, source, load_checkpoint(start), ctx, start, config,
+                        steps_per_epoch=derived.steps_per_epoch)
         if ctx.is_main:
             print("\n".join([*notes, f"resumed from {start} at step {state.step}"]), flush=True)
     if ctx.is_main:

@@ -14,6 +14,7 @@ optimiser, epoch) is checkpointed each epoch to `finetune.pt` and a rerun resume
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,15 +24,8 @@ import torch
 from torch import nn
 
 from pretrain.distributed import DistributedContext, prepare_shard_sets
+from pretrain.eval import supervised
 from pretrain.eval.classes import check_same_classes
-from pretrain.eval.supervised import (
-    Batches,
-    LinearResult,
-    StateFile,
-    result_options,
-    score,
-    train_classifier,
-)
 from pretrain.eval.views import LabelledViews, class_count, labelled_samples, loader, rank_order
 from pretrain.schedules import peak_learning_rate, step_decay
 
@@ -89,29 +83,10 @@ def learning_rates(config: FinetuneConfig, steps_per_epoch: int) -> Callable[[in
     return lambda step: [step_decay(step, peak_lr=peak, milestones=milestones, decay=config.decay) for peak in peaks]
 
 
-class _Classifier(nn.Module):
-    def __init__(self, encoder: nn.Module, num_classes: int) -> None:
-        super().__init__()
-        self.encoder = encoder
-        self.head = nn.Linear(encoder.num_features, num_classes)
-        nn.init.normal_(self.head.weight, 0, 0.01)
-        nn.init.zeros_(self.head.bias)
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(images))
-
-
 def finetune(
-    encoder: nn.Module,
-    train_shards: str | Path,
-    val_shards: str | Path,
-    keys: set[str],
-    config: FinetuneConfig,
-    *,
-    device: str | torch.device = "cpu",
-    output_dir: str | Path | None = None,
-    ctx: DistributedContext | None = None,
-) -> LinearResult:
+    encoder: nn.Module, train_shards: str | Path, val_shards: str | Path, keys: set[str], config: FinetuneConfig, *,
+    device: str | torch.device = "cpu", output_dir: str | Path | None = None, ctx: DistributedContext | None = None,
+) -> supervised.LinearResult:
     """Fine-tune `encoder` + a new head on the `keys` of `train_shards`; top-1/top-5 on `val_shards`.
 
     Sets whose recorded class names differ are refused first (ClassMismatchError)."""
@@ -128,17 +103,18 @@ def finetune(
     val_set = LabelledViews(val_samples, train=False, crop_size=config.crop_size, resize_size=config.resize_size)
     num_classes = class_count((train_samples, train_shards), (val_samples, val_shards))
     torch.manual_seed(config.seed)
-    model = _Classifier(encoder, num_classes).to(device)
+    head = supervised.new_head(encoder.num_features, num_classes)
+    model = nn.Sequential(OrderedDict(encoder=encoder, head=head)).to(device)
     # The lrs set here are overwritten from the schedule at every step.
     optimizer = torch.optim.SGD([{"params": model.head.parameters()}, {"params": model.encoder.parameters()}],
                                 lr=config.head_lr, momentum=config.momentum, nesterov=True,
                                 weight_decay=config.weight_decay)
     per_rank_batch = max(1, config.batch_size // world)
     steps_per_epoch = math.ceil(math.ceil(len(train_set) / world) / per_rank_batch)
-    state = (StateFile(Path(output_dir) / STATE_FILE, STATE_FORMAT, result_options(config, ignored=("workers",)),
-                       what="fine-tuning", network="model") if output_dir is not None else None)
+    state = (supervised.StateFile(Path(output_dir) / STATE_FILE, STATE_FORMAT, config, ("workers",),
+                                  what="fine-tuning", network="model") if output_dir is not None else None)
 
-    def batches(views: LabelledViews, epoch: int) -> Batches:
+    def batches(views: LabelledViews, epoch: int) -> supervised.Batches:
         views.epoch = epoch
         order = rank_order(len(views), seed=config.seed, epoch=epoch, rank=rank, world=world, shuffle=views.train)
         return loader(views, order, per_rank_batch, config.workers)
@@ -146,10 +122,10 @@ def finetune(
     def forward(images: torch.Tensor) -> torch.Tensor:
         return model(images.to(device))
 
-    train_classifier(model, forward, optimizer, learning_rates=learning_rates(config, steps_per_epoch),
-                     train_batches=lambda epoch: batches(train_set, epoch), epochs=config.epochs,
-                     steps_per_epoch=steps_per_epoch, skipped=train_skipped, min_batch=2, state=state, ctx=ctx,
-                     desc=config.protocol)
-    return score(model, forward, batches(val_set, 0), protocol=config.protocol, num_classes=num_classes,
-                 num_train=len(train_set), epochs=config.epochs, train_skipped=train_skipped,
-                 val_skipped=val_skipped, ctx=ctx)
+    supervised.train_classifier(
+        model, forward, optimizer, learning_rates=learning_rates(config, steps_per_epoch),
+        train_batches=lambda epoch: batches(train_set, epoch), epochs=config.epochs, steps_per_epoch=steps_per_epoch,
+        skipped=train_skipped, min_batch=2, state=state, ctx=ctx, desc=config.protocol)
+    return supervised.score(model, forward, batches(val_set, 0), protocol=config.protocol, num_classes=num_classes,
+                            num_train=len(train_set), epochs=config.epochs, train_skipped=train_skipped,
+                            val_skipped=val_skipped, ctx=ctx)

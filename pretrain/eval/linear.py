@@ -20,20 +20,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 from pretrain.distributed import DistributedContext
 from pretrain.eval.classes import check_same_classes
 from pretrain.eval.features import FeatureSet, FeatureSpec, cached_features
 from pretrain.eval.paper import train_linear_paper
-from pretrain.eval.supervised import LinearResult, accuracy_report, train_classifier
-from pretrain.schedules import learning_rate
+from pretrain.eval.supervised import Batches, LinearResult, accuracy_report, train_classifier
+from pretrain.schedules import learning_rate, peak_learning_rate
 
 PROTOCOLS = ("paper", "fast")
 
@@ -76,7 +75,7 @@ class LinearConfig:
 
     @property
     def peak_lr(self) -> float:
-        return self.base_lr * self.batch_size / 256
+        return peak_learning_rate(self.base_lr, self.batch_size)
 
     @staticmethod
     def preset(protocol: str, **overrides: Any) -> LinearConfig:
@@ -111,11 +110,9 @@ def train_linear_on_features(
     steps_per_epoch = math.ceil(len(train) / batch)
     total = steps_per_epoch * config.epochs
 
-    def train_batches(epoch: int) -> Iterator[tuple[Tensor, Tensor, list[str]]]:
+    def train_batches(epoch: int) -> Batches:
         order = torch.randperm(len(train), generator=generator)
-        for start in range(0, len(train), batch):
-            index = order[start:start + batch]
-            yield x_train[index], train.labels[index], []
+        return ((x_train[index], train.labels[index], []) for index in order.split(batch))
 
     train_classifier(head, head, optimizer, train_batches=train_batches, epochs=config.epochs,
                      learning_rates=lambda step: [learning_rate(step, peak_lr=config.peak_lr, warmup_steps=0,

@@ -1,8 +1,7 @@
 """The paper's linear protocol: augmented views through a frozen encoder, head checkpointed each epoch.
 
-See `pretrain.eval.linear` for the recipe; the training loop is `pretrain.eval.supervised`. The
-head's checkpoint `linear-head.pt` in the output folder holds {format, epoch, config, head,
-optimizer}; rank 0 writes it after every epoch, so a killed run resumes at the next epoch.
+See `pretrain.eval.linear` for the recipe and `pretrain.eval.supervised` for the loop. The head's state
+file `linear-head.pt` in the output folder holds {format, epoch, config, head, optimizer}.
 """
 
 from __future__ import annotations
@@ -15,15 +14,8 @@ import torch
 from torch import Tensor, nn
 
 from pretrain.distributed import DistributedContext, prepare_shard_sets
-from pretrain.eval.supervised import (
-    Batches,
-    HeadCheckpointError,
-    LinearResult,
-    StateFile,
-    result_options,
-    score,
-    train_classifier,
-)
+from pretrain.eval import supervised
+from pretrain.eval.supervised import HeadCheckpointError
 from pretrain.eval.views import LabelledViews, class_count, labelled_samples, loader, rank_order
 from pretrain.schedules import learning_rate
 
@@ -43,15 +35,9 @@ def _features(encoder: nn.Module, images: Tensor, device: torch.device) -> Tenso
 
 
 def train_linear_paper(
-    encoder: nn.Module,
-    train_shards: str | Path,
-    val_shards: str | Path,
-    config: LinearConfig,
-    *,
-    device: torch.device,
-    output_dir: Path | None,
-    ctx: DistributedContext | None = None,
-) -> LinearResult:
+    encoder: nn.Module, train_shards: str | Path, val_shards: str | Path, config: LinearConfig, *,
+    device: torch.device, output_dir: Path | None, ctx: DistributedContext | None = None,
+) -> supervised.LinearResult:
     """Train the head on augmented views of `train_shards`, score it on `val_shards` (exact over ranks)."""
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
     per_rank_batch = max(1, config.batch_size // world)
@@ -59,10 +45,10 @@ def train_linear_paper(
         from pretrain.eval.dali_views import DECODE, DaliViews
 
         prepare_shard_sets(ctx, train_shards, val_shards, **DECODE)
-        options = {"crop_size": config.crop_size, "resize_size": config.resize_size, "batch_size": per_rank_batch,
-                   "rank": rank, "world": world, "threads": config.workers, "device": device}
-        dali = {True: DaliViews(train_shards, train=True, scale=config.crop_scale, seed=config.seed, **options),
-                False: DaliViews(val_shards, train=False, **options)}  # by LabelledViews.train
+        common = {"crop_size": config.crop_size, "resize_size": config.resize_size, "batch_size": per_rank_batch,
+                  "rank": rank, "world": world, "threads": config.workers, "device": device}
+        dali = {True: DaliViews(train_shards, train=True, scale=config.crop_scale, seed=config.seed, **common),
+                False: DaliViews(val_shards, train=False, **common)}  # by LabelledViews.train
         train_samples, val_samples = dali[True].sample_set.samples, dali[False].sample_set.samples
         train_skipped, val_skipped = set(dali[True].sample_set.skipped_keys), set(dali[False].sample_set.skipped_keys)
     else:
@@ -75,7 +61,7 @@ def train_linear_paper(
                               resize_size=config.resize_size, scale=config.crop_scale, seed=config.seed)
     val_set = LabelledViews(val_samples, train=False, crop_size=config.crop_size, resize_size=config.resize_size)
 
-    def batches(views: LabelledViews, epoch: int) -> Batches:
+    def batches(views: LabelledViews, epoch: int) -> supervised.Batches:
         if config.backend == "dali":  # undecodable images were left out before: no batch holds one
             return ((images, labels, []) for images, labels, _ in dali[views.train].epoch())
         views.epoch = epoch
@@ -84,24 +70,22 @@ def train_linear_paper(
 
     num_classes = class_count((train_samples, train_shards), (val_samples, val_shards))
     torch.manual_seed(config.seed)
-    head = nn.Linear(encoder.num_features, num_classes).to(device)
-    nn.init.normal_(head.weight, 0, 0.01)
-    nn.init.zeros_(head.bias)
+    head = supervised.new_head(encoder.num_features, num_classes).to(device)
     optimizer = torch.optim.SGD(head.parameters(), lr=config.peak_lr, momentum=config.momentum,
                                 nesterov=config.nesterov, weight_decay=config.weight_decay)
     steps_per_epoch = math.ceil(math.ceil(len(train_set) / world) / per_rank_batch)
     total = steps_per_epoch * config.epochs
-    state = (StateFile(output_dir / HEAD_FILE, HEAD_FORMAT, result_options(config, ignored=("workers", "feature_batch")),
-                       what="linear", network="head") if output_dir is not None else None)
+    state = (supervised.StateFile(output_dir / HEAD_FILE, HEAD_FORMAT, config, ("workers", "feature_batch"),
+                                  what="linear", network="head") if output_dir is not None else None)
 
     def forward(images: Tensor) -> Tensor:
         return head(_features(encoder, images, device))
 
-    train_classifier(head, forward, optimizer, train_batches=lambda epoch: batches(train_set, epoch),
-                     learning_rates=lambda step: [learning_rate(step, peak_lr=config.peak_lr, warmup_steps=0,
-                                                                total_steps=total)],
-                     epochs=config.epochs, steps_per_epoch=steps_per_epoch, skipped=train_skipped, state=state,
-                     ctx=ctx, desc="linear")
-    return score(head, forward, batches(val_set, 0), protocol=config.name, num_classes=num_classes,
-                 num_train=len(train_set), epochs=config.epochs, train_skipped=train_skipped,
-                 val_skipped=val_skipped, ctx=ctx)
+    supervised.train_classifier(
+        head, forward, optimizer, train_batches=lambda epoch: batches(train_set, epoch),
+        learning_rates=lambda step: [learning_rate(step, peak_lr=config.peak_lr, warmup_steps=0, total_steps=total)],
+        epochs=config.epochs, steps_per_epoch=steps_per_epoch, skipped=train_skipped, state=state, ctx=ctx,
+        desc="linear")
+    return supervised.score(head, forward, batches(val_set, 0), protocol=config.name, num_classes=num_classes,
+                            num_train=len(train_set), epochs=config.epochs, train_skipped=train_skipped,
+                            val_skipped=val_skipped, ctx=ctx)

@@ -1,10 +1,9 @@
 """The one supervised loop of the evaluation protocols that train (linear-fast, linear-paper, fine-tuning).
 
-A classifier is trained for whole epochs on batches `(images, labels, undecodable keys)`: the
-learning rate of each optimiser group is set at every step from a schedule of `pretrain.schedules`,
-gradients are averaged over ranks. With a `StateFile`, rank 0 writes the classifier and the
-optimiser atomically after every epoch (read back with weights_only=True), so a killed run resumes
-at the next epoch. `score` then classifies the validation batches, counted exactly over ranks.
+`train_classifier` trains for whole epochs, each group's lr set at every step from a schedule of
+`pretrain.schedules`, gradients averaged over ranks; with a `StateFile` rank 0 saves the state after
+each epoch (atomically, read back with weights_only=True) and a rerun resumes at the next epoch.
+`score` classifies the validation batches, counted exactly over ranks.
 """
 
 from __future__ import annotations
@@ -72,25 +71,33 @@ def accuracy_report(logits: Tensor, labels: Tensor, num_classes: int) -> tuple[f
     return top1, top5, per_class
 
 
+def new_head(num_features: int, num_classes: int) -> nn.Linear:
+    """A linear classifier initialised as the paper's protocols do: weights N(0, 0.01), bias 0."""
+    head = nn.Linear(num_features, num_classes)
+    nn.init.normal_(head.weight, 0, 0.01)
+    nn.init.zeros_(head.bias)
+    return head
+
+
 def _plain(options: dict[str, Any]) -> dict[str, Any]:
     # Tuples come back from older files as tuples and are written as lists: compare them alike.
     return {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()}
 
 
-def result_options(config: Any, *, ignored: Sequence[str]) -> dict[str, Any]:
-    """The settings of a frozen eval config that change its result (`ignored` may differ on resume)."""
-    return _plain({k: v for k, v in dataclasses.asdict(config).items() if k not in ignored})
-
-
 @dataclass(frozen=True)
 class StateFile:
-    """Where a protocol keeps its training state between epochs, and what it was trained with."""
+    """Where a protocol keeps its training state between epochs, and the settings it was trained with."""
 
     path: Path
     format: str
-    options: dict[str, Any]  # from `result_options`: a file written with others is refused
+    config: Any  # the protocol's frozen config: a file written with other settings is refused
+    ignored: tuple[str, ...]  # settings that do not change the result, free to differ on resume
     what: str  # the protocol, named in messages ("linear", "fine-tuning")
     network: str  # the key the classifier's weights are saved under
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return _plain({k: v for k, v in dataclasses.asdict(self.config).items() if k not in self.ignored})
 
     def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
         """Load the saved state into `model` and `optimizer`; the epoch to start at (0 without a file)."""
@@ -108,12 +115,8 @@ class StateFile:
             changed = sorted(k for k in set(saved) | set(self.options) if saved.get(k) != self.options.get(k))
             raise HeadCheckpointError(f"{self.path} was written with other {self.what} options ({', '.join(changed)}); "
                                       "use another --output folder or the same options")
-        try:
-            model.load_state_dict(payload[self.network])
-            optimizer.load_state_dict(payload["optimizer"])
-        except (KeyError, RuntimeError, ValueError) as error:
-            raise HeadCheckpointError(f"{self.path} does not fit this {self.what} run ({type(error).__name__}: "
-                                      f"{str(error).strip().splitlines()[0]}); use another --output folder") from None
+        model.load_state_dict(payload[self.network])
+        optimizer.load_state_dict(payload["optimizer"])
         return int(payload["epoch"])
 
     def save(self, epoch: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -123,28 +126,11 @@ class StateFile:
                         self.network: model.state_dict(), "optimizer": optimizer.state_dict()}, tmp)
 
 
-def _average_gradients(module: nn.Module, ctx: DistributedContext | None) -> None:
-    if ctx is None or not ctx.is_distributed:
-        return
-    for parameter in module.parameters():
-        dist.all_reduce(parameter.grad)
-        parameter.grad /= ctx.world_size
-
-
 def train_classifier(
-    model: nn.Module,
-    forward: Callable[[Tensor], Tensor],
-    optimizer: torch.optim.Optimizer,
-    *,
-    learning_rates: Callable[[int], Sequence[float]],
-    train_batches: Callable[[int], Batches],
-    epochs: int,
-    steps_per_epoch: int,
-    skipped: set[str],
-    min_batch: int = 1,
-    state: StateFile | None = None,
-    ctx: DistributedContext | None = None,
-    desc: str | None = None,
+    model: nn.Module, forward: Callable[[Tensor], Tensor], optimizer: torch.optim.Optimizer, *,
+    learning_rates: Callable[[int], Sequence[float]], train_batches: Callable[[int], Batches], epochs: int,
+    steps_per_epoch: int, skipped: set[str], min_batch: int = 1, state: StateFile | None = None,
+    ctx: DistributedContext | None = None, desc: str | None = None,
 ) -> None:
     """Train `model` (its parameters are what `optimizer` updates) with cross-entropy on `forward(images)`.
 
@@ -171,7 +157,10 @@ def train_classifier(
                 loss = sum(p.sum() for p in model.parameters()) * 0.0
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            _average_gradients(model, ctx)
+            if ctx is not None and ctx.is_distributed:  # every rank steps with the mean gradient
+                for parameter in model.parameters():
+                    dist.all_reduce(parameter.grad)
+                    parameter.grad /= ctx.world_size
             optimizer.step()
             progress.update(1)
             if not progress.disable:
@@ -182,17 +171,8 @@ def train_classifier(
 
 
 def score(
-    model: nn.Module,
-    forward: Callable[[Tensor], Tensor],
-    val_batches: Batches,
-    *,
-    protocol: str,
-    num_classes: int,
-    num_train: int,
-    epochs: int,
-    train_skipped: set[str],
-    val_skipped: set[str],
-    ctx: DistributedContext | None = None,
+    model: nn.Module, forward: Callable[[Tensor], Tensor], val_batches: Batches, *, protocol: str, num_classes: int,
+    num_train: int, epochs: int, train_skipped: set[str], val_skipped: set[str], ctx: DistributedContext | None = None,
 ) -> LinearResult:
     """Top-1/top-5 of `forward` on the validation batches, gathered over ranks with every rank's skipped keys."""
     model.eval()
