@@ -7,6 +7,7 @@ reads them and nothing in the file can run code):
 
     format       "relicv2-pretrain-checkpoint"      version  1
     config       the resolved config as a nested dict
+    (step to rng: `pretrain.trainer.TrainState.state_dict()`, "rng" gathered from every rank)
     step         global steps done                  skipped_steps  non-finite steps skipped
     online       online network state dict          target   target network state dict
     optimizer    LARS state dict

@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from pretrain.checkpoint import CheckpointError
 from pretrain.config import PretrainConfig, to_dict
 from pretrain.distributed import DistributedContext
@@ -81,15 +79,6 @@ def restore(state: TrainState, source: ViewSource, payload: dict[str, Any], ctx:
             path: Path, config: PretrainConfig, *, steps_per_epoch: int) -> list[str]:
     """Load networks, optimizer, step, RNG and data position from `payload`; returns notes to print."""
     check_compatible(payload["config"], config, path)
-    try:
-        state.online.load_state_dict(payload["online"])
-        state.target.load_state_dict(payload["target"])
-        state.optimizer.load_state_dict(payload["optimizer"])
-    except (RuntimeError, ValueError, KeyError) as error:
-        raise CheckpointError(
-            f"{path} does not fit this run's networks (model {payload['config'].get('model')} in the file, "
-            f"{to_dict(config.model)} here): {str(error).strip().splitlines()[0]}"
-        ) from None
     notes = []
     saved_batch = int(_lookup(payload["config"], "optim.global_batch") or config.optim.global_batch)
     global_batch = config.optim.global_batch
@@ -105,8 +94,6 @@ def restore(state: TrainState, source: ViewSource, payload: dict[str, Any], ctx:
             "position restarts at that step's place in the epoch order, so up to one batch of images is "
             "seen again or skipped"
         )
-    state.step = step
-    state.skipped_steps = int(payload.get("skipped_steps", 0))
     if saved_batch == global_batch and saved_ranks == ctx.world_size:
         try:
             source.load_state_dict(payload["data"][ctx.rank])  # exact: the rank's own reader state
@@ -128,12 +115,17 @@ def restore(state: TrainState, source: ViewSource, payload: dict[str, Any], ctx:
                          f"the data position (epoch {position.epoch}, {position.samples} samples in) is split "
                          "over the new ranks"
                          + (DALI_RESPLIT if config.data.source == "shards" and config.views.backend == "dali" else ""))
-    rng_states = payload["rng"]
-    if rng_states:
-        rng = rng_states[ctx.rank] if ctx.rank < len(rng_states) else rng_states[0]
-        torch.set_rng_state(rng["torch"])
-        if ctx.device.type == "cuda" and rng.get("cuda") and saved_ranks == ctx.world_size:
-            torch.cuda.set_rng_state_all(rng["cuda"])
+    rngs = payload["rng"]
+    rng = rngs[ctx.rank if ctx.rank < len(rngs) else 0] if rngs else None
+    if rng and saved_ranks != ctx.world_size:  # the CUDA states were another split's devices': left as they are
+        rng = {**rng, "cuda": []}
+    try:  # last: loading the data position must not draw from the restored RNG
+        state.load_state_dict({**payload, "step": step, "rng": rng})
+    except (RuntimeError, ValueError, KeyError) as error:
+        raise CheckpointError(
+            f"{path} does not fit this run's networks (model {payload['config'].get('model')} in the file, "
+            f"{to_dict(config.model)} here): {str(error).strip().splitlines()[0]}"
+        ) from None
     changed = changed_keys(payload["config"], to_dict(config))
     if changed:
         notes.append(f"note: config differs from the checkpoint's in {', '.join(changed)}; the new values apply")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -65,7 +65,6 @@ from pretrain.trainer import (
     train_step,
     wrap_networks,
 )
-from pretrain.views.config import ViewConfig
 from pretrain.views.source import ViewSource
 from pretrain.views.synthetic import SyntheticViews
 from shards.lock import FolderLockedError, folder_lock
@@ -75,6 +74,8 @@ from shards.sample import missing_label
 from shards.shardset import ShardSetError, shard_tars
 
 JOB_NAME = "relicv2 pretrain"
+# Builds this rank's data source once the process group is up (it needs the rank and the device).
+ViewsFactory = Callable[[PretrainConfig, DistributedContext], ViewSource]
 
 
 class PretrainingInterrupted(RuntimeError):
@@ -100,16 +101,19 @@ class PretrainResult:
 
 
 def run_pretraining(
-    config: PretrainConfig, *, resume: str | Path | None = None, auto_resume: bool = True, fresh: bool = False
+    config: PretrainConfig, *, resume: str | Path | None = None, auto_resume: bool = True, fresh: bool = False,
+    views: ViewsFactory | None = None,
 ) -> PretrainResult:
-    """Pretrain as `config` says; resume from `resume`, or else from the newest checkpoint in the
-    output folder when `auto_resume`. `fresh`: move an earlier run in the folder aside and start
-    anew. Joins/leaves the torchrun process group around the run; rank 0 holds the folder's lock."""
+    """Pretrain as `config` says on the data source `views(config, ctx)` builds (default: `build_view_source`);
+    resume from `resume`, or else from the newest checkpoint in the output folder when `auto_resume`. `fresh`:
+    move an earlier run in the folder aside and start anew. Joins/leaves the torchrun process group around the
+    run; rank 0 holds the folder's lock."""
     check_before_starting(config, resume)
     ctx = init(config.run.device)
     try:
         with _run_folder(config, ctx, fresh=fresh), _StopSignals() as stop:
-            return _pretrain(config, ctx, resume=resume, auto_resume=auto_resume and not fresh, stop=stop)
+            return _pretrain(config, ctx, views or build_view_source, resume=resume,
+                             auto_resume=auto_resume and not fresh, stop=stop)
     finally:
         teardown(ctx)
 
@@ -192,28 +196,18 @@ def build_view_source(config: PretrainConfig, ctx: DistributedContext) -> ViewSo
             large_size=views.large_size, small_size=views.small_size,
             num_classes=config.data.synthetic_classes, device=ctx.device,
         )
+    from pretrain.views.loader import ViewLoader  # imported here: it loads DALI
+
     try:
-        return _view_loader(config.data.train_shards, batch, views, ctx, seed=config.run.seed)
+        prepare_shard_sets(ctx, config.data.train_shards)
+        return ViewLoader(config.data.train_shards, batch, views, device=str(ctx.device), rank=ctx.rank,
+                          world_size=ctx.world_size, seed=config.run.seed)
     except (FileNotFoundError, ValueError) as error:
         raise ConfigError(f"data.train_shards={config.data.train_shards}: {error}") from None
 
 
-def _view_loader(shards: str, batch: int, views: ViewConfig, ctx: DistributedContext, *, seed: int) -> ViewSource:
-    """This rank's `ViewLoader` over `shards`."""
-    from pretrain.views.loader import ViewLoader  # imported here: it loads DALI
-
-    prepare_shard_sets(ctx, shards)
-    return ViewLoader(shards, batch, views, device=str(ctx.device), rank=ctx.rank, world_size=ctx.world_size,
-                      seed=seed)
-
-
-def _epoch_layout(source: ViewSource, world_size: int) -> tuple[int, int]:
-    """(images per epoch over all ranks, steps per epoch) as the data source counts them."""
-    return int(source.epoch_size) * world_size, len(source)
-
-
-def _pretrain(config: PretrainConfig, ctx: DistributedContext, *, resume: str | Path | None, auto_resume: bool,
-              stop: _StopSignals) -> PretrainResult:
+def _pretrain(config: PretrainConfig, ctx: DistributedContext, views: ViewsFactory, *, resume: str | Path | None,
+              auto_resume: bool, stop: _StopSignals) -> PretrainResult:
     out = Path(config.run.output_dir)
     own = latest_checkpoint(out)
     if resume is not None and own is not None and Path(resume).resolve().parent != out.resolve():
@@ -221,14 +215,15 @@ def _pretrain(config: PretrainConfig, ctx: DistributedContext, *, resume: str | 
         # whichever of the two lines has the newest step.
         raise CheckpointError(f"--resume {resume} is not a checkpoint of {out}, which holds another run (up to "
                               f"{own.name}); resume into another --output folder, or move that run out of {out} first")
-    source = build_view_source(config, ctx)
-    dataset_size, steps_per_epoch = _epoch_layout(source, ctx.world_size)
-    derived = derive(config, world_size=ctx.world_size, dataset_size=dataset_size, steps_per_epoch=steps_per_epoch)
+    source = views(config, ctx)  # the epoch as the source counts it: its share of images, its full batches
+    derived = derive(config, world_size=ctx.world_size, dataset_size=int(source.epoch_size) * ctx.world_size,
+                     steps_per_epoch=len(source))
     settings = StepSettings.from_config(config, derived, ctx)
     state = build_state(config, ctx, settings)
     start = Path(resume) if resume is not None else (latest_checkpoint(out) if auto_resume else None)
     if start is not None:  # before config.yaml is written: a refused resume leaves the folder as it was
-        notes = restore(state, source, load_checkpoint(start), ctx, start, config, steps_per_epoch=steps_per_epoch)
+        notes = restore(state, source, load_checkpoint(start), ctx, start, config,
+                        steps_per_epoch=derived.steps_per_epoch)
         if ctx.is_main:
             print("\n".join([*notes, f"resumed from {start} at step {state.step}"]), flush=True)
     if ctx.is_main:
@@ -396,18 +391,15 @@ def _save(state: TrainState, source: ViewSource, config: PretrainConfig, ctx: Di
           steps_per_epoch: int) -> Path:
     """Checkpoint on rank 0 with every rank's data-pipeline and RNG state (a collective call)."""
     data_states = all_gather_object(source.state_dict(), ctx)
-    rng_states = all_gather_object(_rng_state(ctx), ctx)
+    training = state.state_dict()
+    rng_states = all_gather_object(training["rng"], ctx)
     position = DataPosition.at_step(state.step, steps_per_epoch, config.optim.global_batch)
     path = checkpoint_path(config.run.output_dir, state.step)
     if ctx.is_main:
         try:
             path = save_checkpoint(config.run.output_dir, {
                 "config": to_dict(config),
-                "step": state.step,
-                "skipped_steps": state.skipped_steps,
-                "online": state.online.state_dict(),
-                "target": state.target.state_dict(),
-                "optimizer": state.optimizer.state_dict(),
+                **training,
                 "rng": rng_states,
                 "data": data_states,
                 "data_position": {"epoch": position.epoch, "samples": position.samples},
@@ -448,11 +440,6 @@ def _knn_monitor(state: TrainState, config: PretrainConfig, ctx: DistributedCont
             logger.message(f"warning: the kNN monitor's set {entry.source} lost samples while being read "
                            f"({entry.detail}); scored without them: check it with `relicv2 shards verify "
                            f"{entry.source}` and rebuild it")
-
-
-def _rng_state(ctx: DistributedContext) -> dict[str, Any]:
-    cuda = torch.cuda.get_rng_state_all() if ctx.device.type == "cuda" else []
-    return {"torch": torch.get_rng_state(), "cuda": cuda}
 
 
 def _version() -> str:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 
-def peak_learning_rate(base_lr: float, global_batch: int) -> float:
-    """The lr at the end of warmup: base_lr scaled linearly with the global batch (base_lr * batch / 256)."""
+def peak_learning_rate(base_lr: float, global_batch: int, reference_batch: int = 256) -> float:
+    """The lr at the end of warmup: base_lr scaled linearly with the global batch (base_lr * batch / reference_batch)."""
     if global_batch <= 0:
         raise ValueError(f"global_batch must be positive, got {global_batch}")
-    return base_lr * global_batch / 256
+    return base_lr * global_batch / reference_batch
 
 
 def learning_rate(step: int, *, peak_lr: float, warmup_steps: int, total_steps: int) -> float:
@@ -33,6 +34,11 @@ def learning_rate(step: int, *, peak_lr: float, warmup_steps: int, total_steps: 
         return 0.0
     progress = (step - warmup_steps) / decay_steps
     return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def step_decay(step: int, *, peak_lr: float, milestones: Sequence[int], decay: float) -> float:
+    """lr at `step`: `peak_lr` times `decay` once for every milestone step reached (multi-step decay)."""
+    return peak_lr * decay ** sum(step >= milestone for milestone in milestones)
 
 
 def ema_coefficient(step: int, *, base: float, total_steps: int) -> float:

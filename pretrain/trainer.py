@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -51,6 +52,25 @@ class TrainState:
     generator: torch.Generator
     step: int = 0
     skipped_steps: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The training fields of a checkpoint (see `pretrain.checkpoint`), "rng" holding this process's
+        torch CPU and CUDA RNG states. The negatives' generator is left out: every step re-seeds it."""
+        cuda = torch.cuda.get_rng_state_all() if self.generator.device.type == "cuda" else []
+        return {"step": self.step, "skipped_steps": self.skipped_steps, "online": self.online.state_dict(),
+                "target": self.target.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "rng": {"torch": torch.get_rng_state(), "cuda": cuda}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from `state_dict()`'s fields; an "rng" of None (or without CUDA states) leaves those as they are."""
+        self.online.load_state_dict(state["online"])
+        self.target.load_state_dict(state["target"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step, self.skipped_steps = int(state["step"]), int(state.get("skipped_steps", 0))
+        if state.get("rng"):
+            torch.set_rng_state(state["rng"]["torch"])
+            if state["rng"].get("cuda") and self.generator.device.type == "cuda":
+                torch.cuda.set_rng_state_all(state["rng"]["cuda"])
 
 
 @dataclass(frozen=True)

@@ -13,24 +13,21 @@ optimiser, epoch) is checkpointed each epoch to `finetune.pt` and a rerun resume
 
 from __future__ import annotations
 
-import dataclasses
 import math
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from tqdm import tqdm
 
-from pretrain.distributed import DistributedContext, all_gather_object, prepare_shard_sets
+from pretrain.distributed import DistributedContext, prepare_shard_sets
+from pretrain.eval import supervised
 from pretrain.eval.classes import check_same_classes
-from pretrain.eval.linear import LinearResult, accuracy_report
-from pretrain.eval.paper import HeadCheckpointError, _average_gradients
 from pretrain.eval.views import LabelledViews, class_count, labelled_samples, loader, rank_order
-from pretrain.untrusted import TORCH_LOAD_ERRORS
-from shards.atomic import atomic_output
+from pretrain.schedules import peak_learning_rate, step_decay
 
 STATE_FORMAT = "relicv2-finetune"
 STATE_FILE = "finetune.pt"
@@ -70,11 +67,6 @@ class FinetuneConfig:
     def protocol(self) -> str:
         return f"finetune-{self.preset}"
 
-    def lr_factor(self, epoch: int) -> float:
-        """Batch scaling times the step decay at the milestones."""
-        passed = sum(epoch >= milestone for milestone in self.milestones)
-        return self.batch_size / self.reference_batch * self.decay ** passed
-
     @staticmethod
     def preset_config(name: str, **overrides: Any) -> FinetuneConfig:
         if name not in PRESETS:
@@ -83,49 +75,18 @@ class FinetuneConfig:
         return FinetuneConfig(preset=name, **values)
 
 
-def _config_dict(config: FinetuneConfig) -> dict:
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()
-            if k != "workers"}
-
-
-class _Classifier(nn.Module):
-    def __init__(self, encoder: nn.Module, num_classes: int) -> None:
-        super().__init__()
-        self.encoder = encoder
-        self.head = nn.Linear(encoder.num_features, num_classes)
-        nn.init.normal_(self.head.weight, 0, 0.01)
-        nn.init.zeros_(self.head.bias)
-
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.head(self.encoder(images))
-
-
-def _load_state(path: Path, config: FinetuneConfig) -> dict | None:
-    if not path.is_file():
-        return None
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except TORCH_LOAD_ERRORS as error:
-        raise HeadCheckpointError(f"{path} is unreadable ({type(error).__name__}); delete it to start over") from None
-    if not isinstance(payload, dict) or payload.get("format") != STATE_FORMAT:
-        raise HeadCheckpointError(f"{path} is not a fine-tuning checkpoint; use another --output folder")
-    if payload["config"] != _config_dict(config):
-        raise HeadCheckpointError(f"{path} was written with other fine-tuning options; use another --output "
-                                  "folder or the same options")
-    return payload
+def learning_rates(config: FinetuneConfig, steps_per_epoch: int) -> Callable[[int], list[float]]:
+    """(head lr, encoder lr) at a global step: scaled with the batch, times `decay` at each milestone epoch."""
+    milestones = [math.ceil(epoch) * steps_per_epoch for epoch in config.milestones]
+    peaks = [peak_learning_rate(lr, config.batch_size, config.reference_batch)
+             for lr in (config.head_lr, config.encoder_lr)]
+    return lambda step: [step_decay(step, peak_lr=peak, milestones=milestones, decay=config.decay) for peak in peaks]
 
 
 def finetune(
-    encoder: nn.Module,
-    train_shards: str | Path,
-    val_shards: str | Path,
-    keys: set[str],
-    config: FinetuneConfig,
-    *,
-    device: str | torch.device = "cpu",
-    output_dir: str | Path | None = None,
-    ctx: DistributedContext | None = None,
-) -> LinearResult:
+    encoder: nn.Module, train_shards: str | Path, val_shards: str | Path, keys: set[str], config: FinetuneConfig, *,
+    device: str | torch.device = "cpu", output_dir: str | Path | None = None, ctx: DistributedContext | None = None,
+) -> supervised.LinearResult:
     """Fine-tune `encoder` + a new head on the `keys` of `train_shards`; top-1/top-5 on `val_shards`.
 
     Sets whose recorded class names differ are refused first (ClassMismatchError)."""
@@ -133,70 +94,38 @@ def finetune(
     device = torch.device(device)
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
     prepare_shard_sets(ctx, train_shards, val_shards)
-    train_left_out: list[str] = []
-    val_left_out: list[str] = []
-    train_samples, _ = labelled_samples(train_shards, keys, left_out=train_left_out)
-    val_samples, _ = labelled_samples(val_shards, left_out=val_left_out)
-    train_skipped, val_skipped = set(train_left_out), set(val_left_out)
+    left_out: tuple[list[str], list[str]] = ([], [])
+    train_samples, _ = labelled_samples(train_shards, keys, left_out=left_out[0])
+    val_samples, _ = labelled_samples(val_shards, left_out=left_out[1])
+    train_skipped, val_skipped = set(left_out[0]), set(left_out[1])
     train_set = LabelledViews(train_samples, train=True, crop_size=config.crop_size,
                               resize_size=config.resize_size, scale=config.crop_scale, seed=config.seed)
     val_set = LabelledViews(val_samples, train=False, crop_size=config.crop_size, resize_size=config.resize_size)
     num_classes = class_count((train_samples, train_shards), (val_samples, val_shards))
     torch.manual_seed(config.seed)
-    model = _Classifier(encoder, num_classes).to(device)
-    head_lr = config.head_lr
-    encoder_lr = config.encoder_lr
-    optimizer = torch.optim.SGD([{"params": model.head.parameters(), "lr": head_lr, "base": head_lr},
-                                 {"params": model.encoder.parameters(), "lr": encoder_lr, "base": encoder_lr}],
-                                momentum=config.momentum, nesterov=True, weight_decay=config.weight_decay)
+    head = supervised.new_head(encoder.num_features, num_classes)
+    model = nn.Sequential(OrderedDict(encoder=encoder, head=head)).to(device)
+    # The lrs set here are overwritten from the schedule at every step.
+    optimizer = torch.optim.SGD([{"params": model.head.parameters()}, {"params": model.encoder.parameters()}],
+                                lr=config.head_lr, momentum=config.momentum, nesterov=True,
+                                weight_decay=config.weight_decay)
     per_rank_batch = max(1, config.batch_size // world)
     steps_per_epoch = math.ceil(math.ceil(len(train_set) / world) / per_rank_batch)
-    path = Path(output_dir) / STATE_FILE if output_dir is not None else None
-    start_epoch = 0
-    if path is not None and (saved := _load_state(path, config)) is not None:
-        model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        start_epoch = int(saved["epoch"])
-    progress = tqdm(total=steps_per_epoch * config.epochs, initial=start_epoch * steps_per_epoch,
-                    desc=config.protocol, disable=rank != 0, unit="step")
-    for epoch in range(start_epoch, config.epochs):
-        model.train()
-        train_set.epoch = epoch
-        for group in optimizer.param_groups:
-            group["lr"] = group["base"] * config.lr_factor(epoch)
-        order = rank_order(len(train_set), seed=config.seed, epoch=epoch, rank=rank, world=world, shuffle=True)
-        for images, labels, bad in loader(train_set, order, per_rank_batch, config.workers):
-            train_skipped.update(bad)  # a set: an undecodable image is met once per epoch, counted once
-            if labels.numel() > 1:  # BatchNorm in train mode needs more than one image
-                loss = F.cross_entropy(model(images.to(device)), labels.to(device))
-            else:
-                loss = sum(p.sum() for p in model.parameters()) * 0.0
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            _average_gradients(model, ctx)
-            optimizer.step()
-            progress.update(1)
-            progress.set_postfix(epoch=epoch + 1, loss=f"{loss.item():.3f}")
-        if path is not None and rank == 0:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with atomic_output(path) as tmp:
-                torch.save({"format": STATE_FORMAT, "epoch": epoch + 1, "config": _config_dict(config),
-                            "model": model.state_dict(), "optimizer": optimizer.state_dict()}, tmp)
-    progress.close()
-    model.eval()
-    logits, labels = [], []
-    order = rank_order(len(val_set), seed=0, epoch=0, rank=rank, world=world, shuffle=False)
-    with torch.no_grad():
-        for images, batch_labels, bad in loader(val_set, order, per_rank_batch, config.workers):
-            val_skipped.update(bad)
-            if batch_labels.numel():
-                logits.append(model(images.to(device)).float().cpu())
-                labels.append(batch_labels)
-    part = (torch.cat(logits) if logits else torch.empty(0, num_classes),
-            torch.cat(labels) if labels else torch.empty(0, dtype=torch.long), train_skipped, val_skipped)
-    parts = all_gather_object(part, ctx) if ctx is not None else [part]
-    all_logits, all_labels = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-    top1, top5, per_class = accuracy_report(all_logits, all_labels, num_classes)
-    skipped_keys = sorted([*train_skipped.union(*(p[2] for p in parts)), *val_skipped.union(*(p[3] for p in parts))])
-    return LinearResult(config.protocol, top1, top5, len(train_set), len(all_labels), len(skipped_keys), per_class,
-                        config.epochs, skipped_keys)
+    state = (supervised.StateFile(Path(output_dir) / STATE_FILE, STATE_FORMAT, config, ("workers",),
+                                  what="fine-tuning", network="model") if output_dir is not None else None)
+
+    def batches(views: LabelledViews, epoch: int) -> supervised.Batches:
+        views.epoch = epoch
+        order = rank_order(len(views), seed=config.seed, epoch=epoch, rank=rank, world=world, shuffle=views.train)
+        return loader(views, order, per_rank_batch, config.workers)
+
+    def forward(images: torch.Tensor) -> torch.Tensor:
+        return model(images.to(device))
+
+    supervised.train_classifier(
+        model, forward, optimizer, learning_rates=learning_rates(config, steps_per_epoch),
+        train_batches=lambda epoch: batches(train_set, epoch), epochs=config.epochs, steps_per_epoch=steps_per_epoch,
+        skipped=train_skipped, min_batch=2, state=state, ctx=ctx, desc=config.protocol)
+    return supervised.score(model, forward, batches(val_set, 0), protocol=config.protocol, num_classes=num_classes,
+                            num_train=len(train_set), epochs=config.epochs, train_skipped=train_skipped,
+                            val_skipped=val_skipped, ctx=ctx)

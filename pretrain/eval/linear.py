@@ -20,18 +20,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
 from pretrain.distributed import DistributedContext
 from pretrain.eval.classes import check_same_classes
 from pretrain.eval.features import FeatureSet, FeatureSpec, cached_features
-from pretrain.eval.outcome import LostSamples, figure, lost_fields
+from pretrain.eval.paper import train_linear_paper
+from pretrain.eval.supervised import Batches, LinearResult, accuracy_report, train_classifier
+from pretrain.schedules import learning_rate, peak_learning_rate
 
 PROTOCOLS = ("paper", "fast")
 
@@ -74,54 +75,11 @@ class LinearConfig:
 
     @property
     def peak_lr(self) -> float:
-        return self.base_lr * self.batch_size / 256
+        return peak_learning_rate(self.base_lr, self.batch_size)
 
     @staticmethod
     def preset(protocol: str, **overrides: Any) -> LinearConfig:
         return LinearConfig(protocol=protocol, **overrides)
-
-
-@dataclass(frozen=True)
-class LinearResult:
-    protocol: str
-    top1: float
-    top5: float | None  # None with fewer than 5 classes
-    num_train: int
-    num_val: int
-    skipped: int  # undecodable images and structurally broken samples left out
-    per_class_top1: dict[int, float] = field(default_factory=dict)
-    epochs: int = 0
-    skipped_keys: list[str] = field(default_factory=list)  # their keys, sorted
-    lost: list[LostSamples] = field(default_factory=list)  # samples lost while reading (only when allowed)
-
-    def as_json(self, *, checkpoint: str | None, random_init: int | None, extra: dict | None = None) -> dict:
-        return {"protocol": self.protocol, "checkpoint": checkpoint, "random_init": random_init,
-                "top1": figure(self.top1), "top5": figure(self.top5), "num_train": self.num_train,
-                "num_val": self.num_val, "skipped": self.skipped, "skipped_keys": self.skipped_keys,
-                **lost_fields(self.lost), "epochs": self.epochs,
-                "per_class_top1": {str(k): figure(v) for k, v in sorted(self.per_class_top1.items())},
-                **(extra or {})}
-
-
-def topk_correct(logits: Tensor, labels: Tensor, k: int) -> int:
-    """How many rows have their label among the k highest logits."""
-    k = min(k, logits.shape[1])
-    return int((logits.topk(k, dim=1).indices == labels[:, None]).any(dim=1).sum())
-
-
-def accuracy_report(logits: Tensor, labels: Tensor, num_classes: int) -> tuple[float, float | None, dict[int, float]]:
-    """(top-1, top-5 or None when there are fewer than 5 classes, per-class top-1)."""
-    if labels.numel() == 0:
-        raise ValueError("no validation samples to score")
-    top1 = topk_correct(logits, labels, 1) / labels.numel()
-    top5 = topk_correct(logits, labels, 5) / labels.numel() if num_classes >= 5 else None
-    predicted = logits.argmax(dim=1)
-    per_class = {int(c): int((predicted[labels == c] == c).sum()) / int((labels == c).sum()) for c in labels.unique()}
-    return top1, top5, per_class
-
-
-def cosine_lr(peak: float, step: int, total: int) -> float:
-    return peak * 0.5 * (1 + math.cos(math.pi * min(step, total) / max(total, 1)))
 
 
 def train_linear_on_features(
@@ -151,18 +109,15 @@ def train_linear_on_features(
     batch = min(config.batch_size, len(train))
     steps_per_epoch = math.ceil(len(train) / batch)
     total = steps_per_epoch * config.epochs
-    step = 0
-    for _ in range(config.epochs):
+
+    def train_batches(epoch: int) -> Batches:
         order = torch.randperm(len(train), generator=generator)
-        for start in range(0, len(train), batch):
-            index = order[start:start + batch]
-            for group in optimizer.param_groups:
-                group["lr"] = cosine_lr(config.peak_lr, step, total)
-            loss = F.cross_entropy(head(x_train[index]), train.labels[index])
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            step += 1
+        return ((x_train[index], train.labels[index], []) for index in order.split(batch))
+
+    train_classifier(head, head, optimizer, train_batches=train_batches, epochs=config.epochs,
+                     learning_rates=lambda step: [learning_rate(step, peak_lr=config.peak_lr, warmup_steps=0,
+                                                                total_steps=total)],
+                     steps_per_epoch=steps_per_epoch, skipped=set())
     with torch.no_grad():
         logits = head(x_val)
     top1, top5, per_class = accuracy_report(logits, val.labels, num_classes)
@@ -204,8 +159,6 @@ def evaluate_linear(
                               allow_lost=allow_lost)
         num_classes = int(max(train.labels.max(), val.labels.max())) + 1
         return train_linear_on_features(train, val, config, num_classes=num_classes)
-    from pretrain.eval.paper import train_linear_paper
-
     return train_linear_paper(encoder, train_shards, val_shards, config, device=torch.device(device),
                               output_dir=Path(output_dir) if output_dir is not None else None, ctx=ctx)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -14,10 +15,9 @@ from cli.pretrain import run as pretrain_command
 from pretrain.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 from pretrain.config import ConfigError
 from pretrain.run import PretrainingInterrupted, run_pretraining
-from pretrain.views.synthetic import SyntheticViews
 from shards.lock import acquire, release
 from tests.pretrain.conftest import RESUME_OPTIONS, quiet_run, tiny_config
-from tests.pretrain.test_trainer import logged
+from tests.pretrain.test_trainer import logged, tapped
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -92,33 +92,34 @@ def test_resume_with_another_seed_or_data_set_is_refused_naming_the_setting(tmp_
     assert (out / "config.yaml").read_text() == "the earlier run's config\n"  # a failed resume changed nothing
 
 
-class _SignalledViews(SyntheticViews):
-    """Generated views; the 3rd batch of the first epoch is delivered together with a signal."""
+def _signalled(signum: int):
+    """The run's generated views; the 3rd batch of the first epoch is delivered together with `signum`."""
 
-    signum = signal.SIGTERM
+    def tap(source, batch):
+        if source.epoch == 0 and source.position == 3:
+            os.kill(os.getpid(), signum)
 
-    def _batch(self, indices):
-        if self.epoch == 0 and self.position == 3:
-            os.kill(os.getpid(), self.signum)
-        return super()._batch(indices)
+    return tapped(tap)
 
 
-def test_sigterm_saves_the_current_step_and_the_rerun_continues_exactly(tmp_path, finished_run, monkeypatch):
+def _cli_with_views(monkeypatch, views) -> None:
+    """`relicv2 pretrain` calling the library with the data source `views` (the CLI's one library call)."""
+    monkeypatch.setattr("pretrain.run.run_pretraining", functools.partial(run_pretraining, views=views))
+
+
+def test_sigterm_saves_the_current_step_and_the_rerun_continues_exactly(tmp_path, finished_run):
     out = tmp_path / "run"
-    monkeypatch.setattr("pretrain.run.SyntheticViews", _SignalledViews)
     with pytest.raises(PretrainingInterrupted, match=r"stopped by SIGTERM at step 3; checkpoint .*checkpoint-000000003"):
-        quiet_run(tiny_config(out, *RESUME_OPTIONS))
+        quiet_run(tiny_config(out, *RESUME_OPTIONS), views=_signalled(signal.SIGTERM))
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler was put back
     assert [p.name for p in list_checkpoints(out)] == ["checkpoint-000000002.pt", "checkpoint-000000003.pt"]
-    monkeypatch.setattr("pretrain.run.SyntheticViews", SyntheticViews)
     assert quiet_run(tiny_config(out, *RESUME_OPTIONS)).step == 8
     expected, got = logged(finished_run), logged(out)
     assert [got[s] for s in range(4, 9)] == [expected[s] for s in range(4, 9)]
 
 
 def test_sigint_saves_then_stops_with_one_line(tmp_path, monkeypatch):
-    monkeypatch.setattr(_SignalledViews, "signum", signal.SIGINT)
-    monkeypatch.setattr("pretrain.run.SyntheticViews", _SignalledViews)
+    _cli_with_views(monkeypatch, _signalled(signal.SIGINT))
     result = CliRunner().invoke(pretrain_command, ["--config", "configs/demo-cpu.yaml", "--output",
                                                    str(tmp_path / "run"), *_tiny_cli_options()])
     assert result.exit_code == 130
@@ -170,11 +171,21 @@ def test_output_dir_that_is_a_file_is_refused(tmp_path):
         quiet_run(tiny_config(tmp_path / "run"))
 
 
-def test_a_step_out_of_gpu_memory_says_what_to_change(tmp_path, monkeypatch):
-    def out_of_memory(*args, **kwargs):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+class _TooLarge(torch.Tensor):
+    """Views whose concatenation in the step does not fit in memory."""
 
-    monkeypatch.setattr("pretrain.run.train_step", out_of_memory)
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.cat:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_a_step_out_of_gpu_memory_says_what_to_change(tmp_path, monkeypatch):
+    def too_large(source, batch):
+        batch["views"] = [view.as_subclass(_TooLarge) for view in batch["views"]]
+
+    _cli_with_views(monkeypatch, tapped(too_large))
     result = CliRunner().invoke(pretrain_command, ["--config", "configs/demo-cpu.yaml", "--output",
                                                    str(tmp_path / "run"), *_tiny_cli_options()])
     assert result.exit_code == 1 and "Traceback" not in result.output
@@ -185,13 +196,11 @@ def test_a_step_out_of_gpu_memory_says_what_to_change(tmp_path, monkeypatch):
 
 def test_views_out_of_gpu_memory_say_what_to_change(tmp_path, monkeypatch):
     """Made in the view loader (its thread on a GPU), outside the step: the same one-line error."""
-    from pretrain.views.synthetic import SyntheticViews
 
-    def out_of_memory(self):  # a generator, like every source's __iter__: it fails at the first batch
+    def out_of_memory(source, batch):  # raised where the source's iterator makes the first batch
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
-        yield
 
-    monkeypatch.setattr(SyntheticViews, "__iter__", out_of_memory)
+    _cli_with_views(monkeypatch, tapped(out_of_memory))
     result = CliRunner().invoke(pretrain_command, ["--config", "configs/demo-cpu.yaml", "--output",
                                                    str(tmp_path / "run"), *_tiny_cli_options()])
     assert result.exit_code == 1 and "Traceback" not in result.output

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ from cli.pretrain import run as pretrain_command
 from pretrain.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
 from pretrain.config import derive
 from pretrain.distributed import describe_environment
+from pretrain.run import build_view_source
 from pretrain.trainer import (
     NonFiniteLossError,
     StepSettings,
@@ -20,6 +23,7 @@ from pretrain.trainer import (
     train_step,
     wrap_networks,
 )
+from pretrain.views.source import ViewSource
 from pretrain.views.synthetic import SyntheticViews
 from tests.paths import CONFIGS
 from tests.pretrain.conftest import RESUME_OPTIONS, quiet_run, tiny_config
@@ -134,26 +138,43 @@ def test_save_checkpoint_is_atomic_and_refuses_incomplete_payloads(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-class _PoisonedViews(SyntheticViews):
-    """Generated views whose 4th batch holds a NaN pixel."""
+class _Tapped:
+    """The run's own data source; `tap(source, batch)` sees each batch before the step gets it."""
 
-    def _batch(self, indices):
-        batch = super()._batch(indices)
-        if self.epoch == 0 and self.position == 4:
-            batch["views"][0][0, 0, 0, 0] = float("nan")
-        return batch
+    def __init__(self, source: ViewSource, tap: Callable[[ViewSource, dict], None]) -> None:
+        self.source, self.tap = source, tap
+
+    def __getattr__(self, name: str):
+        return getattr(self.source, name)
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __iter__(self):
+        for batch in self.source:
+            self.tap(self.source, batch)
+            yield batch
 
 
-def test_nonfinite_loss_stops_naming_the_step_and_last_checkpoint(tmp_path, monkeypatch):
-    monkeypatch.setattr("pretrain.run.SyntheticViews", _PoisonedViews)
+def tapped(tap: Callable[[ViewSource, dict], None]):
+    """A `run_pretraining(views=...)` factory: the config's own data source, tapped."""
+    return lambda config, ctx: _Tapped(build_view_source(config, ctx), tap)
+
+
+def _poison_the_fourth_batch(source, batch):
+    if source.epoch == 0 and source.position == 4:
+        batch["views"][0][0, 0, 0, 0] = float("nan")
+
+
+def test_nonfinite_loss_stops_naming_the_step_and_last_checkpoint(tmp_path):
     with pytest.raises(NonFiniteLossError, match=r"loss is nan at step 4; last good checkpoint: .*checkpoint-000000003\.pt"):
-        quiet_run(tiny_config(tmp_path), auto_resume=False)
+        quiet_run(tiny_config(tmp_path), auto_resume=False, views=tapped(_poison_the_fourth_batch))
 
 
-def test_nonfinite_loss_can_be_skipped_and_counted(tmp_path, monkeypatch):
-    monkeypatch.setattr("pretrain.run.SyntheticViews", _PoisonedViews)
+def test_nonfinite_loss_can_be_skipped_and_counted(tmp_path):
     result = quiet_run(tiny_config(tmp_path, "run.on_nonfinite=skip", "run.max_steps=4",
-                                    "run.checkpoint_every=1000"), auto_resume=False)
+                                    "run.checkpoint_every=1000"), auto_resume=False,
+                       views=tapped(_poison_the_fourth_batch))
     assert result.step == 4 and result.skipped_steps == 1
     skipped = logged(tmp_path, "skipped")
     assert [s for s, v in skipped.items() if v] == [4]
@@ -177,6 +198,36 @@ def test_a_skipped_step_leaves_the_weights_untouched(tmp_path):
     for key, value in state.online.state_dict().items():
         if not key.endswith(("running_mean", "running_var", "num_batches_tracked")):
             assert torch.equal(value, before[key]), key
+
+
+def test_train_state_round_trips_through_its_state_dict_with_the_rng(tmp_path):
+    config = tiny_config(tmp_path)
+    ctx = describe_environment("cpu", env={})
+    batches = iter(SyntheticViews(32, 8, large_views=2, small_views=1, large_size=16, small_size=8))
+    settings = StepSettings.from_config(config, derive(config, world_size=1, dataset_size=32), ctx)
+    state = build_state(config, ctx, settings)
+    online_forward, target_forward = wrap_networks(state, ctx)
+
+    def step() -> None:
+        train_step(state, next(batches)["views"], online_forward=online_forward, target_forward=target_forward,
+                   settings=settings, ctx=ctx)
+
+    step()  # momentum in the optimizer, a moved target
+    saved = copy.deepcopy(state.state_dict())  # the live tensors move on with the next step
+    expected_draws = torch.rand(4)
+    step()
+    torch.rand(7)
+    restored = build_state(config, ctx, settings)  # fresh networks; build_state re-seeds the RNG too
+    restored.load_state_dict(saved)
+    assert torch.equal(torch.rand(4), expected_draws)  # the next random draws are the saved run's
+    assert (restored.step, restored.skipped_steps) == (1, 0)
+    again = restored.state_dict()
+    for name in ("online", "target"):
+        assert all(torch.equal(value, again[name][key]) for key, value in saved[name].items()), name
+    assert again["optimizer"]["param_groups"] == saved["optimizer"]["param_groups"]
+    momentum = saved["optimizer"]["state"]
+    assert momentum and all(torch.equal(buffer, again["optimizer"]["state"][index][key])
+                            for index, buffers in momentum.items() for key, buffer in buffers.items())
 
 
 def test_cli_pretrain_runs_the_demo_preset_on_generated_data(tmp_path):

@@ -96,8 +96,9 @@ def test_finetune_trains_encoder_and_head_on_the_listed_keys_and_resumes(shape_s
     assert result.num_train + result.skipped == len(keys)  # a listed corrupt image is counted as skipped
     assert result.top1 >= 0.6  # chance is 1/6
     assert not torch.equal(before, encoder.body[0].weight)  # the encoder is trained, not frozen
-    assert CONFIG.lr_factor(3) == 1.0 and CONFIG.lr_factor(4) == pytest.approx(0.2)
-    assert CONFIG.lr_factor(5) == pytest.approx(0.04)
+    rates = ft.learning_rates(CONFIG, steps_per_epoch=3)  # (head, encoder) lr at a global step
+    assert rates(11) == pytest.approx([0.3, 0.05]) and rates(12) == pytest.approx([0.06, 0.01])  # milestones: epochs 4 and 5
+    assert rates(15) == pytest.approx([0.012, 0.002])
     real_loader, calls = ft.loader, Counter()
 
     def dying_loader(dataset, indices, batch_size, workers):
