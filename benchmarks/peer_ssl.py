@@ -55,7 +55,7 @@ def train_relicv2(train_shards: Path, out: Path, epochs: int, overrides: tuple[s
     """Run the project's Imagenette preset for `epochs` epochs (no kNN monitor), with `--set` overrides;
     return wall/CPU seconds."""
     run_dir = out / "relicv2-run"
-    command = [sys.executable, "-m", "cli", "pretrain", "--config", str(ROOT / "configs/imagenette-r18-cpu.yaml"),
+    command = [sys.executable, "-m", "cli", "pretrain", "--config", "imagenette-r18-cpu",
                "--set", f"optim.epochs={epochs}", "--set", f"data.train_shards={train_shards}",
                "--set", "knn.train_shards=", "--set", "knn.val_shards=", "--set", "run.checkpoint_every=100000",
                "--output", str(run_dir), "--fresh"]
