@@ -203,7 +203,7 @@ def score(train_shards: Path, val_shards: Path, out: Path, encoders: tuple[str, 
         num_classes = int(max(train_set.labels.max(), val_set.labels.max())) + 1
         predicted = knn_predict(train_set.features, train_set.labels, val_set.features, num_classes=num_classes)
         knn_top1 = float((predicted == val_set.labels).float().mean())
-        linear = train_linear_on_features(train_set, val_set, LinearConfig.preset("fast"), num_classes=num_classes)
+        linear = train_linear_on_features(train_set, val_set, LinearConfig(protocol="fast"), num_classes=num_classes)
         wall = train_info.get(name.removeprefix("lightly-"), {}).get("wall_s")
         rows.append({"method": name, "train_wall_s": wall, "knn_top1": knn_top1,
                      "linear_fast_top1": linear.top1, "linear_fast_top5": linear.top5})

@@ -208,9 +208,9 @@ def build(cls: type, tree: Mapping[str, Any], *, source: str = "config", prefix:
             values[name] = coerce(value, hint, key=key, source=source)
     try:
         return cls(**values)
-    except ValueError as error:  # a job's own checks (ConfigError is a ValueError)
+    except ValueError as error:  # a job's own checks (ConfigError is a ValueError), named by their section
         text = str(error)
-        raise ConfigError(text if text.startswith(f"{source}:") else f"{source}: {text}") from None
+        raise ConfigError(text if text.startswith(f"{source}:") else f"{source}: {prefix}{text}") from None
 
 
 def _default(field: dataclasses.Field) -> Any:

@@ -97,6 +97,18 @@ class KnnConfig:
     resize_size: int = 0  # short side before the centre crop; 0: crop_size / 0.875 (256 for 224)
     batch_size: int = 256
 
+    def __post_init__(self) -> None:
+        # Checked here, not only in PretrainConfig: `relicv2 eval knn` builds this section alone.
+        if not math.isfinite(self.temperature):
+            raise ConfigError(f"temperature must be a finite number, got {self.temperature}")
+        for name in ("every_epochs", "k", "temperature", "crop_size", "batch_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.resize_size < 0:
+            raise ConfigError(f"resize_size must be >= 0, got {self.resize_size}")
+        if bool(self.train_shards) != bool(self.val_shards):
+            raise ConfigError("train_shards and val_shards must be given together (or neither)")
+
 
 @dataclass(frozen=True)
 class PretrainConfig:
@@ -200,11 +212,6 @@ def _validate(config: PretrainConfig) -> None:
         "run.checkpoint_every": config.run.checkpoint_every,
         "run.keep_checkpoints": config.run.keep_checkpoints,
         "run.log_every": config.run.log_every,
-        "knn.every_epochs": config.knn.every_epochs,
-        "knn.k": config.knn.k,
-        "knn.temperature": config.knn.temperature,
-        "knn.crop_size": config.knn.crop_size,
-        "knn.batch_size": config.knn.batch_size,
     }
     for key, value in positive.items():
         if value <= 0:
@@ -216,7 +223,6 @@ def _validate(config: PretrainConfig) -> None:
         "loss.contrast_weight": config.loss.contrast_weight,
         "loss.invariance_weight": config.loss.invariance_weight,
         "run.max_steps": config.run.max_steps,
-        "knn.resize_size": config.knn.resize_size,
     }
     for key, value in non_negative.items():
         if value < 0:
@@ -235,8 +241,6 @@ def _validate(config: PretrainConfig) -> None:
         raise ConfigError(
             f"optim.warmup_epochs={config.optim.warmup_epochs} exceeds optim.epochs={config.optim.epochs}"
         )
-    if bool(config.knn.train_shards) != bool(config.knn.val_shards):
-        raise ConfigError("knn.train_shards and knn.val_shards must be given together (or neither)")
 
 
 def _validate_finite(config: Any, prefix: str = "") -> None:

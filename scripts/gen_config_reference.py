@@ -38,6 +38,13 @@ JOBS: tuple[tuple[str, str, str, str, str], ...] = (
      "a preset (`--config NAME`; `--preset NAME` is the same) or a YAML file of flat keys (`crf:` and "
      "`thresholds:` are mappings), and `--set key=value` (`--set crf.iterations=3`). `--config` is "
      "required: there is no default preset"),
+    ("Linear evaluation (`relicv2 eval linear`)", "pretrain.eval.job", "LinearConfig", "LINEAR_PRESETS",
+     "a preset (`--config NAME`, default `paper`; `--preset NAME` is the same) or a YAML file, and "
+     "`--set key=value`. `relicv2 eval knn` takes the `knn` section of the pretraining config above "
+     "(`--k`, `--temperature`, `--crop-size`, `--resize-size`, `--batch-size`)"),
+    ("Fine-tuning (`relicv2 eval finetune`)", "pretrain.eval.job", "FinetuneConfig", "FINETUNE_PRESETS",
+     "a preset (`--config NAME`, default `1pct`; `--preset NAME` is the same) or a YAML file, and "
+     "`--set key=value`"),
 )
 
 
