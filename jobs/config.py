@@ -114,18 +114,20 @@ def read_tree(config: str | Path | None, presets: Presets) -> tuple[dict[str, An
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist; pass an existing file or a preset name, "
                               f"{presets.listing()}") from None
-        except OSError as error:
-            raise ConfigError(f"config file {path} cannot be read: {error.strerror or error}") from None
-        source = str(path)
+        except (OSError, UnicodeDecodeError) as error:
+            reason = error.strerror if isinstance(error, OSError) else "not UTF-8 text"
+            raise ConfigError(f"config file {path} cannot be read ({reason}); pass a YAML file") from None
+        source, what = str(path), f"config file {path}"
     else:
         preset = presets.get(str(config))
         text, source = preset.text, f"preset {preset.name}"
+        what = source
     try:
         tree = yaml.safe_load(text)
     except yaml.YAMLError as error:
-        raise ConfigError(f"config file {source} is not valid YAML: {error}") from None
+        raise ConfigError(f"{what} is not valid YAML: {error}") from None
     if tree is not None and not isinstance(tree, dict):
-        raise ConfigError(f"config file {source} must hold a mapping of settings (section: or key: value lines)")
+        raise ConfigError(f"{what} must hold a mapping of settings (section: or key: value lines)")
     return tree or {}, source
 
 

@@ -147,3 +147,10 @@ def test_presets_of_a_package_without_a_folder_are_none():
     assert presets.names() == []
     with pytest.raises(ConfigError, match="unknown preset 'x'; this job ships no presets"):
         presets.get("x")
+
+
+def test_a_file_that_is_not_text_is_one_clear_error(tmp_path):
+    path = tmp_path / "weights.yaml"
+    path.write_bytes(b"\x80\x81\xff binary")
+    with pytest.raises(ConfigError, match=r"weights\.yaml cannot be read \(not UTF-8 text\); pass a YAML file"):
+        load_config(path)
