@@ -2,9 +2,9 @@
 
 A job's settings are one frozen dataclass tree. They are resolved in three layers:
 1. the dataclass defaults;
-2. `--config NAME_OR_FILE`: a preset shipped inside the job's package (`<package>/presets/NAME.yaml`,
-   found through importlib.resources, so a name works from any directory and from an installed
-   wheel), or a YAML file given by path (a value ending in `.yaml`/`.yml` or holding a `/`);
+2. `--config NAME_OR_FILE`: a preset shipped inside the job's package (`NAME.yaml` in a `presets`
+   folder of the package, found through importlib.resources, so a name works from any directory and
+   from an installed wheel), or a YAML file given by path (a value ending in `.yaml`/`.yml` or holding a `/`);
 3. `--set section.key=value` overrides, each value read as YAML (`true`, `0.2`, `[0.5, 2]`, `abc`).
 
 Sections are nested mappings (`optim: {base_lr: 0.3}`); a key of a section is written
