@@ -142,7 +142,7 @@ pretrain() {  # pretrain NAME ARGS...: one short `relicv2 pretrain`, its steady 
   local name="$1"; shift
   echo "== relicv2 pretrain ($name) on $IMAGES masked demo images (imagenet-r50-1000ep preset: p_m 0.1, batch $BATCH, $DEVICE defaults) $* ${PRETRAIN_ARGS:-}"
   rm -rf "$WORK/run"
-  "$PYTHON" -m cli pretrain --config "$ROOT/configs/imagenet-r50-1000ep.yaml" --output "$WORK/run" \
+  "$PYTHON" -m cli pretrain --config imagenet-r50-1000ep --output "$WORK/run" \
       --set data.train_shards="$WORK/masked" --set optim.global_batch="$BATCH" --set run.device="$DEVICE" \
       --set knn.train_shards= --set knn.val_shards= --set run.log_every=1 \
       --set run.max_steps=$(( 3 * IMAGES / BATCH )) --set run.checkpoint_every=100000 --set run.progress_bar=false \

@@ -55,7 +55,7 @@ def train_relicv2(train_shards: Path, out: Path, epochs: int, overrides: tuple[s
     """Run the project's Imagenette preset for `epochs` epochs (no kNN monitor), with `--set` overrides;
     return wall/CPU seconds."""
     run_dir = out / "relicv2-run"
-    command = [sys.executable, "-m", "cli", "pretrain", "--config", str(ROOT / "configs/imagenette-r18-cpu.yaml"),
+    command = [sys.executable, "-m", "cli", "pretrain", "--config", "imagenette-r18-cpu",
                "--set", f"optim.epochs={epochs}", "--set", f"data.train_shards={train_shards}",
                "--set", "knn.train_shards=", "--set", "knn.val_shards=", "--set", "run.checkpoint_every=100000",
                "--output", str(run_dir), "--fresh"]
@@ -203,7 +203,7 @@ def score(train_shards: Path, val_shards: Path, out: Path, encoders: tuple[str, 
         num_classes = int(max(train_set.labels.max(), val_set.labels.max())) + 1
         predicted = knn_predict(train_set.features, train_set.labels, val_set.features, num_classes=num_classes)
         knn_top1 = float((predicted == val_set.labels).float().mean())
-        linear = train_linear_on_features(train_set, val_set, LinearConfig.preset("fast"), num_classes=num_classes)
+        linear = train_linear_on_features(train_set, val_set, LinearConfig(protocol="fast"), num_classes=num_classes)
         wall = train_info.get(name.removeprefix("lightly-"), {}).get("wall_s")
         rows.append({"method": name, "train_wall_s": wall, "knn_top1": knn_top1,
                      "linear_fast_top1": linear.top1, "linear_fast_top5": linear.top5})

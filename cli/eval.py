@@ -1,21 +1,17 @@
-"""`relicv2 eval ...` commands."""
+"""`relicv2 eval ...` commands: parse the options, build the job, call `pretrain.eval.job.run_eval`."""
 
 from __future__ import annotations
 
-import contextlib
-import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import click
 
+from jobs.config import ConfigError
 from pretrain.config import KnnConfig  # light (no torch): the one owner of the kNN defaults
-from shards.atomic import atomic_output
 from shards.shardset import ShardSetError, shard_tars
 
 KNN = KnnConfig()
-ALLOW_LOST_HINT = ", or pass --allow-lost to score the samples that remain (the loss is then in every output)"
 ALLOW_LOST_OPTION = click.option(
     "--allow-lost", is_flag=True,
     help="Score a set that lost samples while read (truncated or missing tars) instead of refusing it; "
@@ -25,6 +21,39 @@ ALLOW_LOST_OPTION = click.option(
 @click.group()
 def eval_group() -> None:
     """Evaluate pretrained encoders (kNN, linear probe, semi-supervised fine-tuning)."""
+
+
+def _run(job_fields: dict[str, Any]) -> None:
+    """Build the `EvalJob` and run it: the outcome on stdout, shortfalls on stderr, errors as one line."""
+    from pretrain.checkpoint import CheckpointError
+    from pretrain.eval.job import ALLOW_LOST_HINT, EvalJob, run_eval
+    from pretrain.eval.outcome import LostSamplesError
+    from pretrain.eval.paper import HeadCheckpointError
+    from pretrain.model.encoder_file import ExportError
+    from shards.lock import FolderLockedError
+
+    try:
+        outcome = run_eval(EvalJob(**job_fields), log=click.echo)
+    except LostSamplesError as error:
+        raise click.ClickException(f"{error}{ALLOW_LOST_HINT}") from None
+    except (CheckpointError, ExportError, HeadCheckpointError, FolderLockedError, FileNotFoundError,
+            ValueError) as error:
+        raise click.ClickException(str(error)) from None
+    if outcome is None:  # a rank other than 0
+        return
+    for line in outcome.lines:
+        click.echo(line)
+    for line in outcome.warnings:
+        click.echo(line, err=True)
+
+
+def _backbone(checkpoint: Path | None, random_depth: int | None, network: str, seed: int):
+    from pretrain.eval.job import Backbone
+
+    try:
+        return Backbone(checkpoint=checkpoint, random_depth=random_depth, network=network, seed=seed)
+    except ConfigError as error:
+        raise click.UsageError(str(error)) from None
 
 
 @eval_group.command("knn")
@@ -53,109 +82,25 @@ def knn(checkpoint: Path | None, random_depth: int | None, network: str, train_s
         k: int | None, temperature: float | None, crop_size: int | None, resize_size: int | None,
         batch_size: int | None, device: str, seed: int, json_path: Path | None, allow_lost: bool) -> None:
     """Weighted cosine kNN top-1 of an encoder: train features as the bank (defaults: pretrain.config.KnnConfig)."""
-    import dataclasses
+    from pretrain.eval.job import knn_settings
 
-    import torch
-
-    from pretrain.checkpoint import CheckpointError
-    from pretrain.config import ConfigError, load_config
-    from pretrain.eval.knn import evaluate_knn
-    from pretrain.eval.outcome import LostSamplesError, lost_text
-
-    if (checkpoint is None) == (random_depth is None):
-        raise click.UsageError("give exactly one of --checkpoint or --random-init DEPTH")
-    given = {"k": k, "temperature": temperature, "crop_size": crop_size, "resize_size": resize_size,
-             "batch_size": batch_size}
-    try:  # the kNN settings are checked (positive, finite) by the one dataclass that owns their defaults
-        settings = load_config(None, [f"knn.{name}={value}" for name, value in given.items() if value is not None]).knn
+    backbone = _backbone(checkpoint, random_depth, network, seed)
+    try:
+        settings = knn_settings({"k": k, "temperature": temperature, "crop_size": crop_size,
+                                 "resize_size": resize_size, "batch_size": batch_size})
     except ConfigError as error:
-        raise click.UsageError(str(error).replace("--set overrides: knn.", "--").replace("_", "-")) from None
+        raise click.UsageError(str(error)) from None
+    _check_sets(train_shards, val_shards)
+    _run({"backbone": backbone, "train_shards": train_shards, "val_shards": val_shards, "config": settings,
+          "json_path": json_path, "device": device, "allow_lost": allow_lost})
+
+
+def _check_sets(train_shards: Path, val_shards: Path) -> None:
     for name, spec in (("--train", train_shards), ("--val", val_shards)):
         try:
             shard_tars(spec)
         except ShardSetError as error:
             raise click.UsageError(f"{name} {spec}: {error}") from None
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif device == "cuda" and not torch.cuda.is_available():
-        raise click.UsageError("--device cuda but no CUDA device is visible; use --device cpu")
-    try:
-        encoder, record = _backbone(checkpoint, random_depth, network, seed)
-        result = evaluate_knn(encoder.to(device), train_shards, val_shards, settings=settings, device=device,
-                              progress=True, allow_lost=allow_lost)
-    except LostSamplesError as error:
-        raise click.ClickException(f"{error}{ALLOW_LOST_HINT}") from None
-    except (CheckpointError, FileNotFoundError, ValueError) as error:
-        raise click.ClickException(str(error)) from None
-    assert result is not None  # a single process is rank 0
-    what = (f"{record['checkpoint']} ({record['network']})" if checkpoint is not None
-            else f"random-init ResNet-{random_depth}")
-    click.echo(f"{what}: kNN top-1 {result.top1:.4f} (k={settings.k}, T={settings.temperature}; "
-               f"{result.num_train} train, {result.num_val} val, {result.skipped} undecodable skipped, "
-               f"{lost_text(result.lost)} lost while reading)")
-    _warn_shortfalls(result)
-    if json_path is not None:
-        payload = result.as_json(checkpoint=record["checkpoint"], random_init=random_depth, extra={
-            "network": record["network"],
-            "settings": {key: value for key, value in dataclasses.asdict(settings).items() if key in given}})
-        try:
-            _write_json(json_path, payload)
-        except OSError as error:
-            raise click.ClickException(f"cannot write --json {json_path}: {error.strerror or error}") from None
-
-
-def _warn_shortfalls(result: Any) -> None:
-    """One stderr line per kind of sample an evaluation left out: undecodable images by key, lost samples by set."""
-    from pretrain.eval.outcome import NAMED_KEYS, named
-
-    if result.skipped_keys:
-        more = " (all in --json)" if len(result.skipped_keys) > NAMED_KEYS else ""
-        click.echo(f"warning: {len(result.skipped_keys)} undecodable image(s) left out: "
-                   f"{named(result.skipped_keys)}{more}", err=True)
-    for entry in result.lost:
-        click.echo(entry.warning(), err=True)
-
-
-def _parse_sets(items: tuple[str, ...]) -> dict[str, str]:
-    parsed = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise click.BadParameter(f"{item!r} is not KEY=VALUE", param_hint="--set")
-        parsed[key.strip()] = value.strip()
-    return parsed
-
-
-def _write_json(path: Path | None, record: dict[str, Any]) -> None:
-    if path is None:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_output(path) as tmp:
-        Path(tmp).write_text(json.dumps(record, indent=2) + "\n")
-
-
-def _backbone(checkpoint: Path | None, random_depth: int | None, network: str, seed: int):
-    """(encoder, record fields) for --checkpoint (run folder, checkpoint or exported file) or --random-init."""
-    from pretrain.checkpoint import random_encoder
-    from pretrain.eval.export import load_backbone
-
-    if (checkpoint is None) == (random_depth is None):
-        raise click.UsageError("give exactly one of --checkpoint or --random-init DEPTH")
-    if checkpoint is not None:
-        encoder, info = load_backbone(checkpoint, network=network)
-        return encoder, {"checkpoint": info["checkpoint"], "random_init": None, "network": info["network"],
-                         "step": info["step"], "source_format": info["format"]}
-    return random_encoder(random_depth, seed=seed), {"checkpoint": None, "random_init": random_depth,
-                                                     "network": None, "step": None, "source_format": None}
-
-
-def print_table(title: str, rows: list[tuple[str, str]]) -> None:
-    """A two-column table on stdout (the human-readable twin of --json)."""
-    width = max(len(name) for name, _ in rows)
-    click.echo(title)
-    click.echo("-" * max(len(title), width + 14))
-    for name, value in rows:
-        click.echo(f"{name.ljust(width)}  {value}")
 
 
 _BACKBONE_OPTIONS = [
@@ -169,11 +114,13 @@ _BACKBONE_OPTIONS = [
     click.option("--val", "val_shards", type=click.Path(path_type=Path), required=True,
                  help="Labelled shard set to score."),
     click.option("--output", type=click.Path(path_type=Path), default=None,
-                 help="Folder for caches, head checkpoints (resumed on rerun) and result.json."),
+                 help="Folder for caches, head checkpoints (resumed on rerun), config.yaml and result.json."),
     click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
                  help="Also write the result as JSON to this file."),
     click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-                 help="Override one option of the preset, e.g. --set epochs=10 (repeatable)."),
+                 help="Override one setting of the preset, e.g. --set epochs=10 (repeatable)."),
+    click.option("--preset", "preset_name", metavar="NAME", default=None,
+                 help="Same as --config NAME (kept for existing commands)."),
     click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True),
     click.option("--seed", type=int, default=0, show_default=True, help="Seed of --random-init."),
 ]
@@ -185,129 +132,61 @@ def _backbone_options(function):
     return function
 
 
+def _config_name(config_name: str | None, preset_name: str | None, default: str) -> str:
+    if config_name is not None and preset_name is not None:
+        raise click.UsageError("--preset is another name for --config: give one of them")
+    return config_name or preset_name or default
+
+
 @eval_group.command("linear")
 @_backbone_options
-@click.option("--preset", type=click.Choice(["paper", "fast"]), default="paper", show_default=True,
-              help="paper: augmented views, 100 epochs; fast: cached centre-crop features (seconds on CPU).")
+@click.option("--config", "config_name", metavar="NAME|FILE.yaml", default=None,
+              help="paper (default): augmented views, 100 epochs; fast: cached centre-crop features (seconds on "
+                   "CPU); or a YAML file of LinearConfig keys.")
 @ALLOW_LOST_OPTION
 def linear(checkpoint: Path | None, random_depth: int | None, network: str, train_shards: Path, val_shards: Path,
-           output: Path | None, json_path: Path | None, overrides: tuple[str, ...], device: str, seed: int,
-           preset: str, allow_lost: bool) -> None:
+           output: Path | None, json_path: Path | None, overrides: tuple[str, ...], preset_name: str | None,
+           device: str, seed: int, config_name: str | None, allow_lost: bool) -> None:
     """Linear probe of a frozen encoder: top-1 / top-5 (paper protocol or the fast cached one).
 
     \b
-    relicv2 eval linear --checkpoint runs/r50 --train shards/train --val shards/val --preset fast
+    relicv2 eval linear --checkpoint runs/r50 --train shards/train --val shards/val --config fast
     torchrun --nproc_per_node 8 -m cli eval linear --checkpoint C --train T --val V --output out/linear
     """
-    from pretrain.eval.linear import LinearConfig, config_with, evaluate_linear
+    from pretrain.eval.job import load_linear_config
 
+    backbone = _backbone(checkpoint, random_depth, network, seed)
     try:
-        config = config_with(LinearConfig.preset(preset), _parse_sets(overrides))
-    except ValueError as error:
-        raise click.BadParameter(str(error), param_hint="--set") from None
-    _run_evaluation(
-        "relicv2 eval linear", lambda encoder, ctx: evaluate_linear(
-            encoder, train_shards, val_shards, config, device=ctx.device, output_dir=output, ctx=ctx,
-            allow_lost=allow_lost),
-        checkpoint=checkpoint, random_depth=random_depth, network=network, seed=seed, device=device,
-        output=output, json_path=json_path, extra={"config": _plain(config)})
-
-
-def _run_evaluation(job: str, evaluate: Callable[[Any, Any], Any], *, checkpoint: Path | None,
-                    random_depth: int | None, network: str, seed: int, device: str, output: Path | None,
-                    json_path: Path | None, extra: dict[str, Any]) -> None:
-    """The body every trained-head evaluation shares: torchrun set-up, the output folder's lock, the
-    backbone, `evaluate(encoder, ctx)`, then (rank 0) the printed table and the JSON records."""
-    from pretrain import distributed
-    from pretrain.checkpoint import CheckpointError
-    from pretrain.eval.outcome import LostSamplesError, lost_text
-    from pretrain.eval.paper import HeadCheckpointError
-    from pretrain.model.encoder_file import ExportError
-    from shards.lock import FolderLockedError, folder_lock
-    from shards.outdir import OutputError, check_output_file, check_output_folder, writing
-
-    try:  # before any work: an unwritable --json must not be found after the whole evaluation
-        if output is not None:
-            check_output_folder(output, "--output")
-        if json_path is not None:
-            check_output_file(json_path, "--json")
-    except OutputError as error:
-        raise click.ClickException(str(error)) from None
-    ctx = distributed.init(device)
-    try:
-        with folder_lock(output, job, enabled=ctx.rank == 0) if output else contextlib.nullcontext():
-            encoder, record = _backbone(checkpoint, random_depth, network, seed)
-            result = evaluate(encoder, ctx)
-    except LostSamplesError as error:
-        raise click.ClickException(f"{error}{ALLOW_LOST_HINT}") from None
-    except (CheckpointError, ExportError, HeadCheckpointError, FolderLockedError, FileNotFoundError,
-            ValueError) as error:
-        raise click.ClickException(str(error)) from None
-    finally:
-        distributed.teardown(ctx)
-    if ctx.rank != 0:
-        return
-    what = record["checkpoint"] or f"random-init ResNet-{random_depth}"
-    payload = result.as_json(checkpoint=record["checkpoint"], random_init=record["random_init"],
-                             extra={"network": record["network"], "step": record["step"],
-                                    "world_size": ctx.world_size, **extra})
-    _print_result(f"{result.protocol} of {what}", payload, lost_text(result.lost))
-    _warn_shortfalls(result)
-    try:  # the disk may have filled during the work
-        with writing(json_path, "--json"):
-            _write_json(json_path, payload)
-        if output is not None:
-            with writing(output / "result.json", "--output"):
-                _write_json(output / "result.json", payload)
-    except OutputError as error:
-        raise click.ClickException(str(error)) from None
-
-
-def _plain(config) -> dict[str, Any]:
-    import dataclasses
-
-    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()}
-
-
-def _print_result(title: str, payload: dict[str, Any], lost: str) -> None:
-    top5 = payload["top5"]
-    rows = [("protocol", payload["protocol"]), ("top-1", f"{payload['top1']:.4f}"),
-            ("top-5", f"{top5:.4f}" if top5 is not None else "- (fewer than 5 classes)"),
-            ("train images", str(payload["num_train"])), ("val images", str(payload["num_val"])),
-            ("undecodable skipped", str(payload["skipped"])), ("lost while reading", lost)]
-    print_table(title, rows)
-
+        config = load_linear_config(_config_name(config_name, preset_name, "paper"), overrides)
+    except ConfigError as error:
+        raise click.BadParameter(str(error), param_hint="--config/--set") from None
+    _run({"backbone": backbone, "train_shards": train_shards, "val_shards": val_shards, "config": config,
+          "output": output, "json_path": json_path, "device": device, "allow_lost": allow_lost})
 
 
 @eval_group.command("finetune")
 @_backbone_options
 @click.option("--labels", "labels_path", type=click.Path(path_type=Path), required=True,
               help="Key list of the labelled subset (relicv2 shards subset ... --out KEYS.txt).")
-@click.option("--preset", type=click.Choice(["1pct", "10pct"]), default="1pct", show_default=True,
-              help="The paper's 1% or 10% recipe (batch, head / encoder lr, weight decay).")
+@click.option("--config", "config_name", metavar="NAME|FILE.yaml", default=None,
+              help="1pct (default) or 10pct: the paper's recipe for that label split (batch, head / encoder lr, "
+                   "weight decay); or a YAML file of FinetuneConfig keys.")
 def finetune_command(checkpoint: Path | None, random_depth: int | None, network: str, train_shards: Path,
                      val_shards: Path, output: Path | None, json_path: Path | None, overrides: tuple[str, ...],
-                     device: str, seed: int, labels_path: Path, preset: str) -> None:
+                     preset_name: str | None, device: str, seed: int, labels_path: Path,
+                     config_name: str | None) -> None:
     """Semi-supervised fine-tuning: encoder + new linear head on a labelled key subset, 20 epochs.
 
     \b
     relicv2 shards subset shards/train --fraction 0.01 --out 1pct.txt
     relicv2 eval finetune --checkpoint runs/r50 --train shards/train --val shards/val --labels 1pct.txt
     """
-    from pretrain.eval.finetune import FinetuneConfig, finetune
-    from pretrain.eval.linear import config_with
-    from shards.subset import read_key_list
+    from pretrain.eval.job import load_finetune_config
 
+    backbone = _backbone(checkpoint, random_depth, network, seed)
     try:
-        config = config_with(FinetuneConfig.preset_config(preset), _parse_sets(overrides))
-    except ValueError as error:
-        raise click.BadParameter(str(error), param_hint="--set") from None
-    try:
-        keys = read_key_list(labels_path)
-    except (FileNotFoundError, ValueError) as error:
-        raise click.ClickException(str(error)) from None
-    _run_evaluation(
-        "relicv2 eval finetune", lambda encoder, ctx: finetune(
-            encoder, train_shards, val_shards, keys, config, device=ctx.device, output_dir=output, ctx=ctx),
-        checkpoint=checkpoint, random_depth=random_depth, network=network, seed=seed, device=device,
-        output=output, json_path=json_path, extra={"labels": str(labels_path), "config": _plain(config)})
+        config = load_finetune_config(_config_name(config_name, preset_name, "1pct"), overrides)
+    except ConfigError as error:
+        raise click.BadParameter(str(error), param_hint="--config/--set") from None
+    _run({"backbone": backbone, "train_shards": train_shards, "val_shards": val_shards, "config": config,
+          "output": output, "json_path": json_path, "device": device, "labels": labels_path})

@@ -6,14 +6,14 @@ from pathlib import Path
 
 import click
 
-from pretrain.checkpoint import CheckpointError
-from pretrain.config import ConfigError, load_config
-from pretrain.trainer import NonFiniteLossError
+from pretrain.config import ConfigError, describe, load_config
+from shards.version import package_version
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--config", "config_path", type=click.Path(path_type=Path), required=True,
-              help="YAML preset, e.g. configs/imagenet-r50-1000ep.yaml or configs/demo-cpu.yaml.")
+@click.option("--config", "config_name", metavar="NAME|FILE.yaml", required=True,
+              help="A preset shipped with relicv2 (demo-cpu, imagenette-r18-cpu, imagenet-r50-1000ep) or a YAML "
+                   "file of the same sections. Relative data paths in it are read against the current directory.")
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
               help="Override one config value (repeatable), e.g. --set optim.base_lr=0.2.")
 @click.option("--output", type=click.Path(path_type=Path), default=None,
@@ -22,26 +22,34 @@ from pretrain.trainer import NonFiniteLossError
               help="Checkpoint to resume from. Default: the newest checkpoint in the output folder, if any.")
 @click.option("--fresh", is_flag=True,
               help="Start anew: an earlier run's checkpoints and logs in the output folder are moved to previous-<time>/.")
-def run(config_path: Path, overrides: tuple[str, ...], output: Path | None, resume: Path | None, fresh: bool) -> None:
+@click.option("--print-config", is_flag=True, help="Print the resolved settings (YAML) and exit without training.")
+def run(config_name: str, overrides: tuple[str, ...], output: Path | None, resume: Path | None, fresh: bool,
+        print_config: bool) -> None:
     """Pretrain a ResNet with ReLICv2 (one process, or every rank under torchrun).
 
     \b
-    relicv2 pretrain --config configs/demo-cpu.yaml
-    torchrun --nproc_per_node 8 -m cli pretrain --config configs/imagenet-r50-1000ep.yaml \\
+    relicv2 pretrain --config demo-cpu
+    relicv2 pretrain --config imagenette-r18-cpu --print-config
+    torchrun --nproc_per_node 8 -m cli pretrain --config imagenet-r50-1000ep \\
         --set data.train_shards=/data/shards/masked-train
     """
-    from pretrain.run import (  # late: `--help` stays fast
-        OutOfMemory,
-        PretrainingInterrupted,
-        run_pretraining,
-    )
-
     if output is not None:
         overrides = (*overrides, f"run.output_dir={output}")
     if fresh and resume is not None:
         raise click.UsageError("--fresh starts anew and --resume continues a run: give one of them")
     try:
-        config = load_config(config_path, overrides)
+        config = load_config(config_name, overrides)
+    except ConfigError as error:
+        raise click.ClickException(str(error)) from None
+    if print_config:
+        click.echo(describe(config, version=package_version()), nl=False)
+        return
+    # late: `--help` and `--print-config` stay fast (no torch)
+    from pretrain.checkpoint import CheckpointError
+    from pretrain.run import OutOfMemory, PretrainingInterrupted, run_pretraining
+    from pretrain.trainer import NonFiniteLossError
+
+    try:
         result = run_pretraining(config, resume=resume, fresh=fresh)
     except (ConfigError, CheckpointError, NonFiniteLossError, OutOfMemory) as error:
         raise click.ClickException(str(error)) from None

@@ -7,12 +7,8 @@ from pathlib import Path
 import click
 
 from cli.options import SHARDS_HELP, index_cache_option
-from saliency.network.config import (
-    PRESETS,
-    SaliencyConfigError,
-    config_to_dict,
-    load_saliency_config,
-)
+from jobs.config import ConfigError
+from saliency.network.config import PRESETS, load_saliency_config
 from shards.lock import FolderLockedError
 
 # Modules that import torch are imported inside the commands: `relicv2 saliency --help` stays fast.
@@ -22,30 +18,42 @@ from shards.lock import FolderLockedError
 @click.option("--shards", required=True, type=click.Path(path_type=Path),
               help=f"Shard set to sample images from: {SHARDS_HELP}.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Output folder (model.pt, report.json, caches).")
-@click.option("--preset", type=click.Choice(sorted(PRESETS)), default="paper", show_default=True)
+@click.option("--config", "config_name", metavar="NAME|FILE.yaml",
+              help="Settings: a preset (tiny, demo, cpu, paper; see the error without it for what each is for) or "
+                   "a YAML file of the same keys. Required: there is no default, since the paper's run takes hours.")
+@click.option("--preset", "preset_name", metavar="NAME", help="Same as --config NAME (kept for existing commands).")
 @click.option("--backbone", required=True,
               help="Encoder weights: a relicv2 pretrain run folder or checkpoint, a torchvision/SwAV ResNet "
                    "state dict, or 'random' (not recommended).")
 @click.option("--gt", type=click.Path(path_type=Path), help="Ground-truth masks named like the sample keys (report only).")
 @click.option("--eval-shards", type=click.Path(path_type=Path),
               help="Held-back shard set to score the fused network on (needs --gt).")
-@click.option("--config", "yaml_file", type=click.Path(path_type=Path), help="YAML file of settings (flat keys).")
-@click.option("--set", "overrides", multiple=True, help="Override a setting, e.g. --set epochs=5 --set thresholds.mr=0.3")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a setting (repeatable), e.g. --set epochs=5 --set thresholds.mr=0.3 --set crf.iterations=3")
 @index_cache_option
 @click.option("--progress/--no-progress", default=True, show_default=True)
-def train_command(shards: Path, out: Path, preset: str, backbone: str, gt: Path | None, eval_shards: Path | None,
-                  yaml_file: Path | None, overrides: tuple[str, ...], index_cache: Path | None, progress: bool) -> None:
-    """Refine the handcrafted maps (phase I) and train the fused saliency network (phase II)."""
+def train_command(shards: Path, out: Path, config_name: str | None, preset_name: str | None, backbone: str,
+                  gt: Path | None, eval_shards: Path | None, overrides: tuple[str, ...], index_cache: Path | None,
+                  progress: bool) -> None:
+    """Refine the handcrafted maps (phase I) and train the fused saliency network (phase II).
+
+    \b
+    relicv2 saliency train --config cpu --shards shards/train --out runs/saliency --backbone runs/imagenette-r18-cpu
+    """
+    if config_name is not None and preset_name is not None:
+        raise click.UsageError("--preset is another name for --config: give one of them")
+    config_name = config_name or preset_name
+    if config_name is None:
+        raise click.UsageError(f"choose the settings with --config NAME; {PRESETS.listing()}")
     from pretrain.checkpoint import CheckpointError
     from saliency.network.train import TrainJob, TrainStateError, run_train
     from saliency.network.weights import BackboneError
 
     try:
-        config = load_saliency_config(preset, overrides, yaml_file)
-        click.echo(f"config: {config_to_dict(config)}")
+        config = load_saliency_config(config_name, overrides)
         run_train(TrainJob(shards=shards, out=out, config=config, backbone=backbone, gt=gt,
                            eval_shards=eval_shards, progress=progress, index_cache=index_cache), log=click.echo)
-    except (SaliencyConfigError, BackboneError, CheckpointError, TrainStateError, FolderLockedError,
+    except (ConfigError, BackboneError, CheckpointError, TrainStateError, FolderLockedError,
             FileNotFoundError, ValueError) as error:
         raise click.ClickException(str(error)) from error
 

@@ -5,12 +5,12 @@
 #
 # Usage: docker/torchrun.sh [--dry-run] JOB [ARGS...]
 #   # one node, one process per GPU:
-#   docker/torchrun.sh pretrain --config configs/imagenet-r50-1000ep.yaml \
+#   docker/torchrun.sh pretrain --config imagenet-r50-1000ep \
 #       --set data.train_shards=/data/shards/masked-train --output /runs/r50
 #   docker/torchrun.sh saliency build-masks --model /runs/saliency/model.pt \
 #       --shards /data/shards/train --out /data/shards/masked-train --device cuda
 #   # two CPU processes (laptop, CI):
-#   NPROC_PER_NODE=2 docker/torchrun.sh pretrain --config configs/demo-cpu.yaml --set run.device=cpu
+#   NPROC_PER_NODE=2 docker/torchrun.sh pretrain --config demo-cpu --set run.device=cpu
 #   # several nodes: run the same line on every node (docker/slurm.sbatch does it under SLURM):
 #   NNODES=4 RDZV_ENDPOINT=node01:29500 RDZV_ID=job42 docker/torchrun.sh pretrain ...
 #

@@ -1,8 +1,8 @@
 """The pretraining job's configuration: one frozen, typed dataclass tree, YAML presets, `--set` overrides.
 
-A config is built from defaults, then a YAML file (`configs/*.yaml`), then `key=value` overrides
-(`optim.base_lr=0.2`). Unknown keys and values of the wrong type are errors that name the key, the
-file and the fix. Values that depend on the run (world size, data-set size) are derived once by
+A config is built by `jobs.config` from defaults, then a preset (`pretrain/presets/NAME.yaml`, named
+on the command line) or a YAML file, then `key=value` overrides (`optim.base_lr=0.2`). Unknown keys
+and values of the wrong type are errors that name the key, the file and the fix. Values that depend on the run (world size, data-set size) are derived once by
 `derive()` and printed next to the config at start.
 """
 
@@ -10,21 +10,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
-import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-
+# to_dict is re-exported: checkpoints and resumes compare plain trees through pretrain.config
+from jobs.config import ConfigError, Presets, build, resolve, settings_text, to_dict  # noqa: F401
 from pretrain.schedules import peak_learning_rate
 from pretrain.views.config import ViewConfig
-
-
-class ConfigError(ValueError):
-    """A user-fixable configuration problem (unknown key, wrong type, impossible value)."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +97,18 @@ class KnnConfig:
     resize_size: int = 0  # short side before the centre crop; 0: crop_size / 0.875 (256 for 224)
     batch_size: int = 256
 
+    def __post_init__(self) -> None:
+        # Checked here, not only in PretrainConfig: `relicv2 eval knn` builds this section alone.
+        if not math.isfinite(self.temperature):
+            raise ConfigError(f"temperature must be a finite number, got {self.temperature}")
+        for name in ("every_epochs", "k", "temperature", "crop_size", "batch_size"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.resize_size < 0:
+            raise ConfigError(f"resize_size must be >= 0, got {self.resize_size}")
+        if bool(self.train_shards) != bool(self.val_shards):
+            raise ConfigError("train_shards and val_shards must be given together (or neither)")
+
 
 @dataclass(frozen=True)
 class PretrainConfig:
@@ -172,127 +178,22 @@ def derive(
     )
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> PretrainConfig:
-    """Defaults <- YAML file at `path` (if given) <- `section.key=value` overrides, type-checked."""
-    tree: dict[str, Any] = {}
-    source = "--set overrides"
-    if path is not None:
-        path = Path(path)
-        source = str(path)
-        try:
-            loaded = yaml.safe_load(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist; pass a file from configs/") from None
-        except yaml.YAMLError as error:
-            raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"config file {path} must hold a mapping of sections (model:, data:, ...)")
-        tree = loaded or {}
-        if overrides:
-            source = f"{path} with --set overrides"
-    for override in overrides:
-        key, sep, text = override.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"override {override!r} is not of the form section.key=value")
-        _set_path(tree, key.strip().split("."), yaml.safe_load(text) if text.strip() else "")
-    return from_dict(tree, source=source)
+PRESETS = Presets(job="relicv2 pretrain", package="pretrain")
+
+
+def load_config(config: str | Path | None = None, overrides: Sequence[str] = ()) -> PretrainConfig:
+    """Defaults <- preset NAME or YAML file (if given) <- `section.key=value` overrides, type-checked."""
+    return resolve(PretrainConfig, config, overrides, PRESETS)[0]
 
 
 def from_dict(tree: Mapping[str, Any], *, source: str = "config") -> PretrainConfig:
     """Build a config from a nested mapping (YAML or a checkpoint's embedded copy); strict keys and types."""
-    return _build(PretrainConfig, tree, prefix="", source=source)
-
-
-def to_dict(config: Any) -> dict[str, Any]:
-    """Plain nested dict of builtins, tuples as lists (safe for YAML, JSON and `weights_only` loading)."""
-    return dataclasses.asdict(config, dict_factory=lambda items: {k: _plain(v) for k, v in items})
-
-
-def _plain(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else value
+    return build(PretrainConfig, tree, source=source)
 
 
 def describe(config: PretrainConfig, derived: DerivedValues | None = None, version: str = "") -> str:
-    """Human-readable resolved config (and derived values) as printed at start and saved to config.yaml."""
-    tree: dict[str, Any] = {}
-    if version:
-        tree["version"] = version
-    tree.update(to_dict(config))
-    if derived is not None:
-        tree["derived"] = dataclasses.asdict(derived)
-    return yaml.safe_dump(tree, sort_keys=False)
-
-
-def _set_path(tree: dict[str, Any], keys: list[str], value: Any) -> None:
-    node = tree
-    for key in keys[:-1]:
-        child = node.setdefault(key, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"cannot set {'.'.join(keys)}: {key} is a value, not a section")
-        node = child
-    node[keys[-1]] = value
-
-
-def _build(cls: type, tree: Mapping[str, Any], *, prefix: str, source: str) -> Any:
-    if not isinstance(tree, Mapping):
-        raise ConfigError(f"{source}: {prefix.rstrip('.') or 'the config'} must be a mapping")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(tree) - names)
-    if unknown:
-        raise ConfigError(
-            f"{source}: unknown key {prefix}{unknown[0]}; valid keys here are: {', '.join(sorted(names))}"
-        )
-    values: dict[str, Any] = {}
-    for name, value in tree.items():
-        hint = hints[name]
-        if dataclasses.is_dataclass(hint):
-            values[name] = _build(hint, value or {}, prefix=f"{prefix}{name}.", source=source)
-        else:
-            values[name] = _coerce(value, hint, key=f"{prefix}{name}", source=source)
-    try:
-        return cls(**values)
-    except (ConfigError, ValueError) as error:
-        raise ConfigError(f"{source}: {prefix}{error}" if prefix else f"{source}: {error}") from None
-
-
-def _coerce(value: Any, hint: Any, *, key: str, source: str) -> Any:
-    """Check `value` against a field's type; ints are accepted for floats, nothing else is converted."""
-    origin = typing.get_origin(hint)
-    if origin is Literal:
-        if value not in typing.get_args(hint):
-            choices = ", ".join(repr(c) for c in typing.get_args(hint))
-            raise ConfigError(f"{source}: {key} must be one of {choices}, got {value!r}")
-        return value
-    if origin is tuple:
-        element_types = typing.get_args(hint)
-        if not isinstance(value, list | tuple) or len(value) != len(element_types):
-            raise ConfigError(f"{source}: {key} must be a list of {len(element_types)} values, got {value!r}")
-        return tuple(
-            _coerce(v, t, key=f"{key}[{i}]", source=source) for i, (v, t) in enumerate(zip(value, element_types, strict=True))
-        )
-    if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(hint)
-        if value is None and type(None) in options:
-            return None
-        (hint,) = [option for option in options if option is not type(None)]
-    if hint is float and isinstance(value, str):
-        # YAML 1.1 reads "1e-3" (no dot) as a string; a number written that way is still a number.
-        try:
-            value = float(value)
-        except ValueError:
-            pass
-    ok = (
-        (hint is bool and isinstance(value, bool))
-        or (hint is int and isinstance(value, int) and not isinstance(value, bool))
-        or (hint is float and isinstance(value, int | float) and not isinstance(value, bool))
-        or (hint is str and isinstance(value, str))
-    )
-    if not ok:
-        raise ConfigError(
-            f"{source}: {key} must be of type {hint.__name__}, got {value!r} ({type(value).__name__})"
-        )
-    return float(value) if hint is float else value
+    """The resolved config (and derived values) as printed at start and saved to config.yaml."""
+    return settings_text(config, extra={"derived": derived} if derived is not None else None, version=version)
 
 
 def _validate(config: PretrainConfig) -> None:
@@ -311,11 +212,6 @@ def _validate(config: PretrainConfig) -> None:
         "run.checkpoint_every": config.run.checkpoint_every,
         "run.keep_checkpoints": config.run.keep_checkpoints,
         "run.log_every": config.run.log_every,
-        "knn.every_epochs": config.knn.every_epochs,
-        "knn.k": config.knn.k,
-        "knn.temperature": config.knn.temperature,
-        "knn.crop_size": config.knn.crop_size,
-        "knn.batch_size": config.knn.batch_size,
     }
     for key, value in positive.items():
         if value <= 0:
@@ -327,7 +223,6 @@ def _validate(config: PretrainConfig) -> None:
         "loss.contrast_weight": config.loss.contrast_weight,
         "loss.invariance_weight": config.loss.invariance_weight,
         "run.max_steps": config.run.max_steps,
-        "knn.resize_size": config.knn.resize_size,
     }
     for key, value in non_negative.items():
         if value < 0:
@@ -346,8 +241,6 @@ def _validate(config: PretrainConfig) -> None:
         raise ConfigError(
             f"optim.warmup_epochs={config.optim.warmup_epochs} exceeds optim.epochs={config.optim.epochs}"
         )
-    if bool(config.knn.train_shards) != bool(config.knn.val_shards):
-        raise ConfigError("knn.train_shards and knn.val_shards must be given together (or neither)")
 
 
 def _validate_finite(config: Any, prefix: str = "") -> None:

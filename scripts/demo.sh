@@ -20,7 +20,7 @@ out=$(realpath -s -m "${DEMO_OUT:-demo-out}")
 data=${DEMO_DATA:-}
 if [[ -n "$data" ]]; then data=$(realpath -s -m "$data"); fi
 reduced=${DEMO_REDUCED:-0}
-cd "$(dirname "$0")/.."  # configs/ and the package are found from the repository root
+cd "$(dirname "$0")/.."  # demo-out/ and the package are found from the repository root
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 start=$SECONDS
 
@@ -153,7 +153,7 @@ if [[ "$(cat "$out/.done/pretrain-input" 2>/dev/null)" != "$key" ]]; then
 fi
 if stage pretrain "$key" "ReLICv2 pretraining on $(basename "$pretrain_shards") (p_m $mask_probability)"; then
   echo "$key" > "$out/.done/pretrain-input"
-  relicv2 pretrain --config configs/demo-cpu.yaml --output "$run" --set data.train_shards="$pretrain_shards" \
+  relicv2 pretrain --config demo-cpu --output "$run" --set data.train_shards="$pretrain_shards" \
       --set views.mask_probability="$mask_probability" "${knn_sets[@]}" "${pretrain_sets[@]}"
   finished pretrain "$key"
 fi

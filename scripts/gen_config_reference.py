@@ -29,14 +29,22 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 OUTPUT = REPO / "docs" / "config.md"
 
-# (title, module, root dataclass or None to find the module's top-level one, how users set the keys).
-# Optional entries are skipped while their module does not exist in the checkout.
-JOBS: tuple[tuple[str, str, str | None, str, bool], ...] = (
-    ("Pretraining (`relicv2 pretrain`)", "pretrain.config", "PretrainConfig",
-     "a YAML preset (`--config configs/....yaml`) with one mapping per section, and "
-     "`--set section.key=value` on the command line", False),
-    ("Saliency network (`relicv2 saliency train`)", "saliency.network.config", None,
-     "a preset (`--preset tiny|demo|cpu|paper`) and `--set key=value` on the command line", True),
+# (title, module, root dataclass, the module's `jobs.config.Presets` attribute, how users set the keys).
+JOBS: tuple[tuple[str, str, str, str, str], ...] = (
+    ("Pretraining (`relicv2 pretrain`)", "pretrain.config", "PretrainConfig", "PRESETS",
+     "a preset (`--config NAME`) or a YAML file (`--config FILE.yaml`) with one mapping per section, and "
+     "`--set section.key=value` on the command line"),
+    ("Saliency network (`relicv2 saliency train`)", "saliency.network.config", "SaliencyTrainConfig", "PRESETS",
+     "a preset (`--config NAME`; `--preset NAME` is the same) or a YAML file of flat keys (`crf:` and "
+     "`thresholds:` are mappings), and `--set key=value` (`--set crf.iterations=3`). `--config` is "
+     "required: there is no default preset"),
+    ("Linear evaluation (`relicv2 eval linear`)", "pretrain.eval.job", "LinearConfig", "LINEAR_PRESETS",
+     "a preset (`--config NAME`, default `paper`; `--preset NAME` is the same) or a YAML file, and "
+     "`--set key=value`. `relicv2 eval knn` takes the `knn` section of the pretraining config above "
+     "(`--k`, `--temperature`, `--crop-size`, `--resize-size`, `--batch-size`)"),
+    ("Fine-tuning (`relicv2 eval finetune`)", "pretrain.eval.job", "FinetuneConfig", "FINETUNE_PRESETS",
+     "a preset (`--config NAME`, default `1pct`; `--preset NAME` is the same) or a YAML file, and "
+     "`--set key=value`"),
 )
 
 
@@ -86,30 +94,9 @@ def section_class(cls: type, field: dataclasses.Field) -> type | None:
     return factory if isinstance(factory, type) and dataclasses.is_dataclass(factory) else None
 
 
-def top_level_dataclass(module: Any) -> type:
-    """The dataclass of `module` that no other dataclass of the module nests (the job's config)."""
-    classes = [obj for _, obj in inspect.getmembers(module, inspect.isclass)
-               if dataclasses.is_dataclass(obj) and obj.__module__ == module.__name__]
-    nested = {section_class(cls, f) for cls in classes for f in dataclasses.fields(cls)}
-    roots = [cls for cls in classes if cls not in nested]
-    if len(roots) != 1:
-        raise SystemExit(f"{module.__name__}: expected one top-level config dataclass, found "
-                         f"{[c.__name__ for c in roots]}; name it in JOBS")
-    return roots[0]
-
-
-def pretrain_presets() -> dict[str, dict[str, Any]]:
-    """configs/*.yaml that are pretraining presets (they load as a PretrainConfig): name -> raw tree."""
-    from pretrain.config import ConfigError, load_config
-
-    presets = {}
-    for path in sorted((REPO / "configs").glob("*.yaml")):
-        try:
-            load_config(path)
-        except ConfigError:
-            continue  # a preset of another job
-        presets[path.stem] = yaml.safe_load(path.read_text()) or {}
-    return presets
+def preset_trees(presets: Any) -> dict[str, dict[str, Any]]:
+    """A job's shipped presets (`jobs.config.Presets`): name -> raw tree."""
+    return {preset.name: yaml.safe_load(preset.text) or {} for preset in presets.all()}
 
 
 def preset_value(tree: dict[str, Any], key: str) -> str:
@@ -137,11 +124,16 @@ def render_table(cls: type, prefix: str, presets: dict[str, dict[str, Any]]) -> 
     return rows
 
 
-def render_job(title: str, root: type, how: str, presets: dict[str, dict[str, Any]]) -> list[str]:
+def render_job(title: str, root: type, how: str, presets: Any) -> list[str]:
+    trees = preset_trees(presets)
+    folder = f"{presets.package.replace('.', '/')}/{presets.folder}"
     lines = [f"## {title}", "", f"`{root.__module__}.{root.__name__}`. Set the keys with {how}. "
              "Unknown keys and values of the wrong type are errors."
-             + (" Preset columns: the value each `configs/<name>.yaml` sets (blank: the default)." if presets else ""),
+             + (f" Preset columns: the value each preset (`{folder}/<name>.yaml`, shipped in the package) sets "
+                "(blank: the default)." if trees else ""),
              ""]
+    lines += [f"- `{preset.name}`: {preset.purpose}" for preset in presets.all()] + ([""] if trees else [])
+    presets = trees
     sections = [(f.name, section_class(root, f)) for f in dataclasses.fields(root) if section_class(root, f)]
     plain = [f for f in dataclasses.fields(root) if not section_class(root, f)]
     if plain:
@@ -161,18 +153,15 @@ def render() -> str:
              "<!-- Generated by scripts/gen_config_reference.py from the config dataclasses; do not edit. "
              "Regenerate with `make docs`. -->", "",
              "Every key of every job's configuration, with its type, default and meaning, as the code "
-             "defines them. The YAML presets in `configs/` override the defaults; `--set` overrides the "
-             "presets. The user guide (`docs/guide.md`) explains which values matter for which run.", ""]
-    for title, module_name, class_name, how, optional in JOBS:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as error:
-            if optional and error.name and module_name.startswith(error.name):
-                continue
-            raise
-        root = getattr(module, class_name) if class_name else top_level_dataclass(module)
-        presets = pretrain_presets() if module_name == "pretrain.config" else {}
-        lines += render_job(title, root, how, presets)
+             "defines them. A preset named with `--config NAME` (shipped inside the package, so the name works "
+             "from any directory) or a YAML file given with `--config FILE.yaml` overrides the defaults; "
+             "`--set` overrides the preset. Relative paths in a preset are read against the current "
+             "directory. Every job prints the resolved settings as YAML at start and saves them as "
+             "`config.yaml` beside its outputs. The user guide (`docs/guide.md`) explains which values "
+             "matter for which run.", ""]
+    for title, module_name, class_name, presets_name, how in JOBS:
+        module = importlib.import_module(module_name)
+        lines += render_job(title, getattr(module, class_name), how, getattr(module, presets_name))
     return "\n".join(lines).rstrip() + "\n"
 
 

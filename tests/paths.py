@@ -8,4 +8,4 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # RELICV2_SHARED_DATA points elsewhere (e.g. from a git worktree that is not beside shared/).
 SHARED_DATA = Path(os.environ.get("RELICV2_SHARED_DATA", REPO.parent / "shared" / "data"))
-CONFIGS = REPO / "configs"
+CONFIGS = REPO / "pretrain" / "presets"  # the pretraining presets shipped in the package

@@ -4,8 +4,9 @@ The pretrained encoder plus a new randomly initialised linear head are trained t
 keys of a label split (`relicv2 shards subset`, 1% or 10% of each class): random-resized-crop +
 flip views, cross-entropy, SGD with Nesterov momentum 0.9, 20 epochs, both learning rates
 multiplied by 0.2 at epochs 12 and 16, a separate learning rate for the head and the encoder.
-Presets (the paper's values at the paper's batch; another batch scales both lrs linearly):
-    1pct:  batch 2048, head lr 10,  encoder lr 0.04,  no weight decay
+Presets (`pretrain/eval/presets/finetune/`; the paper's values at the paper's batch, another batch
+scales both lrs linearly):
+    1pct:  batch 2048, head lr 10,  encoder lr 0.04,  no weight decay (the defaults)
     10pct: batch 512,  head lr 0.3, encoder lr 0.004, weight decay 1e-5
 Scored on the test view (short side 256 bicubic, centre crop 224). The state (encoder, head,
 optimiser, epoch) is checkpointed each epoch to `finetune.pt` and a rerun resumes from it.
@@ -18,7 +19,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -31,15 +31,11 @@ from pretrain.schedules import peak_learning_rate, step_decay
 
 STATE_FORMAT = "relicv2-finetune"
 STATE_FILE = "finetune.pt"
-PRESETS: dict[str, dict[str, Any]] = {
-    "1pct": {"batch_size": 2048, "head_lr": 10.0, "encoder_lr": 0.04, "weight_decay": 0.0},
-    "10pct": {"batch_size": 512, "head_lr": 0.3, "encoder_lr": 0.004, "weight_decay": 1e-5},
-}
 
 
 @dataclass(frozen=True)
 class FinetuneConfig:
-    preset: str = "1pct"
+    preset: str = "1pct"  # the preset's name (or the YAML file's stem) the settings came from
     epochs: int = 20
     milestones: tuple[float, float] = (12, 16)  # epochs at which both lrs are multiplied by `decay`
     decay: float = 0.2
@@ -56,8 +52,6 @@ class FinetuneConfig:
     workers: int = 2
 
     def __post_init__(self) -> None:
-        if self.preset not in PRESETS:
-            raise ValueError(f"finetune preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
         if self.epochs < 1 or self.batch_size < 1 or self.crop_size < 8:
             raise ValueError("epochs, batch_size must be positive and crop_size at least 8")
         if self.head_lr <= 0 or self.encoder_lr < 0 or not 0 < self.decay <= 1:
@@ -67,12 +61,6 @@ class FinetuneConfig:
     def protocol(self) -> str:
         return f"finetune-{self.preset}"
 
-    @staticmethod
-    def preset_config(name: str, **overrides: Any) -> FinetuneConfig:
-        if name not in PRESETS:
-            raise ValueError(f"finetune preset must be one of {sorted(PRESETS)}, got {name!r}")
-        values = {**PRESETS[name], "reference_batch": PRESETS[name]["batch_size"], **overrides}
-        return FinetuneConfig(preset=name, **values)
 
 
 def learning_rates(config: FinetuneConfig, steps_per_epoch: int) -> Callable[[int], list[float]]:

@@ -18,11 +18,9 @@ and the correct-prediction counts are summed exactly over ranks.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -39,7 +37,7 @@ PROTOCOLS = ("paper", "fast")
 
 @dataclass(frozen=True)
 class LinearConfig:
-    """Options of the linear probe; `LinearConfig.preset("paper" | "fast")` gives the protocols."""
+    """Options of the linear probe (presets `paper` and `fast` in `pretrain/eval/presets/linear/`)."""
 
     protocol: str = "paper"
     epochs: int = 100
@@ -76,10 +74,6 @@ class LinearConfig:
     @property
     def peak_lr(self) -> float:
         return peak_learning_rate(self.base_lr, self.batch_size)
-
-    @staticmethod
-    def preset(protocol: str, **overrides: Any) -> LinearConfig:
-        return LinearConfig(protocol=protocol, **overrides)
 
 
 def train_linear_on_features(
@@ -161,27 +155,3 @@ def evaluate_linear(
         return train_linear_on_features(train, val, config, num_classes=num_classes)
     return train_linear_paper(encoder, train_shards, val_shards, config, device=torch.device(device),
                               output_dir=Path(output_dir) if output_dir is not None else None, ctx=ctx)
-
-
-def config_with(config: Any, overrides: dict[str, Any]) -> Any:
-    """A frozen eval config with `--set key=value` overrides (values parsed as the field's type)."""
-    fixed = {"protocol", "preset"}  # chosen with --preset
-    fields = {f.name for f in dataclasses.fields(config)} - fixed
-    changes = {}
-    for key, raw in overrides.items():
-        if key not in fields:
-            raise ValueError(f"unknown option {key!r}; choose from {sorted(fields)}")
-        current = getattr(config, key)
-        try:
-            if isinstance(current, bool):
-                if raw.lower() not in ("true", "false", "1", "0"):
-                    raise ValueError(raw)
-                value: Any = raw.lower() in ("true", "1")
-            elif isinstance(current, tuple):
-                value = tuple(float(part) for part in raw.strip("[]()").split(","))
-            else:
-                value = type(current)(raw)
-        except ValueError:
-            raise ValueError(f"option {key}={raw!r}: expected a {type(current).__name__}") from None
-        changes[key] = value
-    return dataclasses.replace(config, **changes)

@@ -1,10 +1,8 @@
-"""Configuration of `relicv2 saliency train`: one frozen dataclass, three presets, `--set k=v` overrides.
+"""Configuration of `relicv2 saliency train`: one frozen dataclass, presets by name, `--set k=v` overrides.
 
-Presets (the values of docs/design.md "Refinement (DeepUSPS-style)" unless a comment says otherwise):
-- `paper`: ResNet-50 encoder, 432 px input, 2500 images, 3 iterations x 25 epochs per method, 200
-  fused epochs; what the ReLICv2 appendix describes.
-- `cpu`: a real but small run for a 2-core machine (ResNet-18, 112 px, fewer images and epochs).
-- `tiny`: seconds; for tests and the demo (ResNet-18 at 32 px, a handful of images).
+The defaults are the paper's values (docs/design.md "Refinement (DeepUSPS-style)"). The presets live in
+`saliency/presets/NAME.yaml` (each file's first line says what it is for): `paper`, `cpu`, `demo`,
+`tiny`. Loading goes through `jobs.config`, like every job's settings.
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
+from jobs.config import ConfigError, Presets, is_file_reference, resolve, to_dict
 
 METHOD_NAMES = ("rbd", "mr", "dsr", "mc")
 
@@ -28,13 +26,9 @@ METHOD_NAMES = ("rbd", "mr", "dsr", "mc")
 DEFAULT_THRESHOLDS = {"mc": 0.31, "dsr": 0.23, "rbd": 0.25, "mr": 0.33}
 
 
-class SaliencyConfigError(ValueError):
-    """An unknown key, a value of the wrong type, or an impossible value in the saliency config."""
-
-
 @dataclass(frozen=True)
 class CrfConfig:
-    """Dense CRF on the resized RGB image (DeepUSPS's values, also in DESIGN.md)."""
+    """Dense CRF on the resized RGB image (DeepUSPS's values, also in docs/design.md)."""
 
     gaussian_sxy: float = 3.0
     gaussian_compat: float = 3.0
@@ -60,7 +54,7 @@ class CrfConfig:
 class SaliencyTrainConfig:
     """One `relicv2 saliency train` job (paper values by default)."""
 
-    preset: str = "paper"
+    preset: str = "paper"  # where the settings came from: a preset's name or a YAML file's stem
     depth: int = 50  # encoder ResNet depth
     width: int = 1  # encoder width multiplier (2 for SwAV's ResNet-50 2x, as the paper)
     input_size: int = 432  # images resized to input_size x input_size (bicubic; labels nearest)
@@ -72,7 +66,7 @@ class SaliencyTrainConfig:
     lr: float = 1e-5  # phase I, first iteration; doubles each iteration
     lr_growth: float = 2.0
     average_keep: float = 0.7  # moving average of CRF-refined predictions: 0.7 old + 0.3 new
-    phase1_beta2: float = 1.0  # F-measure beta^2 of the loss in phase I (DESIGN.md)
+    phase1_beta2: float = 1.0  # F-measure beta^2 of the loss in phase I (docs/design.md)
     fuse_epochs: int = 200  # phase II
     # Phase II lr: the paper's 1e-5 (DeepUSPS's code uses 1e-4). We follow the paper, since the
     # encoder starts from self-supervised weights that a 10x larger step would wash out.
@@ -88,140 +82,34 @@ class SaliencyTrainConfig:
     def __post_init__(self) -> None:
         unknown = [m for m in self.methods if m not in METHOD_NAMES]
         if unknown or not self.methods:
-            raise SaliencyConfigError(f"methods {list(self.methods)} must be a non-empty subset of {METHOD_NAMES}")
+            raise ConfigError(f"methods {list(self.methods)} must be a non-empty subset of {METHOD_NAMES}")
         missing = [m for m in self.methods if m not in self.thresholds]
         if missing:
-            raise SaliencyConfigError(f"no first-iteration threshold for {missing}; set thresholds.<method>=VALUE")
+            raise ConfigError(f"no first-iteration threshold for {missing}; set thresholds.<method>=VALUE")
         for name in ("input_size", "num_images", "iterations", "epochs", "batch_size", "workers"):
             if getattr(self, name) < 1:
-                raise SaliencyConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.input_size % 8:
-            raise SaliencyConfigError(f"input_size must be a multiple of 8 (output stride), got {self.input_size}")
+            raise ConfigError(f"input_size must be a multiple of 8 (output stride), got {self.input_size}")
         if self.fuse_epochs < 0:
-            raise SaliencyConfigError(f"fuse_epochs must be >= 0, got {self.fuse_epochs}")
+            raise ConfigError(f"fuse_epochs must be >= 0, got {self.fuse_epochs}")
         if not 0.0 <= self.average_keep < 1.0:
-            raise SaliencyConfigError(f"average_keep must be in [0, 1), got {self.average_keep}")
+            raise ConfigError(f"average_keep must be in [0, 1), got {self.average_keep}")
 
 
-PRESETS: dict[str, dict[str, Any]] = {
-    "paper": {},
-    "cpu": {
-        "depth": 18,
-        # The project's CPU backbone (configs/imagenette-r18-cpu.yaml) is pretrained on 64 px views,
-        # and 64 px keeps a run on two shared cores within budget (the dilated layer4 dominates).
-        "input_size": 64,
-        "num_images": 240,
-        # One round of 6 epochs rather than 2 x 3: with 24 steps per epoch a network trained for 3
-        # epochs had not fitted its labels (loss still falling), and its CRF-refined predictions
-        # were worse than the raw maps, so a second round only compounded that (RESULTS.md).
-        "iterations": 1,
-        "epochs": 6,
-        "fuse_epochs": 30,  # 12 left the fused network behind the mean of the maps on MAE (RESULTS.md)
-        # With a few hundred steps instead of the paper's thousands, 1e-5 barely moves the
-        # randomly initialised decoder; 30x the paper's value (RESULTS.md).
-        "lr": 3e-4,
-        "fuse_lr": 3e-4,
-        # One intra-op thread: on a busy 2-core machine torch's second thread spins at every
-        # barrier while descheduled (measured 0.26 vs 0.039 CPU-s per training image at 64 px).
-        "threads": 1,
-    },
-    # `make demo`: a random backbone (nothing is downloaded) on the demo's ~200 photos, about two
-    # minutes on two cores; enough steps for the masks to follow the handcrafted maps on the images
-    # it trained on (what the demo's build-masks predicts), where `tiny` (seconds) stays near-flat.
-    "demo": {
-        "depth": 18,
-        "input_size": 64,
-        "num_images": 48,
-        "iterations": 1,
-        "epochs": 4,
-        "batch_size": 8,
-        "fuse_epochs": 12,
-        "lr": 1e-3,
-        "fuse_lr": 1e-3,
-        "threads": 1,
-    },
-    "tiny": {
-        "depth": 18,
-        "input_size": 32,
-        "num_images": 8,
-        "iterations": 1,
-        "epochs": 2,
-        "batch_size": 4,
-        "fuse_epochs": 2,
-        "lr": 1e-3,
-        "fuse_lr": 1e-3,
-        "workers": 1,
-    },
-}
+PRESETS = Presets(job="relicv2 saliency train", package="saliency")
 
 
-def _coerce(name: str, value: Any, current: Any) -> Any:
-    """`value` (parsed YAML) as the type of the field's current value, or a clear error."""
-    if isinstance(current, bool):
-        if isinstance(value, bool):
-            return value
-    elif isinstance(current, int):
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif isinstance(current, float):
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-    elif isinstance(current, str):
-        if isinstance(value, str):
-            return value
-    elif isinstance(current, tuple):
-        if isinstance(value, str):
-            return tuple(v.strip() for v in value.split(",") if v.strip())
-        if isinstance(value, list):
-            return tuple(str(v) for v in value)
-    raise SaliencyConfigError(f"{name}={value!r} has the wrong type; expected {type(current).__name__}")
+def load_saliency_config(config: str | Path | None = None, overrides: Sequence[str] = ()) -> SaliencyTrainConfig:
+    """Defaults (the paper's) <- preset NAME or YAML file (flat keys, `crf:` a section) <- `key=value`.
 
-
-def _apply(config: SaliencyTrainConfig, key: str, value: Any) -> SaliencyTrainConfig:
-    head, _, rest = key.partition(".")
-    names = {f.name for f in dataclasses.fields(SaliencyTrainConfig)}
-    if head not in names:
-        raise SaliencyConfigError(f"unknown saliency setting {key!r}; known: {', '.join(sorted(names))}")
-    if head == "thresholds":
-        if rest not in METHOD_NAMES:
-            raise SaliencyConfigError(f"unknown threshold {key!r}; use thresholds.<{'|'.join(METHOD_NAMES)}>")
-        return dataclasses.replace(config, thresholds={**config.thresholds, rest: _coerce(key, value, 0.0)})
-    if head == "crf":
-        crf_names = {f.name for f in dataclasses.fields(CrfConfig)}
-        if rest not in crf_names:
-            raise SaliencyConfigError(f"unknown CRF setting {key!r}; known: {', '.join(sorted(crf_names))}")
-        new = _coerce(key, value, getattr(config.crf, rest))
-        return dataclasses.replace(config, crf=dataclasses.replace(config.crf, **{rest: new}))
-    if rest:
-        raise SaliencyConfigError(f"{head} has no sub-settings (got {key!r})")
-    return dataclasses.replace(config, **{head: _coerce(key, value, getattr(config, head))})
-
-
-def load_saliency_config(
-    preset: str = "paper", overrides: Sequence[str] = (), yaml_file: Path | None = None
-) -> SaliencyTrainConfig:
-    """The preset's config, then the settings of `yaml_file` (flat keys), then `key=value` overrides."""
-    if preset not in PRESETS:
-        raise SaliencyConfigError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
-    config = SaliencyTrainConfig(preset=preset)
-    items: list[tuple[str, Any]] = list(PRESETS[preset].items())
-    if yaml_file is not None:
-        tree = yaml.safe_load(Path(yaml_file).read_text()) or {}
-        if not isinstance(tree, dict):
-            raise SaliencyConfigError(f"{yaml_file} must hold a mapping of settings")
-        items += list(tree.items())
-    for text in overrides:
-        key, sep, raw = text.partition("=")
-        if not sep or not key.strip():
-            raise SaliencyConfigError(f"--set {text!r} must look like key=value (e.g. epochs=5)")
-        items.append((key.strip(), yaml.safe_load(raw)))
-    for key, value in items:
-        config = _apply(config, key, value)
-    return config
+    `preset` records where the settings came from: the preset's name, or the file's stem.
+    """
+    label = None if config is None else (Path(config).stem if is_file_reference(config) else str(config))
+    return resolve(SaliencyTrainConfig, config, overrides, PRESETS,
+                   defaults={"preset": label} if label else None)[0]
 
 
 def config_to_dict(config: SaliencyTrainConfig) -> dict[str, Any]:
     """Plain containers (for JSON, YAML and the model file)."""
-    tree = dataclasses.asdict(config)
-    tree["methods"] = list(config.methods)
-    return tree
+    return to_dict(config)

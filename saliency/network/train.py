@@ -24,8 +24,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 from tqdm import tqdm
 
+from jobs.config import SETTINGS_FILE, settings_text
 from pretrain.model.resnet import load_torchvision_state_dict
 from saliency.network.config import SaliencyTrainConfig, config_to_dict
 from saliency.network.data import TrainingImages, load_training_images
@@ -38,8 +40,9 @@ from saliency.network.weights import BackboneError, encoder_state_dict
 from shards.atomic import atomic_output, atomic_write_bytes
 from shards.lock import folder_lock
 from shards.outdir import check_output_folder, writing
+from shards.version import package_version
 
-CONFIG_NAME = "config.json"
+CONFIG_NAME = SETTINGS_FILE  # the resolved settings and inputs, as printed at start
 RANDOM_BACKBONE_NOTE = (
     "saliency train: note: the encoder starts from random weights (--backbone random); refinement works "
     "far better from a self-supervised backbone (a relicv2 pretrain run folder)"
@@ -105,26 +108,28 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
 
 def config_differences(old: dict, new: dict) -> list[str]:
     """`name: OLD there, NEW now` for each setting that differs (settings named as `--set` spells them)."""
-    before = {k.removeprefix("config."): v for k, v in _flatten(old).items()}
-    after = {k.removeprefix("config."): v for k, v in _flatten(new).items()}
+    before, after = _flatten(old), _flatten(new)
     absent = "(absent)"
     return [f"{k}: {before.get(k, absent)} there, {after.get(k, absent)} now"
             for k in sorted(before.keys() | after.keys()) if before.get(k, absent) != after.get(k, absent)]
 
 
-def _check_config(out: Path, tree: dict) -> bool:
-    """Refuse an earlier run in `out` with other settings; True when `config.json` must be written.
+def _check_config(out: Path, text: str) -> bool:
+    """Refuse an earlier run in `out` with other settings; True when `config.yaml` must be written.
 
-    A config.json beside nothing else (no sample, no work: an earlier version wrote it before a
-    failed check) is not a run, and is replaced."""
+    A config.yaml beside nothing else (no sample, no work: an earlier version wrote it before a
+    failed check) is not a run, and is replaced. The version that wrote it does not count."""
     path = out / CONFIG_NAME
     if not path.is_file():
         return True
     try:
-        old = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
+        old = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as error:
         raise TrainStateError(f"{path} cannot be read ({error}); choose another --out") from None
-    new = json.loads(json.dumps(tree))  # as it would read back (tuples as lists)
+    new = yaml.safe_load(text)
+    for tree in (old, new):
+        if isinstance(tree, dict):
+            tree.pop("version", None)
     if old == new:
         return False
     started = (out / "sample" / "info.json").is_file() or (out / "work").is_dir()
@@ -146,10 +151,6 @@ def _finite_or_null(tree: object) -> object:
     if isinstance(tree, float) and not math.isfinite(tree):
         return None
     return tree
-
-
-def _write_config(out: Path, tree: dict) -> None:
-    atomic_write_bytes(out / CONFIG_NAME, (json.dumps(tree, indent=2, sort_keys=True) + "\n").encode())
 
 
 @dataclass(frozen=True)
@@ -295,9 +296,11 @@ def run_train(job: TrainJob, log: Callable[[str], None] = print) -> dict:
     check_output_folder(out, "--out")
     checked = check_inputs(job)  # before OUT exists: a mistake leaves nothing behind
     with folder_lock(out, "relicv2 saliency train"):
-        tree = {"config": config_to_dict(config), "shards": str(job.shards), "backbone": job.backbone}
-        if _check_config(out, tree):
-            _write_config(out, tree)
+        text = settings_text(config, extra={"inputs": {"shards": str(job.shards), "backbone": job.backbone}},
+                             version=package_version())
+        if _check_config(out, text):
+            atomic_write_bytes(out / CONFIG_NAME, text.encode())
+        log(text.rstrip())
         if config.threads:
             torch.set_num_threads(config.threads)
         if checked.encoder_state is None:
@@ -328,6 +331,6 @@ def run_train(job: TrainJob, log: Callable[[str], None] = print) -> dict:
         with writing(out, "--out", errors=(OSError, RuntimeError)):  # torch.save fails with a RuntimeError
             atomic_write_bytes(out / "report.json", (text + "\n").encode())
             save_model(out / "model.pt", model, input_size=config.input_size, preset=config.preset,
-                       backbone=checked.backbone, config=tree["config"], report=report)
+                       backbone=checked.backbone, config=config_to_dict(config), report=report)
         log(f"saliency train: wrote {out / 'model.pt'} and {out / 'report.json'}")
         return report

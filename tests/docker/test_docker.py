@@ -73,7 +73,7 @@ def test_image_copies_existing_paths_runs_as_non_root_with_relicv2_entrypoint(do
     for sources in re.findall(r"^COPY (?!--from)(.+) \S+$", text, re.M):
         for source in sources.split():
             assert (REPO / source).exists(), f"{dockerfile.name} copies missing path {source}"
-    for package in ("shards", "saliency", "pretrain", "cli"):
+    for package in ("jobs", "shards", "saliency", "pretrain", "cli"):
         assert f"COPY {package} " in text, f"{dockerfile.name} does not install the {package} package"
     users = re.findall(r"^USER (\S+)", text, re.M)
     assert users and users[-1].split(":")[0] not in ("root", "0")

@@ -31,12 +31,12 @@ def _run(args: list[str], env: dict[str, str], **kwargs) -> subprocess.Completed
 
 
 def test_torchrun_dry_run_single_node_is_standalone_with_restarts():
-    result = _run([str(TORCHRUN), "--dry-run", "pretrain", "--config", "configs/demo-cpu.yaml"], _env())
+    result = _run([str(TORCHRUN), "--dry-run", "pretrain", "--config", "demo-cpu"], _env())
     assert result.returncode == 0, result.stderr
     line = result.stdout.strip()
     assert line.startswith(f"{sys.executable} -m torch.distributed.run ")
     assert "--standalone" in line and "--max-restarts=3" in line and "--nproc-per-node=gpu" in line
-    assert line.endswith("-m cli pretrain --config configs/demo-cpu.yaml")
+    assert line.endswith("-m cli pretrain --config demo-cpu")
 
 
 def test_torchrun_default_one_process_per_gpu_without_a_gpu_is_one_line_naming_the_fix():
@@ -84,7 +84,7 @@ def fake_slurm(tmp_path: Path) -> dict[str, str]:
 
 
 def test_slurm_dry_run_picks_the_head_node_and_launches_one_task_per_node(fake_slurm: dict[str, str]):
-    result = _run([str(SBATCH), "--dry-run", "pretrain", "--config", "configs/imagenet-r50-1000ep.yaml",
+    result = _run([str(SBATCH), "--dry-run", "pretrain", "--config", "imagenet-r50-1000ep",
                    "--set", "data.train_shards=/data/shards/masked-train"], fake_slurm)
     assert result.returncode == 0, result.stderr
     out = result.stdout

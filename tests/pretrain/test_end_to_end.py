@@ -67,7 +67,7 @@ def losses(out: Path) -> dict[int, float]:
 def pretrain(out: Path, shards: Path, backend: str, *extra: str, fresh: bool = False):
     options = [arg for option in (*TINY, f"data.train_shards={shards}", f"views.backend={backend}", *extra)
                for arg in ("--set", option)]
-    return invoke("pretrain", "--config", "configs/demo-cpu.yaml", "--output", str(out), *options,
+    return invoke("pretrain", "--config", "demo-cpu", "--output", str(out), *options,
                   *(["--fresh"] if fresh else []))
 
 

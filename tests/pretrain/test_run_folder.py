@@ -52,7 +52,7 @@ def test_fresh_moves_a_longer_earlier_run_aside_and_keeps_the_new_run(tmp_path, 
     for path in [*list_checkpoints(finished_run), finished_run / "metrics.jsonl"]:
         (out / path.name).write_bytes(path.read_bytes())  # an earlier, longer run (up to step 8)
     result = CliRunner().invoke(pretrain_command, [
-        "--config", "configs/demo-cpu.yaml", "--fresh", "--output", str(out), *_tiny_cli_options(),
+        "--config", "demo-cpu", "--fresh", "--output", str(out), *_tiny_cli_options(),
         "--set", "run.max_steps=3", "--set", "run.checkpoint_every=1", "--set", "run.keep_checkpoints=2"])
     assert result.exit_code == 0, result.output
     assert "moved the earlier run's checkpoints and logs to" in result.output
@@ -64,7 +64,7 @@ def test_fresh_moves_a_longer_earlier_run_aside_and_keeps_the_new_run(tmp_path, 
     assert sorted(logged(out)) == [1, 2, 3]  # the new run's own metrics
     # a plain rerun continues the new run, not the old one
     again = CliRunner().invoke(pretrain_command, [
-        "--config", "configs/demo-cpu.yaml", "--output", str(out), *_tiny_cli_options(), "--set", "run.max_steps=4"])
+        "--config", "demo-cpu", "--output", str(out), *_tiny_cli_options(), "--set", "run.max_steps=4"])
     assert again.exit_code == 0 and "at step 3" in again.output, again.output
 
 
@@ -120,7 +120,7 @@ def test_sigterm_saves_the_current_step_and_the_rerun_continues_exactly(tmp_path
 
 def test_sigint_saves_then_stops_with_one_line(tmp_path, monkeypatch):
     _cli_with_views(monkeypatch, _signalled(signal.SIGINT))
-    result = CliRunner().invoke(pretrain_command, ["--config", "configs/demo-cpu.yaml", "--output",
+    result = CliRunner().invoke(pretrain_command, ["--config", "demo-cpu", "--output",
                                                    str(tmp_path / "run"), *_tiny_cli_options()])
     assert result.exit_code == 130
     assert result.output.strip().splitlines()[-1].startswith("stopped by SIGINT at step 3; checkpoint")
@@ -186,7 +186,7 @@ def test_a_step_out_of_gpu_memory_says_what_to_change(tmp_path, monkeypatch):
         batch["views"] = [view.as_subclass(_TooLarge) for view in batch["views"]]
 
     _cli_with_views(monkeypatch, tapped(too_large))
-    result = CliRunner().invoke(pretrain_command, ["--config", "configs/demo-cpu.yaml", "--output",
+    result = CliRunner().invoke(pretrain_command, ["--config", "demo-cpu", "--output",
                                                    str(tmp_path / "run"), *_tiny_cli_options()])
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert "out of GPU memory in step 1 with 8 images per rank" in result.output
@@ -201,7 +201,7 @@ def test_views_out_of_gpu_memory_say_what_to_change(tmp_path, monkeypatch):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
 
     _cli_with_views(monkeypatch, tapped(out_of_memory))
-    result = CliRunner().invoke(pretrain_command, ["--config", "configs/demo-cpu.yaml", "--output",
+    result = CliRunner().invoke(pretrain_command, ["--config", "demo-cpu", "--output",
                                                    str(tmp_path / "run"), *_tiny_cli_options()])
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert "out of GPU memory while making the next batch of views" in result.output
@@ -221,7 +221,7 @@ def test_metrics_truncation_keeps_the_records_up_to_the_resumed_step(tmp_path):
 
 
 def test_fresh_and_resume_together_are_refused(tmp_path):
-    result = CliRunner().invoke(pretrain_command, ["--config", "configs/demo-cpu.yaml", "--fresh",
+    result = CliRunner().invoke(pretrain_command, ["--config", "demo-cpu", "--fresh",
                                                    "--resume", str(tmp_path / "x.pt")])
     assert result.exit_code == 2 and "give one of them" in result.output
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from collections import Counter
@@ -14,7 +15,8 @@ from torch import nn
 import pretrain.eval.finetune as ft
 from cli.eval import eval_group
 from cli.shards import shards_group
-from pretrain.eval.finetune import FinetuneConfig, finetune
+from pretrain.eval.finetune import finetune
+from pretrain.eval.job import load_finetune_config
 from shards.subset import class_balanced_keys, read_key_list
 from tests.pretrain.eval.conftest import NUM_CLASSES
 
@@ -80,9 +82,9 @@ class SmallNet(nn.Module):
         return self.body(x).flatten(1)
 
 
-CONFIG = FinetuneConfig.preset_config("10pct", epochs=6, milestones=(4, 5), batch_size=12, head_lr=0.3,
-                                      encoder_lr=0.05, reference_batch=12, crop_size=32, resize_size=36,
-                                      crop_scale=(0.6, 1.0), workers=0)
+CONFIG = dataclasses.replace(load_finetune_config("10pct"), epochs=6, milestones=(4, 5), batch_size=12,
+                             head_lr=0.3, encoder_lr=0.05, reference_batch=12, crop_size=32, resize_size=36,
+                             crop_scale=(0.6, 1.0), workers=0)
 
 
 def test_finetune_trains_encoder_and_head_on_the_listed_keys_and_resumes(shape_shards, tmp_path, monkeypatch):

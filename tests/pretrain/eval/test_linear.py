@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -18,13 +19,12 @@ from pretrain.eval.features import FeatureSet, FeatureSpec, cache_path, cached_f
 from pretrain.eval.linear import (
     LinearConfig,
     accuracy_report,
-    config_with,
     evaluate_linear,
     train_linear_on_features,
 )
 from tests.pretrain.eval.conftest import NUM_CLASSES, PooledPixels
 
-FAST = LinearConfig.preset("fast", epochs=30, batch_size=16, crop_size=32, resize_size=36)
+FAST = LinearConfig(protocol="fast", epochs=30, batch_size=16, crop_size=32, resize_size=36)
 
 
 def test_top1_and_top5_on_a_hand_made_case():
@@ -73,7 +73,7 @@ def test_feature_cache_is_reused_and_keyed_by_the_encoder(shape_shards, tmp_path
     assert torch.equal(cached_features(PooledPixels(), train, spec, cache_dir=tmp_path).features, first.features)
 
 
-PAPER = LinearConfig.preset("paper", epochs=8, batch_size=24, base_lr=2.0, crop_size=32, resize_size=36,
+PAPER = LinearConfig(protocol="paper", epochs=8, batch_size=24, base_lr=2.0, crop_size=32, resize_size=36,
                             crop_scale=(0.6, 1.0), workers=0, backend="pil")
 
 
@@ -103,13 +103,13 @@ def test_paper_protocol_learns_and_resumes_to_the_same_head(shape_shards, tmp_pa
     reference = torch.load(tmp_path / "whole" / paper.HEAD_FILE, weights_only=True)
     assert torch.allclose(final["head"]["weight"], reference["head"]["weight"], atol=1e-6)
     with pytest.raises(paper.HeadCheckpointError, match="other linear options"):
-        evaluate_linear(PooledPixels(), train, val, config_with(PAPER, {"base_lr": "0.1"}),
+        evaluate_linear(PooledPixels(), train, val, dataclasses.replace(PAPER, base_lr=0.1),
                         output_dir=tmp_path / "resumed")
 
 
 def test_paper_protocol_through_dali_views(shape_shards, tmp_path):
     train, val = shape_shards
-    config = config_with(PAPER, {"backend": "dali", "workers": "1"})
+    config = dataclasses.replace(PAPER, backend="dali", workers=1)
     result = evaluate_linear(PooledPixels(), train, val, config, output_dir=tmp_path)
     assert result.protocol == "linear-paper" and result.top1 >= 0.8
     assert (result.num_train, result.num_val, result.skipped) == (72, 36, 1)  # the corrupt JPEG left out
@@ -158,4 +158,4 @@ def test_linear_cli_writes_the_json_contract(shape_shards, tmp_path):
     assert json.loads((tmp_path / "run" / "result.json").read_text()) == record
     bad = CliRunner().invoke(eval_group, ["linear", "--random-init", "18", "--train", str(train), "--val", str(val),
                                           "--set", "nonsense=1"])
-    assert bad.exit_code != 0 and "unknown option" in bad.output
+    assert bad.exit_code != 0 and "unknown key nonsense; valid keys here are: " in bad.output

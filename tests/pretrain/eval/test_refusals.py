@@ -177,7 +177,7 @@ def test_linear_fast_refuses_a_damaged_set_also_from_features_cached_when_it_was
     again = CliRunner().invoke(eval_group, args)  # the features are cached now, the loss with them
     assert "cached features" in _one_line_error(again)
     with pytest.raises(LostSamplesError):
-        evaluate_linear(PooledPixels(), damaged_train, val, LinearConfig.preset("fast", crop_size=16))
+        evaluate_linear(PooledPixels(), damaged_train, val, LinearConfig(protocol="fast", crop_size=16))
 
 
 # 3. Undecodable images named, figures rounded -------------------------------------------------------------
@@ -200,7 +200,7 @@ def test_paper_and_finetune_name_their_undecodable_images(shape_shards, tmp_path
     # sound in structure (JPEG start and end markers), so only decoding finds it: the DataLoader path
     samples.append(ShardSample("undecodable", {"jpg": b"\xff\xd8\xff" + b"garbage" * 4 + b"\xff\xd9"}, label=2))
     write_shard_set(samples, tmp_path / "train")
-    config = LinearConfig.preset("paper", epochs=2, batch_size=8, crop_size=16, resize_size=16, workers=0,
+    config = LinearConfig(protocol="paper", epochs=2, batch_size=8, crop_size=16, resize_size=16, workers=0,
                                  backend="pil")
     result = evaluate_linear(PooledPixels(), tmp_path / "train", val, config)
     assert result.skipped_keys == ["undecodable"] and result.skipped == 1  # met in both epochs, counted once

@@ -10,6 +10,7 @@ import cv2
 import numpy as np
 import pytest
 import torch
+import yaml
 
 import saliency.network.train as train_module
 from saliency.maps import write_png
@@ -133,7 +134,8 @@ def test_other_settings_in_the_same_folder_are_refused(tmp_path: Path, scene_sha
     shards, _ = scene_shards
     job = _job(shards, tmp_path / "out")
     (tmp_path / "out" / "work").mkdir(parents=True)  # an earlier run got past its checks
-    train_module._write_config(tmp_path / "out", {"config": {"epochs": 1}, "shards": "nope", "backbone": "random"})
+    (tmp_path / "out" / "config.yaml").write_text(
+        yaml.safe_dump({"epochs": 1, "inputs": {"shards": "nope", "backbone": "random"}}))
     with pytest.raises(TrainStateError, match=f"shards: nope there, {shards} now") as refused:
         run_train(dataclasses.replace(job), log=lambda _: None)
     assert "epochs: 1 there, 2 now" in str(refused.value) and "backbone" not in str(refused.value)

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from click.testing import CliRunner
 from PIL import Image
 
@@ -97,7 +98,7 @@ def test_a_stale_config_is_replaced_the_note_is_one_line_and_an_unscored_part_is
     write_shard_set(held_samples, tmp_path / "held", max_count=2)
     out = tmp_path / "out"
     out.mkdir()
-    (out / "config.json").write_text(json.dumps({"shards": "nope"}))  # left by an older version's failed check
+    (out / "config.yaml").write_text("inputs: {shards: nope}\n")  # left by an older version's failed check
     result = _train(shards, out, "--gt", str(_masks(tmp_path / "gt", masks)), "--eval-shards", str(tmp_path / "held"))
     assert result.exit_code == 0, result.output
     notes = [line for line in result.stderr.splitlines() if "random weights" in line]
@@ -105,5 +106,5 @@ def test_a_stale_config_is_replaced_the_note_is_one_line_and_an_unscored_part_is
     report = json.loads((out / "report.json").read_text(), parse_constant=lambda c: pytest.fail(f"bare {c}"))
     assert all(row["count"] == 4 and row["mae"] is not None for row in report["train"].values())
     assert all(row["count"] == 0 and row["mae"] is None for row in report["heldout"].values())
-    assert json.loads((out / "config.json").read_text())["shards"] == str(shards)
+    assert yaml.safe_load((out / "config.yaml").read_text())["inputs"]["shards"] == str(shards)
     assert (out / "model.pt").is_file()

@@ -1,0 +1,1 @@
+"""Infrastructure every job shares (configuration first); imports no other package of the project."""

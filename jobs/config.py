@@ -1,0 +1,317 @@
+"""One configuration system for every job: presets by name, typed `--set`, strict building, one echo.
+
+A job's settings are one frozen dataclass tree. They are resolved in three layers:
+1. the dataclass defaults;
+2. `--config NAME_OR_FILE`: a preset shipped inside the job's package (`NAME.yaml` in a `presets`
+   folder of the package, found through importlib.resources, so a name works from any directory and
+   from an installed wheel), or a YAML file given by path (a value ending in `.yaml`/`.yml` or holding a `/`);
+3. `--set section.key=value` overrides, each value read as YAML (`true`, `0.2`, `[0.5, 2]`, `abc`).
+
+Sections are nested mappings (`optim: {base_lr: 0.3}`); a key of a section is written
+`optim.base_lr` on the command line. Unknown keys are refused with the valid keys listed; a value
+of the wrong type names the key, the expected type and the source. The resolved settings are
+printed at start and saved beside the job's outputs in one format, `settings_text` (YAML).
+
+Relative paths inside a preset (data folders) are read against the current directory, like any
+path on the command line; set them with `--set` when the data lives elsewhere.
+
+This module imports nothing of the project: every job package imports it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+SETTINGS_FILE = "config.yaml"  # the resolved settings, saved beside every job's outputs
+PRESET_SUFFIXES = (".yaml", ".yml")
+
+
+class ConfigError(ValueError):
+    """A user-fixable configuration problem (unknown key or preset, wrong type, impossible value)."""
+
+
+# --- presets ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """One shipped preset: its name, what it is for (its file's first comment line) and its settings."""
+
+    name: str
+    purpose: str
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Presets:
+    """The presets of one job: the `*.yaml` files of `package`'s `folder`, shipped as package data."""
+
+    job: str  # the command, for messages: "relicv2 pretrain"
+    package: str  # importable package holding the folder: "pretrain"
+    folder: str = "presets"
+
+    def _files(self) -> dict[str, Any]:
+        root = resources.files(self.package).joinpath(self.folder)
+        if not root.is_dir():
+            return {}
+        return {Path(entry.name).stem: entry for entry in root.iterdir()
+                if entry.name.endswith(PRESET_SUFFIXES) and entry.is_file()}
+
+    def names(self) -> list[str]:
+        return sorted(self._files())
+
+    def get(self, name: str) -> Preset:
+        """The preset called `name`, or a ConfigError that lists the presets."""
+        entry = self._files().get(name)
+        if entry is None:
+            raise ConfigError(f"{self.job}: unknown preset {name!r}; {self.listing()}")
+        text = entry.read_text(encoding="utf-8")
+        return Preset(name, _first_comment(text), text)
+
+    def all(self) -> list[Preset]:
+        return [self.get(name) for name in self.names()]
+
+    def listing(self) -> str:
+        """One line naming every preset and what it is for."""
+        items = [f"{p.name} ({p.purpose})" if p.purpose else p.name for p in self.all()]
+        return ("presets: " + "; ".join(items) if items else "this job ships no presets") + \
+            " (or pass a YAML file path ending in .yaml)"
+
+
+def _first_comment(text: str) -> str:
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            return stripped.lstrip("#").strip().rstrip(".")
+        if stripped:
+            break
+    return ""
+
+
+def is_file_reference(value: str | Path) -> bool:
+    """Whether `--config VALUE` names a file (a path or a .yaml name) rather than a preset."""
+    text = str(value)
+    return isinstance(value, Path) or "/" in text or os.sep in text or text.endswith(PRESET_SUFFIXES)
+
+
+def read_tree(config: str | Path | None, presets: Presets) -> tuple[dict[str, Any], str]:
+    """(settings tree, where it came from) of `--config NAME_OR_FILE`; ({}, "defaults") for None."""
+    if config is None:
+        return {}, "defaults"
+    if is_file_reference(config):
+        path = Path(config)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist; pass an existing file or a preset name, "
+                              f"{presets.listing()}") from None
+        except (OSError, UnicodeDecodeError) as error:
+            reason = error.strerror if isinstance(error, OSError) else "not UTF-8 text"
+            raise ConfigError(f"config file {path} cannot be read ({reason}); pass a YAML file") from None
+        source, what = str(path), f"config file {path}"
+    else:
+        preset = presets.get(str(config))
+        text, source = preset.text, f"preset {preset.name}"
+        what = source
+    try:
+        tree = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{what} is not valid YAML: {error}") from None
+    if tree is not None and not isinstance(tree, dict):
+        raise ConfigError(f"{what} must hold a mapping of settings (section: or key: value lines)")
+    return tree or {}, source
+
+
+# --- --set overrides -------------------------------------------------------------------------------
+
+
+def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
+    """`section.key=value` strings as a nested tree; each value read as YAML (empty: the empty string)."""
+    tree: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} is not of the form section.key=value (or key=value)")
+        keys = [part.strip() for part in key.strip().split(".")]
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError:
+            value = text  # not YAML (e.g. an unbalanced bracket): the text itself, type-checked later
+        _set_path(tree, keys, value)
+    return tree
+
+
+def _set_path(tree: dict[str, Any], keys: list[str], value: Any) -> None:
+    node = tree
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot set {'.'.join(keys)}: {key} is a value, not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """`over` laid on `base`, section by section (a value replaces, a mapping merges)."""
+    merged = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+# --- building the frozen dataclasses -------------------------------------------------------------
+
+
+def resolve(cls: type, config: str | Path | None, overrides: Sequence[str], presets: Presets,
+            *, defaults: Mapping[str, Any] | None = None) -> tuple[Any, str]:
+    """(config of type `cls`, source label): `defaults`, then the preset or file, then the overrides."""
+    tree, source = read_tree(config, presets)
+    if overrides:
+        source = f"{source} with --set overrides" if config is not None else "--set overrides"
+    tree = merge(merge(defaults or {}, tree), parse_overrides(overrides))
+    return build(cls, tree, source=source), source
+
+
+def build(cls: type, tree: Mapping[str, Any], *, source: str = "config", prefix: str = "") -> Any:
+    """An instance of the frozen dataclass `cls` from a nested mapping; strict keys and types.
+
+    Missing keys keep their defaults; ints are accepted for floats; nothing else is converted,
+    except a comma-separated string for a tuple (`methods=rbd,mc`). A `dict` field with a default
+    takes a partial mapping over that default, and only the default's keys.
+    """
+    if not isinstance(tree, Mapping):
+        raise ConfigError(f"{source}: {prefix.rstrip('.') or 'the config'} must be a mapping of keys")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(tree) - set(fields))
+    if unknown:
+        raise ConfigError(f"{source}: unknown key {prefix}{unknown[0]}; valid keys here are: "
+                          f"{', '.join(sorted(fields))}")
+    values: dict[str, Any] = {}
+    for name, value in tree.items():
+        hint, key = hints[name], f"{prefix}{name}"
+        if dataclasses.is_dataclass(hint):
+            values[name] = build(hint, value or {}, source=source, prefix=f"{key}.")
+        elif typing.get_origin(hint) is dict:
+            values[name] = _mapping(value, hint, _default(fields[name]), key=key, source=source)
+        else:
+            values[name] = coerce(value, hint, key=key, source=source)
+    try:
+        return cls(**values)
+    except ValueError as error:  # a job's own checks (ConfigError is a ValueError), named by their section
+        text = str(error)
+        raise ConfigError(text if text.startswith(f"{source}:") else f"{source}: {prefix}{text}") from None
+
+
+def _default(field: dataclasses.Field) -> Any:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return None
+
+
+def _mapping(value: Any, hint: Any, default: Any, *, key: str, source: str) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{source}: {key} must be a mapping, got {value!r}")
+    _, value_type = typing.get_args(hint)
+    allowed = dict(default or {})
+    unknown = sorted(set(value) - set(allowed)) if allowed else []
+    if unknown:
+        raise ConfigError(f"{source}: unknown key {key}.{unknown[0]}; valid keys here are: "
+                          f"{', '.join(sorted(allowed))}")
+    return {**allowed, **{str(k): coerce(v, value_type, key=f"{key}.{k}", source=source) for k, v in value.items()}}
+
+
+def coerce(value: Any, hint: Any, *, key: str, source: str) -> Any:
+    """`value` checked against a field's type hint; a ConfigError naming `key` when it does not fit."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        if value not in typing.get_args(hint):
+            choices = ", ".join(repr(c) for c in typing.get_args(hint))
+            raise ConfigError(f"{source}: {key} must be one of {choices}, got {value!r}")
+        return value
+    if origin is tuple:
+        return _tuple(value, typing.get_args(hint), key=key, source=source)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        (hint,) = [option for option in options if option is not type(None)]
+    if hint is float and isinstance(value, str):
+        # YAML 1.1 reads "1e-3" (no dot) as a string; a number written that way is still a number.
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    ok = (
+        (hint is bool and isinstance(value, bool))
+        or (hint is int and isinstance(value, int) and not isinstance(value, bool))
+        or (hint is float and isinstance(value, int | float) and not isinstance(value, bool))
+        or (hint is str and isinstance(value, str))
+    )
+    if not ok:
+        name = getattr(hint, "__name__", str(hint))
+        raise ConfigError(f"{source}: {key} must be of type {name}, got {value!r} ({type(value).__name__})")
+    return float(value) if hint is float else value
+
+
+def _tuple(value: Any, element_types: tuple[Any, ...], *, key: str, source: str) -> tuple[Any, ...]:
+    if isinstance(value, str) and "," in value:  # --set methods=rbd,mc or crop_scale=0.2,1
+        value = [yaml.safe_load(part) for part in value.split(",") if part.strip()]
+    variadic = len(element_types) == 2 and element_types[1] is Ellipsis
+    if variadic and isinstance(value, str):
+        value = [value]  # --set methods=rbd
+    if variadic:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{source}: {key} must be a list, got {value!r}")
+        element_types = (element_types[0],) * len(value)
+    elif not isinstance(value, list | tuple) or len(value) != len(element_types):
+        raise ConfigError(f"{source}: {key} must be a list of {len(element_types)} values, got {value!r}")
+    return tuple(coerce(v, t, key=f"{key}[{i}]", source=source)
+                 for i, (v, t) in enumerate(zip(value, element_types, strict=True)))
+
+
+# --- the one echo format -----------------------------------------------------------------------
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """Plain nested dict of builtins, tuples as lists (safe for YAML, JSON and `weights_only` loading)."""
+    return dataclasses.asdict(config, dict_factory=lambda items: {k: _plain(v) for k, v in items})
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def settings_text(config: Any, *, extra: Mapping[str, Any] | None = None, version: str = "") -> str:
+    """The resolved settings as every job prints them at start and saves them (`SETTINGS_FILE`): YAML,
+    `version` first (when given), then the config's keys, then `extra` sections (inputs, derived values)."""
+    tree: dict[str, Any] = {"version": version} if version else {}
+    tree.update(to_dict(config))
+    tree.update({key: _plain_tree(value) for key, value in (extra or {}).items()})
+    return yaml.safe_dump(tree, sort_keys=False)
+
+
+def _plain_tree(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return to_dict(value)
+    if isinstance(value, Mapping):
+        return {str(k): _plain_tree(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain_tree(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value

@@ -1,0 +1,256 @@
+"""The `relicv2 eval` jobs (kNN, linear probe, fine-tuning) as one library function, `run_eval`.
+
+A job is an `EvalJob`: the backbone (a checkpoint, run folder or exported file, or a random
+initialisation), the labelled train and val shard sets, the protocol's frozen settings (resolved
+from a preset by `load_linear_config` / `load_finetune_config`, or `KnnConfig`), and where results go.
+`run_eval` loads the backbone, prints the settings (`jobs.config.settings_text`, the format every
+job uses) and saves them as `config.yaml` in the output folder, evaluates, writes the JSON records
+and returns what the command prints. Under torchrun every rank calls it; rank 0 gets the result.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jobs.config import (
+    SETTINGS_FILE,
+    ConfigError,
+    Presets,
+    build,
+    is_file_reference,
+    resolve,
+    settings_text,
+    to_dict,
+)
+from pretrain.config import KnnConfig
+from pretrain.eval.finetune import FinetuneConfig
+from pretrain.eval.linear import LinearConfig
+from shards.atomic import atomic_output, atomic_write_bytes
+from shards.outdir import check_output_file, check_output_folder, writing
+from shards.version import package_version
+
+LINEAR_PRESETS = Presets(job="relicv2 eval linear", package="pretrain.eval", folder="presets/linear")
+FINETUNE_PRESETS = Presets(job="relicv2 eval finetune", package="pretrain.eval", folder="presets/finetune")
+ALLOW_LOST_HINT = ", or pass --allow-lost to score the samples that remain (the loss is then in every output)"
+
+
+def load_linear_config(config: str | Path = "paper", overrides: Sequence[str] = ()) -> LinearConfig:
+    """A linear-probe preset (`paper`, `fast`) or YAML file, with `key=value` overrides."""
+    return resolve(LinearConfig, config, overrides, LINEAR_PRESETS)[0]
+
+
+def load_finetune_config(config: str | Path = "1pct", overrides: Sequence[str] = ()) -> FinetuneConfig:
+    """A fine-tuning preset (`1pct`, `10pct`) or YAML file, with `key=value` overrides; `preset` names it."""
+    label = Path(config).stem if is_file_reference(config) else str(config)
+    return resolve(FinetuneConfig, config, overrides, FINETUNE_PRESETS, defaults={"preset": label})[0]
+
+
+def knn_settings(given: dict[str, Any]) -> KnnConfig:
+    """`KnnConfig` (the one owner of the kNN defaults) with the options a user gave, checked."""
+    return build(KnnConfig, {k: v for k, v in given.items() if v is not None}, source="relicv2 eval knn")
+
+
+@dataclass(frozen=True)
+class Backbone:
+    """The encoder to evaluate: `checkpoint` (run folder, checkpoint or exported file) or `random_depth`."""
+
+    checkpoint: Path | None = None
+    random_depth: int | None = None
+    network: str = "online"  # of a pretraining checkpoint: "online" or "target"
+    seed: int = 0  # of the random initialisation
+
+    def __post_init__(self) -> None:
+        if (self.checkpoint is None) == (self.random_depth is None):
+            raise ConfigError("give exactly one of --checkpoint or --random-init DEPTH")
+
+    def describe(self) -> str:
+        return f"random-init ResNet-{self.random_depth}" if self.checkpoint is None else str(self.checkpoint)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"checkpoint": None if self.checkpoint is None else str(self.checkpoint),
+                "random_init": self.random_depth, "network": self.network, "seed": self.seed}
+
+
+def load_encoder(backbone: Backbone) -> tuple[Any, dict[str, Any]]:
+    """(encoder, record fields for the JSON) of a `Backbone`."""
+    from pretrain.checkpoint import random_encoder
+    from pretrain.eval.export import load_backbone
+
+    if backbone.checkpoint is not None:
+        encoder, info = load_backbone(backbone.checkpoint, network=backbone.network)
+        return encoder, {"checkpoint": info["checkpoint"], "random_init": None, "network": info["network"],
+                         "step": info["step"], "source_format": info["format"]}
+    return random_encoder(backbone.random_depth, seed=backbone.seed), {
+        "checkpoint": None, "random_init": backbone.random_depth, "network": None, "step": None,
+        "source_format": None}
+
+
+@dataclass(frozen=True)
+class EvalJob:
+    """One evaluation: what to evaluate, on which sets, with which settings, and where results go."""
+
+    backbone: Backbone
+    train_shards: Path
+    val_shards: Path
+    config: LinearConfig | FinetuneConfig | KnnConfig
+    output: Path | None = None  # caches, head checkpoints, config.yaml and result.json
+    json_path: Path | None = None  # the result as JSON here too
+    device: str = "auto"
+    allow_lost: bool = False
+    labels: Path | None = None  # fine-tuning: the key list of the labelled subset
+
+    @property
+    def command(self) -> str:
+        kind = {LinearConfig: "linear", FinetuneConfig: "finetune", KnnConfig: "knn"}[type(self.config)]
+        return f"relicv2 eval {kind}"
+
+    def settings(self) -> str:
+        """The settings as printed at start and saved as config.yaml (the format of every job)."""
+        inputs: dict[str, Any] = {"backbone": self.backbone.as_dict(), "train": str(self.train_shards), "val": str(self.val_shards)}
+        if self.labels is not None:
+            inputs["labels"] = str(self.labels)
+        return settings_text(self.config, extra={"inputs": inputs}, version=package_version())
+
+
+@dataclass(frozen=True)
+class EvalOutcome:
+    """What rank 0 got: the result object, its JSON record, and the lines the command prints."""
+
+    result: Any
+    payload: dict[str, Any]
+    lines: list[str]
+    warnings: list[str]
+
+
+def run_eval(job: EvalJob, log: Callable[[str], None] = print) -> EvalOutcome | None:
+    """Run `job`; the outcome on rank 0 (None on the other ranks). Errors a user can cause raise:
+    LostSamplesError, CheckpointError, ExportError, HeadCheckpointError, FolderLockedError,
+    FileNotFoundError, ValueError (OutputError among them)."""
+    # Before any work: an unwritable --json must not be found after the whole evaluation.
+    if job.output is not None:
+        check_output_folder(job.output, "--output")
+    if job.json_path is not None:
+        check_output_file(job.json_path, "--json")
+    if isinstance(job.config, KnnConfig):
+        return _run_knn(job, log)
+    return _run_trained_head(job, log)
+
+
+def _run_knn(job: EvalJob, log: Callable[[str], None]) -> EvalOutcome:
+    import torch
+
+    from pretrain.eval.knn import evaluate_knn
+    from pretrain.eval.outcome import lost_text
+
+    device = job.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda but no CUDA device is visible; use --device cpu")
+    encoder, record = load_encoder(job.backbone)
+    log(job.settings().rstrip())
+    settings = job.config
+    result = evaluate_knn(encoder.to(device), job.train_shards, job.val_shards, settings=settings, device=device,
+                          progress=True, allow_lost=job.allow_lost)
+    assert result is not None  # a single process is rank 0
+    what = (f"{record['checkpoint']} ({record['network']})" if job.backbone.checkpoint is not None
+            else job.backbone.describe())
+    line = (f"{what}: kNN top-1 {result.top1:.4f} (k={settings.k}, T={settings.temperature}; "
+            f"{result.num_train} train, {result.num_val} val, {result.skipped} undecodable skipped, "
+            f"{lost_text(result.lost)} lost while reading)")
+    payload = result.as_json(checkpoint=record["checkpoint"], random_init=job.backbone.random_depth, extra={
+        "network": record["network"], "settings": _knn_protocol(settings)})
+    _write_json(job.json_path, payload, "--json")
+    return EvalOutcome(result, payload, [line], _shortfalls(result))
+
+
+def _knn_protocol(settings: KnnConfig) -> dict[str, Any]:
+    """The settings that make a kNN figure (not the pretraining monitor's schedule or shard sets)."""
+    return {"k": settings.k, "temperature": settings.temperature, "crop_size": settings.crop_size,
+            "resize_size": settings.resize_size, "batch_size": settings.batch_size}
+
+
+def _run_trained_head(job: EvalJob, log: Callable[[str], None]) -> EvalOutcome | None:
+    from pretrain import distributed
+    from pretrain.eval.outcome import lost_text
+    from shards.lock import folder_lock
+    from shards.subset import read_key_list
+
+    keys = read_key_list(job.labels) if job.labels is not None else None  # a bad list is refused first
+    ctx = distributed.init(job.device)
+    try:
+        with folder_lock(job.output, job.command, enabled=ctx.rank == 0) if job.output else contextlib.nullcontext():
+            encoder, record = load_encoder(job.backbone)
+            if ctx.rank == 0:
+                text = job.settings()
+                log(text.rstrip())
+                if job.output is not None:
+                    job.output.mkdir(parents=True, exist_ok=True)
+                    atomic_write_bytes(job.output / SETTINGS_FILE, text.encode())
+            result = _evaluate(job, encoder, ctx, keys)
+    finally:
+        distributed.teardown(ctx)
+    if ctx.rank != 0:
+        return None
+    extra: dict[str, Any] = {"network": record["network"], "step": record["step"], "world_size": ctx.world_size}
+    if job.labels is not None:
+        extra["labels"] = str(job.labels)
+    extra["config"] = to_dict(job.config)
+    payload = result.as_json(checkpoint=record["checkpoint"], random_init=record["random_init"], extra=extra)
+    _write_json(job.json_path, payload, "--json")
+    if job.output is not None:
+        _write_json(job.output / "result.json", payload, "--output")
+    title = f"{result.protocol} of {record['checkpoint'] or job.backbone.describe()}"
+    return EvalOutcome(result, payload, _table(title, payload, lost_text(result.lost)), _shortfalls(result))
+
+
+def _evaluate(job: EvalJob, encoder: Any, ctx: Any, keys: set[str] | None) -> Any:
+    if isinstance(job.config, LinearConfig):
+        from pretrain.eval.linear import evaluate_linear
+
+        return evaluate_linear(encoder, job.train_shards, job.val_shards, job.config, device=ctx.device,
+                               output_dir=job.output, ctx=ctx, allow_lost=job.allow_lost)
+    from pretrain.eval.finetune import finetune
+
+    if keys is None:
+        raise ValueError("fine-tuning needs the key list of the labelled subset (--labels)")
+    return finetune(encoder, job.train_shards, job.val_shards, keys, job.config, device=ctx.device,
+                    output_dir=job.output, ctx=ctx)
+
+
+def _table(title: str, payload: dict[str, Any], lost: str) -> list[str]:
+    """The result as a two-column table (the human-readable twin of the JSON)."""
+    top5 = payload["top5"]
+    rows = [("protocol", payload["protocol"]), ("top-1", f"{payload['top1']:.4f}"),
+            ("top-5", f"{top5:.4f}" if top5 is not None else "- (fewer than 5 classes)"),
+            ("train images", str(payload["num_train"])), ("val images", str(payload["num_val"])),
+            ("undecodable skipped", str(payload["skipped"])), ("lost while reading", lost)]
+    width = max(len(name) for name, _ in rows)
+    return [title, "-" * max(len(title), width + 14), *(f"{name.ljust(width)}  {value}" for name, value in rows)]
+
+
+def _shortfalls(result: Any) -> list[str]:
+    """One line per kind of sample an evaluation left out: undecodable images by key, lost samples by set."""
+    from pretrain.eval.outcome import NAMED_KEYS, named
+
+    lines = []
+    if result.skipped_keys:
+        more = " (all in --json)" if len(result.skipped_keys) > NAMED_KEYS else ""
+        lines.append(f"warning: {len(result.skipped_keys)} undecodable image(s) left out: "
+                     f"{named(result.skipped_keys)}{more}")
+    lines += [entry.warning() for entry in result.lost]
+    return lines
+
+
+def _write_json(path: Path | None, record: dict[str, Any], option: str) -> None:
+    if path is None:
+        return
+    with writing(path, option):  # the disk may have filled during the work
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_output(path) as tmp:
+            Path(tmp).write_text(json.dumps(record, indent=2) + "\n")
