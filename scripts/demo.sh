@@ -111,8 +111,8 @@ fi
 # ---- 4. the saliency network (DeepUSPS-style refinement of the handcrafted maps): the demo preset
 # (the reduced demo: tiny); one folder per preset, so a changed preset never meets another's state
 network=$out/saliency/network-$saliency_preset
-if stage saliency-train "$saliency_preset" "saliency network (saliency train --preset $saliency_preset, random backbone)"; then
-  relicv2 saliency train --shards "$train" --out "$network" --preset "$saliency_preset" --backbone random
+if stage saliency-train "$saliency_preset" "saliency network (saliency train --config $saliency_preset, random backbone)"; then
+  relicv2 saliency train --shards "$train" --out "$network" --config "$saliency_preset" --backbone random
   finished saliency-train "$saliency_preset"
 fi
 
@@ -167,9 +167,9 @@ elif stage eval "$key" "kNN and linear (fast) evaluation vs random init"; then
   crop=(--crop-size "$view_size" --resize-size "$view_size" --device cpu)
   relicv2 eval knn --checkpoint "$run" --train "$train" --val "$val" "${crop[@]}" --json "$evals/knn.json"
   relicv2 eval knn --random-init 18 --train "$train" --val "$val" "${crop[@]}" --json "$evals/knn-random.json"
-  relicv2 eval linear --checkpoint "$run" --train "$train" --val "$val" --preset fast \
+  relicv2 eval linear --checkpoint "$run" --train "$train" --val "$val" --config fast \
       --output "$evals/linear" --json "$evals/linear-fast.json"
-  relicv2 eval linear --random-init 18 --train "$train" --val "$val" --preset fast \
+  relicv2 eval linear --random-init 18 --train "$train" --val "$val" --config fast \
       --output "$evals/linear-random" --json "$evals/linear-fast-random.json"
   finished eval "$key"
 fi

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.eval.finetune import PRESETS as FINETUNE_PRESETS
-from pretrain.eval.linear import PROTOCOLS as LINEAR_PRESETS
+from pretrain.config import PRESETS as PRETRAIN_PRESETS
+from pretrain.eval.job import FINETUNE_PRESETS, LINEAR_PRESETS
 from saliency.network.config import PRESETS as SALIENCY_PRESETS
 from tests.paths import CONFIGS, REPO
 
@@ -74,31 +74,29 @@ def _doc_texts() -> dict[str, str]:
 
 
 def test_config_presets_named_in_the_documents_exist():
-    named = {(doc, name) for doc, text in _doc_texts().items() for name in re.findall(r"configs/([\w.-]+)\.yaml", text)}
+    named = {(doc, name) for doc, text in _doc_texts().items()
+             for name in re.findall(r"pretrain/presets/([\w.-]+)\.yaml", text)}
     assert named, "no preset file is named in the documents"
-    missing = [f"{doc}: configs/{name}.yaml" for doc, name in sorted(named) if not (CONFIGS / f"{name}.yaml").is_file()]
+    missing = [f"{doc}: pretrain/presets/{name}.yaml" for doc, name in sorted(named)
+               if not (CONFIGS / f"{name}.yaml").is_file()]
     assert not missing, f"preset files named in the documents but absent from {CONFIGS}: {missing}"
 
 
 def test_command_presets_named_in_the_documents_exist():
+    """Every `--config NAME` in the documents names a preset of that command (a path is a file, not checked)."""
+    commands = {"saliency train": SALIENCY_PRESETS, "eval finetune": FINETUNE_PRESETS, "eval linear": LINEAR_PRESETS,
+                "pretrain": PRETRAIN_PRESETS}
     problems = []
     for doc, text in _doc_texts().items():
         # A command may continue over lines ending in "\"; join them so each command is one line.
         for line in text.replace("\\\n", " ").splitlines():
-            for preset in re.findall(r"--preset[ =]`?([\w|]+)", line):
-                if "|" in preset:  # a synopsis such as `--preset tiny|demo|cpu|paper`
-                    names = preset.split("|")
-                else:
-                    names = [preset]
-                if "saliency train" in line:
-                    allowed = set(SALIENCY_PRESETS)
-                elif "eval finetune" in line:
-                    allowed = set(FINETUNE_PRESETS)
-                elif "eval linear" in line:
-                    allowed = set(LINEAR_PRESETS)
-                else:
-                    allowed = set(SALIENCY_PRESETS) | set(FINETUNE_PRESETS) | set(LINEAR_PRESETS)
-                problems += [f"{doc}: --preset {name} in {line.strip()[:90]!r}" for name in names if name not in allowed]
+            for match in re.finditer(r"--config[ =]`?([\w|-]+)(?![\w./-])", line):
+                names = match.group(1).split("|")  # a synopsis such as `--config tiny|demo|cpu|paper`
+                before = line[:match.start()]  # the option belongs to the last command named before it
+                owner = max(commands, key=lambda command: before.rfind(command))
+                owners = [commands[owner]] if owner in before else list(commands.values())
+                allowed = set().union(*(p.names() for p in owners))
+                problems += [f"{doc}: --config {name} in {line.strip()[:90]!r}" for name in names if name not in allowed]
     assert not problems, "presets the code does not have:\n" + "\n".join(problems)
 
 
@@ -107,9 +105,9 @@ def test_the_guide_names_the_saliency_preset_the_demo_script_uses():
     full_demo = script.split("else", 1)[1]  # the branch after the reduced demo's settings
     preset = re.search(r"saliency_preset=(\w+)", full_demo).group(1)
     demo_section = DOCS["docs/guide.md"].read_text().split("## Try it: the demo")[1].split("\n## ")[0]
-    assert f"--preset {preset}`" in demo_section or f"--preset {preset} " in demo_section, \
-        f"scripts/demo.sh trains `saliency train --preset {preset}`; the guide's demo section should say so"
-    assert re.findall(r"saliency train\s+--preset (\w+)", demo_section)[0] == preset
+    assert f"--config {preset}`" in demo_section or f"--config {preset} " in demo_section, \
+        f"scripts/demo.sh trains `saliency train --config {preset}`; the guide's demo section should say so"
+    assert re.findall(r"saliency train\s+--config (\w+)", demo_section)[0] == preset
 
 
 # ---- figures quoted in several places agree with benchmarks/RESULTS.md
@@ -124,7 +122,7 @@ def _number(text: str) -> str:
 FACTS = [
     ("the Imagenette preset's wall time (min)",
      r"\*\*`imagenette-r18-cpu`\*\* \(peak lr 0\.3\) \| \*\*(\d+) min\*\*",
-     [r"~?(\d+)-minute run of\s+`configs/imagenette-r18-cpu", r"6 epochs, ~?(\d+) min on 2 cores",
+     [r"~?(\d+)-minute run of\s+`pretrain/presets/imagenette-r18-cpu", r"6 epochs, ~?(\d+) min on 2 cores",
       r"\| ~?(\d+) min \(6 epochs, `imagenette-r18-cpu`\)", r"the pretraining without masks took ~?(\d+) min"]),
     ("the Imagenette preset's kNN top-1",
      r"\*\*`imagenette-r18-cpu`\*\*[^\n]*\| \*\*(0\.\d{3})\d\*\* \|",
