@@ -29,9 +29,14 @@ from shards.progress import Phase, tracked
 from shards.writer import TarShard, write_info
 
 POLL_S = 2.0
+PLAN_NAME = "plan.json"  # in the work folder: what the job's outputs are made from (the folder's claim)
 RECORD_SUFFIX = ".done.json"
 RECORD_FIELDS = {"shard", "digest", "empty", "manifest", "rejected"}
 NOT_DONE = "not built yet"
+
+
+class PlanError(ValueError):
+    """The work folder holds the plan of another job, or a plan that cannot be read: names the file."""
 
 
 class OutputError(RuntimeError):
@@ -56,6 +61,11 @@ class ShardJob:
     work: Path
     units: tuple[Unit, ...]
 
+    @property
+    def plan_path(self) -> Path:
+        """The job's plan record: what its outputs are made from."""
+        return self.work / PLAN_NAME
+
     def record_path(self, unit: Unit) -> Path:
         """The done record of a unit."""
         return self.work / f"{unit.id}{RECORD_SUFFIX}"
@@ -70,6 +80,28 @@ def rank_units(count: int, rank: int, world_size: int) -> range:
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world size {world_size}")
     return range(count * rank // world_size, count * (rank + 1) // world_size)
+
+
+def check_plan(job: ShardJob, plan: dict, *, other: str) -> bool:
+    """Whether the work folder holds this plan (a run to resume) or none yet (False); raises PlanError
+    for another job's plan (`other` says what the folder then holds) or an unreadable one. Reads only."""
+    path = job.plan_path
+    if not path.is_file():
+        return False
+    try:
+        held = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise PlanError(f"{path} cannot be read ({exc}); delete {job.work} to start {job.out} over, "
+                        "or choose another --out") from None
+    if held != plan:
+        raise PlanError(f"{job.out} holds {other}; choose another --out or delete it")
+    return True
+
+
+def write_plan(job: ShardJob, plan: dict) -> None:
+    """Claim the output folder for this plan, before any output (every rank may: same bytes, atomic)."""
+    job.work.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(job.plan_path, (json.dumps(plan, indent=1, sort_keys=True) + "\n").encode())
 
 
 def sha256_of(path: Path) -> str:

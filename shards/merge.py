@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from shards.job import MergeReport, ShardJob, Unit, merge_records, wait_for_records
+from shards.job import PLAN_NAME, MergeReport, ShardJob, Unit, merge_records, wait_for_records
 from shards.manifest import is_plain_tar_name
 
 WORK_DIR = ".build"
@@ -25,7 +25,7 @@ def work_dir(out: Path) -> Path:
 
 def plan_file(out: Path) -> Path:
     """The plan record of a build."""
-    return work_dir(out) / "plan.json"
+    return work_dir(out) / PLAN_NAME
 
 
 def build_job(out: Path, shards: list[tuple[str, str]]) -> ShardJob:
