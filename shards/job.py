@@ -39,6 +39,10 @@ class PlanError(ValueError):
     """The work folder holds the plan of another job, or a plan that cannot be read: names the file."""
 
 
+class UnfinishedError(RuntimeError):
+    """Units whose done record is missing or stale when the job merges: names them and the way out."""
+
+
 class OutputError(RuntimeError):
     """The output folder cannot be written (full disk, read-only, permissions): names the path and cause."""
 
@@ -201,7 +205,7 @@ def write_record(job: ShardJob, unit: Unit, shard: TarShard | None, rejected: li
 
 def wait_for_records(job: ShardJob, wait_s: float, *, progress: bool = True, rerun: str = "rerun the job") -> list[dict]:
     """Every unit's record, made from the unit's current inputs, waiting up to `wait_s` seconds for the
-    other ranks; raises RuntimeError naming the units still missing or stale and the way out."""
+    other ranks; raises UnfinishedError naming the units still missing or stale and the way out."""
     deadline = time.monotonic() + wait_s
 
     def current(unit: Unit) -> bool:
@@ -218,7 +222,7 @@ def wait_for_records(job: ShardJob, wait_s: float, *, progress: bool = True, rer
             time.sleep(POLL_S)
     if waiting:
         shown = ", ".join(u.shard for u in waiting[:5]) + (" ..." if len(waiting) > 5 else "")
-        raise RuntimeError(
+        raise UnfinishedError(
             f"{len(waiting)} shard(s) of {job.out} are not finished from the current inputs ({shown}); {rerun}"
         )
     return [read_record(job.record_path(u)) for u in tracked(job.units, "reading records", len(job.units),

@@ -70,6 +70,7 @@ from shards.job import (
     NOT_DONE,
     PlanError,
     ShardJob,
+    UnfinishedError,
     Unit,
     check_plan,
     digest_of,
@@ -530,8 +531,11 @@ def _run(job: ShardJob, plan: dict, tars: list[Path], config: BuildMasksConfig, 
     bar.close()
     if ranks.rank != 0:
         return None
-    records = wait_for_records(job, config.merge_timeout_s if ranks.world_size > 1 else 0, progress=config.progress,
-                               rerun="rerun the same command on every rank to complete them")
+    try:
+        records = wait_for_records(job, config.merge_timeout_s if ranks.world_size > 1 else 0,
+                                   progress=config.progress, rerun="rerun the same command on every rank")
+    except UnfinishedError as error:
+        raise MasksError(str(error)) from None
     summary = _summary(records, time.monotonic() - started)
     merge_records(out, records, info={
         "prefix": PREFIX, "source": str(config.shards), "model": plan["model_sha256"],

@@ -144,3 +144,18 @@ def test_a_full_disk_is_one_line_and_leaves_no_partial_tar(tmp_path, tiny_model)
     assert len(error) == 1 and "masked-000000.tar" in error[0], job.stderr
     assert not [p.name for p in out.iterdir() if ".tmp" in p.name]
     assert [p.name for p in out.iterdir() if not p.name.startswith(".")] == []  # no output under a final name
+
+
+def test_rank_0_refuses_to_merge_the_stale_records_of_another_rank_naming_them(tmp_path, tiny_model) -> None:
+    samples, _ = scene_samples(12)
+    shards, out = tmp_path / "in", tmp_path / "out"
+    write_shard_set(samples, shards, max_count=4)
+    build_masks(_config(tiny_model, shards, out), Ranks(), predictor=SquarePredictor())
+    write_shard_set(samples[::-1], shards, max_count=4)  # rebuilt under the same names
+    # Rank 0 of 2 redoes its own shards; rank 1 has not run yet: its records are from the old input.
+    with pytest.raises(MasksError, match=r"2 shard\(s\) .* not finished from the current inputs \(masked-000001\.tar, masked-000002\.tar\)"):
+        build_masks(_config(tiny_model, shards, out, merge_timeout_s=0), Ranks(0, 2), predictor=SquarePredictor())
+    build_masks(_config(tiny_model, shards, out), Ranks(1, 2), predictor=SquarePredictor())
+    summary = build_masks(_config(tiny_model, shards, out), Ranks(0, 2), predictor=SquarePredictor())
+    assert (summary["written"], summary["shards_kept"]) == (12, 3)
+    _verified(out)
