@@ -74,10 +74,6 @@ class ShardJob:
         """The done record of a unit."""
         return self.work / f"{unit.id}{RECORD_SUFFIX}"
 
-    def mine(self, rank: int, world_size: int) -> list[Unit]:
-        """The units rank `rank` of `world_size` does."""
-        return [self.units[n] for n in rank_units(len(self.units), rank, world_size)]
-
 
 def rank_units(count: int, rank: int, world_size: int) -> range:
     """The contiguous unit numbers rank `rank` of `world_size` does; the ranks cover all, disjointly."""
@@ -86,12 +82,12 @@ def rank_units(count: int, rank: int, world_size: int) -> range:
     return range(count * rank // world_size, count * (rank + 1) // world_size)
 
 
-def check_plan(job: ShardJob, plan: dict, *, other: str) -> bool:
-    """Whether the work folder holds this plan (a run to resume) or none yet (False); raises PlanError
-    for another job's plan (`other` says what the folder then holds) or an unreadable one. Reads only."""
+def check_plan(job: ShardJob, plan: dict, *, other: str) -> None:
+    """Refuse (PlanError) a work folder holding another job's plan (`other` says what the folder then
+    holds) or an unreadable one; none yet, or this one (a run to resume), pass. Reads only."""
     path = job.plan_path
     if not path.is_file():
-        return False
+        return
     try:
         held = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
@@ -99,7 +95,6 @@ def check_plan(job: ShardJob, plan: dict, *, other: str) -> bool:
                         "or choose another --out") from None
     if held != plan:
         raise PlanError(f"{job.out} holds {other}; choose another --out or delete it")
-    return True
 
 
 def write_plan(job: ShardJob, plan: dict) -> None:
