@@ -150,7 +150,7 @@ def pending_reason(job: ShardJob, unit: Unit, inputs: dict | None = None) -> str
     if record["digest"] != unit.digest or (inputs is not None and record.get("inputs") != inputs):
         return "its inputs changed since it was built"
     if record["empty"]:
-        return f"its tar {unit.shard} exists, but no sample was written when it was built" \
+        return f"its tar {unit.shard} exists, but it had no sample when it was built" \
             if (job.out / unit.shard).exists() else None
     return files_changed(job.out / unit.shard, record, path)
 
@@ -193,6 +193,9 @@ def write_record(job: ShardJob, unit: Unit, shard: TarShard | None, rejected: li
         record["inputs"] = inputs
     if shard is not None:
         record |= output_identity(shard)
+    else:  # a redone unit that now writes nothing: the tar an earlier run made from other inputs goes
+        for stale in (job.out / unit.shard, index_path(job.out / unit.shard)):
+            stale.unlink(missing_ok=True)
     job.work.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(job.record_path(unit), json.dumps(record, sort_keys=True).encode())
     return record
