@@ -25,7 +25,7 @@ from pathlib import Path
 from shards.atomic import atomic_write_bytes
 from shards.index import index_path
 from shards.manifest import REJECTED_NAME, rejected_table, write_manifest, write_table
-from shards.progress import Phase, tracked
+from shards.progress import Phase
 from shards.writer import TarShard, write_info
 
 POLL_S = 2.0
@@ -205,16 +205,16 @@ def wait_for_records(job: ShardJob, wait_s: float, *, progress: bool = True, rer
     """Every unit's record, made from the unit's current inputs, waiting up to `wait_s` seconds for the
     other ranks; raises UnfinishedError naming the units still missing or stale and the way out."""
     deadline = time.monotonic() + wait_s
-
-    def current(unit: Unit) -> bool:
-        record = read_record(job.record_path(unit))
-        return record is not None and record["digest"] == unit.digest
-
-    with Phase("waiting for ranks", len(job.units), unit="shard", enabled=progress and wait_s > 0) as bar:
-        waiting = list(job.units)
+    found: dict[str, dict] = {}
+    waiting = list(job.units)
+    with Phase("merge: reading done records", len(job.units), unit="shard", enabled=progress) as bar:
         while True:
-            waiting = [u for u in waiting if not current(u)]
-            bar.update(len(job.units) - len(waiting) - bar.count)
+            for unit in waiting:
+                record = read_record(job.record_path(unit))
+                if record is not None and record["digest"] == unit.digest:  # else missing, or from other inputs
+                    found[unit.id] = record
+                    bar.update(1)
+            waiting = [u for u in waiting if u.id not in found]
             if not waiting or time.monotonic() >= deadline:
                 break
             time.sleep(POLL_S)
@@ -223,8 +223,7 @@ def wait_for_records(job: ShardJob, wait_s: float, *, progress: bool = True, rer
         raise UnfinishedError(
             f"{len(waiting)} shard(s) of {job.out} are not finished from the current inputs ({shown}); {rerun}"
         )
-    return [read_record(job.record_path(u)) for u in tracked(job.units, "reading records", len(job.units),
-                                                              unit="shard", enabled=progress)]
+    return [found[u.id] for u in job.units]
 
 
 @dataclass(frozen=True)
