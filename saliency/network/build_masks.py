@@ -490,7 +490,10 @@ def _run(job: ShardJob, plan: dict, tars: list[Path], config: BuildMasksConfig, 
     out = job.out
     cache = config.index_cache if config.index_cache is not None else default_index_cache()
     mine = rank_units(len(tars), ranks.rank, ranks.world_size)
-    inputs = {n: input_tar_identity(tars[n], _index_file(tars[n], cache)) for n in mine}
+    # Only the tars this rank reads are indexed here: a plain set's missing index is derived by
+    # the one rank that masks the tar, not by every rank of the job.
+    index_files = {n: _index_file(tars[n], cache) for n in mine}
+    inputs = {n: input_tar_identity(tars[n], index_files[n]) for n in mine}
     reasons = {n: pending_reason(job, job.units[n], inputs[n]) for n in mine}
     todo = [n for n in mine if reasons[n] is not None]
     for n in todo:
@@ -501,11 +504,7 @@ def _run(job: ShardJob, plan: dict, tars: list[Path], config: BuildMasksConfig, 
     kept = sum(n not in mine and job.record_path(u).is_file() for n, u in enumerate(job.units)) + len(mine) - len(todo)
     # Partial tars a killed run left under temporary names (only this rank's shards).
     remove_stale_temps(out, shard_files([job.units[n].shard for n in todo]))
-    # Only the tars this rank reads are indexed here: a plain set's missing index is derived by
-    # the one rank that masks the tar, not by every rank of the job.
-    indexed = resolve_shard_set([tars[n] for n in todo], index_cache=config.index_cache) if todo else None
-    index_files = dict(zip(todo, indexed.index_files, strict=True)) if indexed else {}
-    total = indexed.samples if indexed else 0
+    total = sum(len(read_index(index_files[n], tars[n])) for n in todo)
     started, processed, clock = time.monotonic(), 0, MainThreadClock()
     bar = tqdm(total=total, desc="build-masks", unit="img", disable=not config.progress or not todo,
                dynamic_ncols=True)
