@@ -69,9 +69,11 @@ def train_command(shards: Path, out: Path, config_name: str | None, preset_name:
               help="Images per forward pass.")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
 @index_cache_option
+@click.option("--merge-timeout", default=3600.0, show_default=True,
+              help="Under torchrun: seconds rank 0 waits for the other ranks before merging.")
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def build_masks_command(model_path: Path, shards: Path, out: Path, workers: int | None, batch_size: int, device: str,
-                        index_cache: Path | None, progress: bool) -> None:
+                        index_cache: Path | None, merge_timeout: float, progress: bool) -> None:
     """Write a masked shard set: every sample's original image plus an 8-bit soft mask (mask.png)."""
     from saliency.network.build_masks import (
         BuildMasksConfig,
@@ -83,7 +85,7 @@ def build_masks_command(model_path: Path, shards: Path, out: Path, workers: int 
 
     config = BuildMasksConfig(model=model_path, shards=shards, out=out, workers=workers,
                               batch_size=batch_size, device=device, progress=progress,
-                              index_cache=index_cache)
+                              index_cache=index_cache, merge_timeout_s=merge_timeout)
     try:
         summary = build_masks(config)
     except (ModelFileError, MasksError, FolderLockedError, FileNotFoundError, ValueError) as error:

@@ -1,21 +1,18 @@
 """`relicv2 shards build`: input images -> shuffled, decode-verified, resumable WebDataset shards.
 
-The job plans everything up front (shards.plan), then builds each unfinished shard of this rank:
-images are decode-verified (and converted when needed) in a process pool, written in plan order
-into the shard's tar, and a done-marker named after the shard's digest, recording the size and
-SHA-256 of the shard's files, is written last. Killing the job at any point and rerunning the same
-command skips finished shards and redoes the rest, giving the same bytes; a finished shard whose
-files changed since (truncated, edited, deleted) is redone the same way. Rank 0 then merges the per-shard records into manifest.parquet, rejected.parquet
-and info.json (shards.merge).
+The job plans everything up front (shards.plan) and drives the shard-job engine (shards.job): each
+unfinished shard of this rank is a unit whose images are decode-verified (and converted when needed)
+in a process pool and written in plan order into the shard's tar; its done record is written last.
+Killing the job at any point and rerunning the same command skips finished shards and redoes the
+rest, giving the same bytes; a finished shard whose files changed since (truncated, edited, deleted)
+is redone the same way. Rank 0 then merges the records into manifest.parquet, rejected.parquet and
+info.json (shards.merge).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import errno
 import functools
-import hashlib
-import json
 import sys
 from collections import deque
 from collections.abc import Iterator
@@ -24,21 +21,25 @@ from pathlib import Path
 
 from PIL import Image
 
-from shards.atomic import atomic_write_bytes, remove_stale_temps
+from shards.atomic import remove_stale_temps
 from shards.images import PreparedImage, Rejection, prepare_file
 from shards.index import index_path
+from shards.job import (  # noqa: F401 (OutputError re-exported for callers of shards.build)
+    NOT_DONE,
+    MergeReport,
+    OutputError,
+    ShardJob,
+    output_error,
+    pending_reason,
+    rank_units,
+    write_record,
+)
 from shards.limits import DEFAULT_MAX_PIXELS, ImageLimits
 from shards.lock import folder_lock
 from shards.manifest import REJECTED_NAME, rejected_table, write_table
-from shards.merge import (
-    MergeReport,
-    done_marker,
-    merge_shard_set,
-    rejected_listing_command,
-    work_dir,
-)
+from shards.merge import build_job, merge_shard_set, rejected_listing_command, work_dir
 from shards.outdir import claim_out_dir, output_folder
-from shards.plan import ShardPlan, plan_digest, plan_shards, rank_shards
+from shards.plan import ShardPlan, plan_digest, plan_shards
 from shards.progress import Phase
 from shards.ranks import Ranks, ranks_from_env  # noqa: F401 (re-exported for callers of shards.build)
 from shards.sample import ShardSample
@@ -46,11 +47,6 @@ from shards.sources import InputError, Listing, SourceImage, list_inputs
 from shards.version import package_version
 from shards.workers import worker_pool
 from shards.writer import SampleRecord, TarShard, sample_record
-
-
-class OutputError(RuntimeError):
-    """The output folder cannot be written (full disk, read-only, permissions): names the path and cause."""
-
 
 CHUNK = 16  # images per worker task: amortises inter-process overhead, keeps order cheap
 
@@ -133,59 +129,6 @@ def plan_record(config: BuildConfig, listing: Listing, shards: list[ShardPlan]) 
     }
 
 
-NOT_BUILT = "not built yet"
-
-
-def pending_reason(out: Path, shard: ShardPlan) -> str | None:
-    """None when the shard is finished: its done-marker (named after its digest) exists and its files
-    are those the marker records (an all-rejected shard has a marker and no files). Otherwise why it
-    must be (re)built: NOT_BUILT, or what is wrong with the files of a shard that was finished."""
-    marker = done_marker(out, shard)
-    if not marker.is_file():
-        return NOT_BUILT
-    try:
-        record = json.loads(marker.read_text())
-        empty = bool(record["empty"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"its done-marker {marker.name} is unreadable"  # redone: the marker is rewritten
-    return None if empty else files_changed(out / shard.name, record, marker)
-
-
-def files_changed(tar: Path, record: dict, marker: Path) -> str | None:
-    """What differs between a finished shard's tar and index and its done-record, or None.
-
-    The index (small) is hashed on every check. The tar is compared by size; it is hashed only when
-    its modification time is not the recorded one, so rerunning a finished build of any size costs
-    no read of its tars, while any write to a tar (in place, truncation, a copy) is caught. A
-    confirmed tar's new time is recorded, so a copied set is hashed once. Damage that keeps both
-    size and time (bit rot on disk) is left to `relicv2 shards verify`.
-    """
-    idx = index_path(tar)
-    for what, path in (("tar", tar), ("index", idx)):
-        if not path.is_file():
-            return f"its {what} {path.name} is missing"
-    if "tar_sha256" not in record:
-        # A marker written before files were recorded: only presence can be checked. Such sets are
-        # kept as they are (not rebuilt wholesale); delete a damaged tar to have it rebuilt.
-        return None
-    stat = tar.stat()
-    if stat.st_size != record.get("tar_bytes"):  # .get: a hand-edited record is a mismatch, not a crash
-        return f"its tar has {stat.st_size} bytes, {record.get('tar_bytes')} when it was built"
-    if sha256_of(idx) != record.get("index_sha256"):
-        return f"its index {idx.name} differs from the one written with it"
-    if stat.st_mtime_ns != record.get("tar_mtime_ns"):
-        if sha256_of(tar) != record["tar_sha256"]:
-            return "its tar was changed after it was built (its SHA-256 differs)"
-        atomic_write_bytes(marker, json.dumps({**record, "tar_mtime_ns": stat.st_mtime_ns}, sort_keys=True).encode())
-    return None
-
-
-def sha256_of(path: Path) -> str:
-    """Hex SHA-256 of a file's bytes."""
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def prepared_stream(images: list[SourceImage], config: BuildConfig) -> Iterator[SampleRecord | Rejection]:
     """Decode-verify and serialise the images in order, in `config.workers` processes (inline for 1)."""
     limits = ImageLimits(max_pixels=config.max_pixels)
@@ -236,8 +179,8 @@ def sample_of(image: SourceImage, prepared: PreparedImage) -> ShardSample:
     return ShardSample(image.key, {"jpg": prepared.jpg}, image.label, meta)
 
 
-def build_one(out: Path, shard: ShardPlan, results: Iterator[SampleRecord | Rejection]) -> tuple[int, int]:
-    """Write one shard from its images' results, then its done-marker; return (written, rejected)."""
+def build_one(job: ShardJob, shard: ShardPlan, results: Iterator[SampleRecord | Rejection]) -> tuple[int, int]:
+    """Write one shard from its images' results, then its done record; return (written, rejected)."""
     tar: TarShard | None = None
     rejected = []
     try:
@@ -247,19 +190,14 @@ def build_one(out: Path, shard: ShardPlan, results: Iterator[SampleRecord | Reje
                 rejected.append({"source": image.source, "reason": result.reason, "detail": result.detail})
                 continue
             if tar is None:  # opened lazily: a shard whose every input is rejected gets no file
-                tar = TarShard(out / shard.name)
+                tar = TarShard(job.out / shard.name)
             tar.add_record(result)
     except BaseException:
         if tar is not None:
             tar.abort()
         raise
     rows = tar.close() if tar is not None else []
-    marker = {"shard": shard.name, "digest": shard.digest, "empty": not rows, "manifest": rows, "rejected": rejected}
-    if tar is not None:  # what identifies the finished files, so a rerun can tell a damaged shard (files_changed)
-        stat = tar.path.stat()
-        marker |= {"tar_bytes": stat.st_size, "tar_mtime_ns": stat.st_mtime_ns, "tar_sha256": tar.sha256,
-                   "index_sha256": tar.index_sha256}
-    atomic_write_bytes(done_marker(out, shard), json.dumps(marker, sort_keys=True).encode())
+    write_record(job, job.units[shard.number], tar, rejected)
     return len(rows), len(rejected)
 
 
@@ -289,22 +227,6 @@ def build_shards(config: BuildConfig, ranks: Ranks = Ranks()) -> BuildReport:
         raise output_error(exc, config.out_dir) from exc
 
 
-def output_error(exc: OSError, out: Path) -> OutputError:
-    """An OSError while writing -> one sentence naming the path, the cause and the way out."""
-    path = exc.filename or out
-    cause = exc.strerror or str(exc)
-    hint = {
-        errno.ENOSPC: "free space on that file system or choose another --out",
-        errno.EDQUOT: "free space (quota) or choose another --out",
-        errno.EROFS: "the file system is read-only; choose another --out",
-        errno.EACCES: "you may not write there; choose another --out or fix its permissions",
-        errno.EPERM: "you may not write there; choose another --out or fix its permissions",
-    }.get(exc.errno, "check the output folder")
-    return OutputError(
-        f"cannot write {path}: {cause}; {hint} (finished shards are kept: rerun the same command to resume)"
-    )
-
-
 def _build_locked(config: BuildConfig, ranks: Ranks) -> BuildReport:
     out = config.out_dir
     with Phase("shards build: listing inputs", None, unit="file", enabled=config.progress) as phase:
@@ -324,10 +246,11 @@ def _build_locked(config: BuildConfig, ranks: Ranks) -> BuildReport:
         print(f"--overwrite: removed {removed} file(s) of the previous build in {out}", file=sys.stderr)
     if ranks.rank == 0:
         write_table(rejected_table(listing.rejected), work_dir(out) / "plan-rejected.parquet")
-    mine = [shards[n] for n in rank_shards(len(shards), ranks.rank, ranks.world_size)]
-    reasons = {s.name: pending_reason(out, s) for s in mine}
+    job = build_job(out, [(s.name, s.digest) for s in shards])
+    mine = [shards[n] for n in rank_units(len(shards), ranks.rank, ranks.world_size)]
+    reasons = {s.name: pending_reason(job, job.units[s.number]) for s in mine}
     pending = [s for s in mine if reasons[s.name] is not None]
-    repaired = tuple(s.name for s in pending if reasons[s.name] != NOT_BUILT)
+    repaired = tuple(s.name for s in pending if reasons[s.name] != NOT_DONE)
     for name in repaired:
         print(f"rebuilding {name}, finished by an earlier run: {reasons[name]}", file=sys.stderr)
     if ranks.world_size == 1:  # alone in the folder (we hold its lock): every temporary is stale
@@ -344,7 +267,7 @@ def _build_locked(config: BuildConfig, ranks: Ranks) -> BuildReport:
         try:
             counted = counting(results, bar)
             for shard in pending:
-                w, r = build_one(out, shard, counted)
+                w, r = build_one(job, shard, counted)
                 written, rejected = written + w, rejected + r
         finally:
             results.close()  # shuts the worker pool down now, not at garbage collection

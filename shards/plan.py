@@ -1,9 +1,9 @@
 """The deterministic build plan: seeded shuffle of the sorted inputs, then shard assignment.
 
 Planning needs no image decoding, so every rank of a multi-node build computes the same plan on
-its own, and every shard can be (re)built independently. A shard is finished when its done-marker
-carries the shard's digest, which covers its inputs and the settings that shape its bytes, and its
-files are still those the marker records (shards.build.files_changed).
+its own, and every shard can be (re)built independently. A shard's digest covers its inputs and the
+settings that shape its bytes: it is the digest of the shard's unit in the job engine (shards.job),
+whose done record must carry it.
 """
 
 from __future__ import annotations
@@ -79,13 +79,6 @@ def plan_shards(
         ShardPlan(n, shard_name(prefix, n), tuple(g), shard_digest(g, {**settings, "name": shard_name(prefix, n)}))
         for n, g in enumerate(groups)
     ]
-
-
-def rank_shards(num_shards: int, rank: int, world_size: int) -> range:
-    """The contiguous shard numbers rank `rank` of `world_size` builds; ranks cover all, disjointly."""
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is outside world size {world_size}")
-    return range(num_shards * rank // world_size, num_shards * (rank + 1) // world_size)
 
 
 def plan_digest(shards: list[ShardPlan]) -> str:

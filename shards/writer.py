@@ -139,9 +139,13 @@ class TarShard:
         return self.rows
 
     def abort(self) -> None:
-        """Drop the partial tar."""
-        self._file.close()
-        self.tmp.unlink(missing_ok=True)
+        """Drop the partial tar, whatever closing it says (on a full disk the close's flush fails)."""
+        try:
+            self._file.close()
+        except OSError:
+            pass  # the file is dropped: the bytes it could not write are of no use
+        finally:
+            self.tmp.unlink(missing_ok=True)
 
 
 def write_shard(samples: Iterable[ShardSample], tar: Path) -> list[dict]:

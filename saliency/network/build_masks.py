@@ -15,12 +15,15 @@ orientation applied, as DALI's decoder applies it). Then `manifest.parquet`, `re
 - Streaming: one batch being decoded (worker processes), one in the network, one being encoded and
   written; memory is a few batches whatever the data set size (the batches in flight live in a
   shared-memory ring, `mask_work.SlotRing`: 3 x batch x size^2 x 7 bytes, 250 MiB at 64 x 432 px).
-- Resumable: each finished output shard is recorded in `OUT/.build-masks/NNNNNN.json` (its rows,
-  rejections and size); a rerun keeps shards whose record and files agree and redoes the rest.
+- Resumable: the job drives the shard-job engine (`shards.job`): one unit per input shard, its done
+  record `OUT/.build-masks/NNNNNN.done.json` holding the digests of its input (the model, the input
+  tar's size, time and index) and of its output tar and index; a rerun keeps the shards whose record
+  matches both and redoes the rest (an input rebuilt under the same names, a damaged output).
   Batches never span input shards and inference is deterministic, so the result is byte-identical
   to an uninterrupted run.
 - Refusals: an --out holding files this job did not write (a user's, another tool's) is refused,
-  naming them, before anything is written; a refused job (bad model, foreign files) leaves no --out.
+  naming them, before anything is written; so are a --device this machine lacks and a model without a
+  usable input size. A refused job leaves no --out; an unwritable one is one line naming the path.
 - Multi-node: under torchrun each rank takes a contiguous range of input shards; rank 0 writes the
   manifest once every shard's record is there.
 """
@@ -31,6 +34,7 @@ import contextlib
 import hashlib
 import json
 import os
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import Executor, Future
@@ -40,6 +44,7 @@ from pathlib import Path
 
 import cv2
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from saliency.network.images import member_key
@@ -57,22 +62,33 @@ from saliency.network.mask_work import (
     ring_bytes,
     use_ring,
 )
-from saliency.network.model_file import resolve_model_path
+from saliency.network.model_file import PASS_MODEL, resolve_model_path
 from saliency.network.predictor import MaskPredictor, launch_forward
-from shards.atomic import atomic_write_bytes, remove_stale_temps
-from shards.build import Ranks, ranks_from_env
+from shards.atomic import remove_stale_temps
 from shards.images import Rejection
 from shards.index import index_path, read_index
+from shards.job import (
+    NOT_DONE,
+    PlanError,
+    ShardJob,
+    UnfinishedError,
+    Unit,
+    check_plan,
+    digest_of,
+    input_tar_identity,
+    merge_records,
+    output_error,
+    pending_reason,
+    rank_units,
+    wait_for_records,
+    write_plan,
+    write_record,
+)
 from shards.keys import UnsafeKeyError, check_key
 from shards.lock import folder_lock
-from shards.manifest import (
-    MANIFEST_NAME,
-    REJECTED_NAME,
-    rejected_table,
-    write_manifest,
-    write_table,
-)
+from shards.manifest import MANIFEST_NAME, REJECTED_NAME
 from shards.outdir import SET_FILES, other_entries, output_folder, shard_files
+from shards.ranks import Ranks, ranks_from_env
 from shards.sample import (
     IMAGE_MEMBERS,
     KEY_PATTERN,
@@ -81,10 +97,17 @@ from shards.sample import (
     image_member_name,
     label_text,
 )
-from shards.shardset import resolve_shard_set, shard_tars
+from shards.shardset import (
+    INDEX_CACHE_ENV,
+    cached_index,
+    default_index_cache,
+    resolve_shard_set,
+    shard_tars,
+)
 from shards.tario import Skipped, TarReadError, iter_tar
+from shards.version import package_version
 from shards.workers import local_ranks, rank_cores, usable_cores, worker_pool
-from shards.writer import TarShard, package_version, shard_name, write_info
+from shards.writer import TarShard, shard_name
 
 PREFIX = "masked"
 STATE_DIR = ".build-masks"
@@ -105,7 +128,7 @@ class BuildMasksConfig:
     batch_size: int = 32
     device: str = "cpu"
     progress: bool = True
-    merge_timeout: float = 3600.0  # rank 0 waits this long for the other ranks' shards
+    merge_timeout_s: float = 3600.0  # rank 0 waits this long for the other ranks' shards
     # Where indexes of input tars without one are derived; None: shards.shardset.default_index_cache.
     index_cache: Path | None = None
 
@@ -239,8 +262,10 @@ def _batches(items: Iterator, size: int) -> Iterator[list]:
 
 
 def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: Executor, ring: SlotRing, bar,
-               index_file: Path | None = None, workers: int = 1, clock: MainThreadClock | None = None) -> dict:
-    """Write the masked copy of one input shard; returns its record (rows, rejected, tar size).
+               index_file: Path | None = None, workers: int = 1,
+               clock: MainThreadClock | None = None) -> tuple[TarShard | None, list[dict]]:
+    """Write the masked copy of one input shard; returns the closed tar (None when no sample could be
+    written) and the rejected samples.
 
     Batch n lives in ring slot n % 3 from its decode to its finish. In the loop's turn for batch n the
     job reads batch n+1 and hands it to the workers, launches batch n, collects the records of batch
@@ -317,12 +342,12 @@ def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: Executo
         clock.total += time.perf_counter() - began
         if not shard.rows:
             shard.abort()
-            return {"rows": [], "rejected": rejected, "tar_size": None}
-        rows = shard.close()
+            return None, rejected
+        shard.close()
     except BaseException:
         shard.abort()
         raise
-    return {"rows": rows, "rejected": rejected, "tar_size": out_tar.stat().st_size}
+    return shard, rejected
 
 
 @contextlib.contextmanager
@@ -353,25 +378,6 @@ def _workers(count: int, batch: int, predictor, out: Path) -> Iterator[tuple[Exe
         ring.release()
 
 
-def _record_path(out: Path, number: int) -> Path:
-    return Path(out) / STATE_DIR / f"{number:06d}.json"
-
-
-def _record_valid(out: Path, number: int) -> dict | None:
-    """A finished shard's record when the record and its files agree, else None (redo the shard)."""
-    path = _record_path(out, number)
-    try:
-        record = json.loads(path.read_text())
-    except (FileNotFoundError, ValueError):
-        return None
-    tar = Path(out) / shard_name(PREFIX, number)
-    if record.get("tar_size") is None:
-        return record if not tar.exists() else None
-    if not tar.is_file() or tar.stat().st_size != record["tar_size"] or not index_path(tar).is_file():
-        return None
-    return record
-
-
 def _input_tars(config: BuildMasksConfig) -> list[Path]:
     """The input set's tars in order; a set with a manifest is checked against it (cheap: its index
     files lie beside its tars). Plain sets are not indexed here (see `build_masks`)."""
@@ -392,34 +398,40 @@ def check_input(tars: list[Path], out: Path) -> None:
         raise MasksError(f"--out {out} holds input shards; choose an output folder apart from --shards")
 
 
-def _settings(model: Path, tars: list[Path]) -> dict:
-    digest = hashlib.sha256(model.read_bytes()).hexdigest()
-    return {"model_sha256": digest, "input_shards": [t.name for t in tars], "prefix": PREFIX}
+def check_device(device: str) -> None:
+    """Refuse a --device this machine cannot run the network on, before anything is loaded."""
+    try:
+        chosen = torch.device(device)
+    except RuntimeError:
+        raise MasksError(f"--device {device} is not a device; use cpu or cuda[:N]") from None
+    if chosen.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise MasksError(f"--device {device}: no CUDA GPU is usable on this machine; use --device cpu")
+        if chosen.index is not None and chosen.index >= count:
+            raise MasksError(f"--device {device}: this machine has {count} CUDA GPU(s) (cuda:0..cuda:{count - 1})")
+    elif chosen.type != "cpu":
+        raise MasksError(f"--device {device} is not supported; use cpu or cuda[:N]")
 
 
-def _settings_path(out: Path) -> Path:
-    return Path(out) / STATE_DIR / "settings.json"
-
-
-def _check_settings(out: Path, settings: dict) -> None:
-    """Refuse an --out folder holding a masked set of another model or input (read only)."""
-    path = _settings_path(out)
-    if path.is_file() and json.loads(path.read_text()) != settings:
-        raise MasksError(
-            f"{out} holds a masked set built from another model or input; choose another --out or delete it"
-        )
-
-
-def _write_settings(out: Path, settings: dict) -> None:
-    """Mark `out` as this job's, before any of its outputs (see `check_out_folder`)."""
-    path = _settings_path(out)
-    if not path.is_file():  # every rank may write it: the content is the same, and the write is atomic
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(path, (json.dumps(settings, sort_keys=True) + "\n").encode())
+def masks_job(out: Path, model_sha256: str, tars: list[Path]) -> tuple[ShardJob, dict]:
+    """The engine's job and plan: one unit per input tar, `masked-NNNNNN.tar` in the input's order. A
+    unit's digest covers the model, its output name and its input tar's name, size and modification
+    time (a stat: any rank can check any unit's record); the SHA-256 of the input's index is checked
+    by the rank that owns the unit (`input_tar_identity`)."""
+    plan = {"model_sha256": model_sha256, "input_shards": [t.name for t in tars], "prefix": PREFIX}
+    units = []
+    for number, tar in enumerate(tars):
+        stat = tar.stat()
+        shard = shard_name(PREFIX, number)
+        digest = digest_of({"model_sha256": model_sha256, "shard": shard, "input": tar.name,
+                            "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns})
+        units.append(Unit(f"{number:06d}", shard, digest))
+    return ShardJob(out, out / STATE_DIR, tuple(units)), plan
 
 
 def _summary(records: list[dict], seconds: float) -> dict:
-    rows = [r for rec in records for r in rec["rows"]]
+    rows = [r for rec in records for r in rec["manifest"]]
     coverage = np.array([r["mask_coverage"] for r in rows], dtype=np.float64)
     histogram = np.histogram(coverage, bins=10, range=(0.0, 1.0))[0].tolist() if len(rows) else [0] * 10
     return {
@@ -433,19 +445,20 @@ def _summary(records: list[dict], seconds: float) -> dict:
     }
 
 
-def check_out_folder(out: Path, count: int) -> None:
+def check_out_folder(job: ShardJob) -> None:
     """Refuse an --out folder holding files this job did not write: anything, when no build-masks run
-    began there (`STATE_DIR/settings.json`); otherwise anything but its shards and set files. Like
-    `shards build`, a job never overwrites, nor writes among, a user's own files."""
+    began there (its plan); otherwise anything but its shards and set files. Like `shards build`, a
+    job never overwrites, nor writes among, a user's own files."""
+    out = job.out
     if out.exists() and not out.is_dir():
         raise MasksError(f"--out {out} is a file; choose an empty or new folder")
-    ours = shard_files([shard_name(PREFIX, n) for n in range(count)]) | set(SET_FILES)
-    # Listed before the settings are looked at: under torchrun, rank 0 writes the settings before any
-    # output, so an output seen here always comes with the settings that make it ours.
+    ours = shard_files([unit.shard for unit in job.units]) | set(SET_FILES)
+    # Listed before the plan is looked at: under torchrun, rank 0 writes the plan before any output,
+    # so an output seen here always comes with the plan that makes it ours.
     visible = other_entries(out, set())
     if not visible:
         return
-    started = _settings_path(out).is_file()
+    started = job.plan_path.is_file()
     others = [name for name in visible if name not in ours] if started else visible
     if others:
         shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
@@ -464,88 +477,110 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
     out = Path(config.out)
     check_input(tars, out)
     model = resolve_model_path(config.model)
-    settings = _settings(model, tars)
-    _check_settings(out, settings)
-    check_out_folder(out, len(tars))
+    job, plan = masks_job(out, hashlib.sha256(model.read_bytes()).hexdigest(), tars)
+    try:
+        check_plan(job, plan, other="a masked set built from another model or input")
+    except PlanError as error:
+        raise MasksError(str(error)) from None
+    check_out_folder(job)
+    check_device(config.device)
     # The model is read before --out is created: a refused model leaves no folder behind.
     predictor = predictor or MaskPredictor(model, config.device)
+    if predictor.size < 1:
+        raise MasksError(f"{model} has input size {predictor.size}; {PASS_MODEL}")
     workers, workers_note = job_workers(config)
     try:  # before --out exists, like the other refusals (the ring itself is made with the workers)
         check_shm_space(ring_bytes(config.batch_size, predictor.size) * local_ranks())  # every rank of the node has one
     except RingSpaceError as error:
         raise MasksError(str(error)) from None
-    with output_folder(out), folder_lock(out, "relicv2 saliency build-masks", enabled=ranks.rank == 0):
-        _write_settings(out, settings)
-        mine = range(len(tars) * ranks.rank // ranks.world_size, len(tars) * (ranks.rank + 1) // ranks.world_size)
-        todo = [n for n in mine if _record_valid(out, n) is None]
-        # Shards of the other ranks with a record now were finished by an earlier run (a record one of
-        # them writes in the moments since it started would be counted as kept: a report, not a decision).
-        kept = sum(n not in mine and _record_path(out, n).is_file() for n in range(len(tars))) + len(mine) - len(todo)
-        # Partial tars a killed run left under temporary names (only this rank's shards).
-        remove_stale_temps(out, {shard_name(PREFIX, n) for n in todo} | {index_path(Path(shard_name(PREFIX, n))).name for n in todo})
-        # Only the tars this rank reads are indexed here: a plain set's missing index is derived by
-        # the one rank that masks the tar, not by every rank of the job.
-        indexed = resolve_shard_set([tars[n] for n in todo], index_cache=config.index_cache) if todo else None
-        index_files = dict(zip(todo, indexed.index_files, strict=True)) if indexed else {}
-        total = indexed.samples if indexed else 0
-        started, processed, clock = time.monotonic(), 0, MainThreadClock()
-        bar = tqdm(total=total, desc="build-masks", unit="img", disable=not config.progress or not todo,
-                   dynamic_ncols=True)
-        with _workers(workers, config.batch_size, predictor, out) as (pool, ring):
-            page_locked = ring.page_locked
-            for number in todo:
-                try:
-                    record = mask_shard(tars[number], out / shard_name(PREFIX, number), predictor, pool, ring,
-                                        bar, index_files[number], workers, clock)
-                except BrokenProcessPool as error:
-                    raise MasksError(
-                        f"a worker process died while masking {tars[number]} (killed by the system for memory? "
-                        "see dmesg); finished shards are kept: rerun the same command to resume"
-                    ) from error
-                record["input"] = tars[number].name
-                processed += len(record["rows"]) + len(record["rejected"])
-                _record_path(out, number).parent.mkdir(parents=True, exist_ok=True)
-                atomic_write_bytes(_record_path(out, number), (json.dumps(record, sort_keys=True) + "\n").encode())
-        seconds = time.monotonic() - started
-        bar.close()
-        if ranks.rank != 0:
-            return None
-        records = _wait_for_records(out, len(tars), config.merge_timeout)
-        rows = [r for rec in records for r in rec["rows"]]
-        rejected = [r for rec in records for r in rec["rejected"]]
-        if rows:
-            write_manifest(rows, out)
-        write_table(rejected_table(rejected), out / REJECTED_NAME)
-        summary = _summary(records, time.monotonic() - started)
-        written = [shard_name(PREFIX, n) for n, rec in enumerate(records) if rec["tar_size"] is not None]
-        write_info(out, {
-            "prefix": PREFIX, "shards": len(written), "samples": len(rows), "labelled": sum(r["label"] is not None for r in rows),
-            "rejected": len(rejected), "empty_shards": [shard_name(PREFIX, n) for n, rec in enumerate(records) if rec["tar_size"] is None],
-            "bytes": sum(rec["tar_size"] or 0 for rec in records), "source": str(config.shards),
-            "model": settings["model_sha256"], "mask": {k: summary[k] for k in ("below_min_coverage", "min_coverage", "coverage_histogram")},
-            "version": package_version(),
-        })
-        summary["shards_kept"], summary["shards_built"] = kept, len(tars) - kept
-        summary["rejected_file"] = str(out / REJECTED_NAME)
-        summary["workers"], summary["workers_note"], summary["ring_page_locked"] = workers, workers_note, page_locked
-        summary["images_per_s"] = round(processed / seconds, 2) if processed and seconds > 0 else None
-        summary.update(clock.report())  # this rank's
-        return summary
+    try:
+        with output_folder(out), folder_lock(out, "relicv2 saliency build-masks", enabled=ranks.rank == 0):
+            write_plan(job, plan)  # the first write: an unwritable --out is found before any work
+            summary = _run(job, plan, tars, config, ranks, predictor, workers)
+    except OSError as error:
+        raise MasksError(str(output_error(error, out))) from None
+    if summary is not None:
+        summary["workers_note"] = workers_note
+    return summary
 
 
-def _wait_for_records(out: Path, count: int, timeout: float) -> list[dict]:
-    deadline = time.monotonic() + timeout
-    while True:
-        records = [_record_valid(out, n) for n in range(count)]
-        missing = [n for n, r in enumerate(records) if r is None]
-        if not missing:
-            return records  # type: ignore[return-value]
-        if time.monotonic() > deadline:
-            raise MasksError(
-                f"{len(missing)} shards (e.g. {shard_name(PREFIX, missing[0])}) were not finished by the other "
-                "ranks in time; rerun the same command to complete them"
-            )
-        time.sleep(2.0)
+def _run(job: ShardJob, plan: dict, tars: list[Path], config: BuildMasksConfig, ranks: Ranks, predictor,
+         workers: int) -> dict | None:
+    """This rank's units (those whose record does not match their inputs and files), then rank 0's merge."""
+    out = job.out
+    cache = config.index_cache if config.index_cache is not None else default_index_cache()
+    mine = rank_units(len(tars), ranks.rank, ranks.world_size)
+    # Only the tars this rank reads are indexed here: a plain set's missing index is derived by
+    # the one rank that masks the tar, not by every rank of the job.
+    index_files = {n: _index_file(tars[n], cache) for n in mine}
+    inputs = {n: input_tar_identity(tars[n], index_files[n]) for n in mine}
+    reasons = {n: pending_reason(job, job.units[n], inputs[n]) for n in mine}
+    todo = [n for n in mine if reasons[n] is not None]
+    for n in todo:
+        if reasons[n] != NOT_DONE:
+            print(f"masking {job.units[n].shard} again, finished by an earlier run: {reasons[n]}", file=sys.stderr)
+    # Shards of the other ranks with a record now were finished by an earlier run (a record one of
+    # them writes in the moments since it started would be counted as kept: a report, not a decision).
+    kept = sum(n not in mine and job.record_path(u).is_file() for n, u in enumerate(job.units)) + len(mine) - len(todo)
+    # Partial tars a killed run left under temporary names (only this rank's shards).
+    remove_stale_temps(out, shard_files([job.units[n].shard for n in todo]))
+    total = sum(len(read_index(index_files[n], tars[n])) for n in todo)
+    started, processed, clock = time.monotonic(), 0, MainThreadClock()
+    bar = tqdm(total=total, desc="build-masks", unit="img", disable=not config.progress or not todo,
+               dynamic_ncols=True)
+    with _workers(workers, config.batch_size, predictor, out) as (pool, ring):
+        page_locked = ring.page_locked
+        for number in todo:
+            unit = job.units[number]
+            try:
+                shard, rejected = mask_shard(tars[number], out / unit.shard, predictor, pool, ring, bar,
+                                             index_files[number], workers, clock)
+            except BrokenProcessPool as error:
+                raise MasksError(
+                    f"a worker process died while masking {tars[number]} (killed by the system for memory? "
+                    "see dmesg); finished shards are kept: rerun the same command to resume"
+                ) from error
+            except OSError as error:
+                if error.filename is None:  # a write to the tar (a full disk) names no file: name it
+                    error.filename = str(out / unit.shard)
+                raise
+            record = write_record(job, unit, shard, rejected, inputs=inputs[number])
+            processed += len(record["manifest"]) + len(rejected)
+    seconds = time.monotonic() - started
+    bar.close()
+    if ranks.rank != 0:
+        return None
+    try:
+        records = wait_for_records(job, config.merge_timeout_s if ranks.world_size > 1 else 0,
+                                   progress=config.progress, rerun="rerun the same command on every rank")
+    except UnfinishedError as error:
+        raise MasksError(str(error)) from None
+    summary = _summary(records, time.monotonic() - started)
+    merge_records(out, records, info={
+        "prefix": PREFIX, "source": str(config.shards), "model": plan["model_sha256"],
+        "mask": {k: summary[k] for k in ("below_min_coverage", "min_coverage", "coverage_histogram")},
+        "version": package_version(),
+    })
+    summary["shards_kept"], summary["shards_built"] = kept, len(tars) - kept
+    summary["rejected_file"] = str(out / REJECTED_NAME)
+    summary["workers"], summary["ring_page_locked"] = workers, page_locked
+    summary["images_per_s"] = round(processed / seconds, 2) if processed and seconds > 0 else None
+    summary.update(clock.report())  # this rank's
+    return summary
+
+
+def _index_file(tar: Path, cache: Path) -> Path:
+    """The index of an input tar: beside it, else derived into the cache (read once, on first use)."""
+    beside = index_path(tar)
+    if beside.is_file():
+        return beside
+    try:
+        return cached_index(tar, cache)
+    except ValueError as error:  # a tar that cannot be read to the end
+        raise MasksError(f"{error}; rebuild or remove this shard") from None
+    except OSError as error:
+        raise MasksError(f"cannot write the index of {tar} into {cache} ({error.strerror or error}); "
+                         f"choose a writable index cache (--index-cache or ${INDEX_CACHE_ENV})") from None
 
 
 def format_summary(summary: dict) -> str:

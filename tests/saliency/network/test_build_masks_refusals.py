@@ -60,7 +60,7 @@ def test_rerun_reports_kept_shards_without_a_rate(tmp_path, scene_shards, tiny_m
     out = tmp_path / "out"
     first = build_masks(_config(tiny_model, shards, out), Ranks(), predictor=SquarePredictor())
     assert (first["shards_kept"], first["shards_built"]) == (0, 3) and first["images_per_s"] is not None
-    (out / ".build-masks" / "000001.json").unlink()  # one shard to redo
+    (out / ".build-masks" / "000001.done.json").unlink()  # one shard to redo
     second = build_masks(_config(tiny_model, shards, out), Ranks(), predictor=SquarePredictor())
     assert (second["shards_kept"], second["shards_built"]) == (2, 1) and second["written"] == 12
     third = build_masks(_config(tiny_model, shards, out), Ranks(), predictor=SquarePredictor())

@@ -183,13 +183,13 @@ def test_killed_job_leaves_no_worker_and_no_ring_and_resumes_byte_identical(tmp_
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     records = tmp_path / "killed" / ".build-masks"
     deadline = time.monotonic() + 120
-    while not (records / "000001.json").exists() and job.poll() is None and time.monotonic() < deadline:
+    while not (records / "000001.done.json").exists() and job.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     workers = [pid for pid in _children(job.pid) if Path(f"/proc/{pid}/cmdline").read_bytes().count(b"spawn_main")]
     rings = _rings(job.pid)
     os.kill(job.pid, signal.SIGKILL)
     job.wait()
-    assert len(list(records.glob("0*.json"))) < 12, "the job ended before it was killed: give it more work"
+    assert len(list(records.glob("0*.done.json"))) < 12, "the job ended before it was killed: give it more work"
     assert 1 <= len(workers) <= 2 and len(rings) == 1  # the pool starts its processes as work comes
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and not (all(map(_gone, workers)) and _rings(job.pid) == []):
