@@ -15,12 +15,13 @@ from click.testing import CliRunner
 
 from cli.main import cli
 from saliency.network import mask_work
-from saliency.network.build_masks import BuildMasksConfig, build_masks
+from saliency.network.build_masks import STATE_DIR, BuildMasksConfig, build_masks
 from saliency.network.mask_work import RingSpaceError, check_shm_space
 from saliency.network.model import SaliencyNet
 from saliency.network.model_file import ModelFileError, load_model, save_model
 from shards import write_shard_set
 from shards.build import Ranks
+from shards.job import RECORD_SUFFIX
 from tests.paths import REPO
 from tests.saliency.network.conftest import scene_samples
 from tests.unwritable import immutable
@@ -94,6 +95,11 @@ def test_the_shared_memory_refusal_prints_sizes_that_are_not_rounded_to_zero(mon
         check_shm_space(2**20, "/dev/shm")
 
 
+def _second_record(out: Path) -> Path:
+    """The done record of the job's second shard: once it exists the job is busy, with work left."""
+    return out / STATE_DIR / f"{1:06d}{RECORD_SUFFIX}"
+
+
 def _rings_of(pid: int) -> list[Path]:
     return sorted(Path(mask_work.SHM_FOLDER).glob(f"relicv2-masks-{pid}-*"))
 
@@ -112,7 +118,7 @@ def test_a_rerun_removes_the_ring_of_a_job_killed_with_its_process_group(tmp_pat
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
-        while not (out / ".build-masks" / "000001.json").exists() and job.poll() is None and time.monotonic() < deadline:
+        while not _second_record(out).exists() and job.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
         os.killpg(job.pid, signal.SIGKILL)
         job.wait()
@@ -162,7 +168,7 @@ def test_ctrl_c_is_one_line_and_exit_130_without_a_traceback_from_any_worker(tmp
     job = subprocess.Popen(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while not (out / ".build-masks" / "000001.json").exists() and job.poll() is None and time.monotonic() < deadline:
+    while not _second_record(out).exists() and job.poll() is None and time.monotonic() < deadline:
         time.sleep(0.01)
     os.killpg(job.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole foreground group
     try:
