@@ -33,7 +33,7 @@ from tqdm import tqdm
 from saliency.failures import FailureLimit
 from saliency.handcrafted.methods import METHODS
 from saliency.images import ImageReadError, decode_rgb, read_rgb
-from saliency.inputs import IMAGE_MEMBERS, Item, count_inputs, is_shard_source, iter_items
+from saliency.inputs import Item, count_inputs, is_shard_source, iter_items
 from saliency.maps import is_map_temporary, write_map
 from saliency.workers import init_worker, single_threaded
 from shards.keys import UnsafeKeyError, safe_relative_path
@@ -169,12 +169,8 @@ def process_item(item: Item, methods: tuple[str, ...], output: Path) -> Result:
     propagates (a method must give a map for every image).
     """
     try:
-        if item.path is not None:
-            rgb = read_rgb(item.path)
-        elif item.data is not None:
-            rgb = decode_rgb(item.data, item.name)
-        else:
-            raise ImageReadError(f"{item.name}: no image member ({'/'.join(IMAGE_MEMBERS)})")
+        # A shard sample always has its image: the shard reader refuses one without (no_image).
+        rgb = read_rgb(item.path) if item.path is not None else decode_rgb(item.data or b"", item.name)
     except READ_ERRORS as error:
         return Result(item.name, error=_plain(str(error)))
     written: list[str] = []

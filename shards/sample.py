@@ -24,7 +24,10 @@ MASK_MEMBER = "mask.png"
 # tools also write class names there, which readers keep as unlabelled rather than refuse.
 LABEL_MEMBER = "cls"
 MAX_LABEL_BYTES = 20  # a class index with room for whitespace; anything longer is not one
-GENERATED_MEMBERS = (LABEL_MEMBER, "json")  # written by the writer from `label` and `meta`
+META_MEMBER = "json"
+GENERATED_MEMBERS = (LABEL_MEMBER, META_MEMBER)  # written by the writer from `label` and `meta`
+# Every member some job of the project reads; the reader counts and lists the others as unused.
+USED_MEMBERS = (*IMAGE_MEMBERS, MASK_MEMBER, *GENERATED_MEMBERS)
 
 
 def image_member_name(members: Container[str]) -> str | None:

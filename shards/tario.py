@@ -125,6 +125,22 @@ def _members(
         yield Skipped(None, "truncated", f"the tar ends at byte {size} without its end-of-archive blocks (cut short?)")
 
 
+def read_indexed_member(fd: int, offset: int, size: int) -> bytes | None:
+    """The `size` data bytes at `offset` of an open tar, read with the member's header in one call;
+    None unless that header is a valid regular-file header of exactly that size (an index that
+    does not describe this tar: stale, foreign or forged)."""
+    if offset < BLOCK:
+        return None
+    raw = os.pread(fd, BLOCK + size, offset - BLOCK)
+    if len(raw) != BLOCK + size:
+        return None
+    try:
+        info = tarfile.TarInfo.frombuf(raw[:BLOCK], "utf-8", "surrogateescape")
+    except tarfile.HeaderError:
+        return None
+    return raw[BLOCK:] if info.isreg() and info.size == size else None
+
+
 class MemberReader(io.RawIOBase):
     """Bytes `offset`..`offset + size` of an open file as a seekable read-only file, read on demand:
     PIL opens an image member through it and reads only its header. (The standard library has no

@@ -30,7 +30,7 @@ from saliency.network.images import (
     resize_square,
     sample_locations,
 )
-from shards import ShardSample, iter_samples, write_shard_set
+from shards import ReadReport, ShardSample, iter_samples, write_shard_set
 
 SAMPLE_PREFIX = "sample"
 
@@ -101,7 +101,8 @@ def load_training_images(
     sample_dir, skipped = write_sample_set(shards, out, count, seed, index_cache, locations)
     failed = dict(handcrafted_maps(sample_dir, Path(out) / "maps", methods, workers, progress))
     keys, images, maps = [], [], {m: [] for m in methods}
-    for sample in iter_samples(sample_dir):
+    read = ReadReport()
+    for sample in iter_samples(sample_dir, report=read):
         key = sample["key"]
         if key in failed:
             skipped.append((key, failed[key]))
@@ -116,6 +117,7 @@ def load_training_images(
         images.append(torch.from_numpy(resize_square(rgb, size)).permute(2, 0, 1))
         for m in methods:
             maps[m].append(torch.from_numpy(resize_map(raw[m] / 255.0, size, size)).clamp_(0, 1).half())
+    skipped += [(name, detail) for _, name, detail in read.rejected] + [(tar, why) for tar, why in read.lost_shards]
     if not keys:
         raise ValueError(f"no usable image in the sample of {shards}; every sampled image failed ({skipped[:3]})")
     return TrainingImages(keys, torch.stack(images), {m: torch.stack(v) for m, v in maps.items()}, skipped)
