@@ -7,8 +7,9 @@ nothing it does not describe), or one derived from the tar's headers, which also
 an index leaves out. One policy, applied here for every job, turns each bad sample into a rejection
 with a reason code in the :class:`ReadReport` the caller must pass:
 
-- unsafe_member: a link, a device or an unsafe name (never read);
-- unsafe_key, duplicate_key: a key that could name a file outside a folder, a second sample of a key;
+- unsafe_member: a link or a device (never read);
+- unsafe_key, duplicate_key: a member name or key that could name a file outside a folder, a second
+  sample of a key;
 - too_large: a member over `max_member_bytes` (from its header, before reading);
 - no_image: no member of IMAGE_MEMBERS;
 - bad_json, json_too_large, json_too_deep: a json member that is not JSON, is over `max_json_bytes`
@@ -31,6 +32,7 @@ from shards.index import (
     IndexEntry,
     IndexFileError,
     index_path,
+    name_key,
     read_index,
     scan_tar,
     split_member_name,
@@ -127,7 +129,8 @@ class ReadReport:
 
 @dataclass(frozen=True, slots=True)
 class SampleRef:
-    """Where one sample's members are: the tar and, per extension, (offset, size, member name)."""
+    """Where one sample's members are: the tar and, per extension, (offset, size, member name).
+    `key` is the first member's name without folders and extension (the view loaders' key)."""
 
     key: str
     tar: Path
@@ -214,7 +217,7 @@ def deepest(data: bytes) -> int:
     return top
 
 
-def _policy(tar: Path, entries: list[IndexEntry], seen: set[str], limits: ImageLimits,
+def _policy(tar: Path, index: Path | None, entries: list[IndexEntry], seen: set[str], limits: ImageLimits,
             report: ReadReport) -> SampleRef | None:
     """The sample an index line describes, or None with its rejection in `report`. Raises
     IndexFileError for a line whose members are not one sample's (a forged or foreign index)."""
@@ -223,8 +226,9 @@ def _policy(tar: Path, entries: list[IndexEntry], seen: set[str], limits: ImageL
     duplicate_member = None
     for ext, offset, size, name in entries:
         if split_member_name(name) != (key, ext):
-            raise IndexFileError(f"{tar}: its index lists {name[:80]!r} in sample {key!r} as {ext!r}; rewrite the "
-                                 f"index with shards.write_index({tar.name}) (or rebuild the shard set)")
+            raise IndexFileError(f"{index or tar}: lists member {name[:80]!r}, which does not belong to sample "
+                                 f"{key!r} as {ext!r}; rewrite the index with shards.write_index({tar.name}) (or "
+                                 "rebuild the shard set)")
         duplicate_member = duplicate_member or (ext if ext in members else None)
         members[ext] = (offset, size, name)
     report.listed += 1
@@ -253,7 +257,7 @@ def _policy(tar: Path, entries: list[IndexEntry], seen: set[str], limits: ImageL
     for ext, (_, _, name) in members.items():
         if ext not in USED_MEMBERS:
             report.note_unused(tar, name, ext)
-    return SampleRef(key, tar, members)
+    return SampleRef(name_key(entries[0][3]), tar, members)
 
 
 def _index(tar: Path, index: Path | None, limits: ImageLimits, report: ReadReport) -> list[list[IndexEntry]]:
@@ -278,7 +282,7 @@ def locate_samples(tar: Path, report: ReadReport, *, index: Path | None = None,
     seen: set[str] = set()
     refs = []
     for entries in _index(tar, index, limits, report):
-        if entries and (ref := _policy(tar, entries, seen, limits, report)) is not None:
+        if entries and (ref := _policy(tar, index, entries, seen, limits, report)) is not None:
             refs.append(ref)
     return refs
 
@@ -313,10 +317,11 @@ def read_samples(tar: Path, report: ReadReport, *, index: Path | None = None,
                 members[ext] = data
             reason, meta = json_problem(members[META_MEMBER], limits) if META_MEMBER in members else (None, {})
             if reason is not None:
-                report.reject(tar, ref.key, reason, meta)
+                report.reject(tar, split_member_name(name)[0], reason, meta)
                 continue
             report.samples += 1
-            yield Sample(ref.key, tar, position, members, meta, class_index(members.get(LABEL_MEMBER)))
+            key = split_member_name(next(iter(ref.members.values()))[2])[0]  # folders kept: they name outputs
+            yield Sample(key, tar, position, members, meta, class_index(members.get(LABEL_MEMBER)))
 
 
 def list_shards(directory: Path, prefix: str | None = None) -> list[Path]:

@@ -47,7 +47,7 @@ class Skipped:
     """A member left out, or a problem with the rest of the tar (`name` None): with the reason."""
 
     name: str | None
-    reason: str  # short code: "unsafe_member", "too_large", "truncated"
+    reason: str  # short code: "unsafe_member" (link, device), "unsafe_key" (name), "too_large", "truncated"
     detail: str
 
 
@@ -102,7 +102,8 @@ def _members(
                 info.name = info.name[2:]
             refusal = member_refusal(info)
             if refusal is not None:
-                yield Skipped(info.name, "unsafe_member", refusal)
+                unsafe_name = info.isreg() or info.isdir()  # else a link or a device, whatever its name
+                yield Skipped(info.name, "unsafe_key" if unsafe_name else "unsafe_member", refusal)
                 continue
             if info.size > limits.max_member_bytes:
                 yield Skipped(info.name, "too_large",

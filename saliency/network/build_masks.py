@@ -30,8 +30,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 import time
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import Executor, Future
 from concurrent.futures.process import BrokenProcessPool
@@ -42,7 +42,6 @@ import cv2
 import numpy as np
 from tqdm import tqdm
 
-from saliency.network.images import member_key
 from saliency.network.mask_work import (
     MIN_COVERAGE,
     RawSample,
@@ -61,8 +60,7 @@ from saliency.network.predictor import MaskPredictor, launch_forward
 from shards.atomic import atomic_write_bytes, remove_stale_temps
 from shards.build import Ranks, ranks_from_env
 from shards.images import Rejection
-from shards.index import index_path, read_index
-from shards.keys import UnsafeKeyError, check_key
+from shards.index import index_path
 from shards.lock import folder_lock
 from shards.manifest import (
     MANIFEST_NAME,
@@ -72,16 +70,17 @@ from shards.manifest import (
     write_table,
 )
 from shards.outdir import SET_FILES, other_entries, output_folder, shard_files
+from shards.reader import ReadReport, read_samples
 from shards.sample import (
-    IMAGE_MEMBERS,
+    EXT_PATTERN,
     KEY_PATTERN,
     LABEL_MEMBER,
+    MASK_MEMBER,
+    USED_MEMBERS,
     class_index,
-    image_member_name,
     label_text,
 )
 from shards.shardset import resolve_shard_set, shard_tars
-from shards.tario import Skipped, TarReadError, iter_tar
 from shards.workers import local_ranks, rank_cores, worker_pool
 from shards.writer import TarShard, package_version, shard_name, write_info
 
@@ -131,49 +130,35 @@ def output_member(ext: str) -> str:
     return "jpg" if ext == "jpeg" else ext
 
 
-def read_input_shard(tar: Path, idx: Path | None = None) -> Iterator[RawSample | tuple[str, str, str]]:
-    """Samples of one input tar via its DALI index (`idx`, default beside the tar); unusable ones as
-    (source, reason, detail)."""
-    idx = index_path(tar) if idx is None else Path(idx)
-    if not idx.is_file():
-        raise MasksError(f"{idx} is missing; rebuild the index with shards.write_index({tar.name}) or rebuild the shards")
-    # The index leaves out members the reader refuses (links, unsafe names, oversized): name them here,
-    # from the tar's headers only, so that no sample is lost without a line in the rejected list.
-    try:
-        for item in iter_tar(tar, read_data=False):
-            if isinstance(item, Skipped):
-                name = item.name if item.name is not None else "(rest of the tar)"
-                reason = "unsafe_key" if item.reason == "unsafe_member" else item.reason
-                yield f"{tar.name}:{name}", reason, item.detail
-    except TarReadError as error:
-        raise MasksError(f"{tar}: {error}; rebuild or remove this shard") from None
-    with open(tar, "rb") as handle:
-        for entries in read_index(idx, tar):
-            key = member_key(entries[0][3])
-            source = f"{tar.name}:{key}"
-            try:
-                check_key(key)
-            except UnsafeKeyError as error:
-                yield source, "unsafe_key", str(error)
-                continue
-            if not KEY_PATTERN.fullmatch(key):
-                yield source, "bad_key", f"key {key!r} is not 1-80 characters of [A-Za-z0-9_-]"
-                continue
-            members = {ext: os.pread(handle.fileno(), size, off) for ext, off, size, _ in entries}
-            image = image_member_name(members)
-            if image is None:
-                yield source, "no_image", f"sample has no image member ({', '.join(IMAGE_MEMBERS)})"
-                continue
-            try:
-                meta = json.loads(members["json"]) if "json" in members else {}
-            except ValueError as error:
-                yield source, "corrupt", f"unreadable json member ({error})"
-                continue
-            meta = meta if isinstance(meta, dict) else {}
-            label, text_label = read_label(members.get(LABEL_MEMBER))
-            if text_label is not None:  # a class name (other tools write them): kept in the json, not lost
-                meta = {**meta, "source_cls": text_label}
-            yield RawSample(key, members[image], label, meta, output_member(image))
+def read_input_shard(tar: Path, report: ReadReport, kept: Counter) -> Iterator[RawSample | dict]:
+    """Samples of one input tar through the shard reader (its policy for bad members), each refused one
+    as a rejected-list row. Members no job reads are carried into the output unchanged, and an input
+    `mask.png` is replaced by the new mask: both counted in `kept` by member name."""
+    done = len(report.rejected)
+    lost = len(report.lost_shards)
+    for sample in read_samples(tar, report):  # from the tar's headers: they name every member refused
+        yield from report.rows(done)
+        done = len(report.rejected)
+        if not KEY_PATTERN.fullmatch(sample.key):
+            yield {"source": f"{tar.name}:{sample.key}", "reason": "bad_key",
+                   "detail": f"key {sample.key!r} is not 1-80 characters of [A-Za-z0-9_-]"}
+            continue
+        carried = {ext: data for ext, data in sample.members.items() if ext not in USED_MEMBERS}
+        unwritable = next((ext for ext in carried if not EXT_PATTERN.fullmatch(ext)), None)
+        if unwritable is not None:
+            yield {"source": f"{tar.name}:{sample.key}", "reason": "bad_member",
+                   "detail": f"member {sample.key}.{unwritable} cannot be carried: not a lower-case [a-z0-9_.] name"}
+            continue
+        kept.update(carried.keys() | ({MASK_MEMBER} & sample.members.keys()))
+        meta = sample.meta if isinstance(sample.meta, dict) else {}
+        label, text_label = read_label(sample.members.get(LABEL_MEMBER))
+        if text_label is not None:  # a class name (other tools write them): kept in the json, not lost
+            meta = {**meta, "source_cls": text_label}
+        yield RawSample(sample.key, sample.members[sample.image_ext], label, meta, output_member(sample.image_ext),
+                        carried)
+    yield from report.rows(done)
+    for _, reason in report.lost_shards[lost:]:
+        yield {"source": f"{tar.name}:(rest of the tar)", "reason": "truncated", "detail": reason}
 
 
 def read_label(cls: bytes | None) -> tuple[int | None, str | None]:
@@ -223,7 +208,7 @@ def _batches(items: Iterator, size: int) -> Iterator[list]:
 
 
 def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: Executor, ring: SlotRing, bar,
-               index_file: Path | None = None, workers: int = 1, clock: MainThreadClock | None = None) -> dict:
+               workers: int = 1, clock: MainThreadClock | None = None) -> dict:
     """Write the masked copy of one input shard; returns its record (rows, rejected, tar size).
 
     Batch n lives in ring slot n % 3 from its decode to its finish. In the loop's turn for batch n the
@@ -235,6 +220,7 @@ def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: Executo
     """
     spec, parts = ring.spec, max(1, workers)
     rejected: list[dict] = []
+    members: Counter = Counter()  # input members carried or replaced, by name
     shard = TarShard(out_tar)
     writing: list[Future] = []  # the finish chunks of the batch before, in sample order
     clock = clock or MainThreadClock()
@@ -254,11 +240,11 @@ def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: Executo
         writing.clear()
 
     def prepared_batches():
-        for number, raw_batch in enumerate(_batches(read_input_shard(tar, index_file), spec.batch)):
+        for number, raw_batch in enumerate(_batches(read_input_shard(tar, ReadReport(), members), spec.batch)):
             samples = []
             for item in raw_batch:
-                if isinstance(item, tuple):
-                    rejected.append({"source": item[0], "reason": item[1], "detail": item[2]})
+                if isinstance(item, dict):
+                    rejected.append(item)
                     bar.update(1)
                 else:
                     samples.append(item)
@@ -301,12 +287,12 @@ def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: Executo
         clock.total += time.perf_counter() - began
         if not shard.rows:
             shard.abort()
-            return {"rows": [], "rejected": rejected, "tar_size": None}
+            return {"rows": [], "rejected": rejected, "tar_size": None, "members": dict(members)}
         rows = shard.close()
     except BaseException:
         shard.abort()
         raise
-    return {"rows": rows, "rejected": rejected, "tar_size": out_tar.stat().st_size}
+    return {"rows": rows, "rejected": rejected, "tar_size": out_tar.stat().st_size, "members": dict(members)}
 
 
 @contextlib.contextmanager
@@ -401,6 +387,11 @@ def _write_settings(out: Path, settings: dict) -> None:
         atomic_write_bytes(path, (json.dumps(settings, sort_keys=True) + "\n").encode())
 
 
+def _carried(record: dict) -> dict[str, int]:
+    """The input members a shard's samples carried into the output unchanged, by name (not its masks)."""
+    return {name: n for name, n in record.get("members", {}).items() if name != MASK_MEMBER}
+
+
 def _summary(records: list[dict], seconds: float) -> dict:
     rows = [r for rec in records for r in rec["rows"]]
     coverage = np.array([r["mask_coverage"] for r in rows], dtype=np.float64)
@@ -408,6 +399,8 @@ def _summary(records: list[dict], seconds: float) -> dict:
     return {
         "written": len(rows),
         "rejected": sum(len(rec["rejected"]) for rec in records),
+        "carried_members": dict(sum((Counter(_carried(rec)) for rec in records), Counter())),
+        "replaced_masks": sum(rec.get("members", {}).get(MASK_MEMBER, 0) for rec in records),
         "below_min_coverage": int((coverage < MIN_COVERAGE).sum()),
         "min_coverage": MIN_COVERAGE,
         "coverage_histogram": histogram,
@@ -469,7 +462,6 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
         # Only the tars this rank reads are indexed here: a plain set's missing index is derived by
         # the one rank that masks the tar, not by every rank of the job.
         indexed = resolve_shard_set([tars[n] for n in todo], index_cache=config.index_cache) if todo else None
-        index_files = dict(zip(todo, indexed.index_files, strict=True)) if indexed else {}
         total = indexed.samples if indexed else 0
         started, processed, clock = time.monotonic(), 0, MainThreadClock()
         bar = tqdm(total=total, desc="build-masks", unit="img", disable=not config.progress or not todo,
@@ -479,7 +471,7 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
             for number in todo:
                 try:
                     record = mask_shard(tars[number], out / shard_name(PREFIX, number), predictor, pool, ring,
-                                        bar, index_files[number], workers, clock)
+                                        bar, workers, clock)
                 except BrokenProcessPool as error:
                     raise MasksError(
                         f"a worker process died while masking {tars[number]} (killed by the system for memory? "
@@ -544,6 +536,10 @@ def format_summary(summary: dict) -> str:
         f"{summary['below_min_coverage']} masks cover less than {summary['min_coverage']:.0%} and will not be "
         "applied in pretraining",
     ]
+    if summary["carried_members"]:
+        lines.append(f"input members no job reads, carried into the output unchanged: {summary['carried_members']}")
+    if summary["replaced_masks"]:
+        lines.append(f"{summary['replaced_masks']} input mask.png replaced by the new mask")
     if summary["rejected"]:
         lines.append(f"why each sample was rejected: {summary['rejected_file']}")
     return "\n".join(lines)

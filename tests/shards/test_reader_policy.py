@@ -113,4 +113,4 @@ def test_an_unsafe_member_is_a_rejection_with_its_reason(tmp_path):
     tar = write_tar(tmp_path / "t-0000.tar", [("ok.jpg", jpeg(0)), ("../up.jpg", jpeg(1))])
     report = shards.ReadReport()
     assert [s["key"] for s in shards.iter_samples(tar, report=report)] == ["ok"]
-    assert report.reasons == {"unsafe_member": 1} and report.rejected[0][1] == "../up.jpg"
+    assert report.reasons == {"unsafe_key": 1} and report.rejected[0][1] == "../up.jpg"
