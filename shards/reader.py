@@ -48,6 +48,7 @@ from shards.sample import (
     class_index,
     image_member_name,
     label_text,
+    read_class_index,
 )
 from shards.shardset import SHARD_PATTERN, ShardSetError, list_shard_files, shard_tars
 from shards.tario import TarReadError, read_indexed_member
@@ -149,7 +150,11 @@ class SampleRef:
     @property
     def label(self) -> int | None:
         """The sample's class index, or None (no `cls` member, or one that is not a class index)."""
-        return class_index(self.read(LABEL_MEMBER))
+        if LABEL_MEMBER not in self.members:
+            return None
+        offset, size, _ = self.members[LABEL_MEMBER]
+        with open(self.tar, "rb") as f:
+            return read_class_index(f, offset, size)  # no more than a class index can hold
 
     def read(self, ext: str) -> bytes | None:
         """The bytes of member `ext`, or None when the sample has no such member."""

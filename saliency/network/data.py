@@ -25,7 +25,6 @@ from saliency.network.images import (
     SampleLocation,
     decode_displayed,
     has_rotation,
-    read_member,
     resize_map,
     resize_square,
     sample_locations,
@@ -50,7 +49,7 @@ class TrainingImages:
 
 def _sample_stream(locations: list[SampleLocation], skipped: list) -> Iterator[ShardSample]:
     for location in locations:
-        data = read_member(location)
+        data = location.read_image()
         try:
             rgb = decode_displayed(data, f"{location.key} in {location.tar.name}")
         except SampleDecodeError as error:
@@ -58,7 +57,7 @@ def _sample_stream(locations: list[SampleLocation], skipped: list) -> Iterator[S
             print(f"saliency train: skipping {error}", file=sys.stderr)
             continue
         # The image keeps its member name (png and webp stay what they are; `jpeg` is our `jpg`).
-        member = "jpg" if location.ext == "jpeg" else location.ext
+        member = "jpg" if location.image_ext == "jpeg" else location.image_ext
         if has_rotation(data):
             buffer = io.BytesIO()
             Image.fromarray(rgb).save(buffer, "JPEG", quality=95)
