@@ -176,7 +176,7 @@ class Sample:
 
     key: str
     tar: Path
-    position: int  # of the sample in its tar's index
+    position: int  # of the sample in its tar's index (rejected samples count)
     members: dict[str, bytes]
     meta: object  # the parsed json member ({} without one)
     label: int | None
@@ -197,9 +197,8 @@ class Sample:
 
 
 def json_problem(data: bytes, limits: ImageLimits) -> tuple[str, str] | tuple[None, object]:
-    """(reason code, detail) for a json member the policy refuses, else (None, its parsed value)."""
-    if len(data) > limits.max_json_bytes:
-        return "json_too_large", f"json member is {len(data)} bytes, over the limit of {limits.max_json_bytes}"
+    """(reason code, detail) for a json member (of at most `max_json_bytes`: the policy checked its
+    size from the index) that the policy refuses, else (None, its parsed value)."""
     if data.count(b"[") + data.count(b"{") > limits.max_json_depth:  # only then can it nest too deep
         depth = deepest(data)
         if depth > limits.max_json_depth:
@@ -222,18 +221,22 @@ def deepest(data: bytes) -> int:
     return top
 
 
-def _policy(tar: Path, index: Path | None, entries: list[IndexEntry], seen: set[str], limits: ImageLimits,
+def _check_line(tar: Path, index: Path, entries: list[IndexEntry]) -> None:
+    """IndexFileError unless every member of an index line is one sample's (a forged or foreign index)."""
+    key = split_member_name(entries[0][3])[0]
+    for ext, _, _, name in entries:
+        if split_member_name(name) != (key, ext):
+            raise IndexFileError(f"{index}: lists member {name[:80]!r}, which does not belong to sample {key!r} as "
+                                 f"{ext!r}; rewrite the index with shards.write_index({tar.name}) (or rebuild the shard set)")
+
+
+def _policy(tar: Path, entries: list[IndexEntry], seen: set[str], limits: ImageLimits,
             report: ReadReport) -> SampleRef | None:
-    """The sample an index line describes, or None with its rejection in `report`. Raises
-    IndexFileError for a line whose members are not one sample's (a forged or foreign index)."""
+    """The sample an index line describes, or None with its rejection in `report`."""
     key = split_member_name(entries[0][3])[0]
     members: dict[str, tuple[int, int, str]] = {}
     duplicate_member = None
     for ext, offset, size, name in entries:
-        if split_member_name(name) != (key, ext):
-            raise IndexFileError(f"{index or tar}: lists member {name[:80]!r}, which does not belong to sample "
-                                 f"{key!r} as {ext!r}; rewrite the index with shards.write_index({tar.name}) (or "
-                                 "rebuild the shard set)")
         duplicate_member = duplicate_member or (ext if ext in members else None)
         members[ext] = (offset, size, name)
     report.listed += 1
@@ -269,7 +272,11 @@ def _index(tar: Path, index: Path | None, limits: ImageLimits, report: ReadRepor
     """The index lines of `tar`: from the file `index`, or derived from the tar's headers (then the
     members an index leaves out are rejections, and a cut-off tar a lost shard)."""
     if index is not None:
-        return read_index(index, tar)
+        lines = read_index(index, tar)
+        for entries in lines:  # every line before any verdict: a bad index changes nothing in `report`
+            if entries:
+                _check_line(tar, index, entries)
+        return lines
     lines, skipped = scan_tar(tar, limits)
     for item in skipped:
         if item.name is None or item.reason == "truncated":
@@ -279,17 +286,18 @@ def _index(tar: Path, index: Path | None, limits: ImageLimits, report: ReadRepor
     return lines
 
 
+def _located(tar: Path, index: Path | None, limits: ImageLimits, report: ReadReport) -> list[tuple[int, SampleRef]]:
+    seen: set[str] = set()
+    return [(line, ref) for line, entries in enumerate(_index(tar, index, limits, report))
+            if entries and (ref := _policy(tar, entries, seen, limits, report)) is not None]
+
+
 def locate_samples(tar: Path, report: ReadReport, *, index: Path | None = None,
                    limits: ImageLimits = DEFAULT_LIMITS) -> list[SampleRef]:
     """The samples of one tar the policy accepts, in order, located (nothing but headers read);
     rejections in `report`. Raises IndexFileError (a ValueError naming the file) for an index that
     does not fit its tar, TarReadError for a tar that cannot be read at all."""
-    seen: set[str] = set()
-    refs = []
-    for entries in _index(tar, index, limits, report):
-        if entries and (ref := _policy(tar, index, entries, seen, limits, report)) is not None:
-            refs.append(ref)
-    return refs
+    return [ref for _, ref in _located(tar, index, limits, report)]
 
 
 def read_samples(tar: Path, report: ReadReport, *, index: Path | None = None,
@@ -299,19 +307,19 @@ def read_samples(tar: Path, report: ReadReport, *, index: Path | None = None,
     `report`; nothing raises."""
     try:
         try:
-            refs = locate_samples(tar, report, index=index, limits=limits)
+            refs = _located(tar, index, limits, report)
         except IndexFileError:
             if index is None:
                 raise
             # An index that does not fit its tar (a tar cut short, an index of another tar): the tar's
             # own headers give every complete sample, and name the loss.
-            refs = locate_samples(tar, report, limits=limits)
+            refs = _located(tar, None, limits, report)
         handle = open(tar, "rb")  # noqa: SIM115 (closed below)
     except (TarReadError, IndexFileError, OSError) as exc:
         report.lose_shard(tar, str(exc))
         return
     with handle:
-        for position, ref in enumerate(refs):
+        for position, ref in refs:
             members = {}
             for ext, (offset, size, name) in ref.members.items():
                 data = read_indexed_member(handle.fileno(), offset, size)
