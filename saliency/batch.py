@@ -300,3 +300,5 @@ def _count_refused_by_reader(report: BatchReport, bar: tqdm) -> None:
         bar.write(f"skipped {what!r}: {why}", file=sys.stderr)
     for tar, reason in report.read.lost_shards:
         bar.write(f"lost data in {tar}: {reason}", file=sys.stderr)
+    if report.read.unused:  # not a loss: said, so that nothing in the input goes unseen
+        bar.write(f"members no job reads, left as they are: {dict(report.read.unused)}", file=sys.stderr)

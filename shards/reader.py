@@ -77,11 +77,15 @@ class ReadReport:
     listed: int = 0
     lost_shards: list[tuple[str, str]] = field(default_factory=list)
     rejected: list[tuple[str, str, str]] = field(default_factory=list)
-    reasons: Counter = field(default_factory=Counter)
     codes: list[str] = field(default_factory=list)  # the reason code of each `rejected` entry
     unused: Counter = field(default_factory=Counter)
     unused_listed: list[tuple[str, str]] = field(default_factory=list)
     expected: int | None = None
+
+    @property
+    def reasons(self) -> Counter:
+        """Rejections by reason code."""
+        return Counter(self.codes)
 
     @property
     def missing(self) -> int:
@@ -120,7 +124,6 @@ class ReadReport:
     def reject(self, tar: Path, name: str, code: str, detail: str) -> None:
         self.rejected.append((str(tar), name, detail))
         self.codes.append(code)
-        self.reasons[code] += 1
 
     def note_unused(self, tar: Path, name: str, ext: str) -> None:
         self.unused[ext or "(no extension)"] += 1

@@ -114,3 +114,12 @@ def test_an_unsafe_member_is_a_rejection_with_its_reason(tmp_path):
     report = shards.ReadReport()
     assert [s["key"] for s in shards.iter_samples(tar, report=report)] == ["ok"]
     assert report.reasons == {"unsafe_key": 1} and report.rejected[0][1] == "../up.jpg"
+
+
+def test_saliency_handcrafted_says_which_members_it_does_not_read(tmp_path):
+    folder = tmp_path / "set"
+    write_tar(folder / "train-0000.tar", [("s0.jpg", jpeg(0)), ("s0.txt", b"a caption")])
+    result = CliRunner().invoke(saliency_group, ["handcrafted", "--no-progress", "--method", "mc",
+                                                 "--input", str(folder), "--output", str(tmp_path / "maps")])
+    assert result.exit_code == 0, result.output
+    assert "members no job reads, left as they are: {'txt': 1}" in result.output
