@@ -74,13 +74,15 @@ class ShardSample:
     meta: dict = field(default_factory=dict)
 
 
+def unwritable_key(key: str) -> str | None:
+    """Why `key` cannot name a sample this project writes (KEY_PATTERN), or None."""
+    return None if KEY_PATTERN.fullmatch(key) else f"key {key!r} is not 1-80 characters of [A-Za-z0-9_-]"
+
+
 def check_sample(sample: ShardSample) -> None:
     """Raise ValueError naming the sample when its key or members break the format rules."""
-    if not KEY_PATTERN.fullmatch(sample.key):
-        raise ValueError(
-            f"sample key {sample.key!r} is not 1-80 characters of [A-Za-z0-9_-]; "
-            "normalise it (shards.sources.normalise_stem does) before writing"
-        )
+    if (problem := unwritable_key(sample.key)) is not None:
+        raise ValueError(f"sample {problem}; normalise it (shards.sources.normalise_stem does) before writing")
     if not sample.members:
         raise ValueError(f"sample {sample.key!r} has no members")
     for ext, data in sample.members.items():

@@ -73,12 +73,12 @@ from shards.outdir import SET_FILES, other_entries, output_folder, shard_files
 from shards.reader import ReadReport, read_samples
 from shards.sample import (
     EXT_PATTERN,
-    KEY_PATTERN,
     LABEL_MEMBER,
     MASK_MEMBER,
     USED_MEMBERS,
     class_index,
     label_text,
+    unwritable_key,
 )
 from shards.shardset import resolve_shard_set, shard_tars
 from shards.workers import local_ranks, rank_cores, worker_pool
@@ -139,9 +139,8 @@ def read_input_shard(tar: Path, report: ReadReport, kept: Counter) -> Iterator[R
     for sample in read_samples(tar, report):  # from the tar's headers: they name every member refused
         yield from report.rows(done)
         done = len(report.rejected)
-        if not KEY_PATTERN.fullmatch(sample.key):
-            yield {"source": f"{tar.name}:{sample.key}", "reason": "bad_key",
-                   "detail": f"key {sample.key!r} is not 1-80 characters of [A-Za-z0-9_-]"}
+        if (problem := unwritable_key(sample.key)) is not None:
+            yield {"source": f"{tar.name}:{sample.key}", "reason": "bad_key", "detail": problem}
             continue
         carried = {ext: data for ext, data in sample.members.items() if ext not in USED_MEMBERS}
         unwritable = next((ext for ext in carried if not EXT_PATTERN.fullmatch(ext)), None)
@@ -387,20 +386,17 @@ def _write_settings(out: Path, settings: dict) -> None:
         atomic_write_bytes(path, (json.dumps(settings, sort_keys=True) + "\n").encode())
 
 
-def _carried(record: dict) -> dict[str, int]:
-    """The input members a shard's samples carried into the output unchanged, by name (not its masks)."""
-    return {name: n for name, n in record.get("members", {}).items() if name != MASK_MEMBER}
-
-
 def _summary(records: list[dict], seconds: float) -> dict:
     rows = [r for rec in records for r in rec["rows"]]
     coverage = np.array([r["mask_coverage"] for r in rows], dtype=np.float64)
     histogram = np.histogram(coverage, bins=10, range=(0.0, 1.0))[0].tolist() if len(rows) else [0] * 10
+    members = sum((Counter(rec.get("members", {})) for rec in records), Counter())
+    replaced = members.pop(MASK_MEMBER, 0)
     return {
         "written": len(rows),
         "rejected": sum(len(rec["rejected"]) for rec in records),
-        "carried_members": dict(sum((Counter(_carried(rec)) for rec in records), Counter())),
-        "replaced_masks": sum(rec.get("members", {}).get(MASK_MEMBER, 0) for rec in records),
+        "carried_members": dict(members),  # input members no job reads, written unchanged
+        "replaced_masks": replaced,
         "below_min_coverage": int((coverage < MIN_COVERAGE).sum()),
         "min_coverage": MIN_COVERAGE,
         "coverage_histogram": histogram,

@@ -18,7 +18,7 @@ import numpy as np
 from shards.images import ImageLoadError, exif_orientation, load_rgb
 from shards.index import split_member_name
 from shards.reader import ReadReport, SampleRef, locate_samples
-from shards.sample import IMAGE_MEMBERS, KEY_PATTERN
+from shards.sample import IMAGE_MEMBERS, unwritable_key
 from shards.shardset import resolve_shard_set
 
 # A shard sample whose image cannot be decoded (a ValueError); the message names the sample and the
@@ -55,10 +55,9 @@ SampleLocation = SampleRef
 def _writable(ref: SampleRef, report: ReadReport) -> bool:
     """Whether a sample's key can name a written sample (1-80 of [A-Za-z0-9_-]); else a rejection."""
     key = split_member_name(ref.entries[0][3])[0]
-    if KEY_PATTERN.fullmatch(key):
-        return True
-    report.reject(ref.tar, key, "bad_key", f"key {key!r} is not 1-80 characters of [A-Za-z0-9_-]")
-    return False
+    if (problem := unwritable_key(key)) is not None:
+        report.reject(ref.tar, key, "bad_key", problem)
+    return problem is None
 
 
 def sample_locations(shards: Path | str, count: int, seed: int, *, index_cache: Path | None = None) -> list[SampleLocation]:
