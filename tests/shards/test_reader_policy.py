@@ -123,3 +123,15 @@ def test_saliency_handcrafted_says_which_members_it_does_not_read(tmp_path):
                                                  "--input", str(folder), "--output", str(tmp_path / "maps")])
     assert result.exit_code == 0, result.output
     assert "members no job reads, left as they are: {'txt': 1}" in result.output
+
+
+def test_verify_matches_samples_after_a_rejected_one_to_their_own_manifest_rows(tmp_path):
+    folder = tmp_path / "set"
+    shards.write_shard_set([shards.ShardSample(k, {"jpg": jpeg(i)}, i, {"n": i}) for i, k in enumerate("abc")], folder)
+    tar = folder / "images-000000.tar"
+    with tarfile.open(tar) as archive:
+        members = [(m.name, archive.extractfile(m).read()) for m in archive.getmembers()]
+    write_tar(tar, [(name, data) for name, data in members if name != "a.jpg"])  # `a` loses its image
+    problems = shards.verify_shard_set(folder, index_cache=tmp_path / "cache").problems
+    assert any("'a'" in p and "no_image" in p for p in problems), problems
+    assert not any("'b'" in p or "'c'" in p for p in problems), problems  # b and c still match rows 1 and 2
