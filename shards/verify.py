@@ -34,14 +34,7 @@ from shards.manifest import (
 from shards.merge import plan_file
 from shards.progress import tracked
 from shards.reader import ReadReport, Sample, read_samples
-from shards.sample import (
-    IMAGE_MEMBERS,
-    LABEL_MEMBER,
-    MASK_MEMBER,
-    class_index,
-    content_hash,
-    image_member_name,
-)
+from shards.sample import MASK_MEMBER, content_hash
 from shards.shardset import (
     SHARD_PATTERN,
     cached_index,
@@ -136,15 +129,11 @@ def sample_problems(sample: Sample, row: dict, decode_images: bool) -> list[str]
         problems.append(f"{where}: content hash differs from the manifest (data changed or corrupted)")
     if sum(len(d) for _, d in members) != row["byte_size"]:
         problems.append(f"{where}: byte size differs from the manifest")
-    found = dict(members)
-    label = class_index(found.get(LABEL_MEMBER))
-    if label != row["label"]:
-        problems.append(f"{where}: class {label} differs from the manifest's {row['label']}")
-    member = image_member_name(found)
-    if member is None:
-        return problems + [f"{where}: has no image member ({', '.join(IMAGE_MEMBERS)})"]
-    if decode_images:
-        problems += decode_problems(where, found[member], row, found.get(MASK_MEMBER), member)
+    if sample.label != row["label"]:
+        problems.append(f"{where}: class {sample.label} differs from the manifest's {row['label']}")
+    if decode_images:  # the reader refuses a sample without an image (no_image)
+        problems += decode_problems(where, sample.members[sample.image_ext], row, sample.members.get(MASK_MEMBER),
+                                    sample.image_ext)
     return problems
 
 
