@@ -76,7 +76,6 @@ from shards.sample import (
     LABEL_MEMBER,
     MASK_MEMBER,
     USED_MEMBERS,
-    class_index,
     label_text,
     unwritable_key,
 )
@@ -150,23 +149,13 @@ def read_input_shard(tar: Path, report: ReadReport, kept: Counter) -> Iterator[R
             continue
         kept.update(carried.keys() | ({MASK_MEMBER} & sample.members.keys()))
         meta = sample.meta if isinstance(sample.meta, dict) else {}
-        label, text_label = read_label(sample.members.get(LABEL_MEMBER))
-        if text_label is not None:  # a class name (other tools write them): kept in the json, not lost
-            meta = {**meta, "source_cls": text_label}
-        yield RawSample(sample.key, sample.members[sample.image_ext], label, meta, output_member(sample.image_ext),
-                        carried)
+        if sample.label is None and LABEL_MEMBER in sample.members:  # a class name (other tools write them):
+            meta = {**meta, "source_cls": label_text(sample.members[LABEL_MEMBER])}  # masks need none, kept in the json
+        yield RawSample(sample.key, sample.members[sample.image_ext], sample.label, meta,
+                        output_member(sample.image_ext), carried)
     yield from report.rows(done)
     for _, reason in report.lost_shards[lost:]:
         yield {"source": f"{tar.name}:(rest of the tar)", "reason": "truncated", "detail": reason}
-
-
-def read_label(cls: bytes | None) -> tuple[int | None, str | None]:
-    """(class index, None) for a decimal `cls` member; (None, its text) for a class name; (None, None)
-    without one. Masks need no label, so a named class is carried in the json rather than refused."""
-    if cls is None:
-        return None, None
-    label = class_index(cls)
-    return (label, None) if label is not None else (None, label_text(cls))
 
 
 @dataclass
