@@ -97,7 +97,7 @@ def build_masked_preview(config: PreviewConfig) -> np.ndarray:
         coverage = sample["meta"].get("mask_coverage")
         title = f"mask {coverage:.0%}" if isinstance(coverage, int | float) else "mask"
         rows.append([(sample["key"], rgb), (title, mask), ("background removed", removed)])
-    if not read.ok:
+    if read.rejected or read.lost_shards:  # (not the samples after the first few: a preview stops early)
         warnings.warn(f"preview of {config.input}: {read.summary()}", stacklevel=2)
     if not rows:
         raise ValueError(f"no readable masked sample in {config.input}")
@@ -132,7 +132,7 @@ def build_preview(config: PreviewConfig) -> np.ndarray:
         if item.name in masks:
             row.append(("GT", read_gray(masks[item.name])))
         rows.append(row)
-    if not read.ok:
+    if read.rejected or read.lost_shards:  # (not the samples after the first few: a preview stops early)
         warnings.warn(f"preview of {config.input}: {read.summary()}", stacklevel=2)
     if not rows:
         raise ValueError(f"no readable image in {config.input}")
