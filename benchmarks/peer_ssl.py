@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from pretrain.model.encoder_file import load_encoder_file, save_encoder_file  # noqa: E402
 from pretrain.model.resnet import resnet  # noqa: E402
-from shards import iter_samples  # noqa: E402
+from shards import ReadReport, iter_samples  # noqa: E402
 
 VIEW_SIZE = 64
 BATCH = 128
@@ -104,7 +104,7 @@ def train_simclr(train_shards: Path, out: Path, budget_s: float, clock: str) -> 
     cpu_start = _cpu_seconds(resource.RUSAGE_SELF)
     torch.manual_seed(0)
     random.seed(0)
-    jpegs = [sample["image"] for sample in iter_samples(train_shards)]
+    jpegs = [sample["image"] for sample in iter_samples(train_shards, report=ReadReport())]
     transform = SimCLRTransform(input_size=VIEW_SIZE, sigmas=(0.1, 0.6))
     loader = torch.utils.data.DataLoader(_JpegDataset(jpegs, transform), batch_size=BATCH, shuffle=True,
                                          drop_last=True, num_workers=0)

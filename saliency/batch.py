@@ -32,7 +32,7 @@ from tqdm import tqdm
 from saliency.failures import FailureLimit
 from saliency.handcrafted.methods import METHODS
 from saliency.images import ImageReadError, decode_rgb, read_rgb
-from saliency.inputs import IMAGE_MEMBERS, Item, count_inputs, is_shard_source, iter_items
+from saliency.inputs import Item, count_inputs, is_shard_source, iter_items
 from saliency.maps import is_map_temporary, write_map
 from shards.keys import UnsafeKeyError, safe_relative_path
 from shards.lock import folder_lock
@@ -168,12 +168,8 @@ def process_item(item: Item, methods: tuple[str, ...], output: Path) -> Result:
     propagates (a method must give a map for every image).
     """
     try:
-        if item.path is not None:
-            rgb = read_rgb(item.path)
-        elif item.data is not None:
-            rgb = decode_rgb(item.data, item.name)
-        else:
-            raise ImageReadError(f"{item.name}: no image member ({'/'.join(IMAGE_MEMBERS)})")
+        # A shard sample always has its image: the shard reader refuses one without (no_image).
+        rgb = read_rgb(item.path) if item.path is not None else decode_rgb(item.data or b"", item.name)
     except READ_ERRORS as error:
         return Result(item.name, error=_plain(str(error)))
     written: list[str] = []
@@ -300,3 +296,5 @@ def _count_refused_by_reader(report: BatchReport, bar: tqdm) -> None:
         bar.write(f"skipped {what!r}: {why}", file=sys.stderr)
     for tar, reason in report.read.lost_shards:
         bar.write(f"lost data in {tar}: {reason}", file=sys.stderr)
+    if report.read.unused:  # not a loss: said, so that nothing in the input goes unseen
+        bar.write(f"members no job reads, left as they are: {dict(report.read.unused)}", file=sys.stderr)

@@ -13,7 +13,6 @@ from pathlib import Path
 
 from saliency.images import list_images
 from shards.reader import ReadReport
-from shards.sample import IMAGE_MEMBERS
 from shards.shardset import BRACE, list_shard_files, resolve_shard_set, shard_tars
 
 
@@ -37,19 +36,11 @@ def is_shard_source(source: Path) -> bool:
     return bool(BRACE.search(str(source)))
 
 
-def image_member(sample: dict) -> bytes | None:
-    """The encoded image of a shard sample (first of :data:`IMAGE_MEMBERS` present), or None."""
-    for member in IMAGE_MEMBERS:
-        if isinstance(sample.get(member), bytes):
-            return sample[member]
-    return None
-
-
-def iter_items(source: Path, read: ReadReport | None = None) -> Iterator[Item]:
+def iter_items(source: Path, read: ReadReport) -> Iterator[Item]:
     """Inputs of a folder of images, or of a shard folder / single ``.tar`` (keys as names).
 
-    Shard members and shards the reader refuses (unsafe keys, links, truncated tars) are recorded
-    in ``read`` (warnings when None), never yielded.
+    Shard members and shards the reader refuses (unsafe keys, links, truncated tars, bad json) are
+    recorded in ``read``, never yielded.
     """
     source = Path(source)
     if not is_shard_source(source) and not source.exists():
@@ -58,7 +49,7 @@ def iter_items(source: Path, read: ReadReport | None = None) -> Iterator[Item]:
         from shards import iter_samples
 
         for sample in iter_samples(source, report=read):
-            yield Item(name=str(sample["key"]), data=image_member(sample))
+            yield Item(name=str(sample["key"]), data=sample["image"])
         return
     if not source.is_dir():
         raise ValueError(f"input {source} is neither an image folder nor a shard (.tar) set")

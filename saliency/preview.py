@@ -14,6 +14,7 @@ from saliency.batch import iter_items, map_path
 from saliency.handcrafted.methods import METHODS
 from saliency.images import ImageReadError, decode_rgb, list_images, read_gray, read_rgb
 from saliency.maps import write_png
+from shards import ReadReport
 from shards.sample import MASK_MEMBER
 
 HEADER = 22
@@ -70,7 +71,7 @@ def is_masked_shard_set(source: Path) -> bool:
         return False
     from shards import iter_samples
 
-    first = next(iter(iter_samples(source)), None)
+    first = next(iter(iter_samples(source, report=ReadReport())), None)  # a look at one sample: losses are the jobs' to count
     return first is not None and MASK_MEMBER in first
 
 
@@ -79,8 +80,8 @@ def build_masked_preview(config: PreviewConfig) -> np.ndarray:
     from saliency.network.images import SampleDecodeError, decode_displayed
     from shards import iter_samples
 
-    rows = []
-    for sample in iter_samples(config.input):
+    rows, read = [], ReadReport()
+    for sample in iter_samples(config.input, report=read):
         if len(rows) >= config.count:
             break
         try:
@@ -96,6 +97,8 @@ def build_masked_preview(config: PreviewConfig) -> np.ndarray:
         coverage = sample["meta"].get("mask_coverage")
         title = f"mask {coverage:.0%}" if isinstance(coverage, int | float) else "mask"
         rows.append([(sample["key"], rgb), (title, mask), ("background removed", removed)])
+    if read.rejected or read.lost_shards:  # (not the samples after the first few: a preview stops early)
+        warnings.warn(f"preview of {config.input}: {read.summary()}", stacklevel=2)
     if not rows:
         raise ValueError(f"no readable masked sample in {config.input}")
     return contact_sheet(rows, config.tile_height)
@@ -109,8 +112,8 @@ def build_preview(config: PreviewConfig) -> np.ndarray:
     if is_masked_shard_set(config.input):
         return build_masked_preview(config)
     masks = {p.stem: p for p in list_images(config.gt)} if config.gt else {}
-    rows = []
-    for item in iter_items(config.input):
+    rows, read = [], ReadReport()
+    for item in iter_items(config.input, read):
         if len(rows) >= config.count:
             break
         try:
@@ -129,6 +132,8 @@ def build_preview(config: PreviewConfig) -> np.ndarray:
         if item.name in masks:
             row.append(("GT", read_gray(masks[item.name])))
         rows.append(row)
+    if read.rejected or read.lost_shards:  # (not the samples after the first few: a preview stops early)
+        warnings.warn(f"preview of {config.input}: {read.summary()}", stacklevel=2)
     if not rows:
         raise ValueError(f"no readable image in {config.input}")
     return contact_sheet(rows, config.tile_height)

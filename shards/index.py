@@ -15,6 +15,7 @@ from pathlib import Path
 
 from shards.atomic import atomic_write_bytes
 from shards.keys import UnsafeKeyError, check_key
+from shards.limits import DEFAULT_LIMITS, ImageLimits
 from shards.tario import Member, Skipped, TarReadError, iter_tar
 
 INDEX_VERSION = "v1.2"
@@ -60,29 +61,41 @@ def format_index(samples: Sequence[Sequence[IndexEntry]]) -> str:
     return "\n".join([f"{INDEX_VERSION} {len(samples)}", *(sample_line(s) for s in samples)]) + "\n"
 
 
+def scan_tar(tar: Path, limits: ImageLimits = DEFAULT_LIMITS) -> tuple[list[list[IndexEntry]], list[Skipped]]:
+    """The samples of `tar` as index entries, from its member headers alone (no data read), and the
+    members left out: links, devices, unsafe names, oversized members, and truncation (`name` None or
+    reason "truncated"). Hidden files are left out silently, as DALI's own indexer does. Raises
+    TarReadError when the file is not a readable tar at all."""
+    samples: list[list[IndexEntry]] = []
+    skipped: list[Skipped] = []
+    last_key = None
+    for item in iter_tar(tar, limits, read_data=False):
+        if isinstance(item, Skipped):
+            skipped.append(item)
+            continue
+        assert isinstance(item, Member)
+        key, ext = split_member_name(item.name)
+        if not key or key.endswith("/"):
+            continue  # hidden files, skipped by DALI's own indexer too
+        entry = (ext, item.offset, item.size, item.name)
+        if key != last_key:
+            samples.append([entry])
+            last_key = key
+        else:
+            samples[-1].append(entry)
+    return samples, skipped
+
+
 def index_text(tar: Path) -> str:
     """The index of `tar` as text; raises ValueError naming the file when it is not a readable tar.
 
     Members a reader refuses (links, devices, unsafe names, oversized) are left out, as are hidden files.
     """
-    samples: list[list[IndexEntry]] = []
-    last_key = None
     try:
-        for item in iter_tar(tar, read_data=False):
-            if isinstance(item, Skipped):
-                if item.name is None or item.reason == "truncated":  # cut short: an index would hide the loss
-                    raise TarReadError(f"{tar}: {item.detail}; rebuild or remove this shard")
-                continue
-            assert isinstance(item, Member)
-            key, ext = split_member_name(item.name)
-            if not key or key.endswith("/"):
-                continue  # hidden files, skipped by DALI's own indexer too
-            entry = (ext, item.offset, item.size, item.name)
-            if key != last_key:
-                samples.append([entry])
-                last_key = key
-            else:
-                samples[-1].append(entry)
+        samples, skipped = scan_tar(tar)
+        cut = next((item for item in skipped if item.name is None or item.reason == "truncated"), None)
+        if cut is not None:  # cut short: an index would hide the loss
+            raise TarReadError(f"{tar}: {cut.detail}; rebuild or remove this shard")
         _check_members_together(tar, samples)
     except TarReadError as exc:
         raise ValueError(str(exc)) from exc

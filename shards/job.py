@@ -185,9 +185,10 @@ def files_changed(tar: Path, record: dict, marker: Path) -> str | None:
 
 
 def write_record(job: ShardJob, unit: Unit, shard: TarShard | None, rejected: list[dict],
-                 inputs: dict | None = None) -> dict:
-    """The unit's done record, written last (atomically) once its tar is closed (None: nothing written)."""
-    record = {"shard": unit.shard, "digest": unit.digest, "empty": shard is None,
+                 inputs: dict | None = None, extra: dict | None = None) -> dict:
+    """The unit's done record, written last (atomically) once its tar is closed (None: nothing written);
+    `extra`: what else the job keeps per unit for its summary."""
+    record = {**(extra or {}), "shard": unit.shard, "digest": unit.digest, "empty": shard is None,
               "manifest": [] if shard is None else shard.rows, "rejected": rejected}
     if inputs is not None:
         record["inputs"] = inputs

@@ -1,4 +1,4 @@
-"""The one size policy for untrusted images and tar members (decompression bombs, huge members).
+"""The one size policy for untrusted images and tar members (decompression bombs, huge members, deep JSON).
 
 Every reader in the project (shards build and verify, the shard reader, saliency's image reading,
 kNN preprocessing) applies these limits: an image's pixel count is checked from its header before
@@ -16,6 +16,10 @@ DEFAULT_MAX_PIXELS = 89_478_485
 # A tar member larger than this is refused before reading: no image a pipeline should train on is
 # this large, and reading a member means holding it in memory.
 DEFAULT_MAX_MEMBER_BYTES = 256 << 20
+# A sample's json member holds a few scalars (source, size, class name, mask statistics): one of a
+# megabyte or nested deeper than this is not metadata, and a deep one would exhaust the parser's stack.
+DEFAULT_MAX_JSON_BYTES = 1 << 20
+DEFAULT_MAX_JSON_DEPTH = 32
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,8 @@ class ImageLimits:
 
     max_pixels: width x height above which an image is refused ("too_large"), checked from the header.
     max_member_bytes: tar members (and image files) larger than this are refused before reading.
+    max_json_bytes, max_json_depth: a sample whose json member is larger, or nests arrays and objects
+      deeper, is refused before it is parsed.
     max_side: when set, decoded images whose longer side exceeds it are downscaled to it (JPEGs are
       decoded at a reduced scale directly); for saliency work, which does not need full resolution.
       `shards build` never downscales (the shards keep the original pixels).
@@ -32,12 +38,16 @@ class ImageLimits:
     max_pixels: int = DEFAULT_MAX_PIXELS
     max_member_bytes: int = DEFAULT_MAX_MEMBER_BYTES
     max_side: int | None = None
+    max_json_bytes: int = DEFAULT_MAX_JSON_BYTES
+    max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
 
     def __post_init__(self) -> None:
         if self.max_pixels < 1:
             raise ValueError(f"max_pixels={self.max_pixels} must be positive")
         if self.max_member_bytes < 1:
             raise ValueError(f"max_member_bytes={self.max_member_bytes} must be positive")
+        if self.max_json_bytes < 1 or self.max_json_depth < 1:
+            raise ValueError(f"max_json_bytes={self.max_json_bytes} and max_json_depth={self.max_json_depth} must be positive")
         if self.max_side is not None and self.max_side < 1:
             raise ValueError(f"max_side={self.max_side} must be positive (or None for no downscaling)")
 

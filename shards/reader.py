@@ -1,35 +1,63 @@
-"""Reading shard sets back in Python: samples as dicts, with every lost shard and sample accounted for.
+"""The one sample reader over tars: index-based, with one policy for bad members, every loss in a report.
 
 Tars are opened by the project itself (shards.tario): never through a URL opener, so no shard
-path can run a `pipe:` command; compressed tars, link/device members, unsafe names and oversized
-members are refused with a reason. Pass a :class:`ReadReport` to learn what was lost (truncated
-or unreadable shards, refused members, samples without an image, counts short of the manifest)
-so a job can exit non-zero; without one, each loss is a warning.
+path can run a `pipe:` command; compressed tars are refused. A tar is read through its index: the
+`.idx` given (each member's header is checked as its data is read, so a stale or forged index reads
+nothing it does not describe), or one derived from the tar's headers, which also names the members
+an index leaves out. One policy, applied here for every job, turns each bad sample into a rejection
+with a reason code in the :class:`ReadReport` the caller must pass:
+
+- unsafe_member: a link or a device (never read);
+- unsafe_key, duplicate_key: a member name or key that could name a file outside a folder, a second
+  sample of a key;
+- too_large: a member over `max_member_bytes` (from its header, before reading);
+- no_image: no member of IMAGE_MEMBERS;
+- bad_json, json_too_large, json_too_deep: a json member that is not JSON, is over `max_json_bytes`
+  or nests deeper than `max_json_depth` (checked without parsing, so no depth exhausts a stack).
+
+Members no job reads (not in USED_MEMBERS) are delivered, and counted and listed as unused.
 """
 
 from __future__ import annotations
 
 import json
-import warnings
+import os
+import re
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shards.index import split_member_name
+from shards.index import (
+    IndexEntry,
+    IndexFileError,
+    index_path,
+    name_key,
+    read_index,
+    scan_tar,
+    split_member_name,
+)
+from shards.keys import UnsafeKeyError, check_key
 from shards.limits import DEFAULT_LIMITS, ImageLimits
 from shards.manifest import MANIFEST_NAME, read_manifest
 from shards.sample import (
-    GENERATED_MEMBERS,
     IMAGE_MEMBERS,
     LABEL_MEMBER,
+    META_MEMBER,
+    USED_MEMBERS,
     class_index,
     image_member_name,
     label_text,
+    read_class_index,
 )
 from shards.shardset import SHARD_PATTERN, ShardSetError, list_shard_files, shard_tars
-from shards.tario import Member, Skipped, TarReadError, iter_tar
+from shards.tario import TarReadError, read_indexed_member
 
-__all__ = ["SHARD_PATTERN", "ReadReport", "iter_samples", "list_shards"]
+__all__ = ["SHARD_PATTERN", "ReadReport", "Sample", "SampleRef", "iter_samples", "list_shards", "locate_samples",
+           "read_samples"]
+
+UNUSED_LISTED = 20  # unused members named one by one in a report; the rest only counted
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')  # a JSON string literal: brackets inside it do not nest
 
 
 @dataclass
@@ -37,15 +65,27 @@ class ReadReport:
     """What a read delivered and what it lost, filled in while iterating.
 
     lost_shards: (tar, reason) for tars that could not be read, or were read only in part.
-    rejected: (tar, member or key, reason) for members and samples left out.
+    rejected: (tar, member or key, reason) for members and samples left out; `reasons` counts their
+      reason codes and `rows()` gives them as rejected-list rows.
+    unused: members no job reads, by extension (delivered, not rejected); `unused_listed` names the first.
+    listed: samples the indexes read list, delivered or rejected.
     expected: samples the manifest lists for the tars read (None without a manifest).
     """
 
     shards: int = 0
     samples: int = 0
+    listed: int = 0
     lost_shards: list[tuple[str, str]] = field(default_factory=list)
     rejected: list[tuple[str, str, str]] = field(default_factory=list)
+    codes: list[str] = field(default_factory=list)  # the reason code of each `rejected` entry
+    unused: Counter = field(default_factory=Counter)
+    unused_listed: list[tuple[str, str]] = field(default_factory=list)
     expected: int | None = None
+
+    @property
+    def reasons(self) -> Counter:
+        """Rejections by reason code."""
+        return Counter(self.codes)
 
     @property
     def missing(self) -> int:
@@ -58,28 +98,246 @@ class ReadReport:
         return not self.lost_shards and not self.rejected and not self.missing
 
     def summary(self) -> str:
-        """One line: delivered, lost, and the first few losses by name."""
+        """One line: delivered, lost, unused members, and the first few losses by name."""
         text = f"{self.samples} samples read from {self.shards} shard(s)"
         if self.expected is not None:
             text += f" (manifest: {self.expected})"
+        if self.unused:
+            text += f"; members no job reads: {dict(self.unused)}, e.g. {self.unused_listed[0][1]!r}"
         if self.ok:
             return text
         lost = [f"{Path(t).name}: {r}" for t, r in self.lost_shards[:3]]
         lost += [f"{Path(t).name}/{m}: {r}" for t, m, r in self.rejected[: max(0, 3 - len(lost))]]
         return (
-            f"{text}; lost {len(self.lost_shards)} shard(s), {len(self.rejected)} member(s)/sample(s), "
-            f"{self.missing} sample(s) short of the manifest; e.g. " + "; ".join(lost)
+            f"{text}; lost {len(self.lost_shards)} shard(s), {len(self.rejected)} member(s)/sample(s) "
+            f"{dict(self.reasons)}, {self.missing} sample(s) short of the manifest; e.g. " + "; ".join(lost)
         )
 
-    def _lose_shard(self, tar: Path, reason: str, warn: bool) -> None:
-        self.lost_shards.append((str(tar), reason))
-        if warn:
-            warnings.warn(f"lost shard data in {tar}: {reason}", stacklevel=4)
+    def rows(self, start: int = 0) -> list[dict]:
+        """Rejections from the `start`-th on as rejected-list rows: source (`tar:name`), reason, detail."""
+        return [{"source": f"{Path(tar).name}:{name}", "reason": code, "detail": detail}
+                for (tar, name, detail), code in zip(self.rejected[start:], self.codes[start:], strict=True)]
 
-    def _reject(self, tar: Path, name: str, reason: str, warn: bool) -> None:
-        self.rejected.append((str(tar), name, reason))
-        if warn:
-            warnings.warn(f"skipped {name!r} in {tar}: {reason}", stacklevel=4)
+    def lose_shard(self, tar: Path, reason: str) -> None:
+        self.lost_shards.append((str(tar), reason))
+
+    def reject(self, tar: Path, name: str, code: str, detail: str) -> None:
+        self.rejected.append((str(tar), name, detail))
+        self.codes.append(code)
+
+    def note_unused(self, tar: Path, name: str, ext: str) -> None:
+        self.unused[ext or "(no extension)"] += 1
+        if len(self.unused_listed) < UNUSED_LISTED:
+            self.unused_listed.append((str(tar), name))
+
+
+@dataclass(frozen=True, slots=True)
+class SampleRef:
+    """Where one sample's members are: the tar and, per extension, (offset, size, member name).
+    `key` is the first member's name without folders and extension (the view loaders' key)."""
+
+    key: str
+    tar: Path
+    members: dict[str, tuple[int, int, str]]
+
+    @property
+    def image_ext(self) -> str | None:
+        """The extension of the sample's image member (one of IMAGE_MEMBERS), or None."""
+        return image_member_name(self.members)
+
+    def read_image(self) -> bytes | None:
+        """The bytes of the image member, whatever its format."""
+        ext = self.image_ext
+        return None if ext is None else self.read(ext)
+
+    @property
+    def label(self) -> int | None:
+        """The sample's class index, or None (no `cls` member, or one that is not a class index)."""
+        if LABEL_MEMBER not in self.members:
+            return None
+        offset, size, _ = self.members[LABEL_MEMBER]
+        with open(self.tar, "rb") as f:
+            return read_class_index(f, offset, size)  # no more than a class index can hold
+
+    def read(self, ext: str) -> bytes | None:
+        """The bytes of member `ext`, or None when the sample has no such member."""
+        if ext not in self.members:
+            return None
+        offset, size, _ = self.members[ext]
+        with open(self.tar, "rb") as f:
+            return os.pread(f.fileno(), size, offset)
+
+    @property
+    def entries(self) -> list[IndexEntry]:
+        """The sample's line of an index: (extension, offset, size, name) per member, in tar order."""
+        return [(ext, *member) for ext, member in self.members.items()]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One sample read whole: its members' bytes by extension in tar order, its label and json."""
+
+    key: str
+    tar: Path
+    position: int  # of the sample in its tar's index (rejected samples count)
+    members: dict[str, bytes]
+    meta: object  # the parsed json member ({} without one)
+    label: int | None
+
+    @property
+    def image_ext(self) -> str:
+        return image_member_name(self.members)  # type: ignore[return-value] (the policy needs one)
+
+    def as_dict(self) -> dict:
+        """The sample as `iter_samples` yields it."""
+        ext = self.image_ext
+        sample = {"key": self.key, "shard": str(self.tar), "label": self.label, "meta": self.meta,
+                  "image_ext": ext, "image": self.members[ext]}
+        if self.label is None and LABEL_MEMBER in self.members:  # a class name (other tools write them)
+            sample["label_text"] = label_text(self.members[LABEL_MEMBER])
+        sample.update((name, value) for name, value in self.members.items() if name not in (LABEL_MEMBER, META_MEMBER))
+        return sample
+
+
+def json_problem(data: bytes, limits: ImageLimits) -> tuple[str, str] | tuple[None, object]:
+    """(reason code, detail) for a json member (of at most `max_json_bytes`: the policy checked its
+    size from the index) that the policy refuses, else (None, its parsed value)."""
+    if data.count(b"[") + data.count(b"{") > limits.max_json_depth:  # only then can it nest too deep
+        depth = deepest(data)
+        if depth > limits.max_json_depth:
+            return "json_too_deep", f"json member nests {depth} levels deep, deeper than the limit of {limits.max_json_depth}"
+    try:
+        return None, json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        return "bad_json", f"json member is not valid JSON ({str(exc)[:80]})"
+
+
+def deepest(data: bytes) -> int:
+    """The deepest nesting of arrays and objects in JSON text, counted in one pass without recursion."""
+    depth = top = 0
+    for char in _JSON_STRING.sub(b"", data):
+        if char in b"[{":
+            depth += 1
+            top = max(top, depth)
+        elif char in b"]}":
+            depth -= 1
+    return top
+
+
+def _check_line(tar: Path, index: Path, entries: list[IndexEntry]) -> None:
+    """IndexFileError unless every member of an index line is one sample's (a forged or foreign index)."""
+    key = split_member_name(entries[0][3])[0]
+    for ext, _, _, name in entries:
+        if split_member_name(name) != (key, ext):
+            raise IndexFileError(f"{index}: lists member {name[:80]!r}, which does not belong to sample {key!r} as "
+                                 f"{ext!r}; rewrite the index with shards.write_index({tar.name}) (or rebuild the shard set)")
+
+
+def _policy(tar: Path, entries: list[IndexEntry], seen: set[str], limits: ImageLimits,
+            report: ReadReport) -> SampleRef | None:
+    """The sample an index line describes, or None with its rejection in `report`."""
+    key = split_member_name(entries[0][3])[0]
+    members: dict[str, tuple[int, int, str]] = {}
+    duplicate_member = None
+    for ext, offset, size, name in entries:
+        duplicate_member = duplicate_member or (ext if ext in members else None)
+        members[ext] = (offset, size, name)
+    report.listed += 1
+    try:
+        check_key(key)
+    except UnsafeKeyError as exc:
+        report.reject(tar, key, "unsafe_key", str(exc))
+        return None
+    refusal = None
+    if key in seen:
+        refusal = ("duplicate_key", f"duplicate key {key!r}: a second sample of it in this tar (keys are unique "
+                   "and a sample's members adjacent); the later one is left out")
+    elif duplicate_member is not None:
+        refusal = ("duplicate_key", f"member {key}.{duplicate_member} appears twice in one sample")
+    elif big := [(ext, size) for ext, (_, size, _) in members.items() if size > limits.max_member_bytes]:
+        refusal = ("too_large", f"member {key}.{big[0][0]} is {big[0][1]} bytes, over the limit of {limits.max_member_bytes}")
+    elif META_MEMBER in members and members[META_MEMBER][1] > limits.max_json_bytes:
+        refusal = ("json_too_large", f"json member is {members[META_MEMBER][1]} bytes, over the limit of "
+                   f"{limits.max_json_bytes}")
+    elif image_member_name(members) is None:
+        refusal = ("no_image", f"no image member (one of {', '.join(IMAGE_MEMBERS)}; has {', '.join(sorted(members))})")
+    seen.add(key)
+    if refusal is not None:
+        report.reject(tar, key, *refusal)
+        return None
+    for ext, (_, _, name) in members.items():
+        if ext not in USED_MEMBERS:
+            report.note_unused(tar, name, ext)
+    return SampleRef(name_key(entries[0][3]), tar, members)
+
+
+def _index(tar: Path, index: Path | None, limits: ImageLimits, report: ReadReport) -> list[list[IndexEntry]]:
+    """The index lines of `tar`: from the file `index`, or derived from the tar's headers (then the
+    members an index leaves out are rejections, and a cut-off tar a lost shard)."""
+    if index is not None:
+        lines = read_index(index, tar)
+        for entries in lines:  # every line before any verdict: a bad index changes nothing in `report`
+            if entries:
+                _check_line(tar, index, entries)
+        return lines
+    lines, skipped = scan_tar(tar, limits)
+    for item in skipped:
+        if item.name is None or item.reason == "truncated":
+            report.lose_shard(tar, item.detail)
+        else:
+            report.reject(tar, item.name, item.reason, item.detail)
+    return lines
+
+
+def _located(tar: Path, index: Path | None, limits: ImageLimits, report: ReadReport) -> list[tuple[int, SampleRef]]:
+    seen: set[str] = set()
+    return [(line, ref) for line, entries in enumerate(_index(tar, index, limits, report))
+            if entries and (ref := _policy(tar, entries, seen, limits, report)) is not None]
+
+
+def locate_samples(tar: Path, report: ReadReport, *, index: Path | None = None,
+                   limits: ImageLimits = DEFAULT_LIMITS) -> list[SampleRef]:
+    """The samples of one tar the policy accepts, in order, located (nothing but headers read);
+    rejections in `report`. Raises IndexFileError (a ValueError naming the file) for an index that
+    does not fit its tar, TarReadError for a tar that cannot be read at all."""
+    return [ref for _, ref in _located(tar, index, limits, report)]
+
+
+def read_samples(tar: Path, report: ReadReport, *, index: Path | None = None,
+                 limits: ImageLimits = DEFAULT_LIMITS) -> Iterator[Sample]:
+    """The samples of one tar read whole (`locate_samples`, then each member's bytes and the json
+    policy), in order. A tar that cannot be read, or whose index does not fit it, is a lost shard in
+    `report`; nothing raises."""
+    try:
+        try:
+            refs = _located(tar, index, limits, report)
+        except IndexFileError:
+            if index is None:
+                raise
+            # An index that does not fit its tar (a tar cut short, an index of another tar): the tar's
+            # own headers give every complete sample, and name the loss.
+            refs = _located(tar, None, limits, report)
+        handle = open(tar, "rb")  # noqa: SIM115 (closed below)
+    except (TarReadError, IndexFileError, OSError) as exc:
+        report.lose_shard(tar, str(exc))
+        return
+    with handle:
+        for position, ref in refs:
+            members = {}
+            for ext, (offset, size, name) in ref.members.items():
+                data = read_indexed_member(handle.fileno(), offset, size)
+                if data is None:
+                    report.lose_shard(tar, f"its index {index} does not describe it at member {name!r}; rewrite "
+                                           f"the index with shards.write_index({tar.name}) (or rebuild the shard set)")
+                    return
+                members[ext] = data
+            reason, meta = json_problem(members[META_MEMBER], limits) if META_MEMBER in members else (None, {})
+            if reason is not None:
+                report.reject(tar, split_member_name(name)[0], reason, meta)
+                continue
+            report.samples += 1
+            key = split_member_name(next(iter(ref.members.values()))[2])[0]  # folders kept: they name outputs
+            yield Sample(key, tar, position, members, meta, class_index(members.get(LABEL_MEMBER)))
 
 
 def list_shards(directory: Path, prefix: str | None = None) -> list[Path]:
@@ -94,90 +352,22 @@ def list_shards(directory: Path, prefix: str | None = None) -> list[Path]:
     return tars
 
 
-def image_member(members: dict[str, bytes]) -> tuple[str, bytes] | None:
-    """The image of a sample: the first member named like an image (jpg, jpeg, png, webp), or None."""
-    ext = image_member_name(members)
-    return None if ext is None else (ext, members[ext])
-
-
-def make_sample(tar: Path, key: str, members: dict[str, bytes]) -> dict:
-    """A sample dict from its members; raises ValueError with the reason for an unusable sample."""
-    image = image_member(members)
-    if image is None:
-        raise ValueError(f"no image member (one of {', '.join(IMAGE_MEMBERS)}; has {', '.join(sorted(members))})")
-    label = class_index(members.get(LABEL_MEMBER))
-    try:
-        meta = json.loads(members["json"]) if "json" in members else {}
-    except ValueError as exc:
-        raise ValueError(f"json member is not valid JSON ({exc})") from None
-    sample = {"key": key, "shard": str(tar), "label": label, "meta": meta, "image_ext": image[0], "image": image[1]}
-    if label is None and LABEL_MEMBER in members:  # a class name (other tools write them): kept, unlabelled
-        sample["label_text"] = label_text(members[LABEL_MEMBER])
-    for name, value in members.items():
-        if name not in GENERATED_MEMBERS:
-            sample[name] = value
-    return sample
-
-
-def _tar_samples(tar: Path, limits: ImageLimits, report: ReadReport, warn: bool) -> Iterator[dict]:
-    key: str | None = None
-    members: dict[str, bytes] = {}
-    seen: set[str] = set()
-
-    def finish() -> Iterator[dict]:
-        if key is None:
-            return
-        try:
-            sample = make_sample(tar, key, members)
-        except ValueError as exc:
-            report._reject(tar, key, str(exc), warn)
-            return
-        report.samples += 1
-        yield sample
-
-    try:
-        for item in iter_tar(tar, limits):
-            if isinstance(item, Skipped):
-                if item.name is None:
-                    report._lose_shard(tar, item.detail, warn)
-                else:
-                    report._reject(tar, item.name, item.detail, warn)
-                continue
-            assert isinstance(item, Member) and item.data is not None
-            k, ext = split_member_name(item.name)
-            if not k or k.endswith("/") or not ext:
-                continue  # hidden files and extension-less members are not sample members
-            if k != key:
-                yield from finish()
-                if k in seen:
-                    report._reject(tar, k, "members of this sample are not adjacent; later ones left out", warn)
-                    key, members = None, {}
-                    continue
-                seen.add(k)
-                key, members = k, {}
-            members[ext] = item.data
-        yield from finish()
-    except TarReadError as exc:
-        report._lose_shard(tar, str(exc), warn)
-
-
 def iter_samples(
     source: str | Path | Sequence[str | Path],
     *,
-    report: ReadReport | None = None,
+    report: ReadReport,
     limits: ImageLimits = DEFAULT_LIMITS,
 ) -> Iterator[dict]:
     """Iterate the samples of a shard folder, a tar, a brace pattern or a list of tars, in shard order.
 
     Each item: `key`, `image` (bytes of the jpg/jpeg/png/webp member), `image_ext` (its member name),
     `label` (a class index, or None: no `cls`, or one holding a class name, then kept as `label_text`),
-    `meta` (the json dict), `shard` (tar path) and every other member by extension, e.g. `"mask.png"`
-    (the image too, under its own name). Bad shards and samples are recorded in `report` (warnings when
-    None) and skipped. With a folder holding a manifest, the count read is checked against it.
+    `meta` (the json), `shard` (tar path) and every other member by extension, e.g. `"mask.png"`
+    (the image too, under its own name). Each tar is read through the `.idx` beside it, or an index
+    derived from its headers. Bad shards and samples are recorded in `report` (required: a loss is
+    never silent) and skipped. With a folder holding a manifest, the count read is checked against it.
     No node or worker splitting: callers that run on several ranks pass each its own tars.
     """
-    warn = report is None
-    report = ReadReport() if report is None else report
     try:
         tars, directory = shard_tars(source)
     except ShardSetError as exc:
@@ -186,13 +376,13 @@ def iter_samples(
         try:
             names = read_manifest(directory).column("shard").to_pylist()
         except (OSError, ValueError, KeyError) as exc:
-            report._lose_shard(directory / MANIFEST_NAME, f"manifest cannot be read ({exc})", warn)
+            report.lose_shard(directory / MANIFEST_NAME, f"manifest cannot be read ({exc})")
         else:
             report.expected = (report.expected or 0) + len(names)
             for name in sorted(set(names) - {t.name for t in tars}):
-                report._lose_shard(directory / name, "listed in the manifest but missing", warn)
+                report.lose_shard(directory / name, "listed in the manifest but missing")
     for tar in tars:
         report.shards += 1
-        yield from _tar_samples(tar, limits, report, warn)
-    if warn and report.missing:
-        warnings.warn(f"{directory}: {report.summary()}", stacklevel=2)
+        beside = index_path(tar)
+        for sample in read_samples(tar, report, index=beside if beside.is_file() else None, limits=limits):
+            yield sample.as_dict()

@@ -24,7 +24,10 @@ MASK_MEMBER = "mask.png"
 # tools also write class names there, which readers keep as unlabelled rather than refuse.
 LABEL_MEMBER = "cls"
 MAX_LABEL_BYTES = 20  # a class index with room for whitespace; anything longer is not one
-GENERATED_MEMBERS = (LABEL_MEMBER, "json")  # written by the writer from `label` and `meta`
+META_MEMBER = "json"
+GENERATED_MEMBERS = (LABEL_MEMBER, META_MEMBER)  # written by the writer from `label` and `meta`
+# Every member some job of the project reads; the reader counts and lists the others as unused.
+USED_MEMBERS = (*IMAGE_MEMBERS, MASK_MEMBER, *GENERATED_MEMBERS)
 
 
 def image_member_name(members: Container[str]) -> str | None:
@@ -71,13 +74,15 @@ class ShardSample:
     meta: dict = field(default_factory=dict)
 
 
+def unwritable_key(key: str) -> str | None:
+    """Why `key` cannot name a sample this project writes (KEY_PATTERN), or None."""
+    return None if KEY_PATTERN.fullmatch(key) else f"key {key!r} is not 1-80 characters of [A-Za-z0-9_-]"
+
+
 def check_sample(sample: ShardSample) -> None:
     """Raise ValueError naming the sample when its key or members break the format rules."""
-    if not KEY_PATTERN.fullmatch(sample.key):
-        raise ValueError(
-            f"sample key {sample.key!r} is not 1-80 characters of [A-Za-z0-9_-]; "
-            "normalise it (shards.sources.normalise_stem does) before writing"
-        )
+    if (problem := unwritable_key(sample.key)) is not None:
+        raise ValueError(f"sample {problem}; normalise it (shards.sources.normalise_stem does) before writing")
     if not sample.members:
         raise ValueError(f"sample {sample.key!r} has no members")
     for ext, data in sample.members.items():

@@ -47,7 +47,7 @@ class Skipped:
     """A member left out, or a problem with the rest of the tar (`name` None): with the reason."""
 
     name: str | None
-    reason: str  # short code: "unsafe_member", "too_large", "truncated"
+    reason: str  # short code: "unsafe_member" (link, device), "unsafe_key" (name), "too_large", "truncated"
     detail: str
 
 
@@ -102,7 +102,8 @@ def _members(
                 info.name = info.name[2:]
             refusal = member_refusal(info)
             if refusal is not None:
-                yield Skipped(info.name, "unsafe_member", refusal)
+                unsafe_name = info.isreg() or info.isdir()  # else a link or a device, whatever its name
+                yield Skipped(info.name, "unsafe_key" if unsafe_name else "unsafe_member", refusal)
                 continue
             if info.size > limits.max_member_bytes:
                 yield Skipped(info.name, "too_large",
@@ -123,6 +124,22 @@ def _members(
     handle.seek(end)
     if handle.read(2 * BLOCK) != b"\0" * (2 * BLOCK):
         yield Skipped(None, "truncated", f"the tar ends at byte {size} without its end-of-archive blocks (cut short?)")
+
+
+def read_indexed_member(fd: int, offset: int, size: int) -> bytes | None:
+    """The `size` data bytes at `offset` of an open tar, read with the member's header in one call;
+    None unless that header is a valid regular-file header of exactly that size (an index that
+    does not describe this tar: stale, foreign or forged)."""
+    if offset < BLOCK:
+        return None
+    raw = os.pread(fd, BLOCK + size, offset - BLOCK)
+    if len(raw) != BLOCK + size:
+        return None
+    try:
+        info = tarfile.TarInfo.frombuf(raw[:BLOCK], "utf-8", "surrogateescape")
+    except tarfile.HeaderError:
+        return None
+    return raw[BLOCK:] if info.isreg() and info.size == size else None
 
 
 class MemberReader(io.RawIOBase):

@@ -23,8 +23,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from shards.images import JPEG_FORMATS, ImageLoadError, decode, displayed_size
-from shards.index import index_path, index_text, split_member_name
-from shards.limits import DEFAULT_LIMITS
+from shards.index import index_path, index_text
 from shards.manifest import (
     MANIFEST_NAME,
     MANIFEST_SCHEMA,
@@ -34,22 +33,14 @@ from shards.manifest import (
 )
 from shards.merge import plan_file
 from shards.progress import tracked
-from shards.reader import ReadReport, _tar_samples
-from shards.sample import (
-    IMAGE_MEMBERS,
-    LABEL_MEMBER,
-    MASK_MEMBER,
-    class_index,
-    content_hash,
-    image_member_name,
-)
+from shards.reader import ReadReport, Sample, read_samples
+from shards.sample import MASK_MEMBER, content_hash
 from shards.shardset import (
     SHARD_PATTERN,
     cached_index,
     default_index_cache,
     list_shard_files,
 )
-from shards.tario import Member, TarReadError, iter_tar
 from shards.workers import worker_pool
 
 
@@ -67,28 +58,12 @@ class VerifyReport:
         return not self.problems
 
 
-def read_tar_samples(tar: Path) -> tuple[list[tuple[str, list[tuple[str, bytes]]]], list[str]]:
-    """The samples of a tar in order as (key, [(ext, bytes)]), and problems reading it."""
-    samples: list[tuple[str, list[tuple[str, bytes]]]] = []
-    problems: list[str] = []
-    seen: set[str] = set()
-    try:
-        for item in iter_tar(tar):
-            if not isinstance(item, Member):
-                what = "tar cannot be read to the end" if item.name is None else "member refused"
-                problems.append(f"{tar.name}: {what}: {item.detail}; rebuild this shard")
-                continue
-            key, ext = split_member_name(item.name)
-            if samples and samples[-1][0] == key:
-                samples[-1][1].append((ext, item.data))
-                continue
-            if key in seen:
-                problems.append(f"{tar.name}: members of sample {key!r} are not adjacent")
-            seen.add(key)
-            samples.append((key, [(ext, item.data)]))
-    except TarReadError as exc:
-        problems.append(f"{exc}")
-    return samples, problems
+def read_problems(tar: Path, report: ReadReport) -> list[str]:
+    """One line per loss the reader recorded while reading `tar` (every member it refused, by reason)."""
+    problems = [f"{tar.name}: tar cannot be read to the end: {reason}; rebuild this shard" for _, reason in report.lost_shards]
+    problems += [f"{tar.name}: {name!r} left out ({code}): {detail}"
+                 for (_, name, detail), code in zip(report.rejected, report.codes, strict=True)]
+    return problems
 
 
 def mask_problem(where: str, mask: bytes, size: tuple[int, int]) -> str | None:
@@ -141,8 +116,9 @@ def decode_problems(where: str, data: bytes, row: dict | None, mask: bytes | Non
     return problems
 
 
-def sample_problems(tar: Path, key: str, members: list[tuple[str, bytes]], row: dict, decode_images: bool) -> list[str]:
+def sample_problems(sample: Sample, row: dict, decode_images: bool) -> list[str]:
     """Problems of one sample against its manifest row."""
+    tar, key, members = sample.tar, sample.key, list(sample.members.items())
     where = f"{tar.name}: sample {key!r}"
     problems = []
     if key != row["key"]:
@@ -153,19 +129,11 @@ def sample_problems(tar: Path, key: str, members: list[tuple[str, bytes]], row: 
         problems.append(f"{where}: content hash differs from the manifest (data changed or corrupted)")
     if sum(len(d) for _, d in members) != row["byte_size"]:
         problems.append(f"{where}: byte size differs from the manifest")
-    found = dict(members)
-    label = class_index(found.get(LABEL_MEMBER))
-    if label != row["label"]:
-        problems.append(f"{where}: class {label} differs from the manifest's {row['label']}")
-    member = image_member_name(found)
-    if member is None:
-        return problems + [f"{where}: has no image member ({', '.join(IMAGE_MEMBERS)})"]
-    if decode_images:
-        problems += decode_problems(where, found[member], row, found.get(MASK_MEMBER), member)
-    try:
-        json.loads(found.get("json", b"{}"))
-    except ValueError:
-        problems.append(f"{where}: .json member is not valid JSON")
+    if sample.label != row["label"]:
+        problems.append(f"{where}: class {sample.label} differs from the manifest's {row['label']}")
+    if decode_images:  # the reader refuses a sample without an image (no_image)
+        problems += decode_problems(where, sample.members[sample.image_ext], row, sample.members.get(MASK_MEMBER),
+                                    sample.image_ext)
     return problems
 
 
@@ -186,12 +154,13 @@ def verify_shard(tar: Path, rows: list[dict], decode_images: bool = True) -> lis
     if not tar.is_file():
         return [f"{tar.name}: listed in the manifest but missing; rebuild the shard set"]
     problems = index_problems(tar, index_path(tar))
-    samples, read_problems = read_tar_samples(tar)
-    problems += read_problems
-    if len(samples) != len(rows):
-        problems.append(f"{tar.name}: holds {len(samples)} samples, the manifest lists {len(rows)}")
-    for (key, members), row in zip(samples, rows, strict=False):
-        problems += sample_problems(tar, key, members, row, decode_images)
+    report = ReadReport()
+    for sample in read_samples(tar, report):  # the tar's own headers, not its index: that is checked above
+        if sample.position < len(rows):
+            problems += sample_problems(sample, rows[sample.position], decode_images)
+    problems += read_problems(tar, report)
+    if report.listed != len(rows):
+        problems.append(f"{tar.name}: holds {report.listed} samples, the manifest lists {len(rows)}")
     return problems
 
 
@@ -207,15 +176,11 @@ def verify_plain_shard(tar: Path, index_cache: Path, decode_images: bool = True)
         except (ValueError, OSError) as exc:
             problems = [f"{tar.name}: no index can be derived ({exc})"]
     report = ReadReport()
-    count = 0
-    for sample in _tar_samples(tar, DEFAULT_LIMITS, report, False):
-        count += 1
+    for sample in read_samples(tar, report):
         if decode_images:
-            problems += decode_problems(f"{tar.name}: sample {sample['key']!r}", sample["image"], None,
-                                        sample.get(MASK_MEMBER))
-    problems += [f"{tar.name}: {reason}" for _, reason in report.lost_shards]
-    problems += [f"{tar.name}: {name!r} left out: {reason}" for _, name, reason in report.rejected]
-    return count, problems
+            problems += decode_problems(f"{tar.name}: sample {sample.key!r}", sample.members[sample.image_ext], None,
+                                        sample.members.get(MASK_MEMBER))
+    return report.samples, problems + read_problems(tar, report)
 
 
 def manifest_problems(directory: Path) -> tuple[list[dict] | None, list[str]]:

@@ -23,6 +23,7 @@ from pretrain.eval.knn import preprocess
 from pretrain.views.config import IMAGENET_MEAN, IMAGENET_STD, PARAM_NAMES, ViewConfig
 from pretrain.views.loader import ViewLoader, dali_available
 from shards import (
+    ReadReport,
     iter_samples,
     read_manifest,
 )
@@ -115,7 +116,7 @@ def test_verify_accepts_both_sets_and_checks_displayed_sizes(foreign, masked):
 
 
 def test_build_masks_writes_the_mask_at_the_displayed_size_over_the_red_half(masked):
-    sample = {s["key"]: s for s in iter_samples(masked)}[ROTATED]
+    sample = {s["key"]: s for s in iter_samples(masked, report=ReadReport())}[ROTATED]
     assert sample["jpg"] == orientation6_jpeg()  # copied unchanged
     mask = np.asarray(Image.open(io.BytesIO(sample["mask.png"])))
     assert mask.shape == (200, 100)

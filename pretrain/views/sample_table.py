@@ -1,4 +1,4 @@
-"""Where a shard set's samples are: `SampleRef` for one sample, `SampleTable` for a set of them.
+"""Where a shard set's samples are: `SampleTable` for a set of them (`shards.reader.SampleRef` for one).
 
 A loader holds every sample of its set for the whole run. As a list of SampleRef objects that
 costs 0.8-1 KB per sample (a dataclass, a dict, and per member a tuple, a string and two
@@ -12,55 +12,18 @@ what it stores is the project's own index layout; numpy does the storing.
 
 from __future__ import annotations
 
-import os
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from shards.index import IndexEntry, name_key
-from shards.sample import LABEL_MEMBER, class_index, image_member_name
+from shards.index import name_key
+from shards.reader import SampleRef
+
+__all__ = ["CHUNK", "SampleRef", "SampleTable", "SampleTableBuilder"]
 
 CHUNK = 4096  # samples turned into Python objects at a time when iterating a table
-
-
-@dataclass(frozen=True, slots=True)
-class SampleRef:
-    """Where one sample's members are: the tar and, per extension, (offset, size, member name)."""
-
-    key: str
-    tar: Path
-    members: dict[str, tuple[int, int, str]]
-
-    @property
-    def image_ext(self) -> str | None:
-        """The extension of the sample's image member (one of IMAGE_MEMBERS), or None."""
-        return image_member_name(self.members)
-
-    def read_image(self) -> bytes | None:
-        """The bytes of the image member, whatever its format."""
-        ext = self.image_ext
-        return None if ext is None else self.read(ext)
-
-    @property
-    def label(self) -> int | None:
-        """The sample's class index, or None (no `cls` member, or one that is not a class index)."""
-        return class_index(self.read(LABEL_MEMBER))
-
-    def read(self, ext: str) -> bytes | None:
-        """The bytes of member `ext`, or None when the sample has no such member."""
-        if ext not in self.members:
-            return None
-        offset, size, _ = self.members[ext]
-        with open(self.tar, "rb") as f:
-            return os.pread(f.fileno(), size, offset)
-
-    @property
-    def entries(self) -> list[IndexEntry]:
-        """The sample's line of an index: (extension, offset, size, name) per member, in tar order."""
-        return [(ext, *member) for ext, member in self.members.items()]
 
 
 class SampleTable(Sequence[SampleRef]):

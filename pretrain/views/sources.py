@@ -3,16 +3,18 @@
 Bad-data policy (the DALI decoder stops the whole pipeline on an undecodable JPEG, so bad samples
 must never reach it):
 1. `relicv2 shards build` decodes every image before writing it, so a fresh shard set is clean.
-2. When a loader opens a shard set, every sample is checked cheaply from its index: exactly one
-   image member (`IMAGE_MEMBERS`) must exist, be non-empty and carry its format's signature and
-   end marker (catches truncated, empty and mislabelled data); a `mask.png` member, when present,
-   must carry the PNG signature; no member may exceed `max_member_bytes`. In a set without a
+2. When a loader opens a shard set, every tar's index goes through the shard reader
+   (`shards.reader.locate_samples`), whose one policy refuses unsafe and duplicate keys, members over
+   `max_member_bytes` and samples without an image; then every sample is checked cheaply: exactly one
+   image member (`IMAGE_MEMBERS`) must be non-empty and carry its format's signature and end marker
+   (catches truncated, empty and mislabelled data); a `mask.png` member, when present, must carry
+   the PNG signature. In a set without a
    manifest (another tool's), the image's and mask's headers are read too and pictures over
    `max_pixels` are left out ("too_large"), so a decompression bomb never reaches a decoder (sets
    from `shards build` and `saliency build-masks` were checked when written). `verify="decode"`
    additionally decodes every image and mask with the same decoder as DALI (exact, but as slow as
    an epoch of decoding).
-3. Failing samples are left out of a filtered copy of the index files (the tars are not touched),
+3. Refused and failing samples are left out of a filtered copy of the index files (the tars are not touched),
    counted by reason in `SampleSet.skipped`, and reported once as a warning with a few keys.
 4. If DALI still fails to decode during a run (corruption the cheap check cannot see), the DALI
    backend decodes every sample once to find the culprits, leaves them out as in 3 and rebuilds
@@ -29,6 +31,7 @@ sample unlabelled: pretraining does not need labels; evaluation refuses such a s
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import tempfile
@@ -39,12 +42,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pretrain.views.sample_table import SampleRef, SampleTable, SampleTableBuilder
-from shards import ShardSet, index_path, read_index, resolve_shard_set
+from shards import ShardSet, index_path, resolve_shard_set
 from shards.atomic import atomic_write_bytes
 from shards.images import header_problem
-from shards.index import IndexFileError, entries_key, format_index, split_member_name
+from shards.index import format_index
 from shards.limits import DEFAULT_LIMITS
 from shards.progress import tracked
+from shards.reader import ReadReport, locate_samples
 from shards.sample import IMAGE_MEMBERS, LABEL_MEMBER, MASK_MEMBER, label_text, missing_label
 from shards.shardset import INDEX_CACHE_ENV, cache_name, default_index_cache, file_identity
 from shards.tario import member_file
@@ -97,13 +101,9 @@ def structural_problem(sample: SampleRef, handle, headers: bool = False) -> str 
     pictures over `DEFAULT_LIMITS.max_pixels` before any decoder sees them (sets from other tools;
     `shards build` and `saliency build-masks` checked theirs when writing them).
     """
-    images = [ext for ext in IMAGE_MEMBERS if ext in sample.members]
-    if not images:
-        return "no_image"
+    images = [ext for ext in IMAGE_MEMBERS if ext in sample.members]  # one at least: the reader refuses none
     if len(images) > 1:
         return "several_images"  # DALI's reader would refuse the sample: which one is the image?
-    if any(size > DEFAULT_LIMITS.max_member_bytes for _, size, _ in sample.members.values()):
-        return "too_large"
     offset, size, _ = sample.members[images[0]]
     if size < 12:
         return "empty_image"
@@ -142,46 +142,20 @@ def image_format(head: bytes) -> str | None:
     return None
 
 
-def index_samples(tar: Path, idx: Path) -> list[SampleRef]:
-    """The samples an index file lists, each checked against its tar; ValueError naming `idx` if hostile.
-
-    Offsets and sizes must lie inside the tar and member names must be safe relative names
-    (`shards.read_index` with the tar), with every member of a sample sharing its key.
-    """
-    fix = f"rewrite it with shards.write_index({tar.name}) (or rebuild the shard set)"
-    try:
-        entries_per_sample = read_index(idx, tar)
-    except IndexFileError:
-        raise  # already one line naming the file and the fix
-    except (ValueError, IndexError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{idx} is not a valid DALI index ({exc}); {fix}") from None
-    refs = []
-    for number, entries in enumerate(entries_per_sample):
-        if not entries:
-            raise ValueError(f"{idx}: sample {number} lists no member; {fix}")
-        key = entries_key(entries)
-        members = {}
-        for ext, offset, size, name in entries:
-            member_key, member_ext = split_member_name(name)
-            if member_key.rsplit("/", 1)[-1] != key or member_ext != ext:
-                raise ValueError(f"{idx}: member {name[:80]!r} does not belong to sample {key!r} as {ext!r}; {fix}")
-            members[ext] = (offset, size, name)
-        refs.append(SampleRef(key, tar, members))
-    return refs
-
-
-CHECK_VERSION = 1  # of `structural_problem`'s verdicts: bump it when they change, and cached ones are ignored
+CHECK_VERSION = 2  # of `structural_problem`'s verdicts: bump it when they change, and cached ones are ignored
 CHECKS_FOLDER = "checked"  # in the index cache: one JSON file of verdicts per checked tar
 
 
 @dataclass(frozen=True)
 class TarCheck:
-    """The samples an index lists (in order) and those to leave out, {position: reason}."""
+    """The samples the shard reader accepts from an index (in order), those of them to leave out,
+    {position: reason}, and those the reader refused, (key or member, reason)."""
 
     samples: list[SampleRef]
     left_out: dict[int, str]
     fresh: bool  # the samples were read now (else the verdicts came from the cache)
     stored: bool  # the verdicts are kept in the cache (read from it or written to it)
+    refused: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def kept(self) -> list[SampleRef]:
@@ -202,23 +176,37 @@ class SetCheck:
 DecodeCheck = Callable[[Sequence[SampleRef]], dict[str, str]]  # samples -> {key: reason} of those that fail to decode
 
 
-def check_path(tar: Path, idx: Path, headers: bool, cache: Path, decode: bool = False) -> Path:
-    """Where the verdicts on `tar`'s samples are kept: named after the tar, its index, the kind of
-    check (headers read, images decoded) and the limits, so that a change to any of them means a new check."""
+def checker(headers: bool, decode: bool) -> str:
+    """What a verdict depends on besides the tar: the check's version, its kind (headers read, images
+    decoded) and the limits."""
     limits = f"{DEFAULT_LIMITS.max_member_bytes}/{DEFAULT_LIMITS.max_pixels}"
-    name = cache_name(tar, file_identity(idx), f"check v{CHECK_VERSION}", f"headers={headers}", f"decode={decode}",
-                      limits)
-    return cache / CHECKS_FOLDER / f"{name}.json"
+    return f"check v{CHECK_VERSION} headers={headers} decode={decode} limits={limits}"
 
 
-def _cached_verdicts(path: Path, count: int) -> dict[int, str] | None:
-    """The verdicts kept at `path` for an index of `count` samples; None when there are none
-    (or the file is torn or not ours: the tar is then checked again)."""
+def check_path(tar: Path, idx: Path, headers: bool, cache: Path, decode: bool = False) -> Path:
+    """Where the verdicts on `tar`'s samples are kept: named after the tar, its index and the checker,
+    so that a change to any of them means a new check."""
+    return cache / CHECKS_FOLDER / f"{cache_name(tar, file_identity(idx), checker(headers, decode))}.json"
+
+
+def tar_identity(tar: Path, idx: Path) -> dict:
+    """What a kept verdict must name to be trusted: the tar's size and modification time and the
+    digest of its index (a verdict file planted under the right name alone is not enough)."""
+    stat = tar.stat()
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+            "index_sha256": hashlib.sha256(Path(idx).read_bytes()).hexdigest()}
+
+
+def _cached_verdicts(path: Path, count: int, identity: dict, check: str) -> dict[int, str] | None:
+    """The verdicts kept at `path` for an index of `count` samples, when they name this tar's
+    `identity` and this `check`; None otherwise (or the file is torn or not ours: the tar is then
+    checked again)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
-    if not isinstance(data, dict) or data.get("samples") != count or not isinstance(data.get("left_out"), list):
+    if (not isinstance(data, dict) or data.get("samples") != count or not isinstance(data.get("left_out"), list)
+            or data.get("identity") != identity or data.get("checker") != check):
         return None
     verdicts = {}
     for entry in data["left_out"]:
@@ -234,33 +222,39 @@ def check_tar(tar: Path, idx: Path, *, headers: bool, cache: Path, decode_check:
     ones when given), or read the verdicts a previous check kept in `cache` (any rank's or job's,
     on a shared folder); keep new verdicts there.
 
-    The index is always parsed and checked against its tar (`index_samples`); only the per-sample
+    The index is always parsed and checked against its tar by the shard reader (`shards.reader.
+    locate_samples`: its policy refuses unsafe and duplicate keys, oversized members, samples without
+    an image; an index that does not fit its tar raises ValueError naming it); only the per-sample
     reads are cached. A cache that cannot be written is not an error (`stored` is then False).
     """
-    samples = index_samples(tar, idx)
-    path = check_path(tar, idx, headers, cache, decode=decode_check is not None)
-    verdicts = _cached_verdicts(path, len(samples))
+    report = ReadReport()
+    samples = locate_samples(tar, report, index=idx)
+    refused = [(name, code) for (_, name, _), code in zip(report.rejected, report.codes, strict=True)]
+    decode = decode_check is not None
+    path, identity, check = check_path(tar, idx, headers, cache, decode), tar_identity(tar, idx), checker(headers, decode)
+    verdicts = _cached_verdicts(path, len(samples), identity, check)
     if verdicts is not None:
-        return TarCheck(samples, verdicts, fresh=False, stored=True)
+        return TarCheck(samples, verdicts, fresh=False, stored=True, refused=refused)
     with open(tar, "rb") as handle:
         verdicts = {i: reason for i, ref in enumerate(samples)
                     if (reason := structural_problem(ref, handle, headers=headers)) is not None}
     if decode_check is not None:
         undecodable = decode_check([s for i, s in enumerate(samples) if i not in verdicts])
         verdicts.update({i: undecodable[s.key] for i, s in enumerate(samples) if i not in verdicts and s.key in undecodable})
-    record = {"tar": str(tar), "samples": len(samples), "left_out": sorted([i, r] for i, r in verdicts.items())}
+    record = {"tar": str(tar), "identity": identity, "checker": check, "samples": len(samples),
+              "left_out": sorted([i, r] for i, r in verdicts.items())}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(path, json.dumps(record).encode("utf-8"))
     except OSError:
-        return TarCheck(samples, verdicts, fresh=True, stored=False)
-    return TarCheck(samples, verdicts, fresh=True, stored=True)
+        return TarCheck(samples, verdicts, fresh=True, stored=False, refused=refused)
+    return TarCheck(samples, verdicts, fresh=True, stored=True, refused=refused)
 
 
 def _check_tar_args(args: tuple[Path, Path, bool, Path, DecodeCheck | None]) -> tuple[bool, bool, Counter]:
     tar, idx, headers, cache, decode_check = args
     check = check_tar(tar, idx, headers=headers, cache=cache, decode_check=decode_check)
-    return check.fresh, check.stored, Counter(check.left_out.values())
+    return check.fresh, check.stored, Counter([*check.left_out.values(), *(code for _, code in check.refused)])
 
 
 def _decoding(shard_set: ShardSet, decode_check: DecodeCheck | None, decode_foreign_only: bool) -> DecodeCheck | None:
@@ -334,6 +328,9 @@ def load_sample_set(
     for tar, idx in tracked(zip(tars, shard_set.index_files, strict=True), f"checking the samples of {directory}",
                             len(tars), unit="tar", enabled=shard_set.samples >= progress_from):
         check = check_tar(tar, idx, headers=headers, cache=cache, decode_check=decode_check)
+        for name, reason in check.refused:
+            skipped[reason] += 1
+            skipped_keys.append(name)
         for i, reason in sorted(check.left_out.items()):
             skipped[reason] += 1
             skipped_keys.append(check.samples[i].key)

@@ -32,10 +32,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
-import os
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import Executor, Future
 from concurrent.futures.process import BrokenProcessPool
@@ -47,7 +46,6 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from saliency.network.images import member_key
 from saliency.network.mask_work import (
     MIN_COVERAGE,
     RawSample,
@@ -84,18 +82,18 @@ from shards.job import (
     write_plan,
     write_record,
 )
-from shards.keys import UnsafeKeyError, check_key
 from shards.lock import folder_lock
 from shards.manifest import MANIFEST_NAME, REJECTED_NAME
 from shards.outdir import SET_FILES, other_entries, output_folder, shard_files
 from shards.ranks import Ranks, ranks_from_env
+from shards.reader import ReadReport, read_samples
 from shards.sample import (
-    IMAGE_MEMBERS,
-    KEY_PATTERN,
+    EXT_PATTERN,
     LABEL_MEMBER,
-    class_index,
-    image_member_name,
+    MASK_MEMBER,
+    USED_MEMBERS,
     label_text,
+    unwritable_key,
 )
 from shards.shardset import (
     INDEX_CACHE_ENV,
@@ -104,7 +102,6 @@ from shards.shardset import (
     resolve_shard_set,
     shard_tars,
 )
-from shards.tario import Skipped, TarReadError, iter_tar
 from shards.version import package_version
 from shards.workers import local_ranks, rank_cores, usable_cores, worker_pool
 from shards.writer import TarShard, shard_name
@@ -170,58 +167,33 @@ def output_member(ext: str) -> str:
     return "jpg" if ext == "jpeg" else ext
 
 
-def read_input_shard(tar: Path, idx: Path | None = None) -> Iterator[RawSample | tuple[str, str, str]]:
-    """Samples of one input tar via its DALI index (`idx`, default beside the tar); unusable ones as
-    (source, reason, detail)."""
-    idx = index_path(tar) if idx is None else Path(idx)
-    if not idx.is_file():
-        raise MasksError(f"{idx} is missing; rebuild the index with shards.write_index({tar.name}) or rebuild the shards")
-    # The index leaves out members the reader refuses (links, unsafe names, oversized): name them here,
-    # from the tar's headers only, so that no sample is lost without a line in the rejected list.
-    try:
-        for item in iter_tar(tar, read_data=False):
-            if isinstance(item, Skipped):
-                name = item.name if item.name is not None else "(rest of the tar)"
-                reason = "unsafe_key" if item.reason == "unsafe_member" else item.reason
-                yield f"{tar.name}:{name}", reason, item.detail
-    except TarReadError as error:
-        raise MasksError(f"{tar}: {error}; rebuild or remove this shard") from None
-    with open(tar, "rb") as handle:
-        for entries in read_index(idx, tar):
-            key = member_key(entries[0][3])
-            source = f"{tar.name}:{key}"
-            try:
-                check_key(key)
-            except UnsafeKeyError as error:
-                yield source, "unsafe_key", str(error)
-                continue
-            if not KEY_PATTERN.fullmatch(key):
-                yield source, "bad_key", f"key {key!r} is not 1-80 characters of [A-Za-z0-9_-]"
-                continue
-            members = {ext: os.pread(handle.fileno(), size, off) for ext, off, size, _ in entries}
-            image = image_member_name(members)
-            if image is None:
-                yield source, "no_image", f"sample has no image member ({', '.join(IMAGE_MEMBERS)})"
-                continue
-            try:
-                meta = json.loads(members["json"]) if "json" in members else {}
-            except ValueError as error:
-                yield source, "corrupt", f"unreadable json member ({error})"
-                continue
-            meta = meta if isinstance(meta, dict) else {}
-            label, text_label = read_label(members.get(LABEL_MEMBER))
-            if text_label is not None:  # a class name (other tools write them): kept in the json, not lost
-                meta = {**meta, "source_cls": text_label}
-            yield RawSample(key, members[image], label, meta, output_member(image))
-
-
-def read_label(cls: bytes | None) -> tuple[int | None, str | None]:
-    """(class index, None) for a decimal `cls` member; (None, its text) for a class name; (None, None)
-    without one. Masks need no label, so a named class is carried in the json rather than refused."""
-    if cls is None:
-        return None, None
-    label = class_index(cls)
-    return (label, None) if label is not None else (None, label_text(cls))
+def read_input_shard(tar: Path, report: ReadReport, kept: Counter) -> Iterator[RawSample | dict]:
+    """Samples of one input tar through the shard reader (its policy for bad members), each refused one
+    as a rejected-list row. Members no job reads are carried into the output unchanged, and an input
+    `mask.png` is replaced by the new mask: both counted in `kept` by member name."""
+    done = len(report.rejected)
+    lost = len(report.lost_shards)
+    for sample in read_samples(tar, report):  # from the tar's headers: they name every member refused
+        yield from report.rows(done)
+        done = len(report.rejected)
+        if (problem := unwritable_key(sample.key)) is not None:
+            yield {"source": f"{tar.name}:{sample.key}", "reason": "bad_key", "detail": problem}
+            continue
+        carried = {ext: data for ext, data in sample.members.items() if ext not in USED_MEMBERS}
+        unwritable = next((ext for ext in carried if not EXT_PATTERN.fullmatch(ext)), None)
+        if unwritable is not None:
+            yield {"source": f"{tar.name}:{sample.key}", "reason": "bad_member",
+                   "detail": f"member {sample.key}.{unwritable} cannot be carried: not a lower-case [a-z0-9_.] name"}
+            continue
+        kept.update(carried.keys() | ({MASK_MEMBER} & sample.members.keys()))
+        meta = sample.meta if isinstance(sample.meta, dict) else {}
+        if sample.label is None and LABEL_MEMBER in sample.members:  # a class name (other tools write them):
+            meta = {**meta, "source_cls": label_text(sample.members[LABEL_MEMBER])}  # masks need none, kept in the json
+        yield RawSample(sample.key, sample.members[sample.image_ext], sample.label, meta,
+                        output_member(sample.image_ext), carried)
+    yield from report.rows(done)
+    for _, reason in report.lost_shards[lost:]:
+        yield {"source": f"{tar.name}:(rest of the tar)", "reason": "truncated", "detail": reason}
 
 
 @dataclass
@@ -262,10 +234,9 @@ def _batches(items: Iterator, size: int) -> Iterator[list]:
 
 
 def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: Executor, ring: SlotRing, bar,
-               index_file: Path | None = None, workers: int = 1,
-               clock: MainThreadClock | None = None) -> tuple[TarShard | None, list[dict]]:
+               workers: int = 1, clock: MainThreadClock | None = None) -> tuple[TarShard | None, list[dict], dict[str, int]]:
     """Write the masked copy of one input shard; returns the closed tar (None when no sample could be
-    written) and the rejected samples.
+    written), the rejected samples and the input members carried or replaced, by name.
 
     Batch n lives in ring slot n % 3 from its decode to its finish. In the loop's turn for batch n the
     job reads batch n+1 and hands it to the workers, launches batch n, collects the records of batch
@@ -276,6 +247,7 @@ def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: Executo
     """
     spec, parts = ring.spec, max(1, workers)
     rejected: list[dict] = []
+    members: Counter = Counter()  # input members carried or replaced, by name
     shard = TarShard(out_tar)
     writing: list[Future] = []  # the finish chunks of the batch before, in sample order
     clock = clock or MainThreadClock()
@@ -295,11 +267,11 @@ def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: Executo
         writing.clear()
 
     def prepared_batches():
-        for number, raw_batch in enumerate(_batches(read_input_shard(tar, index_file), spec.batch)):
+        for number, raw_batch in enumerate(_batches(read_input_shard(tar, ReadReport(), members), spec.batch)):
             samples = []
             for item in raw_batch:
-                if isinstance(item, tuple):
-                    rejected.append({"source": item[0], "reason": item[1], "detail": item[2]})
+                if isinstance(item, dict):
+                    rejected.append(item)
                     bar.update(1)
                 else:
                     samples.append(item)
@@ -342,12 +314,12 @@ def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: Executo
         clock.total += time.perf_counter() - began
         if not shard.rows:
             shard.abort()
-            return None, rejected
+            return None, rejected, dict(members)
         shard.close()
     except BaseException:
         shard.abort()
         raise
-    return shard, rejected
+    return shard, rejected, dict(members)
 
 
 @contextlib.contextmanager
@@ -434,9 +406,13 @@ def _summary(records: list[dict], seconds: float) -> dict:
     rows = [r for rec in records for r in rec["manifest"]]
     coverage = np.array([r["mask_coverage"] for r in rows], dtype=np.float64)
     histogram = np.histogram(coverage, bins=10, range=(0.0, 1.0))[0].tolist() if len(rows) else [0] * 10
+    members = sum((Counter(rec.get("members", {})) for rec in records), Counter())
+    replaced = members.pop(MASK_MEMBER, 0)
     return {
         "written": len(rows),
         "rejected": sum(len(rec["rejected"]) for rec in records),
+        "carried_members": dict(members),  # input members no job reads, written unchanged
+        "replaced_masks": replaced,
         "below_min_coverage": int((coverage < MIN_COVERAGE).sum()),
         "min_coverage": MIN_COVERAGE,
         "coverage_histogram": histogram,
@@ -533,8 +509,8 @@ def _run(job: ShardJob, plan: dict, tars: list[Path], config: BuildMasksConfig, 
         for number in todo:
             unit = job.units[number]
             try:
-                shard, rejected = mask_shard(tars[number], out / unit.shard, predictor, pool, ring, bar,
-                                             index_files[number], workers, clock)
+                shard, rejected, members = mask_shard(tars[number], out / unit.shard, predictor, pool, ring, bar,
+                                                      workers, clock)
             except BrokenProcessPool as error:
                 raise MasksError(
                     f"a worker process died while masking {tars[number]} (killed by the system for memory? "
@@ -544,7 +520,7 @@ def _run(job: ShardJob, plan: dict, tars: list[Path], config: BuildMasksConfig, 
                 if error.filename is None:  # a write to the tar (a full disk) names no file: name it
                     error.filename = str(out / unit.shard)
                 raise
-            record = write_record(job, unit, shard, rejected, inputs=inputs[number])
+            record = write_record(job, unit, shard, rejected, inputs=inputs[number], extra={"members": members})
             processed += len(record["manifest"]) + len(rejected)
     seconds = time.monotonic() - started
     bar.close()
@@ -598,6 +574,10 @@ def format_summary(summary: dict) -> str:
     ]
     if summary.get("workers_note"):
         lines.append(summary["workers_note"])
+    if summary["carried_members"]:
+        lines.append(f"input members no job reads, carried into the output unchanged: {summary['carried_members']}")
+    if summary["replaced_masks"]:
+        lines.append(f"{summary['replaced_masks']} input mask.png replaced by the new mask")
     if summary["rejected"]:
         lines.append(f"why each sample was rejected: {summary['rejected_file']}")
     return "\n".join(lines)

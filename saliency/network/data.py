@@ -25,12 +25,11 @@ from saliency.network.images import (
     SampleLocation,
     decode_displayed,
     has_rotation,
-    read_member,
     resize_map,
     resize_square,
     sample_locations,
 )
-from shards import ShardSample, iter_samples, write_shard_set
+from shards import ReadReport, ShardSample, iter_samples, write_shard_set
 
 SAMPLE_PREFIX = "sample"
 
@@ -50,7 +49,7 @@ class TrainingImages:
 
 def _sample_stream(locations: list[SampleLocation], skipped: list) -> Iterator[ShardSample]:
     for location in locations:
-        data = read_member(location)
+        data = location.read_image()
         try:
             rgb = decode_displayed(data, f"{location.key} in {location.tar.name}")
         except SampleDecodeError as error:
@@ -58,7 +57,7 @@ def _sample_stream(locations: list[SampleLocation], skipped: list) -> Iterator[S
             print(f"saliency train: skipping {error}", file=sys.stderr)
             continue
         # The image keeps its member name (png and webp stay what they are; `jpeg` is our `jpg`).
-        member = "jpg" if location.ext == "jpeg" else location.ext
+        member = "jpg" if location.image_ext == "jpeg" else location.image_ext
         if has_rotation(data):
             buffer = io.BytesIO()
             Image.fromarray(rgb).save(buffer, "JPEG", quality=95)
@@ -101,7 +100,8 @@ def load_training_images(
     sample_dir, skipped = write_sample_set(shards, out, count, seed, index_cache, locations)
     failed = dict(handcrafted_maps(sample_dir, Path(out) / "maps", methods, workers, progress))
     keys, images, maps = [], [], {m: [] for m in methods}
-    for sample in iter_samples(sample_dir):
+    read = ReadReport()
+    for sample in iter_samples(sample_dir, report=read):
         key = sample["key"]
         if key in failed:
             skipped.append((key, failed[key]))
@@ -116,6 +116,7 @@ def load_training_images(
         images.append(torch.from_numpy(resize_square(rgb, size)).permute(2, 0, 1))
         for m in methods:
             maps[m].append(torch.from_numpy(resize_map(raw[m] / 255.0, size, size)).clamp_(0, 1).half())
+    skipped += [(name, detail) for _, name, detail in read.rejected] + [(tar, why) for tar, why in read.lost_shards]
     if not keys:
         raise ValueError(f"no usable image in the sample of {shards}; every sampled image failed ({skipped[:3]})")
     return TrainingImages(keys, torch.stack(images), {m: torch.stack(v) for m, v in maps.items()}, skipped)

@@ -8,25 +8,17 @@ image and mask disagree in training. Decoding goes through the project's one ima
 
 from __future__ import annotations
 
-import os
 import random
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import cv2
 import numpy as np
 
 from shards.images import ImageLoadError, exif_orientation, load_rgb
-from shards.index import read_index
-from shards.keys import UnsafeKeyError, check_key
-from shards.sample import (
-    IMAGE_MEMBERS,
-    KEY_PATTERN,
-    LABEL_MEMBER,
-    image_member_name,
-    read_class_index,
-)
+from shards.index import split_member_name
+from shards.reader import ReadReport, SampleRef, locate_samples
+from shards.sample import IMAGE_MEMBERS, unwritable_key
 from shards.shardset import resolve_shard_set
 
 # A shard sample whose image cannot be decoded (a ValueError); the message names the sample and the
@@ -55,48 +47,17 @@ def resize_map(values: np.ndarray, width: int, height: int) -> np.ndarray:
     return cv2.resize(np.asarray(values, dtype=np.float32), (width, height), interpolation=cv2.INTER_LINEAR)
 
 
-def member_key(name: str) -> str:
-    """The sample key of a tar member name as webdataset and DALI see it: everything before the
-    first dot of the base name, folders included (`a/b.c.jpg` -> `a/b`). Untrusted: callers
-    validate it with `shards.keys.check_key` before it names anything."""
-    folder, _, base = name.rpartition("/")
-    stem = base.split(".", 1)[0]
-    return f"{folder}/{stem}" if folder else stem
+# Where a sampled image lies: its tar, and per member (offset, size, name); `read_image()`, `image_ext`
+# and `label` read what training needs.
+SampleLocation = SampleRef
 
 
-@dataclass(frozen=True)
-class SampleLocation:
-    """Where a sample's image lies: tar, byte offset and size of its image member, that member's
-    name (one of IMAGE_MEMBERS), and its label (None without a readable `cls`)."""
-
-    key: str
-    tar: Path
-    offset: int
-    size: int
-    label: int | None
-    ext: str = "jpg"
-
-
-def _locations(tar: Path, index_file: Path) -> list[SampleLocation]:
-    """Every sample of one tar with an image member, from its DALI index; keys validated."""
-    out = []
-    with open(tar, "rb") as handle:
-        for entries in read_index(index_file, tar):
-            members = {ext: (off, size) for ext, off, size, _ in entries}
-            key = member_key(entries[0][3])
-            try:
-                check_key(key)
-                if not KEY_PATTERN.fullmatch(key):
-                    raise UnsafeKeyError(f"key {key!r} is not 1-80 characters of [A-Za-z0-9_-]")
-            except UnsafeKeyError:
-                print(f"saliency: skipping a sample of {tar.name} with an unusable key {key!r}", file=sys.stderr)
-                continue  # a hostile name never becomes a file name
-            image = image_member_name(members)
-            if image is None:
-                continue
-            label = read_class_index(handle, *members[LABEL_MEMBER]) if LABEL_MEMBER in members else None
-            out.append(SampleLocation(key, tar, *members[image], label, image))
-    return out
+def _writable(ref: SampleRef, report: ReadReport) -> bool:
+    """Whether a sample's key can name a written sample (1-80 of [A-Za-z0-9_-]); else a rejection."""
+    key = split_member_name(ref.entries[0][3])[0]
+    if (problem := unwritable_key(key)) is not None:
+        report.reject(ref.tar, key, "bad_key", problem)
+    return problem is None
 
 
 def sample_locations(shards: Path | str, count: int, seed: int, *, index_cache: Path | None = None) -> list[SampleLocation]:
@@ -104,17 +65,17 @@ def sample_locations(shards: Path | str, count: int, seed: int, *, index_cache: 
 
     `shards`: a folder (ours, or plain WebDataset tars without manifest or index), a brace pattern
     or a tar; indexes missing beside the tars are derived once into `index_cache`
-    (`shards.shardset.resolve_shard_set`). Raises ValueError naming the set when it holds no image.
+    (`shards.shardset.resolve_shard_set`). Samples are located by the shard reader, whose refusals
+    are said on stderr. Raises ValueError naming the set when it holds no image.
     """
     shard_set = resolve_shard_set(shards, index_cache=index_cache)
-    everything = [loc for tar, idx in zip(shard_set.tars, shard_set.index_files, strict=True)
-                  for loc in _locations(tar, idx)]
+    report = ReadReport()
+    everything = [ref for tar, idx in zip(shard_set.tars, shard_set.index_files, strict=True)
+                  for ref in locate_samples(tar, report, index=idx) if _writable(ref, report)]
+    if report.rejected:
+        print(f"saliency: {shards}: left out {len(report.rejected)} sample(s) {dict(report.reasons)}, e.g. "
+              f"{report.rejected[0][1]!r}: {report.rejected[0][2]}", file=sys.stderr)
     if not everything:
         raise ValueError(f"{shards} holds no samples with an image member ({', '.join(IMAGE_MEMBERS)})")
     chosen = sorted(random.Random(seed).sample(range(len(everything)), min(count, len(everything))))
     return [everything[i] for i in chosen]
-
-
-def read_member(location: SampleLocation) -> bytes:
-    with open(location.tar, "rb") as handle:
-        return os.pread(handle.fileno(), location.size, location.offset)

@@ -19,7 +19,7 @@ import hashlib
 import os
 import re
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
 
@@ -52,6 +52,7 @@ class RawSample:
     label: int | None
     meta: dict
     ext: str = "jpg"  # the output member name of the image: jpg (for jpg and jpeg), png or webp
+    carried: dict[str, bytes] = field(default_factory=dict)  # members no job reads: written unchanged
 
 
 def prepare(sample: RawSample, size: int) -> tuple[np.ndarray, int, int] | Rejection:
@@ -83,7 +84,8 @@ def finish(sample: RawSample, probability: np.ndarray, width: int, height: int) 
         raise RuntimeError(f"PNG encoding of the mask of {sample.key} failed")
     meta = {**sample.meta, "width": width, "height": height, "mask_coverage": round(coverage, 6),
             "mask_status": "ok" if coverage >= MIN_COVERAGE else "below_min_coverage"}
-    return sample_record(ShardSample(sample.key, {sample.ext: sample.image, MASK_MEMBER: png.tobytes()}, sample.label, meta))
+    members = {**sample.carried, sample.ext: sample.image, MASK_MEMBER: png.tobytes()}
+    return sample_record(ShardSample(sample.key, members, sample.label, meta))
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from saliency.metrics import aggregate, score_image
 from saliency.network.data import handcrafted_maps
 from saliency.network.images import SampleDecodeError, decode_displayed, resize_map, resize_square
 from saliency.network.model import SaliencyNet
-from shards import iter_samples
+from shards import ReadReport, iter_samples
 
 MEAN_ROW = "mean of handcrafted"
 FUSED_ROW = "fused network"
@@ -145,9 +145,12 @@ def evaluate_report(job, data, trainer, model: SaliencyNet, *, progress: bool = 
     rows[FUSED_ROW] = lambda _k, _i, rgb: predict_map(model, rgb, size)
 
     def train_images() -> Iterator[tuple[str, int, np.ndarray]]:
-        for sample in iter_samples(out / "sample"):
+        read = ReadReport()
+        for sample in iter_samples(out / "sample", report=read):
             if sample["key"] in position:
                 yield sample["key"], position[sample["key"]], decode_displayed(sample["image"], sample["key"])
+        if not read.ok:
+            print(f"report: {out / 'sample'}: {read.summary()}", file=sys.stderr)
 
     report = {"train": score_rows(train_images(), job.gt, rows, len(position), "report (train)", progress)}
     if job.eval_shards is not None:
@@ -158,13 +161,16 @@ def evaluate_report(job, data, trainer, model: SaliencyNet, *, progress: bool = 
         held[FUSED_ROW] = rows[FUSED_ROW]
 
         def held_images() -> Iterator[tuple[str, int, np.ndarray]]:
-            for i, sample in enumerate(iter_samples(Path(job.eval_shards))):
+            read = ReadReport()
+            for i, sample in enumerate(iter_samples(Path(job.eval_shards), report=read)):
                 if sample["key"] in failed:
                     continue
                 try:
                     yield sample["key"], i, decode_displayed(sample["image"], sample["key"])
                 except SampleDecodeError as error:
                     print(f"report: skipping {error}", file=sys.stderr)
+            if not read.ok:
+                print(f"report: {job.eval_shards}: {read.summary()}", file=sys.stderr)
 
         report["heldout"] = score_rows(held_images(), job.gt, held, None, "report (held out)", progress)
     return report

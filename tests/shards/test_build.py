@@ -105,7 +105,7 @@ def test_build_tree_with_every_input_kind(tmp_path):
     assert rows["cat/x.jpg"]["key"] != rows["dog/x.jpg"]["key"]
     assert rows["dog/photo.v2.final.jpg"]["key"] == "photo_v2_final"
     assert rows["dog/café ☕.jpg"]["key"] == "cafe__"
-    samples = {s["meta"]["source"]: s for s in shards.iter_samples(out)}
+    samples = {s["meta"]["source"]: s for s in shards.iter_samples(out, report=shards.ReadReport())}
     for source, data in passthrough.items():
         assert samples[source]["jpg"] == data, f"{source} must be stored byte for byte"
     for source in ("cat/grey.jpg", "cat/cmyk.jpg", "cat/alpha.png", "cat/deep.png", "cat/pic.webp",
@@ -252,7 +252,7 @@ def test_real_images_round_trip(shared_data, tmp_path):
     (tmp_path / "list.csv").write_text("path\n" + "\n".join(str(p) for p in images) + "\n")
     report = build_shards(config(tmp_path / "list.csv", tmp_path / "out", workers=2, max_count=25))
     assert report.merge.written == 60 and report.merge.shards == 3
-    by_source = {s["meta"]["source"]: s for s in shards.iter_samples(tmp_path / "out")}
+    by_source = {s["meta"]["source"]: s for s in shards.iter_samples(tmp_path / "out", report=shards.ReadReport())}
     assert all(by_source[str(p)]["jpg"] == p.read_bytes() for p in images)
     assert all(s["meta"]["status"] == "passthrough" and s["label"] is None for s in by_source.values())
     assert verify_shard_set(tmp_path / "out", workers=2).ok

@@ -69,10 +69,10 @@ def test_pipe_paths_are_files_not_commands(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     folder = tmp_path / "pipe:touch marker #"
     shards.write_shard_set([shards.ShardSample("a", {"jpg": jpeg(1)})], folder)
-    assert [it["key"] for it in shards.iter_samples(folder)] == ["a"]
-    assert [it["key"] for it in shards.iter_samples(str(folder / "images-000000.tar"))] == ["a"]
+    assert [it["key"] for it in shards.iter_samples(folder, report=shards.ReadReport())] == ["a"]
+    assert [it["key"] for it in shards.iter_samples(str(folder / "images-000000.tar"), report=shards.ReadReport())] == ["a"]
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        list(shards.iter_samples("pipe:touch marker2 #"))
+        list(shards.iter_samples("pipe:touch marker2 #", report=shards.ReadReport()))
     assert not (tmp_path / "marker").exists() and not (tmp_path / "marker2").exists()
 
 
@@ -194,7 +194,7 @@ def test_exif_orientation_is_applied_once_by_build(tmp_path):
     rows = {r["key"]: r for r in shards.read_manifest(tmp_path / "out").to_pylist()}
     assert (rows["rotated"]["width"], rows["rotated"]["height"]) == (100, 200)
     assert rows["rotated"]["status"] == "converted" and rows["plain"]["status"] == "passthrough"
-    sample = {s["key"]: s for s in shards.iter_samples(tmp_path / "out")}["rotated"]
+    sample = {s["key"]: s for s in shards.iter_samples(tmp_path / "out", report=shards.ReadReport())}["rotated"]
     raw = Image.open(io.BytesIO(sample["jpg"]))
     assert raw.size == (100, 200) and raw.getexif().get(0x0112, 1) == 1  # every decoder sees it upright
     rgb = np.asarray(raw.convert("RGB")).astype(int)
@@ -267,7 +267,7 @@ def test_plain_webdataset_set_resolves_by_folder_and_brace_pattern(tmp_path):
     stamp = [p.stat().st_mtime_ns for p in resolved.index_files]
     again = shards.resolve_shard_set(str(folder / "train-{0000..0002}.tar"), index_cache=cache)
     assert again.index_files == resolved.index_files and [p.stat().st_mtime_ns for p in again.index_files] == stamp
-    items = list(shards.iter_samples(str(folder / "train-{0000..0001}.tar")))
+    items = list(shards.iter_samples(str(folder / "train-{0000..0001}.tar"), report=shards.ReadReport()))
     assert len(items) == 8 and items[0]["label"] is None and items[1]["label"] == 1
     with pytest.raises(shards.ShardSetError, match="not found"):
         shards.resolve_shard_set(str(folder / "train-{0000..0005}.tar"), index_cache=cache)

@@ -54,7 +54,7 @@ def test_write_read_round_trip(shard_set):
     out, samples, paths = shard_set
     assert [p.name for p in paths] == ["masked-000000.tar", "masked-000001.tar", "masked-000002.tar"]
     assert shards.list_shards(out) == paths
-    items = list(shards.iter_samples(out))
+    items = list(shards.iter_samples(out, report=shards.ReadReport()))
     assert [it["key"] for it in items] == [s.key for s in samples]
     for it, s in zip(items, samples, strict=True):
         assert it["jpg"] == s.members["jpg"]
@@ -89,7 +89,7 @@ def test_max_bytes_splits_shards(tmp_path):
     paths = shards.write_shard_set(samples, tmp_path, max_bytes=16 * 1024)
     assert len(paths) > 1
     assert all(p.stat().st_size <= 16 * 1024 + 10240 for p in paths)  # + tar end-of-archive padding
-    assert sum(1 for _ in shards.iter_samples(tmp_path)) == 12
+    assert sum(1 for _ in shards.iter_samples(tmp_path, report=shards.ReadReport())) == 12
 
 
 def test_rewriting_a_smaller_set_removes_stale_shards(tmp_path):
@@ -167,7 +167,7 @@ def test_truncated_tar_is_counted_and_named(shard_set):
     assert not report.ok and report.expected == 23 and report.missing == 23 - len(items)
     assert [Path(t).name for t, _ in report.lost_shards] == ["masked-000001.tar"]
     assert "masked-000001.tar" in report.summary()
-    with pytest.warns(UserWarning, match="masked-000001.tar"):  # without a report: never silent
+    with pytest.raises(TypeError):  # without a report: never silent, so never without one
         list(shards.iter_samples(paths))
 
 

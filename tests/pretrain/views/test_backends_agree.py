@@ -20,7 +20,7 @@ from scipy.ndimage import gaussian_filter
 from pretrain.views.config import IMAGENET_MEAN, IMAGENET_STD, PARAM_NAMES, ViewConfig
 from pretrain.views.loader import ViewLoader
 from pretrain.views.reference import colour_steps, crop_view, mask_view
-from shards import ShardSample, iter_samples, write_shard_set
+from shards import ReadReport, ShardSample, iter_samples, write_shard_set
 
 COL = {name: i for i, name in enumerate(PARAM_NAMES)}
 SIZE = 40
@@ -89,7 +89,7 @@ def test_dali_views_match_the_reference_replaying_the_same_draws(masked_squares,
     batch = next(iter(ViewLoader(masked_squares, 16, cfg, backend="dali", device=device, seed=4)))
     batch["views"] = [v.cpu() for v in batch["views"]]
     mean, std = torch.tensor(IMAGENET_MEAN).view(3, 1, 1), torch.tensor(IMAGENET_STD).view(3, 1, 1)
-    members = {s["key"]: s for s in iter_samples(masked_squares)}
+    members = {s["key"]: s for s in iter_samples(masked_squares, report=ReadReport())}
     params = batch["params"]
     assert params[:, :, COL["masked"]].all() and params[:, :, COL["flip"]].all()
     unmasked_gap = []

@@ -57,9 +57,9 @@ def stage(request) -> str:
 
 
 def decoded(shards, keys: list[str]) -> dict[str, torch.Tensor]:
-    from shards import iter_samples
+    from shards import ReadReport, iter_samples
 
-    return {s["key"]: F.to_tensor(Image.open(io.BytesIO(s["jpg"])).convert("RGB")) for s in iter_samples(shards)
+    return {s["key"]: F.to_tensor(Image.open(io.BytesIO(s["jpg"])).convert("RGB")) for s in iter_samples(shards, report=ReadReport())
             if s["key"] in keys}
 
 

@@ -12,7 +12,14 @@ import pytest
 from PIL import Image
 
 from saliency.network.build_masks import BuildMasksConfig, MasksError, build_masks
-from shards import iter_samples, read_manifest, read_rejected, write_index, write_shard_set
+from shards import (
+    ReadReport,
+    iter_samples,
+    read_manifest,
+    read_rejected,
+    write_index,
+    write_shard_set,
+)
 from shards.build import Ranks
 from shards.index import index_path
 from tests.exif_images import orientation6_jpeg
@@ -31,8 +38,8 @@ def test_round_trip_keeps_jpeg_bytes_and_gets_coverage_right(tmp_path, scene_sha
     shards, _ = scene_shards
     summary = build_masks(_config(tiny_model, shards, tmp_path / "out"), Ranks(), predictor=SquarePredictor())
     assert summary["written"] == 12 and summary["rejected"] == 0
-    originals = {s["key"]: s for s in iter_samples(shards)}
-    masked = list(iter_samples(tmp_path / "out"))
+    originals = {s["key"]: s for s in iter_samples(shards, report=ReadReport())}
+    masked = list(iter_samples(tmp_path / "out", report=ReadReport()))
     assert sorted(s["key"] for s in masked) == sorted(originals)
     for sample in masked:
         source = originals[sample["key"]]
@@ -127,7 +134,7 @@ def test_exif_rotated_image_gets_mask_in_displayed_orientation(tmp_path, tiny_mo
 
     write_shard_set([ShardSample("rotated", {"jpg": data}, None, {})], tmp_path / "in")
     build_masks(_config(tiny_model, tmp_path / "in", tmp_path / "out"), Ranks(), predictor=SquarePredictor())
-    sample = next(iter(iter_samples(tmp_path / "out")))
+    sample = next(iter(iter_samples(tmp_path / "out", report=ReadReport())))
     assert sample["jpg"] == data
     assert np.asarray(Image.open(io.BytesIO(sample["mask.png"]))).shape == (200, 100)
     assert (sample["meta"]["width"], sample["meta"]["height"]) == (100, 200)

@@ -16,7 +16,7 @@ from cli.main import cli
 from saliency.network.build_masks import BuildMasksConfig, MasksError, build_masks
 from saliency.network.data import write_sample_set
 from saliency.synthetic import synthetic_scene
-from shards import iter_samples, read_manifest
+from shards import ReadReport, iter_samples, read_manifest
 from shards.build import Ranks
 from shards.sample import MASK_MEMBER
 from tests.saliency.network.conftest import SquarePredictor
@@ -78,7 +78,7 @@ def test_build_masks_on_a_plain_webdataset_set(tmp_path, foreign, tiny_model) ->
     assert _snapshot(folder) == before  # nothing written beside the input tars
     assert len(list(cache.glob("train-000[0-2]-*.idx"))) == 3  # the derived indexes went to --index-cache
 
-    masked = {s["key"]: s for s in iter_samples(out)}
+    masked = {s["key"]: s for s in iter_samples(out, report=ReadReport())}
     assert masked.keys() == written.keys()
     named = f"img{SAMPLES - 1:03d}"
     assert masked[named]["label"] is None and masked[named]["meta"]["source_cls"] == "tabby cat"
@@ -137,8 +137,8 @@ def test_brace_pattern_and_read_only_input_give_the_same_set(tmp_path, foreign, 
             path.chmod(stat.S_IRWXU)
     assert len(list((tmp_path / "c2").glob("*.idx"))) == 3
     # The CLI ran the real network, the folder run the stand-in: compare what both take from the input.
-    ours = {s["key"]: (s["image"], s["label"]) for s in iter_samples(tmp_path / "from-folder")}
-    theirs = {s["key"]: (s["image"], s["label"]) for s in iter_samples(tmp_path / "from-pattern")}
+    ours = {s["key"]: (s["image"], s["label"]) for s in iter_samples(tmp_path / "from-folder", report=ReadReport())}
+    theirs = {s["key"]: (s["image"], s["label"]) for s in iter_samples(tmp_path / "from-pattern", report=ReadReport())}
     assert ours == theirs and len(ours) == SAMPLES
 
 
@@ -202,7 +202,7 @@ def test_train_samples_a_plain_webdataset_set_from_a_folder_and_a_pattern(tmp_pa
     before = _snapshot(folder)
     from_folder, skipped = write_sample_set(folder, tmp_path / "a", SAMPLES, seed=0, index_cache=cache)
     assert not skipped
-    sampled = {s["key"]: s for s in iter_samples(from_folder)}
+    sampled = {s["key"]: s for s in iter_samples(from_folder, report=ReadReport())}
     assert sampled.keys() == written.keys()  # every image member name is seen, not only jpg
     for key, sample in sampled.items():
         assert sample["image"] == written[key]["image"] and sample["label"] == written[key]["label"]
@@ -217,7 +217,7 @@ def test_train_samples_a_plain_webdataset_set_from_a_folder_and_a_pattern(tmp_pa
     assert result.exit_code == 0, result.output
     assert "6 images (0 left out)" in result.output
     assert (out / "model.pt").is_file()
-    exts = {s["image_ext"] for s in iter_samples(out / "sample")}
+    exts = {s["image_ext"] for s in iter_samples(out / "sample", report=ReadReport())}
     assert exts <= {"jpg", "png", "webp"} and len(exts) >= 2
     assert _snapshot(folder) == before and len(list(cache.glob("*.idx"))) == 3
 
