@@ -12,6 +12,7 @@ from pathlib import Path
 import click
 
 from cli.options import index_cache_option
+from shards.atomic import OutputError
 from shards.build import BuildConfig, build_shards, output_error
 from shards.limits import DEFAULT_MAX_PIXELS
 from shards.lock import folder_lock
@@ -84,7 +85,7 @@ def build(input_path: Path, out_arg: Path | None, out_opt: Path | None, max_byte
         ranks = ranks_from_env()
         click.echo(f"config: {json.dumps(asdict(config), default=str)}", err=True)
         report = build_shards(config, ranks)
-    except (InputError, RanksError, FileNotFoundError, RuntimeError) as exc:
+    except (InputError, RanksError, OutputError, FileNotFoundError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from None
     repaired = f" ({len(report.repaired)} of them damaged since an earlier run: rebuilt)" if report.repaired else ""
     click.echo(

@@ -12,6 +12,12 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
+
+class OutputError(ValueError):
+    """An output path a job cannot write (a file where a folder goes, or the reverse; no permission;
+    a full disk). Its message names the path and the option that gave it."""
+
+
 TEMP_MARK = ".tmp-"
 
 

@@ -56,6 +56,21 @@ def manifest_table(rows: Sequence[dict]) -> pa.Table:
     return core
 
 
+def concat_manifests(tables: Sequence[pa.Table]) -> pa.Table:
+    """The manifest tables of a set's shards as one, sorted by (shard, position), with the layout of
+    `manifest_table`: the core columns, then the extra ones by name (absent in a shard: null)."""
+    if not tables:
+        return manifest_table([])
+    try:
+        table = pa.concat_tables(tables, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        # An extra column typed differently in two shards: the row-wise build keeps it as JSON text.
+        table = manifest_table([row for t in tables for row in t.to_pylist()])
+    extras = sorted(set(table.column_names) - CORE_COLUMNS)
+    table = table.select([*MANIFEST_SCHEMA.names, *extras])
+    return table.sort_by([("shard", "ascending"), ("position", "ascending")]).combine_chunks()
+
+
 def rejected_table(rows: Iterable[dict]) -> pa.Table:
     """Rejection rows (source, reason, detail) -> table."""
     return pa.Table.from_pylist([{k: r.get(k) for k in REJECTED_SCHEMA.names} for r in rows], REJECTED_SCHEMA)

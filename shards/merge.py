@@ -64,10 +64,10 @@ def merge_shard_set(out: Path, *, wait_s: float = 0.0, progress: bool = True) ->
     records = wait_for_records(job, wait_s, progress=progress,
                                rerun=f"rerun the build for the ranks that own them, then run: relicv2 shards merge {out}")
     plan_rejected = pq.read_table(work_dir(out) / "plan-rejected.parquet").to_pylist()
-    rows = [row for r in records for row in r["manifest"]]
+    converted = sum(r["manifest"].column("status").to_pylist().count("converted") for r in records)
     return merge_records(out, records, rejected=plan_rejected, info={
         "prefix": plan["settings"]["prefix"],
-        "converted": sum(r["status"] == "converted" for r in rows),
+        "converted": converted,
         "inputs": plan["inputs"],
         "classes": plan["classes"],
         "num_classes": len(plan["classes"]),

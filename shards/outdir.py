@@ -17,7 +17,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from shards.atomic import atomic_write_bytes
+from shards.atomic import OutputError, atomic_write_bytes
 from shards.index import index_path
 from shards.manifest import MANIFEST_NAME, REJECTED_NAME, is_plain_tar_name, manifest_shards
 from shards.merge import plan_file, work_dir
@@ -26,11 +26,6 @@ from shards.sources import InputError
 INFO_NAME = "info.json"
 SET_FILES = (MANIFEST_NAME, REJECTED_NAME, INFO_NAME)
 CORRUPT = object()  # a plan.json that cannot be read
-
-
-class OutputError(ValueError):
-    """An output path a job cannot write (a file where a folder goes, or the reverse; no permission;
-    a full disk). Its message names the path and the option that gave it."""
 
 
 def _nearest_existing(path: Path) -> Path:

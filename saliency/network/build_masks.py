@@ -403,20 +403,20 @@ def masks_job(out: Path, model_sha256: str, tars: list[Path]) -> tuple[ShardJob,
 
 
 def _summary(records: list[dict], seconds: float) -> dict:
-    rows = [r for rec in records for r in rec["manifest"]]
-    coverage = np.array([r["mask_coverage"] for r in rows], dtype=np.float64)
-    histogram = np.histogram(coverage, bins=10, range=(0.0, 1.0))[0].tolist() if len(rows) else [0] * 10
+    coverage = np.concatenate([np.zeros(0), *(rec["manifest"].column("mask_coverage").to_numpy(zero_copy_only=False)
+                                              for rec in records if rec["manifest"].num_rows)]).astype(np.float64)
+    histogram = np.histogram(coverage, bins=10, range=(0.0, 1.0))[0].tolist() if len(coverage) else [0] * 10
     members = sum((Counter(rec.get("members", {})) for rec in records), Counter())
     replaced = members.pop(MASK_MEMBER, 0)
     return {
-        "written": len(rows),
+        "written": len(coverage),
         "rejected": sum(len(rec["rejected"]) for rec in records),
         "carried_members": dict(members),  # input members no job reads, written unchanged
         "replaced_masks": replaced,
         "below_min_coverage": int((coverage < MIN_COVERAGE).sum()),
         "min_coverage": MIN_COVERAGE,
         "coverage_histogram": histogram,
-        "mean_coverage": float(coverage.mean()) if len(rows) else None,
+        "mean_coverage": float(coverage.mean()) if len(coverage) else None,
         "seconds": round(seconds, 2),
     }
 
