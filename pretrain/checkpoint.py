@@ -35,7 +35,7 @@ from pretrain.model.encoder_file import (
 )
 from pretrain.model.resnet import ResNet, resnet
 from pretrain.untrusted import TORCH_LOAD_ERRORS, load_failure
-from shards.atomic import TEMP_MARK, atomic_output, atomic_write_bytes
+from shards.atomic import atomic_output, atomic_write_bytes, remove_stale_temps
 
 FORMAT = "relicv2-pretrain-checkpoint"
 VERSION = 1
@@ -169,14 +169,7 @@ def remove_stale_temporaries(output_dir: str | Path) -> int:
     folder = Path(output_dir)
     if not folder.is_dir():
         return 0
-    removed = 0
-    for path in folder.glob(f".*{TEMP_MARK}*"):
-        final = path.name[1 : path.name.index(TEMP_MARK)]
-        if _NAME.match(final) or final in RUN_FILES:
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-                removed += 1
-    return removed
+    return remove_stale_temps(folder, lambda final: bool(_NAME.match(final)) or final in RUN_FILES)
 
 
 def earlier_config_path(folder: Path, step: int) -> Path:

@@ -7,7 +7,6 @@ runs 2 CPU processes in the tests and many GPUs on a cluster.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from shards.ranks import RanksError, ranks_from_env
 from shards.shardset import ShardSetError, derive_missing_indexes
 
 
@@ -44,15 +44,11 @@ def describe_environment(device: str = "auto", env: dict[str, str] | None = None
 
     device: "auto" (CUDA when available), "cpu" or "cuda".
     """
-    env = dict(os.environ) if env is None else env
     try:
-        rank = int(env.get("RANK", "0"))
-        world_size = int(env.get("WORLD_SIZE", "1"))
-        local_rank = int(env.get("LOCAL_RANK", "0"))
-    except ValueError as error:
-        raise RuntimeError(f"malformed torchrun environment (RANK/WORLD_SIZE/LOCAL_RANK): {error}") from None
-    if not 0 <= rank < world_size:
-        raise RuntimeError(f"RANK={rank} is outside WORLD_SIZE={world_size}; launch with torchrun")
+        ranks = ranks_from_env(env)
+    except RanksError as error:
+        raise RuntimeError(f"malformed torchrun environment: {error}") from None
+    rank, world_size, local_rank = ranks.rank, ranks.world_size, ranks.local_rank
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":

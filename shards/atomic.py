@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -60,8 +60,9 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         tmp.write_bytes(data)
 
 
-def remove_stale_temps(directory: Path, names: set[str] | None = None) -> int:
-    """Delete temporary files left by killed writers for the final names in `names` (None: all); return the count.
+def remove_stale_temps(directory: Path, names: set[str] | Callable[[str], bool] | None = None) -> int:
+    """Delete temporary files left by killed writers for the final names in `names` (a set, or a test
+    of the final name; None: all); return the count.
 
     Call it only while holding the folder's lock (shards.lock), and under torchrun only for the
     caller's own final names: other ranks may be writing other files in the same folder.
@@ -69,7 +70,7 @@ def remove_stale_temps(directory: Path, names: set[str] | None = None) -> int:
     removed = 0
     for p in Path(directory).glob(f".*{TEMP_MARK}*"):
         final = p.name[1 : p.name.index(TEMP_MARK)]
-        if names is None or final in names:
+        if names is None or (names(final) if callable(names) else final in names):
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
                 removed += 1
