@@ -65,7 +65,7 @@ from pretrain.trainer import (
     train_step,
     wrap_networks,
 )
-from pretrain.views.config import ViewConfig
+from pretrain.views.config import ViewConfig, mask_mismatch
 from pretrain.views.source import ViewSource
 from pretrain.views.synthetic import SyntheticViews
 from shards.lock import FolderLockedError, folder_lock
@@ -141,6 +141,20 @@ def check_before_starting(config: PretrainConfig, resume: str | Path | None) -> 
             raise ConfigError(f"knn.train_shards / knn.val_shards: {error}") from None
     if resume is not None and not Path(resume).is_file():
         raise ConfigError(f"--resume {resume} does not exist or is not a file; pass a checkpoint-*.pt file")
+
+
+def check_masking(config: PretrainConfig, source: ViewSource, ctx: DistributedContext) -> None:
+    """Refuse a run whose masking setting and training shards disagree (before any step), unless
+    views.allow_mask_mismatch; the shard set says whether it carries masks once it is resolved."""
+    has_masks = getattr(source, "has_masks", None)  # generated data is never masked
+    problem = None if has_masks is None else mask_mismatch(config.views, has_masks)
+    if problem is None:
+        return
+    text = f"data.train_shards={config.data.train_shards} {problem}"
+    if not config.views.allow_mask_mismatch:
+        raise ConfigError(f"{text} (or set views.allow_mask_mismatch=true to train as configured)")
+    if ctx.is_main:
+        print(f"warning: {text}; training as configured (views.allow_mask_mismatch=true)", flush=True)
 
 
 @contextlib.contextmanager
@@ -222,6 +236,7 @@ def _pretrain(config: PretrainConfig, ctx: DistributedContext, *, resume: str | 
         raise CheckpointError(f"--resume {resume} is not a checkpoint of {out}, which holds another run (up to "
                               f"{own.name}); resume into another --output folder, or move that run out of {out} first")
     source = build_view_source(config, ctx)
+    check_masking(config, source, ctx)  # every rank reads the same set: all refuse alike
     dataset_size, steps_per_epoch = _epoch_layout(source, ctx.world_size)
     derived = derive(config, world_size=ctx.world_size, dataset_size=dataset_size, steps_per_epoch=steps_per_epoch)
     settings = StepSettings.from_config(config, derived, ctx)
@@ -267,6 +282,7 @@ def _train(config: PretrainConfig, ctx: DistributedContext, state: TrainState, s
                             progress_bar=config.run.progress_bar) if ctx.is_main else None)
     metrics: dict[str, float] = {}
     window = _Window()
+    masked, maskable = 0, 0  # large views masked / made in this epoch (this rank's share of the data)
     first_steps: list[float] = []
     try:
         while state.step < end_step:
@@ -279,6 +295,8 @@ def _train(config: PretrainConfig, ctx: DistributedContext, state: TrainState, s
                         logger.message(f"torch.compile: one-time cost ~{first_steps[0] - first_steps[1]:.1f} s "
                                        f"(first step {first_steps[0]:.1f} s, then {first_steps[1]:.2f} s)")
                 window.steps += 1
+                if "masking" in batch:
+                    masked, maskable = masked + batch["masking"][0], maskable + batch["masking"][1]
                 if logger is not None:
                     logger.advance()
                     if state.step % config.run.log_every == 0 or state.step == end_step:
@@ -288,6 +306,10 @@ def _train(config: PretrainConfig, ctx: DistributedContext, state: TrainState, s
                 if state.step % config.run.checkpoint_every == 0:
                     last_saved = _save(state, source, config, ctx, steps_per_epoch)
                 epoch, at_epoch_end = divmod(state.step, steps_per_epoch)
+                if at_epoch_end == 0 and maskable:
+                    if logger is not None:  # the masking actually applied, beside p_m in the config
+                        logger.log(state.step, {"masked_fraction": masked / maskable, "epoch": float(epoch)})
+                    masked, maskable = 0, 0
                 if config.knn.train_shards and at_epoch_end == 0 and epoch % config.knn.every_epochs == 0:
                     _knn_monitor(state, config, ctx, logger)
                 signal_name = stop.agreed(ctx)

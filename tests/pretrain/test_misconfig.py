@@ -1,0 +1,60 @@
+"""Settings a user can get silently wrong are refused before any step, with one line naming the fix."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pretrain.config import ConfigError
+from shards import ShardSample, write_shard_set
+from tests.pretrain.conftest import quiet_run, tiny_config
+from tests.pretrain.views.test_loader import jpeg, png
+from tests.threads import one_torch_thread
+
+SHARDS = ("data.source=shards", "views.backend=reference", "views.num_threads=1", "optim.epochs=2",
+          "run.checkpoint_every=100")
+
+
+def _shard_set(folder, *, masks: bool):
+    mask = np.zeros((40, 40), np.uint8)
+    mask[8:32, 8:32] = 255  # covers 36% of the image: every sample may be masked
+    members = (lambda i: {"jpg": jpeg(i), "mask.png": png(mask)}) if masks else (lambda i: {"jpg": jpeg(i)})
+    write_shard_set([ShardSample(f"s{i:02d}", members(i), i % 2, {}) for i in range(16)], folder, max_count=8)
+    return folder
+
+
+def _records(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize(("masks", "p_m", "fix"), [
+    (False, "0.1", "carries no saliency masks.*set views.mask_probability=0 to pretrain without masking"),
+    (True, "0.0", "carries saliency masks that views.mask_probability=0 never applies: set views.mask_probability=0.1"),
+])
+def test_masking_that_disagrees_with_the_data_is_refused_before_any_step(tmp_path, masks, p_m, fix):
+    shards = _shard_set(tmp_path / "shards", masks=masks)
+    run = tmp_path / "run"
+    with pytest.raises(ConfigError, match=f"data.train_shards={shards} {fix}.*views.allow_mask_mismatch=true"):
+        quiet_run(tiny_config(run, *SHARDS, f"data.train_shards={shards}", f"views.mask_probability={p_m}"))
+    assert not list(run.glob("checkpoint-*")) and not (run / "metrics.jsonl").exists()
+
+
+def test_the_override_trains_as_configured_and_says_so(tmp_path, capsys):
+    shards = _shard_set(tmp_path / "shards", masks=False)
+    with one_torch_thread():
+        from pretrain.run import run_pretraining
+
+        run_pretraining(tiny_config(tmp_path / "run", *SHARDS, f"data.train_shards={shards}",
+                                    "views.mask_probability=0.1", "views.allow_mask_mismatch=true"))
+    assert "warning: data.train_shards=" in capsys.readouterr().out
+    assert [r["masked_fraction"] for r in _records(tmp_path / "run") if "masked_fraction" in r] == [0.0, 0.0]
+
+
+def test_the_masked_fraction_applied_is_logged_per_epoch(tmp_path):
+    shards = _shard_set(tmp_path / "shards", masks=True)
+    with one_torch_thread():
+        quiet_run(tiny_config(tmp_path / "run", *SHARDS, f"data.train_shards={shards}", "views.mask_probability=1.0"))
+    fractions = [(r["epoch"], r["masked_fraction"]) for r in _records(tmp_path / "run") if "masked_fraction" in r]
+    assert fractions == [(1.0, 1.0), (2.0, 1.0)]  # every large view of every sample: each mask covers 36%
