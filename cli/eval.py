@@ -52,8 +52,10 @@ def eval_group() -> None:
 def knn(checkpoint: Path | None, random_depth: int | None, network: str, train_shards: Path, val_shards: Path,
         k: int | None, temperature: float | None, crop_size: int | None, resize_size: int | None,
         batch_size: int | None, device: str, seed: int, json_path: Path | None, allow_lost: bool) -> None:
-    """Weighted cosine kNN top-1 of an encoder: train features as the bank (defaults: pretrain.config.KnnConfig)."""
-    import dataclasses
+    """Weighted cosine kNN top-1 of an encoder: train features as the bank.
+
+    Unset options follow the checkpoint's training (its run's kNN monitor, else its view size), so
+    the figure matches the run's own; a random init takes pretrain.config.KnnConfig's defaults."""
 
     import torch
 
@@ -64,12 +66,9 @@ def knn(checkpoint: Path | None, random_depth: int | None, network: str, train_s
 
     if (checkpoint is None) == (random_depth is None):
         raise click.UsageError("give exactly one of --checkpoint or --random-init DEPTH")
-    given = {"k": k, "temperature": temperature, "crop_size": crop_size, "resize_size": resize_size,
-             "batch_size": batch_size}
-    try:  # the kNN settings are checked (positive, finite) by the one dataclass that owns their defaults
-        settings = load_config(None, [f"knn.{name}={value}" for name, value in given.items() if value is not None]).knn
-    except ConfigError as error:
-        raise click.UsageError(str(error).replace("--set overrides: knn.", "--").replace("_", "-")) from None
+    given = {name: value for name, value in {"k": k, "temperature": temperature, "crop_size": crop_size,
+                                              "resize_size": resize_size, "batch_size": batch_size}.items()
+             if value is not None}
     for name, spec in (("--train", train_shards), ("--val", val_shards)):
         try:
             shard_tars(spec)
@@ -81,6 +80,18 @@ def knn(checkpoint: Path | None, random_depth: int | None, network: str, train_s
         raise click.UsageError("--device cuda but no CUDA device is visible; use --device cpu")
     try:
         encoder, record = _backbone(checkpoint, random_depth, network, seed)
+    except (CheckpointError, FileNotFoundError, ValueError) as error:
+        raise click.ClickException(str(error)) from None
+    trained = record.get("trained_protocol") or {}
+    try:  # the kNN settings are checked (positive, finite) by the one dataclass that owns their defaults
+        settings = load_config(None, [f"knn.{name}={value}" for name, value in {**trained, **given}.items()]).knn
+    except ConfigError as error:
+        raise click.UsageError(str(error).replace("--set overrides: knn.", "--").replace("_", "-")) from None
+    if "crop_size" in trained and settings.crop_size != trained["crop_size"]:
+        click.echo(f"warning: the encoder was evaluated at {trained['crop_size']} px in its own run (or trained on "
+                   f"views of that size); --crop-size {settings.crop_size} gives a figure not comparable with it",
+                   err=True)
+    try:
         result = evaluate_knn(encoder.to(device), train_shards, val_shards, settings=settings, device=device,
                               progress=True, allow_lost=allow_lost)
     except LostSamplesError as error:
@@ -90,14 +101,15 @@ def knn(checkpoint: Path | None, random_depth: int | None, network: str, train_s
     assert result is not None  # a single process is rank 0
     what = (f"{record['checkpoint']} ({record['network']})" if checkpoint is not None
             else f"random-init ResNet-{random_depth}")
-    click.echo(f"{what}: kNN top-1 {result.top1:.4f} (k={settings.k}, T={settings.temperature}; "
+    source = "the checkpoint's own protocol" if trained else "the defaults"
+    click.echo(f"{what}: kNN top-1 {result.top1:.4f} ({settings.crop_size} px, k={settings.k}, "
+               f"T={settings.temperature}: {source} where not set; "
                f"{result.num_train} train, {result.num_val} val, {result.skipped} undecodable skipped, "
                f"{lost_text(result.lost)} lost while reading)")
     _warn_shortfalls(result)
     if json_path is not None:
-        payload = result.as_json(checkpoint=record["checkpoint"], random_init=random_depth, extra={
-            "network": record["network"],
-            "settings": {key: value for key, value in dataclasses.asdict(settings).items() if key in given}})
+        payload = result.as_json(checkpoint=record["checkpoint"], random_init=random_depth,
+                                 extra={"network": record["network"]})
         try:
             _write_json(json_path, payload)
         except OSError as error:
@@ -144,7 +156,8 @@ def _backbone(checkpoint: Path | None, random_depth: int | None, network: str, s
     if checkpoint is not None:
         encoder, info = load_backbone(checkpoint, network=network)
         return encoder, {"checkpoint": info["checkpoint"], "random_init": None, "network": info["network"],
-                         "step": info["step"], "source_format": info["format"]}
+                         "step": info["step"], "source_format": info["format"],
+                         "trained_protocol": info["trained_protocol"]}
     return random_encoder(random_depth, seed=seed), {"checkpoint": None, "random_init": random_depth,
                                                      "network": None, "step": None, "source_format": None}
 

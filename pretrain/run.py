@@ -282,7 +282,6 @@ def _train(config: PretrainConfig, ctx: DistributedContext, state: TrainState, s
                             progress_bar=config.run.progress_bar) if ctx.is_main else None)
     metrics: dict[str, float] = {}
     window = _Window()
-    masked, maskable = 0, 0  # large views masked / made in this epoch (this rank's share of the data)
     first_steps: list[float] = []
     try:
         while state.step < end_step:
@@ -295,8 +294,6 @@ def _train(config: PretrainConfig, ctx: DistributedContext, state: TrainState, s
                         logger.message(f"torch.compile: one-time cost ~{first_steps[0] - first_steps[1]:.1f} s "
                                        f"(first step {first_steps[0]:.1f} s, then {first_steps[1]:.2f} s)")
                 window.steps += 1
-                if "masking" in batch:
-                    masked, maskable = masked + batch["masking"][0], maskable + batch["masking"][1]
                 if logger is not None:
                     logger.advance()
                     if state.step % config.run.log_every == 0 or state.step == end_step:
@@ -306,10 +303,6 @@ def _train(config: PretrainConfig, ctx: DistributedContext, state: TrainState, s
                 if state.step % config.run.checkpoint_every == 0:
                     last_saved = _save(state, source, config, ctx, steps_per_epoch)
                 epoch, at_epoch_end = divmod(state.step, steps_per_epoch)
-                if at_epoch_end == 0 and maskable:
-                    if logger is not None:  # the masking actually applied, beside p_m in the config
-                        logger.log(state.step, {"masked_fraction": masked / maskable, "epoch": float(epoch)})
-                    masked, maskable = 0, 0
                 if config.knn.train_shards and at_epoch_end == 0 and epoch % config.knn.every_epochs == 0:
                     _knn_monitor(state, config, ctx, logger)
                 signal_name = stop.agreed(ctx)
@@ -350,10 +343,11 @@ def _step(state: TrainState, batch: dict[str, Any], online_forward: Any, target_
 
 
 class _Window:
-    """Throughput and data-wait time over the steps since the last log record."""
+    """Throughput, data-wait time and the masking applied over the steps since the last log record."""
 
     def __init__(self) -> None:
         self.start, self.steps, self.data_wait = time.perf_counter(), 0, 0.0
+        self.masked, self.large_views = 0, 0  # on this rank's share of the data
 
     def timed(self, source: ViewSource) -> Iterator[dict[str, Any]]:
         """Iterate `source`, adding the time spent waiting for each batch to the window."""
@@ -371,14 +365,20 @@ class _Window:
                     "(optim.global_batch, or more GPUs)"
                 ) from None
             self.data_wait += time.perf_counter() - waited
+            if "masking" in batch:  # shards: how many large views the loader masked
+                self.masked, self.large_views = self.masked + batch["masking"][0], self.large_views + batch["masking"][1]
             yield batch
 
     def take(self, global_batch: int) -> dict[str, float]:
-        """images_per_s and the mean data_wait_s per step over the window, then start a new window."""
+        """images_per_s, the mean data_wait_s per step and (from shards) the masked_fraction of the large
+        views over the window, then start a new window."""
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         record = {"images_per_s": global_batch * self.steps / elapsed,
                   "data_wait_s": self.data_wait / max(self.steps, 1)}
+        if self.large_views:
+            record["masked_fraction"] = self.masked / self.large_views
         self.start, self.steps, self.data_wait = time.perf_counter(), 0, 0.0
+        self.masked, self.large_views = 0, 0
         return record
 
 

@@ -49,12 +49,16 @@ def test_the_override_trains_as_configured_and_says_so(tmp_path, capsys):
         run_pretraining(tiny_config(tmp_path / "run", *SHARDS, f"data.train_shards={shards}",
                                     "views.mask_probability=0.1", "views.allow_mask_mismatch=true"))
     assert "warning: data.train_shards=" in capsys.readouterr().out
-    assert [r["masked_fraction"] for r in _records(tmp_path / "run") if "masked_fraction" in r] == [0.0, 0.0]
+    assert [r.get("masked_fraction") for r in _records(tmp_path / "run")] == [0.0] * 4  # 2 epochs of 2 steps
 
 
-def test_the_masked_fraction_applied_is_logged_per_epoch(tmp_path):
+@pytest.mark.parametrize(("p_m", "applied"), [("1.0", [1.0] * 4), ("0.5", None)])
+def test_the_masked_fraction_applied_is_logged(tmp_path, p_m, applied):
     shards = _shard_set(tmp_path / "shards", masks=True)
     with one_torch_thread():
-        quiet_run(tiny_config(tmp_path / "run", *SHARDS, f"data.train_shards={shards}", "views.mask_probability=1.0"))
-    fractions = [(r["epoch"], r["masked_fraction"]) for r in _records(tmp_path / "run") if "masked_fraction" in r]
-    assert fractions == [(1.0, 1.0), (2.0, 1.0)]  # every large view of every sample: each mask covers 36%
+        quiet_run(tiny_config(tmp_path / "run", *SHARDS, f"data.train_shards={shards}", f"views.mask_probability={p_m}"))
+    fractions = [r["masked_fraction"] for r in _records(tmp_path / "run")]  # one record per step (log_every=1)
+    if applied is not None:
+        assert fractions == applied  # every large view of every sample: each mask covers 36%
+    else:  # 2 large views x 8 images a step: a fraction in sixteenths, near p_m over the run
+        assert all(f * 16 == int(f * 16) for f in fractions) and 0.2 < sum(fractions) / len(fractions) < 0.8
