@@ -102,7 +102,7 @@ def knn(checkpoint: Path | None, random_depth: int | None, network: str, train_s
     what = (f"{record['checkpoint']} ({record['network']})" if checkpoint is not None
             else f"random-init ResNet-{random_depth}")
     source = "the checkpoint's own protocol" if trained else "the defaults"
-    click.echo(f"{what}: kNN top-1 {result.top1:.4f} ({settings.crop_size} px, k={settings.k}, "
+    click.echo(f"{what} on {device}: kNN top-1 {result.top1:.4f} ({settings.crop_size} px, k={settings.k}, "
                f"T={settings.temperature}: {source} where not set; "
                f"{result.num_train} train, {result.num_val} val, {result.skipped} undecodable skipped, "
                f"{lost_text(result.lost)} lost while reading)")
@@ -256,7 +256,7 @@ def _run_evaluation(job: str, evaluate: Callable[[Any, Any], Any], *, checkpoint
     payload = result.as_json(checkpoint=record["checkpoint"], random_init=record["random_init"],
                              extra={"network": record["network"], "step": record["step"],
                                     "world_size": ctx.world_size, **extra})
-    _print_result(f"{result.protocol} of {what}", payload, lost_text(result.lost))
+    _print_result(f"{result.protocol} of {what} on {ctx.device}", payload, lost_text(result.lost))
     _warn_shortfalls(result)
     _write_json(json_path, payload)
     if output is not None:

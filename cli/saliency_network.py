@@ -58,7 +58,8 @@ def train_command(shards: Path, out: Path, preset: str, backbone: str, gt: Path 
               help="Processes for decoding, resizing and mask encoding (0: all in this process). "
                    "[default: this rank's CPU cores less one]")
 @click.option("--batch", "batch_size", default=32, show_default=True, help="Images per forward pass.")
-@click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
+@click.option("--device", default="auto", show_default=True,
+              help="auto (CUDA when a GPU is visible, else the CPU), cpu or cuda[:N].")
 @index_cache_option
 @click.option("--progress/--no-progress", default=True, show_default=True)
 def build_masks_command(model_path: Path, shards: Path, out: Path, workers: int | None, batch_size: int, device: str,

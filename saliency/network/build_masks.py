@@ -31,6 +31,7 @@ import contextlib
 import hashlib
 import json
 import os
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import Executor, Future
@@ -42,6 +43,7 @@ import cv2
 import numpy as np
 from tqdm import tqdm
 
+from saliency.network.config import resolve_device
 from saliency.network.images import member_key
 from saliency.network.mask_work import (
     MIN_COVERAGE,
@@ -102,7 +104,7 @@ class BuildMasksConfig:
     out: Path
     workers: int | None = None  # processes; None: default_workers(); 0: all in the job's own process
     batch_size: int = 32
-    device: str = "cpu"
+    device: str = "auto"  # CUDA when a GPU is visible (this rank's under torchrun), else the CPU
     progress: bool = True
     merge_timeout: float = 3600.0  # rank 0 waits this long for the other ranks' shards
     # Where indexes of input tars without one are derived; None: shards.shardset.default_index_cache.
@@ -451,7 +453,10 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
     _check_settings(out, settings)
     check_out_folder(out, len(tars))
     # The model is read before --out is created: a refused model leaves no folder behind.
-    predictor = predictor or MaskPredictor(model, config.device)
+    if predictor is None:
+        device = resolve_device(config.device)
+        predictor = MaskPredictor(model, device)
+        print(f"saliency build-masks: rank {ranks.rank} predicts on {device}", file=sys.stderr, flush=True)
     workers = default_workers() if config.workers is None else config.workers
     try:  # before --out exists, like the other refusals (the ring itself is made with the workers)
         check_shm_space(ring_bytes(config.batch_size, predictor.size) * local_ranks())  # every rank of the node has one

@@ -82,7 +82,7 @@ class SaliencyTrainConfig:
     crf: CrfConfig = field(default_factory=CrfConfig)
     seed: int = 0
     workers: int = 2  # processes for handcrafted maps and the CRF
-    device: str = "cpu"
+    device: str = "auto"  # "auto": CUDA when a GPU is visible, else the CPU; or "cpu", "cuda[:N]"
     threads: int = 0  # torch intra-op threads (0: torch's default)
 
     def __post_init__(self) -> None:
@@ -101,6 +101,24 @@ class SaliencyTrainConfig:
             raise SaliencyConfigError(f"fuse_epochs must be >= 0, got {self.fuse_epochs}")
         if not 0.0 <= self.average_keep < 1.0:
             raise SaliencyConfigError(f"average_keep must be in [0, 1), got {self.average_keep}")
+
+
+def resolve_device(device: str) -> str:
+    """The torch device a saliency job runs on: "auto" is CUDA when a GPU is visible (this rank's
+    GPU under torchrun), else the CPU; a CUDA device without a GPU is a SaliencyConfigError."""
+    import os
+
+    import torch  # here: the config module stays light for `--help`
+
+    if device == "auto":
+        if not torch.cuda.is_available():
+            return "cpu"
+        return f"cuda:{os.environ['LOCAL_RANK']}" if "LOCAL_RANK" in os.environ else "cuda"
+    if device != "cpu" and not (device == "cuda" or device.startswith("cuda:")):
+        raise SaliencyConfigError(f"device must be auto, cpu or cuda[:N], got {device!r}")
+    if device != "cpu" and not torch.cuda.is_available():
+        raise SaliencyConfigError(f"device {device} but no CUDA device is visible; use device=auto or cpu")
+    return device
 
 
 PRESETS: dict[str, dict[str, Any]] = {

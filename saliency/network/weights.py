@@ -21,6 +21,7 @@ from torch import Tensor
 
 from pretrain.checkpoint import FORMAT as PRETRAIN_FORMAT
 from pretrain.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
+from pretrain.model.encoder_file import architecture_of
 from pretrain.model.resnet import ResNet, load_torchvision_state_dict
 from pretrain.untrusted import TORCH_LOAD_ERRORS, load_failure
 
@@ -113,11 +114,23 @@ def encoder_state_dict(source: str | Path, depth: int, width: int) -> tuple[dict
     return _strip(tensors), f"{kind} {path}"
 
 
-def load_encoder_weights(encoder: ResNet, source: str | Path, depth: int, width: int) -> str:
-    """Initialise `encoder` (a `resnet(depth, width)`) from `source`; returns a description of the source."""
-    state, description = encoder_state_dict(source, depth, width)
+def load_fitting(encoder: ResNet, state: dict[str, Tensor], source: str | Path, depth: int, width: int) -> None:
+    """Load `state` into `encoder` (a `resnet(depth, width)`); a BackboneError naming the settings
+    that fit when the file holds another depth or width (read from its tensors' shapes)."""
     try:
         load_torchvision_state_dict(encoder, state)
     except ValueError as error:
-        raise BackboneError(f"{source} does not fit a ResNet-{depth} at width {width}: {error}") from None
+        found = architecture_of(state)
+        if found is None or found == (depth, width):
+            raise BackboneError(f"{source} does not fit a ResNet-{depth} at width {width}: {error}") from None
+        fix = " ".join(f"--set {name}={value}" for name, value, wanted in
+                       (("depth", found[0], depth), ("width", found[1], width)) if value != wanted)
+        raise BackboneError(f"{source} does not fit a ResNet-{depth} at width {width}: it holds a ResNet-{found[0]} "
+                            f"at width {found[1]} (read from its tensors); add {fix}") from None
+
+
+def load_encoder_weights(encoder: ResNet, source: str | Path, depth: int, width: int) -> str:
+    """Initialise `encoder` (a `resnet(depth, width)`) from `source`; returns a description of the source."""
+    state, description = encoder_state_dict(source, depth, width)
+    load_fitting(encoder, state, source, depth, width)
     return description
