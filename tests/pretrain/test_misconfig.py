@@ -62,3 +62,29 @@ def test_the_masked_fraction_applied_is_logged(tmp_path, p_m, applied):
         assert fractions == applied  # every large view of every sample: each mask covers 36%
     else:  # 2 large views x 8 images a step: a fraction in sixteenths, near p_m over the run
         assert all(f * 16 == int(f * 16) for f in fractions) and 0.2 < sum(fractions) / len(fractions) < 0.8
+
+
+def test_the_report_shows_the_masking_applied_and_each_figures_protocol(tmp_path):
+    from pretrain.report import ReportInputs, build_report
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("views:\n  mask_probability: 0.1\nknn:\n  crop_size: 64\n  k: 20\n"
+                                     "  temperature: 0.07\n  train_shards: sh/train\n  val_shards: sh/val\n"
+                                     "derived:\n  steps_per_epoch: 2\n")
+    steps = [{"step": s, "epoch": s / 2, "loss": 1.0, "masked_fraction": f} for s, f in
+             ((1, 0.0), (2, 0.2), (3, 0.1), (4, 0.1))]
+    knn = [{"step": 4, "knn_top1": 0.44}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps + knn))
+    evals = tmp_path / "evals"
+    evals.mkdir()
+    for name, size, top1 in (("knn-64.json", 64, 0.44), ("knn-224.json", 224, 0.34)):
+        (evals / name).write_text(json.dumps({
+            "protocol": "knn", "checkpoint": "run/checkpoint-4.pt", "top1": top1, "num_train": 10, "num_val": 5,
+            "settings": {"image_size": size, "k": 20, "temperature": 0.07, "bank": "sh/train", "split": "sh/val"}}))
+    build_report(ReportInputs(run_dir=run, eval_json=(evals,)), tmp_path / "report.html")
+    page = (tmp_path / "report.html").read_text()
+    assert "masked fraction of large views per epoch (views.mask_probability 0.1): 1: 0.100, 2: 0.100" in page
+    assert "at step 4 (64 px, k=20, T=0.07, bank train, split val)" in page
+    assert "<td>64 px, k=20, T=0.07, bank train, split val</td>" in page
+    assert "<td>224 px, k=20, T=0.07, bank train, split val</td>" in page
