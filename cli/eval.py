@@ -61,7 +61,7 @@ def knn(checkpoint: Path | None, random_depth: int | None, network: str, train_s
 
     from pretrain.checkpoint import CheckpointError
     from pretrain.config import ConfigError, load_config
-    from pretrain.eval.knn import evaluate_knn
+    from pretrain.eval.knn import evaluate_knn, shared_tars
     from pretrain.eval.outcome import LostSamplesError, lost_text
 
     if (checkpoint is None) == (random_depth is None):
@@ -74,6 +74,10 @@ def knn(checkpoint: Path | None, random_depth: int | None, network: str, train_s
             shard_tars(spec)
         except ShardSetError as error:
             raise click.UsageError(f"{name} {spec}: {error}") from None
+    both = shared_tars(train_shards, val_shards)
+    if both:
+        raise click.UsageError(f"--train and --val share {len(both)} tar(s) ({both[0].name}, ...): each query would "
+                               "be found in the bank itself; pass a held-out labelled set as --val")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     elif device == "cuda" and not torch.cuda.is_available():
@@ -102,7 +106,7 @@ def knn(checkpoint: Path | None, random_depth: int | None, network: str, train_s
     what = (f"{record['checkpoint']} ({record['network']})" if checkpoint is not None
             else f"random-init ResNet-{random_depth}")
     source = "the checkpoint's own protocol" if trained else "the defaults"
-    click.echo(f"{what} on {device}: kNN top-1 {result.top1:.4f} ({settings.crop_size} px, k={settings.k}, "
+    click.echo(f"{what}: kNN top-1 {result.top1:.4f} (on {device}, {settings.crop_size} px, k={settings.k}, "
                f"T={settings.temperature}: {source} where not set; "
                f"{result.num_train} train, {result.num_val} val, {result.skipped} undecodable skipped, "
                f"{lost_text(result.lost)} lost while reading)")
@@ -256,7 +260,7 @@ def _run_evaluation(job: str, evaluate: Callable[[Any, Any], Any], *, checkpoint
     payload = result.as_json(checkpoint=record["checkpoint"], random_init=record["random_init"],
                              extra={"network": record["network"], "step": record["step"],
                                     "world_size": ctx.world_size, **extra})
-    _print_result(f"{result.protocol} of {what} on {ctx.device}", payload, lost_text(result.lost))
+    _print_result(f"{result.protocol} of {what}", payload, lost_text(result.lost), ctx.device)
     _warn_shortfalls(result)
     _write_json(json_path, payload)
     if output is not None:
@@ -269,9 +273,9 @@ def _plain(config) -> dict[str, Any]:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(config).items()}
 
 
-def _print_result(title: str, payload: dict[str, Any], lost: str) -> None:
+def _print_result(title: str, payload: dict[str, Any], lost: str, device: object) -> None:
     top5 = payload["top5"]
-    rows = [("protocol", payload["protocol"]), ("top-1", f"{payload['top1']:.4f}"),
+    rows = [("protocol", payload["protocol"]), ("device", str(device)), ("top-1", f"{payload['top1']:.4f}"),
             ("top-5", f"{top5:.4f}" if top5 is not None else "- (fewer than 5 classes)"),
             ("train images", str(payload["num_train"])), ("val images", str(payload["num_val"])),
             ("undecodable skipped", str(payload["skipped"])), ("lost while reading", lost)]

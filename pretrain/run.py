@@ -53,7 +53,7 @@ from pretrain.distributed import (
     teardown,
 )
 from pretrain.eval.classes import ClassMismatchError, check_same_classes
-from pretrain.eval.knn import evaluate_knn
+from pretrain.eval.knn import evaluate_knn, shared_tars
 from pretrain.eval.outcome import lost_fields
 from pretrain.metrics_log import MetricsLogger, truncate_metrics
 from pretrain.resume import DataPosition, restore
@@ -139,6 +139,7 @@ def check_before_starting(config: PretrainConfig, resume: str | Path | None) -> 
             check_same_classes(config.knn.train_shards, config.knn.val_shards)
         except ClassMismatchError as error:
             raise ConfigError(f"knn.train_shards / knn.val_shards: {error}") from None
+        _check_knn_sets(config)
     if resume is not None and not Path(resume).is_file():
         raise ConfigError(f"--resume {resume} does not exist or is not a file; pass a checkpoint-*.pt file")
 
@@ -155,6 +156,18 @@ def check_masking(config: PretrainConfig, source: ViewSource, ctx: DistributedCo
         raise ConfigError(f"{text} (or set views.allow_mask_mismatch=true to train as configured)")
     if ctx.is_main:
         print(f"warning: {text}; training as configured (views.allow_mask_mismatch=true)", flush=True)
+
+
+def _check_knn_sets(config: PretrainConfig) -> None:
+    """The monitor's queries must be images neither in its bank (refused) nor trained on (a warning)."""
+    knn = config.knn
+    both = shared_tars(knn.train_shards, knn.val_shards)
+    if both:
+        raise ConfigError(f"knn.train_shards and knn.val_shards share {len(both)} tar(s) ({both[0].name}, ...): the "
+                          "monitor would find each query in its own bank; set knn.val_shards to a held-out labelled set")
+    if config.data.source == "shards" and shared_tars(config.data.train_shards, knn.val_shards):
+        print(f"warning: knn.val_shards={knn.val_shards} holds images of data.train_shards: the kNN monitor scores "
+              "images the encoder trains on; a held-out labelled set gives a figure that generalises", flush=True)
 
 
 @contextlib.contextmanager

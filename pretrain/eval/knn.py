@@ -31,9 +31,10 @@ from pretrain.eval.outcome import LostSamples, figure, lost_fields, refuse_lost
 from shards import ReadReport, iter_samples, resolve_shard_set
 from shards.images import ImageLoadError, load_image
 from shards.sample import missing_label
+from shards.shardset import shard_tars
 
 __all__ = ["KnnResult", "encoder_from_checkpoint", "evaluate_knn", "extract_features", "knn_predict",
-           "random_encoder", "resolve_checkpoint", "trained_protocol"]
+           "random_encoder", "resolve_checkpoint", "shared_tars", "trained_protocol"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -56,6 +57,12 @@ class KnnResult:
                 "top5": None, "num_train": self.num_train, "num_val": self.num_val, "skipped": self.skipped,
                 "skipped_keys": self.skipped_keys, **lost_fields(self.lost), "settings": self.settings,
                 **(extra or {})}
+
+
+def shared_tars(bank: str | Path, queries: str | Path) -> list[Path]:
+    """The tars two shard sets have in common: a kNN classifier whose bank holds its queries scores
+    each image against itself (a figure near 1 that says nothing). Both specs must resolve."""
+    return sorted({t.resolve() for t in shard_tars(bank)[0]} & {t.resolve() for t in shard_tars(queries)[0]})
 
 
 def trained_protocol(config: PretrainConfig) -> dict[str, Any]:

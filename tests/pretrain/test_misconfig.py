@@ -88,3 +88,21 @@ def test_the_report_shows_the_masking_applied_and_each_figures_protocol(tmp_path
     assert "at step 4 (64 px, k=20, T=0.07, bank train, split val)" in page
     assert "<td>64 px, k=20, T=0.07, bank train, split val</td>" in page
     assert "<td>224 px, k=20, T=0.07, bank train, split val</td>" in page
+
+
+def test_a_knn_monitor_whose_queries_are_in_its_bank_is_refused(tmp_path):
+    shards = _shard_set(tmp_path / "shards", masks=False)
+    with pytest.raises(ConfigError, match=r"knn.train_shards and knn.val_shards share 2 tar\(s\) .*held-out"):
+        quiet_run(tiny_config(tmp_path / "run", f"knn.train_shards={shards}", f"knn.val_shards={shards}"))
+    assert not (tmp_path / "run").exists()
+
+
+def test_eval_knn_refuses_a_bank_that_holds_its_queries(tmp_path):
+    from click.testing import CliRunner
+
+    from cli.eval import eval_group
+
+    shards = _shard_set(tmp_path / "shards", masks=False)
+    result = CliRunner().invoke(eval_group, ["knn", "--random-init", "18", "--train", str(shards),
+                                             "--val", str(shards / "images-000001.tar")])
+    assert result.exit_code == 2 and "--train and --val share 1 tar(s) (images-000001.tar, ...)" in result.output

@@ -46,7 +46,7 @@ def test_eval_knn_of_a_checkpoint_reproduces_its_runs_figure(monitored_run, shap
     assert record["settings"] == {"image_size": 16, "resize_size": 18, "k": 3, "temperature": 0.07,
                                   "bank": str(train), "split": str(val)}
     assert record["top1"] == pytest.approx(monitor["knn_top1"])
-    assert "16 px, k=3" in result.output and "the checkpoint's own protocol" in result.output
+    assert "16 px, k=3" in result.output and "on cpu" in result.output and "the checkpoint's own protocol" in result.output
 
 
 def test_an_image_size_the_encoder_was_not_scored_at_is_said(monitored_run, shape_shards, tmp_path):
