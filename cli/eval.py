@@ -218,25 +218,28 @@ def linear(checkpoint: Path | None, random_depth: int | None, network: str, trai
     """
     from pretrain.eval.linear import LinearConfig, config_with, evaluate_linear
 
+    given = _parse_sets(overrides)
     try:
-        config = config_with(LinearConfig.preset(preset), _parse_sets(overrides))
+        config = config_with(LinearConfig.preset(preset), given)
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint="--set") from None
     _run_evaluation(
-        "relicv2 eval linear", lambda encoder, ctx: evaluate_linear(
+        "relicv2 eval linear", lambda encoder, ctx, config: evaluate_linear(
             encoder, train_shards, val_shards, config, device=ctx.device, output_dir=output, ctx=ctx,
             allow_lost=allow_lost),
-        checkpoint=checkpoint, random_depth=random_depth, network=network, seed=seed, device=device,
-        output=output, json_path=json_path, extra={"config": _plain(config)})
+        config=config, given=given, checkpoint=checkpoint, random_depth=random_depth, network=network, seed=seed,
+        device=device, output=output, json_path=json_path, extra={})
 
 
-def _run_evaluation(job: str, evaluate: Callable[[Any, Any], Any], *, checkpoint: Path | None,
-                    random_depth: int | None, network: str, seed: int, device: str, output: Path | None,
-                    json_path: Path | None, extra: dict[str, Any]) -> None:
+def _run_evaluation(job: str, evaluate: Callable[[Any, Any, Any], Any], *, config: Any, given: dict[str, str],
+                    checkpoint: Path | None, random_depth: int | None, network: str, seed: int, device: str,
+                    output: Path | None, json_path: Path | None, extra: dict[str, Any]) -> None:
     """The body every trained-head evaluation shares: torchrun set-up, the output folder's lock, the
-    backbone, `evaluate(encoder, ctx)`, then (rank 0) the printed table and the JSON records."""
+    backbone, `evaluate(encoder, ctx, config)` with `config` at the image size that fits the encoder
+    where `given` (the --set options) does not say, then (rank 0) the printed table and the JSON records."""
     from pretrain import distributed
     from pretrain.checkpoint import CheckpointError
+    from pretrain.eval.knn import at_trained_size
     from pretrain.eval.outcome import LostSamplesError, lost_text
     from pretrain.eval.paper import HeadCheckpointError
     from pretrain.model.encoder_file import ExportError
@@ -246,7 +249,8 @@ def _run_evaluation(job: str, evaluate: Callable[[Any, Any], Any], *, checkpoint
     try:
         with folder_lock(output, job, enabled=ctx.rank == 0) if output else contextlib.nullcontext():
             encoder, record = _backbone(checkpoint, random_depth, network, seed)
-            result = evaluate(encoder, ctx)
+            config = at_trained_size(config, record.get("trained_protocol") or {}, given)
+            result = evaluate(encoder, ctx, config)
     except LostSamplesError as error:
         raise click.ClickException(f"{error}{ALLOW_LOST_HINT}") from None
     except (CheckpointError, ExportError, HeadCheckpointError, FolderLockedError, FileNotFoundError,
@@ -259,7 +263,7 @@ def _run_evaluation(job: str, evaluate: Callable[[Any, Any], Any], *, checkpoint
     what = record["checkpoint"] or f"random-init ResNet-{random_depth}"
     payload = result.as_json(checkpoint=record["checkpoint"], random_init=record["random_init"],
                              extra={"network": record["network"], "step": record["step"],
-                                    "world_size": ctx.world_size, **extra})
+                                    "world_size": ctx.world_size, "config": _plain(config), **extra})
     _print_result(f"{result.protocol} of {what}", payload, lost_text(result.lost), ctx.device)
     _warn_shortfalls(result)
     _write_json(json_path, payload)
@@ -302,8 +306,9 @@ def finetune_command(checkpoint: Path | None, random_depth: int | None, network:
     from pretrain.eval.linear import config_with
     from shards.subset import read_key_list
 
+    given = _parse_sets(overrides)
     try:
-        config = config_with(FinetuneConfig.preset_config(preset), _parse_sets(overrides))
+        config = config_with(FinetuneConfig.preset_config(preset), given)
     except ValueError as error:
         raise click.BadParameter(str(error), param_hint="--set") from None
     try:
@@ -311,7 +316,7 @@ def finetune_command(checkpoint: Path | None, random_depth: int | None, network:
     except (FileNotFoundError, ValueError) as error:
         raise click.ClickException(str(error)) from None
     _run_evaluation(
-        "relicv2 eval finetune", lambda encoder, ctx: finetune(
+        "relicv2 eval finetune", lambda encoder, ctx, config: finetune(
             encoder, train_shards, val_shards, keys, config, device=ctx.device, output_dir=output, ctx=ctx),
-        checkpoint=checkpoint, random_depth=random_depth, network=network, seed=seed, device=device,
-        output=output, json_path=json_path, extra={"labels": str(labels_path), "config": _plain(config)})
+        config=config, given=given, checkpoint=checkpoint, random_depth=random_depth, network=network, seed=seed,
+        device=device, output=output, json_path=json_path, extra={"labels": str(labels_path)})

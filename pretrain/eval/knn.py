@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ from shards.sample import missing_label
 from shards.shardset import shard_tars
 
 __all__ = ["KnnResult", "encoder_from_checkpoint", "evaluate_knn", "extract_features", "knn_predict",
-           "random_encoder", "resolve_checkpoint", "shared_tars", "trained_protocol"]
+           "random_encoder", "resolve_checkpoint", "shared_tars", "trained_protocol", "at_trained_size"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -71,6 +71,17 @@ def trained_protocol(config: PretrainConfig) -> dict[str, Any]:
     if config.knn.train_shards:
         return {name: getattr(config.knn, name) for name in ("k", "temperature", "crop_size", "resize_size")}
     return {"crop_size": config.views.large_size, "resize_size": 0}
+
+
+def at_trained_size(config: Any, trained: dict[str, Any], given: Collection[str]) -> Any:
+    """A linear or fine-tuning config (`crop_size`, `resize_size`) at the image size that fits the
+    encoder (`trained_protocol`), where the user did not set one; unchanged when nothing is known."""
+    if "crop_size" not in trained or "crop_size" in given:
+        return config
+    changes = {"crop_size": trained["crop_size"]}
+    if "resize_size" not in given:
+        changes["resize_size"] = resize_of(trained["crop_size"], trained.get("resize_size", 0))
+    return dataclasses.replace(config, **changes)
 
 
 def resize_of(crop_size: int, resize_size: int = 0) -> int:

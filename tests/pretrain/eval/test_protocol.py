@@ -64,3 +64,19 @@ def test_an_image_size_the_encoder_was_not_scored_at_is_said(monitored_run, shap
 def test_a_run_without_a_monitor_is_scored_at_its_view_size():
     config = load_config(None, ["views.large_size=64"])
     assert trained_protocol(config) == {"crop_size": 64, "resize_size": 0}
+
+
+def test_eval_linear_of_a_checkpoint_takes_its_image_size_unless_set(monitored_run, shape_shards, tmp_path):
+    run, _ = monitored_run
+    train, val = shape_shards
+    sizes = []
+    for extra in ([], ["--set", "crop_size=24"]):
+        out = tmp_path / f"linear{len(extra)}.json"
+        with one_torch_thread():
+            result = CliRunner().invoke(eval_group, ["linear", "--checkpoint", str(run), "--train", str(train), "--val",
+                                                     str(val), "--preset", "fast", "--set", "epochs=2", "--device",
+                                                     "cpu", "--json", str(out), *extra])
+        assert result.exit_code == 0, result.output
+        config = json.loads(out.read_text())["config"]
+        sizes.append((config["crop_size"], config["resize_size"]))
+    assert sizes == [(16, 18), (24, 256)]  # the run's monitor size; a size that is set wins (resize as set: default)
