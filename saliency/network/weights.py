@@ -57,16 +57,17 @@ def _strip(state: dict[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def _check_sidecar(path: Path, depth: int, width: int) -> None:
+def _check_sidecar(path: Path, depth: int, width: int) -> str:
+    """Refuse a sidecar's other depth or width; return its padding ("torch" when it names none)."""
     sidecar = path.with_name(path.name + ".json")
     if not sidecar.is_file():
-        return
+        return "torch"
     try:
         info = json.loads(sidecar.read_text())
     except (OSError, ValueError) as error:
         raise BackboneError(f"{sidecar} (the sidecar of {path.name}) is not readable JSON ({error})") from None
     if not isinstance(info, dict):
-        return
+        return "torch"
     found = (info.get("depth"), info.get("width", 1))
     if found[0] is not None and (int(found[0]), int(found[1] or 1)) != (depth, width):
         raise BackboneError(
@@ -74,6 +75,7 @@ def _check_sidecar(path: Path, depth: int, width: int) -> None:
             f"saliency network is a ResNet-{depth} at width {width}; set depth={found[0]} "
             f"width={found[1]} (--set) or pass other weights"
         )
+    return str(info.get("padding") or "torch")
 
 
 def _pretrain_encoder_state(path: Path) -> dict[str, Tensor]:
@@ -100,7 +102,11 @@ def encoder_state_dict(source: str | Path, depth: int, width: int) -> tuple[dict
         raise BackboneError(f"{path} holds a {type(payload).__name__}, not a state dict or checkpoint")
     if payload.get("format") == PRETRAIN_FORMAT:
         return _pretrain_encoder_state(path), f"relicv2 pretrain checkpoint {path}"
-    _check_sidecar(path, depth, width)
+    padding = _check_sidecar(path, depth, width)
+    # The saliency encoder pads as torchvision does (its dilated stages need it): weights made for
+    # TensorFlow "SAME" padding (the authors' release) still initialise it, but its features shift.
+    note = "" if padding == "torch" else (f" (made for {padding} padding; the saliency encoder pads as "
+                                          "torchvision does, so its features differ slightly from the source model's)")
     kind = "state dict"
     if isinstance(payload.get("state_dict"), dict):  # SwAV / DINO-style training checkpoint
         payload, kind = payload["state_dict"], "SwAV-format checkpoint"
@@ -111,7 +117,7 @@ def encoder_state_dict(source: str | Path, depth: int, width: int) -> tuple[dict
         raise BackboneError(f"{path} holds no weight tensors (keys {sorted(map(str, payload))[:5]}); it is not a ResNet state dict")
     if any(k.startswith("module.") for k in tensors):
         kind = "SwAV-format checkpoint" if kind == "state dict" else kind
-    return _strip(tensors), f"{kind} {path}"
+    return _strip(tensors), f"{kind} {path}{note}"
 
 
 def load_fitting(encoder: ResNet, state: dict[str, Tensor], source: str | Path, depth: int, width: int) -> None:

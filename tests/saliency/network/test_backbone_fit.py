@@ -69,3 +69,18 @@ def test_an_unknown_or_missing_device_is_refused():
     if not torch.cuda.is_available():
         with pytest.raises(SaliencyConfigError, match="no CUDA device is visible; use device=auto or cpu"):
             resolve_device("cuda")
+
+
+def test_a_backbone_made_for_another_padding_is_said(tmp_path):
+    import json
+
+    from saliency.network.weights import encoder_state_dict
+
+    path = tmp_path / "relicv2_r18.pt"
+    torch.save(resnet(18, 1).state_dict(), path)
+    path.with_name(path.name + ".json").write_text(json.dumps({"depth": 18, "width": 1, "format": "torchvision",
+                                                               "padding": "same_tf"}))
+    _, description = encoder_state_dict(path, 18, 1)
+    assert "made for same_tf padding; the saliency encoder pads as torchvision does" in description
+    path.with_name(path.name + ".json").write_text(json.dumps({"depth": 18, "width": 1, "format": "torchvision"}))
+    assert "padding" not in encoder_state_dict(path, 18, 1)[1]
