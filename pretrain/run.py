@@ -262,6 +262,7 @@ def _pretrain(config: PretrainConfig, ctx: DistributedContext, *, resume: str | 
     if ctx.is_main:
         text = describe(config, derived, version=_version())
         print(text, flush=True)
+        print(f"pretrain: {ctx.world_size} rank(s), each on {ctx.device.type}", flush=True)
         if start is not None and state.step >= final_step(config, derived):
             print(f"the run is finished at step {state.step}: nothing to train, {out / CONFIG_NAME} kept as it was "
                   "(raise run.max_steps or optim.epochs to train on)", flush=True)

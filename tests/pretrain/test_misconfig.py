@@ -48,7 +48,8 @@ def test_the_override_trains_as_configured_and_says_so(tmp_path, capsys):
 
         run_pretraining(tiny_config(tmp_path / "run", *SHARDS, f"data.train_shards={shards}",
                                     "views.mask_probability=0.1", "views.allow_mask_mismatch=true"))
-    assert "warning: data.train_shards=" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "warning: data.train_shards=" in printed and "pretrain: 1 rank(s), each on cpu" in printed
     assert [r.get("masked_fraction") for r in _records(tmp_path / "run")] == [0.0] * 4  # 2 epochs of 2 steps
 
 
