@@ -265,11 +265,8 @@ def _deltas(results: list[EvalResult]) -> str:
     results on the same numbers of train and val images and the same protocol settings (counts that
     differ mean different data, another image size another figure: such a gain would mean nothing)."""
     lines = []
-    def key(r: EvalResult) -> tuple:
-        return r.protocol, r.num_train, r.num_val, protocol_text(r.settings)
-
-    for protocol, num_train, num_val, settings in sorted({key(r) for r in results}, key=str):
-        same = [r for r in results if key(r) == (protocol, num_train, num_val, settings)]
+    for protocol, num_train, num_val, settings in sorted({_same_figure(r) for r in results}, key=str):
+        same = [r for r in results if _same_figure(r) == (protocol, num_train, num_val, settings)]
         trained = [r for r in same if not r.random_init]
         baseline = [r for r in same if r.random_init]
         if trained and baseline:
@@ -278,6 +275,11 @@ def _deltas(results: list[EvalResult]) -> str:
             lines.append(f"{protocol} ({shown}{_fmt(num_train)} train / {_fmt(num_val)} val images): pretrained "
                          f"{trained[0].top1:.4f} vs random init {baseline[0].top1:.4f} ({gain:+.4f})")
     return _notes(lines)
+
+
+def _same_figure(result: EvalResult) -> tuple[str, int | None, int | None, str]:
+    """What two results must share to be compared: protocol, image counts and settings."""
+    return result.protocol, result.num_train, result.num_val, protocol_text(result.settings)
 
 
 def _fmt(value: object) -> str:
