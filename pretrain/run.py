@@ -159,8 +159,13 @@ def check_masking(config: PretrainConfig, source: ViewSource, ctx: DistributedCo
 
 
 def _check_knn_sets(config: PretrainConfig) -> None:
-    """The monitor's queries must be images neither in its bank (refused) nor trained on (a warning)."""
+    """The monitor's queries must be images neither in its bank (refused) nor trained on (a warning),
+    scored at the size the encoder trains at (a warning)."""
     knn = config.knn
+    if knn.crop_size != config.views.large_size:
+        print(f"warning: knn.crop_size={knn.crop_size} but the encoder trains on views.large_size="
+              f"{config.views.large_size} px views: the monitor scores it at a size it never sees; set "
+              f"knn.crop_size={config.views.large_size} for the figure of the model being trained", flush=True)
     both = shared_tars(knn.train_shards, knn.val_shards)
     if both:
         raise ConfigError(f"knn.train_shards and knn.val_shards share {len(both)} tar(s) ({both[0].name}, ...): the "

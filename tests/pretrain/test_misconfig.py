@@ -107,3 +107,15 @@ def test_eval_knn_refuses_a_bank_that_holds_its_queries(tmp_path):
     result = CliRunner().invoke(eval_group, ["knn", "--random-init", "18", "--train", str(shards),
                                              "--val", str(shards / "images-000001.tar")])
     assert result.exit_code == 2 and "--train and --val share 1 tar(s) (images-000001.tar, ...)" in result.output
+
+
+def test_a_knn_monitor_at_another_size_than_the_views_is_said(tmp_path, capsys):
+    from pretrain.run import check_before_starting
+
+    train, val = _shard_set(tmp_path / "train", masks=False), _shard_set(tmp_path / "val", masks=False)
+    config = tiny_config(tmp_path / "run", f"knn.train_shards={train}", f"knn.val_shards={val}", "knn.crop_size=32")
+    check_before_starting(config, None)
+    assert "warning: knn.crop_size=32 but the encoder trains on views.large_size=16 px views" in capsys.readouterr().out
+    check_before_starting(tiny_config(tmp_path / "run", f"knn.train_shards={train}", f"knn.val_shards={val}",
+                                      "knn.crop_size=16"), None)
+    assert "warning" not in capsys.readouterr().out
