@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from jobs.config import ConfigError
+from jobs.config import ConfigError, parse_overrides
 from pretrain.config import KnnConfig  # light (no torch): the one owner of the kNN defaults
 from shards.shardset import ShardSetError, shard_tars
 
@@ -85,14 +85,16 @@ def knn(checkpoint: Path | None, random_depth: int | None, network: str, train_s
     from pretrain.eval.job import knn_settings
 
     backbone = _backbone(checkpoint, random_depth, network, seed)
+    given = {"k": k, "temperature": temperature, "crop_size": crop_size, "resize_size": resize_size,
+             "batch_size": batch_size}
     try:
-        settings = knn_settings({"k": k, "temperature": temperature, "crop_size": crop_size,
-                                 "resize_size": resize_size, "batch_size": batch_size})
+        settings = knn_settings(given)
     except ConfigError as error:
         raise click.UsageError(str(error)) from None
     _check_sets(train_shards, val_shards)
     _run({"backbone": backbone, "train_shards": train_shards, "val_shards": val_shards, "config": settings,
-          "json_path": json_path, "device": device, "allow_lost": allow_lost})
+          "json_path": json_path, "device": device, "allow_lost": allow_lost,
+          "given": frozenset(name for name, value in given.items() if value is not None)})
 
 
 def _check_sets(train_shards: Path, val_shards: Path) -> None:
@@ -161,7 +163,8 @@ def linear(checkpoint: Path | None, random_depth: int | None, network: str, trai
     except ConfigError as error:
         raise click.BadParameter(str(error), param_hint="--config/--set") from None
     _run({"backbone": backbone, "train_shards": train_shards, "val_shards": val_shards, "config": config,
-          "output": output, "json_path": json_path, "device": device, "allow_lost": allow_lost})
+          "output": output, "json_path": json_path, "device": device, "allow_lost": allow_lost,
+          "given": frozenset(parse_overrides(overrides))})
 
 
 @eval_group.command("finetune")
@@ -189,4 +192,5 @@ def finetune_command(checkpoint: Path | None, random_depth: int | None, network:
     except ConfigError as error:
         raise click.BadParameter(str(error), param_hint="--config/--set") from None
     _run({"backbone": backbone, "train_shards": train_shards, "val_shards": val_shards, "config": config,
-          "output": output, "json_path": json_path, "device": device, "labels": labels_path})
+          "output": output, "json_path": json_path, "device": device, "labels": labels_path,
+          "given": frozenset(parse_overrides(overrides))})

@@ -7,8 +7,11 @@ Sub-command modules are imported only when their command runs (or its help is sh
 from __future__ import annotations
 
 import importlib
+import signal
 
 import click
+
+from cli import signals
 
 
 class LazyGroup(click.Group):
@@ -50,19 +53,18 @@ class LazyGroup(click.Group):
         return super().parse_args(ctx, args)
 
 
-INTERRUPTED_EXIT = 130  # 128 + SIGINT, as a shell reports a process stopped by Ctrl-C
-
-
 class RootGroup(LazyGroup):
-    """The `relicv2` group: Ctrl-C anywhere outside the training loop (which checkpoints and stops
-    itself) ends the command with one line and exit 130, not click's "Aborted!" and exit 1."""
+    """The `relicv2` group: SIGINT (Ctrl-C) or SIGTERM anywhere outside the training loop (which
+    checkpoints and stops itself) ends the workers and the command with one line and exit 130 / 143,
+    not click's "Aborted!" and exit 1 (`cli.signals`)."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
         except KeyboardInterrupt:
-            click.echo("\ninterrupted (Ctrl-C): finished work is kept; rerun the same command to continue", err=True)
-            ctx.exit(INTERRUPTED_EXIT)
+            ctx.exit(signals.stop(signal.SIGINT))
+        except signals.Terminated:
+            ctx.exit(signals.stop(signal.SIGTERM))
 
 
 @click.group(cls=RootGroup, context_settings={"help_option_names": ["-h", "--help"]}, lazy_commands={
@@ -92,7 +94,13 @@ def pretrain() -> None:
 
 
 def main() -> None:
-    cli()
+    signals.install()
+    try:
+        cli()
+    finally:
+        stopped = signals.received()
+        if stopped is not None:  # also where the job turned the signal into another error
+            raise SystemExit(signals.stop(stopped))
 
 
 if __name__ == "__main__":

@@ -67,7 +67,8 @@ def train_command(shards: Path, out: Path, config_name: str | None, preset_name:
                    "[default: this rank's CPU cores less one]")
 @click.option("--batch", "batch_size", type=click.IntRange(min=1), default=32, show_default=True,
               help="Images per forward pass.")
-@click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
+@click.option("--device", default="auto", show_default=True,
+              help="auto (CUDA when a GPU is visible, else the CPU), cpu or cuda[:N].")
 @index_cache_option
 @click.option("--merge-timeout", default=3600.0, show_default=True,
               help="Under torchrun: seconds rank 0 waits for the other ranks before merging.")

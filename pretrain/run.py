@@ -16,7 +16,6 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +52,7 @@ from pretrain.distributed import (
     teardown,
 )
 from pretrain.eval.classes import ClassMismatchError, check_same_classes
-from pretrain.eval.knn import evaluate_knn
+from pretrain.eval.knn import evaluate_knn, shared_tars
 from pretrain.eval.outcome import lost_fields
 from pretrain.metrics_log import MetricsLogger, truncate_metrics
 from pretrain.resume import DataPosition, restore
@@ -65,6 +64,7 @@ from pretrain.trainer import (
     train_step,
     wrap_networks,
 )
+from pretrain.views.config import mask_mismatch
 from pretrain.views.source import ViewSource
 from pretrain.views.synthetic import SyntheticViews
 from shards.lock import FolderLockedError, folder_lock
@@ -72,6 +72,7 @@ from shards.outdir import output_folder
 from shards.reader import ReadReport, iter_samples
 from shards.sample import missing_label
 from shards.shardset import ShardSetError, shard_tars
+from shards.version import package_version
 
 JOB_NAME = "relicv2 pretrain"
 # Builds this rank's data source once the process group is up (it needs the rank and the device).
@@ -143,8 +144,40 @@ def check_before_starting(config: PretrainConfig, resume: str | Path | None) -> 
             check_same_classes(config.knn.train_shards, config.knn.val_shards)
         except ClassMismatchError as error:
             raise ConfigError(f"knn.train_shards / knn.val_shards: {error}") from None
+        _check_knn_sets(config)
     if resume is not None and not Path(resume).is_file():
         raise ConfigError(f"--resume {resume} does not exist or is not a file; pass a checkpoint-*.pt file")
+
+
+def check_masking(config: PretrainConfig, source: ViewSource, ctx: DistributedContext) -> None:
+    """Refuse a run whose masking setting and training shards disagree (before any step), unless
+    views.allow_mask_mismatch; the shard set says whether it carries masks once it is resolved."""
+    has_masks = getattr(source, "has_masks", None)  # generated data is never masked
+    problem = None if has_masks is None else mask_mismatch(config.views, has_masks)
+    if problem is None:
+        return
+    text = f"data.train_shards={config.data.train_shards} {problem}"
+    if not config.views.allow_mask_mismatch:
+        raise ConfigError(f"{text} (or set views.allow_mask_mismatch=true to train as configured)")
+    if ctx.is_main:
+        print(f"warning: {text}; training as configured (views.allow_mask_mismatch=true)", flush=True)
+
+
+def _check_knn_sets(config: PretrainConfig) -> None:
+    """The monitor's queries must be images neither in its bank (refused) nor trained on (a warning),
+    scored at the size the encoder trains at (a warning)."""
+    knn = config.knn
+    if knn.crop_size != config.views.large_size:
+        print(f"warning: knn.crop_size={knn.crop_size} but the encoder trains on views.large_size="
+              f"{config.views.large_size} px views: the monitor scores it at a size it never sees; set "
+              f"knn.crop_size={config.views.large_size} for the figure of the model being trained", flush=True)
+    both = shared_tars(knn.train_shards, knn.val_shards)
+    if both:
+        raise ConfigError(f"knn.train_shards and knn.val_shards share {len(both)} tar(s) ({both[0].name}, ...): the "
+                          "monitor would find each query in its own bank; set knn.val_shards to a held-out labelled set")
+    if config.data.source == "shards" and shared_tars(config.data.train_shards, knn.val_shards):
+        print(f"warning: knn.val_shards={knn.val_shards} holds images of data.train_shards: the kNN monitor scores "
+              "images the encoder trains on; a held-out labelled set gives a figure that generalises", flush=True)
 
 
 @contextlib.contextmanager
@@ -216,6 +249,7 @@ def _pretrain(config: PretrainConfig, ctx: DistributedContext, views: ViewsFacto
         raise CheckpointError(f"--resume {resume} is not a checkpoint of {out}, which holds another run (up to "
                               f"{own.name}); resume into another --output folder, or move that run out of {out} first")
     source = views(config, ctx)  # the epoch as the source counts it: its share of images, its full batches
+    check_masking(config, source, ctx)  # every rank reads the same set: all refuse alike
     derived = derive(config, world_size=ctx.world_size, dataset_size=int(source.epoch_size) * ctx.world_size,
                      steps_per_epoch=len(source))
     settings = StepSettings.from_config(config, derived, ctx)
@@ -227,8 +261,9 @@ def _pretrain(config: PretrainConfig, ctx: DistributedContext, views: ViewsFacto
         if ctx.is_main:
             print("\n".join([*notes, f"resumed from {start} at step {state.step}"]), flush=True)
     if ctx.is_main:
-        text = describe(config, derived, version=_version())
+        text = describe(config, derived, version=package_version())
         print(text, flush=True)
+        print(f"pretrain: {ctx.world_size} rank(s), each on {ctx.device.type}", flush=True)
         if start is not None and state.step >= final_step(config, derived):
             print(f"the run is finished at step {state.step}: nothing to train, {out / CONFIG_NAME} kept as it was "
                   "(raise run.max_steps or optim.epochs to train on)", flush=True)
@@ -323,10 +358,11 @@ def _step(state: TrainState, batch: dict[str, Any], online_forward: Any, target_
 
 
 class _Window:
-    """Throughput and data-wait time over the steps since the last log record."""
+    """Throughput, data-wait time and the masking applied over the steps since the last log record."""
 
     def __init__(self) -> None:
         self.start, self.steps, self.data_wait = time.perf_counter(), 0, 0.0
+        self.masked, self.large_views = 0, 0  # on this rank's share of the data
 
     def timed(self, source: ViewSource) -> Iterator[dict[str, Any]]:
         """Iterate `source`, adding the time spent waiting for each batch to the window."""
@@ -344,14 +380,20 @@ class _Window:
                     "(optim.global_batch, or more GPUs)"
                 ) from None
             self.data_wait += time.perf_counter() - waited
+            if "masking" in batch:  # shards: how many large views the loader masked
+                self.masked, self.large_views = self.masked + batch["masking"][0], self.large_views + batch["masking"][1]
             yield batch
 
     def take(self, global_batch: int) -> dict[str, float]:
-        """images_per_s and the mean data_wait_s per step over the window, then start a new window."""
+        """images_per_s, the mean data_wait_s per step and (from shards) the masked_fraction of the large
+        views over the window, then start a new window."""
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         record = {"images_per_s": global_batch * self.steps / elapsed,
                   "data_wait_s": self.data_wait / max(self.steps, 1)}
+        if self.large_views:
+            record["masked_fraction"] = self.masked / self.large_views
         self.start, self.steps, self.data_wait = time.perf_counter(), 0, 0.0
+        self.masked, self.large_views = 0, 0
         return record
 
 
@@ -440,12 +482,4 @@ def _knn_monitor(state: TrainState, config: PretrainConfig, ctx: DistributedCont
             logger.message(f"warning: the kNN monitor's set {entry.source} lost samples while being read "
                            f"({entry.detail}); scored without them: check it with `relicv2 shards verify "
                            f"{entry.source}` and rebuild it")
-
-
-def _version() -> str:
-    # A copy of shards.version.package_version(), the one owner of this: to be replaced by a call to it.
-    try:
-        return metadata.version("relicv2")
-    except metadata.PackageNotFoundError:
-        return "unknown"
 

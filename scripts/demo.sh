@@ -167,9 +167,10 @@ elif stage eval "$key" "kNN and linear (fast) evaluation vs random init"; then
   crop=(--crop-size "$view_size" --resize-size "$view_size" --device cpu)
   relicv2 eval knn --checkpoint "$run" --train "$train" --val "$val" "${crop[@]}" --json "$evals/knn.json"
   relicv2 eval knn --random-init 18 --train "$train" --val "$val" "${crop[@]}" --json "$evals/knn-random.json"
-  relicv2 eval linear --checkpoint "$run" --train "$train" --val "$val" --config fast \
+  sizes=(--set crop_size="$view_size" --set resize_size="$view_size")  # one protocol for both figures
+  relicv2 eval linear --checkpoint "$run" --train "$train" --val "$val" --config fast "${sizes[@]}" \
       --output "$evals/linear" --json "$evals/linear-fast.json"
-  relicv2 eval linear --random-init 18 --train "$train" --val "$val" --config fast \
+  relicv2 eval linear --random-init 18 --train "$train" --val "$val" --config fast "${sizes[@]}" \
       --output "$evals/linear-random" --json "$evals/linear-fast-random.json"
   finished eval "$key"
 fi

@@ -14,6 +14,7 @@ from pretrain.checkpoint import (
     load_checkpoint,
     resolve_checkpoint,
 )
+from pretrain.eval.knn import trained_protocol
 from pretrain.model.encoder_file import (
     check_output_file,
     exported_network,
@@ -31,19 +32,23 @@ def load_backbone(path: str | Path, *, network: str = "online") -> tuple[ResNet,
     """(encoder, description) of an exported file or a pretraining checkpoint / run folder.
 
     The description holds what outputs should record: "checkpoint" (the file used), "network",
-    "step" when known, and "format". An exported file holds one network: `network="target"` of a
-    file holding the online one is an ExportError.
+    "step" when known, "format", and "trained_protocol": the kNN settings that fit the encoder's
+    training ({} when the file does not say). An exported file holds one network:
+    `network="target"` of a file holding the online one is an ExportError.
     """
     path = Path(path)
     if is_encoder_file(path):
         encoder = load_encoder_file(path, network=network)
         info = read_sidecar(path)
+        views = (info.get("config_summary") or {}).get("views") or {}
+        trained = {"crop_size": views["large_size"], "resize_size": 0} if isinstance(views.get("large_size"), int) else {}
         return encoder, {"checkpoint": str(path), "format": f"export-{info['format']}",
-                         "network": exported_network(info), "step": info.get("step")}
+                         "network": exported_network(info), "step": info.get("step"), "trained_protocol": trained}
     resolved = resolve_checkpoint(path)
     payload = load_checkpoint(resolved)  # read once: a large run's checkpoint takes seconds
     return encoder_from_payload(payload, resolved, network=network), {
-        "checkpoint": str(resolved), "format": "relicv2-checkpoint", "network": network, "step": int(payload["step"])}
+        "checkpoint": str(resolved), "format": "relicv2-checkpoint", "network": network, "step": int(payload["step"]),
+        "trained_protocol": trained_protocol(checkpoint_config(payload, resolved))}
 
 
 def _known_figures(run_dir: Path, step: int) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from jobs.config import (
 )
 from pretrain.config import KnnConfig
 from pretrain.eval.finetune import FinetuneConfig
+from pretrain.eval.knn import at_trained_size
 from pretrain.eval.linear import LinearConfig
 from shards.atomic import atomic_output, atomic_write_bytes
 from shards.outdir import check_output_file, check_output_folder, writing
@@ -84,10 +85,11 @@ def load_encoder(backbone: Backbone) -> tuple[Any, dict[str, Any]]:
     if backbone.checkpoint is not None:
         encoder, info = load_backbone(backbone.checkpoint, network=backbone.network)
         return encoder, {"checkpoint": info["checkpoint"], "random_init": None, "network": info["network"],
-                         "step": info["step"], "source_format": info["format"]}
+                         "step": info["step"], "source_format": info["format"],
+                         "trained_protocol": info.get("trained_protocol") or {}}
     return random_encoder(backbone.random_depth, seed=backbone.seed), {
         "checkpoint": None, "random_init": backbone.random_depth, "network": None, "step": None,
-        "source_format": None}
+        "source_format": None, "trained_protocol": {}}
 
 
 @dataclass(frozen=True)
@@ -103,18 +105,21 @@ class EvalJob:
     device: str = "auto"
     allow_lost: bool = False
     labels: Path | None = None  # fine-tuning: the key list of the labelled subset
+    # The settings the user gave; the others follow the encoder's own training (`trained_protocol`).
+    given: frozenset[str] = frozenset()
 
     @property
     def command(self) -> str:
         kind = {LinearConfig: "linear", FinetuneConfig: "finetune", KnnConfig: "knn"}[type(self.config)]
         return f"relicv2 eval {kind}"
 
-    def settings(self) -> str:
-        """The settings as printed at start and saved as config.yaml (the format of every job)."""
+    def settings(self, config: Any = None) -> str:
+        """The settings (`config`, default the job's) as printed at start and saved as config.yaml (the
+        format of every job)."""
         inputs: dict[str, Any] = {"backbone": self.backbone.as_dict(), "train": str(self.train_shards), "val": str(self.val_shards)}
         if self.labels is not None:
             inputs["labels"] = str(self.labels)
-        return settings_text(self.config, extra={"inputs": inputs}, version=package_version())
+        return settings_text(config or self.config, extra={"inputs": inputs}, version=package_version())
 
 
 @dataclass(frozen=True)
@@ -144,35 +149,43 @@ def run_eval(job: EvalJob, log: Callable[[str], None] = print) -> EvalOutcome | 
 def _run_knn(job: EvalJob, log: Callable[[str], None]) -> EvalOutcome:
     import torch
 
-    from pretrain.eval.knn import evaluate_knn
+    from pretrain.eval.knn import evaluate_knn, shared_tars
     from pretrain.eval.outcome import lost_text
 
+    both = shared_tars(job.train_shards, job.val_shards)
+    if both:
+        raise ValueError(f"--train and --val share {len(both)} tar(s) ({both[0].name}, ...): each query would be "
+                         "found in the bank itself; pass a held-out labelled set as --val")
     device = job.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     elif device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda but no CUDA device is visible; use --device cpu")
     encoder, record = load_encoder(job.backbone)
-    log(job.settings().rstrip())
-    settings = job.config
+    trained = record["trained_protocol"]
+    # Unset options follow the checkpoint's training (its run's kNN monitor, else its view size), so the
+    # figure matches the run's own; KnnConfig checks the values as for a user's.
+    settings = build(KnnConfig, {**{k: v for k, v in trained.items() if k not in job.given},
+                                 **{k: getattr(job.config, k) for k in job.given}}, source=job.command)
+    warnings = []
+    if "crop_size" in trained and settings.crop_size != trained["crop_size"]:
+        warnings.append(f"warning: the encoder was evaluated at {trained['crop_size']} px in its own run (or trained "
+                        f"on views of that size); --crop-size {settings.crop_size} gives a figure not comparable "
+                        "with it")
+    log(job.settings(settings).rstrip())
     result = evaluate_knn(encoder.to(device), job.train_shards, job.val_shards, settings=settings, device=device,
                           progress=True, allow_lost=job.allow_lost)
     assert result is not None  # a single process is rank 0
     what = (f"{record['checkpoint']} ({record['network']})" if job.backbone.checkpoint is not None
             else job.backbone.describe())
-    line = (f"{what}: kNN top-1 {result.top1:.4f} (k={settings.k}, T={settings.temperature}; "
-            f"{result.num_train} train, {result.num_val} val, {result.skipped} undecodable skipped, "
-            f"{lost_text(result.lost)} lost while reading)")
+    source = "the checkpoint's own protocol" if trained else "the defaults"
+    line = (f"{what}: kNN top-1 {result.top1:.4f} (on {device}, {settings.crop_size} px, k={settings.k}, "
+            f"T={settings.temperature}: {source} where not set; {result.num_train} train, {result.num_val} val, "
+            f"{result.skipped} undecodable skipped, {lost_text(result.lost)} lost while reading)")
     payload = result.as_json(checkpoint=record["checkpoint"], random_init=job.backbone.random_depth, extra={
-        "network": record["network"], "settings": _knn_protocol(settings)})
+        "network": record["network"]})
     _write_json(job.json_path, payload, "--json")
-    return EvalOutcome(result, payload, [line], _shortfalls(result))
-
-
-def _knn_protocol(settings: KnnConfig) -> dict[str, Any]:
-    """The settings that make a kNN figure (not the pretraining monitor's schedule or shard sets)."""
-    return {"k": settings.k, "temperature": settings.temperature, "crop_size": settings.crop_size,
-            "resize_size": settings.resize_size, "batch_size": settings.batch_size}
+    return EvalOutcome(result, payload, [line], warnings + _shortfalls(result))
 
 
 def _run_trained_head(job: EvalJob, log: Callable[[str], None]) -> EvalOutcome | None:
@@ -186,13 +199,15 @@ def _run_trained_head(job: EvalJob, log: Callable[[str], None]) -> EvalOutcome |
     try:
         with folder_lock(job.output, job.command, enabled=ctx.rank == 0) if job.output else contextlib.nullcontext():
             encoder, record = load_encoder(job.backbone)
+            # The image size follows the encoder's training unless the user set one.
+            config = at_trained_size(job.config, record["trained_protocol"], job.given)
             if ctx.rank == 0:
-                text = job.settings()
+                text = job.settings(config)
                 log(text.rstrip())
                 if job.output is not None:
                     job.output.mkdir(parents=True, exist_ok=True)
                     atomic_write_bytes(job.output / SETTINGS_FILE, text.encode())
-            result = _evaluate(job, encoder, ctx, keys)
+            result = _evaluate(job, config, encoder, ctx, keys)
     finally:
         distributed.teardown(ctx)
     if ctx.rank != 0:
@@ -200,33 +215,34 @@ def _run_trained_head(job: EvalJob, log: Callable[[str], None]) -> EvalOutcome |
     extra: dict[str, Any] = {"network": record["network"], "step": record["step"], "world_size": ctx.world_size}
     if job.labels is not None:
         extra["labels"] = str(job.labels)
-    extra["config"] = to_dict(job.config)
+    extra["config"] = to_dict(config)
     payload = result.as_json(checkpoint=record["checkpoint"], random_init=record["random_init"], extra=extra)
     _write_json(job.json_path, payload, "--json")
     if job.output is not None:
         _write_json(job.output / "result.json", payload, "--output")
     title = f"{result.protocol} of {record['checkpoint'] or job.backbone.describe()}"
-    return EvalOutcome(result, payload, _table(title, payload, lost_text(result.lost)), _shortfalls(result))
+    return EvalOutcome(result, payload, _table(title, payload, lost_text(result.lost), ctx.device),
+                       _shortfalls(result))
 
 
-def _evaluate(job: EvalJob, encoder: Any, ctx: Any, keys: set[str] | None) -> Any:
-    if isinstance(job.config, LinearConfig):
+def _evaluate(job: EvalJob, config: Any, encoder: Any, ctx: Any, keys: set[str] | None) -> Any:
+    if isinstance(config, LinearConfig):
         from pretrain.eval.linear import evaluate_linear
 
-        return evaluate_linear(encoder, job.train_shards, job.val_shards, job.config, device=ctx.device,
+        return evaluate_linear(encoder, job.train_shards, job.val_shards, config, device=ctx.device,
                                output_dir=job.output, ctx=ctx, allow_lost=job.allow_lost)
     from pretrain.eval.finetune import finetune
 
     if keys is None:
         raise ValueError("fine-tuning needs the key list of the labelled subset (--labels)")
-    return finetune(encoder, job.train_shards, job.val_shards, keys, job.config, device=ctx.device,
+    return finetune(encoder, job.train_shards, job.val_shards, keys, config, device=ctx.device,
                     output_dir=job.output, ctx=ctx)
 
 
-def _table(title: str, payload: dict[str, Any], lost: str) -> list[str]:
+def _table(title: str, payload: dict[str, Any], lost: str, device: object) -> list[str]:
     """The result as a two-column table (the human-readable twin of the JSON)."""
     top5 = payload["top5"]
-    rows = [("protocol", payload["protocol"]), ("top-1", f"{payload['top1']:.4f}"),
+    rows = [("protocol", payload["protocol"]), ("device", str(device)), ("top-1", f"{payload['top1']:.4f}"),
             ("top-5", f"{top5:.4f}" if top5 is not None else "- (fewer than 5 classes)"),
             ("train images", str(payload["num_train"])), ("val images", str(payload["num_val"])),
             ("undecodable skipped", str(payload["skipped"])), ("lost while reading", lost)]

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,16 +24,17 @@ from tqdm import tqdm
 
 # Re-exported: pretrain.checkpoint owns turning a file or run folder into an encoder.
 from pretrain.checkpoint import encoder_from_checkpoint, random_encoder, resolve_checkpoint
-from pretrain.config import KnnConfig
+from pretrain.config import KnnConfig, PretrainConfig
 from pretrain.distributed import DistributedContext, gather_object
 from pretrain.eval.classes import check_same_classes
 from pretrain.eval.outcome import LostSamples, figure, lost_fields, refuse_lost
 from shards import ReadReport, iter_samples, resolve_shard_set
 from shards.images import ImageLoadError, load_image
 from shards.sample import missing_label
+from shards.shardset import shard_tars
 
 __all__ = ["KnnResult", "encoder_from_checkpoint", "evaluate_knn", "extract_features", "knn_predict",
-           "random_encoder", "resolve_checkpoint"]
+           "random_encoder", "resolve_checkpoint", "shared_tars", "trained_protocol", "at_trained_size"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -46,11 +48,45 @@ class KnnResult:
     skipped: int  # samples that could not be decoded (reported on stderr)
     skipped_keys: list[str] = field(default_factory=list)  # their keys, sorted
     lost: list[LostSamples] = field(default_factory=list)  # samples lost while reading (only with allow_lost)
+    # The protocol that gave the figure: image_size, resize_size, k, temperature, bank (the train
+    # set), split (the set classified); two figures compare only where these agree.
+    settings: dict[str, Any] = field(default_factory=dict)
 
     def as_json(self, *, checkpoint: str | None, random_init: int | None, extra: dict | None = None) -> dict:
         return {"protocol": "knn", "checkpoint": checkpoint, "random_init": random_init, "top1": figure(self.top1),
                 "top5": None, "num_train": self.num_train, "num_val": self.num_val, "skipped": self.skipped,
-                "skipped_keys": self.skipped_keys, **lost_fields(self.lost), **(extra or {})}
+                "skipped_keys": self.skipped_keys, **lost_fields(self.lost), "settings": self.settings,
+                **(extra or {})}
+
+
+def shared_tars(bank: str | Path, queries: str | Path) -> list[Path]:
+    """The tars two shard sets have in common: a kNN classifier whose bank holds its queries scores
+    each image against itself (a figure near 1 that says nothing). Both specs must resolve."""
+    return sorted({t.resolve() for t in shard_tars(bank)[0]} & {t.resolve() for t in shard_tars(queries)[0]})
+
+
+def trained_protocol(config: PretrainConfig) -> dict[str, Any]:
+    """The kNN settings that fit an encoder pretrained with `config`: its run's own monitor's (so
+    `relicv2 eval knn` reproduces the run's figure), else its large views' size."""
+    if config.knn.train_shards:
+        return {name: getattr(config.knn, name) for name in ("k", "temperature", "crop_size", "resize_size")}
+    return {"crop_size": config.views.large_size, "resize_size": 0}
+
+
+def at_trained_size(config: Any, trained: dict[str, Any], given: Collection[str]) -> Any:
+    """A linear or fine-tuning config (`crop_size`, `resize_size`) at the image size that fits the
+    encoder (`trained_protocol`), where the user did not set one; unchanged when nothing is known."""
+    if "crop_size" not in trained or "crop_size" in given:
+        return config
+    changes = {"crop_size": trained["crop_size"]}
+    if "resize_size" not in given:
+        changes["resize_size"] = resize_of(trained["crop_size"], trained.get("resize_size", 0))
+    return dataclasses.replace(config, **changes)
+
+
+def resize_of(crop_size: int, resize_size: int = 0) -> int:
+    """The short side before the centre crop: `resize_size`, or crop_size / 0.875 when 0 (256 for 224)."""
+    return resize_size or round(crop_size / 0.875)
 
 
 def knn_predict(
@@ -154,7 +190,7 @@ def extract_features(
     """
     if not 0 <= part[0] < part[1]:
         raise ValueError(f"part must be (index, parts) with 0 <= index < parts, got {part}")
-    resize_size = resize_size or round(crop_size / 0.875)
+    resize_size = resize_of(crop_size, resize_size)
     device = torch.device(device)
     was_training = encoder.training
     encoder.eval()
@@ -239,8 +275,10 @@ def evaluate_knn(
     num_classes = int(max(bank_labels.max(), query_labels.max())) + 1
     predicted = knn_predict(bank, bank_labels, queries, num_classes=num_classes, k=k, temperature=temperature)
     top1 = int((predicted == query_labels).sum()) / len(query_labels)
+    protocol = {"image_size": settings.crop_size, "resize_size": resize_of(settings.crop_size, settings.resize_size),
+                "k": k, "temperature": temperature, "bank": str(train_shards), "split": str(val_shards)}
     return KnnResult(top1=top1, num_train=len(bank_labels), num_val=len(query_labels), skipped=len(skipped),
-                     skipped_keys=sorted(skipped), lost=lost)
+                     skipped_keys=sorted(skipped), lost=lost, settings=protocol)
 
 
 def _join_parts(parts: list[tuple[Tensor, Tensor]], source: str | Path) -> tuple[Tensor, Tensor]:

@@ -23,6 +23,9 @@ from typing import Any
 import torch
 
 from pretrain.model.resnet import (
+    STAGE_BLOCKS,
+    STAGE_PLANES,
+    Bottleneck,
     ResNet,
     load_torchvision_state_dict,
     resnet,
@@ -127,6 +130,20 @@ def exported_network(info: dict[str, Any]) -> str:
     return "target" if info.get("network") == "target" else "online"
 
 
+def architecture_of(state: dict[str, Any]) -> tuple[int, int] | None:
+    """(depth, width) of a ResNet trunk under torchvision's names, read from its tensors' shapes (blocks
+    per stage, bottleneck or not, the stem's channels); None when the names are not a ResNet's."""
+    stem = state.get("conv1.weight")
+    if not isinstance(stem, torch.Tensor) or stem.ndim != 4 or stem.shape[0] % STAGE_PLANES[0]:
+        return None
+    counts = tuple(len({name.split(".")[1] for name in state if name.startswith(f"layer{stage}.")})
+                   for stage in range(1, 5))
+    bottleneck = "layer1.0.conv3.weight" in state
+    depth = next((d for d, (block, blocks) in STAGE_BLOCKS.items()
+                  if blocks == counts and (block is Bottleneck) == bottleneck), None)
+    return None if depth is None else (depth, stem.shape[0] // STAGE_PLANES[0])
+
+
 def load_encoder_file(path: str | Path, *, network: str | None = None) -> ResNet:
     """Rebuild the ResNet of an exported file (`relicv2 export` or `relicv2 import-official`), on CPU.
 
@@ -158,6 +175,11 @@ def load_encoder_file(path: str | Path, *, network: str | None = None) -> ResNet
         else:
             encoder.load_state_dict(state, strict=True)
     except (ValueError, RuntimeError) as error:
+        found = architecture_of(state)
+        if found is not None and found != (info["depth"], info["width"]):
+            raise ExportError(f"{path} does not fit a ResNet-{info['depth']} {info['width']}x as its sidecar says: it "
+                              f"holds a ResNet-{found[0]} at width {found[1]} (read from its tensors); correct the "
+                              f"depth and width in {sidecar_path(path).name}, or re-export") from None
         raise ExportError(f"{path} does not fit a ResNet-{info['depth']} {info['width']}x as its sidecar says: "
                           f"{error}") from None
     return encoder

@@ -16,7 +16,9 @@ from pathlib import Path
 from pretrain.report import plots
 from pretrain.report.inputs import (
     EvalResult,
+    RunMetrics,
     metric_rows,
+    protocol_text,
     read_eval_results,
     read_json,
     read_run_metrics,
@@ -241,6 +243,7 @@ def _training_sections(page: _Page, inputs: ReportInputs) -> None:
                  f"invariance {_fmt(last.get('invariance'))})"]
         if isinstance(speed, int | float):
             facts.append(f"{speed:.1f} images/s at the last logged step")
+        facts.append(_masking_fact(metrics))
         page.ok("training", page.img(plots.plot_losses(metrics.steps, page.figure("loss.png")), "loss parts over steps")
                 + page.img(plots.plot_schedules(metrics.steps, page.figure("lr.png")),
                            "learning rate and EMA coefficient over steps") + _notes(facts))
@@ -248,10 +251,26 @@ def _training_sections(page: _Page, inputs: ReportInputs) -> None:
         page.not_run("training", f"{metrics_file} holds no step record")
     if metrics.knn:
         last = metrics.knn[-1]
-        page.ok("knn", page.img(plots.plot_knn(metrics.knn, page.figure("knn.png")), "kNN top-1 over epochs")
-                + _notes([f"last kNN top-1 {_fmt(last['knn_top1'])} at step {last['step']}"]))
+        knn = metrics.config.get("knn") or {}
+        protocol = protocol_text({"image_size": knn.get("crop_size"), "k": knn.get("k"),
+                                  "temperature": knn.get("temperature"), "bank": knn.get("train_shards"),
+                                  "split": knn.get("val_shards")})
+        page.ok("knn", page.img(plots.plot_knn(metrics.knn, page.figure("knn.png"), protocol=protocol),
+                                "kNN top-1 over epochs")
+                + _notes([f"last kNN top-1 {_fmt(last['knn_top1'])} at step {last['step']} ({protocol})"]))
     else:
         page.not_run("knn", f"{metrics_file} holds no kNN record (knn.train_shards / knn.val_shards unset)")
+
+
+def _masking_fact(metrics: RunMetrics) -> str:
+    """The masking the run applied per epoch, beside the p_m it was given."""
+    p_m = (metrics.config.get("views") or {}).get("mask_probability")
+    given = f"views.mask_probability {p_m}" if p_m is not None else "views.mask_probability not recorded"
+    per_epoch = metrics.masked_per_epoch()
+    if not per_epoch:
+        return f"masked fraction of large views: not logged ({given})"
+    shown = ", ".join(f"{epoch}: {fraction:.3f}" for epoch, fraction in per_epoch[-10:])
+    return f"masked fraction of large views per epoch ({given}): {shown}"
 
 
 def _evaluation_section(page: _Page, inputs: ReportInputs) -> None:
@@ -260,9 +279,9 @@ def _evaluation_section(page: _Page, inputs: ReportInputs) -> None:
     if not results:
         page.not_run("evaluation", "no eval --json result")
         return
-    rows = [[r.protocol, r.encoder, _fmt(r.top1), _fmt(r.top5), _fmt(r.num_train), _fmt(r.num_val), r.path.name]
-            for r in results]
-    table = _table(["protocol", "encoder", "top-1", "top-5", "train images", "val images", "file"], rows,
+    rows = [[r.protocol, protocol_text(r.settings), r.encoder, _fmt(r.top1), _fmt(r.top5), _fmt(r.num_train),
+             _fmt(r.num_val), r.path.name] for r in results]
+    table = _table(["protocol", "settings", "encoder", "top-1", "top-5", "train images", "val images", "file"], rows,
                    css="evaluation")
     page.ok("evaluation", table + page.img(plots.plot_eval(results, page.figure("evaluation.png")),
                                            "top-1 per protocol") + _deltas(results))
@@ -270,18 +289,24 @@ def _evaluation_section(page: _Page, inputs: ReportInputs) -> None:
 
 def _deltas(results: list[EvalResult]) -> str:
     """One line per protocol and data: the pretrained encoder's gain over random init, only between
-    results on the same numbers of train and val images (the JSON names no set; counts that differ
-    mean different data, and such a gain would mean nothing)."""
+    results on the same numbers of train and val images and the same protocol settings (counts that
+    differ mean different data, another image size another figure: such a gain would mean nothing)."""
     lines = []
-    for protocol, num_train, num_val in sorted({(r.protocol, r.num_train, r.num_val) for r in results}, key=str):
-        same = [r for r in results if (r.protocol, r.num_train, r.num_val) == (protocol, num_train, num_val)]
+    for protocol, num_train, num_val, settings in sorted({_same_figure(r) for r in results}, key=str):
+        same = [r for r in results if _same_figure(r) == (protocol, num_train, num_val, settings)]
         trained = [r for r in same if not r.random_init]
         baseline = [r for r in same if r.random_init]
         if trained and baseline:
             gain = trained[0].top1 - baseline[0].top1
-            lines.append(f"{protocol} ({_fmt(num_train)} train / {_fmt(num_val)} val images): pretrained "
+            shown = "" if settings == "-" else f"{settings}; "
+            lines.append(f"{protocol} ({shown}{_fmt(num_train)} train / {_fmt(num_val)} val images): pretrained "
                          f"{trained[0].top1:.4f} vs random init {baseline[0].top1:.4f} ({gain:+.4f})")
     return _notes(lines)
+
+
+def _same_figure(result: EvalResult) -> tuple[str, int | None, int | None, str]:
+    """What two results must share to be compared: protocol, image counts and settings."""
+    return result.protocol, result.num_train, result.num_val, protocol_text(result.settings)
 
 
 def _fmt(value: object) -> str:

@@ -32,6 +32,22 @@ class RunMetrics:
     steps: list[dict[str, Any]] = field(default_factory=list)
     knn: list[dict[str, Any]] = field(default_factory=list)  # each with "epoch" and "knn_top1"
     problems: list[str] = field(default_factory=list)
+    # The settings the run was started with (its config.yaml), e.g. config["knn"], config["views"].
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def masked_per_epoch(self) -> list[tuple[int, float]]:
+        """(epoch, fraction of large views masked) from the step records, each record weighted by the
+        steps it covers; empty when the run logged no masking (generated data, older runs)."""
+        totals: dict[int, list[float]] = {}
+        previous = 0
+        for record in self.steps:
+            if isinstance(record.get("masked_fraction"), int | float) and isinstance(record.get("epoch"), int | float):
+                epoch = max(1, math.ceil(record["epoch"] - 1e-9))  # a record at an epoch's end belongs to it
+                total = totals.setdefault(epoch, [0.0, 0.0])
+                steps = record["step"] - previous
+                total[0], total[1] = total[0] + record["masked_fraction"] * steps, total[1] + steps
+            previous = record["step"]
+        return [(epoch, masked / steps) for epoch, (masked, steps) in sorted(totals.items()) if steps]
 
 
 def read_run_metrics(run_dir: Path) -> RunMetrics:
@@ -55,6 +71,7 @@ def read_run_metrics(run_dir: Path) -> RunMetrics:
         if "loss" in record:
             steps[step] = record
     result.steps = [steps[s] for s in sorted(steps)]
+    result.config = _run_config(Path(run_dir))
     steps_per_epoch = _steps_per_epoch(Path(run_dir), result.steps)
     for step in sorted(knn):
         record = dict(knn[step])
@@ -62,6 +79,15 @@ def read_run_metrics(run_dir: Path) -> RunMetrics:
             record["epoch"] = step / steps_per_epoch
         result.knn.append(record)
     return result
+
+
+def _run_config(run_dir: Path) -> dict[str, Any]:
+    """The run's config.yaml as a mapping ({} when absent or unreadable)."""
+    try:
+        config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return config if isinstance(config, dict) else {}
 
 
 def _steps_per_epoch(run_dir: Path, steps: list[dict[str, Any]]) -> float | None:
@@ -90,6 +116,7 @@ class EvalResult:
     top5: float | None
     num_train: int | None
     num_val: int | None
+    settings: dict[str, Any] = field(default_factory=dict)  # the protocol's settings (image size, k, bank, ...)
 
 
 def read_eval_results(paths: list[Path]) -> tuple[list[EvalResult], list[str]]:
@@ -115,10 +142,32 @@ def read_eval_results(paths: list[Path]) -> tuple[list[EvalResult], list[str]]:
         results.append(EvalResult(path=path, protocol=str(data["protocol"]), encoder=encoder,
                                   random_init=bool(random_depth), top1=top1, top5=top5,
                                   num_train=_int_or_none(data.get("num_train")),
-                                  num_val=_int_or_none(data.get("num_val"))))
+                                  num_val=_int_or_none(data.get("num_val")),
+                                  settings=_settings_of(data)))
     # Protocols together, the trained encoder before its random-init baseline.
     results.sort(key=lambda r: (r.protocol, r.random_init, r.encoder))
     return results, problems
+
+
+def _settings_of(data: dict[str, Any]) -> dict[str, Any]:
+    """The protocol settings an eval JSON records: kNN's `settings`, the trained heads' `config`."""
+    settings = data.get("settings") if isinstance(data.get("settings"), dict) else data.get("config")
+    return settings if isinstance(settings, dict) else {}
+
+
+def protocol_text(settings: dict[str, Any]) -> str:
+    """The settings that decide a figure, in a few words: "64 px, k=20, T=0.07, bank train, split val"."""
+    parts = []
+    size = settings.get("image_size", settings.get("crop_size"))
+    if size is not None:
+        parts.append(f"{size} px")
+    for key, short in (("k", "k"), ("temperature", "T"), ("epochs", "epochs"), ("batch_size", "batch")):
+        if settings.get(key) is not None:
+            parts.append(f"{short}={settings[key]}")
+    for key in ("bank", "split"):
+        if settings.get(key):
+            parts.append(f"{key} {Path(str(settings[key])).name}")
+    return ", ".join(parts) or "-"
 
 
 def _number(value: Any, name: str) -> float:

@@ -13,7 +13,7 @@ matplotlib.use("Agg")  # files only: no display on servers and CI boxes
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 import numpy as np  # noqa: E402
 
-from pretrain.report.inputs import HANDCRAFTED_METHODS, EvalResult, SaliencySample  # noqa: E402
+from pretrain.report.inputs import HANDCRAFTED_METHODS, EvalResult, SaliencySample, protocol_text  # noqa: E402
 
 LOSS_PARTS = (("loss", "total"), ("contrastive", "contrastive"), ("invariance", "invariance (KL)"))
 DPI = 100
@@ -63,29 +63,31 @@ def plot_schedules(steps: Sequence[dict[str, Any]], path: Path) -> Path:
     return _save(fig, path)
 
 
-def plot_knn(knn: Sequence[dict[str, Any]], path: Path) -> Path:
-    """kNN top-1 of the online encoder after each monitored epoch."""
+def plot_knn(knn: Sequence[dict[str, Any]], path: Path, protocol: str = "") -> Path:
+    """kNN top-1 of the online encoder after each monitored epoch; `protocol` (image size, k, ...) in the title."""
     fig, ax = plt.subplots(figsize=(7, 4))
     xs, ys = _series(knn, "epoch", "knn_top1")
     ax.plot(xs, ys, marker="o")
     ax.set_xlabel("epoch")
     ax.set_ylabel("kNN top-1")
     ax.set_ylim(0, 1)
-    ax.set_title("kNN monitor over epochs")
+    ax.set_title(f"kNN monitor over epochs ({protocol})" if protocol else "kNN monitor over epochs")
     ax.grid(alpha=0.3)
     return _save(fig, path)
 
 
 def plot_eval(results: Sequence[EvalResult], path: Path) -> Path:
-    """Top-1 per protocol, the pretrained encoder next to its random-init baseline."""
-    protocols = sorted({r.protocol for r in results})
+    """Top-1 per protocol and its settings (one group of bars each: figures of one protocol at other
+    settings are other figures), the pretrained encoder next to its random-init baseline."""
+    group = {id(r): f"{r.protocol}\n{_short(protocol_text(r.settings), 28)}" for r in results}
+    protocols = sorted(set(group.values()))
     # Bars by role: the kNN and linear files may name one checkpoint as a file or as its run folder.
     role = {id(r): r.encoder if r.random_init else "pretrained" for r in results}
     encoders = sorted(set(role.values()), key=lambda e: (e.startswith("random init"), e))
     fig, ax = plt.subplots(figsize=(max(5, 1.8 * len(protocols) + 2), 4))
     width = 0.8 / max(len(encoders), 1)
     for index, encoder in enumerate(encoders):
-        values = [next((r.top1 for r in results if r.protocol == p and role[id(r)] == encoder), np.nan)
+        values = [next((r.top1 for r in results if group[id(r)] == p and role[id(r)] == encoder), np.nan)
                   for p in protocols]
         bars = ax.bar(np.arange(len(protocols)) + index * width, values, width, label=_short(encoder))
         ax.bar_label(bars, fmt="%.3f", fontsize=8)

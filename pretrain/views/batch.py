@@ -21,6 +21,7 @@ class BackendBatch:
     `excluded`: samples the backend found undecodable while producing it ({key: reason}); the
     loader records them (they stay out on resume) and shrinks its epoch. `unreadable`: samples
     dropped from this batch because they could not be read (the batch is smaller by as many).
+    `masked_views`: how many of its large views had their background removed (the masking applied).
     """
 
     views: list[torch.Tensor]
@@ -29,6 +30,7 @@ class BackendBatch:
     params: torch.Tensor | None = None
     excluded: dict[str, str] = field(default_factory=dict)
     unreadable: int = 0
+    masked_views: int = 0
 
 
 def assemble_params(

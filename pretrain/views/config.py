@@ -59,6 +59,9 @@ class ViewConfig:
     mask_probability: float = 0.1
     mask_min_coverage: float = 0.05
     mask_grey_range: tuple[float, float] = (0.0, 1.0)  # the per-image background grey level
+    # Train although mask_probability and the data disagree (masking on a set without masks, or a
+    # masked set with mask_probability 0); otherwise such a run is refused before its first step.
+    allow_mask_mismatch: bool = False
     mean: tuple[float, float, float] = IMAGENET_MEAN
     std: tuple[float, float, float] = IMAGENET_STD
     # Loading.
@@ -129,6 +132,18 @@ def check_view_config(cfg: ViewConfig) -> None:
         raise ValueError("num_threads must be >= 0 (0: auto), shuffle_buffer and prefetch >= 1")
     if cfg.ready_batches is not None and cfg.ready_batches < 0:
         raise ValueError(f"ready_batches must be >= 0 (or null: auto), got {cfg.ready_batches}")
+
+
+def mask_mismatch(cfg: ViewConfig, has_masks: bool) -> str | None:
+    """One sentence naming the fix when the masking setting and the data disagree, else None."""
+    if cfg.mask_probability > 0 and not has_masks:
+        return (f"carries no saliency masks, so views.mask_probability={cfg.mask_probability} would mask nothing: "
+                "train on the masked set that `relicv2 saliency build-masks` wrote, or set "
+                "views.mask_probability=0 to pretrain without masking")
+    if cfg.mask_probability == 0 and has_masks:
+        return (f"carries saliency masks that views.mask_probability=0 never applies: set "
+                f"views.mask_probability={ViewConfig.mask_probability} (the paper's p_m) to use them")
+    return None
 
 
 @dataclass(frozen=True)

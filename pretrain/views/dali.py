@@ -26,6 +26,7 @@ from pretrain.views.config import view_specs
 from pretrain.views.dali_pipeline import (
     READER_NAME,
     build_view_pipeline,
+    masks_in_play,
     returns_params,
     soft_mask_views,
 )
@@ -168,6 +169,9 @@ class DaliBackend:
             seed=st.seed, device_id=device_id, checkpoint=checkpoint,
         )
         self.mask_views = soft_mask_views(self.samples, st.config)  # the pipeline's last outputs, in this order
+        # The views that may be masked, whose flags are counted (a few bytes from the GPU per batch).
+        self.maskable_views = ([j for j, spec in enumerate(self.specs) if spec.mask_probability > 0]
+                               if masks_in_play(self.samples, st.config) else [])
         meta = self.pipe.reader_meta(READER_NAME)
         reader_epoch = meta["epoch_size_padded"] // meta["number_of_shards"]
         expected = reader_samples_per_rank(len(self.samples), st.world_size)
@@ -219,7 +223,9 @@ class DaliBackend:
         params = None
         if self.debug:
             params = assemble_params(per_view, [_scalars(m) for m in masked], _scalars(coverage), _scalars(grey))
-        return BackendBatch(views=views, keys=keys, labels=labels_tensor(labels), params=params, excluded=excluded)
+        masked_views = int(sum(_host_array(masked[j]).sum() for j in self.maskable_views))
+        return BackendBatch(views=views, keys=keys, labels=labels_tensor(labels), params=params, excluded=excluded,
+                            masked_views=masked_views)
 
     def _backgrounds(self, out, masked, grey) -> dict[int, Background]:
         """{view: what the torch stage needs to mask it} for the views the pipeline gave a crop of the mask."""

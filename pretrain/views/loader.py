@@ -41,7 +41,8 @@ def dali_available() -> bool:
 
 
 class ViewLoader:
-    """Iterable over batches `{"views": [L+S tensors NCHW], "keys": [str], "labels": tensor|None}`.
+    """Iterable over batches `{"views": [L+S tensors NCHW], "keys": [str], "labels": tensor|None,
+    "masking": (large views masked, large views)}`.
 
     `views` holds every view option; `backend` ("dali" or "reference") overrides `views.backend`.
     With `views.debug_params` each batch also has `params` (float tensor B x (L+S) x
@@ -109,6 +110,11 @@ class ViewLoader:
     def epoch_size(self) -> int:
         """Samples this rank delivers per epoch (every rank the same number)."""
         return samples_per_rank(len(self.samples), self.world_size)
+
+    @property
+    def has_masks(self) -> bool:
+        """Whether the shard set carries saliency masks (a `mask.png` member in any usable sample)."""
+        return self.samples.has_masks
 
     @property
     def skipped(self) -> dict[str, int]:
@@ -247,7 +253,8 @@ class _Finish:
     def __call__(self, batch: BackendBatch) -> dict[str, Any]:
         dtype = torch.bfloat16 if self.config.output_dtype == "bfloat16" else torch.float32
         views = [v.to(self.device, dtype=dtype, non_blocking=True) for v in batch.views]
-        out: dict[str, Any] = {"views": views, "keys": batch.keys, "labels": batch.labels}
+        out: dict[str, Any] = {"views": views, "keys": batch.keys, "labels": batch.labels,
+                               "masking": (batch.masked_views, len(batch.keys) * self.config.large_views)}
         if self.config.debug_params:
             out["params"] = batch.params
         return out

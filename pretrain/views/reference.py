@@ -227,6 +227,7 @@ def collate(items: list[dict | None]) -> BackendBatch:
             np.array([it["grey"] for it in good], np.float32),
         ),
         unreadable=len(items) - len(good),
+        masked_views=sum(int(flag) for it in good for flag in it["masked"]),
     )
 
 

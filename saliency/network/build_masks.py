@@ -46,6 +46,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from saliency.network.config import resolve_device
 from saliency.network.mask_work import (
     MIN_COVERAGE,
     RawSample,
@@ -123,7 +124,7 @@ class BuildMasksConfig:
     out: Path
     workers: int | None = None  # processes; None: default_workers(); 0: all in the job's own process
     batch_size: int = 32
-    device: str = "cpu"
+    device: str = "auto"  # CUDA when a GPU is visible (this rank's under torchrun), else the CPU
     progress: bool = True
     merge_timeout_s: float = 3600.0  # rank 0 waits this long for the other ranks' shards
     # Where indexes of input tars without one are derived; None: shards.shardset.default_index_cache.
@@ -459,9 +460,12 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
     except PlanError as error:
         raise MasksError(str(error)) from None
     check_out_folder(job)
-    check_device(config.device)
+    device = resolve_device("auto") if config.device == "auto" else config.device
+    check_device(device)
     # The model is read before --out is created: a refused model leaves no folder behind.
-    predictor = predictor or MaskPredictor(model, config.device)
+    if predictor is None:
+        predictor = MaskPredictor(model, device)
+        print(f"saliency build-masks: rank {ranks.rank} predicts on {device}", file=sys.stderr, flush=True)
     if predictor.size < 1:
         raise MasksError(f"{model} has input size {predictor.size}; {PASS_MODEL}")
     workers, workers_note = job_workers(config)

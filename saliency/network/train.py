@@ -29,14 +29,14 @@ from tqdm import tqdm
 
 from jobs.config import SETTINGS_FILE, settings_text
 from pretrain.model.resnet import load_torchvision_state_dict
-from saliency.network.config import SaliencyTrainConfig, config_to_dict
+from saliency.network.config import SaliencyTrainConfig, config_to_dict, resolve_device
 from saliency.network.data import TrainingImages, load_training_images
 from saliency.network.images import SampleLocation, sample_locations
 from saliency.network.loop import CrfPool, train_epoch
 from saliency.network.model import SaliencyNet
 from saliency.network.model_file import save_model
 from saliency.network.report import check_ground_truth, evaluate_report, format_report
-from saliency.network.weights import BackboneError, encoder_state_dict
+from saliency.network.weights import encoder_state_dict, load_fitting
 from shards.atomic import atomic_output, atomic_write_bytes
 from shards.lock import folder_lock
 from shards.outdir import check_output_folder, writing
@@ -180,12 +180,9 @@ def check_inputs(job: TrainJob) -> CheckedInputs:
         encoder_state, backbone = None, "random initialisation"
     else:
         encoder_state, backbone = encoder_state_dict(job.backbone, config.depth, config.width)
-        try:  # fail now, not after the maps: the weights must fit the encoder
-            load_torchvision_state_dict(SaliencyNet(config.depth, config.width).encoder, encoder_state)
-        except ValueError as error:
-            raise BackboneError(
-                f"--backbone {job.backbone} does not fit a ResNet-{config.depth} at width {config.width}: {error}"
-            ) from None
+        # fail now, not after the maps: the weights must fit the encoder
+        load_fitting(SaliencyNet(config.depth, config.width).encoder, encoder_state, f"--backbone {job.backbone}",
+                     config.depth, config.width)
     if job.gt is not None:
         keys = [loc.key for loc in locations]
         if job.eval_shards is not None:
@@ -201,12 +198,12 @@ def check_inputs(job: TrainJob) -> CheckedInputs:
 class Trainer:
     """Runs the units in order, each resumable; holds the images and the encoder weights in memory."""
 
-    def __init__(self, job: TrainJob, data: TrainingImages, encoder_state: dict | None):
+    def __init__(self, job: TrainJob, data: TrainingImages, encoder_state: dict | None, device: str | None = None):
         self.job, self.config, self.data = job, job.config, data
         self.encoder_state = encoder_state
         self.work = Path(job.out) / "work"
         self.work.mkdir(parents=True, exist_ok=True)
-        self.device = self.config.device
+        self.device = device or resolve_device(self.config.device)
         self.crf = CrfPool(data.images_hwc(), self.config.crf.at_size(self.config.input_size), self.config.workers)
         self.history: dict[str, list[float]] = {}
 
@@ -294,6 +291,7 @@ def run_train(job: TrainJob, log: Callable[[str], None] = print) -> dict:
     """Run (or resume) the job; returns the report written to `OUT/report.json`."""
     config, out = job.config, Path(job.out)
     check_output_folder(out, "--out")
+    device = resolve_device(config.device)  # "auto" stays in config.yaml: a resumed run may use another machine
     checked = check_inputs(job)  # before OUT exists: a mistake leaves nothing behind
     with folder_lock(out, "relicv2 saliency train"):
         text = settings_text(config, extra={"inputs": {"shards": str(job.shards), "backbone": job.backbone}},
@@ -306,7 +304,7 @@ def run_train(job: TrainJob, log: Callable[[str], None] = print) -> dict:
         if checked.encoder_state is None:
             print(RANDOM_BACKBONE_NOTE, file=sys.stderr)
         log(f"saliency train: preset {config.preset}, ResNet-{config.depth} x{config.width}, "
-            f"{config.input_size} px, encoder from {checked.backbone}")
+            f"{config.input_size} px, encoder from {checked.backbone}, on {device}")
         data = load_training_images(
             job.shards, out, count=config.num_images, seed=config.seed, size=config.input_size,
             methods=config.methods, workers=config.workers, progress=job.progress, index_cache=job.index_cache,
@@ -315,7 +313,7 @@ def run_train(job: TrainJob, log: Callable[[str], None] = print) -> dict:
         for key, reason in data.skipped:
             print(f"saliency train: left out {key}: {reason}", file=sys.stderr)
         log(f"saliency train: {len(data.keys)} images ({len(data.skipped)} left out)")
-        trainer = Trainer(job, data, checked.encoder_state)
+        trainer = Trainer(job, data, checked.encoder_state, device)
         try:
             for unit in plan_units(config):
                 trainer.run_unit(unit)

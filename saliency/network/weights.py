@@ -21,6 +21,7 @@ from torch import Tensor
 
 from pretrain.checkpoint import FORMAT as PRETRAIN_FORMAT
 from pretrain.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
+from pretrain.model.encoder_file import architecture_of
 from pretrain.model.resnet import ResNet, load_torchvision_state_dict
 from pretrain.untrusted import TORCH_LOAD_ERRORS, load_failure
 
@@ -56,19 +57,20 @@ def _strip(state: dict[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
-def _check_sidecar(path: Path, depth: int, width: int) -> None:
+def _check_sidecar(path: Path, depth: int, width: int) -> str:
+    """Refuse a sidecar's other depth or width; return its padding ("torch" when it names none)."""
     sidecar = path.with_name(path.name + ".json")
     if not sidecar.is_file():
-        return
+        return "torch"
     try:
         info = json.loads(sidecar.read_text())
     except (OSError, ValueError) as error:
         raise BackboneError(f"{sidecar} (the sidecar of {path.name}) is not readable JSON ({error})") from None
     if not isinstance(info, dict):
-        return
+        return "torch"
     found = (info.get("depth"), info.get("width") or 1)
     if found[0] is None:
-        return
+        return "torch"
     if type(found[0]) is not int or type(found[1]) is not int:
         raise BackboneError(f"{sidecar} (the sidecar of {path.name}) gives depth {found[0]!r:.20} and width "
                             f"{found[1]!r:.20}, not whole numbers; rewrite it with `relicv2 export`")
@@ -78,6 +80,7 @@ def _check_sidecar(path: Path, depth: int, width: int) -> None:
             f"saliency network is a ResNet-{depth} at width {width}; set depth={found[0]} "
             f"width={found[1]} (--set) or pass other weights"
         )
+    return str(info.get("padding") or "torch")
 
 
 def _pretrain_encoder_state(path: Path) -> dict[str, Tensor]:
@@ -104,7 +107,11 @@ def encoder_state_dict(source: str | Path, depth: int, width: int) -> tuple[dict
         raise BackboneError(f"{path} holds a {type(payload).__name__}, not a state dict or checkpoint")
     if payload.get("format") == PRETRAIN_FORMAT:
         return _pretrain_encoder_state(path), f"relicv2 pretrain checkpoint {path}"
-    _check_sidecar(path, depth, width)
+    padding = _check_sidecar(path, depth, width)
+    # The saliency encoder pads as torchvision does (its dilated stages need it): weights made for
+    # TensorFlow "SAME" padding (the authors' release) still initialise it, but its features shift.
+    note = "" if padding == "torch" else (f" (made for {padding} padding; the saliency encoder pads as "
+                                          "torchvision does, so its features differ slightly from the source model's)")
     kind = "state dict"
     if isinstance(payload.get("state_dict"), dict):  # SwAV / DINO-style training checkpoint
         payload, kind = payload["state_dict"], "SwAV-format checkpoint"
@@ -115,14 +122,26 @@ def encoder_state_dict(source: str | Path, depth: int, width: int) -> tuple[dict
         raise BackboneError(f"{path} holds no weight tensors (keys {sorted(map(str, payload))[:5]}); it is not a ResNet state dict")
     if any(k.startswith("module.") for k in tensors):
         kind = "SwAV-format checkpoint" if kind == "state dict" else kind
-    return _strip(tensors), f"{kind} {path}"
+    return _strip(tensors), f"{kind} {path}{note}"
+
+
+def load_fitting(encoder: ResNet, state: dict[str, Tensor], source: str | Path, depth: int, width: int) -> None:
+    """Load `state` into `encoder` (a `resnet(depth, width)`); a BackboneError naming the settings
+    that fit when the file holds another depth or width (read from its tensors' shapes)."""
+    try:
+        load_torchvision_state_dict(encoder, state)
+    except ValueError as error:
+        found = architecture_of(state)
+        if found is None or found == (depth, width):
+            raise BackboneError(f"{source} does not fit a ResNet-{depth} at width {width}: {error}") from None
+        fix = " ".join(f"--set {name}={value}" for name, value, wanted in
+                       (("depth", found[0], depth), ("width", found[1], width)) if value != wanted)
+        raise BackboneError(f"{source} does not fit a ResNet-{depth} at width {width}: it holds a ResNet-{found[0]} "
+                            f"at width {found[1]} (read from its tensors); add {fix}") from None
 
 
 def load_encoder_weights(encoder: ResNet, source: str | Path, depth: int, width: int) -> str:
     """Initialise `encoder` (a `resnet(depth, width)`) from `source`; returns a description of the source."""
     state, description = encoder_state_dict(source, depth, width)
-    try:
-        load_torchvision_state_dict(encoder, state)
-    except ValueError as error:
-        raise BackboneError(f"{source} does not fit a ResNet-{depth} at width {width}: {error}") from None
+    load_fitting(encoder, state, source, depth, width)
     return description

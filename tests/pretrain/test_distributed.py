@@ -35,7 +35,8 @@ from tests.threads import one_torch_thread
 
 def config_overrides(out: Path, global_batch: int, num_negatives: int, shards: Path | None = None) -> list[str]:
     data = (["data.source=synthetic", "data.synthetic_images=32"] if shards is None else
-            ["data.source=shards", f"data.train_shards={shards}", "views.backend=reference", "views.num_threads=1",
+            ["data.source=shards", f"data.train_shards={shards}", "views.mask_probability=0.0",
+             "views.backend=reference", "views.num_threads=1",
              "views.ready_batches=1"])  # batches made ahead in a thread, as on a GPU: checkpoints stay exact
     return [
         *data, "model.depth=18", "model.hidden_dim=32",
