@@ -83,6 +83,7 @@ def knn(checkpoint: Path | None, random_depth: int | None, network: str, train_s
         batch_size: int | None, device: str, seed: int, json_path: Path | None, allow_lost: bool) -> None:
     """Weighted cosine kNN top-1 of an encoder: train features as the bank (defaults: pretrain.config.KnnConfig)."""
     from pretrain.eval.job import knn_settings
+    from pretrain.eval.knn import shared_tars
 
     backbone = _backbone(checkpoint, random_depth, network, seed)
     given = {"k": k, "temperature": temperature, "crop_size": crop_size, "resize_size": resize_size,
@@ -92,6 +93,10 @@ def knn(checkpoint: Path | None, random_depth: int | None, network: str, train_s
     except ConfigError as error:
         raise click.UsageError(str(error)) from None
     _check_sets(train_shards, val_shards)
+    both = shared_tars(train_shards, val_shards)
+    if both:
+        raise click.UsageError(f"--train and --val share {len(both)} tar(s) ({both[0].name}, ...): each query would "
+                               "be found in the bank itself; pass a held-out labelled set as --val")
     _run({"backbone": backbone, "train_shards": train_shards, "val_shards": val_shards, "config": settings,
           "json_path": json_path, "device": device, "allow_lost": allow_lost,
           "given": frozenset(name for name, value in given.items() if value is not None)})

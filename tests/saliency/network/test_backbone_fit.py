@@ -10,9 +10,10 @@ import torch
 from click.testing import CliRunner
 
 from cli.main import cli
+from jobs.config import ConfigError
 from pretrain.model.encoder_file import architecture_of
 from pretrain.model.resnet import resnet
-from saliency.network.config import SaliencyConfigError, SaliencyTrainConfig, resolve_device
+from saliency.network.config import SaliencyTrainConfig, resolve_device
 
 FAST = ["--preset", "tiny", "--no-progress", "--set", "methods=mc", "--set", "num_images=4",
         "--set", "epochs=1", "--set", "fuse_epochs=1"]
@@ -64,10 +65,10 @@ def test_device_auto_is_the_default_and_the_job_says_where_it_runs(scene_shards,
 
 
 def test_an_unknown_or_missing_device_is_refused():
-    with pytest.raises(SaliencyConfigError, match="device must be auto, cpu or cuda"):
+    with pytest.raises(ConfigError, match="device must be auto, cpu or cuda"):
         resolve_device("tpu")
     if not torch.cuda.is_available():
-        with pytest.raises(SaliencyConfigError, match="no CUDA device is visible; use device=auto or cpu"):
+        with pytest.raises(ConfigError, match="no CUDA device is visible; use device=auto or cpu"):
             resolve_device("cuda")
 
 
