@@ -164,11 +164,12 @@ def haiku_to_state_dict(params: dict, state: dict, path: Path) -> tuple[dict[str
 
 
 def _step(value: Any, path: Path) -> int | None:
-    """The release's training step: an int, a numpy integer or a 0-d integer array (None when absent)."""
+    """The release's training step: an int (a numpy scalar reads as one) or a 0-d integer array (None when
+    absent)."""
     if isinstance(value, ReleaseArray) and value.array.shape == ():
-        value = value.array[()]
-    if value is None or (isinstance(value, int | np.integer) and not isinstance(value, bool)):
-        return None if value is None else int(value)
+        value = value.array[()].item()
+    if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
     raise OfficialImportError(f"{path}: 'step' is a {type(value).__name__}, not an integer")
 
 

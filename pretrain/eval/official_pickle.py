@@ -175,7 +175,8 @@ def _scalar(dtype: Any, data: Any) -> Any:
     dtype = _numeric_dtype(dtype)
     if not isinstance(data, bytes) or len(data) != dtype.itemsize:
         raise ReleasePickleError(f"refused a numpy scalar of dtype {dtype.str} whose data is not {dtype.itemsize} bytes")
-    return np.frombuffer(data, dtype=dtype)[0]
+    # A Python number: numpy's scalars carry a __setstate__ of their own that a BUILD would reach.
+    return np.frombuffer(data, dtype=dtype)[0].item()
 
 
 def _skipped(*_args: Any) -> None:

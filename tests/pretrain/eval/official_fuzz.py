@@ -273,9 +273,6 @@ def _foreign_object(value) -> str | None:
         if isinstance(item, type):
             if item.__module__ != READER:
                 return f"class {item.__module__}.{item.__qualname__}"
-        elif isinstance(item, np.generic):
-            if item.dtype.kind not in "biuf":
-                return f"numpy scalar of dtype {item.dtype}"
         elif type(item).__module__ != READER:
             return f"{type(item).__module__}.{type(item).__qualname__}"
     return None
