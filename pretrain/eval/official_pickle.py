@@ -1,4 +1,4 @@
-"""A data-only reader for the authors' release pickles: arrays and scalars of plain numeric dtypes,
+"""A data-only reader for the authors' release pickles: arrays of plain numeric dtypes, numbers,
 plain containers and named-tuple look-alikes, nothing else.
 
 A pickle is a program: the reader resolves each global the file names and calls it with arguments
@@ -60,7 +60,8 @@ def _short(text: Any, limit: int = 80) -> str:
 
 class ReleaseArray:
     """An array of the release: numpy's `_reconstruct(ndarray, (0,), b"b")` stand-in, given its data by
-    the BUILD that follows it. `array` is a read-only numpy view of the file's bytes."""
+    the BUILD that follows it. `array` is a numpy view of the file's bytes (read-only unless protocol 5
+    stored them as a bytearray)."""
 
     __slots__ = ("array",)
 
@@ -117,7 +118,7 @@ def _numeric_dtype(dtype: Any) -> np.dtype:
 
 
 def _array(raw: Any, dtype: Any, shape: Any, order: Any) -> np.ndarray:
-    """A read-only view of `raw` as an array, once the shape is checked to cover exactly its bytes."""
+    """A view of `raw` as an array, once the shape is checked to cover exactly its bytes."""
     dtype = _numeric_dtype(dtype)
     if not isinstance(raw, (bytes, bytearray)):
         raise ReleasePickleError("refused an array whose data is not a byte string")
