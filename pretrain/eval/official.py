@@ -94,8 +94,14 @@ def _tensor(array: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
 
 
-def haiku_to_state_dict(params: dict, state: dict, path: Path) -> tuple[dict[str, torch.Tensor], int, int]:
-    """(torchvision-named state dict, depth, width) of the haiku ResNet torso in `params` / `state`."""
+def haiku_to_state_dict(params: dict, state: dict, path: Path,
+                        max_values: int | None = None) -> tuple[dict[str, torch.Tensor], int, int]:
+    """(torchvision-named state dict, depth, width) of the haiku ResNet torso in `params` / `state`.
+
+    With `max_values` (the file's size in bytes), more values than that are refused: every value of a
+    release takes a byte of the file or more, unless one array stands for many parameters (a pickle can
+    reference an object again for a few bytes), and each would become a float32 copy.
+    """
     params, state = _haiku_dict(params, "params", path), _haiku_dict(state, "state", path)
     stems = [name for name in params if name.endswith("initial_conv")]
     if len(stems) != 1:
@@ -113,6 +119,17 @@ def haiku_to_state_dict(params: dict, state: dict, path: Path) -> tuple[dict[str
             raise OfficialImportError(f"{path}: {prefix + module} lacks its {key!r}")
         return values[key]
 
+    values_left = max_values
+
+    def tensor(array: np.ndarray) -> torch.Tensor:
+        nonlocal values_left
+        if values_left is not None:
+            values_left -= array.size
+            if values_left < 0:
+                raise OfficialImportError(f"{path}: the parameters hold more values than the file has bytes (one "
+                                          "array stands for several parameters, which no release does)")
+        return _tensor(array)
+
     stem = entry(torso, "initial_conv", "w")
     device_axis = _array(stem, False, prefix + "initial_conv", path).ndim == 5  # params kept with a per-device axis
     out: dict[str, torch.Tensor] = {}
@@ -123,12 +140,12 @@ def haiku_to_state_dict(params: dict, state: dict, path: Path) -> tuple[dict[str
         if weight.ndim != 4:
             raise OfficialImportError(f"{path}: {prefix + haiku} has shape {weight.shape}; a convolution kernel "
                                       "is 4-d (height, width, in, out)")
-        out[f"{torch_name}.weight"] = _tensor(weight.transpose(3, 2, 0, 1))
+        out[f"{torch_name}.weight"] = tensor(weight.transpose(3, 2, 0, 1))
         used.add(haiku)
 
     def batchnorm(haiku: str, torch_name: str) -> None:
         def flat(tree: dict, module: str, key: str) -> torch.Tensor:
-            return _tensor(_array(entry(tree, module, key), device_axis, prefix + module, path).reshape(-1))
+            return tensor(_array(entry(tree, module, key), device_axis, prefix + module, path).reshape(-1))
 
         out[f"{torch_name}.weight"] = flat(torso, haiku, "scale")
         out[f"{torch_name}.bias"] = flat(torso, haiku, "offset")
@@ -178,7 +195,7 @@ def encoder_from_release(path: str | Path, *, network: str = "online") -> tuple[
     path = Path(path)
     data = read_release(path)
     params, state = _params_and_state(data["experiment_state"], network, path)
-    state_dict, depth, width = haiku_to_state_dict(params, state, path)
+    state_dict, depth, width = haiku_to_state_dict(params, state, path, max_values=path.stat().st_size)
     step = _step(data.get("step"), path)
     # Built without memory on the meta device, then given the file's tensors: strict loading checks
     # every name and shape before anything the size of the network is allocated.

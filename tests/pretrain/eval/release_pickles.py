@@ -38,6 +38,19 @@ class NewObj:
 
 
 @dataclass(frozen=True)
+class Put:
+    """`value`, then LONG_BINPUT: kept in the memo under `index`."""
+    value: Any
+    index: int
+
+
+@dataclass(frozen=True)
+class Get:
+    """LONG_BINGET: the object kept under `index` again (a few bytes, however large it is)."""
+    index: int
+
+
+@dataclass(frozen=True)
 class Build:
     """BUILD: obj.__setstate__(state) (or its __dict__ updated)."""
     obj: Any
@@ -93,6 +106,11 @@ def _encode(value: Any, out: bytearray) -> None:
         _encode(value.cls, out)
         _encode(tuple(value.args), out)
         out += b"\x81"
+    elif isinstance(value, Put):
+        _encode(value.value, out)
+        out += b"r" + struct.pack("<I", value.index)
+    elif isinstance(value, Get):
+        out += b"j" + struct.pack("<I", value.index)
     elif isinstance(value, Build):
         _encode(value.obj, out)
         _encode(value.state, out)

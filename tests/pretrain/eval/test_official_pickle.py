@@ -26,7 +26,9 @@ from tests.pretrain.eval.release_pickles import (
     RECONSTRUCT,
     Build,
     Call,
+    Get,
     Global,
+    Put,
     array,
     dtype,
     encode,
@@ -197,6 +199,21 @@ def test_a_step_that_is_no_integer_is_named(tmp_path, resnet18_release, step):
     result = CliRunner().invoke(cli, ["import-official", str(source), "--out", str(tmp_path / "out.pt")])
     assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
     assert f"{source}: 'step' is a {type(step).__name__}, not an integer" in result.output
+
+
+def test_one_array_standing_for_many_parameters_is_refused(tmp_path, resnet18_release):
+    """A pickle can name an object again for five bytes: one 512x512 kernel kept in the memo and named by
+    every 3x3 convolution of the last group would become a float32 copy for each."""
+    params, state = copy.deepcopy(resnet18_release)
+    kernel = "res_net18/~/block_group_3/~/block_0/~/conv_1"
+    params[kernel]["w"] = Put(params[kernel]["w"], 0)
+    for name in ("block_1/~/conv_0", "block_1/~/conv_1"):
+        params[f"res_net18/~/block_group_3/~/{name}"]["w"] = Get(0)
+    source = tmp_path / "shared.pkl"
+    source.write_bytes(encode(release(params, state)))
+    result = CliRunner().invoke(cli, ["import-official", str(source), "--out", str(tmp_path / "out.pt")])
+    assert result.exit_code == 1 and result.output.count("\n") == 1, result.output
+    assert f"{source}: the parameters hold more values than the file has bytes" in result.output
 
 
 def test_a_hand_made_release_of_every_dtype_and_layout_imports(tmp_path, resnet18_release):
