@@ -44,9 +44,11 @@ def export(checkpoint: Path, out: Path, network: str) -> None:
 def import_official(source: Path, out: Path, params: str) -> None:
     """Convert a released ReLICv2 JAX/haiku checkpoint (a dill pickle) to a PyTorch encoder file.
 
-    The pickle is read with a restricted unpickler that builds numpy arrays and plain containers
-    only; anything else is refused without running it. The encoder runs with TensorFlow "SAME"
-    padding (recorded in the sidecar) so its features equal the JAX model's.
+    The pickle is read with a restricted unpickler that builds arrays of plain numeric dtypes and
+    plain containers only; anything else is refused without running it. The encoder runs with
+    TensorFlow "SAME" padding so its features equal the JAX model's; torchvision's ResNet pads
+    otherwise, so the file holds a 'padding.same_tf' entry (a torchvision load names it) and the
+    sidecar says "padding": "same_tf" (load it with pretrain.model.encoder_file.load_encoder_file).
     """
     from pretrain.eval.official import OfficialImportError, import_official_checkpoint
     from pretrain.model.encoder_file import ExportError, check_output_file

@@ -7,6 +7,12 @@ Two formats, named in the sidecar's "format":
 - "relicv2" (width 2 or 4): this project's `pretrain.model.resnet.ResNet` names, which torchvision
   cannot express (it does not widen the stem).
 
+An encoder that pads like TensorFlow ("same_tf", the authors' imported weights) cannot be
+expressed by torchvision: its strided layers pad asymmetrically, which moves every sample of the
+stem by a pixel, so torchvision's network would take the weights and give other features. Such
+a file carries one more entry, `PADDING_MARKER` (an empty tensor), which a torchvision load
+names (an unexpected key, an error under strict=True), and its sidecar says so under "padding".
+
 The sidecar carries what a reader needs to rebuild the network without the training code
 (arch, depth, width, padding, num_features) and what it came from (source checkpoint, network,
 step, a config summary, kNN / linear figures when known). `load_encoder_file` is the one loader
@@ -37,6 +43,7 @@ from shards.atomic import atomic_output
 FORMATS = ("torchvision", "relicv2")
 SIDECAR_SUFFIX = ".json"
 PADDINGS = ("torch", "same_tf")
+PADDING_MARKER = "padding.same_tf"  # in the state dict of an encoder that pads like TensorFlow
 
 
 class ExportError(ValueError):
@@ -75,14 +82,20 @@ def save_encoder_file(encoder: ResNet, path: str | Path, *, depth: int, width: i
     fmt = "torchvision" if width == 1 else "relicv2"
     state = to_torchvision_state_dict(encoder) if fmt == "torchvision" else {
         name: tensor.detach().clone().cpu() for name, tensor in encoder.state_dict().items()}
+    padding = encoder_padding(encoder)
+    if padding == "same_tf":
+        state[PADDING_MARKER] = torch.zeros(0)
     sidecar = {
         "format": fmt,
         "arch": f"resnet{depth}" + ("" if width == 1 else f"_{width}x"),
         "depth": depth,
         "width": width,
-        "padding": encoder_padding(encoder),
+        "padding": padding,
         "num_features": encoder.num_features,
         "fc": "not included: the file holds the encoder only (add your own classifier)",
+        **({"padding_note": f"pads like TensorFlow 'SAME': a torchvision ResNet takes these weights (less the "
+                            f"{PADDING_MARKER!r} entry) but gives other features; load the file with "
+                            "pretrain.model.encoder_file.load_encoder_file"} if padding == "same_tf" else {}),
         **(metadata or {}),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -168,8 +181,15 @@ def load_encoder_file(path: str | Path, *, network: str | None = None) -> ResNet
                           "re-export it with `relicv2 export`") from None
     if not is_state_dict(state):
         raise ExportError(f"{path} does not hold a state dict of tensors; re-export it with `relicv2 export`")
+    padding = info.get("padding", "torch")
+    # The sidecar decides; a file written before the marker existed may lack it, but a marked file
+    # built for "same_tf" read with torch's padding would give other features without any error.
+    if state.pop(PADDING_MARKER, None) is not None and padding != "same_tf":
+        raise ExportError(f"{path} holds weights that pad like TensorFlow (its {PADDING_MARKER!r} entry), but its "
+                          f"sidecar {sidecar_path(path).name} says padding {padding!r}; set \"padding\": \"same_tf\" "
+                          "there (or re-import the file)")
     try:
-        encoder = resnet(info["depth"], info["width"], padding=info.get("padding", "torch"))
+        encoder = resnet(info["depth"], info["width"], padding=padding)
         if info["format"] == "torchvision":
             load_torchvision_state_dict(encoder, state)
         else:
