@@ -10,9 +10,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from jobs.workers import rank_cores
 from pretrain.model.normalization import IMAGENET_MEAN, IMAGENET_STD
 from shards.sample import MIN_MASK_COVERAGE
-from shards.workers import rank_cores
 
 GRAYSCALE_WEIGHTS = (0.2989, 0.5870, 0.1140)  # paper and torchvision's rgb_to_grayscale
 BACKENDS = ("dali", "reference")

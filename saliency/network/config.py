@@ -103,7 +103,7 @@ def resolve_device(device: str) -> str:
     GPU under torchrun), else the CPU; a CUDA device without a GPU is a ConfigError."""
     import torch  # here: the config module stays light for `--help`
 
-    from shards.ranks import ranks_from_env
+    from jobs.ranks import ranks_from_env
 
     if device == "auto":
         if not torch.cuda.is_available():

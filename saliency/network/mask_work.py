@@ -26,9 +26,9 @@ from pathlib import Path
 import cv2
 import numpy as np
 
+from jobs.lock import pid_alive
 from saliency.network.images import resize_map, resize_square
 from shards.images import ImageLoadError, Rejection, load_scaled
-from shards.lock import pid_alive
 from shards.sample import MASK_MEMBER, MIN_MASK_COVERAGE, ShardSample
 from shards.writer import SampleRecord, sample_record
 
