@@ -10,7 +10,7 @@ DEV_STAMP := $(VENV)/.dev-$(shell cat $(LOCK) $(DEV_LOCK) pyproject.toml | sha25
 # `make demo DATA=/path/to/images` runs the demo on your own folder (class sub-folders, or train/ and val/).
 DATA ?=
 
-.PHONY: setup setup-dev test lint demo demo-reduced docs bench clean
+.PHONY: setup setup-dev test lint demo demo-reduced docs bench rehearsal clean
 
 setup: $(STAMP)
 	@$(PY) -m pip install -q --no-deps --no-build-isolation -e .
@@ -48,5 +48,11 @@ docs: setup
 bench: setup
 	$(PY) benchmarks/bench_shards.py
 
+# Every job's bookkeeping on an ImageNet-shaped set of 100,000 tiny images, made once in REHEARSAL_DIR
+# (benchmarks/scale_rehearsal.py --samples 1281167 for ImageNet's size).
+REHEARSAL_DIR ?= rehearsal-out
+rehearsal: setup
+	$(PY) benchmarks/scale_rehearsal.py --out $(REHEARSAL_DIR) --quick
+
 clean:
-	rm -rf demo-out demo-out-reduced .pytest_cache .ruff_cache
+	rm -rf demo-out demo-out-reduced rehearsal-out .pytest_cache .ruff_cache

@@ -234,7 +234,7 @@ def run(out: Path, samples: int, jobs: list[str]) -> list[Measured]:
                                                     str(out / "subset-10pct.txt")], out))
     if "pretrain-start" in jobs:
         record(probe("pretrain to its first step", samples, [
-            "pretrain", "--config", str(Path(__file__).resolve().parents[1] / "configs" / "demo-cpu.yaml"),
+            "pretrain", "--config", "demo-cpu",
             "--set", f"data.train_shards={shards}", "--set", f"run.output_dir={out / 'run'}",
             "--set", "run.max_steps=1", "--set", "views.large_size=32", "--set", "views.small_size=16",
             "--set", "knn.train_shards=", "--set", "knn.val_shards=", "--set", "run.progress_bar=false"], out))

@@ -25,12 +25,12 @@ def eval_group() -> None:
 
 def _run(job_fields: dict[str, Any]) -> None:
     """Build the `EvalJob` and run it: the outcome on stdout, shortfalls on stderr, errors as one line."""
+    from jobs.lock import FolderLockedError
     from pretrain.checkpoint import CheckpointError
     from pretrain.eval.job import ALLOW_LOST_HINT, EvalJob, run_eval
     from pretrain.eval.outcome import LostSamplesError
     from pretrain.eval.paper import HeadCheckpointError
     from pretrain.model.encoder_file import ExportError
-    from shards.lock import FolderLockedError
 
     try:
         outcome = run_eval(EvalJob(**job_fields), log=click.echo)

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import click
 
+from jobs.version import package_version
 from pretrain.config import ConfigError, describe, load_config
-from shards.version import package_version
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})

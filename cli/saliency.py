@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from cli.saliency_network import register as register_network_commands
+from jobs.lock import FolderLockedError
 from saliency.batch import HandcraftedConfig, OutputWriteError, run_handcrafted
 from saliency.evaluate import (
     EvaluateConfig,
@@ -19,7 +20,6 @@ from saliency.evaluate import (
 from saliency.failures import FailureLimit
 from saliency.handcrafted.methods import METHODS, resolve_methods
 from saliency.preview import PreviewConfig, write_preview
-from shards.lock import FolderLockedError
 
 METHOD_HELP = f"One of {', '.join(METHODS)}, a comma-separated list, or 'all'."
 

@@ -8,8 +8,8 @@ import click
 
 from cli.options import SHARDS_HELP, index_cache_option
 from jobs.config import ConfigError
+from jobs.lock import FolderLockedError
 from saliency.network.config import PRESETS, load_saliency_config
-from shards.lock import FolderLockedError
 
 # Modules that import torch are imported inside the commands: `relicv2 saliency --help` stays fast.
 

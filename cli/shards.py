@@ -12,16 +12,16 @@ from pathlib import Path
 import click
 
 from cli.options import index_cache_option
-from shards.atomic import OutputError
+from jobs.atomic import OutputError
+from jobs.lock import folder_lock
+from jobs.ranks import RanksError, ranks_from_env
+from jobs.workers import usable_cores
 from shards.build import BuildConfig, build_shards, output_error
 from shards.limits import DEFAULT_MAX_PIXELS
-from shards.lock import folder_lock
 from shards.manifest import REJECTED_NAME
 from shards.merge import merge_shard_set, rejected_listing_command
-from shards.ranks import RanksError, ranks_from_env
 from shards.sources import LAYOUTS, InputError
 from shards.verify import verify_shard_set
-from shards.workers import usable_cores
 
 SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 

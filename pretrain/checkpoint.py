@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from jobs.atomic import atomic_output, atomic_write_bytes, remove_stale_temps
 from pretrain.config import ConfigError, PretrainConfig, from_dict
 from pretrain.model.encoder_file import (
     is_encoder_file,
@@ -35,7 +36,6 @@ from pretrain.model.encoder_file import (
 )
 from pretrain.model.resnet import ResNet, resnet
 from pretrain.untrusted import TORCH_LOAD_ERRORS, load_failure
-from shards.atomic import atomic_output, atomic_write_bytes, remove_stale_temps
 
 FORMAT = "relicv2-pretrain-checkpoint"
 VERSION = 1

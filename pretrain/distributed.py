@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from shards.ranks import RanksError, ranks_from_env
+from jobs.ranks import RanksError, ranks_from_env
 from shards.shardset import ShardSetError, derive_missing_indexes
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from shards.atomic import atomic_write_bytes
+from jobs.atomic import atomic_write_bytes
 
 METRICS_NAME = "metrics.jsonl"
 # Shown in the progress bar, in this order (the JSONL and TensorBoard get every metric).

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from jobs.lock import FolderLockedError, folder_lock
+from jobs.version import package_version
 from pretrain.checkpoint import (
     CONFIG_NAME,
     CheckpointError,
@@ -67,12 +69,10 @@ from pretrain.trainer import (
 from pretrain.views.config import mask_mismatch
 from pretrain.views.source import ViewSource
 from pretrain.views.synthetic import SyntheticViews
-from shards.lock import FolderLockedError, folder_lock
 from shards.outdir import output_folder
 from shards.reader import ReadReport, iter_samples
 from shards.sample import missing_label
 from shards.shardset import ShardSetError, shard_tars
-from shards.version import package_version
 
 JOB_NAME = "relicv2 pretrain"
 # Builds this rank's data source once the process group is up (it needs the rank and the device).

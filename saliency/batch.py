@@ -29,15 +29,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from jobs.lock import folder_lock
+from jobs.workers import one_thread, single_threaded, worker_pool
 from saliency.failures import FailureLimit
 from saliency.handcrafted.methods import METHODS
 from saliency.images import ImageReadError, decode_rgb, read_rgb
 from saliency.inputs import Item, count_inputs, is_shard_source, iter_items
 from saliency.maps import is_map_temporary, write_map
 from shards.keys import UnsafeKeyError, safe_relative_path
-from shards.lock import folder_lock
 from shards.reader import ReadReport
-from shards.workers import one_thread, single_threaded, worker_pool
 
 try:  # the shared image loader (shards.images) names its errors itself; saliency.images wraps it
     from shards.images import ImageLoadError
@@ -243,7 +243,7 @@ def _compute_pooled(config: HandcraftedConfig, work: Iterator) -> Iterator[Resul
 def run_handcrafted(config: HandcraftedConfig) -> BatchReport:
     """Run the job described by ``config``; see the module docstring.
 
-    Raises FileNotFoundError/ValueError for a bad input, ``shards.lock.FolderLockedError`` when
+    Raises FileNotFoundError/ValueError for a bad input, ``jobs.lock.FolderLockedError`` when
     another job holds the output folder, :class:`OutputWriteError` when the output folder can
     take no more maps.
     """

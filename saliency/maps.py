@@ -1,7 +1,7 @@
-"""Writing saliency maps: 8-bit single-channel PNGs, written atomically through shards.atomic.
+"""Writing saliency maps: 8-bit single-channel PNGs, written atomically through jobs.atomic.
 
 A map is written under a hidden temporary name beside its final name, fsynced and renamed
-(``shards.atomic``, the one owner of atomic writes: the rename is made durable by syncing the
+(``jobs.atomic``, the one owner of atomic writes: the rename is made durable by syncing the
 folder too), so a killed job never leaves a half-written map under a final name. Files get the
 mode the umask gives, like every other output of the project.
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from shards.atomic import TEMP_MARK, atomic_output
+from jobs.atomic import TEMP_MARK, atomic_output
 
 
 def map_to_uint8(saliency: np.ndarray) -> np.ndarray:

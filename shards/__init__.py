@@ -1,12 +1,12 @@
 """WebDataset shard sets: writing, reading, manifests, DALI index files, building and verification."""
 
+from jobs.ranks import Ranks, ranks_from_env
 from shards.build import BuildConfig, BuildReport, build_shards
 from shards.images import ImageLoadError, load_image, load_rgb
 from shards.index import index_path, read_index, write_index
 from shards.limits import DEFAULT_LIMITS, ImageLimits
 from shards.manifest import read_manifest, read_rejected, write_manifest
 from shards.merge import MergeReport, merge_shard_set
-from shards.ranks import Ranks, ranks_from_env
 from shards.reader import ReadReport, iter_samples, list_shards
 from shards.sample import IMAGE_MEMBERS, ShardSample
 from shards.shardset import ShardSet, ShardSetError, resolve_shard_set

@@ -21,7 +21,12 @@ from pathlib import Path
 
 from PIL import Image
 
-from shards.atomic import remove_stale_temps
+from jobs.atomic import remove_stale_temps
+from jobs.lock import folder_lock
+from jobs.progress import Phase
+from jobs.ranks import Ranks, ranks_from_env  # noqa: F401 (re-exported for callers of shards.build)
+from jobs.version import package_version
+from jobs.workers import worker_pool
 from shards.images import PreparedImage, Rejection, prepare_file
 from shards.index import index_path
 from shards.job import (  # noqa: F401 (OutputError re-exported for callers of shards.build)
@@ -35,17 +40,12 @@ from shards.job import (  # noqa: F401 (OutputError re-exported for callers of s
     write_record,
 )
 from shards.limits import DEFAULT_MAX_PIXELS, ImageLimits
-from shards.lock import folder_lock
 from shards.manifest import REJECTED_NAME, rejected_table, write_table
 from shards.merge import build_job, merge_shard_set, rejected_listing_command, work_dir
 from shards.outdir import claim_out_dir, output_folder
 from shards.plan import ShardPlan, plan_digest, plan_shards
-from shards.progress import Phase
-from shards.ranks import Ranks, ranks_from_env  # noqa: F401 (re-exported for callers of shards.build)
 from shards.sample import ShardSample
 from shards.sources import InputError, Listing, SourceImage, list_inputs
-from shards.version import package_version
-from shards.workers import worker_pool
 from shards.writer import SampleRecord, TarShard, sample_record
 
 CHUNK = 16  # images per worker task: amortises inter-process overhead, keeps order cheap

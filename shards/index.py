@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from shards.atomic import atomic_write_bytes
+from jobs.atomic import atomic_write_bytes
 from shards.keys import UnsafeKeyError, check_key
 from shards.limits import DEFAULT_LIMITS, ImageLimits
 from shards.tario import Member, Skipped, TarReadError, iter_tar

@@ -22,7 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from shards.atomic import OutputError, atomic_write_bytes
+from jobs.atomic import OutputError, atomic_write_bytes
+from jobs.progress import Phase
 from shards.index import index_path
 from shards.manifest import (
     MANIFEST_NAME,
@@ -32,7 +33,6 @@ from shards.manifest import (
     rejected_table,
     write_table,
 )
-from shards.progress import Phase
 from shards.writer import TarShard, write_info
 
 POLL_S = 2.0

@@ -17,7 +17,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from shards.atomic import OutputError, atomic_write_bytes
+from jobs.atomic import OutputError, atomic_write_bytes
 from shards.index import index_path
 from shards.manifest import MANIFEST_NAME, REJECTED_NAME, is_plain_tar_name, manifest_shards
 from shards.merge import plan_file, work_dir

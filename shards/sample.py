@@ -20,6 +20,9 @@ IMAGE_MEMBERS = ("jpg", "jpeg", "png", "webp")
 # The saliency mask member (`saliency build-masks`): 8-bit, at the image's displayed size (EXIF
 # orientation applied) or a scaled copy of it.
 MASK_MEMBER = "mask.png"
+# A mask covering less of its image than this is written but never applied in pretraining (too little
+# foreground to remove the background around): build-masks counts them, the views skip them.
+MIN_MASK_COVERAGE = 0.05
 # A `cls` member holds a class index in ASCII decimal (what `shards build` writes); other WebDataset
 # tools also write class names there, which readers keep as unlabelled rather than refuse.
 LABEL_MEMBER = "cls"

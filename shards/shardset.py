@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from shards.atomic import atomic_write_bytes
+from jobs.atomic import atomic_write_bytes
+from jobs.progress import Phase, tracked
+from jobs.workers import worker_pool
 from shards.index import index_path, index_text, read_index
 from shards.manifest import MANIFEST_NAME, is_plain_tar_name, read_manifest
-from shards.progress import Phase, tracked
 from shards.sample import LABEL_MEMBER
-from shards.workers import worker_pool
 
 # Shard file names: ours are `{prefix}-NNNNNN.tar`; other tools write 4 or 5 digits too.
 SHARD_PATTERN = re.compile(r"[^.].*-\d{4,6}\.tar")

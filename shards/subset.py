@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shards.atomic import atomic_output
+from jobs.atomic import atomic_output
 from shards.index import entries_key, read_index
 from shards.keys import check_key
 from shards.outdir import writing

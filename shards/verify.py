@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from jobs.progress import tracked
+from jobs.workers import worker_pool
 from shards.images import JPEG_FORMATS, ImageLoadError, decode, displayed_size
 from shards.index import index_path, index_text
 from shards.manifest import (
@@ -32,7 +34,6 @@ from shards.manifest import (
     read_manifest,
 )
 from shards.merge import plan_file
-from shards.progress import tracked
 from shards.reader import ReadReport, Sample, read_samples
 from shards.sample import MASK_MEMBER, content_hash
 from shards.shardset import (
@@ -41,7 +42,6 @@ from shards.shardset import (
     default_index_cache,
     list_shard_files,
 )
-from shards.workers import worker_pool
 
 
 @dataclass(frozen=True)

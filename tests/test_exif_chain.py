@@ -20,7 +20,8 @@ from click.testing import CliRunner
 from PIL import Image
 
 from pretrain.eval.knn import preprocess
-from pretrain.views.config import IMAGENET_MEAN, IMAGENET_STD, PARAM_NAMES, ViewConfig
+from pretrain.model.normalization import IMAGENET_MEAN, IMAGENET_STD
+from pretrain.views.config import PARAM_NAMES, ViewConfig
 from pretrain.views.loader import ViewLoader, dali_available
 from shards import (
     ReadReport,

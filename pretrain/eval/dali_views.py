@@ -23,7 +23,7 @@ from nvidia.dali import pipeline_def
 from nvidia.dali.plugin.base_iterator import LastBatchPolicy
 from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
-from pretrain.views.config import IMAGENET_MEAN, IMAGENET_STD
+from pretrain.model.normalization import IMAGENET_MEAN, IMAGENET_STD
 from pretrain.views.dali import find_undecodable
 from pretrain.views.sources import load_sample_set
 from shards.sample import IMAGE_MEMBERS, LABEL_MEMBER, MAX_LABEL_BYTES, class_index

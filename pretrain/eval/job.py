@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jobs.atomic import atomic_output, atomic_write_bytes
 from jobs.config import (
     SETTINGS_FILE,
     ConfigError,
@@ -27,13 +28,12 @@ from jobs.config import (
     settings_text,
     to_dict,
 )
+from jobs.version import package_version
 from pretrain.config import KnnConfig
 from pretrain.eval.finetune import FinetuneConfig
 from pretrain.eval.knn import at_trained_size
 from pretrain.eval.linear import LinearConfig
-from shards.atomic import atomic_output, atomic_write_bytes
 from shards.outdir import check_output_file, check_output_folder, writing
-from shards.version import package_version
 
 LINEAR_PRESETS = Presets(job="relicv2 eval linear", package="pretrain.eval", folder="presets/linear")
 FINETUNE_PRESETS = Presets(job="relicv2 eval finetune", package="pretrain.eval", folder="presets/finetune")
@@ -185,9 +185,9 @@ def _run_knn(job: EvalJob, log: Callable[[str], None]) -> EvalOutcome:
 
 
 def _run_trained_head(job: EvalJob, log: Callable[[str], None]) -> EvalOutcome | None:
+    from jobs.lock import folder_lock
     from pretrain import distributed
     from pretrain.eval.outcome import lost_text
-    from shards.lock import folder_lock
     from shards.subset import read_key_list
 
     keys = read_key_list(job.labels) if job.labels is not None else None  # a bad list is refused first

@@ -28,6 +28,7 @@ from pretrain.config import KnnConfig, PretrainConfig
 from pretrain.distributed import DistributedContext, gather_object
 from pretrain.eval.classes import check_same_classes
 from pretrain.eval.outcome import LostSamples, figure, lost_fields, refuse_lost
+from pretrain.model.normalization import IMAGENET_MEAN, IMAGENET_STD
 from shards import ReadReport, iter_samples, resolve_shard_set
 from shards.images import ImageLoadError, load_image
 from shards.sample import missing_label
@@ -36,8 +37,6 @@ from shards.shardset import shard_tars
 __all__ = ["KnnResult", "encoder_from_checkpoint", "evaluate_knn", "extract_features", "knn_predict",
            "random_encoder", "resolve_checkpoint", "shared_tars", "trained_protocol", "at_trained_size"]
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 
 
 @dataclass(frozen=True)

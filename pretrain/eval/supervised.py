@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm import tqdm
 
+from jobs.atomic import atomic_output
 from pretrain.distributed import DistributedContext, all_gather_object
 from pretrain.eval.outcome import LostSamples, figure, lost_fields
 from pretrain.untrusted import TORCH_LOAD_ERRORS
-from shards.atomic import atomic_output
 
 Batches = Iterable[tuple[Tensor, Tensor, list[str]]]  # images, labels, keys of the undecodable images
 

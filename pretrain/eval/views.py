@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from pretrain.eval.knn import preprocess
-from pretrain.views.config import IMAGENET_MEAN, IMAGENET_STD
+from pretrain.model.normalization import IMAGENET_MEAN, IMAGENET_STD
 from pretrain.views.reference import random_resized_crop
 from pretrain.views.sample_table import SampleRef, SampleTable
 from pretrain.views.sources import load_sample_set, require_class_labels

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from jobs.atomic import atomic_output
 from pretrain.model.resnet import (
     STAGE_BLOCKS,
     STAGE_PLANES,
@@ -38,7 +39,6 @@ from pretrain.model.resnet import (
     to_torchvision_state_dict,
 )
 from pretrain.untrusted import TORCH_LOAD_ERRORS, load_failure
-from shards.atomic import atomic_output
 
 FORMATS = ("torchvision", "relicv2")
 SIDECAR_SUFFIX = ".json"

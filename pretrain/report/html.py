@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from jobs.atomic import atomic_write_bytes
 from pretrain.report import plots
 from pretrain.report.inputs import (
     EvalResult,
@@ -24,7 +25,6 @@ from pretrain.report.inputs import (
     read_run_metrics,
     read_saliency_samples,
 )
-from shards.atomic import atomic_write_bytes
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # In the figures folder: the names of the figures the report wrote there, the only files a rebuild removes.

@@ -21,7 +21,6 @@ from shards.images import ImageLoadError, load_gray, load_rgb, read_bytes
 from shards.keys import UnsafeKeyError, safe_relative_path
 from shards.sample import MASK_MEMBER
 
-HANDCRAFTED_METHODS = ("rbd", "mr", "dsr", "mc")  # the folders `relicv2 saliency handcrafted` writes
 EVAL_REQUIRED = ("protocol", "top1")  # the eval `--json` contract: at least these keys
 
 
@@ -254,8 +253,11 @@ def read_saliency_samples(shards: Path | None, maps_dir: Path | None, count: int
 
 
 def _maps_for(maps_dir: Path, key: str, size: tuple[int, int]) -> dict[str, np.ndarray]:
-    maps = {}
-    for method in HANDCRAFTED_METHODS:
+    maps: dict[str, np.ndarray] = {}
+    if not Path(maps_dir).is_dir():
+        return maps
+    # One folder a method (what `relicv2 saliency handcrafted` writes): read from the output, not named here.
+    for method in sorted(p.name for p in Path(maps_dir).iterdir() if p.is_dir() and not p.name.startswith(".")):
         try:
             path = safe_relative_path(Path(maps_dir) / method, key, ".png")
         except UnsafeKeyError:

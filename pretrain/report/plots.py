@@ -13,7 +13,7 @@ matplotlib.use("Agg")  # files only: no display on servers and CI boxes
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 import numpy as np  # noqa: E402
 
-from pretrain.report.inputs import HANDCRAFTED_METHODS, EvalResult, SaliencySample, protocol_text  # noqa: E402
+from pretrain.report.inputs import EvalResult, SaliencySample, protocol_text  # noqa: E402
 
 LOSS_PARTS = (("loss", "total"), ("contrastive", "contrastive"), ("invariance", "invariance (KL)"))
 DPI = 100
@@ -106,7 +106,7 @@ def _short(text: str, limit: int = 40) -> str:
 def plot_saliency(samples: Sequence[SaliencySample], path: Path) -> Path:
     """One row per image: the image, each handcrafted map, their mean, the network's mask, and the
     image with its background greyed out where the mask is below 0.5 (what masked views show)."""
-    methods = [m for m in HANDCRAFTED_METHODS if any(m in s.maps for s in samples)]
+    methods = sorted({m for s in samples for m in s.maps})
     columns = ["image", *[m.upper() for m in methods]]
     if len(methods) > 1:
         columns.append("mean of maps")

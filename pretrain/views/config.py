@@ -10,10 +10,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from shards.workers import rank_cores
+from jobs.workers import rank_cores
+from pretrain.model.normalization import IMAGENET_MEAN, IMAGENET_STD
+from shards.sample import MIN_MASK_COVERAGE
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 GRAYSCALE_WEIGHTS = (0.2989, 0.5870, 0.1140)  # paper and torchvision's rgb_to_grayscale
 BACKENDS = ("dali", "reference")
 COLOUR_STAGES = ("torch", "dali")
@@ -57,7 +57,7 @@ class ViewConfig:
     solarize_probability_odd: float = 0.2
     # Saliency masking of large views (paper appendix "Saliency Masking").
     mask_probability: float = 0.1
-    mask_min_coverage: float = 0.05
+    mask_min_coverage: float = MIN_MASK_COVERAGE
     mask_grey_range: tuple[float, float] = (0.0, 1.0)  # the per-image background grey level
     # Train although mask_probability and the data disagree (masking on a set without masks, or a
     # masked set with mask_probability 0); otherwise such a run is refused before its first step.

@@ -19,6 +19,8 @@ from nvidia.dali.plugin.pytorch import feed_ndarray
 from nvidia.dali.tensors import TensorListGPU
 from torch.profiler import record_function
 
+from jobs.progress import tracked
+from jobs.workers import rank_cores
 from pretrain.views.backend import BackendSetup
 from pretrain.views.batch import BackendBatch, assemble_params, labels_tensor
 from pretrain.views.colour import Background, ColourDraws, colour_views
@@ -32,9 +34,7 @@ from pretrain.views.dali_pipeline import (
 )
 from pretrain.views.sample_table import SampleRef
 from pretrain.views.sources import MASK_MEMBER, exclude_samples, reader_samples_per_rank
-from shards.progress import tracked
 from shards.sample import class_index
-from shards.workers import rank_cores
 
 __all__ = ["DaliBackend", "find_undecodable", "is_decode_error"]
 

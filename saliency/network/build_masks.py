@@ -46,6 +46,11 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from jobs.atomic import remove_stale_temps
+from jobs.lock import folder_lock
+from jobs.ranks import Ranks, ranks_from_env
+from jobs.version import package_version
+from jobs.workers import local_ranks, rank_cores, usable_cores, worker_pool
 from saliency.network.config import resolve_device
 from saliency.network.mask_work import (
     MIN_COVERAGE,
@@ -63,7 +68,6 @@ from saliency.network.mask_work import (
 )
 from saliency.network.model_file import PASS_MODEL, resolve_model_path
 from saliency.network.predictor import MaskPredictor, launch_forward
-from shards.atomic import remove_stale_temps
 from shards.images import Rejection
 from shards.index import index_path, read_index
 from shards.job import (
@@ -83,10 +87,8 @@ from shards.job import (
     write_plan,
     write_record,
 )
-from shards.lock import folder_lock
 from shards.manifest import MANIFEST_NAME, REJECTED_NAME
 from shards.outdir import SET_FILES, other_entries, output_folder, shard_files
-from shards.ranks import Ranks, ranks_from_env
 from shards.reader import ReadReport, read_samples
 from shards.sample import (
     EXT_PATTERN,
@@ -103,8 +105,6 @@ from shards.shardset import (
     resolve_shard_set,
     shard_tars,
 )
-from shards.version import package_version
-from shards.workers import local_ranks, rank_cores, usable_cores, worker_pool
 from shards.writer import TarShard, shard_name
 
 PREFIX = "masked"

@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from jobs.config import ConfigError, Presets, is_file_reference, resolve, to_dict
+from saliency.handcrafted.methods import METHODS
 
-METHOD_NAMES = ("rbd", "mr", "dsr", "mc")
+METHOD_NAMES = tuple(METHODS)  # the handcrafted methods refinement learns from: all of them by default
 
 # First-iteration binarisation thresholds of the handcrafted maps (maps in [0, 1]). MC, DSR and
 # RBD: the DeepUSPS reference values. DeepUSPS used HS (0.36) where ReLICv2 and we use MR; MR's
@@ -102,7 +103,7 @@ def resolve_device(device: str) -> str:
     GPU under torchrun), else the CPU; a CUDA device without a GPU is a ConfigError."""
     import torch  # here: the config module stays light for `--help`
 
-    from shards.ranks import ranks_from_env
+    from jobs.ranks import ranks_from_env
 
     if device == "auto":
         if not torch.cuda.is_available():

@@ -26,13 +26,13 @@ from pathlib import Path
 import cv2
 import numpy as np
 
+from jobs.lock import pid_alive
 from saliency.network.images import resize_map, resize_square
 from shards.images import ImageLoadError, Rejection, load_scaled
-from shards.lock import pid_alive
-from shards.sample import MASK_MEMBER, ShardSample
+from shards.sample import MASK_MEMBER, MIN_MASK_COVERAGE, ShardSample
 from shards.writer import SampleRecord, sample_record
 
-MIN_COVERAGE = 0.05  # ViewLoader's default mask_min_coverage: masks below it are never applied
+MIN_COVERAGE = MIN_MASK_COVERAGE  # masks below it are never applied (the views' default mask_min_coverage)
 # zlib level 3 with run-length matching (Z_RLE): masks are smooth, so after PNG's row filters they are
 # runs of equal bytes. Against the default strategy at level 3 on 256 px masks: ~40% less encoding time
 # (the largest per-image cost of the job), -19% to +3% bytes. Level 3 was ~2x faster than 9 for ~10%

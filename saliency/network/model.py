@@ -19,10 +19,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
+from pretrain.model.normalization import IMAGENET_MEAN, IMAGENET_STD
 from pretrain.model.resnet import ResNet, resnet
 
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 OUTPUT_STRIDE = 8
 
 

@@ -27,7 +27,10 @@ import torch
 import yaml
 from tqdm import tqdm
 
+from jobs.atomic import atomic_output, atomic_write_bytes
 from jobs.config import SETTINGS_FILE, settings_text
+from jobs.lock import folder_lock
+from jobs.version import package_version
 from pretrain.model.resnet import load_torchvision_state_dict
 from saliency.network.config import SaliencyTrainConfig, config_to_dict, resolve_device
 from saliency.network.data import TrainingImages, load_training_images
@@ -37,10 +40,7 @@ from saliency.network.model import SaliencyNet
 from saliency.network.model_file import save_model
 from saliency.network.report import check_ground_truth, evaluate_report, format_report
 from saliency.network.weights import encoder_state_dict, load_fitting
-from shards.atomic import atomic_output, atomic_write_bytes
-from shards.lock import folder_lock
 from shards.outdir import check_output_folder, writing
-from shards.version import package_version
 
 CONFIG_NAME = SETTINGS_FILE  # the resolved settings and inputs, as printed at start
 RANDOM_BACKBONE_NOTE = (

@@ -11,11 +11,11 @@ from click.testing import CliRunner
 
 from cli.main import cli
 from jobs.config import SETTINGS_FILE, to_dict
+from jobs.version import package_version
 from pretrain.config import load_config
 from pretrain.eval.job import load_linear_config
 from saliency.network.config import load_saliency_config
 from shards import write_shard_set
-from shards.version import package_version
 from tests.pretrain.eval.conftest import write_labelled_set
 from tests.saliency.network.conftest import scene_samples
 

@@ -12,10 +12,10 @@ import torch
 from click.testing import CliRunner
 
 from cli.pretrain import run as pretrain_command
+from jobs.lock import acquire, release
 from pretrain.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 from pretrain.config import ConfigError
 from pretrain.run import PretrainingInterrupted, run_pretraining
-from shards.lock import acquire, release
 from tests.pretrain.conftest import RESUME_OPTIONS, quiet_run, tiny_config
 from tests.pretrain.test_trainer import logged, tapped
 

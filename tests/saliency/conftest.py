@@ -1,4 +1,4 @@
-"""The saliency tests run single-threaded, as the batch job does (see shards.workers)."""
+"""The saliency tests run single-threaded, as the batch job does (see jobs.workers)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from shards.workers import single_threaded
+from jobs.workers import single_threaded
 
 
 @pytest.fixture(scope="package", autouse=True)

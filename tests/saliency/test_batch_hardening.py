@@ -20,10 +20,10 @@ from PIL import Image
 
 import saliency.batch as batch
 from cli.saliency import saliency_group
+from jobs.lock import folder_lock
 from saliency.maps import write_map
 from saliency.synthetic import synthetic_scene
 from shards.keys import UnsafeKeyError
-from shards.lock import folder_lock
 from shards.manifest import write_manifest
 from tests.paths import REPO
 
@@ -192,7 +192,7 @@ def test_progress_total_and_lost_samples_come_from_the_manifest(tmp_path):
 
 _ORPHAN_SCRIPT = """
 import os, sys, time
-from shards.workers import one_thread, worker_pool
+from jobs.workers import one_thread, worker_pool
 
 if __name__ == "__main__":
     pool = worker_pool(1, start_method="spawn", initializer=one_thread)

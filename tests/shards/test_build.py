@@ -19,10 +19,10 @@ from PIL import Image
 
 import shards
 from cli.shards import shards_group
+from jobs.ranks import Ranks, ranks_from_env
 from shards.build import BuildConfig, build_shards
 from shards.job import rank_units as rank_shards
 from shards.merge import merge_shard_set, work_dir
-from shards.ranks import Ranks, ranks_from_env
 from shards.verify import verify_shard_set
 from tests.paths import REPO
 

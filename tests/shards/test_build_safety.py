@@ -17,10 +17,10 @@ from click.testing import CliRunner
 import shards
 from cli.demo import demo_data
 from cli.shards import shards_group
+from jobs.lock import LOCK_NAME, acquire, release
+from jobs.ranks import Ranks
 from shards.build import BuildConfig, OutputError, build_shards
-from shards.lock import LOCK_NAME, acquire, release
 from shards.merge import plan_file
-from shards.ranks import Ranks
 from shards.sources import InputError
 from tests.paths import REPO
 from tests.shards.test_build import encoded, image
@@ -208,7 +208,7 @@ def test_impossible_numbers_are_refused_up_front(tmp_path, args):
 def test_workers_exit_when_the_job_is_killed(tmp_path):
     code = (
         "import os, time\n"
-        "from shards.workers import worker_pool\n"
+        "from jobs.workers import worker_pool\n"
         "pool = worker_pool(2)\n"
         "print(pool.submit(os.getpid).result(), flush=True)\n"
         "time.sleep(60)\n"
@@ -277,7 +277,7 @@ def test_output_errors_name_path_cause_and_way_out(tmp_path, code, hint):
 
 
 def test_ranks_come_from_torchrun_variables_once():
-    from shards.ranks import RanksError, ranks_from_env
+    from jobs.ranks import RanksError, ranks_from_env
 
     assert ranks_from_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == Ranks(3, 4, 1)
     assert ranks_from_env({}) == Ranks(0, 1, 0) and ranks_from_env({}).is_main

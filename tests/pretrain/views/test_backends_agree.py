@@ -17,7 +17,8 @@ import torchvision.transforms.functional as F
 from PIL import Image
 from scipy.ndimage import gaussian_filter
 
-from pretrain.views.config import IMAGENET_MEAN, IMAGENET_STD, PARAM_NAMES, ViewConfig
+from pretrain.model.normalization import IMAGENET_MEAN, IMAGENET_STD
+from pretrain.views.config import PARAM_NAMES, ViewConfig
 from pretrain.views.loader import ViewLoader
 from pretrain.views.reference import colour_steps, crop_view, mask_view
 from shards import ReadReport, ShardSample, iter_samples, write_shard_set

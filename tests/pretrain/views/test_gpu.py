@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from pretrain.views.config import IMAGENET_STD, PARAM_NAMES, ViewConfig
+from pretrain.model.normalization import IMAGENET_STD
+from pretrain.views.config import PARAM_NAMES, ViewConfig
 from pretrain.views.dali_pipeline import _views_pipeline, soft_mask_views
 from pretrain.views.loader import ViewLoader
 from pretrain.views.sources import load_sample_set

@@ -203,7 +203,7 @@ def test_decoding_is_cached_per_tar_and_spared_to_sets_decoded_when_written(tmp_
 
 
 def test_a_ranks_share_of_the_cores_under_torchrun():
-    from shards.workers import rank_cores, usable_cores
+    from jobs.workers import rank_cores, usable_cores
 
     assert rank_cores({}) == usable_cores()
     assert rank_cores({"LOCAL_WORLD_SIZE": "4"}) == max(1, usable_cores() // 4)

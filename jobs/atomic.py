@@ -64,7 +64,7 @@ def remove_stale_temps(directory: Path, names: set[str] | Callable[[str], bool] 
     """Delete temporary files left by killed writers for the final names in `names` (a set, or a test
     of the final name; None: all); return the count.
 
-    Call it only while holding the folder's lock (shards.lock), and under torchrun only for the
+    Call it only while holding the folder's lock (jobs.lock), and under torchrun only for the
     caller's own final names: other ranks may be writing other files in the same folder.
     """
     removed = 0
