@@ -139,6 +139,14 @@ def _backbone_options(function):
     return function
 
 
+def _settings(load: Any, name: str, overrides: tuple[str, ...]) -> Any:
+    """The protocol's settings: preset or file `name` with the --set overrides; a mistake is a usage error."""
+    try:
+        return load(name, overrides)
+    except ConfigError as error:
+        raise click.BadParameter(str(error), param_hint="--config/--set") from None
+
+
 def _config_name(config_name: str | None, preset_name: str | None, default: str) -> str:
     if config_name is not None and preset_name is not None:
         raise click.UsageError("--preset is another name for --config: give one of them")
@@ -163,10 +171,7 @@ def linear(checkpoint: Path | None, random_depth: int | None, network: str, trai
     from pretrain.eval.job import load_linear_config
 
     backbone = _backbone(checkpoint, random_depth, network, seed)
-    try:
-        config = load_linear_config(_config_name(config_name, preset_name, "paper"), overrides)
-    except ConfigError as error:
-        raise click.BadParameter(str(error), param_hint="--config/--set") from None
+    config = _settings(load_linear_config, _config_name(config_name, preset_name, "paper"), overrides)
     _run({"backbone": backbone, "train_shards": train_shards, "val_shards": val_shards, "config": config,
           "output": output, "json_path": json_path, "device": device, "allow_lost": allow_lost,
           "given": frozenset(parse_overrides(overrides))})
@@ -192,10 +197,7 @@ def finetune_command(checkpoint: Path | None, random_depth: int | None, network:
     from pretrain.eval.job import load_finetune_config
 
     backbone = _backbone(checkpoint, random_depth, network, seed)
-    try:
-        config = load_finetune_config(_config_name(config_name, preset_name, "1pct"), overrides)
-    except ConfigError as error:
-        raise click.BadParameter(str(error), param_hint="--config/--set") from None
+    config = _settings(load_finetune_config, _config_name(config_name, preset_name, "1pct"), overrides)
     _run({"backbone": backbone, "train_shards": train_shards, "val_shards": val_shards, "config": config,
           "output": output, "json_path": json_path, "device": device, "labels": labels_path,
           "given": frozenset(parse_overrides(overrides))})

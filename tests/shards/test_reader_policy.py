@@ -15,6 +15,7 @@ from PIL import Image
 import shards
 from cli.saliency import saliency_group
 from saliency.synthetic import synthetic_scene
+from tests.tars import write_tar
 
 DEEP = b"[" * 100_000  # a json member nested far past any recursion limit
 
@@ -24,16 +25,6 @@ def jpeg(seed: int) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(rgb).save(buffer, "JPEG", quality=95)
     return buffer.getvalue()
-
-
-def write_tar(path: Path, members: list[tuple[str, bytes]]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as archive:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            archive.addfile(info, io.BytesIO(data))
-    return path
 
 
 def hostile_set(folder: Path) -> Path:

@@ -3,8 +3,6 @@ use and an input mask are rejected, carried or replaced, each counted and named,
 
 from __future__ import annotations
 
-import io
-import tarfile
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -15,15 +13,7 @@ from shards import ReadReport, iter_samples
 from shards.build import Ranks
 from shards.sample import MASK_MEMBER
 from tests.saliency.network.conftest import SquarePredictor, jpeg_bytes
-
-
-def _tar(path: Path, members: list[tuple[str, bytes]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(path, "w", format=tarfile.USTAR_FORMAT) as archive:
-        for name, data in members:
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            archive.addfile(info, io.BytesIO(data))
+from tests.tars import write_tar
 
 
 def _image(seed: int) -> bytes:
@@ -42,7 +32,7 @@ def _rejected(out: Path) -> dict[str, str]:
 
 def test_a_deep_json_member_is_a_rejected_row(tmp_path, tiny_model):
     folder = tmp_path / "in"
-    _tar(folder / "train-0000.tar", [("a.jpg", _image(0)), ("b.jpg", _image(1)), ("b.json", b"[" * 100_000)])
+    write_tar(folder / "train-0000.tar", [("a.jpg", _image(0)), ("b.jpg", _image(1)), ("b.json", b"[" * 100_000)])
     summary = _run(tmp_path, folder, tiny_model)
     assert summary["written"] == 1 and summary["rejected"] == 1
     assert _rejected(tmp_path / "out") == {"train-0000.tar:b": "json_too_deep"}
@@ -50,7 +40,7 @@ def test_a_deep_json_member_is_a_rejected_row(tmp_path, tiny_model):
 
 def test_a_duplicate_key_is_a_rejected_row_not_the_end_of_the_run(tmp_path, tiny_model):
     folder = tmp_path / "in"
-    _tar(folder / "train-0000.tar", [
+    write_tar(folder / "train-0000.tar", [
         ("a.jpg", _image(0)), ("c.jpg", _image(2)), ("a.jpg", _image(3)),  # `a` again: a second sample of one key
     ])
     summary = _run(tmp_path, folder, tiny_model)
@@ -61,7 +51,7 @@ def test_a_duplicate_key_is_a_rejected_row_not_the_end_of_the_run(tmp_path, tiny
 
 def test_unused_members_are_carried_and_an_input_mask_replaced_and_counted(tmp_path, tiny_model):
     folder = tmp_path / "in"
-    _tar(folder / "train-0000.tar", [
+    write_tar(folder / "train-0000.tar", [
         ("a.jpg", _image(0)), ("a.txt", b"caption of a"), ("b.jpg", _image(1)), ("b.mask.png", b"an old mask"),
     ])
     summary = _run(tmp_path, folder, tiny_model)
