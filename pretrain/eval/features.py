@@ -23,7 +23,7 @@ from jobs.atomic import atomic_output
 from pretrain.distributed import DistributedContext, all_gather_object
 from pretrain.eval.knn import extract_features
 from pretrain.eval.outcome import LostSamples, LostSamplesError
-from pretrain.untrusted import TORCH_LOAD_ERRORS
+from pretrain.model.untrusted import TORCH_LOAD_ERRORS
 from shards.shardset import shard_tars
 
 CACHE_FORMAT = "relicv2-feature-cache"

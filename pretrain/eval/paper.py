@@ -8,19 +8,16 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
 from pretrain.distributed import DistributedContext, prepare_shard_sets
 from pretrain.eval import supervised
+from pretrain.eval.linear_config import LinearConfig
 from pretrain.eval.supervised import HeadCheckpointError
 from pretrain.eval.views import LabelledViews, class_count, labelled_samples, loader, rank_order
 from pretrain.schedules import learning_rate
-
-if TYPE_CHECKING:  # named in annotations only: `pretrain.eval.linear` calls this module
-    from pretrain.eval.linear import LinearConfig
 
 __all__ = ["HEAD_FILE", "HeadCheckpointError", "train_linear_paper"]  # the CLI catches the error from here
 

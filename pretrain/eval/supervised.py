@@ -23,7 +23,7 @@ from tqdm import tqdm
 from jobs.atomic import atomic_output
 from pretrain.distributed import DistributedContext, all_gather_object
 from pretrain.eval.outcome import LostSamples, figure, lost_fields
-from pretrain.untrusted import TORCH_LOAD_ERRORS
+from pretrain.model.untrusted import TORCH_LOAD_ERRORS
 
 Batches = Iterable[tuple[Tensor, Tensor, list[str]]]  # images, labels, keys of the undecodable images
 

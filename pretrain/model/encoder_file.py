@@ -38,7 +38,7 @@ from pretrain.model.resnet import (
     resnet,
     to_torchvision_state_dict,
 )
-from pretrain.untrusted import TORCH_LOAD_ERRORS, load_failure
+from pretrain.model.untrusted import TORCH_LOAD_ERRORS, load_failure
 
 FORMATS = ("torchvision", "relicv2")
 SIDECAR_SUFFIX = ".json"

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from jobs.atomic import atomic_output
-from pretrain.checkpoint import FORMAT as PRETRAIN_FORMAT
+from pretrain.model.checkpoint_file import FORMAT as PRETRAIN_FORMAT
 from pretrain.model.resnet import state_dict_differences
-from pretrain.untrusted import TORCH_LOAD_ERRORS, load_failure
+from pretrain.model.untrusted import TORCH_LOAD_ERRORS, load_failure
 from saliency.network.model import SaliencyNet
 
 FORMAT = "relicv2-saliency-model"

@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from pretrain.checkpoint import FORMAT as PRETRAIN_FORMAT
-from pretrain.checkpoint import CheckpointError, load_checkpoint, resolve_checkpoint
+from pretrain.model.checkpoint_file import FORMAT as PRETRAIN_FORMAT
+from pretrain.model.checkpoint_file import CheckpointError, load_checkpoint, resolve_checkpoint
 from pretrain.model.encoder_file import architecture_of
 from pretrain.model.resnet import ResNet, load_torchvision_state_dict
-from pretrain.untrusted import TORCH_LOAD_ERRORS, load_failure
+from pretrain.model.untrusted import TORCH_LOAD_ERRORS, load_failure
 
 # Prefixes stripped from names, in order: DDP's `module.`, then an `encoder.` / `backbone.` wrapper.
 WRAPPER_PREFIXES = ("module.", "encoder.", "backbone.", "trunk.")

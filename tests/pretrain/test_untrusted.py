@@ -8,7 +8,7 @@ import pickle
 import pytest
 import torch
 
-from pretrain.untrusted import TORCH_LOAD_ERRORS, load_failure
+from pretrain.model.untrusted import TORCH_LOAD_ERRORS, load_failure
 
 
 class _Payload:
