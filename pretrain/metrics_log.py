@@ -1,20 +1,17 @@
-"""Rank-0 metrics output: JSONL file, TensorBoard scalars and a tqdm progress bar."""
+"""Rank-0 metrics output: JSONL file, TensorBoard scalars and the run's progress (jobs.progress)."""
 
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
 from jobs.atomic import atomic_write_bytes
+from jobs.progress import Phase
 
 METRICS_NAME = "metrics.jsonl"
 # Shown in the progress bar, in this order (the JSONL and TensorBoard get every metric).
-LINE_EVERY_S = 60.0  # progress lines in a log file (not a terminal)
 BAR_FIELDS = ("loss", "contrastive", "invariance", "lr", "ema", "images_per_s", "data_wait_s", "knn_top1")
 
 
@@ -58,15 +55,8 @@ class MetricsLogger:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self._jsonl = open(self.output_dir / METRICS_NAME, "a", encoding="utf-8")  # noqa: SIM115
         self._tensorboard = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"), purge_step=initial_step)
-        # On a terminal a redrawn bar; in a log file (SLURM, CI, nohup) one plain line every
-        # LINE_EVERY_S seconds and at the end, with step, rate, ETA and the loss.
-        self._interactive = progress_bar and sys.stderr.isatty()
-        self._lines = progress_bar and not self._interactive
-        self._bar = tqdm(total=total_steps, initial=initial_step, desc="pretrain", unit="step",
-                         dynamic_ncols=True, disable=not self._interactive)
-        self._step, self._total, self._first_step = initial_step, total_steps, initial_step
-        self._start = self._last_line = time.monotonic()
-        self._shown: dict[str, str] = {}
+        # On a terminal a redrawn bar; in a log file (SLURM, CI, nohup) one plain line a minute and at the end.
+        self._progress = Phase("pretrain", total_steps, unit="step", enabled=progress_bar, initial=initial_step)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Record `metrics` (numbers) for global step `step`."""
@@ -76,42 +66,17 @@ class MetricsLogger:
         for name, value in metrics.items():
             if isinstance(value, int | float):
                 self._tensorboard.add_scalar(f"pretrain/{name}", value, step)
-        self._shown = {k: _short(metrics[k]) for k in BAR_FIELDS if k in metrics}
-        self._bar.set_postfix(self._shown, refresh=False)
+        self._progress.set_postfix(**{k: metrics[k] for k in BAR_FIELDS if k in metrics})
 
     def advance(self, steps: int = 1) -> None:
-        self._bar.update(steps)
-        self._step += steps
-        now = time.monotonic()
-        if self._lines and (now - self._last_line >= LINE_EVERY_S or self._step >= self._total):
-            self._last_line = now
-            print(self._progress_line(now), file=sys.stderr, flush=True)
-
-    def _progress_line(self, now: float) -> str:
-        done = self._step - self._first_step
-        per_step = (now - self._start) / done if done else 0.0
-        eta = per_step * (self._total - self._step)
-        shown = ", ".join(f"{k} {v}" for k, v in self._shown.items())
-        return (f"pretrain: step {self._step}/{self._total} ({100 * self._step / max(self._total, 1):.0f}%), "
-                f"{per_step:.2f} s/step, ETA {_clock(eta)}" + (f", {shown}" if shown else ""))
+        self._progress.update(steps)
 
     def message(self, text: str) -> None:
         """Print a line without breaking the progress bar."""
-        self._bar.write(text)
+        self._progress.write(text)
 
     def close(self) -> None:
-        self._bar.close()
+        self._progress.close()
         self._tensorboard.close()
         self._jsonl.close()
 
-
-def _clock(seconds: float) -> str:
-    minutes, secs = divmod(int(round(seconds)), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}"
-
-
-def _short(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)

@@ -27,9 +27,8 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tqdm import tqdm
-
 from jobs.lock import folder_lock
+from jobs.progress import Phase
 from jobs.workers import one_thread, single_threaded, worker_pool
 from saliency.failures import FailureLimit
 from saliency.handcrafted.methods import METHODS
@@ -196,7 +195,7 @@ def _pending(config: HandcraftedConfig, item: Item) -> tuple[str, ...]:
     return tuple(m for m in config.methods if not paths[m].exists())
 
 
-def _work(config: HandcraftedConfig, report: BatchReport, bar: tqdm) -> Iterator[tuple[Item, tuple[str, ...]]]:
+def _work(config: HandcraftedConfig, report: BatchReport, bar: Phase) -> Iterator[tuple[Item, tuple[str, ...]]]:
     """The inputs that still need maps; counts the others (complete, or with a bad key) on the way."""
     for item in iter_items(config.input, report.read):
         report.inputs += 1
@@ -266,11 +265,7 @@ def run_handcrafted(config: HandcraftedConfig) -> BatchReport:
                 " choose another --output"
             ) from error
         report.stale_removed = remove_stale_temporaries(config.output, config.methods)
-        bar = stack.enter_context(
-            # in a log file (not a terminal), a line every 30 s instead of a redrawn bar
-            tqdm(desc="saliency maps", unit="img", total=total, disable=not config.progress,
-                 mininterval=0.1 if sys.stderr.isatty() else 30.0)
-        )
+        bar = stack.enter_context(Phase("saliency maps", total, unit="img", enabled=config.progress))
         compute = _compute_serial if config.workers <= 1 else _compute_pooled
         for result in compute(config, _work(config, report, bar)):
             report.written.update(result.written)
@@ -287,7 +282,7 @@ def run_handcrafted(config: HandcraftedConfig) -> BatchReport:
     return report
 
 
-def _count_refused_by_reader(report: BatchReport, bar: tqdm) -> None:
+def _count_refused_by_reader(report: BatchReport, bar: Phase) -> None:
     """Samples and shards the shard reader left out are failed inputs, named with their reason."""
     report.inputs += len(report.read.rejected)
     for tar, what, reason in report.read.rejected:

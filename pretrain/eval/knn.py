@@ -20,9 +20,9 @@ import torch.nn.functional as F
 import torchvision.transforms.v2.functional as TF
 from torch import Tensor, nn
 from torchvision.transforms import InterpolationMode
-from tqdm import tqdm
 
 # Re-exported: pretrain.checkpoint owns turning a file or run folder into an encoder.
+from jobs.progress import tracked
 from pretrain.checkpoint import encoder_from_checkpoint, random_encoder, resolve_checkpoint
 from pretrain.config import KnnConfig, PretrainConfig
 from pretrain.distributed import DistributedContext, gather_object
@@ -141,9 +141,9 @@ def _labelled_images(
 ) -> Iterator[tuple[Tensor, int]]:
     index, parts = part
     total = _sample_count(source)
-    bar = tqdm(iter_samples(Path(source), report=report), total=total, desc=f"kNN features {Path(source).name}",
-               unit="img", disable=not progress, dynamic_ncols=True)
-    for position, sample in enumerate(bar):
+    samples = tracked(iter_samples(Path(source), report=report), f"kNN features {Path(source).name}", total,
+                      unit="img", enabled=progress)
+    for position, sample in enumerate(samples):
         if not allow_lost:  # every rank reads the whole set, so every rank stops here alike
             refuse_lost(source, report, finished=False)
         if position % parts != index:

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from tqdm import tqdm
 
 from jobs.atomic import atomic_output
+from jobs.progress import Phase
 from pretrain.distributed import DistributedContext, all_gather_object
 from pretrain.eval.outcome import LostSamples, figure, lost_fields
 from pretrain.model.untrusted import TORCH_LOAD_ERRORS
@@ -142,8 +142,8 @@ def train_classifier(
     rank = ctx.rank if ctx is not None else 0
     device = next(model.parameters()).device
     start_epoch = state.restore(model, optimizer) if state is not None else 0
-    progress = tqdm(total=steps_per_epoch * epochs, initial=start_epoch * steps_per_epoch, desc=desc,
-                    disable=desc is None or rank != 0, unit="step")
+    progress = Phase(desc or "", steps_per_epoch * epochs, unit="step", enabled=desc is not None and rank == 0,
+                     initial=start_epoch * steps_per_epoch)
     for epoch in range(start_epoch, epochs):
         model.train()
         for step_in_epoch, (images, labels, bad) in enumerate(train_batches(epoch)):
@@ -163,8 +163,8 @@ def train_classifier(
                     parameter.grad /= ctx.world_size
             optimizer.step()
             progress.update(1)
-            if not progress.disable:
-                progress.set_postfix(epoch=epoch + 1, loss=f"{loss.item():.3f}")
+            if progress.enabled:
+                progress.set_postfix(epoch=epoch + 1, loss=loss.item())
         if state is not None and rank == 0:
             state.save(epoch + 1, model, optimizer)
     progress.close()

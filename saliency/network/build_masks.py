@@ -44,10 +44,10 @@ from pathlib import Path
 import cv2
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from jobs.atomic import remove_stale_temps
 from jobs.lock import folder_lock
+from jobs.progress import Phase
 from jobs.ranks import Ranks, ranks_from_env
 from jobs.version import package_version
 from jobs.workers import local_ranks, rank_cores, usable_cores, worker_pool
@@ -506,8 +506,7 @@ def _run(job: ShardJob, plan: dict, tars: list[Path], config: BuildMasksConfig, 
     remove_stale_temps(out, shard_files([job.units[n].shard for n in todo]))
     total = sum(len(read_index(index_files[n], tars[n])) for n in todo)
     started, processed, clock = time.monotonic(), 0, MainThreadClock()
-    bar = tqdm(total=total, desc="build-masks", unit="img", disable=not config.progress or not todo,
-               dynamic_ncols=True)
+    bar = Phase("build-masks", total, unit="img", enabled=config.progress and bool(todo))
     with _workers(workers, config.batch_size, predictor, out) as (pool, ring):
         page_locked = ring.page_locked
         for number in todo:

@@ -15,8 +15,8 @@ from pathlib import Path
 import cv2
 import numpy as np
 import torch
-from tqdm import tqdm
 
+from jobs.progress import tracked
 from saliency.batch import map_path
 from saliency.images import ImageReadError, list_images, read_gray, read_rgb
 from saliency.metrics import aggregate, score_image
@@ -99,7 +99,7 @@ def score_rows(images: Iterator[tuple[str, int, np.ndarray]], gt: Path, rows: di
     masks = {p.stem: p for p in list_images(gt)}
     scores: dict[str, list] = {name: [] for name in rows}
     missing = 0
-    for key, index, rgb in tqdm(images, total=total, desc=desc, disable=not progress, unit="img"):
+    for key, index, rgb in tracked(images, desc, total, unit="img", enabled=progress):
         if key not in masks:
             missing += 1
             continue

@@ -25,11 +25,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
-from tqdm import tqdm
 
 from jobs.atomic import atomic_output, atomic_write_bytes
 from jobs.config import SETTINGS_FILE, settings_text
 from jobs.lock import folder_lock
+from jobs.progress import Phase
 from jobs.version import package_version
 from pretrain.model.resnet import load_torchvision_state_dict
 from saliency.network.config import SaliencyTrainConfig, config_to_dict, resolve_device
@@ -251,8 +251,8 @@ class Trainer:
             optimizer.load_state_dict(state["optimizer"])
             average = state["average"].float().numpy()
             start, losses = int(state["epoch"]), list(state["losses"])
-        bar = tqdm(total=unit.epochs * n, initial=start * n, desc=f"saliency {unit.name}", unit="img",
-                   disable=not self.job.progress, dynamic_ncols=True)
+        bar = Phase(f"saliency {unit.name}", unit.epochs * n, unit="img", enabled=self.job.progress,
+                    initial=start * n)
         for epoch in range(start, unit.epochs):
             generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + unit.seed_offset + epoch)
             order = torch.randperm(n, generator=generator)
@@ -264,7 +264,7 @@ class Trainer:
             if unit.method is not None:
                 keep = self.config.average_keep
                 average = keep * average + (1 - keep) * self.crf.refine(predictions)
-            bar.set_postfix(loss=f"{loss:.4f}")
+            bar.set_postfix(loss=loss)
             state = {"epoch": epoch + 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                      "average": torch.from_numpy(average), "losses": losses}  # fp32: exact resume
             with atomic_output(current) as tmp:

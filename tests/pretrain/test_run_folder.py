@@ -228,9 +228,9 @@ def test_fresh_and_resume_together_are_refused(tmp_path):
 
 def test_a_run_logged_to_a_file_prints_progress_lines_with_total_and_eta(tmp_path, capfd, monkeypatch):
     # Not a terminal (a SLURM or nohup log): plain lines instead of a redrawn bar, the last at the end.
-    import pretrain.metrics_log as metrics_log
+    import jobs.progress
 
-    monkeypatch.setattr(metrics_log, "LINE_EVERY_S", 0.0)
+    monkeypatch.setattr(jobs.progress, "LINE_EVERY_S", 0.0)
     quiet_run(tiny_config(tmp_path / "run", "run.progress_bar=true", "optim.epochs=1"), auto_resume=False)
     lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("pretrain: step")]
     assert len(lines) == 4 and "\r" not in "".join(lines)
