@@ -99,10 +99,12 @@ def save_encoder_file(encoder: ResNet, path: str | Path, *, depth: int, width: i
         **(metadata or {}),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_output(path) as tmp:
-        torch.save({name: tensor.cpu() for name, tensor in state.items()}, tmp)
-    with atomic_output(sidecar_path(path)) as tmp:
-        Path(tmp).write_text(json.dumps(sidecar, indent=2, sort_keys=True) + "\n")
+    # The sidecar is written (and renamed) while the weights wait under their temporary name: a failed
+    # write of either (a full disk) leaves the pair as it was, never new weights without their sidecar.
+    with atomic_output(path) as weights_tmp:
+        torch.save({name: tensor.cpu() for name, tensor in state.items()}, weights_tmp)
+        with atomic_output(sidecar_path(path)) as tmp:
+            Path(tmp).write_text(json.dumps(sidecar, indent=2, sort_keys=True) + "\n")
     return sidecar
 
 

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from click.testing import CliRunner
 
 from cli.eval import eval_group
@@ -81,3 +82,13 @@ def test_labels_pointing_at_a_folder_says_it_is_a_folder(shape_shards, tmp_path)
                                              str(val), "--labels", str(tmp_path), "--device", "cpu"])
     _one_line(result, str(tmp_path), "is a folder")
     assert "does not exist" not in result.output
+
+
+def test_a_sidecar_that_cannot_be_written_leaves_no_new_weights(tmp_path):
+    from pretrain.checkpoint import random_encoder
+    from pretrain.model.encoder_file import save_encoder_file
+
+    out = tmp_path / "r18.pt"
+    with pytest.raises(TypeError):  # the sidecar's JSON fails after the weights were written to disk
+        save_encoder_file(random_encoder(18), out, depth=18, width=1, metadata={"not json": object()})
+    assert list(tmp_path.iterdir()) == []  # no weights without their sidecar, no temporary
