@@ -62,6 +62,7 @@ from saliency.network.mask_work import (
     forget_ring,
     init_worker,
     prepare_chunk,
+    record_semaphores,
     remove_dead_rings,
     ring_bytes,
     use_ring,
@@ -341,8 +342,14 @@ def _workers(count: int, batch: int, predictor, out: Path) -> Iterator[tuple[Exe
         if count == 0:
             yield InlineExecutor(), ring
         else:
-            with worker_pool(count, start_method="spawn", initializer=init_worker) as pool:
-                yield pool, ring
+            record = None
+            try:
+                with worker_pool(count, start_method="spawn", initializer=init_worker) as pool:
+                    record = record_semaphores(pool, out)
+                    yield pool, ring
+            finally:  # the pool has shut down and its semaphores are gone: so goes their record
+                if record is not None:
+                    record.unlink(missing_ok=True)
     finally:
         forget_ring(ring)
         cv2.setNumThreads(opencv_threads)

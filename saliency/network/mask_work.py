@@ -117,6 +117,8 @@ SHM_REMEDY = "lower --batch, or give the machine more shared memory (Docker: --i
 RING_PREFIX = "relicv2-masks"
 # relicv2-masks-<pid>-<output folder tag>-<random>: who made a ring, and for which output folder.
 RING_NAME = re.compile(re.escape(RING_PREFIX) + r"-(\d+)-([0-9a-f]{12}|none)-[0-9a-f]+")
+# relicv2-masks-<pid>-<output folder tag>-semaphores: the named semaphores of that job's worker pool.
+SEMAPHORES_NAME = re.compile(re.escape(RING_PREFIX) + r"-(\d+)-([0-9a-f]{12}|none)-semaphores")
 
 
 def folder_tag(out: Path | None) -> str:
@@ -126,16 +128,56 @@ def folder_tag(out: Path | None) -> str:
 
 def remove_dead_rings(out: Path, folder: str = SHM_FOLDER) -> int:
     """Remove the rings earlier jobs on `out` left on this host when they were killed with their whole
-    process group (their resource tracker, which removes a killed job's ring, went with them). A ring
-    whose process still runs (another rank of this job) is kept. Returns how many were removed."""
+    process group (their resource tracker, which removes a killed job's ring and semaphores, went with
+    them), and the semaphores their worker pools recorded. What belongs to a process that still runs
+    (another rank of this job) is kept. Returns how many rings and semaphores were removed."""
     tag, removed = folder_tag(out), 0
     for path in Path(folder).glob(f"{RING_PREFIX}-*-{tag}-*"):
-        match = RING_NAME.fullmatch(path.name)
+        match = RING_NAME.fullmatch(path.name) or SEMAPHORES_NAME.fullmatch(path.name)
         if match is None or pid_alive(int(match.group(1))):
             continue
+        if SEMAPHORES_NAME.fullmatch(path.name):
+            removed += _unlink_semaphores(path)
         with contextlib.suppress(FileNotFoundError):  # another rank of the job removed it first
             path.unlink()
-            removed += 1
+            removed += RING_NAME.fullmatch(path.name) is not None
+    return removed
+
+
+def record_semaphores(pool: object, out: Path, folder: str = SHM_FOLDER) -> Path | None:
+    """Write the names of a spawned pool's named semaphores beside the job's ring, so that a later job
+    can remove them if this one is killed with its resource tracker (`remove_dead_rings`). None when
+    the pool has none or the folder is not there. Remove the record when the pool has shut down."""
+    names = sorted(_semaphore_names(pool))
+    path = Path(folder) / f"{RING_PREFIX}-{os.getpid()}-{folder_tag(out)}-semaphores"
+    if not names or not Path(folder).is_dir():
+        return None
+    path.write_text("\n".join(names) + "\n")
+    return path
+
+
+def _semaphore_names(pool: object) -> list[str]:
+    # No public API lists them: multiprocessing names the POSIX semaphores of a spawned pool's two
+    # queues (their locks and the call queue's bound) and leaves their unlinking to its resource
+    # tracker; they are read off the queues here, and nothing is found where the layout differs.
+    names = []
+    for queue in (getattr(pool, "_call_queue", None), getattr(pool, "_result_queue", None)):
+        for value in vars(queue).values() if queue is not None else ():
+            name = getattr(getattr(value, "_semlock", None), "name", None)
+            if isinstance(name, str):
+                names.append(name)
+    return names
+
+
+def _unlink_semaphores(record: Path) -> int:
+    import _multiprocessing  # sem_unlink: what the resource tracker itself calls for a semaphore
+
+    removed = 0
+    for name in record.read_text().split():
+        if re.fullmatch(r"/mp-[\w-]+", name):  # only names multiprocessing gives: the record is a file on a shared folder
+            with contextlib.suppress(OSError):  # gone already
+                _multiprocessing.sem_unlink(name)
+                removed += 1
     return removed
 
 

@@ -101,7 +101,16 @@ def _second_record(out: Path) -> Path:
 
 
 def _rings_of(pid: int) -> list[Path]:
-    return sorted(Path(mask_work.SHM_FOLDER).glob(f"relicv2-masks-{pid}-*"))
+    return sorted(p for p in Path(mask_work.SHM_FOLDER).glob(f"relicv2-masks-{pid}-*")
+                  if mask_work.RING_NAME.fullmatch(p.name))
+
+
+def _semaphores_of(pid: int) -> list[Path]:
+    """The semaphore files of the job's worker pool, as its record in /dev/shm names them."""
+    records = [p for p in Path(mask_work.SHM_FOLDER).glob(f"relicv2-masks-{pid}-*")
+               if mask_work.SEMAPHORES_NAME.fullmatch(p.name)]
+    names = [name for record in records for name in record.read_text().split()]
+    return [Path(mask_work.SHM_FOLDER) / f"sem.{name.lstrip('/')}" for name in names]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not Path(mask_work.SHM_FOLDER).is_dir(),
@@ -124,12 +133,17 @@ def test_a_rerun_removes_the_ring_of_a_job_killed_with_its_process_group(tmp_pat
         job.wait()
         time.sleep(0.5)
         assert len(_rings_of(job.pid)) == 1, "the group kill left no ring: nothing to test"
+        semaphores = _semaphores_of(job.pid)
+        assert semaphores and all(p.exists() for p in semaphores), "the group kill left no semaphore: nothing to test"
         summary = build_masks(BuildMasksConfig(model=tiny_model, shards=shards, out=out, workers=1, batch_size=1,
                                                progress=False), Ranks())
         assert summary["shards_kept"] >= 2
         assert _rings_of(job.pid) == [], "the killed job's ring stayed in /dev/shm after the rerun"
+        assert [p for p in semaphores if p.exists()] == [], "the killed job's semaphores stayed after the rerun"
+        assert list(Path(mask_work.SHM_FOLDER).glob(f"relicv2-masks-{job.pid}-*")) == []  # their record too
+        assert list(Path(mask_work.SHM_FOLDER).glob(f"relicv2-masks-{os.getpid()}-*")) == []  # the rerun's went
     finally:
-        for leftover in _rings_of(job.pid):
+        for leftover in Path(mask_work.SHM_FOLDER).glob(f"relicv2-masks-{job.pid}-*"):
             leftover.unlink()
 
 
