@@ -7,13 +7,15 @@ command this module cannot classify fails `test_every_guide_command_is_accounted
   sizes shrunk by the options of SHRINK appended to the command as written): `relicv2 --help`; the whole
   bootstrap of "Your own images" (shards build x2, pretrain without masks, saliency train --config cpu on that
   backbone, build-masks, saliency preview, pretrain with masks, eval linear of the run and of a random-init
-  encoder); the ImageNet shards (build train and val, verify); export and report.
+  encoder); the ImageNet shards (build train and val, verify); the ImageNet evaluations (`docker/torchrun.sh
+  eval linear --config paper | fast`, `eval knn`: the launcher's dry run, then the job in one process); export
+  and report.
 - **Validated only** (click parses every option, argument and choice; the job's own config resolution runs:
   `pretrain --print-config`, the saliency and linear-eval presets with their `--set` overrides; a launcher runs
-  its own `--dry-run` and must hand the job's arguments through unchanged): `saliency train --config paper`
-  (a SwAV ResNet-50 w2 file and hours on a GPU), and every command behind `docker run`, `docker/torchrun.sh`
-  or `sbatch docker/slurm.sbatch` (ResNet-50 pretraining, build-masks on the GPUs, the evaluations of the
-  ImageNet run). A `docker run` must also mount every absolute path its job names.
+  its own `--dry-run` and must hand the job's arguments through unchanged; a `docker run` must mount every
+  absolute path its job names): `saliency train --config paper` (a SwAV ResNet-50 w2 file and hours on a GPU),
+  every `docker run` and `sbatch docker/slurm.sbatch` line (ResNet-50 pretraining, build-masks on the GPUs),
+  and the launchers' `--dry-run` examples, which run nothing as written.
 - **Not run**, with the reason: the set-up lines of NOT_RUN (make, docker build).
 
 The ImageNet pretraining and build-masks are validated only, so the ImageNet export and report read the
@@ -223,11 +225,18 @@ def _invoke(args: list[str]) -> str:
     return result.output
 
 
+def runs_for_real(step: Step, path: tuple[str, ...], ctx: click.Context | None) -> bool:
+    """Direct commands and torchrun.sh lines (after their dry run, in one process) run, unless expensive;
+    docker run and sbatch lines are cluster jobs, and a --dry-run as written runs nothing."""
+    if step.not_run is not None or (path, _preset(ctx)) in VALIDATED_ONLY:
+        return False
+    return step.launcher is None or step.launcher == "torchrun" and not step.dry_run
+
+
 def validate(step: Step, tmp_path: Path) -> None:
     """Check a command without running its job: click's parse, the job's config resolution, the launcher's dry run."""
     args = substitute(step.args)
     path, ctx = resolve(args)
-    assert path in SHRINK or step.launcher or (path, _preset(ctx)) in VALIDATED_ONLY
     if path == ("pretrain", "run"):
         assert "model:" in _invoke([*args, "--print-config"])
     elif path == ("saliency", "train"):
@@ -298,32 +307,50 @@ def test_a_wrong_option_in_the_guide_would_fail():
         _invoke(["pretrain", "--config", "no-such-preset", "--print-config"])
 
 
-def test_guide_commands_run_or_validate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def _validated_only() -> list[Step]:
+    """The steps that are checked but not run (an unclassified command is left to the accounting test)."""
+    steps = []
+    for command in guide_commands(GUIDE.read_text()):
+        try:
+            step = classify(command)
+        except AssertionError:
+            continue
+        if step.not_run is None and not runs_for_real(step, *resolve(substitute(step.args), names_only=True)):
+            steps.append(step)
+    return steps
+
+
+_VALIDATED = _validated_only()
+
+
+@pytest.mark.parametrize("step", _VALIDATED, ids=[f"line{step.command.line}" for step in _VALIDATED])
+def test_guide_command_is_valid(step: Step, tmp_path: Path):
+    validate(step, tmp_path)
+
+
+def test_guide_commands_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     # the user's images and ImageNet: the demo images (8 classes), generated, never downloaded
     _invoke(["demo-data", "data/imagenet", "--train-per-class", "2", "--val-per-class", "1", "--size", "64"])
     Path("my-images").symlink_to(tmp_path / "data" / "imagenet")
-    ran, validated = [], []
+    ran = []
     for step in _steps():
-        if step.not_run is not None:
-            continue
         args = substitute(step.args)
         path, ctx = resolve(args, names_only=True)
-        expensive = (path, _preset(ctx)) in VALIDATED_ONLY
-        if step.launcher is not None or expensive:
-            validate(step, tmp_path)
-            validated.append(step.command.text)
-        # direct commands and torchrun.sh lines (after their dry run, in one process) run, unless expensive;
-        # docker run and sbatch lines are cluster jobs, and a --dry-run as written runs nothing
-        if not expensive and (step.launcher is None or step.launcher == "torchrun" and not step.dry_run):
-            started = time.monotonic()
-            _invoke([*args, *SHRINK[path]])
-            ran.append(step.command.text)
-            print(f"{time.monotonic() - started:6.1f} s  {step.command.text}")
+        if not runs_for_real(step, path, ctx):
+            continue
+        if step.launcher == "torchrun":
+            _dry_run(step, tmp_path)
+        started = time.monotonic()
+        _invoke([*args, *SHRINK[path]])
+        ran.append(step.command.text)
+        print(f"{time.monotonic() - started:6.1f} s  {step.command.text}")
     # what the guide's commands wrote, where the guide says they write it
     assert sorted(Path("runs/plain").glob("checkpoint-*.pt")) and sorted(Path("runs/masked").glob("checkpoint-*.pt"))
     assert Path("runs/saliency/model.pt").is_file() and Path("masks.png").is_file()
     assert (Path("shards/masked-train") / "manifest.parquet").is_file()
+    for name in ("linear-paper", "linear-fast", "knn"):
+        assert (Path("runs/masked/eval") / f"{name}.json").is_file()
     assert Path("runs/masked/resnet50.pt").is_file() and Path("runs/masked/report.html").is_file()
-    assert len(ran) >= 15 and len(validated) >= 8, (ran, validated)
+    assert len(ran) >= 17, ran
