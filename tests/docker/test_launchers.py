@@ -15,6 +15,7 @@ import torch
 
 from pretrain.config import PretrainConfig
 from tests.paths import CONFIGS, REPO
+from tests.slurm import fake_scontrol
 
 TORCHRUN = REPO / "docker" / "torchrun.sh"
 SBATCH = REPO / "docker" / "slurm.sbatch"
@@ -66,19 +67,7 @@ def test_torchrun_dry_run_multi_node_uses_c10d_rendezvous_and_needs_an_endpoint(
 @pytest.fixture()
 def fake_slurm(tmp_path: Path) -> dict[str, str]:
     """An environment with a stand-in `scontrol` that expands a bracketed node list as SLURM does."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    scontrol = bin_dir / "scontrol"
-    scontrol.write_text(
-        "#!/usr/bin/env python3\n"
-        "import re, sys\n"
-        "assert sys.argv[1:3] == ['show', 'hostnames'], sys.argv\n"
-        "m = re.fullmatch(r'(\\w+)\\[(\\d+)-(\\d+)\\]', sys.argv[3])\n"
-        "width = len(m.group(2))\n"
-        "for i in range(int(m.group(2)), int(m.group(3)) + 1):\n"
-        "    print(f'{m.group(1)}{i:0{width}d}')\n"
-    )
-    scontrol.chmod(0o755)
+    bin_dir = fake_scontrol(tmp_path / "bin")
     return _env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_NODELIST="gpu[07-10]", SLURM_NNODES="4",
                 SLURM_JOB_ID="4242", SRUN_ARGS="--container-image=relicv2.sqsh --container-mounts=/data:/data")
 
