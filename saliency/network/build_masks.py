@@ -349,7 +349,7 @@ def _workers(count: int, batch: int, predictor, out: Path) -> Iterator[tuple[Exe
                     yield pool, ring
             finally:  # the pool has shut down and its semaphores are gone: so goes their record
                 if record is not None:
-                    record.unlink(missing_ok=True)
+                    record.unlink()
     finally:
         forget_ring(ring)
         cv2.setNumThreads(opencv_threads)

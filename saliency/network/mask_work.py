@@ -144,16 +144,19 @@ def remove_dead_rings(out: Path, folder: str = SHM_FOLDER) -> int:
     return removed
 
 
-def record_semaphores(pool: object, out: Path, folder: str = SHM_FOLDER) -> Path | None:
+def record_semaphores(pool: object, out: Path, folder: str = SHM_FOLDER) -> SharedMemory | None:
     """Write the names of a spawned pool's named semaphores beside the job's ring, so that a later job
-    can remove them if this one is killed with its resource tracker (`remove_dead_rings`). None when
-    the pool has none or the folder is not there. Remove the record when the pool has shut down."""
+    can remove them if this one is killed with its resource tracker (`remove_dead_rings`). A shared
+    block like the ring, so the tracker removes it with the semaphores when only the job dies. None
+    when the pool has none or there is no shared-memory folder. `unlink()` it once the pool is shut down."""
     names = sorted(_semaphore_names(pool))
-    path = Path(folder) / f"{RING_PREFIX}-{os.getpid()}-{folder_tag(out)}-semaphores"
     if not names or not Path(folder).is_dir():
         return None
-    path.write_text("\n".join(names) + "\n")
-    return path
+    data = ("\n".join(names) + "\n").encode()
+    record = SharedMemory(f"{RING_PREFIX}-{os.getpid()}-{folder_tag(out)}-semaphores", create=True, size=len(data))
+    record.buf[: len(data)] = data
+    record.close()  # the mapping; the block stays until unlinked
+    return record
 
 
 def _semaphore_names(pool: object) -> list[str]:
