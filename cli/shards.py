@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import click
 
 from cli.options import index_cache_option
 from jobs.atomic import OutputError
+from jobs.config import settings_text
 from jobs.lock import folder_lock
 from jobs.ranks import RanksError, ranks_from_env
+from jobs.version import package_version
 from jobs.workers import usable_cores
 from shards.build import BuildConfig, build_shards, output_error
 from shards.limits import DEFAULT_MAX_PIXELS
@@ -83,7 +83,7 @@ def build(input_path: Path, out_arg: Path | None, out_opt: Path | None, max_byte
     )
     try:
         ranks = ranks_from_env()
-        click.echo(f"config: {json.dumps(asdict(config), default=str)}", err=True)
+        click.echo(settings_text(config, version=package_version()).rstrip(), err=True)
         report = build_shards(config, ranks)
     except (InputError, RanksError, OutputError, FileNotFoundError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from None

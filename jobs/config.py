@@ -288,12 +288,13 @@ def _tuple(value: Any, element_types: tuple[Any, ...], *, key: str, source: str)
 
 
 def to_dict(config: Any) -> dict[str, Any]:
-    """Plain nested dict of builtins, tuples as lists (safe for YAML, JSON and `weights_only` loading)."""
+    """Plain nested dict of builtins, tuples as lists, paths as text (safe for YAML, JSON and
+    `weights_only` loading)."""
     return dataclasses.asdict(config, dict_factory=lambda items: {k: _plain(v) for k, v in items})
 
 
 def _plain(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else value
+    return list(value) if isinstance(value, tuple) else str(value) if isinstance(value, Path) else value
 
 
 def settings_text(config: Any, *, extra: Mapping[str, Any] | None = None, version: str = "") -> str:
