@@ -60,7 +60,7 @@ class Phase:
         per_item = elapsed / done if done else 0.0
         if self.total:
             where = f"{self.unit} {self.count}/{self.total} ({100 * self.count / self.total:.0f}%)"
-            eta = f", ETA {_clock(per_item * (self.total - self.count))}"
+            eta = f", ETA {clock(per_item * (self.total - self.count))}"
         else:
             where, eta = f"{self.unit} {self.count}", ""
         rate = f"{per_item:.2f} s/{self.unit}" if per_item >= 1 or not done else f"{done / elapsed:.1f} {self.unit}/s"
@@ -95,7 +95,8 @@ def tracked(items: Iterable[T], desc: str, total: int | None, *, unit: str = "it
             phase.update()
 
 
-def _clock(seconds: float) -> str:
+def clock(seconds: float) -> str:
+    """Seconds as h:mm:ss."""
     minutes, secs = divmod(int(round(seconds)), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}"

@@ -10,10 +10,12 @@ from __future__ import annotations
 import datetime as dt
 import html
 import json
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from jobs.atomic import atomic_write_bytes
+from jobs.progress import clock
 from pretrain.report import plots
 from pretrain.report.inputs import (
     EvalResult,
@@ -31,6 +33,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 FIGURES_RECORD = ".written-by-report.json"
 # (id, title) of every section, in page order; tests check that each is present.
 SECTIONS = (
+    ("summary", "The run at a glance"),
     ("saliency", "Saliency: handcrafted maps vs the network's masks"),
     ("saliency-training", "Saliency network training (saliency train report.json)"),
     ("views", "Augmented views, masked and unmasked"),
@@ -103,6 +106,7 @@ def build_report(inputs: ReportInputs, out: Path) -> ReportSummary:
     page = _Page(out)
     claim_figure_dir(page.figure_dir)
     page.summary.problems += _missing_inputs(inputs)
+    _summary_section(page, inputs)
     _saliency_section(page, inputs)
     _saliency_training_section(page, inputs)
     _views_section(page, inputs)
@@ -260,6 +264,41 @@ def _training_sections(page: _Page, inputs: ReportInputs) -> None:
                 + _notes([f"last kNN top-1 {_fmt(last['knn_top1'])} at step {last['step']} ({protocol})"]))
     else:
         page.not_run("knn", f"{metrics_file} holds no kNN record (knn.train_shards / knn.val_shards unset)")
+
+
+def _summary_section(page: _Page, inputs: ReportInputs) -> None:
+    """Model, data, steps, wall time, throughput, data wait and masking of the run, then the final figures
+    of the pretrained encoder against random init: what a reader looks at first."""
+    metrics_file = None if inputs.run_dir is None else Path(inputs.run_dir) / "metrics.jsonl"
+    if metrics_file is None or not metrics_file.is_file():
+        page.not_run("summary", "no pretraining run (metrics.jsonl)")
+        return
+    metrics = read_run_metrics(inputs.run_dir)
+    if not metrics.steps:
+        page.not_run("summary", f"{metrics_file} holds no step record")
+        return
+    config, steps = metrics.config, metrics.steps
+    model, data, optim = (config.get(k) or {} for k in ("model", "data", "optim"))
+    times = [s["time"] for s in steps if isinstance(s.get("time"), int | float)]
+    rows = [["model", f"ResNet-{model.get('depth', '?')}" + (f" x{model['width']}" if model.get("width", 1) != 1 else "")],
+            ["data", str(data.get("train_shards") or data.get("source") or "not recorded")],
+            ["steps", f"{steps[-1]['step']} (global batch {optim.get('global_batch', '?')})"],
+            ["wall time of the logged steps", clock(times[-1] - times[0]) if len(times) > 1 else "-"],
+            ["images/s (median)", _fmt(_median(s.get("images_per_s") for s in steps))],
+            ["data wait a step, s (median)", _fmt(_median(s.get("data_wait_s") for s in steps))],
+            ["masked fraction of large views (mean)", _fmt(_mean(s.get("masked_fraction") for s in steps))]]
+    results, _ = read_eval_results(list(inputs.eval_json))
+    page.ok("summary", _table(["", ""], rows, css="summary") + _deltas(results))
+
+
+def _median(values) -> float | None:
+    numbers = [v for v in values if isinstance(v, int | float)]
+    return statistics.median(numbers) if numbers else None
+
+
+def _mean(values) -> float | None:
+    numbers = [v for v in values if isinstance(v, int | float)]
+    return statistics.fmean(numbers) if numbers else None
 
 
 def _masking_fact(metrics: RunMetrics) -> str:

@@ -179,3 +179,18 @@ def test_named_inputs_that_hold_nothing_are_listed_and_gains_pair_only_the_same_
     page = (tmp_path / "r.html").read_text()
     assert "knn (190 train / 64 val images): pretrained 0.8125 vs random init 0.4375" in page
     assert "0.1000 (" not in page and "vs random init 0.1000" not in page  # never paired across val sets
+
+
+def test_the_report_opens_with_a_summary_of_the_run(outputs: ReportInputs, tmp_path: Path):
+    run = Path(outputs.run_dir)
+    steps = [{"step": s, "time": 1000.0 + 30 * s, "loss": 2.0, "images_per_s": 40.0 + s, "data_wait_s": 0.01 * s,
+              "masked_fraction": 0.1 if s % 2 else 0.0} for s in range(1, 6)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(record) + "\n" for record in steps))
+    (run / "config.yaml").write_text("model:\n  depth: 18\n  width: 1\ndata:\n  train_shards: shards/masked-train\n"
+                                     "optim:\n  global_batch: 32\nderived:\n  steps_per_epoch: 5\n")
+    page = build_report(outputs, tmp_path / "report.html").page.read_text()
+    summary = page.split('<section id="summary">')[1].split("</section>")[0]
+    assert page.index('id="summary"') < page.index('id="saliency"')  # first on the page
+    for fact in ("ResNet-18", "shards/masked-train", "5 (global batch 32)", "0:02:00", "43", "0.03", "0.06"):
+        assert fact in summary, fact  # wall 4 x 30 s; median 43 img/s and 0.03 s wait; mean masked 0.3 / 5
+    assert "+0.3750" in summary  # the pretrained encoder's gain over random init, as in the evaluation section
