@@ -14,6 +14,10 @@ included), peak RSS (largest process), the files its main process opened and the
 
     python benchmarks/scale_rehearsal.py --out DIR [--samples N] [--quick] [--jobs build,index,...]
 
+Jobs that are not one command run a stage of this script under the same probe (`stage NAME ...`):
+build-masks with the benchmark's stand-in forward for chosen ranks of 64, and the kNN bank search on
+random features of the R50's dimension (the features themselves need the network on a GPU).
+
 `--quick` is 100,000 samples. Run at 10 k, 100 k and 1.28 M to see the curve (each size its own DIR).
 """
 
@@ -24,6 +28,7 @@ import io
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -39,7 +44,12 @@ QUICK = 100_000
 SAMPLES_PER_TAR = 1_282  # ~1,000 tars at ImageNet's size, as the paper-scale builds make them
 AWKWARD_EVERY = 4_000  # ~320 awkward samples at ImageNet's size
 SIDES = (32, 40, 48, 56, 64)  # shorter sides: every image passes the default --min-side of 32
-JOBS = ("build", "index", "verify", "subset", "pretrain-start", "report")
+JOBS = ("build", "index", "verify", "subset", "pretrain-start", "report", "build-rank0", "masks", "knn-bank", "knn",
+        "resume")
+WORLD = 64  # the simulated world size of the per-rank jobs
+R50_DIM = 2048  # the R50's feature dimension: the kNN bank's width
+MASK_SIZE = 32  # the stand-in saliency model's input size
+REPO = Path(__file__).resolve().parent.parent  # on the jobs' path: this checkout's code, not an installed one
 
 # Runs a relicv2 command in this process with an audit hook that counts the files it opens, then
 # writes what /proc says it read; the parent takes CPU and peak RSS from wait4 (workers included).
@@ -50,10 +60,15 @@ def hook(event, args):
     if event == "open":
         opened[0] += 1
 sys.addaudithook(hook)
-from cli.main import cli
-code = 0
+code, stats = 0, sys.argv[1]
 try:
-    cli(sys.argv[2:], prog_name="relicv2")
+    if sys.argv[2] == "stage":  # a stage of the rehearsal script itself: python SCRIPT NAME ARGS
+        import runpy
+        sys.argv = [sys.argv[3], "stage", *sys.argv[4:]]
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    else:
+        from cli.main import cli
+        cli(sys.argv[2:], prog_name="relicv2")
 except SystemExit as exc:
     code = exc.code if isinstance(exc.code, int) else 1
 finally:
@@ -64,7 +79,7 @@ finally:
             io_stats[name] = int(value)
     except OSError:
         pass
-    with open(sys.argv[1], "w") as handle:
+    with open(stats, "w") as handle:
         json.dump({"opened": opened[0], "rchar": io_stats.get("rchar", 0), "code": code}, handle)
 """
 
@@ -177,6 +192,12 @@ def make_plain_set(images: Path, out: Path) -> int:
     return tars
 
 
+def job_env(extra: dict | None = None) -> dict[str, str]:
+    """The environment of a job: this one, this checkout first on the path, and `extra`."""
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **(extra or {})}
+
+
 def probe(job: str, samples: int, args: list[str], workdir: Path, env: dict | None = None) -> Measured:
     """Run `relicv2 ARGS` under the probe; wall, CPU (children included) and peak RSS from wait4."""
     workdir = workdir / "work"  # the cwd: not the set's folder, whose `shards/` would shadow the package
@@ -185,7 +206,7 @@ def probe(job: str, samples: int, args: list[str], workdir: Path, env: dict | No
     log = (workdir / f"{job}.log").open("w")
     start = time.perf_counter()
     process = subprocess.Popen([sys.executable, "-c", PROBE, str(stats), *args], stdout=log, stderr=subprocess.STDOUT,
-                               env={**os.environ, **(env or {})}, cwd=workdir)
+                               env=job_env(env), cwd=workdir)
     _, status, usage = os.wait4(process.pid, 0)
     wall = time.perf_counter() - start
     log.close()
@@ -206,6 +227,86 @@ def paper_metrics(path: Path, steps: int = 312_000, log_every: int = 10) -> None
             if step % 12_510 == 0:
                 record["knn_top1"] = step / steps * 0.7
             handle.write(json.dumps(record) + "\n")
+
+
+def stage_masks(shards: Path, out: Path, ranks: list[int], workers: int | None, merge_timeout: float) -> None:
+    """`saliency build-masks` for each of `ranks` of WORLD in turn, the forward replaced by
+    bench_build_masks.py's stand-in (no network: what is left is the job's own work)."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_build_masks import StandInForward
+
+    from jobs.ranks import Ranks
+    from saliency.network.build_masks import BuildMasksConfig, build_masks
+    from saliency.network.model import SaliencyNet
+    from saliency.network.model_file import save_model
+
+    model = out.with_name("saliency-model.pt")  # beside --out: the job refuses files it did not write
+    if not model.exists():
+        torch.manual_seed(0)
+        save_model(model, SaliencyNet(18).eval(), input_size=MASK_SIZE, preset="rehearsal",
+                   backbone="random initialisation", config={}, report={})
+    config = BuildMasksConfig(model=model, shards=shards, out=out, workers=workers, device="cpu", progress=False,
+                              merge_timeout_s=merge_timeout)
+    for rank in ranks:
+        start = time.perf_counter()
+        summary = build_masks(config, Ranks(rank, WORLD, 0), predictor=StandInForward(MASK_SIZE, 0.0))
+        done = f"{summary['written']:,} masked in all, merged" if summary else "its units done"
+        print(f"rank {rank} of {WORLD}: {time.perf_counter() - start:.1f} s, {done}", flush=True)
+
+
+def stage_knn_bank(bank_size: int, queries: int, dim: int) -> None:
+    """`eval knn`'s search over a bank of `bank_size` random features of width `dim` (what
+    extract_features hands it), for `queries` queries in the search's own chunks; prints the figures."""
+    import resource
+
+    import torch
+
+    from pretrain.eval.knn import knn_predict
+
+    generator = torch.Generator().manual_seed(0)
+    start = time.perf_counter()
+    bank = torch.empty(bank_size, dim)
+    for first in range(0, bank_size, 65_536):  # filled in slices: no second bank-sized temporary
+        bank[first:first + 65_536] = torch.randn(min(65_536, bank_size - first), dim, generator=generator)
+    labels = torch.randint(0, IMAGENET_CLASSES, (bank_size,), generator=generator)
+    made = time.perf_counter() - start
+    held = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    start = time.perf_counter()
+    knn_predict(bank, labels, torch.randn(queries, dim, generator=generator), num_classes=IMAGENET_CLASSES)
+    search = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"bank {bank_size:,} x {dim} float32: {bank.numel() * 4 / 2**20:,.0f} MiB, made in {made:.1f} s, "
+          f"RSS {held:,.0f} MiB; search of {queries:,} queries: {search:.1f} s "
+          f"({search / queries * 1e3:.1f} ms a query; 50,000 queries: {search / queries * 50_000 / 60:.0f} min), "
+          f"peak RSS {peak:,.0f} MiB (+{peak - held:,.0f} MiB for the search)", flush=True)
+
+
+def stage(argv: list[str]) -> None:
+    """`python scale_rehearsal.py stage NAME ARGS`: a job that is not one relicv2 command."""
+    name, args = argv[0], argv[1:]
+    if name == "masks":
+        shards, out, ranks, workers, merge_timeout = args
+        stage_masks(Path(shards), Path(out), [int(r) for r in ranks.split(",")],
+                    None if workers == "default" else int(workers), float(merge_timeout))
+    elif name == "torchrun":  # ranks as processes on this box: relicv2 ARGS under torchrun, gloo on the CPU
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args[0]}",
+                               "-m", "cli.main", *args[1:]], env=job_env())
+        raise SystemExit(done.returncode)
+    elif name == "knn-bank":
+        stage_knn_bank(*(int(a) for a in args))
+    else:
+        raise SystemExit(f"unknown stage {name}")
+
+
+PRETRAIN_SETS = ("--set", "views.large_size=32", "--set", "views.small_size=16", "--set", "knn.train_shards=",
+                 "--set", "knn.val_shards=", "--set", "run.progress_bar=false")
+
+
+def rank_env(rank: int) -> dict[str, str]:
+    """torchrun's variables for rank `rank` of WORLD, the rank alone on its node."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
 
 
 def run(out: Path, samples: int, jobs: list[str]) -> list[Measured]:
@@ -234,10 +335,51 @@ def run(out: Path, samples: int, jobs: list[str]) -> list[Measured]:
                                                     str(out / "subset-10pct.txt")], out))
     if "pretrain-start" in jobs:
         record(probe("pretrain to its first step", samples, [
-            "pretrain", "--config", "demo-cpu",
-            "--set", f"data.train_shards={shards}", "--set", f"run.output_dir={out / 'run'}",
-            "--set", "run.max_steps=1", "--set", "views.large_size=32", "--set", "views.small_size=16",
-            "--set", "knn.train_shards=", "--set", "knn.val_shards=", "--set", "run.progress_bar=false"], out))
+            "pretrain", "--config", "demo-cpu", "--set", f"data.train_shards={shards}",
+            "--set", f"run.output_dir={out / 'run'}", "--set", "run.max_steps=1", *PRETRAIN_SETS], out))
+    if "build-rank0" in jobs:  # rank 0 of 64 alone: its share, then the merge finds the other ranks missing
+        record(probe(f"shards build, rank 0 of {WORLD}", samples, [
+            "shards", "build", str(images), str(out / "shards-rank0"), "--overwrite", "--max-count",
+            str(SAMPLES_PER_TAR), "--no-progress", "--merge-timeout", "0"], out, rank_env(0)))
+    if "masks" in jobs:
+        masked = out / "masked"
+        if masked.exists():
+            shutil.rmtree(masked)  # this script's own output: every run masks anew
+        script = str(Path(__file__).resolve())
+
+        def masks(label: str, ranks: str, workers: str = "default", env: dict | None = None) -> None:
+            record(probe(label, samples, ["stage", script, "masks", str(shards), str(masked), ranks, workers, "0"],
+                         out, env))
+
+        masks(f"build-masks rank 1 of {WORLD} (stand-in forward)", "1", env=rank_env(1))
+        masks(f"build-masks rank {WORLD - 1} of {WORLD}", str(WORLD - 1), env=rank_env(WORLD - 1))
+        masks(f"build-masks ranks 2-{WORLD - 2} in one process, no workers", ",".join(map(str, range(2, WORLD - 1))),
+              "0")
+        masks(f"build-masks rank 0 of {WORLD}: its units + merge of {WORLD} ranks", "0", env=rank_env(0))
+        masks(f"build-masks rank 0 of {WORLD} again: all done, merge only", "0", env=rank_env(0))
+    if "knn-bank" in jobs:
+        record(probe(f"eval knn search: {samples:,} x {R50_DIM} bank, 256 queries", samples, [
+            "stage", str(Path(__file__).resolve()), "knn-bank", str(samples), "256", str(R50_DIM)], out))
+    if "knn" in jobs:
+        val_images, val = out / "val-images", out / "val-shards"
+        make_image_folder(val_images, max(IMAGENET_CLASSES, samples // 25), seed=1)  # ImageNet's val: 1 in 25
+        if not (val / "info.json").exists():
+            subprocess.run([sys.executable, "-m", "cli.main", "shards", "build", str(val_images), str(val),
+                            "--no-progress"], check=True, env=job_env(), stdout=subprocess.DEVNULL)
+        record(probe("eval knn --random-init 18, 16 px crops", samples, [
+            "eval", "knn", "--random-init", "18", "--train", str(shards), "--val", str(val), "--crop-size", "16",
+            "--resize-size", "16", "--device", "cpu", "--json", str(out / "knn.json")], out))
+    if "resume" in jobs:
+        resumed = out / "resume-run"
+        if resumed.exists():
+            shutil.rmtree(resumed)  # this script's own output
+        common = ["pretrain", "--config", "demo-cpu", "--set", f"data.train_shards={shards}",
+                  "--set", f"run.output_dir={resumed}", "--set", "run.checkpoint_every=2", *PRETRAIN_SETS]
+        record(probe("pretrain 4 steps, a checkpoint every 2", samples, [*common, "--set", "run.max_steps=4"], out))
+        record(probe("pretrain resumed at step 4, to its first step", samples,
+                     [*common, "--set", "run.max_steps=5"], out))
+        record(probe("pretrain resumed at step 5 on 2 gloo ranks, to its first step", samples, [
+            "stage", str(Path(__file__).resolve()), "torchrun", "2", *common, "--set", "run.max_steps=6"], out))
     if "report" in jobs:
         paper_metrics(out / "paper-run" / "metrics.jsonl")
         record(probe("report (312,000-step metrics)", 312_000, ["report", "--out", str(out / "report" / "report.html"),
@@ -246,6 +388,9 @@ def run(out: Path, samples: int, jobs: list[str]) -> list[Measured]:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["stage"]:
+        stage(sys.argv[2:])
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for the set (made once, reused) and logs")
     parser.add_argument("--samples", type=int, default=IMAGENET_TRAIN)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pyarrow.parquet as pq
+import pytest
 
 from tests.paths import REPO
 
@@ -30,3 +31,23 @@ def test_the_rehearsal_makes_an_imagenet_shaped_set_and_every_job_finishes(tmp_p
     assert info["samples"] + info["rejected"] == 4100 and info["num_classes"] == 1000
     assert pq.read_table(out / "shards" / "manifest.parquet").column("status").to_pylist().count("converted") >= 1
     assert (out / "subset-10pct.txt").read_text().count("\n") >= 1000  # at least one key a class
+
+
+@pytest.mark.slow
+def test_the_per_rank_jobs_run_for_ranks_of_64_and_rank_0_merges_them(tmp_path):
+    out = tmp_path / "rehearsal"
+    command = [sys.executable, str(REPO / "benchmarks" / "scale_rehearsal.py"), "--out", str(out), "--samples", "4100",
+               "--jobs", "build,build-rank0,masks,knn-bank"]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout + done.stderr
+    exits = {row.split("|")[1].strip(): int(row.rstrip(" |").rsplit("|", 1)[1]) for row in done.stdout.splitlines()
+             if row.startswith("| ") and not row.startswith("| job")}
+    # Rank 0 of 64 builds its share, then finds the other ranks' shards missing: one line, exit 1.
+    assert exits.pop("shards build, rank 0 of 64") == 1
+    assert "not finished" in (out / "work" / "shards build, rank 0 of 64.log").read_text()
+    assert set(exits.values()) == {0}, exits
+    assert len([job for job in exits if job.startswith("build-masks")]) == 5
+    # Rank 0's merge holds every rank's masks: the masked set has every sample of the input set.
+    masked = json.loads((out / "masked" / "info.json").read_text())
+    assert masked["samples"] == json.loads((out / "shards" / "info.json").read_text())["samples"]
+    assert "search of 256 queries" in (out / "work" / "eval knn search: 4,100 x 2048 bank, 256 queries.log").read_text()

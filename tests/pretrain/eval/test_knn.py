@@ -8,6 +8,8 @@ import io
 import json
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -30,6 +32,7 @@ from pretrain.eval.knn import (
 from pretrain.model.heads import build_networks
 from pretrain.run import run_pretraining
 from shards import ShardSample, write_shard_set
+from tests.paths import REPO
 from tests.threads import one_torch_thread
 
 
@@ -52,6 +55,30 @@ def test_queries_are_processed_in_chunks_with_the_same_answer():
     labels = torch.randint(0, 5, (50,), generator=generator)
     whole = knn_predict(bank, labels, queries, num_classes=5, chunk_size=1000)
     assert torch.equal(whole, knn_predict(bank, labels, queries, num_classes=5, chunk_size=4))
+
+
+# Runs in its own process: peak RSS is a high-water mark, so the figure is the call's alone.
+KNN_PEAK = """
+import resource, sys, torch
+from pretrain.eval.knn import knn_predict
+torch.set_num_threads(1)
+g = torch.Generator().manual_seed(0)
+bank, queries = torch.randn(150_000, 8, generator=g), torch.randn(1024, 8, generator=g)
+labels = torch.randint(0, 10, (150_000,), generator=g)
+knn_predict(bank[:10], labels[:10], queries[:2], num_classes=10)  # torch's own first-call allocations
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+knn_predict(bank, labels, queries, num_classes=10)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+def test_the_search_holds_a_bounded_block_of_similarities_not_one_per_1024_queries():
+    # A 150,000-item bank: 1,024 queries at once would hold 614 MB of similarities (ImageNet's bank: 5.2 GB).
+    done = subprocess.run([sys.executable, "-c", KNN_PEAK], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    grown = int(done.stdout.split()[-1])
+    # The bounded block is 256 MiB; the rest is the chunk's top-k and scatter.
+    assert grown < 400 * 2**20, f"the search grew the peak RSS by {grown / 2**20:.0f} MiB"
 
 
 def _jpeg(colour: tuple[int, int, int], size: tuple[int, int]) -> bytes:
