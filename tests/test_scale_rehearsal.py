@@ -33,7 +33,7 @@ def test_the_rehearsal_makes_an_imagenet_shaped_set_and_every_job_finishes(tmp_p
     assert (out / "subset-10pct.txt").read_text().count("\n") >= 1000  # at least one key a class
 
 
-@pytest.mark.slow
+@pytest.mark.release  # about 2 minutes: 64 ranks' start-ups
 def test_the_per_rank_jobs_run_for_ranks_of_64_and_rank_0_merges_them(tmp_path):
     out = tmp_path / "rehearsal"
     command = [sys.executable, str(REPO / "benchmarks" / "scale_rehearsal.py"), "--out", str(out), "--samples", "4100",
