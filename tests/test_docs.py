@@ -53,8 +53,9 @@ def _work_references(path: Path) -> list[str]:
 
 
 def test_the_pattern_finds_work_references_and_spares_the_project_vocabulary():
-    for prose in ("as in issue 16", "(session 15)", "round 3 of the work", "see #42 for why", "goal 1 met",
-                  "Issue #7", "written with " + "Clau" + "de"):
+    # Split like the pattern's own words, so that this file does not hold what it forbids.
+    for prose in ("as in iss" + "ue 16", "(sess" + "ion 15)", "rou" + "nd 3 of the work", "see #" + "42 for why",
+                  "go" + "al 1 met", "Iss" + "ue #7", "written with " + "Clau" + "de"):
         assert WORK_REFERENCES.search(prose), prose
     for prose in ("color: #222;", "step 3 of 4", "3 rounds of refinement", "the first round", "a test session",
                   "phase I", "call A", "epoch 2", "checkpoint 4"):

@@ -106,12 +106,17 @@ def build_report(inputs: ReportInputs, out: Path) -> ReportSummary:
     page = _Page(out)
     claim_figure_dir(page.figure_dir)
     page.summary.problems += _missing_inputs(inputs)
-    _summary_section(page, inputs)
+    metrics_file = None if inputs.run_dir is None else Path(inputs.run_dir) / "metrics.jsonl"
+    # Read once: the summary and the training sections both show the run (312,000 steps at the paper's size).
+    metrics = read_run_metrics(inputs.run_dir) if metrics_file is not None and metrics_file.is_file() else None
+    results, problems = read_eval_results(list(inputs.eval_json))
+    page.summary.problems += problems
+    _summary_section(page, metrics_file, metrics, results)
     _saliency_section(page, inputs)
     _saliency_training_section(page, inputs)
     _views_section(page, inputs)
-    _training_sections(page, inputs)
-    _evaluation_section(page, inputs)
+    _training_sections(page, metrics_file, metrics)
+    _evaluation_section(page, results)
     atomic_write_bytes(out, _render(page, inputs).encode("utf-8"))
     return page.summary
 
@@ -231,13 +236,11 @@ def _views_section(page: _Page, inputs: ReportInputs) -> None:
         page.not_run("views", "no preview-views PNG")
 
 
-def _training_sections(page: _Page, inputs: ReportInputs) -> None:
-    metrics_file = None if inputs.run_dir is None else Path(inputs.run_dir) / "metrics.jsonl"
-    if metrics_file is None or not metrics_file.is_file():
+def _training_sections(page: _Page, metrics_file: Path | None, metrics: RunMetrics | None) -> None:
+    if metrics is None:
         page.not_run("training", "no pretraining run (metrics.jsonl)")
         page.not_run("knn", "no pretraining run (metrics.jsonl)")
         return
-    metrics = read_run_metrics(inputs.run_dir)
     page.summary.problems += metrics.problems
     if metrics.steps:
         last = metrics.steps[-1]
@@ -266,14 +269,13 @@ def _training_sections(page: _Page, inputs: ReportInputs) -> None:
         page.not_run("knn", f"{metrics_file} holds no kNN record (knn.train_shards / knn.val_shards unset)")
 
 
-def _summary_section(page: _Page, inputs: ReportInputs) -> None:
+def _summary_section(page: _Page, metrics_file: Path | None, metrics: RunMetrics | None,
+                     results: list[EvalResult]) -> None:
     """Model, data, steps, wall time, throughput, data wait and masking of the run, then the final figures
     of the pretrained encoder against random init: what a reader looks at first."""
-    metrics_file = None if inputs.run_dir is None else Path(inputs.run_dir) / "metrics.jsonl"
-    if metrics_file is None or not metrics_file.is_file():
+    if metrics is None:
         page.not_run("summary", "no pretraining run (metrics.jsonl)")
         return
-    metrics = read_run_metrics(inputs.run_dir)
     if not metrics.steps:
         page.not_run("summary", f"{metrics_file} holds no step record")
         return
@@ -287,7 +289,6 @@ def _summary_section(page: _Page, inputs: ReportInputs) -> None:
             ["images/s (median)", _fmt(_median(s.get("images_per_s") for s in steps))],
             ["data wait a step, s (median)", _fmt(_median(s.get("data_wait_s") for s in steps))],
             ["masked fraction of large views (mean)", _fmt(_mean(s.get("masked_fraction") for s in steps))]]
-    results, _ = read_eval_results(list(inputs.eval_json))
     page.ok("summary", _table(["", ""], rows, css="summary") + _deltas(results))
 
 
@@ -312,9 +313,7 @@ def _masking_fact(metrics: RunMetrics) -> str:
     return f"masked fraction of large views per epoch ({given}): {shown}"
 
 
-def _evaluation_section(page: _Page, inputs: ReportInputs) -> None:
-    results, problems = read_eval_results(list(inputs.eval_json))
-    page.summary.problems += problems
+def _evaluation_section(page: _Page, results: list[EvalResult]) -> None:
     if not results:
         page.not_run("evaluation", "no eval --json result")
         return
