@@ -56,7 +56,8 @@ FLOOR = SHARED / "tools" / "dali-views-floor"
 FLOOR_LINE = re.compile(r"colour\+blur=(True|False)\): (\d+) images/s")
 # The project's pipelines: name -> view settings (colour stage, hue model).
 STAGES = {
-    "torch-colour": {"colour_stage": "torch"},
+    "torch-colour": {"colour_stage": "torch"},  # the default: on a GPU, the fused compiled colour steps
+    "torch-select": {"colour_stage": "torch", "colour_kernels": "select"},  # each step on the rows that drew it
     "dali-hsv": {"colour_stage": "dali", "hue_model": "hsv"},
     "dali-yiq": {"colour_stage": "dali", "hue_model": "yiq"},
 }
@@ -266,7 +267,9 @@ def main() -> None:
                 # other thread still running (a suspect for the H100 host's unexplained 180.7 ms an image,
                 # RESULTS.md), so the ratios use this thread's, the smaller, and both are printed.
                 torch.set_num_threads(1)
-                _, whole, ms, _, _ = timed(shards, ViewConfig(**{**views.__dict__, "num_threads": 1}), device, args)
+                # One batch after one: at ~0.2 s an image on a GPU host, the whole window would take minutes.
+                short = argparse.Namespace(**{**vars(args), "batches": 1, "warmup": 1})
+                _, whole, ms, _, _ = timed(shards, ViewConfig(**{**views.__dict__, "num_threads": 1}), device, short)
                 print(f"reference in-process: {whole:.1f} CPU ms/image for the process, {ms:.1f} for its own thread"
                       + (" (other threads of this process used CPU meanwhile)" if whole > 1.2 * ms else ""))
             cpu_ms[name] = ms
