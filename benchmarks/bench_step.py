@@ -50,8 +50,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--steps", type=int, default=5, help="timed steps")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
-    parser.add_argument("--no-cudnn-benchmark", action="store_true",
-                        help="cuDNN's heuristic convolution algorithms (the trainer times them once per shape)")
+    parser.add_argument("--cudnn-benchmark", action="store_true",
+                        help="let cuDNN time its convolution algorithms once per shape (the trainer keeps its heuristic)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -69,8 +69,8 @@ def main() -> None:
     derived = derive(config, world_size=1, dataset_size=args.batch * 1000)
     settings = StepSettings.from_config(config, derived, ctx)
     state = build_state(config, ctx, settings)
-    if args.no_cudnn_benchmark:
-        torch.backends.cudnn.benchmark = False
+    if args.cudnn_benchmark:
+        torch.backends.cudnn.benchmark = True
     online_forward, target_forward = wrap_networks(state, ctx, compile=args.compile)
     generator = torch.Generator().manual_seed(0)
     views = [torch.randn(args.batch, 3, args.large_size, args.large_size, generator=generator)

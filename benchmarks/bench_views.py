@@ -56,8 +56,7 @@ FLOOR = SHARED / "tools" / "dali-views-floor"
 FLOOR_LINE = re.compile(r"colour\+blur=(True|False)\): (\d+) images/s")
 # The project's pipelines: name -> view settings (colour stage, hue model).
 STAGES = {
-    "torch-colour": {"colour_stage": "torch"},  # the default: on a GPU, the fused compiled colour steps
-    "torch-select": {"colour_stage": "torch", "colour_kernels": "select"},  # each step on the rows that drew it
+    "torch-colour": {"colour_stage": "torch"},
     "dali-hsv": {"colour_stage": "dali", "hue_model": "hsv"},
     "dali-yiq": {"colour_stage": "dali", "hue_model": "yiq"},
 }

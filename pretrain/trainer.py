@@ -135,10 +135,6 @@ def use_sync_batchnorm(config: PretrainConfig, ctx: DistributedContext) -> bool:
 def build_state(config: PretrainConfig, ctx: DistributedContext, settings: StepSettings) -> TrainState:
     """Fresh networks, LARS optimizer and generator on `ctx.device`; identical weights on every rank."""
     torch.manual_seed(config.run.seed)  # every rank builds the same initial weights
-    if ctx.device.type == "cuda":
-        # Every step sees the same two input shapes (the large and the small views): cuDNN times its
-        # convolution algorithms once per shape and keeps the fastest, instead of its heuristic pick.
-        torch.backends.cudnn.benchmark = True
     model = config.model
     online, target = build_networks(
         model.depth, model.width, hidden_dim=model.hidden_dim, out_dim=model.out_dim,

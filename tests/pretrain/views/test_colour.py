@@ -208,22 +208,3 @@ def test_views_coloured_together_are_each_view_coloured_alone(small_size):
     assert odd_large.solarize_probability == 0 and not torch.equal(
         together[0], colour_view(views[0], draws[0], dataclasses.replace(odd_large, solarize_probability=1.0), cfg,
                                  backgrounds.get(0)))
-
-
-@pytest.mark.parametrize("stack", [False, True], ids=["alone", "stacked"])
-def test_fused_kernels_give_each_row_its_selected_steps(stack):
-    """The GPU's way (every row through every step, the drawn result kept) against the CPU's (each step
-    on the rows that drew it): the same views, row by row, with masking, all four jitter steps in each
-    row's order, grayscale, blur and solarize drawn for some rows and not others."""
-    batch = 12
-    cfg = ViewConfig(large_size=16, small_size=12, blur_probability_even=0.5, solarize_probability_odd=0.5)
-    specs = view_specs(cfg)
-    rng = np.random.default_rng(5)
-    views, draws, backgrounds = batch_of_views(specs, batch, rng, blur=rng.uniform(size=batch) < 0.5,
-                                               solarize=rng.uniform(size=batch) < 0.5)
-    selected = colour_views(views, draws, specs, cfg, backgrounds, stack=stack, fused=False)
-    fused = colour_views(views, draws, specs, cfg, backgrounds, stack=stack, fused=True)
-    for j, (got, want) in enumerate(zip(fused, selected, strict=True)):
-        assert got.shape == want.shape == (batch, 3, specs[j].size, specs[j].size)
-        assert (got - want).abs().max() < 1e-5, j  # a row given another's step is > 1e-2
-    assert all(d.jitter.any() and not d.jitter.all() for d in draws)  # both kinds of row were there

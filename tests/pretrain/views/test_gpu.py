@@ -137,13 +137,11 @@ def test_batches_made_ahead_on_their_own_stream_are_the_batches_made_on_demand(t
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused", [True, False], ids=["fused-compiled", "rows-selected"])
-def test_the_colour_stage_never_waits_for_the_gpu(fused):
+def test_the_colour_stage_never_waits_for_the_gpu():
     """The loader's thread launches a batch's colour stage (every view, those of one size as one batch)
     without waiting for the GPU: a blocking copy (two a view before) stalls it until the stream's queued
     kernels have run, which during training share the GPU with the step. Any wait raises under sync
-    debug mode "error" (after a first batch, which compiles the fused kernels); each view is the one the
-    CPU makes from the same draws, coloured alone with its steps on the selected rows."""
+    debug mode "error"; each view is the one the CPU makes from the same draws, coloured alone."""
     from pretrain.views.colour import colour_view, colour_views
     from pretrain.views.config import view_specs
     from tests.pretrain.views.test_colour import batch_of_views
@@ -153,11 +151,10 @@ def test_the_colour_stage_never_waits_for_the_gpu(fused):
     views, draws, backgrounds = batch_of_views(specs, 32, np.random.default_rng(3))
     on_device = [v.cuda() for v in views]
     backgrounds_on_device = {j: dataclasses.replace(b, soft=b.soft.cuda()) for j, b in backgrounds.items()}
-    colour_views(on_device, draws, specs, cfg, backgrounds_on_device, fused=fused)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        on_gpu = colour_views(on_device, draws, specs, cfg, backgrounds_on_device, fused=fused)
+        on_gpu = colour_views(on_device, draws, specs, cfg, backgrounds_on_device)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     for j, (d, spec, out) in enumerate(zip(draws, specs, on_gpu, strict=True)):
