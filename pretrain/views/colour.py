@@ -76,6 +76,40 @@ class ColourDraws:
         return cls(**{f.name: np.concatenate([getattr(d, f.name) for d in draws]) for f in fields(cls)})
 
 
+GEOMETRY_COLUMNS = 3  # DRAWN_PARAM_NAMES starts with the crop's area and ratio and the flip; the colour's follow
+
+
+def colour_params(pipeline_params: np.ndarray, spec: ViewSpec, cfg: ViewConfig) -> np.ndarray:
+    """A view's B x DRAWN_PARAM_NAMES parameters: the pipeline's geometry and the colour steps' draws.
+
+    `pipeline_params` is what the DALI pipeline returns for the view with the torch stage: the geometry
+    columns, then one uniform draw per sample whose bits seed this batch's colour draws. The draws follow
+    the distributions of the DALI stage's random operators (`dali_pipeline._colour_draws`), in numpy: one
+    vectorised call per parameter instead of a DALI operator per parameter and view. Seeded from the
+    pipeline's own draws, they replay exactly wherever the pipeline does (a resume from its checkpoint).
+    """
+    geometry, entropy = pipeline_params[:, :GEOMETRY_COLUMNS], pipeline_params[:, GEOMETRY_COLUMNS]
+    rows = len(pipeline_params)
+    rng = np.random.default_rng(np.ascontiguousarray(entropy, np.float32).view(np.uint32))
+
+    def coin(probability: float) -> np.ndarray:
+        return rng.random(rows) < probability
+
+    colour = np.column_stack([
+        coin(cfg.jitter_probability),
+        rng.integers(0, len(JITTER_ORDERS), rows),
+        rng.uniform(max(0.0, 1 - cfg.brightness), 1 + cfg.brightness, rows),
+        rng.uniform(max(0.0, 1 - cfg.contrast), 1 + cfg.contrast, rows),
+        rng.uniform(max(0.0, 1 - cfg.saturation), 1 + cfg.saturation, rows),
+        rng.uniform(-cfg.hue, cfg.hue, rows),
+        coin(cfg.grayscale_probability),
+        coin(spec.blur_probability),
+        rng.uniform(*cfg.blur_sigma, rows),
+        coin(spec.solarize_probability),
+    ])
+    return np.column_stack([geometry, colour]).astype(np.float32)
+
+
 def _grey(x: torch.Tensor) -> torch.Tensor:
     """torchvision's rgb_to_grayscale (ITU-R 601 weights) of B x 3 x H x W, as B x 1 x H x W."""
     r, g, b = GRAYSCALE_WEIGHTS

@@ -23,7 +23,7 @@ from jobs.progress import tracked
 from jobs.workers import rank_cores
 from pretrain.views.backend import BackendSetup
 from pretrain.views.batch import BackendBatch, assemble_params, labels_tensor
-from pretrain.views.colour import Background, ColourDraws, colour_views
+from pretrain.views.colour import Background, ColourDraws, colour_params, colour_views
 from pretrain.views.config import view_specs
 from pretrain.views.dali_pipeline import (
     READER_NAME,
@@ -218,6 +218,7 @@ class DaliBackend:
             backgrounds = self._backgrounds(out, masked, grey)  # {} unless the torch stage masks
         if self.torch_colour:
             with record_function(RANGE_COLOUR):
+                per_view = [colour_params(p, spec, self.setup.config) for p, spec in zip(per_view, self.specs, strict=True)]
                 draws = [ColourDraws.from_params(p) for p in per_view]
                 views = colour_views(views, draws, self.specs, self.setup.config, backgrounds)
         params = None

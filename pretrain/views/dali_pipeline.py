@@ -8,8 +8,9 @@ the CPU as argument inputs; masks are decoded (`mixed` on a GPU) and cropped wit
 window as their view. The pipeline is built once and lives across epochs.
 
 The colour steps run where `ViewConfig.colour_stage` says: "torch" (default) leaves them to
-`pretrain.views.colour`, which applies this pipeline's draws as batched torch operations (DALI would
-need ~100 operators a view for them); "dali" runs them here. There views stay 8-bit from the resize to
+`pretrain.views.colour`, which draws their parameters on the host from one draw of this pipeline per
+sample and view (so a checkpoint of the pipeline restores them too) and applies them as batched torch
+operations (DALI would need ~100 operators a view for them); "dali" draws and runs them here. There views stay 8-bit from the resize to
 the normalisation, as in the PIL reference: the colour operators then run DALI's fast integer kernels
 (with rounding between steps, like PIL).
 """
@@ -219,25 +220,20 @@ class ColourNodes:
 
 
 def _colour_draws(spec: ViewSpec, cfg: ViewConfig) -> ColourNodes:
-    """Every colour parameter of a view, whichever stage (`cfg.colour_stage`) applies them.
-
-    The DALI stage branches on the flags (booleans) and looks the order up (an integer); the torch
-    stage only returns them, so they are drawn as floats and stacked without casts.
-    """
-    dali = cfg.colour_stage == "dali"
-    flag, index = (types.BOOL, types.INT32) if dali else (types.FLOAT, types.FLOAT)
-    jitter = _coin(cfg.jitter_probability, flag)
-    order = fn.random.uniform(values=list(range(len(JITTER_ORDERS))), dtype=index)
+    """Every colour parameter of a view for the DALI colour stage, which branches on the flags (booleans)
+    and looks the order up (an integer). The torch stage draws the same on the host (`colour_params`)."""
+    jitter = _coin(cfg.jitter_probability, types.BOOL)
+    order = fn.random.uniform(values=list(range(len(JITTER_ORDERS))), dtype=types.INT32)
     factors = (
         _uniform(max(0.0, 1 - cfg.brightness), 1 + cfg.brightness),
         _uniform(max(0.0, 1 - cfg.contrast), 1 + cfg.contrast),
         _uniform(max(0.0, 1 - cfg.saturation), 1 + cfg.saturation),
         _uniform(-cfg.hue, cfg.hue),
     )
-    gray = _coin(cfg.grayscale_probability, flag)
+    gray = _coin(cfg.grayscale_probability, types.BOOL)
     sigma = _uniform(*cfg.blur_sigma)
-    blur = _coin(spec.blur_probability, flag)
-    solarize = _coin(spec.solarize_probability, flag)
+    blur = _coin(spec.blur_probability, types.BOOL)
+    solarize = _coin(spec.solarize_probability, types.BOOL)
     return ColourNodes(jitter, order, factors, gray, sigma, blur, solarize)
 
 
@@ -316,7 +312,10 @@ def _solarize(view: DataNode, draws: ColourNodes, spec: ViewSpec) -> DataNode:
 
 def _view(image: DataNode, mask: SampleMask, shape: DataNode, image_hw: DataNode, spec: ViewSpec, cfg: ViewConfig,
           gpu: bool):
-    """One view, its drawn parameters (DRAWN_PARAM_NAMES), its masked flag and its crop of the mask.
+    """One view, its drawn parameters, its masked flag and its crop of the mask.
+
+    The parameters: DRAWN_PARAM_NAMES with the DALI colour stage; with the torch stage the geometry's
+    (area, ratio, flip) and a uniform draw the host's colour draws are seeded from (`colour_params`).
 
     The paper's order: crop and flip, mask, jitter, grayscale, blur, solarize. With the DALI colour
     stage the view comes out masked, coloured and normalised (CHW float); with the torch stage it
@@ -326,17 +325,21 @@ def _view(image: DataNode, mask: SampleMask, shape: DataNode, image_hw: DataNode
     window = _crop_window(shape, image_hw, spec, cfg)
     view = fn.resize(image, interp_type=types.INTERP_CUBIC, **_resize_args(window, spec))  # uint8: rounded, clamped
     view, masked, soft = _apply_mask(view, mask, window, spec, cfg, gpu)
+    if cfg.colour_stage == "torch":
+        # The colour parameters are drawn on the host (`pretrain.views.colour.colour_params`) from this
+        # one draw per sample: ~10 DALI random operators a view cost more CPU per batch than the rest of
+        # the graph's scalar work, numpy's vectorised draws a fraction of a millisecond.
+        return view, fn.stack(window.area, window.ratio, window.flip, fn.random.uniform(range=[0.0, 1.0])), masked, soft
     draws = _colour_draws(spec, cfg)
-    if cfg.colour_stage == "dali":
-        view = _colour_jitter(view, draws, cfg, gpu)
-        view = _grayscale(view, draws, cfg)
-        view = _blur(view, draws, spec, cfg)
-        view = _solarize(view, draws, spec)
-        view = fn.crop_mirror_normalize(
-            view, mean=[m * MAX for m in cfg.mean], std=[s * MAX for s in cfg.std], output_layout="CHW",
-            dtype=types.FLOAT,
-        )
-    f = (lambda x: fn.cast(x, dtype=types.FLOAT)) if cfg.colour_stage == "dali" else (lambda x: x)  # noqa: E731
+    view = _colour_jitter(view, draws, cfg, gpu)
+    view = _grayscale(view, draws, cfg)
+    view = _blur(view, draws, spec, cfg)
+    view = _solarize(view, draws, spec)
+    view = fn.crop_mirror_normalize(
+        view, mean=[m * MAX for m in cfg.mean], std=[s * MAX for s in cfg.std], output_layout="CHW",
+        dtype=types.FLOAT,
+    )
+    f = lambda x: fn.cast(x, dtype=types.FLOAT)  # noqa: E731
     params = fn.stack(window.area, window.ratio, window.flip, f(draws.jitter), f(draws.order), *draws.factors,
                       f(draws.gray), f(draws.blur), draws.sigma, f(draws.solarize))
     return view, params, masked, soft

@@ -208,3 +208,31 @@ def test_views_coloured_together_are_each_view_coloured_alone(small_size):
     assert odd_large.solarize_probability == 0 and not torch.equal(
         together[0], colour_view(views[0], draws[0], dataclasses.replace(odd_large, solarize_probability=1.0), cfg,
                                  backgrounds.get(0)))
+
+
+def test_colour_params_follow_the_config_and_replay_from_the_pipelines_draw():
+    """The torch stage's colour draws, made on the host from one pipeline draw per sample: each column
+    where DRAWN_PARAM_NAMES puts it, each in its configured range or at its probability, the same draws
+    for the same pipeline output (a resumed pipeline replays them) and others for another."""
+    from pretrain.views.colour import colour_params
+
+    rows = 4000
+    cfg = ViewConfig(jitter_probability=0.8, grayscale_probability=0.0, blur_sigma=(0.5, 1.5))
+    spec = view_specs(cfg)[1]  # even large view: blur 1.0, solarize 0.0
+    rng = np.random.default_rng(0)
+    pipeline = np.column_stack([rng.uniform(0.08, 1, rows), rng.uniform(0.75, 1.33, rows),
+                                rng.integers(0, 2, rows), rng.uniform(0, 1, rows)]).astype(np.float32)
+    params = colour_params(pipeline, spec, cfg)
+    col = {name: params[:, i] for i, name in enumerate(DRAWN_PARAM_NAMES)}
+    assert params.shape == (rows, len(DRAWN_PARAM_NAMES))
+    assert np.array_equal(params[:, :3], pipeline[:, :3])  # area, ratio, flip kept
+    assert abs(col["jitter"].mean() - 0.8) < 0.03 and set(np.unique(col["jitter"])) == {0.0, 1.0}
+    assert set(np.unique(col["order"])) == set(range(len(JITTER_ORDERS)))
+    for name, (lo, hi) in {"brightness": (0.6, 1.4), "contrast": (0.6, 1.4), "saturation": (0.8, 1.2),
+                           "hue": (-0.1, 0.1), "sigma": (0.5, 1.5)}.items():
+        assert lo <= col[name].min() < lo + 0.01 and hi - 0.01 < col[name].max() <= hi, name
+    assert col["grayscale"].sum() == 0 and col["blur"].all() and col["solarize"].sum() == 0
+    assert np.array_equal(colour_params(pipeline.copy(), spec, cfg), params)
+    other = pipeline.copy()
+    other[:, 3] = np.random.default_rng(1).uniform(0, 1, rows)
+    assert not np.array_equal(colour_params(other, spec, cfg)[:, 3:], params[:, 3:])
