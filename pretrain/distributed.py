@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from jobs.config import ConfigError
+from jobs.device import resolve_device
 from jobs.ranks import RanksError, ranks_from_env
 from shards.shardset import ShardSetError, derive_missing_indexes
 
@@ -39,28 +41,26 @@ class DistributedContext:
         return self.world_size > 1
 
 
-def describe_environment(device: str = "auto", env: dict[str, str] | None = None) -> DistributedContext:
+def describe_environment(device: str = "auto", env: dict[str, str] | None = None, *,
+                         option: str = "run.device") -> DistributedContext:
     """The context implied by torchrun's variables in `env` (default: os.environ); pure, starts nothing.
 
-    device: "auto" (CUDA when available), "cpu" or "cuda".
+    device: as `jobs.device.resolve_device` reads it (`option` names the setting in its messages).
     """
     try:
         ranks = ranks_from_env(env)
+        chosen = torch.device(resolve_device(device, option, local_rank=ranks.local_rank))
     except RanksError as error:
         raise RuntimeError(f"malformed torchrun environment: {error}") from None
-    rank, world_size, local_rank = ranks.rank, ranks.world_size, ranks.local_rank
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("run.device=cuda but no CUDA device is visible; use run.device=cpu")
-        return DistributedContext(rank, world_size, local_rank, torch.device("cuda", local_rank), "nccl")
-    return DistributedContext(rank, world_size, local_rank, torch.device("cpu"), "gloo")
+    except ConfigError as error:
+        raise RuntimeError(str(error)) from None
+    return DistributedContext(ranks.rank, ranks.world_size, ranks.local_rank, chosen,
+                              "nccl" if chosen.type == "cuda" else "gloo")
 
 
-def init(device: str = "auto") -> DistributedContext:
+def init(device: str = "auto", *, option: str = "run.device") -> DistributedContext:
     """Describe the environment and, in a multi-process job, join the process group."""
-    ctx = describe_environment(device)
+    ctx = describe_environment(device, option=option)
     if ctx.device.type == "cuda":
         torch.cuda.set_device(ctx.device)
     if ctx.is_distributed and not dist.is_initialized():

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from jobs.device import resolve_device
 from jobs.lock import FolderLockedError, folder_lock
 from jobs.version import package_version
 from pretrain.checkpoint import (
@@ -121,8 +122,7 @@ def run_pretraining(
 
 def check_before_starting(config: PretrainConfig, resume: str | Path | None) -> None:
     """Everything the run will need, checked before any work: a refused run costs seconds, not a night."""
-    if config.run.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("run.device=cuda but no CUDA device is visible; use run.device=cpu or auto")
+    resolve_device(config.run.device, "run.device")  # ConfigError: a device this machine lacks
     out = Path(config.run.output_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"run.output_dir {out} is a file; choose a folder for the run")

@@ -43,15 +43,15 @@ from pathlib import Path
 
 import cv2
 import numpy as np
-import torch
 
 from jobs.atomic import remove_stale_temps
+from jobs.config import ConfigError
+from jobs.device import resolve_device
 from jobs.lock import folder_lock
 from jobs.progress import Phase
 from jobs.ranks import Ranks, ranks_from_env
 from jobs.version import package_version
 from jobs.workers import local_ranks, rank_cores, usable_cores, worker_pool
-from saliency.network.config import resolve_device
 from saliency.network.mask_work import (
     MIN_COVERAGE,
     RawSample,
@@ -378,22 +378,6 @@ def check_input(tars: list[Path], out: Path) -> None:
         raise MasksError(f"--out {out} holds input shards; choose an output folder apart from --shards")
 
 
-def check_device(device: str) -> None:
-    """Refuse a --device this machine cannot run the network on, before anything is loaded."""
-    try:
-        chosen = torch.device(device)
-    except RuntimeError:
-        raise MasksError(f"--device {device} is not a device; use cpu or cuda[:N]") from None
-    if chosen.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise MasksError(f"--device {device}: no CUDA GPU is usable on this machine; use --device cpu")
-        if chosen.index is not None and chosen.index >= count:
-            raise MasksError(f"--device {device}: this machine has {count} CUDA GPU(s) (cuda:0..cuda:{count - 1})")
-    elif chosen.type != "cpu":
-        raise MasksError(f"--device {device} is not supported; use cpu or cuda[:N]")
-
-
 def masks_job(out: Path, model_sha256: str, tars: list[Path]) -> tuple[ShardJob, dict]:
     """The engine's job and plan: one unit per input tar, `masked-NNNNNN.tar` in the input's order. A
     unit's digest covers the model, its output name and its input tar's name, size and modification
@@ -467,8 +451,10 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
     except PlanError as error:
         raise MasksError(str(error)) from None
     check_out_folder(job)
-    device = resolve_device("auto") if config.device == "auto" else config.device
-    check_device(device)
+    try:
+        device = resolve_device(config.device, "--device")
+    except ConfigError as error:
+        raise MasksError(str(error)) from None
     # The model is read before --out is created: a refused model leaves no folder behind.
     if predictor is None:
         predictor = MaskPredictor(model, device)

@@ -98,24 +98,6 @@ class SaliencyTrainConfig:
             raise ConfigError(f"average_keep must be in [0, 1), got {self.average_keep}")
 
 
-def resolve_device(device: str) -> str:
-    """The torch device a saliency job runs on: "auto" is CUDA when a GPU is visible (this rank's
-    GPU under torchrun), else the CPU; a CUDA device without a GPU is a ConfigError."""
-    import torch  # here: the config module stays light for `--help`
-
-    from jobs.ranks import ranks_from_env
-
-    if device == "auto":
-        if not torch.cuda.is_available():
-            return "cpu"
-        return f"cuda:{ranks_from_env().local_rank}"
-    if device != "cpu" and not (device == "cuda" or device.startswith("cuda:")):
-        raise ConfigError(f"device must be auto, cpu or cuda[:N], got {device!r}")
-    if device != "cpu" and not torch.cuda.is_available():
-        raise ConfigError(f"device {device} but no CUDA device is visible; use device=auto or cpu")
-    return device
-
-
 PRESETS = Presets(job="relicv2 saliency train", package="saliency")
 
 

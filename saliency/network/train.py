@@ -28,11 +28,12 @@ import yaml
 
 from jobs.atomic import atomic_output, atomic_write_bytes
 from jobs.config import SETTINGS_FILE, settings_text
+from jobs.device import resolve_device
 from jobs.lock import folder_lock
 from jobs.progress import Phase
 from jobs.version import package_version
 from pretrain.model.resnet import load_torchvision_state_dict
-from saliency.network.config import SaliencyTrainConfig, config_to_dict, resolve_device
+from saliency.network.config import SaliencyTrainConfig, config_to_dict
 from saliency.network.data import TrainingImages, load_training_images
 from saliency.network.images import SampleLocation, sample_locations
 from saliency.network.loop import CrfPool, train_epoch
