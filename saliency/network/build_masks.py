@@ -70,7 +70,7 @@ from saliency.network.mask_work import (
 from saliency.network.model_file import PASS_MODEL, resolve_model_path
 from saliency.network.predictor import MaskPredictor, launch_forward
 from shards.images import Rejection
-from shards.index import index_path, read_index
+from shards.index import read_index
 from shards.job import (
     NOT_DONE,
     PlanError,
@@ -101,10 +101,10 @@ from shards.sample import (
 )
 from shards.shardset import (
     INDEX_CACHE_ENV,
-    cached_index,
     default_index_cache,
     resolve_shard_set,
     shard_tars,
+    tar_index,
 )
 from shards.writer import TarShard, shard_name
 
@@ -481,7 +481,7 @@ def _run(job: ShardJob, plan: dict, tars: list[Path], config: BuildMasksConfig, 
          workers: int) -> dict | None:
     """This rank's units (those whose record does not match their inputs and files), then rank 0's merge."""
     out = job.out
-    cache = config.index_cache if config.index_cache is not None else default_index_cache()
+    cache = default_index_cache(config.index_cache)
     mine = rank_units(len(tars), ranks.rank, ranks.world_size)
     # Only the tars this rank reads are indexed here: a plain set's missing index is derived by
     # the one rank that masks the tar, not by every rank of the job.
@@ -543,11 +543,8 @@ def _run(job: ShardJob, plan: dict, tars: list[Path], config: BuildMasksConfig, 
 
 def _index_file(tar: Path, cache: Path) -> Path:
     """The index of an input tar: beside it, else derived into the cache (read once, on first use)."""
-    beside = index_path(tar)
-    if beside.is_file():
-        return beside
     try:
-        return cached_index(tar, cache)
+        return tar_index(tar, cache)
     except ValueError as error:  # a tar that cannot be read to the end
         raise MasksError(f"{error}; rebuild or remove this shard") from None
     except OSError as error:
