@@ -9,8 +9,8 @@ Output `OUT/masked-NNNNNN.tar` (+ `.idx`), one per input shard (numbered by the 
 sample holding the input's image bytes unchanged (a `jpg` or `jpeg` member as `{key}.jpg`, a `png` or
 `webp` one under its own name), its `.cls` when it has one, its json plus `mask_coverage` /
 `mask_status`, and `{key}.mask.png`: the 8-bit soft mask at the displayed image's size (EXIF
-orientation applied, as DALI's decoder applies it). Then `manifest.parquet`, `rejected.parquet` and
-`info.json`.
+orientation applied, as DALI's decoder applies it). Then `manifest.parquet`, `rejected.parquet`,
+`info.json` and `config.yaml` (the job's settings as it printed them, `jobs.config.settings_text`).
 
 - Streaming: one batch being decoded (worker processes), one in the network, one being encoded and
   written; memory is a few batches whatever the data set size (the batches in flight live in a
@@ -35,17 +35,18 @@ import hashlib
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor, Future
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import cv2
 import numpy as np
 
-from jobs.atomic import remove_stale_temps
-from jobs.config import ConfigError
+from jobs.atomic import atomic_write_bytes, remove_stale_temps
+from jobs.config import SETTINGS_FILE, ConfigError, Presets, resolve, settings_text
 from jobs.device import resolve_device
 from jobs.lock import folder_lock
 from jobs.progress import Phase
@@ -118,7 +119,7 @@ class MasksError(ValueError):
 
 @dataclass(frozen=True)
 class BuildMasksConfig:
-    """One `relicv2 saliency build-masks` job."""
+    """One `relicv2 saliency build-masks` job (`load_masks_config`: from a preset, the options and `--set`)."""
 
     model: Path
     shards: Path
@@ -130,6 +131,15 @@ class BuildMasksConfig:
     merge_timeout_s: float = 3600.0  # rank 0 waits this long for the other ranks' shards
     # Where indexes of input tars without one are derived; None: shards.shardset.default_index_cache.
     index_cache: Path | None = None
+
+
+PRESETS = Presets(job="relicv2 saliency build-masks", package="saliency", folder="presets/build-masks")
+
+
+def load_masks_config(config: str | Path | None = None, overrides: Sequence[str] = (), **given: Any) -> BuildMasksConfig:
+    """Defaults <- preset NAME or YAML file <- the command's options in `given` (None: not given) <- `key=value`."""
+    return resolve(BuildMasksConfig, config, overrides, PRESETS,
+                   given={key: value for key, value in given.items() if value is not None})[0]
 
 
 def default_workers() -> int:
@@ -420,7 +430,7 @@ def check_out_folder(job: ShardJob) -> None:
     out = job.out
     if out.exists() and not out.is_dir():
         raise MasksError(f"--out {out} is a file; choose an empty or new folder")
-    ours = shard_files([unit.shard for unit in job.units]) | set(SET_FILES)
+    ours = shard_files([unit.shard for unit in job.units]) | {*SET_FILES, SETTINGS_FILE}
     # Listed before the plan is looked at: under torchrun, rank 0 writes the plan before any output,
     # so an output seen here always comes with the plan that makes it ours.
     visible = other_entries(out, set())
@@ -466,6 +476,8 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
         check_shm_space(ring_bytes(config.batch_size, predictor.size) * local_ranks())  # every rank of the node has one
     except RingSpaceError as error:
         raise MasksError(str(error)) from None
+    if ranks.rank == 0:  # after the refusals: a refused job says one line
+        print(settings_text(config, version=package_version()).rstrip(), file=sys.stderr, flush=True)
     try:
         with output_folder(out), folder_lock(out, "relicv2 saliency build-masks", enabled=ranks.rank == 0):
             write_plan(job, plan)  # the first write: an unwritable --out is found before any work
@@ -528,6 +540,7 @@ def _run(job: ShardJob, plan: dict, tars: list[Path], config: BuildMasksConfig, 
     except UnfinishedError as error:
         raise MasksError(str(error)) from None
     summary = _summary(records, time.monotonic() - started)
+    atomic_write_bytes(out / SETTINGS_FILE, settings_text(config, version=package_version()).encode())
     merge_records(out, records, info={
         "prefix": PREFIX, "source": str(config.shards), "model": plan["model_sha256"],
         "mask": {k: summary[k] for k in ("below_min_coverage", "min_coverage", "coverage_histogram")},
