@@ -11,9 +11,8 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from jobs.config import ConfigError, Presets, is_file_reference, resolve, to_dict
+from jobs.config import ConfigError, Presets, is_file_reference, resolve
 from saliency.handcrafted.methods import METHODS
 
 METHOD_NAMES = tuple(METHODS)  # the handcrafted methods refinement learns from: all of them by default
@@ -109,8 +108,3 @@ def load_saliency_config(config: str | Path | None = None, overrides: Sequence[s
     label = None if config is None else (Path(config).stem if is_file_reference(config) else str(config))
     return resolve(SaliencyTrainConfig, config, overrides, PRESETS,
                    defaults={"preset": label} if label else None)[0]
-
-
-def config_to_dict(config: SaliencyTrainConfig) -> dict[str, Any]:
-    """Plain containers (for JSON, YAML and the model file)."""
-    return to_dict(config)
