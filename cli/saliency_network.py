@@ -59,40 +59,39 @@ def train_command(shards: Path, out: Path, config_name: str | None, preset_name:
 
 
 @click.command("build-masks")
-@click.option("--model", "model_path", required=True, type=click.Path(path_type=Path), help="model.pt from `saliency train`.")
+@click.option("--model", required=True, type=click.Path(path_type=Path), help="model.pt from `saliency train`.")
 @click.option("--shards", required=True, type=click.Path(path_type=Path), help=f"Input shard set: {SHARDS_HELP}.")
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="Output folder for the masked shard set.")
+@click.option("--config", "config_name", metavar="NAME|FILE.yaml",
+              help="Settings: a preset (cpu, gpu; see the error for an unknown name) or a YAML file of the same keys. "
+                   "[default: the defaults, printed at start]")
 @click.option("--workers", type=click.IntRange(min=0), default=None,
               help="Processes for decoding, resizing and mask encoding (0: all in this process). "
                    "[default: this rank's CPU cores less one]")
-@click.option("--batch", "batch_size", type=click.IntRange(min=1), default=32, show_default=True,
-              help="Images per forward pass.")
-@click.option("--device", default="auto", show_default=True,
-              help="auto (CUDA when a GPU is visible, else the CPU), cpu or cuda[:N].")
+@click.option("--batch", "batch_size", type=click.IntRange(min=1), default=None, help="Images per forward pass.")
+@click.option("--device", default=None, help="auto (CUDA when a GPU is visible, else the CPU), cpu or cuda[:N].")
 @index_cache_option
-@click.option("--merge-timeout", default=3600.0, show_default=True,
+@click.option("--merge-timeout", "merge_timeout_s", type=float, default=None,
               help="Under torchrun: seconds rank 0 waits for the other ranks before merging.")
-@click.option("--progress/--no-progress", default=True, show_default=True)
-def build_masks_command(model_path: Path, shards: Path, out: Path, workers: int | None, batch_size: int, device: str,
-                        index_cache: Path | None, merge_timeout: float, progress: bool) -> None:
-    """Write a masked shard set: every sample's original image plus an 8-bit soft mask (mask.png)."""
-    from saliency.network.build_masks import (
-        BuildMasksConfig,
-        MasksError,
-        build_masks,
-        format_summary,
-    )
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a setting (repeatable), e.g. --set batch_size=64 --set device=cuda:1")
+@click.option("--progress/--no-progress", default=None, help="Show a progress bar. [default: on]")
+def build_masks_command(config_name: str | None, overrides: tuple[str, ...], **options) -> None:
+    """Write a masked shard set: every sample's original image plus an 8-bit soft mask (mask.png).
+
+    Settings: the defaults <- --config <- the options given <- --set; printed at start and saved as
+    OUT/config.yaml.
+    """
+    from saliency.network import build_masks as job
     from saliency.network.model_file import ModelFileError
 
-    config = BuildMasksConfig(model=model_path, shards=shards, out=out, workers=workers,
-                              batch_size=batch_size, device=device, progress=progress,
-                              index_cache=index_cache, merge_timeout_s=merge_timeout)
     try:
-        summary = build_masks(config)
-    except (ModelFileError, MasksError, FolderLockedError, FileNotFoundError, ValueError) as error:
+        config = job.load_masks_config(config_name, overrides, **options)
+        summary = job.build_masks(config)
+    except (ConfigError, ModelFileError, job.MasksError, FolderLockedError, FileNotFoundError, ValueError) as error:
         raise click.ClickException(str(error)) from error
     if summary is not None:
-        click.echo(format_summary(summary))
+        click.echo(job.format_summary(summary))
         if summary["written"] == 0:
             raise click.ClickException("no sample could be masked: every input failed")
 

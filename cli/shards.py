@@ -173,7 +173,7 @@ def index(spec: str, index_cache: Path | None, workers: int, progress: bool) -> 
     from pretrain.views.sources import CHECKS_FOLDER, check_shard_set
     from shards.shardset import ShardSetError, default_index_cache, derive_missing_indexes
 
-    cache = index_cache if index_cache is not None else default_index_cache()
+    cache = default_index_cache(index_cache)
     try:
         derived = derive_missing_indexes(spec, index_cache=cache, workers=workers, progress=progress)
     except ShardSetError as exc:

@@ -60,18 +60,27 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         tmp.write_bytes(data)
 
 
-def remove_stale_temps(directory: Path, names: set[str] | Callable[[str], bool] | None = None) -> int:
+def remove_stale_temps(directory: Path, names: set[str] | Callable[[str], bool] | None = None, *,
+                       recursive: bool = False, older_suffix: str | None = None) -> int:
     """Delete temporary files left by killed writers for the final names in `names` (a set, or a test
     of the final name; None: all); return the count.
 
+    `recursive`: in the folders below `directory` too (links are not followed). `older_suffix`: also
+    hidden files ending in it, the temporaries of an earlier writer whose names carry no final name.
     Call it only while holding the folder's lock (jobs.lock), and under torchrun only for the
     caller's own final names: other ranks may be writing other files in the same folder.
     """
     removed = 0
-    for p in Path(directory).glob(f".*{TEMP_MARK}*"):
-        final = p.name[1 : p.name.index(TEMP_MARK)]
-        if names is None or (names(final) if callable(names) else final in names):
-            with contextlib.suppress(FileNotFoundError):
-                p.unlink()
-                removed += 1
+    folders = (Path(d) for d, _, _ in os.walk(directory)) if recursive else [Path(directory)]
+    for folder in folders:
+        for p in folder.glob(".*"):
+            if TEMP_MARK in p.name:
+                final = p.name[1 : p.name.index(TEMP_MARK)]
+                stale = names is None or (names(final) if callable(names) else final in names)
+            else:
+                stale = older_suffix is not None and p.name.endswith(older_suffix)
+            if stale:
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+                    removed += 1
     return removed

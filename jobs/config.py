@@ -175,12 +175,13 @@ def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def resolve(cls: type, config: str | Path | None, overrides: Sequence[str], presets: Presets,
-            *, defaults: Mapping[str, Any] | None = None) -> tuple[Any, str]:
-    """(config of type `cls`, source label): `defaults`, then the preset or file, then the overrides."""
+            *, defaults: Mapping[str, Any] | None = None, given: Mapping[str, Any] | None = None) -> tuple[Any, str]:
+    """(config of type `cls`, source label): `defaults`, then the preset or file, then `given` (a command's
+    own options), then the overrides."""
     tree, source = read_tree(config, presets)
     if overrides:
         source = f"{source} with --set overrides" if config is not None else "--set overrides"
-    tree = merge(merge(defaults or {}, tree), parse_overrides(overrides))
+    tree = merge(merge(merge(defaults or {}, tree), given or {}), parse_overrides(overrides))
     return build(cls, tree, source=source), source
 
 
@@ -250,6 +251,8 @@ def coerce(value: Any, hint: Any, *, key: str, source: str) -> Any:
         if value is None and type(None) in options:
             return None
         (hint,) = [option for option in options if option is not type(None)]
+    if hint is Path and isinstance(value, str | Path):
+        return Path(value)
     if hint is float and isinstance(value, str):
         # YAML 1.1 reads "1e-3" (no dot) as a string; a number written that way is still a number.
         try:

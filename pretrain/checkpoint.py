@@ -79,10 +79,7 @@ def remove_stale_temporaries(output_dir: str | Path) -> int:
 
     Call it only while holding the folder's lock: then no live writer owns them. Returns the count.
     """
-    folder = Path(output_dir)
-    if not folder.is_dir():
-        return 0
-    return remove_stale_temps(folder, lambda final: step_of(final) is not None or final in RUN_FILES)
+    return remove_stale_temps(Path(output_dir), lambda final: step_of(final) is not None or final in RUN_FILES)
 
 
 def earlier_config_path(folder: Path, step: int) -> Path:

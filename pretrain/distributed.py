@@ -8,15 +8,16 @@ runs 2 CPU processes in the tests and many GPUs on a cluster.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from jobs.config import ConfigError
+from jobs.device import resolve_device
 from jobs.ranks import RanksError, ranks_from_env
-from shards.shardset import ShardSetError, derive_missing_indexes
+from shards.shardset import ShardSet, ShardSetError, Spec, derive_missing_indexes, resolve_shard_set
 
 
 @dataclass(frozen=True)
@@ -39,28 +40,26 @@ class DistributedContext:
         return self.world_size > 1
 
 
-def describe_environment(device: str = "auto", env: dict[str, str] | None = None) -> DistributedContext:
+def describe_environment(device: str = "auto", env: dict[str, str] | None = None, *,
+                         option: str = "run.device") -> DistributedContext:
     """The context implied by torchrun's variables in `env` (default: os.environ); pure, starts nothing.
 
-    device: "auto" (CUDA when available), "cpu" or "cuda".
+    device: as `jobs.device.resolve_device` reads it (`option` names the setting in its messages).
     """
     try:
         ranks = ranks_from_env(env)
+        chosen = torch.device(resolve_device(device, option, local_rank=ranks.local_rank))
     except RanksError as error:
         raise RuntimeError(f"malformed torchrun environment: {error}") from None
-    rank, world_size, local_rank = ranks.rank, ranks.world_size, ranks.local_rank
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("run.device=cuda but no CUDA device is visible; use run.device=cpu")
-        return DistributedContext(rank, world_size, local_rank, torch.device("cuda", local_rank), "nccl")
-    return DistributedContext(rank, world_size, local_rank, torch.device("cpu"), "gloo")
+    except ConfigError as error:
+        raise RuntimeError(str(error)) from None
+    return DistributedContext(ranks.rank, ranks.world_size, ranks.local_rank, chosen,
+                              "nccl" if chosen.type == "cuda" else "gloo")
 
 
-def init(device: str = "auto") -> DistributedContext:
+def init(device: str = "auto", *, option: str = "run.device") -> DistributedContext:
     """Describe the environment and, in a multi-process job, join the process group."""
-    ctx = describe_environment(device)
+    ctx = describe_environment(device, option=option)
     if ctx.device.type == "cuda":
         torch.cuda.set_device(ctx.device)
     if ctx.is_distributed and not dist.is_initialized():
@@ -81,30 +80,38 @@ def barrier(ctx: DistributedContext) -> None:
         dist.barrier()
 
 
-def prepare_shard_sets(ctx: DistributedContext | None, *specs: str | Path, **check: Any) -> None:
-    """In a multi-rank job, derive the shard sets' missing index files and check their samples
-    (`pretrain.views.sources.check_shard_set`, `check`: its decode options, as the job's loaders
-    will ask) split over the ranks, then wait for all: each tar is read (or decoded) once by one
-    rank instead of once by every rank, given an index cache every rank sees (e.g.
-    `$RELICV2_INDEX_CACHE` on a shared filesystem). With node-local caches each rank derives and
-    checks what its node lacks when it opens a set."""
-    if ctx is None or not ctx.is_distributed:
-        return
-    from pretrain.views.sources import check_shard_set
+def open_shard_sets(ctx: DistributedContext | None, *specs: Spec, check_samples: bool = True,
+                    **check: Any) -> list[ShardSet]:
+    """The job's one resolution of each shard set (`shards.resolve_shard_set`: ShardSetError naming the
+    fix), to be handed to everything that reads it.
 
-    part = (ctx.rank, ctx.world_size)
-    for spec in specs:
-        try:  # progress with a total and ETA; bad tars and sets are reported when every rank opens the set next
-            derive_missing_indexes(spec, part=part)
-        except (ShardSetError, OSError):
-            continue  # every rank meets the same error when it opens the set right after, and reports it there
-    barrier(ctx)  # every index exists before any rank checks samples against it
-    for spec in specs:
-        try:
-            check_shard_set(spec, part=part, **check)
-        except (ValueError, OSError):
-            continue  # as above: reported, with the file and the fix, when the set is opened
-    barrier(ctx)
+    In a multi-rank job the sets' missing index files are derived first, and with `check_samples` their
+    samples checked (`pretrain.views.sources.check_shard_set`, `check`: its decode options, as the job's
+    loaders will ask), split over the ranks with a barrier after each: each tar is read (or decoded) once
+    by one rank instead of once by every rank, given an index cache every rank sees (e.g.
+    `$RELICV2_INDEX_CACHE` on a shared filesystem). With node-local caches each rank derives and checks
+    what its node lacks when it opens a set.
+    """
+    distributed = ctx is not None and ctx.is_distributed
+    part = (ctx.rank, ctx.world_size) if distributed else (0, 1)
+    if distributed:
+        for spec in specs:
+            try:  # progress with a total and ETA; bad tars and sets are reported when every rank resolves them next
+                derive_missing_indexes(spec, part=part)
+            except (ShardSetError, OSError):
+                continue  # every rank meets the same error right after, and reports it there
+        barrier(ctx)  # every index exists before any rank resolves or checks a set
+    sets = [resolve_shard_set(spec) for spec in specs]
+    if distributed and check_samples:
+        from pretrain.views.sources import check_shard_set
+
+        for shard_set in sets:
+            try:
+                check_shard_set(shard_set, part=part, **check)
+            except (ValueError, OSError):
+                continue  # as above: reported, with the file and the fix, when the set is loaded
+        barrier(ctx)
+    return sets
 
 
 def all_gather_tensor(tensor: Tensor, ctx: DistributedContext) -> Tensor:

@@ -4,9 +4,9 @@
 in a plain process). The update itself is `pretrain.trainer.train_step`; restoring is
 `pretrain.resume`; this module only schedules them, in named steps:
 
-    check_before_starting -> hold the run folder (lock, stale temporaries, --fresh) -> build the
-    data source and state -> resume -> write config.yaml -> train loop (log, checkpoint, kNN,
-    SIGTERM/SIGINT) -> final checkpoint.
+    check_before_starting -> open_run_shard_sets (each set resolved once, checked) -> hold the run
+    folder (lock, stale temporaries, --fresh) -> build the data source and state -> resume -> write
+    config.yaml -> train loop (log, checkpoint, kNN, SIGTERM/SIGINT) -> final checkpoint.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from jobs.device import resolve_device
 from jobs.lock import FolderLockedError, folder_lock
 from jobs.version import package_version
 from pretrain.checkpoint import (
@@ -50,7 +51,7 @@ from pretrain.distributed import (
     all_reduce_mean,
     barrier,
     init,
-    prepare_shard_sets,
+    open_shard_sets,
     teardown,
 )
 from pretrain.eval.classes import ClassMismatchError, check_same_classes
@@ -72,11 +73,12 @@ from pretrain.views.synthetic import SyntheticViews
 from shards.outdir import output_folder
 from shards.reader import ReadReport, iter_samples
 from shards.sample import missing_label
-from shards.shardset import ShardSetError, shard_tars
+from shards.shardset import ShardSet, ShardSetError, shard_tars
 
 JOB_NAME = "relicv2 pretrain"
-# Builds this rank's data source once the process group is up (it needs the rank and the device).
-ViewsFactory = Callable[[PretrainConfig, DistributedContext], ViewSource]
+# Builds this rank's data source once the process group is up (it needs the rank and the device) from the
+# training shard set as the run resolved it (None for generated data).
+ViewsFactory = Callable[[PretrainConfig, DistributedContext, ShardSet | None], ViewSource]
 
 
 class PretrainingInterrupted(RuntimeError):
@@ -105,48 +107,82 @@ def run_pretraining(
     config: PretrainConfig, *, resume: str | Path | None = None, auto_resume: bool = True, fresh: bool = False,
     views: ViewsFactory | None = None,
 ) -> PretrainResult:
-    """Pretrain as `config` says on the data source `views(config, ctx)` builds (default: `build_view_source`);
-    resume from `resume`, or else from the newest checkpoint in the output folder when `auto_resume`. `fresh`:
-    move an earlier run in the folder aside and start anew. Joins/leaves the torchrun process group around the
-    run; rank 0 holds the folder's lock."""
+    """Pretrain as `config` says on the data source `views(config, ctx, train_set)` builds (default:
+    `build_view_source`); resume from `resume`, or else from the newest checkpoint in the output folder when
+    `auto_resume`. `fresh`: move an earlier run in the folder aside and start anew. Joins/leaves the torchrun
+    process group around the run; rank 0 holds the folder's lock."""
     check_before_starting(config, resume)
     ctx = init(config.run.device)
     try:
+        sets = open_run_shard_sets(config, ctx)
         with _run_folder(config, ctx, fresh=fresh), _StopSignals() as stop:
-            return _pretrain(config, ctx, views or build_view_source, resume=resume,
+            return _pretrain(config, ctx, views or build_view_source, sets, resume=resume,
                              auto_resume=auto_resume and not fresh, stop=stop)
     finally:
         teardown(ctx)
 
 
 def check_before_starting(config: PretrainConfig, resume: str | Path | None) -> None:
-    """Everything the run will need, checked before any work: a refused run costs seconds, not a night."""
-    if config.run.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("run.device=cuda but no CUDA device is visible; use run.device=cpu or auto")
+    """What the settings alone say the run lacks, checked before anything is read: a refused run costs
+    seconds, not a night (the shard sets are checked next, by `open_run_shard_sets`)."""
+    resolve_device(config.run.device, "run.device")  # ConfigError: a device this machine lacks
     out = Path(config.run.output_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"run.output_dir {out} is a file; choose a folder for the run")
-    folders = {"knn.train_shards": config.knn.train_shards, "knn.val_shards": config.knn.val_shards}
-    if config.data.source == "shards":
-        if not config.data.train_shards:
-            raise ConfigError("data.train_shards is empty; set it to a shard set folder (or data.source=synthetic)")
-        folders["data.train_shards"] = config.data.train_shards
-    for key, spec in folders.items():
-        if spec:
-            try:
-                shard_tars(spec)  # a folder, a brace pattern or a tar: cheap, no index is read yet
-            except ShardSetError as error:
-                raise ConfigError(f"{key}={spec}: {error}") from None
-            if key.startswith("knn."):
-                _check_first_label(key, spec)
-    if config.knn.train_shards and config.knn.val_shards:
-        try:
-            check_same_classes(config.knn.train_shards, config.knn.val_shards)
-        except ClassMismatchError as error:
-            raise ConfigError(f"knn.train_shards / knn.val_shards: {error}") from None
-        _check_knn_sets(config)
+    if config.data.source == "shards" and not config.data.train_shards:
+        raise ConfigError("data.train_shards is empty; set it to a shard set folder (or data.source=synthetic)")
+    if config.knn.train_shards and config.knn.crop_size != config.views.large_size:
+        print(f"warning: knn.crop_size={config.knn.crop_size} but the encoder trains on views.large_size="
+              f"{config.views.large_size} px views: the monitor scores it at a size it never sees; set "
+              f"knn.crop_size={config.views.large_size} for the figure of the model being trained", flush=True)
     if resume is not None and not Path(resume).is_file():
         raise ConfigError(f"--resume {resume} does not exist or is not a file; pass a checkpoint-*.pt file")
+
+
+def open_run_shard_sets(config: PretrainConfig, ctx: DistributedContext) -> dict[str, ShardSet | str]:
+    """The run's shard sets by setting (`data.train_shards`, `knn.train_shards`, `knn.val_shards`), each
+    resolved once (`pretrain.distributed.open_shard_sets`: the work split over the ranks) for the views and
+    the kNN monitor, and checked before any work: the monitor's sets must be labelled, number their classes
+    alike, and its queries be neither in its bank (refused) nor trained on (a warning).
+
+    A kNN set whose tars exist but that does not resolve (a tar cut short under its index) stays its spec:
+    the monitor never stops a training, it reads what remains and logs the loss.
+    """
+    specs = {"knn.train_shards": config.knn.train_shards, "knn.val_shards": config.knn.val_shards,
+             "data.train_shards": config.data.train_shards if config.data.source == "shards" else ""}
+    sets: dict[str, ShardSet | str] = {}
+    for key, spec in specs.items():
+        if spec:
+            try:
+                sets[key] = open_shard_sets(ctx, spec, check_samples=key.startswith("data."))[0]
+            except ShardSetError as error:
+                if key.startswith("data.") or not _names_tars(spec):
+                    raise ConfigError(f"{key}={spec}: {error}") from None
+                sets[key] = spec
+    if "knn.train_shards" not in sets:  # KnnConfig takes both sets or neither
+        return sets
+    bank, queries = sets["knn.train_shards"], sets["knn.val_shards"]
+    _check_first_label("knn.train_shards", bank)
+    _check_first_label("knn.val_shards", queries)
+    try:
+        check_same_classes(bank, queries)
+    except ClassMismatchError as error:
+        raise ConfigError(f"knn.train_shards / knn.val_shards: {error}") from None
+    both = shared_tars(bank, queries)
+    if both:
+        raise ConfigError(f"knn.train_shards and knn.val_shards share {len(both)} tar(s) ({both[0].name}, ...): the "
+                          "monitor would find each query in its own bank; set knn.val_shards to a held-out labelled set")
+    if "data.train_shards" in sets and shared_tars(sets["data.train_shards"], queries):
+        print(f"warning: knn.val_shards={queries} holds images of data.train_shards: the kNN monitor scores "
+              "images the encoder trains on; a held-out labelled set gives a figure that generalises", flush=True)
+    return sets
+
+
+def _names_tars(spec: str) -> bool:
+    try:
+        return bool(shard_tars(spec)[0])
+    except ShardSetError:
+        return False
 
 
 def check_masking(config: PretrainConfig, source: ViewSource, ctx: DistributedContext) -> None:
@@ -161,23 +197,6 @@ def check_masking(config: PretrainConfig, source: ViewSource, ctx: DistributedCo
         raise ConfigError(f"{text} (or set views.allow_mask_mismatch=true to train as configured)")
     if ctx.is_main:
         print(f"warning: {text}; training as configured (views.allow_mask_mismatch=true)", flush=True)
-
-
-def _check_knn_sets(config: PretrainConfig) -> None:
-    """The monitor's queries must be images neither in its bank (refused) nor trained on (a warning),
-    scored at the size the encoder trains at (a warning)."""
-    knn = config.knn
-    if knn.crop_size != config.views.large_size:
-        print(f"warning: knn.crop_size={knn.crop_size} but the encoder trains on views.large_size="
-              f"{config.views.large_size} px views: the monitor scores it at a size it never sees; set "
-              f"knn.crop_size={config.views.large_size} for the figure of the model being trained", flush=True)
-    both = shared_tars(knn.train_shards, knn.val_shards)
-    if both:
-        raise ConfigError(f"knn.train_shards and knn.val_shards share {len(both)} tar(s) ({both[0].name}, ...): the "
-                          "monitor would find each query in its own bank; set knn.val_shards to a held-out labelled set")
-    if config.data.source == "shards" and shared_tars(config.data.train_shards, knn.val_shards):
-        print(f"warning: knn.val_shards={knn.val_shards} holds images of data.train_shards: the kNN monitor scores "
-              "images the encoder trains on; a held-out labelled set gives a figure that generalises", flush=True)
 
 
 @contextlib.contextmanager
@@ -215,8 +234,9 @@ def _tidy_folder(out: Path, *, fresh: bool) -> None:
             print(f"--fresh: moved the earlier run's checkpoints and logs to {aside}", flush=True)
 
 
-def build_view_source(config: PretrainConfig, ctx: DistributedContext) -> ViewSource:
-    """This rank's multi-view batches: `pretrain.views.loader.ViewLoader` over shards, or generated data.
+def build_view_source(config: PretrainConfig, ctx: DistributedContext, shards: ShardSet | None) -> ViewSource:
+    """This rank's multi-view batches: `pretrain.views.loader.ViewLoader` over `shards` (the run's training
+    set as `open_run_shard_sets` resolved it), or generated data.
 
     Built once per run: the source lives across epochs (iterating it again starts the next epoch).
     """
@@ -232,15 +252,14 @@ def build_view_source(config: PretrainConfig, ctx: DistributedContext) -> ViewSo
     from pretrain.views.loader import ViewLoader  # imported here: it loads DALI
 
     try:
-        prepare_shard_sets(ctx, config.data.train_shards)
-        return ViewLoader(config.data.train_shards, batch, views, device=str(ctx.device), rank=ctx.rank,
+        return ViewLoader(shards, batch, views, device=str(ctx.device), rank=ctx.rank,
                           world_size=ctx.world_size, seed=config.run.seed)
     except (FileNotFoundError, ValueError) as error:
         raise ConfigError(f"data.train_shards={config.data.train_shards}: {error}") from None
 
 
-def _pretrain(config: PretrainConfig, ctx: DistributedContext, views: ViewsFactory, *, resume: str | Path | None,
-              auto_resume: bool, stop: _StopSignals) -> PretrainResult:
+def _pretrain(config: PretrainConfig, ctx: DistributedContext, views: ViewsFactory, sets: dict[str, ShardSet | str], *,
+              resume: str | Path | None, auto_resume: bool, stop: _StopSignals) -> PretrainResult:
     out = Path(config.run.output_dir)
     own = latest_checkpoint(out)
     if resume is not None and own is not None and Path(resume).resolve().parent != out.resolve():
@@ -248,7 +267,7 @@ def _pretrain(config: PretrainConfig, ctx: DistributedContext, views: ViewsFacto
         # whichever of the two lines has the newest step.
         raise CheckpointError(f"--resume {resume} is not a checkpoint of {out}, which holds another run (up to "
                               f"{own.name}); resume into another --output folder, or move that run out of {out} first")
-    source = views(config, ctx)  # the epoch as the source counts it: its share of images, its full batches
+    source = views(config, ctx, sets.get("data.train_shards"))  # the epoch as the source counts it: its share of images, its full batches
     check_masking(config, source, ctx)  # every rank reads the same set: all refuse alike
     derived = derive(config, world_size=ctx.world_size, dataset_size=int(source.epoch_size) * ctx.world_size,
                      steps_per_epoch=len(source))
@@ -276,7 +295,8 @@ def _pretrain(config: PretrainConfig, ctx: DistributedContext, views: ViewsFacto
         if dropped:
             print(f"metrics.jsonl: dropped {dropped} record(s) logged after step {state.step} by the interrupted run")
     barrier(ctx)
-    return _train(config, ctx, state, source, settings, derived, stop=stop, last_saved=start)
+    knn = (sets["knn.train_shards"], sets["knn.val_shards"]) if "knn.train_shards" in sets else None
+    return _train(config, ctx, state, source, settings, derived, knn, stop=stop, last_saved=start)
 
 
 def final_step(config: PretrainConfig, derived: DerivedValues) -> int:
@@ -285,8 +305,8 @@ def final_step(config: PretrainConfig, derived: DerivedValues) -> int:
 
 
 def _train(config: PretrainConfig, ctx: DistributedContext, state: TrainState, source: ViewSource,
-           settings: StepSettings, derived: DerivedValues, *, stop: _StopSignals,
-           last_saved: Path | None) -> PretrainResult:
+           settings: StepSettings, derived: DerivedValues, knn: tuple[ShardSet | str, ShardSet | str] | None, *,
+           stop: _StopSignals, last_saved: Path | None) -> PretrainResult:
     """The step loop: one train step per batch, logging, checkpoints, the kNN monitor, stop signals."""
     compile_networks = ctx.device.type == "cuda" if config.run.compile is None else config.run.compile
     online_forward, target_forward = wrap_networks(state, ctx, compile=compile_networks,
@@ -318,8 +338,8 @@ def _train(config: PretrainConfig, ctx: DistributedContext, state: TrainState, s
                 if state.step % config.run.checkpoint_every == 0:
                     last_saved = _save(state, source, config, ctx, steps_per_epoch)
                 epoch, at_epoch_end = divmod(state.step, steps_per_epoch)
-                if config.knn.train_shards and at_epoch_end == 0 and epoch % config.knn.every_epochs == 0:
-                    _knn_monitor(state, config, ctx, logger)
+                if knn is not None and at_epoch_end == 0 and epoch % config.knn.every_epochs == 0:
+                    _knn_monitor(state, config, ctx, logger, *knn)
                 signal_name = stop.agreed(ctx)
                 if signal_name is not None:
                     if last_saved is None or step_of(last_saved) != state.step:
@@ -453,7 +473,7 @@ def _save(state: TrainState, source: ViewSource, config: PretrainConfig, ctx: Di
     return path
 
 
-def _check_first_label(key: str, spec: str) -> None:
+def _check_first_label(key: str, spec: ShardSet | str) -> None:
     """The kNN sets' first sample must carry a class index: an unlabelled set (or one with class names
     in `cls`) would otherwise stop the run at its first epoch end, hours in."""
     sample = next(iter_samples(spec, report=ReadReport()), None)
@@ -465,14 +485,13 @@ def _check_first_label(key: str, spec: str) -> None:
                           "labels (relicv2 shards build from class sub-folders), or set knn.train_shards= to turn the monitor off")
 
 
-def _knn_monitor(state: TrainState, config: PretrainConfig, ctx: DistributedContext,
-                 logger: MetricsLogger | None) -> None:
+def _knn_monitor(state: TrainState, config: PretrainConfig, ctx: DistributedContext, logger: MetricsLogger | None,
+                 bank: ShardSet | str, queries: ShardSet | str) -> None:
     """kNN accuracy of the online encoder: every rank extracts the features of 1/W of the images,
     rank 0 gathers them, classifies and logs (so the wait stays short on large labelled sets)."""
-    knn = config.knn
     # A monitor never stops a training: a set that loses samples is scored on what remains, and the
     # loss is logged (`knn_lost`) and said (`relicv2 eval knn` refuses such a set instead).
-    result = evaluate_knn(state.online.encoder, knn.train_shards, knn.val_shards, settings=knn,
+    result = evaluate_knn(state.online.encoder, bank, queries, settings=config.knn,
                           device=ctx.device, ctx=ctx, allow_lost=True)
     if result is not None and logger is not None:
         lost = lost_fields(result.lost)["lost"]

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import os
 import re
 import sys
 from collections import Counter
@@ -27,6 +26,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from jobs.atomic import remove_stale_temps
 from jobs.lock import folder_lock
 from jobs.progress import Phase
 from jobs.workers import one_thread, single_threaded, worker_pool
@@ -34,7 +34,7 @@ from saliency.failures import FailureLimit
 from saliency.handcrafted.methods import METHODS
 from saliency.images import ImageReadError, decode_rgb, read_rgb
 from saliency.inputs import Item, count_inputs, is_shard_source, iter_items
-from saliency.maps import is_map_temporary, write_map
+from saliency.maps import write_map
 from shards.keys import UnsafeKeyError, safe_relative_path
 from shards.reader import ReadReport
 
@@ -128,25 +128,6 @@ def map_path(output: Path, method: str, name: str) -> Path:
     """Where the map of input ``name`` by ``method`` is written; :class:`UnsafeKeyError` when
     ``name`` (an untrusted shard key) would lead outside ``output/method``."""
     return safe_relative_path(Path(output) / method, name, ".png")
-
-
-def remove_stale_temporaries(output: Path, methods: Iterable[str]) -> int:
-    """Delete the map temporaries a killed run left under ``output/<method>``; how many.
-
-    Safe only while holding the folder's lock: then no other writer is at work there.
-    """
-    removed = 0
-    for method in methods:
-        folder = Path(output) / method
-        if not folder.is_dir():
-            continue
-        for directory, _, files in os.walk(folder):  # does not follow links
-            for name in files:
-                path = Path(directory) / name
-                if is_map_temporary(path):
-                    path.unlink(missing_ok=True)
-                    removed += 1
-    return removed
 
 
 _ADDRESS = re.compile(r" object at 0x[0-9a-fA-F]+")
@@ -264,7 +245,11 @@ def run_handcrafted(config: HandcraftedConfig) -> BatchReport:
                 f"cannot use the output folder {config.output}: {error.strerror or error};"
                 " choose another --output"
             ) from error
-        report.stale_removed = remove_stale_temporaries(config.output, config.methods)
+        # Under the lock no other writer is at work there. ".png.tmp": the temporaries of the map writer
+        # before jobs.atomic (`.<stem>.<random>.png.tmp`).
+        report.stale_removed = sum(remove_stale_temps(config.output / method, lambda final: final.endswith(".png"),
+                                                      recursive=True, older_suffix=".png.tmp")
+                                   for method in config.methods)
         bar = stack.enter_context(Phase("saliency maps", total, unit="img", enabled=config.progress))
         compute = _compute_serial if config.workers <= 1 else _compute_pooled
         for result in compute(config, _work(config, report, bar)):

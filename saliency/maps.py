@@ -9,7 +9,6 @@ Public API:
     map_to_uint8(saliency) -> uint8 HxW
     write_png(path, array)
     write_map(path, saliency)
-    is_map_temporary(path) -> bool
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from jobs.atomic import TEMP_MARK, atomic_output
+from jobs.atomic import atomic_output
 
 
 def map_to_uint8(saliency: np.ndarray) -> np.ndarray:
@@ -40,12 +39,3 @@ def write_png(path: Path | str, array: np.ndarray) -> None:
 def write_map(path: Path | str, saliency: np.ndarray) -> None:
     """Write a [0, 1] saliency map as an 8-bit single-channel PNG (atomically)."""
     write_png(path, map_to_uint8(saliency))
-
-
-def is_map_temporary(path: Path) -> bool:
-    """True for a temporary file a killed map writer can leave: ``.<name>.png.tmp-<host>-<pid>``
-    (:func:`write_png`) or ``.<stem>.<random>.png.tmp`` (this module's predecessor)."""
-    name = Path(path).name
-    if not name.startswith("."):
-        return False
-    return f".png{TEMP_MARK}" in name or name.endswith(".png.tmp")

@@ -24,7 +24,7 @@ import json
 import os
 import re
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,11 +50,10 @@ from shards.sample import (
     label_text,
     read_class_index,
 )
-from shards.shardset import SHARD_PATTERN, ShardSetError, list_shard_files, shard_tars
+from shards.shardset import ShardSet, ShardSetError, Spec, list_shard_files, shard_tars
 from shards.tario import TarReadError, read_indexed_member
 
-__all__ = ["SHARD_PATTERN", "ReadReport", "Sample", "SampleRef", "iter_samples", "list_shards", "locate_samples",
-           "read_samples"]
+__all__ = ["ReadReport", "Sample", "SampleRef", "iter_samples", "list_shards", "locate_samples", "read_samples"]
 
 UNUSED_LISTED = 20  # unused members named one by one in a report; the rest only counted
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')  # a JSON string literal: brackets inside it do not nest
@@ -353,12 +352,13 @@ def list_shards(directory: Path, prefix: str | None = None) -> list[Path]:
 
 
 def iter_samples(
-    source: str | Path | Sequence[str | Path],
+    source: Spec,
     *,
     report: ReadReport,
     limits: ImageLimits = DEFAULT_LIMITS,
 ) -> Iterator[dict]:
-    """Iterate the samples of a shard folder, a tar, a brace pattern or a list of tars, in shard order.
+    """Iterate the samples of a shard folder, a tar, a brace pattern, a list of tars or a resolved set
+    (`shards.ShardSet`, whose manifest is then used), in shard order.
 
     Each item: `key`, `image` (bytes of the jpg/jpeg/png/webp member), `image_ext` (its member name),
     `label` (a class index, or None: no `cls`, or one holding a class name, then kept as `label_text`),
@@ -372,7 +372,9 @@ def iter_samples(
         tars, directory = shard_tars(source)
     except ShardSetError as exc:
         raise FileNotFoundError(str(exc)) from None
-    if directory is not None and (directory / MANIFEST_NAME).is_file():
+    if isinstance(source, ShardSet) and source.manifest is not None:
+        report.expected = (report.expected or 0) + source.manifest.num_rows
+    elif directory is not None and (directory / MANIFEST_NAME).is_file():
         try:
             names = read_manifest(directory).column("shard").to_pylist()
         except (OSError, ValueError, KeyError) as exc:

@@ -24,7 +24,7 @@ from jobs.progress import Phase, tracked
 from jobs.workers import worker_pool
 from shards.index import index_path, index_text, read_index
 from shards.manifest import MANIFEST_NAME, is_plain_tar_name, read_manifest
-from shards.sample import LABEL_MEMBER
+from shards.sample import LABEL_MEMBER, MASK_MEMBER
 
 # Shard file names: ours are `{prefix}-NNNNNN.tar`; other tools write 4 or 5 digits too.
 SHARD_PATTERN = re.compile(r"[^.].*-\d{4,6}\.tar")
@@ -38,10 +38,12 @@ class ShardSetError(ValueError):
 
 @dataclass(frozen=True)
 class ShardSet:
-    """The tars of a set, with one DALI index and sample count each (same order).
+    """A shard set resolved once for a job (`resolve_shard_set`): its tars, with one DALI index and sample
+    count each (same order). Every function here and in the jobs that takes a spec takes one too.
 
     manifest: the set's manifest.parquet table when it has one (sets from `shards build`), else None.
-    has_labels: whether samples carry a class (`cls` member / manifest label).
+    has_labels: whether samples carry a class (`cls` member / manifest label); has_masks: whether any
+    carries a saliency mask (`mask.png` member). Prints as the spec it was resolved from.
     """
 
     tars: tuple[Path, ...]
@@ -50,10 +52,15 @@ class ShardSet:
     manifest: pa.Table | None
     has_labels: bool
     directory: Path | None = None  # the folder of a folder spec
+    has_masks: bool = False
+    spec: str = ""
 
     @property
     def samples(self) -> int:
         return sum(self.counts)
+
+    def __str__(self) -> str:
+        return self.spec
 
 
 def expand_braces(pattern: str) -> list[str]:
@@ -83,11 +90,16 @@ def list_shard_files(directory: Path) -> list[Path]:
     return sorted(p for p in Path(directory).iterdir() if SHARD_PATTERN.fullmatch(p.name) and p.is_file())
 
 
-def shard_tars(spec: str | Path | Sequence[str | Path]) -> tuple[list[Path], Path | None]:
-    """(tar paths, the folder when `spec` is one) for a folder, a tar, a brace pattern or a list.
+Spec = str | Path | Sequence[str | Path] | ShardSet  # what names a shard set
+
+
+def shard_tars(spec: Spec) -> tuple[list[Path], Path | None]:
+    """(tar paths, the folder when `spec` is one) for a folder, a tar, a brace pattern, a list or a resolved set.
 
     Never treats any part of `spec` as a URL: every name is a local file (`pipe:` is a file name here).
     """
+    if isinstance(spec, ShardSet):
+        return list(spec.tars), spec.directory
     if isinstance(spec, str | Path):
         text = str(spec)
         path = Path(text)
@@ -114,8 +126,10 @@ def shard_tars(spec: str | Path | Sequence[str | Path]) -> tuple[list[Path], Pat
     return tars, None
 
 
-def default_index_cache() -> Path:
-    """Where derived index files (and the view loaders' sample checks) go unless the caller names a folder."""
+def default_index_cache(given: str | Path | None = None) -> Path:
+    """Where derived index files (and the view loaders' sample checks) go: `given`, else the default."""
+    if given is not None:
+        return Path(given)
     env = os.environ.get(INDEX_CACHE_ENV)
     if env:
         return Path(env)
@@ -141,8 +155,10 @@ def cached_index_path(tar: Path, cache: Path) -> Path:
     return cache / f"{cache_name(tar)}.idx"
 
 
-def cached_index(tar: Path, cache: Path) -> Path:
-    """The derived index of `tar` in `cache`, written on first use."""
+def tar_index(tar: Path, cache: Path) -> Path:
+    """The index of `tar`: the one beside it, else the one derived into `cache` (written on first use)."""
+    if index_path(tar).is_file():
+        return index_path(tar)
     path = cached_index_path(tar, cache)
     if not path.is_file():
         cache.mkdir(parents=True, exist_ok=True)
@@ -168,14 +184,14 @@ def _derive(tar: Path, cache: Path) -> str | None:
     """Write the derived index of `tar`; the reason when the tar cannot be read (a bad tar is
     reported with the others, not the end of the job)."""
     try:
-        cached_index(tar, cache)
+        tar_index(tar, cache)
     except ValueError as exc:
         return str(exc)
     return None
 
 
 def derive_missing_indexes(
-    spec: str | Path | Sequence[str | Path], *, index_cache: Path | None = None, part: tuple[int, int] = (0, 1),
+    spec: Spec, *, index_cache: Path | None = None, part: tuple[int, int] = (0, 1),
     workers: int = 1, progress: bool = True,
 ) -> Derived:
     """Derive the missing indexes of part `index` of `parts` of the set's tars (every parts-th tar),
@@ -187,7 +203,7 @@ def derive_missing_indexes(
     """
     index, parts = part
     tars, _ = shard_tars(spec)
-    cache = Path(index_cache) if index_cache is not None else default_index_cache()
+    cache = default_index_cache(index_cache)
     missing = [tar for i, tar in enumerate(tars) if i % parts == index and needs_index(tar, cache)]
     desc = f"index files of {len(tars)} tars" + (f" (part {index + 1}/{parts})" if parts > 1 else "")
     enabled = progress and bool(missing)
@@ -201,13 +217,16 @@ def derive_missing_indexes(
     return Derived(len(missing) - len(failed), len(tars), failed)
 
 
-def resolve_shard_set(spec: str | Path | Sequence[str | Path], *, index_cache: Path | None = None) -> ShardSet:
-    """A shard set spec -> tars + index files + sample counts (+ manifest when the folder has one).
+def resolve_shard_set(spec: Spec, *, index_cache: Path | None = None) -> ShardSet:
+    """A shard set spec -> tars + index files + sample counts (+ manifest when the folder has one);
+    a resolved set is returned as it is.
 
     With a manifest, the tars are exactly the manifest's shards and each index must agree with it;
     without one, every `*-NNNN(NN).tar` is used and missing indexes are derived into `index_cache`.
     Raises ShardSetError (a ValueError) naming the file and the fix.
     """
+    if isinstance(spec, ShardSet):
+        return spec
     tars, directory = shard_tars(spec)
     manifest = None
     if directory is not None and (directory / MANIFEST_NAME).is_file():
@@ -225,14 +244,13 @@ def resolve_shard_set(spec: str | Path | Sequence[str | Path], *, index_cache: P
         missing = [t.name for t in tars if not t.is_file()]
         if missing:
             raise ShardSetError(f"{directory}: the manifest lists {', '.join(missing[:3])}, which is missing; rebuild the set")
-    cache = Path(index_cache) if index_cache is not None else default_index_cache()
-    index_files, counts, labelled = [], [], False
+    cache = default_index_cache(index_cache)
+    index_files, counts, labelled, masked = [], [], False, False
     missing = {tar for tar in tars if needs_index(tar, cache)}  # each read whole once: show progress
     phase = Phase(f"index files of {len(tars)} tars", len(missing), unit="tar", enabled=bool(missing))
     for tar in tars:
-        beside = index_path(tar)
         try:
-            idx = beside if beside.is_file() else cached_index(tar, cache)
+            idx = tar_index(tar, cache)
             if tar in missing:
                 phase.update()
             samples = read_index(idx, tar)
@@ -245,7 +263,8 @@ def resolve_shard_set(spec: str | Path | Sequence[str | Path], *, index_cache: P
             ) from None
         index_files.append(idx)
         counts.append(len(samples))
-        labelled = labelled or any(e[0] == LABEL_MEMBER for s in samples for e in s)
+        members = {e[0] for s in samples for e in s}
+        labelled, masked = labelled or LABEL_MEMBER in members, masked or MASK_MEMBER in members
     phase.close()
     if manifest is not None:
         per_shard: dict[str, int] = {}
@@ -259,4 +278,5 @@ def resolve_shard_set(spec: str | Path | Sequence[str | Path], *, index_cache: P
                 )
         if "label" in manifest.column_names:
             labelled = manifest.column("label").null_count < manifest.num_rows
-    return ShardSet(tuple(tars), tuple(index_files), tuple(counts), manifest, labelled, directory)
+    text = str(spec) if isinstance(spec, str | Path) else " ".join(str(s) for s in spec)
+    return ShardSet(tuple(tars), tuple(index_files), tuple(counts), manifest, labelled, directory, masked, text)

@@ -36,12 +36,7 @@ from shards.manifest import (
 from shards.merge import plan_file
 from shards.reader import ReadReport, Sample, read_samples
 from shards.sample import MASK_MEMBER, content_hash
-from shards.shardset import (
-    SHARD_PATTERN,
-    cached_index,
-    default_index_cache,
-    list_shard_files,
-)
+from shards.shardset import SHARD_PATTERN, default_index_cache, list_shard_files, tar_index
 
 
 @dataclass(frozen=True)
@@ -171,7 +166,7 @@ def verify_plain_shard(tar: Path, index_cache: Path, decode_images: bool = True)
         problems = index_problems(tar, beside)
     else:
         try:
-            cached_index(tar, index_cache)
+            tar_index(tar, index_cache)
             problems = []
         except (ValueError, OSError) as exc:
             problems = [f"{tar.name}: no index can be derived ({exc})"]
@@ -228,7 +223,7 @@ def verify_shard_set(directory: Path, *, workers: int = 1, decode_images: bool =
         tars = list_shard_files(directory)
         if not tars:
             raise FileNotFoundError(f"no manifest and no shards (*-NNNNNN.tar) in {directory}; nothing to verify")
-        cache = Path(index_cache) if index_cache is not None else default_index_cache()
+        cache = default_index_cache(index_cache)
         check = functools.partial(verify_plain_shard, index_cache=cache, decode_images=decode_images)
         results = _run(check, tars, None, workers, progress)
         problems += [p for _, ps in results for p in ps]

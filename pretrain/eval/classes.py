@@ -10,11 +10,9 @@ computed on mismatched labels. Every evaluation (`eval knn`, the kNN monitor, `e
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from pathlib import Path
 
 from shards.outdir import INFO_NAME
-from shards.shardset import ShardSetError, shard_tars
+from shards.shardset import ShardSetError, Spec, shard_tars
 
 SHOWN = 8  # class names shown around the first difference
 
@@ -23,7 +21,7 @@ class ClassMismatchError(ValueError):
     """A train and a val set whose class indices mean different classes; names both sets and the fix."""
 
 
-def class_names(spec: str | Path | Sequence[str | Path]) -> list[str] | None:
+def class_names(spec: Spec) -> list[str] | None:
     """The class names a build recorded for a shard set (name i is class i), or None when it has none.
 
     The names are read from the info.json of the set's folder (for a pattern or a list: of the one
@@ -53,8 +51,7 @@ def class_names(spec: str | Path | Sequence[str | Path]) -> list[str] | None:
     return classes or None
 
 
-def check_same_classes(train_shards: str | Path | Sequence[str | Path],
-                       val_shards: str | Path | Sequence[str | Path]) -> None:
+def check_same_classes(train_shards: Spec, val_shards: Spec) -> None:
     """Refuse (ClassMismatchError) a train and a val set whose recorded class names differ.
 
     Sets without recorded names are not compared (nothing to compare; their `cls` indices are

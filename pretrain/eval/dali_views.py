@@ -66,7 +66,7 @@ class DaliViews:
                  threads: int = 2, device: torch.device | None = None) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # left-out samples are counted and reported by the caller
-            self.sample_set = load_sample_set(Path(source), **DECODE)
+            self.sample_set = load_sample_set(source, **DECODE)
         self.skipped = len(self.sample_set.skipped_keys)
         gpu = device is not None and device.type == "cuda"
         self.pipe = _eval_pipeline(

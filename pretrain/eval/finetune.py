@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pretrain.distributed import DistributedContext, prepare_shard_sets
+from pretrain.distributed import DistributedContext, open_shard_sets
 from pretrain.eval import supervised
 from pretrain.eval.classes import check_same_classes
 from pretrain.eval.views import LabelledViews, class_count, labelled_samples, loader, rank_order
@@ -81,7 +81,7 @@ def finetune(
     check_same_classes(train_shards, val_shards)
     device = torch.device(device)
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
-    prepare_shard_sets(ctx, train_shards, val_shards)
+    train_shards, val_shards = open_shard_sets(ctx, train_shards, val_shards)
     left_out: tuple[list[str], list[str]] = ([], [])
     train_samples, _ = labelled_samples(train_shards, keys, left_out=left_out[0])
     val_samples, _ = labelled_samples(val_shards, left_out=left_out[1])

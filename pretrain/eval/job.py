@@ -28,6 +28,7 @@ from jobs.config import (
     settings_text,
     to_dict,
 )
+from jobs.device import resolve_device
 from jobs.version import package_version
 from pretrain.config import KnnConfig
 from pretrain.eval.finetune import FinetuneConfig
@@ -147,16 +148,10 @@ def run_eval(job: EvalJob, log: Callable[[str], None] = print) -> EvalOutcome | 
 
 
 def _run_knn(job: EvalJob, log: Callable[[str], None]) -> EvalOutcome:
-    import torch
-
     from pretrain.eval.knn import evaluate_knn
     from pretrain.eval.outcome import lost_text
 
-    device = job.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda but no CUDA device is visible; use --device cpu")
+    device = resolve_device(job.device, "--device")
     encoder, record = load_encoder(job.backbone)
     trained = record["trained_protocol"]
     # Unset options follow the checkpoint's training (its run's kNN monitor, else its view size), so the
@@ -191,7 +186,7 @@ def _run_trained_head(job: EvalJob, log: Callable[[str], None]) -> EvalOutcome |
     from shards.subset import read_key_list
 
     keys = read_key_list(job.labels) if job.labels is not None else None  # a bad list is refused first
-    ctx = distributed.init(job.device)
+    ctx = distributed.init(job.device, option="--device")
     try:
         with folder_lock(job.output, job.command, enabled=ctx.rank == 0) if job.output else contextlib.nullcontext():
             encoder, record = load_encoder(job.backbone)

@@ -32,7 +32,7 @@ from pretrain.model.normalization import IMAGENET_MEAN, IMAGENET_STD
 from shards import ReadReport, iter_samples, resolve_shard_set
 from shards.images import ImageLoadError, load_image
 from shards.sample import missing_label
-from shards.shardset import shard_tars
+from shards.shardset import Spec, shard_tars
 
 __all__ = ["KnnResult", "encoder_from_checkpoint", "evaluate_knn", "extract_features", "knn_predict",
            "random_encoder", "resolve_checkpoint", "shared_tars", "trained_protocol", "at_trained_size"]
@@ -58,7 +58,7 @@ class KnnResult:
                 **(extra or {})}
 
 
-def shared_tars(bank: str | Path, queries: str | Path) -> list[Path]:
+def shared_tars(bank: Spec, queries: Spec) -> list[Path]:
     """The tars two shard sets have in common: a kNN classifier whose bank holds its queries scores
     each image against itself (a figure near 1 that says nothing). Both specs must resolve."""
     return sorted({t.resolve() for t in shard_tars(bank)[0]} & {t.resolve() for t in shard_tars(queries)[0]})
@@ -137,7 +137,7 @@ def preprocess(jpeg: bytes, *, crop_size: int, resize_size: int, name: str = "im
     return TF.normalize(TF.to_dtype(TF.pil_to_tensor(image), torch.float32, scale=True), IMAGENET_MEAN, IMAGENET_STD)
 
 
-def _sample_count(source: str | Path) -> int | None:
+def _sample_count(source: Spec) -> int | None:
     """Samples in a shard set (manifest or index files, derived once into the index cache for plain
     WebDataset sets), for the progress total; None when the set cannot be resolved (reading reports why)."""
     try:
@@ -147,12 +147,12 @@ def _sample_count(source: str | Path) -> int | None:
 
 
 def _labelled_images(
-    source: str | Path, *, crop_size: int, resize_size: int, skipped: list[str], part: tuple[int, int],
+    source: Spec, *, crop_size: int, resize_size: int, skipped: list[str], part: tuple[int, int],
     report: ReadReport, allow_lost: bool, progress: bool = False,
 ) -> Iterator[tuple[Tensor, int]]:
     index, parts = part
     total = _sample_count(source)
-    samples = tracked(iter_samples(Path(source), report=report), f"kNN features {Path(source).name}", total,
+    samples = tracked(iter_samples(source, report=report), f"kNN features {Path(str(source)).name}", total,
                       unit="img", enabled=progress)
     for position, sample in enumerate(samples):
         if not allow_lost:  # every rank reads the whole set, so every rank stops here alike
@@ -178,7 +178,7 @@ def _labelled_images(
 @torch.no_grad()
 def extract_features(
     encoder: nn.Module,
-    source: str | Path,
+    source: Spec,
     *,
     crop_size: int,
     resize_size: int = 0,
@@ -241,8 +241,8 @@ def extract_features(
 
 def evaluate_knn(
     encoder: nn.Module,
-    train_shards: str | Path,
-    val_shards: str | Path,
+    train_shards: Spec,
+    val_shards: Spec,
     *,
     settings: KnnConfig | None = None,
     device: str | torch.device = "cpu",
@@ -291,7 +291,7 @@ def evaluate_knn(
                      skipped_keys=sorted(skipped), lost=lost, settings=protocol)
 
 
-def _join_parts(parts: list[tuple[Tensor, Tensor]], source: str | Path) -> tuple[Tensor, Tensor]:
+def _join_parts(parts: list[tuple[Tensor, Tensor]], source: Spec) -> tuple[Tensor, Tensor]:
     """Concatenate the ranks' (features, labels); parts without images are left out."""
     kept = [(features, labels) for features, labels in parts if labels.numel()]
     if not kept:

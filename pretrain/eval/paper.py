@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from pretrain.distributed import DistributedContext, prepare_shard_sets
+from pretrain.distributed import DistributedContext, open_shard_sets
 from pretrain.eval import supervised
 from pretrain.eval.linear_config import LinearConfig
 from pretrain.eval.supervised import HeadCheckpointError
@@ -41,7 +41,7 @@ def train_linear_paper(
     if config.backend == "dali":
         from pretrain.eval.dali_views import DECODE, DaliViews
 
-        prepare_shard_sets(ctx, train_shards, val_shards, **DECODE)
+        train_shards, val_shards = open_shard_sets(ctx, train_shards, val_shards, **DECODE)
         common = {"crop_size": config.crop_size, "resize_size": config.resize_size, "batch_size": per_rank_batch,
                   "rank": rank, "world": world, "threads": config.workers, "device": device}
         dali = {True: DaliViews(train_shards, train=True, scale=config.crop_scale, seed=config.seed, **common),
@@ -49,7 +49,7 @@ def train_linear_paper(
         train_samples, val_samples = dali[True].sample_set.samples, dali[False].sample_set.samples
         train_skipped, val_skipped = set(dali[True].sample_set.skipped_keys), set(dali[False].sample_set.skipped_keys)
     else:
-        prepare_shard_sets(ctx, train_shards, val_shards)
+        train_shards, val_shards = open_shard_sets(ctx, train_shards, val_shards)
         left_out: tuple[list[str], list[str]] = ([], [])
         train_samples, _ = labelled_samples(train_shards, left_out=left_out[0])
         val_samples, _ = labelled_samples(val_shards, left_out=left_out[1])

@@ -41,7 +41,7 @@ def labelled_samples(source: str | Path, keys: set[str] | None = None,
     """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the skipped keys are printed below instead
-        sample_set = load_sample_set(Path(source))
+        sample_set = load_sample_set(source)
     if sample_set.skipped_keys:
         print(f"{source}: left out {len(sample_set.skipped_keys)} broken samples {dict(sample_set.skipped)}, "
               f"e.g. {sample_set.skipped_keys[:5]}", file=sys.stderr)

@@ -14,17 +14,18 @@ import dataclasses
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from jobs.device import resolve_device
 from pretrain.views.ahead import Made, Position, ahead, stop
 from pretrain.views.backend import BackendSetup, ViewBackend
 from pretrain.views.batch import BackendBatch
 from pretrain.views.config import BACKENDS, ViewConfig, loader_threads, ready_batches
 from pretrain.views.source import GLOBAL_POSITION, StateVersionError, batch_from_global_position
 from pretrain.views.sources import SampleSet, exclude_samples, load_sample_set, samples_per_rank
+from shards.shardset import Spec
 
 # 3: the reference backend's order and views no longer depend on the number of ranks
 STATE_VERSION = 3
@@ -54,7 +55,7 @@ class ViewLoader:
 
     def __init__(
         self,
-        shards: Path | str,
+        shards: Spec,
         batch_size: int,
         views: ViewConfig | None = None,
         *,
@@ -72,8 +73,7 @@ class ViewLoader:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
-        if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+        device = resolve_device(device)  # ConfigError (a ValueError) for a device this machine lacks
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         if backend is not None:

@@ -51,7 +51,7 @@ from shards.index import format_index
 from shards.limits import DEFAULT_LIMITS
 from shards.reader import ReadReport, locate_samples
 from shards.sample import IMAGE_MEMBERS, LABEL_MEMBER, MASK_MEMBER, label_text, missing_label
-from shards.shardset import INDEX_CACHE_ENV, cache_name, default_index_cache, file_identity
+from shards.shardset import INDEX_CACHE_ENV, Spec, cache_name, default_index_cache, file_identity
 from shards.tario import member_file
 
 PROGRESS_FROM = 100_000  # samples: a set this large takes seconds to check (a minute with headers)
@@ -65,19 +65,23 @@ PNG_SIGNATURE, PNG_IEND = b"\x89PNG\r\n\x1a\n", b"IEND\xaeB`\x82"
 class SampleSet:
     """The usable samples of a shard set in reader order, and the index files that list them."""
 
-    directory: Path  # the set's folder (of its first tar for a pattern or a list)
+    source: ShardSet  # the set as the job resolved it: every tar, filtered or not
     tars: list[Path]  # the tars the index files list (without tars left empty by filtering)
     index_files: list[Path]
     samples: SampleTable
     skipped: Counter = field(default_factory=Counter)
     skipped_keys: list[str] = field(default_factory=list)
-    all_tars: list[Path] = field(default_factory=list)  # every tar of the set, filtered or not
     has_masks: bool = False
     without_mask: int = 0  # usable samples that have no mask member (never masked)
     _tmp: tempfile.TemporaryDirectory | None = None  # owns filtered index files
 
     def __len__(self) -> int:
         return len(self.samples)
+
+    @property
+    def directory(self) -> Path:
+        """The set's folder (of its first tar for a pattern or a list)."""
+        return self.source.directory or self.source.tars[0].parent
 
 
 def samples_per_rank(count: int, world_size: int) -> int:
@@ -264,7 +268,7 @@ def _decoding(shard_set: ShardSet, decode_check: DecodeCheck | None, decode_fore
 
 
 def check_shard_set(
-    spec: Path | str, *, index_cache: Path | None = None, part: tuple[int, int] = (0, 1), workers: int = 1,
+    spec: Spec, *, index_cache: Path | None = None, part: tuple[int, int] = (0, 1), workers: int = 1,
     progress: bool = True, decode_check: DecodeCheck | None = None, decode_foreign_only: bool = False,
 ) -> SetCheck:
     """Check the samples of part `index` of `parts` of the set's tars (every parts-th) ahead of
@@ -276,7 +280,7 @@ def check_shard_set(
     only have their index parsed and their verdicts read.
     """
     index, parts = part
-    cache = Path(index_cache) if index_cache is not None else default_index_cache()
+    cache = default_index_cache(index_cache)
     shard_set = resolve_shard_set(spec, index_cache=cache)
     headers = shard_set.manifest is None
     decode_check = _decoding(shard_set, decode_check, decode_foreign_only)
@@ -297,7 +301,7 @@ def check_shard_set(
 
 
 def load_sample_set(
-    spec: Path | str,
+    spec: Spec,
     *,
     decode_check: DecodeCheck | None = None,
     decode_foreign_only: bool = False,
@@ -305,7 +309,8 @@ def load_sample_set(
 ) -> SampleSet:
     """Read and check a shard set; write filtered index files when samples must be left out.
 
-    `spec` is anything `shards.resolve_shard_set` takes: a folder from `relicv2 shards build`
+    `spec` is anything `shards.resolve_shard_set` takes: a resolved `shards.ShardSet` (the job's one
+    resolution, used as it is), a folder from `relicv2 shards build`
     (its manifest must agree with the index files), a folder of plain WebDataset tars (no manifest;
     missing `.idx` files are derived once into `index_cache`), a brace pattern or a tar.
     `decode_check(samples) -> {key: reason}` (e.g. `pretrain.views.dali.find_undecodable`) is run on
@@ -314,7 +319,7 @@ def load_sample_set(
     The verdicts are kept per tar in the index cache (`check_tar`), so a restart, another rank
     or another job does not read or decode the samples again.
     """
-    cache = Path(index_cache) if index_cache is not None else default_index_cache()
+    cache = default_index_cache(index_cache)
     shard_set = resolve_shard_set(spec, index_cache=cache)  # ShardSetError: one line naming the fix
     directory = shard_set.directory or shard_set.tars[0].parent
     tars = list(shard_set.tars)
@@ -342,8 +347,7 @@ def load_sample_set(
     samples = table.build()
     if not samples:
         raise ValueError(f"no usable samples in {spec} (left out: {dict(skipped)}); rebuild the shard set")
-    sample_set = SampleSet(directory, tars, list(shard_set.index_files), samples, skipped, skipped_keys,
-                           all_tars=list(tars))
+    sample_set = SampleSet(shard_set, tars, list(shard_set.index_files), samples, skipped, skipped_keys)
     masked = samples.with_member(MASK_MEMBER)
     sample_set.has_masks, sample_set.without_mask = bool(masked.any()), int((~masked).sum())
     if skipped:
@@ -393,7 +397,7 @@ def write_filtered_indexes(sample_set: SampleSet) -> None:
     sample_set._tmp = tempfile.TemporaryDirectory(prefix="relicv2-index-")
     kept_tars, indexes = [], []
     per_tar = sample_set.samples.by_tar()
-    for tar in sample_set.all_tars:
+    for tar in sample_set.source.tars:
         if tar not in per_tar:
             continue
         kept = per_tar[tar]

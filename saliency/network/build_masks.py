@@ -9,8 +9,8 @@ Output `OUT/masked-NNNNNN.tar` (+ `.idx`), one per input shard (numbered by the 
 sample holding the input's image bytes unchanged (a `jpg` or `jpeg` member as `{key}.jpg`, a `png` or
 `webp` one under its own name), its `.cls` when it has one, its json plus `mask_coverage` /
 `mask_status`, and `{key}.mask.png`: the 8-bit soft mask at the displayed image's size (EXIF
-orientation applied, as DALI's decoder applies it). Then `manifest.parquet`, `rejected.parquet` and
-`info.json`.
+orientation applied, as DALI's decoder applies it). Then `manifest.parquet`, `rejected.parquet`,
+`info.json` and `config.yaml` (the job's settings as it printed them, `jobs.config.settings_text`).
 
 - Streaming: one batch being decoded (worker processes), one in the network, one being encoded and
   written; memory is a few batches whatever the data set size (the batches in flight live in a
@@ -35,23 +35,24 @@ import hashlib
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor, Future
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import cv2
 import numpy as np
-import torch
 
-from jobs.atomic import remove_stale_temps
+from jobs.atomic import atomic_write_bytes, remove_stale_temps
+from jobs.config import SETTINGS_FILE, ConfigError, Presets, resolve, settings_text
+from jobs.device import resolve_device
 from jobs.lock import folder_lock
 from jobs.progress import Phase
 from jobs.ranks import Ranks, ranks_from_env
 from jobs.version import package_version
 from jobs.workers import local_ranks, rank_cores, usable_cores, worker_pool
-from saliency.network.config import resolve_device
 from saliency.network.mask_work import (
     MIN_COVERAGE,
     RawSample,
@@ -70,7 +71,7 @@ from saliency.network.mask_work import (
 from saliency.network.model_file import PASS_MODEL, resolve_model_path
 from saliency.network.predictor import MaskPredictor, launch_forward
 from shards.images import Rejection
-from shards.index import index_path, read_index
+from shards.index import read_index
 from shards.job import (
     NOT_DONE,
     PlanError,
@@ -101,10 +102,10 @@ from shards.sample import (
 )
 from shards.shardset import (
     INDEX_CACHE_ENV,
-    cached_index,
     default_index_cache,
     resolve_shard_set,
     shard_tars,
+    tar_index,
 )
 from shards.writer import TarShard, shard_name
 
@@ -118,7 +119,7 @@ class MasksError(ValueError):
 
 @dataclass(frozen=True)
 class BuildMasksConfig:
-    """One `relicv2 saliency build-masks` job."""
+    """One `relicv2 saliency build-masks` job (`load_masks_config`: from a preset, the options and `--set`)."""
 
     model: Path
     shards: Path
@@ -130,6 +131,15 @@ class BuildMasksConfig:
     merge_timeout_s: float = 3600.0  # rank 0 waits this long for the other ranks' shards
     # Where indexes of input tars without one are derived; None: shards.shardset.default_index_cache.
     index_cache: Path | None = None
+
+
+PRESETS = Presets(job="relicv2 saliency build-masks", package="saliency", folder="presets/build-masks")
+
+
+def load_masks_config(config: str | Path | None = None, overrides: Sequence[str] = (), **given: Any) -> BuildMasksConfig:
+    """Defaults <- preset NAME or YAML file <- the command's options in `given` (None: not given) <- `key=value`."""
+    return resolve(BuildMasksConfig, config, overrides, PRESETS,
+                   given={key: value for key, value in given.items() if value is not None})[0]
 
 
 def default_workers() -> int:
@@ -378,22 +388,6 @@ def check_input(tars: list[Path], out: Path) -> None:
         raise MasksError(f"--out {out} holds input shards; choose an output folder apart from --shards")
 
 
-def check_device(device: str) -> None:
-    """Refuse a --device this machine cannot run the network on, before anything is loaded."""
-    try:
-        chosen = torch.device(device)
-    except RuntimeError:
-        raise MasksError(f"--device {device} is not a device; use cpu or cuda[:N]") from None
-    if chosen.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if count == 0:
-            raise MasksError(f"--device {device}: no CUDA GPU is usable on this machine; use --device cpu")
-        if chosen.index is not None and chosen.index >= count:
-            raise MasksError(f"--device {device}: this machine has {count} CUDA GPU(s) (cuda:0..cuda:{count - 1})")
-    elif chosen.type != "cpu":
-        raise MasksError(f"--device {device} is not supported; use cpu or cuda[:N]")
-
-
 def masks_job(out: Path, model_sha256: str, tars: list[Path]) -> tuple[ShardJob, dict]:
     """The engine's job and plan: one unit per input tar, `masked-NNNNNN.tar` in the input's order. A
     unit's digest covers the model, its output name and its input tar's name, size and modification
@@ -436,7 +430,7 @@ def check_out_folder(job: ShardJob) -> None:
     out = job.out
     if out.exists() and not out.is_dir():
         raise MasksError(f"--out {out} is a file; choose an empty or new folder")
-    ours = shard_files([unit.shard for unit in job.units]) | set(SET_FILES)
+    ours = shard_files([unit.shard for unit in job.units]) | {*SET_FILES, SETTINGS_FILE}
     # Listed before the plan is looked at: under torchrun, rank 0 writes the plan before any output,
     # so an output seen here always comes with the plan that makes it ours.
     visible = other_entries(out, set())
@@ -467,8 +461,10 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
     except PlanError as error:
         raise MasksError(str(error)) from None
     check_out_folder(job)
-    device = resolve_device("auto") if config.device == "auto" else config.device
-    check_device(device)
+    try:
+        device = resolve_device(config.device, "--device")
+    except ConfigError as error:
+        raise MasksError(str(error)) from None
     # The model is read before --out is created: a refused model leaves no folder behind.
     if predictor is None:
         predictor = MaskPredictor(model, device)
@@ -480,6 +476,8 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
         check_shm_space(ring_bytes(config.batch_size, predictor.size) * local_ranks())  # every rank of the node has one
     except RingSpaceError as error:
         raise MasksError(str(error)) from None
+    if ranks.rank == 0:  # after the refusals: a refused job says one line
+        print(settings_text(config, version=package_version()).rstrip(), file=sys.stderr, flush=True)
     try:
         with output_folder(out), folder_lock(out, "relicv2 saliency build-masks", enabled=ranks.rank == 0):
             write_plan(job, plan)  # the first write: an unwritable --out is found before any work
@@ -495,7 +493,7 @@ def _run(job: ShardJob, plan: dict, tars: list[Path], config: BuildMasksConfig, 
          workers: int) -> dict | None:
     """This rank's units (those whose record does not match their inputs and files), then rank 0's merge."""
     out = job.out
-    cache = config.index_cache if config.index_cache is not None else default_index_cache()
+    cache = default_index_cache(config.index_cache)
     mine = rank_units(len(tars), ranks.rank, ranks.world_size)
     # Only the tars this rank reads are indexed here: a plain set's missing index is derived by
     # the one rank that masks the tar, not by every rank of the job.
@@ -542,6 +540,7 @@ def _run(job: ShardJob, plan: dict, tars: list[Path], config: BuildMasksConfig, 
     except UnfinishedError as error:
         raise MasksError(str(error)) from None
     summary = _summary(records, time.monotonic() - started)
+    atomic_write_bytes(out / SETTINGS_FILE, settings_text(config, version=package_version()).encode())
     merge_records(out, records, info={
         "prefix": PREFIX, "source": str(config.shards), "model": plan["model_sha256"],
         "mask": {k: summary[k] for k in ("below_min_coverage", "min_coverage", "coverage_histogram")},
@@ -557,11 +556,8 @@ def _run(job: ShardJob, plan: dict, tars: list[Path], config: BuildMasksConfig, 
 
 def _index_file(tar: Path, cache: Path) -> Path:
     """The index of an input tar: beside it, else derived into the cache (read once, on first use)."""
-    beside = index_path(tar)
-    if beside.is_file():
-        return beside
     try:
-        return cached_index(tar, cache)
+        return tar_index(tar, cache)
     except ValueError as error:  # a tar that cannot be read to the end
         raise MasksError(f"{error}; rebuild or remove this shard") from None
     except OSError as error:

@@ -11,9 +11,8 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from jobs.config import ConfigError, Presets, is_file_reference, resolve, to_dict
+from jobs.config import ConfigError, Presets, is_file_reference, resolve
 from saliency.handcrafted.methods import METHODS
 
 METHOD_NAMES = tuple(METHODS)  # the handcrafted methods refinement learns from: all of them by default
@@ -98,24 +97,6 @@ class SaliencyTrainConfig:
             raise ConfigError(f"average_keep must be in [0, 1), got {self.average_keep}")
 
 
-def resolve_device(device: str) -> str:
-    """The torch device a saliency job runs on: "auto" is CUDA when a GPU is visible (this rank's
-    GPU under torchrun), else the CPU; a CUDA device without a GPU is a ConfigError."""
-    import torch  # here: the config module stays light for `--help`
-
-    from jobs.ranks import ranks_from_env
-
-    if device == "auto":
-        if not torch.cuda.is_available():
-            return "cpu"
-        return f"cuda:{ranks_from_env().local_rank}"
-    if device != "cpu" and not (device == "cuda" or device.startswith("cuda:")):
-        raise ConfigError(f"device must be auto, cpu or cuda[:N], got {device!r}")
-    if device != "cpu" and not torch.cuda.is_available():
-        raise ConfigError(f"device {device} but no CUDA device is visible; use device=auto or cpu")
-    return device
-
-
 PRESETS = Presets(job="relicv2 saliency train", package="saliency")
 
 
@@ -127,8 +108,3 @@ def load_saliency_config(config: str | Path | None = None, overrides: Sequence[s
     label = None if config is None else (Path(config).stem if is_file_reference(config) else str(config))
     return resolve(SaliencyTrainConfig, config, overrides, PRESETS,
                    defaults={"preset": label} if label else None)[0]
-
-
-def config_to_dict(config: SaliencyTrainConfig) -> dict[str, Any]:
-    """Plain containers (for JSON, YAML and the model file)."""
-    return to_dict(config)

@@ -36,8 +36,3 @@ def dense_crf(rgb: np.ndarray, foreground: np.ndarray, config: CrfConfig = CrfCo
     )
     q = np.asarray(crf.inference(config.iterations), dtype=np.float32).reshape(2, height, width)
     return q[1]
-
-
-def dense_crf_batch(items: list[tuple[np.ndarray, np.ndarray]], config: CrfConfig) -> list[np.ndarray]:
-    """`dense_crf` over a list of (rgb, foreground) pairs: one task for a worker process."""
-    return [dense_crf(rgb, fg, config) for rgb, fg in items]

@@ -22,8 +22,6 @@ from torchvision.models.resnet import BasicBlock, Bottleneck
 from pretrain.model.normalization import IMAGENET_MEAN, IMAGENET_STD
 from pretrain.model.resnet import ResNet, resnet
 
-OUTPUT_STRIDE = 8
-
 
 def _dilate_stage(stage: nn.Sequential, dilation: int, previous: int) -> None:
     for index, block in enumerate(stage):

@@ -27,12 +27,13 @@ import torch
 import yaml
 
 from jobs.atomic import atomic_output, atomic_write_bytes
-from jobs.config import SETTINGS_FILE, settings_text
+from jobs.config import SETTINGS_FILE, settings_text, to_dict
+from jobs.device import resolve_device
 from jobs.lock import folder_lock
 from jobs.progress import Phase
 from jobs.version import package_version
 from pretrain.model.resnet import load_torchvision_state_dict
-from saliency.network.config import SaliencyTrainConfig, config_to_dict, resolve_device
+from saliency.network.config import SaliencyTrainConfig
 from saliency.network.data import TrainingImages, load_training_images
 from saliency.network.images import SampleLocation, sample_locations
 from saliency.network.loop import CrfPool, train_epoch
@@ -329,6 +330,6 @@ def run_train(job: TrainJob, log: Callable[[str], None] = print) -> dict:
         with writing(out, "--out", errors=(OSError, RuntimeError)):  # torch.save fails with a RuntimeError
             atomic_write_bytes(out / "report.json", (text + "\n").encode())
             save_model(out / "model.pt", model, input_size=config.input_size, preset=config.preset,
-                       backbone=checked.backbone, config=config_to_dict(config), report=report)
+                       backbone=checked.backbone, config=to_dict(config), report=report)
         log(f"saliency train: wrote {out / 'model.pt'} and {out / 'report.json'}")
         return report

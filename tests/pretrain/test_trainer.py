@@ -158,7 +158,7 @@ class _Tapped:
 
 def tapped(tap: Callable[[ViewSource, dict], None]):
     """A `run_pretraining(views=...)` factory: the config's own data source, tapped."""
-    return lambda config, ctx: _Tapped(build_view_source(config, ctx), tap)
+    return lambda config, ctx, shards: _Tapped(build_view_source(config, ctx, shards), tap)
 
 
 def _poison_the_fourth_batch(source, batch):

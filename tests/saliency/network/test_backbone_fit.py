@@ -11,9 +11,10 @@ from click.testing import CliRunner
 
 from cli.main import cli
 from jobs.config import ConfigError
+from jobs.device import resolve_device
 from pretrain.model.encoder_file import architecture_of
 from pretrain.model.resnet import resnet
-from saliency.network.config import SaliencyTrainConfig, resolve_device
+from saliency.network.config import SaliencyTrainConfig
 
 FAST = ["--preset", "tiny", "--no-progress", "--set", "methods=mc", "--set", "num_images=4",
         "--set", "epochs=1", "--set", "fuse_epochs=1"]
@@ -57,7 +58,7 @@ def test_a_backbone_of_another_depth_says_set_depth(scene_shards, tmp_path):
 def test_device_auto_is_the_default_and_the_job_says_where_it_runs(scene_shards, tmp_path):
     shards, _ = scene_shards
     assert SaliencyTrainConfig().device == "auto"
-    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    expected = "cuda:0" if torch.cuda.is_available() else "cpu"
     assert resolve_device("auto") == expected
     result = _train(shards, tmp_path / "out", "random")
     assert result.exit_code == 0, result.output
@@ -65,10 +66,10 @@ def test_device_auto_is_the_default_and_the_job_says_where_it_runs(scene_shards,
 
 
 def test_an_unknown_or_missing_device_is_refused():
-    with pytest.raises(ConfigError, match="device must be auto, cpu or cuda"):
+    with pytest.raises(ConfigError, match="device=tpu is not a device; use auto, cpu, cuda or cuda:N"):
         resolve_device("tpu")
     if not torch.cuda.is_available():
-        with pytest.raises(ConfigError, match="no CUDA device is visible; use device=auto or cpu"):
+        with pytest.raises(ConfigError, match="device=cuda: no CUDA device is visible; use cpu or auto"):
             resolve_device("cuda")
 
 

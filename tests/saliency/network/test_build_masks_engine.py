@@ -28,7 +28,9 @@ def _config(model: Path, shards: Path, out: Path, **kw) -> BuildMasksConfig:
 
 
 def _files(folder: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file() and not p.name.startswith(".")}
+    """The masked set's files (config.yaml names the job's own folder and settings: left out)."""
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())
+            if p.is_file() and not p.name.startswith(".") and p.name != "config.yaml"}
 
 
 def _verified(out: Path) -> None:
