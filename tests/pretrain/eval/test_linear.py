@@ -187,3 +187,13 @@ def test_linear_cli_writes_the_json_contract(shape_shards, tmp_path):
     bad = CliRunner().invoke(eval_group, ["linear", "--random-init", "18", "--train", str(train), "--val", str(val),
                                           "--set", "nonsense=1"])
     assert bad.exit_code != 0 and "unknown key nonsense; valid keys here are: " in bad.output
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_fast_head_trains_there_and_scores_as_on_the_cpu(shape_shards, tmp_path):
+    train, val = shape_shards
+    on_cpu = evaluate_linear(PooledPixels(), train, val, FAST, output_dir=tmp_path)
+    torch.cuda.reset_peak_memory_stats()
+    on_gpu = evaluate_linear(PooledPixels(), train, val, FAST, device="cuda", output_dir=tmp_path)
+    assert torch.cuda.max_memory_allocated() > 0  # the head and its batches were on the GPU
+    assert on_gpu.top1 == pytest.approx(on_cpu.top1, abs=0.06) and on_gpu.num_train == on_cpu.num_train
