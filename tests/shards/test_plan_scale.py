@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 
 from shards.plan import PLAN_VERSION, shard_digest
-from shards.sources import SourceImage
+from shards.sources import SourceImage, suffix_of
 
 
 def reference_digest(images: list[SourceImage], settings: dict) -> str:
@@ -43,3 +44,9 @@ def test_a_shards_digest_costs_a_fraction_of_a_json_dumps_an_input():
     # Every rank digests every shard of the plan: a json.dumps an input was ~40 s of CPU at ImageNet's size.
     ratio = cpu(shard_digest) / cpu(reference_digest)
     assert ratio < 0.6, f"the digest costs {ratio:.2f} x a json.dumps an input"
+
+
+def test_an_inputs_suffix_is_what_splitext_gives():
+    names = ["a/b.JPEG", "a.b/c", ".hidden", "..jpg", "..a.jpg", "a.", "dir/.x.png", "x", "a/b.tar.gz", "/abs/p.webp",
+             "caf\u00e9/\u00e9t\u00e9.JPG", "a/.", "a/..", "trailing/"]
+    assert [suffix_of(name) for name in names] == [os.path.splitext(name)[1] for name in names]
