@@ -34,7 +34,7 @@ from shards.images import ImageLoadError, load_image
 from shards.sample import missing_label
 from shards.shardset import shard_tars
 
-__all__ = ["KnnResult", "encoder_from_checkpoint", "evaluate_knn", "extract_features", "knn_predict",
+__all__ = ["KnnResult", "encoder_from_checkpoint", "evaluate_knn", "extract_features", "join_parts", "knn_predict",
            "random_encoder", "resolve_checkpoint", "shared_tars", "trained_protocol", "at_trained_size"]
 
 
@@ -330,8 +330,8 @@ def evaluate_knn(
         bank_parts, query_parts = [(g[0], g[1]) for g in gathered], [(g[2], g[3]) for g in gathered]
         skipped = [key for g in gathered for key in g[4]]
         del gathered, bank, queries  # the parts are let go as they are copied into the joined bank
-        bank, bank_labels = _join_parts(bank_parts, train_shards, torch.device(device))
-        queries, query_labels = _join_parts(query_parts, val_shards, torch.device(device))
+        bank, bank_labels = join_parts(bank_parts, train_shards, torch.device(device))
+        queries, query_labels = join_parts(query_parts, val_shards, torch.device(device))
     num_classes = int(max(bank_labels.max(), query_labels.max())) + 1
     predicted = knn_predict(bank, bank_labels, queries, num_classes=num_classes, k=k, temperature=temperature)
     top1 = int((predicted.cpu() == query_labels.cpu()).sum()) / len(query_labels)
@@ -341,7 +341,7 @@ def evaluate_knn(
                      skipped_keys=sorted(skipped), lost=lost, settings=protocol)
 
 
-def _join_parts(parts: list[tuple[Tensor, Tensor]], source: str | Path, device: torch.device) -> tuple[Tensor, Tensor]:
+def join_parts(parts: list[tuple[Tensor, Tensor]], source: str | Path, device: torch.device) -> tuple[Tensor, Tensor]:
     """The ranks' (features, labels) in rank order as one bank on `device`; parts without images are left
     out. `parts` is emptied as they are copied, so the bank is held about once, not parts + their join."""
     kept = [(features, labels) for features, labels in parts if labels.numel()]
