@@ -15,8 +15,10 @@ included), peak RSS (largest process), the files its main process opened and the
     python benchmarks/scale_rehearsal.py --out DIR [--samples N] [--quick] [--jobs build,index,...]
 
 Jobs that are not one command run a stage of this script under the same probe (`stage NAME ...`):
-build-masks with the benchmark's stand-in forward for chosen ranks of 64, and the kNN bank search on
-random features of the R50's dimension (the features themselves need the network on a GPU).
+build-masks with the benchmark's stand-in forward for chosen ranks of 64 (and resumed on one rank after
+half the units), the kNN bank search and the fast linear head on random features of the R50's dimension
+(the features themselves need the network on a GPU), and `eval linear --config fast`'s steps with a
+stand-in encoder.
 
 `--quick` is 100,000 samples. Run at 10 k, 100 k and 1.28 M to see the curve (each size its own DIR).
 """
