@@ -15,8 +15,10 @@ included), peak RSS (largest process), the files its main process opened and the
     python benchmarks/scale_rehearsal.py --out DIR [--samples N] [--quick] [--jobs build,index,...]
 
 Jobs that are not one command run a stage of this script under the same probe (`stage NAME ...`):
-build-masks with the benchmark's stand-in forward for chosen ranks of 64, and the kNN bank search on
-random features of the R50's dimension (the features themselves need the network on a GPU).
+build-masks with the benchmark's stand-in forward for chosen ranks of 64 (and resumed on one rank after
+half the units), the kNN bank search and the fast linear head on random features of the R50's dimension
+(the features themselves need the network on a GPU), and `eval linear --config fast`'s steps with a
+stand-in encoder.
 
 `--quick` is 100,000 samples. Run at 10 k, 100 k and 1.28 M to see the curve (each size its own DIR).
 """
@@ -44,8 +46,8 @@ QUICK = 100_000
 SAMPLES_PER_TAR = 1_282  # ~1,000 tars at ImageNet's size, as the paper-scale builds make them
 AWKWARD_EVERY = 4_000  # ~320 awkward samples at ImageNet's size
 SIDES = (32, 40, 48, 56, 64)  # shorter sides: every image passes the default --min-side of 32
-JOBS = ("build", "index", "verify", "subset", "pretrain-start", "report", "build-rank0", "masks", "knn-bank", "knn",
-        "resume")
+JOBS = ("build", "index", "verify", "subset", "pretrain-start", "report", "build-rank0", "masks", "masks-resume",
+        "knn-bank", "knn", "linear", "linear-bank", "resume")
 WORLD = 64  # the simulated world size of the per-rank jobs
 R50_DIM = 2048  # the R50's feature dimension: the kNN bank's width
 MASK_SIZE = 32  # the stand-in saliency model's input size
@@ -229,13 +231,33 @@ def paper_metrics(path: Path, steps: int = 312_000, log_every: int = 10) -> None
             handle.write(json.dumps(record) + "\n")
 
 
-def stage_masks(shards: Path, out: Path, ranks: list[int], workers: int | None, merge_timeout: float) -> None:
-    """`saliency build-masks` for each of `ranks` of WORLD in turn, the forward replaced by
-    bench_build_masks.py's stand-in (no network: what is left is the job's own work)."""
+def since_process_start() -> float:
+    """Seconds since this process started (imports included), from /proc."""
+    ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+    return float(Path("/proc/uptime").read_text().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
+
+
+def stage_masks(shards: Path, out: Path, ranks: list[int], workers: int | None, merge_timeout: float,
+                world: int = WORLD) -> None:
+    """`saliency build-masks` for each of `ranks` of `world` in turn, the forward replaced by
+    bench_build_masks.py's stand-in (no network: what is left is the job's own work). Prints when
+    each rank's first batch reaches the forward: its first unit of work."""
     import torch
 
     sys.path.insert(0, str(Path(__file__).parent))
     from bench_build_masks import StandInForward
+
+    class FirstBatchTimed(StandInForward):
+        def __init__(self, rank: int) -> None:
+            super().__init__(MASK_SIZE, 0.0)
+            self.rank, self.started, self.first = rank, time.perf_counter(), True
+
+        def launch(self, squares, out):
+            if self.first:
+                self.first = False
+                print(f"rank {self.rank}: first batch at {time.perf_counter() - self.started:.1f} s into the job, "
+                      f"{since_process_start():.1f} s after the process started", flush=True)
+            return super().launch(squares, out)
 
     from jobs.ranks import Ranks
     from saliency.network.build_masks import BuildMasksConfig, build_masks
@@ -251,9 +273,9 @@ def stage_masks(shards: Path, out: Path, ranks: list[int], workers: int | None, 
                               merge_timeout_s=merge_timeout)
     for rank in ranks:
         start = time.perf_counter()
-        summary = build_masks(config, Ranks(rank, WORLD, 0), predictor=StandInForward(MASK_SIZE, 0.0))
+        summary = build_masks(config, Ranks(rank, world, 0), predictor=FirstBatchTimed(rank))
         done = f"{summary['written']:,} masked in all, merged" if summary else "its units done"
-        print(f"rank {rank} of {WORLD}: {time.perf_counter() - start:.1f} s, {done}", flush=True)
+        print(f"rank {rank} of {world}: {time.perf_counter() - start:.1f} s, {done}", flush=True)
 
 
 def stage_knn_bank(bank_size: int, queries: int, dim: int) -> None:
@@ -283,19 +305,113 @@ def stage_knn_bank(bank_size: int, queries: int, dim: int) -> None:
           f"peak RSS {peak:,.0f} MiB (+{peak - held:,.0f} MiB for the search)", flush=True)
 
 
+class StandInEncoder:
+    """An encoder's stand-in for the linear probe: `dim` features an image (the R50's 2,048) from its pooled
+    pixels, no network; what is left is the job's own work (decoding, batching, the bank, the cache, the head)."""
+
+    def __new__(cls, dim: int):
+        import torch
+        from torch import nn
+
+        class Encoder(nn.Module):
+            def forward(self, x: torch.Tensor) -> torch.Tensor:
+                return x.mean(dim=(2, 3)).repeat(1, dim // 3 + 1)[:, :dim]
+
+        return Encoder()
+
+
+def peak_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def head_epoch(train, val, config) -> None:
+    """One epoch of the fast protocol's head on `train`, scored on `val`; prints it and the preset's whole."""
+    import dataclasses
+
+    from pretrain.eval.linear import train_linear_on_features
+
+    start = time.perf_counter()
+    result = train_linear_on_features(train, val, dataclasses.replace(config, epochs=1), num_classes=IMAGENET_CLASSES)
+    epoch = time.perf_counter() - start
+    print(f"head: 1 epoch of {len(train):,} in {epoch:.1f} s (the preset's {config.epochs} epochs: "
+          f"{epoch * config.epochs / 60:.0f} min), top-1 {result.top1:.4f}, peak RSS {peak_rss_mib():,.0f} MiB",
+          flush=True)
+
+
+def stage_linear(shards: Path, val: Path, out: Path, dim: int) -> None:
+    """`eval linear --config fast`'s steps on a shard set with the encoder's stand-in (16 px views): the
+    features of both sets extracted and cached, the cache read back, one epoch of the head."""
+    from pretrain.eval.features import FeatureSpec, cached_features
+    from pretrain.eval.job import load_linear_config
+
+    config = load_linear_config("fast", ["crop_size=16", "resize_size=16"])
+    spec = FeatureSpec(crop_size=config.crop_size, resize_size=config.resize_size, batch_size=config.feature_batch)
+    cache, encoder = out / "features", StandInEncoder(dim)
+    if cache.exists():
+        shutil.rmtree(cache)  # this script's own output: every run extracts anew
+    start = time.perf_counter()
+    sizes = [len(cached_features(encoder, source, spec, cache_dir=cache)) for source in (shards, val)]
+    extracted = time.perf_counter() - start
+    print(f"features of {sizes[0]:,} + {sizes[1]:,} images ({dim} wide) extracted and cached in {extracted:.1f} s "
+          f"({extracted / sum(sizes) * 1e3:.2f} ms an image), peak RSS {peak_rss_mib():,.0f} MiB", flush=True)
+    start = time.perf_counter()
+    train, val_set = (cached_features(encoder, source, spec, cache_dir=cache) for source in (shards, val))
+    print(f"cache read back in {time.perf_counter() - start:.1f} s", flush=True)
+    head_epoch(train, val_set, config)
+
+
+def stage_linear_bank(bank_size: int, dim: int, out: Path) -> None:
+    """The fast head on a bank of `bank_size` random features of width `dim` (what `eval linear --config
+    fast` holds for ImageNet): the bank written and read back as the feature cache holds it, one epoch."""
+    import torch
+
+    from pretrain.eval.features import FeatureSet
+    from pretrain.eval.job import load_linear_config
+
+    generator = torch.Generator().manual_seed(0)
+
+    def features(rows: int) -> FeatureSet:
+        bank = torch.empty(rows, dim)
+        for first in range(0, rows, 65_536):  # filled in slices: no second bank-sized temporary
+            bank[first:first + 65_536] = torch.randn(min(65_536, rows - first), dim, generator=generator)
+        return FeatureSet(bank, torch.randint(0, IMAGENET_CLASSES, (rows,), generator=generator))
+
+    start = time.perf_counter()
+    train, val = features(bank_size), features(max(IMAGENET_CLASSES, bank_size // 25))
+    print(f"bank {bank_size:,} x {dim}: {train.features.numel() * 4 / 2**20:,.0f} MiB, made in "
+          f"{time.perf_counter() - start:.1f} s, peak RSS {peak_rss_mib():,.0f} MiB", flush=True)
+    path = out / "linear-bank.pt"
+    start = time.perf_counter()
+    torch.save({"features": train.features, "labels": train.labels}, path)
+    saved = time.perf_counter() - start
+    del train  # read back in its place, as a rerun reads its cache
+    start = time.perf_counter()
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    print(f"cache {path.stat().st_size / 2**30:.2f} GiB: written in {saved:.1f} s, read in "
+          f"{time.perf_counter() - start:.1f} s, peak RSS {peak_rss_mib():,.0f} MiB", flush=True)
+    path.unlink()
+    head_epoch(FeatureSet(payload["features"], payload["labels"]), val, load_linear_config("fast"))
+
+
 def stage(argv: list[str]) -> None:
     """`python scale_rehearsal.py stage NAME ARGS`: a job that is not one relicv2 command."""
     name, args = argv[0], argv[1:]
     if name == "masks":
-        shards, out, ranks, workers, merge_timeout = args
+        shards, out, ranks, workers, merge_timeout, world = args
         stage_masks(Path(shards), Path(out), [int(r) for r in ranks.split(",")],
-                    None if workers == "default" else int(workers), float(merge_timeout))
+                    None if workers == "default" else int(workers), float(merge_timeout), int(world))
     elif name == "torchrun":  # ranks as processes on this box: relicv2 ARGS under torchrun, gloo on the CPU
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args[0]}",
                                "-m", "cli.main", *args[1:]], env=job_env())
         raise SystemExit(done.returncode)
     elif name == "knn-bank":
         stage_knn_bank(*(int(a) for a in args))
+    elif name == "linear":
+        stage_linear(Path(args[0]), Path(args[1]), Path(args[2]), int(args[3]))
+    elif name == "linear-bank":
+        stage_linear_bank(int(args[0]), int(args[1]), Path(args[2]))
     else:
         raise SystemExit(f"unknown stage {name}")
 
@@ -309,8 +425,18 @@ def rank_env(rank: int) -> dict[str, str]:
     return {"RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
 
 
+def val_set(out: Path, samples: int) -> Path:
+    """A validation set for the evaluations (made once): 1 sample in 25 (ImageNet's val), the same classes."""
+    images, val = out / "val-images", out / "val-shards"
+    make_image_folder(images, max(IMAGENET_CLASSES, samples // 25), seed=1)
+    if not (val / "info.json").exists():
+        subprocess.run([sys.executable, "-m", "cli.main", "shards", "build", str(images), str(val), "--no-progress"],
+                       check=True, env=job_env(), stdout=subprocess.DEVNULL, cwd=out / "work")
+    return val
+
+
 def run(out: Path, samples: int, jobs: list[str]) -> list[Measured]:
-    out.mkdir(parents=True, exist_ok=True)
+    (out / "work").mkdir(parents=True, exist_ok=True)
     images, shards, plain = out / "images", out / "shards", out / "plain"
     print(f"making {samples:,} images in {images} (reused when present)", flush=True)
     make_image_folder(images, samples, seed=0)
@@ -348,8 +474,8 @@ def run(out: Path, samples: int, jobs: list[str]) -> list[Measured]:
         script = str(Path(__file__).resolve())
 
         def masks(label: str, ranks: str, workers: str = "default", env: dict | None = None) -> None:
-            record(probe(label, samples, ["stage", script, "masks", str(shards), str(masked), ranks, workers, "0"],
-                         out, env))
+            record(probe(label, samples, ["stage", script, "masks", str(shards), str(masked), ranks, workers, "0",
+                                          str(WORLD)], out, env))
 
         masks(f"build-masks rank 1 of {WORLD} (stand-in forward)", "1", env=rank_env(1))
         masks(f"build-masks rank {WORLD - 1} of {WORLD}", str(WORLD - 1), env=rank_env(WORLD - 1))
@@ -357,18 +483,31 @@ def run(out: Path, samples: int, jobs: list[str]) -> list[Measured]:
               "0")
         masks(f"build-masks rank 0 of {WORLD}: its units + merge of {WORLD} ranks", "0", env=rank_env(0))
         masks(f"build-masks rank 0 of {WORLD} again: all done, merge only", "0", env=rank_env(0))
+    if "masks-resume" in jobs:  # half the units done by ranks of 64, then the job again on one rank
+        masked = out / "masked-resume"
+        if masked.exists():
+            shutil.rmtree(masked)  # this script's own output
+        script = str(Path(__file__).resolve())
+        half = ",".join(map(str, range(1, WORLD // 2 + 1)))
+        subprocess.run([sys.executable, script, "stage", "masks", str(shards), str(masked), half, "0", "0", str(WORLD)],
+                       check=True, env=job_env(), cwd=out / "work", stdout=subprocess.DEVNULL)
+        record(probe(f"build-masks resumed on 1 rank, ranks 1-{WORLD // 2} of {WORLD} done", samples, [
+            "stage", script, "masks", str(shards), str(masked), "0", "default", "0", "1"], out))
     if "knn-bank" in jobs:
         record(probe(f"eval knn search: {samples:,} x {R50_DIM} bank, 256 queries", samples, [
             "stage", str(Path(__file__).resolve()), "knn-bank", str(samples), "256", str(R50_DIM)], out))
     if "knn" in jobs:
-        val_images, val = out / "val-images", out / "val-shards"
-        make_image_folder(val_images, max(IMAGENET_CLASSES, samples // 25), seed=1)  # ImageNet's val: 1 in 25
-        if not (val / "info.json").exists():
-            subprocess.run([sys.executable, "-m", "cli.main", "shards", "build", str(val_images), str(val),
-                            "--no-progress"], check=True, env=job_env(), stdout=subprocess.DEVNULL)
+        val = val_set(out, samples)
         record(probe("eval knn --random-init 18, 16 px crops", samples, [
             "eval", "knn", "--random-init", "18", "--train", str(shards), "--val", str(val), "--crop-size", "16",
             "--resize-size", "16", "--device", "cpu", "--json", str(out / "knn.json")], out))
+    if "linear" in jobs:
+        record(probe(f"eval linear --config fast, stand-in encoder ({R50_DIM} features), 1 epoch", samples, [
+            "stage", str(Path(__file__).resolve()), "linear", str(shards), str(val_set(out, samples)), str(out),
+            str(R50_DIM)], out))
+    if "linear-bank" in jobs:
+        record(probe(f"eval linear --config fast head: {samples:,} x {R50_DIM} bank, 1 epoch", samples, [
+            "stage", str(Path(__file__).resolve()), "linear-bank", str(samples), str(R50_DIM), str(out)], out))
     if "resume" in jobs:
         resumed = out / "resume-run"
         if resumed.exists():

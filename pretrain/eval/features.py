@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from jobs.atomic import atomic_output
 from pretrain.distributed import DistributedContext, all_gather_object
-from pretrain.eval.knn import extract_features
+from pretrain.eval.knn import extract_features, join_parts
 from pretrain.eval.outcome import LostSamples, LostSamplesError
 from pretrain.model.untrusted import TORCH_LOAD_ERRORS
 from shards.shardset import shard_tars
@@ -110,12 +110,9 @@ def extract_feature_set(
                                         part=(rank, world), allow_lost=allow_lost, lost=lost)
     if world > 1:
         parts = all_gather_object((features, labels, skipped), ctx)
-        kept = [(f, lab) for f, lab, _ in parts if lab.numel()]
-        if not kept:
-            raise ValueError(f"no decodable labelled images in {source}")
-        features = torch.cat([f for f, _ in kept])
-        labels = torch.cat([lab for _, lab in kept])
-        skipped = [key for _, _, keys in parts for key in keys]
+        pairs, skipped = [(f, lab) for f, lab, _ in parts], [key for _, _, keys in parts for key in keys]
+        del parts, features, labels  # let go as they are copied into the joined features
+        features, labels = join_parts(pairs, source, torch.device("cpu"))
     return FeatureSet(features, labels, len(skipped), tuple(sorted(skipped)), tuple(lost))
 
 

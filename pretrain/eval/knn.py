@@ -34,7 +34,7 @@ from shards.images import ImageLoadError, load_image
 from shards.sample import missing_label
 from shards.shardset import Spec, shard_tars
 
-__all__ = ["KnnResult", "encoder_from_checkpoint", "evaluate_knn", "extract_features", "knn_predict",
+__all__ = ["KnnResult", "encoder_from_checkpoint", "evaluate_knn", "extract_features", "join_parts", "knn_predict",
            "random_encoder", "resolve_checkpoint", "shared_tars", "trained_protocol", "at_trained_size"]
 
 
@@ -105,6 +105,7 @@ def knn_predict(
 ) -> Tensor:
     """Predicted class [Q] of each query: the k nearest bank items (cosine) vote with weight exp(cos / T).
 
+    The search runs where the bank is (a GPU's matmul for a bank on the GPU), and so do its predictions.
     Queries are processed in chunks of at most `chunk_size`, fewer when a chunk's similarities would
     exceed SIMILARITY_BYTES, so memory stays the bank's plus O(SIMILARITY_BYTES).
     """
@@ -114,7 +115,8 @@ def knn_predict(
     # Cosine as (q / |q|) . b / |b|: a normalised copy of the bank would double its memory (10.5 GB more at
     # 1.28 M x 2048); the norms are one float an item. The clamp is F.normalize's.
     bank_norms = bank.norm(dim=1).clamp_min(1e-12)
-    queries = F.normalize(query_features.float(), dim=1)
+    queries = F.normalize(query_features.to(bank.device).float(), dim=1)
+    bank_labels = bank_labels.to(bank.device)
     k = min(k, bank.shape[0])
     chunk_size = max(1, min(chunk_size, SIMILARITY_BYTES // (4 * bank.shape[0])))
     predictions = []
@@ -125,7 +127,7 @@ def knn_predict(
         votes = torch.zeros(top_index.shape[0], num_classes, device=top_index.device)
         votes.scatter_add_(1, bank_labels[top_index], (top_similarity / temperature).exp())
         predictions.append(votes.argmax(dim=1))
-    return torch.cat(predictions) if predictions else torch.empty(0, dtype=torch.long)
+    return torch.cat(predictions) if predictions else torch.empty(0, dtype=torch.long, device=bank.device)
 
 
 def preprocess(jpeg: bytes, *, crop_size: int, resize_size: int, name: str = "image") -> Tensor:
@@ -148,10 +150,9 @@ def _sample_count(source: Spec) -> int | None:
 
 def _labelled_images(
     source: Spec, *, crop_size: int, resize_size: int, skipped: list[str], part: tuple[int, int],
-    report: ReadReport, allow_lost: bool, progress: bool = False,
+    report: ReadReport, allow_lost: bool, total: int | None, progress: bool = False,
 ) -> Iterator[tuple[Tensor, int]]:
     index, parts = part
-    total = _sample_count(source)
     samples = tracked(iter_samples(source, report=report), f"kNN features {Path(str(source)).name}", total,
                       unit="img", enabled=progress)
     for position, sample in enumerate(samples):
@@ -175,6 +176,46 @@ def _labelled_images(
         yield image, sample["label"]
 
 
+class _Rows:
+    """Feature rows filled batch by batch into one tensor allocated for the rows expected: the bank is held
+    once, where a list of batches and then their concatenation would hold it twice (2 x 10 GiB at ImageNet's
+    1.28 M x 2048). More rows than expected (a set that grew) double it; fewer leave a view of its start."""
+
+    def __init__(self, expected: int, device: torch.device) -> None:
+        self.expected, self.device = expected, device
+        self.filled = 0
+        self.buffer: Tensor | None = None
+
+    def add(self, batch: Tensor) -> None:
+        count = batch.shape[0]
+        if self.buffer is None:
+            self.buffer = self._allocate(max(self.expected, count), batch)
+        elif self.filled + count > self.buffer.shape[0]:
+            grown = self._allocate(max(2 * self.buffer.shape[0], self.filled + count), batch)
+            grown[: self.filled] = self.buffer[: self.filled]
+            self.buffer = grown
+        self.buffer[self.filled : self.filled + count] = batch
+        self.filled += count
+
+    def _allocate(self, rows: int, like: Tensor) -> Tensor:
+        size = rows * like.shape[1] * like.element_size()
+        if self.device.type == "cuda" and size > torch.cuda.mem_get_info(self.device)[0] // 2:
+            # Half the free memory at most: the search's blocks and, in a training's monitor, the run need the rest.
+            print(f"kNN: {rows:,} features ({size / 2**30:.1f} GiB) do not fit beside the work on {self.device}; "
+                  "they are kept and searched on the CPU", file=sys.stderr)
+            self.device = torch.device("cpu")
+        return torch.empty((rows, like.shape[1]), dtype=like.dtype, device=self.device)
+
+    def tensor(self) -> Tensor | None:
+        return None if self.buffer is None else self.buffer[: self.filled]
+
+
+def _part_size(total: int | None, part: tuple[int, int]) -> int:
+    """How many of a set's `total` positions p have p % parts == index (0 when the total is unknown)."""
+    index, parts = part
+    return max(0, -(-(total - index) // parts)) if total is not None else 0
+
+
 @torch.no_grad()
 def extract_features(
     encoder: nn.Module,
@@ -189,8 +230,10 @@ def extract_features(
     progress: bool = False,
     allow_lost: bool = False,
     lost: list[LostSamples] | None = None,
+    keep_on: str | torch.device = "cpu",
 ) -> tuple[Tensor, Tensor]:
-    """(features [N, F] float32 on CPU, labels [N]) of every decodable sample of a labelled shard set.
+    """(features [N, F] float32, labels [N]) of every decodable sample of a labelled shard set, both on
+    `keep_on` (the CPU when they would take over half of a GPU's free memory).
 
     part = (index, parts): only the samples at positions p (shard-set order) with p % parts ==
     index, so `parts` ranks together extract each sample once. Only a split set's part may be empty.
@@ -204,14 +247,16 @@ def extract_features(
     device = torch.device(device)
     was_training = encoder.training
     encoder.eval()
-    features, labels, images, batch_labels = [], [], [], []
+    labels, images, batch_labels = [], [], []
     skipped = [] if skipped is None else skipped
     report = ReadReport()
+    total = _sample_count(source)
+    features = _Rows(_part_size(total, part), torch.device(keep_on))
 
     def flush() -> None:
         batch = torch.stack(images).to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            features.append(encoder(batch).float().cpu())
+            features.add(encoder(batch).float())
         labels.extend(batch_labels)
         images.clear()
         batch_labels.clear()
@@ -219,7 +264,7 @@ def extract_features(
     try:
         for image, label in _labelled_images(source, crop_size=crop_size, resize_size=resize_size,
                                              skipped=skipped, part=part, report=report, allow_lost=allow_lost,
-                                             progress=progress):
+                                             total=total, progress=progress):
             images.append(image)
             batch_labels.append(label)
             if len(images) == batch_size:
@@ -232,11 +277,12 @@ def extract_features(
         refuse_lost(source, report, finished=True)
     elif (entry := LostSamples.of(source, report)) is not None and lost is not None:
         lost.append(entry)
-    if not features:
+    bank = features.tensor()
+    if bank is None:
         if part[1] > 1:  # the other ranks may hold this set's images; evaluate_knn checks the union
             return torch.empty(0, 0), torch.empty(0, dtype=torch.long)
         raise ValueError(f"no decodable labelled images in {source}")
-    return torch.cat(features), torch.tensor(labels, dtype=torch.long)
+    return bank, torch.tensor(labels, dtype=torch.long, device=bank.device)
 
 
 def evaluate_knn(
@@ -256,8 +302,9 @@ def evaluate_knn(
     `settings` gives k, T, crop/resize sizes and the batch size (default: `KnnConfig()`; its shard
     fields are not used here); keyword `overrides` (k=, temperature=, crop_size=, resize_size=,
     batch_size=) replace single fields of it. `progress` shows a bar with the manifest's total on rank 0.
-    With a multi-rank `ctx` every rank must call it: each extracts the features of 1/W of the
-    samples, rank 0 gathers them, classifies and returns the result; the other ranks return None.
+    The bank is kept and searched on `device` (a GPU's matmul on a GPU). With a multi-rank `ctx` every
+    rank must call it: each extracts the features of 1/W of the samples, rank 0 gathers them (through
+    the CPU), classifies and returns the result; the other ranks return None.
     Sets whose recorded class names differ are refused first (ClassMismatchError); a set that loses
     samples while read raises LostSamplesError unless `allow_lost` (then the result lists the loss).
     """
@@ -272,28 +319,39 @@ def evaluate_knn(
     lost: list[LostSamples] = []  # every rank reads every sample, so each rank's list is the whole set's
     options = {"crop_size": settings.crop_size, "resize_size": settings.resize_size,
                "batch_size": settings.batch_size, "device": device, "skipped": skipped, "part": (rank, world),
-               "progress": progress and rank == 0, "allow_lost": allow_lost, "lost": lost}
+               "progress": progress and rank == 0, "allow_lost": allow_lost, "lost": lost,
+               "keep_on": device if world == 1 else "cpu"}  # gather_object sends CPU tensors
     bank, bank_labels = extract_features(encoder, train_shards, **options)
     queries, query_labels = extract_features(encoder, val_shards, **options)
     if world > 1:
         gathered = gather_object((bank, bank_labels, queries, query_labels, skipped), ctx)
         if gathered is None:
             return None
-        bank, bank_labels = _join_parts([(g[0], g[1]) for g in gathered], train_shards)
-        queries, query_labels = _join_parts([(g[2], g[3]) for g in gathered], val_shards)
+        bank_parts, query_parts = [(g[0], g[1]) for g in gathered], [(g[2], g[3]) for g in gathered]
         skipped = [key for g in gathered for key in g[4]]
+        del gathered, bank, queries  # the parts are let go as they are copied into the joined bank
+        bank, bank_labels = join_parts(bank_parts, train_shards, torch.device(device))
+        queries, query_labels = join_parts(query_parts, val_shards, torch.device(device))
     num_classes = int(max(bank_labels.max(), query_labels.max())) + 1
     predicted = knn_predict(bank, bank_labels, queries, num_classes=num_classes, k=k, temperature=temperature)
-    top1 = int((predicted == query_labels).sum()) / len(query_labels)
+    top1 = int((predicted.cpu() == query_labels.cpu()).sum()) / len(query_labels)
     protocol = {"image_size": settings.crop_size, "resize_size": resize_of(settings.crop_size, settings.resize_size),
                 "k": k, "temperature": temperature, "bank": str(train_shards), "split": str(val_shards)}
     return KnnResult(top1=top1, num_train=len(bank_labels), num_val=len(query_labels), skipped=len(skipped),
                      skipped_keys=sorted(skipped), lost=lost, settings=protocol)
 
 
-def _join_parts(parts: list[tuple[Tensor, Tensor]], source: Spec) -> tuple[Tensor, Tensor]:
-    """Concatenate the ranks' (features, labels); parts without images are left out."""
+def join_parts(parts: list[tuple[Tensor, Tensor]], source: Spec, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The ranks' (features, labels) in rank order as one bank on `device`; parts without images are left
+    out. `parts` is emptied as they are copied, so the bank is held about once, not parts + their join."""
     kept = [(features, labels) for features, labels in parts if labels.numel()]
+    parts.clear()
     if not kept:
         raise ValueError(f"no decodable labelled images in {source}")
-    return torch.cat([f for f, _ in kept]), torch.cat([labels for _, labels in kept])
+    labels = torch.cat([part_labels for _, part_labels in kept])
+    rows = _Rows(len(labels), device)
+    while kept:
+        rows.add(kept.pop(0)[0])
+    bank = rows.tensor()
+    assert bank is not None  # kept was not empty
+    return bank, labels.to(bank.device)

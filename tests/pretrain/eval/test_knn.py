@@ -81,6 +81,36 @@ def test_the_search_holds_a_bounded_block_of_similarities_not_one_per_1024_queri
     assert grown < 400 * 2**20, f"the search grew the peak RSS by {grown / 2**20:.0f} MiB"
 
 
+# Runs in its own process on a set the test wrote: the growth of the peak RSS over extracting its bank.
+BANK_PEAK = """
+import resource, sys, torch
+from torch import nn
+from pretrain.eval.knn import extract_features
+torch.set_num_threads(1)
+
+class Wide(nn.Module):  # 32,768 features an image: 800 images make a 100 MiB bank
+    def forward(self, x):
+        return x.mean(dim=(2, 3)).repeat(1, 32_768 // 3 + 1)[:, :32_768]
+
+extract_features(Wide(), sys.argv[1], crop_size=16, batch_size=32, part=(0, 100))  # first-call allocations
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+features, _ = extract_features(Wide(), sys.argv[1], crop_size=16, batch_size=32)
+print(features.numel() * 4, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+def test_the_bank_is_held_once_while_its_features_are_extracted(tmp_path):
+    # A list of batches concatenated at the end holds the bank twice (2 x 10 GiB at ImageNet's 1.28 M x 2048).
+    write_shard_set((ShardSample(f"s{i:04d}", {"jpg": _jpeg((i % 256, 90, 40), (20, 16))}, label=i % 3)
+                     for i in range(800)), tmp_path / "bank")
+    done = subprocess.run([sys.executable, "-c", BANK_PEAK, str(tmp_path / "bank")], capture_output=True, text=True,
+                          timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    bank, grown = map(int, done.stdout.split()[-2:])
+    assert bank == 800 * 32_768 * 4
+    assert grown < 1.4 * bank, f"extraction grew the peak RSS by {grown / bank:.2f} x the bank's {bank / 2**20:.0f} MiB"
+
+
 def _jpeg(colour: tuple[int, int, int], size: tuple[int, int]) -> bytes:
     buffer = io.BytesIO()
     Image.new("RGB", size, colour).save(buffer, format="JPEG", quality=95)
@@ -176,6 +206,20 @@ def test_ranks_split_the_knn_images_and_rank_0_gets_the_single_process_result(co
     halves = [extract_features(MeanColour(), train, crop_size=32, part=(i, 2))[0] for i in range(2)]
     whole = extract_features(MeanColour(), train, crop_size=32)[0]
     assert torch.equal(torch.cat(halves).sort(dim=0).values, whole.sort(dim=0).values)
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_bank_is_kept_and_searched_there_with_the_cpu_answer(colour_shards):
+    train, val = colour_shards
+    settings = KnnConfig(k=3, crop_size=32, batch_size=4)
+    features, labels = extract_features(MeanColour(), train, crop_size=32, device="cuda", keep_on="cuda")
+    assert features.is_cuda and labels.is_cuda
+    cpu = extract_features(MeanColour(), train, crop_size=32)[0]
+    assert torch.allclose(features.cpu(), cpu, atol=1e-2)  # bf16 autocast on the GPU
+    predicted = knn_predict(features, labels, features, num_classes=2, k=1)
+    assert predicted.is_cuda and torch.equal(predicted, labels)
+    assert evaluate_knn(MeanColour(), train, val, settings=settings, device="cuda") == evaluate_knn(
+        MeanColour(), train, val, settings=settings)
 
 
 def test_unlabelled_shards_are_refused(tmp_path):

@@ -6,6 +6,8 @@ import dataclasses
 import json
 import os
 import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -22,6 +24,7 @@ from pretrain.eval.linear import (
     evaluate_linear,
     train_linear_on_features,
 )
+from tests.paths import REPO
 from tests.pretrain.eval.conftest import NUM_CLASSES, PooledPixels
 
 FAST = LinearConfig(protocol="fast", epochs=30, batch_size=16, crop_size=32, resize_size=36)
@@ -55,6 +58,31 @@ def test_fast_linear_separates_the_classes_and_shuffled_labels_stay_at_chance(sh
                           generator=torch.Generator().manual_seed(3))])
     chance = train_linear_on_features(shuffled, val_set, FAST, num_classes=NUM_CLASSES)
     assert chance.top1 <= 0.4  # chance is 1/6; the real labels reach >= 0.9
+
+
+# Runs in its own process: the growth of the peak RSS over training the fast head on a 200 MB bank.
+HEAD_PEAK = """
+import resource, torch
+from pretrain.eval.features import FeatureSet
+from pretrain.eval.linear import LinearConfig, train_linear_on_features
+torch.set_num_threads(1)
+g = torch.Generator().manual_seed(0)
+train = FeatureSet(torch.randn(100_000, 512, generator=g), torch.randint(0, 10, (100_000,), generator=g))
+val = FeatureSet(torch.randn(1_000, 512, generator=g), torch.randint(0, 10, (1_000,), generator=g))
+config = LinearConfig(protocol="fast", epochs=1, batch_size=4096)
+train_linear_on_features(FeatureSet(train.features[:100], train.labels[:100]), val, config, num_classes=10)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+train_linear_on_features(train, val, config, num_classes=10)
+print(train.features.numel() * 4, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+"""
+
+
+def test_the_fast_head_standardises_a_batch_at_a_time_not_a_copy_of_the_bank():
+    # A standardised copy of the bank held it three times at once (ImageNet's: 3 x 10 GiB).
+    done = subprocess.run([sys.executable, "-c", HEAD_PEAK], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    bank, grown = map(int, done.stdout.split()[-2:])
+    assert grown < 0.5 * bank, f"training the head grew the peak RSS by {grown / bank:.2f} x the bank"
 
 
 def test_feature_cache_is_reused_and_keyed_by_the_encoder(shape_shards, tmp_path):
@@ -159,3 +187,13 @@ def test_linear_cli_writes_the_json_contract(shape_shards, tmp_path):
     bad = CliRunner().invoke(eval_group, ["linear", "--random-init", "18", "--train", str(train), "--val", str(val),
                                           "--set", "nonsense=1"])
     assert bad.exit_code != 0 and "unknown key nonsense; valid keys here are: " in bad.output
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_fast_head_trains_there_and_scores_as_on_the_cpu(shape_shards, tmp_path):
+    train, val = shape_shards
+    on_cpu = evaluate_linear(PooledPixels(), train, val, FAST, output_dir=tmp_path)
+    torch.cuda.reset_peak_memory_stats()
+    on_gpu = evaluate_linear(PooledPixels(), train, val, FAST, device="cuda", output_dir=tmp_path)
+    assert torch.cuda.max_memory_allocated() > 0  # the head and its batches were on the GPU
+    assert on_gpu.top1 == pytest.approx(on_cpu.top1, abs=0.06) and on_gpu.num_train == on_cpu.num_train
