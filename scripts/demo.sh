@@ -47,15 +47,15 @@ stage() {
 finished() { echo "$2" > "$out/.done/$1"; }
 
 if [[ "$reduced" == "1" ]]; then
-  per_class=(--train-per-class 3 --val-per-class 2 --size 96); max_count=8; sample_images=2; view_size=32
-  saliency_preset=tiny
+  per_class=(--train-per-class 2 --val-per-class 1 --size 64); max_count=8; sample_images=2; view_size=32
+  saliency_preset=tiny; saliency_sets=(--set num_images=4 --set epochs=1 --set fuse_epochs=1)
   pretrain_sets=(--set run.max_steps=3 --set optim.global_batch=8 --set loss.num_negatives=7 --set optim.epochs=2
                  --set optim.warmup_epochs=0 --set views.large_size=32 --set views.small_size=16
                  --set views.blur_kernel=3 --set model.hidden_dim=64 --set model.out_dim=32
                  --set knn.every_epochs=1 --set knn.crop_size=32 --set knn.resize_size=32 --set run.progress_bar=false)
 else
   per_class=(); max_count=64; sample_images=6; view_size=64
-  saliency_preset=demo
+  saliency_preset=demo; saliency_sets=()
   pretrain_sets=()
 fi
 
@@ -111,9 +111,10 @@ fi
 # ---- 4. the saliency network (DeepUSPS-style refinement of the handcrafted maps): the demo preset
 # (the reduced demo: tiny); one folder per preset, so a changed preset never meets another's state
 network=$out/saliency/network-$saliency_preset
-if stage saliency-train "$saliency_preset" "saliency network (saliency train --config $saliency_preset, random backbone)"; then
-  relicv2 saliency train --shards "$train" --out "$network" --config "$saliency_preset" --backbone random
-  finished saliency-train "$saliency_preset"
+if stage saliency-train "$saliency_preset ${saliency_sets[*]}" "saliency network (saliency train --config $saliency_preset, random backbone)"; then
+  relicv2 saliency train --shards "$train" --out "$network" --config "$saliency_preset" --backbone random \
+      "${saliency_sets[@]}"
+  finished saliency-train "$saliency_preset ${saliency_sets[*]}"
 fi
 
 # ---- 5. mask shards: every training image with the network's mask
