@@ -14,15 +14,15 @@ from pathlib import Path
 
 import cv2
 import numpy as np
-import torch
 
 from jobs.progress import tracked
 from saliency.batch import map_path
 from saliency.images import ImageReadError, list_images, read_gray, read_rgb
 from saliency.metrics import aggregate, score_image
 from saliency.network.data import handcrafted_maps
-from saliency.network.images import SampleDecodeError, decode_displayed, resize_map, resize_square
+from saliency.network.images import SampleDecodeError, decode_displayed
 from saliency.network.model import SaliencyNet
+from saliency.network.predict import mean_of_maps, predict_map
 from shards import ReadReport, iter_samples
 
 MEAN_ROW = "mean of handcrafted"
@@ -82,13 +82,6 @@ def check_ground_truth(gt: Path, keys: Iterable[str]) -> int:
     return len(matched)
 
 
-def predict_map(model: SaliencyNet, rgb: np.ndarray, size: int) -> np.ndarray:
-    """The network's foreground probability of one displayed image, at the image's size."""
-    square = torch.from_numpy(resize_square(rgb, size)).permute(2, 0, 1)[None]
-    probability = model.predict(square)[0].cpu().numpy()
-    return resize_map(probability, rgb.shape[1], rgb.shape[0])
-
-
 def _nearest(label: np.ndarray, width: int, height: int) -> np.ndarray:
     return cv2.resize(label.astype(np.uint8), (width, height), interpolation=cv2.INTER_NEAREST).astype(np.float32)
 
@@ -123,7 +116,7 @@ def _raw(folder: Path, method: str) -> RowFn:
 
 
 def _mean_of(folder: Path, methods: tuple[str, ...]) -> RowFn:
-    return lambda key, _i, _rgb: np.mean([read_gray(map_path(folder, m, key)) / 255.0 for m in methods], axis=0)
+    return lambda key, _i, _rgb: mean_of_maps(folder, methods, key)
 
 
 def evaluate_report(job, data, trainer, model: SaliencyNet, *, progress: bool = True) -> dict:
