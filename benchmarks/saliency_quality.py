@@ -69,13 +69,16 @@ def heldout_maps(images: Path, out: Path, config: SaliencyTrainConfig, progress:
 
 def score_rows(model: Path, images: Path, masks: Path, maps: Path, mean: Path,
                config: SaliencyTrainConfig) -> dict[str, DatasetScores]:
-    """Each handcrafted method, their mean, and the fused network with and without its test-time options."""
-    rows = {m: evaluate_folder(maps / m, masks) for m in config.methods}
-    rows[MEAN_ROW] = evaluate_folder(mean, masks)
+    """Each handcrafted method, their mean, and the fused network with and without its test-time options.
+
+    The masks folder may hold more masks than there are held-out images (a data set's whole mask folder):
+    the images that have a mask are scored, and the table says how many."""
+    rows = {m: evaluate_folder(maps / m, masks, allow_missing=True) for m in config.methods}
+    rows[MEAN_ROW] = evaluate_folder(mean, masks, allow_missing=True)
     for name, flip, with_maps in ((FUSED_ROW, False, False), (f"{FUSED_ROW}, flip", True, False),
                                   (f"{FUSED_ROW} + maps", False, True), (f"{FUSED_ROW}, flip + maps", True, True)):
         rows[name] = evaluate_model(ModelEvaluation(model=model, images=images, gt=masks, flip=flip,
-                                                    maps=maps if with_maps else None))
+                                                    maps=maps if with_maps else None, allow_missing=True))
     return rows
 
 
