@@ -3,6 +3,7 @@
 Steps, each through the library as the `relicv2` commands run them (and each resumable in --out):
 1. `shards build` of the training images (every --train-images folder, flat) into OUT/train-shards;
 2. `saliency train` (settings: --config and --set, as that command takes them) into OUT/train;
+   (with --train-masks, its report also scores the refined labels and the network on the training images);
 3. `saliency handcrafted` on the held-out images into OUT/heldout/maps, and their per-pixel mean;
 4. `saliency evaluate` of each handcrafted method, the mean of the four, and the fused network
    (plain, with flip averaging, and averaged with the mean of the maps) against --heldout-masks.
@@ -36,7 +37,7 @@ from saliency.metrics import DatasetScores  # noqa: E402
 from saliency.network.config import SaliencyTrainConfig, load_saliency_config  # noqa: E402
 from saliency.network.model_file import MODEL_NAME  # noqa: E402
 from saliency.network.predict import mean_of_maps  # noqa: E402
-from saliency.network.report import FUSED_ROW, MEAN_ROW  # noqa: E402
+from saliency.network.report import FUSED_ROW, MEAN_ROW, format_report  # noqa: E402
 from saliency.network.train import TrainJob, TrainStateError, run_train  # noqa: E402
 from shards.build import BuildConfig, build_shards  # noqa: E402
 
@@ -95,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="folder of training images (repeatable: the folders are joined)")
     parser.add_argument("--heldout-images", type=Path, required=True)
     parser.add_argument("--heldout-masks", type=Path, required=True)
+    parser.add_argument("--train-masks", type=Path,
+                        help="masks of (some of) the training images: also score the refined labels, the mean of "
+                             "the maps and the fused network on them (the train side of the gap)")
     parser.add_argument("--backbone", default="random", help="encoder weights (default: random)")
     parser.add_argument("--config", default="cpu", help="saliency train preset or YAML file")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
@@ -117,8 +121,9 @@ def run(args: argparse.Namespace) -> int:
     shards = training_shards(args.train_images, args.out, config.workers, args.progress)
     times["training shards"] = time.perf_counter() - start
     mark = time.perf_counter()
-    run_train(TrainJob(shards=shards, out=args.out / "train", config=config, backbone=args.backbone,
-                       progress=args.progress), log=lambda line: print(line, file=sys.stderr))
+    report = run_train(TrainJob(shards=shards, out=args.out / "train", config=config, backbone=args.backbone,
+                                gt=args.train_masks, progress=args.progress),
+                       log=lambda line: print(line, file=sys.stderr))
     times["saliency train"] = time.perf_counter() - mark
     mark = time.perf_counter()
     maps, mean = heldout_maps(args.heldout_images, args.out, config, args.progress)
@@ -131,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"config {config.preset} {' '.join(args.overrides)}; backbone {args.backbone}; "
           f"training images {', '.join(map(str, args.train_images))}")
     print(format_rows(rows))
+    if args.train_masks is not None:
+        print(format_report(report))
     print("wall s: " + ", ".join(f"{name} {seconds:.0f}" for name, seconds in times.items()))
     return 0
 

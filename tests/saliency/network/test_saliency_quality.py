@@ -31,7 +31,7 @@ def _scenes(folder, seeds, masks=None, size=(48, 64)):
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_trains_on_joined_folders_and_prints_every_row(tmp_path, capsys):
-    _scenes(tmp_path / "a", range(4))
+    _scenes(tmp_path / "a", range(4), masks=tmp_path / "train-masks")
     _scenes(tmp_path / "b", range(4, 8))
     _scenes(tmp_path / "held", range(20, 23), masks=tmp_path / "masks", size=(90, 120))
     # The masks folder may hold more than the held-out images' masks (a data set's whole folder).
@@ -39,7 +39,7 @@ def test_trains_on_joined_folders_and_prints_every_row(tmp_path, capsys):
     out = tmp_path / "out"
     argv = ["--out", str(out), "--train-images", str(tmp_path / "a"), "--train-images", str(tmp_path / "b"),
             "--heldout-images", str(tmp_path / "held"), "--heldout-masks", str(tmp_path / "masks"),
-            "--config", "tiny", "--set", "fuse_epochs=1"]
+            "--train-masks", str(tmp_path / "train-masks"), "--config", "tiny", "--set", "fuse_epochs=1"]
     script = _script()
     assert script.main(argv) == 0
     printed = capsys.readouterr().out
@@ -49,6 +49,9 @@ def test_trains_on_joined_folders_and_prints_every_row(tmp_path, capsys):
     assert [name for name in rows if name != "row"] == expected
     assert all(rows[name].rstrip(" |").endswith("| 3") for name in expected)  # every held-out image scored
     assert "wall s: training shards" in printed
+    # The train side: the refined labels and the network on the 4 training images that have masks.
+    train_side = printed[printed.index("train images:"):]
+    assert "rbd refined it1" in train_side and "fused network" in train_side
     # Both folders were trained on (the tiny preset samples 8 images).
     assert json.loads((out / "train" / "report.json").read_text())["images"] == 8
     # The handcrafted rows find the generated objects; each row is what `saliency evaluate` gives.
