@@ -1,5 +1,6 @@
-"""Scores for `saliency train --gt`: raw maps vs refined labels per method, the fused network, and the
-per-pixel mean of the handcrafted maps (the trivial fusion the network must beat).
+"""Scores for `saliency train --gt`: raw maps vs refined labels per method, the mean of the refined labels
+(what the fused network is trained to fit), the fused network, and the per-pixel mean of the handcrafted maps
+(the trivial fusion the network must beat).
 
 Everything is scored at the image's own resolution against its ground-truth mask with the standard
 protocol of `saliency.metrics` (MAE, max-F, adaptive F; beta^2 = 0.3). Labels and predictions made
@@ -20,12 +21,13 @@ from saliency.batch import map_path
 from saliency.images import ImageReadError, list_images, read_gray, read_rgb
 from saliency.metrics import aggregate, score_image
 from saliency.network.data import handcrafted_maps
-from saliency.network.images import SampleDecodeError, decode_displayed
+from saliency.network.images import SampleDecodeError, decode_displayed, resize_map
 from saliency.network.model import SaliencyNet
 from saliency.network.predict import mean_of_maps, predict_map
 from shards import ReadReport, iter_samples
 
 MEAN_ROW = "mean of handcrafted"
+LABELS_ROW = "mean of refined labels"
 FUSED_ROW = "fused network"
 
 RowFn = Callable[[str, int, np.ndarray], np.ndarray]
@@ -134,6 +136,10 @@ def evaluate_report(job, data, trainer, model: SaliencyNet, *, progress: bool = 
         for k in range(1, config.iterations + 1):
             average = trainer.result(f"{m}-it{k}").float().numpy()
             rows[f"{m} refined it{k}"] = lambda _k, i, rgb, a=average: _nearest(a[i] >= 0.5, rgb.shape[1], rgb.shape[0])
+    # What phase II fits: the per-pixel mean of the methods' last binarised labels.
+    labels = [trainer.result(f"{m}-it{config.iterations}").float().numpy() >= 0.5 for m in config.methods]
+    rows[LABELS_ROW] = lambda _k, i, rgb: resize_map(np.mean([lab[i] for lab in labels], axis=0, dtype=np.float32),
+                                                     rgb.shape[1], rgb.shape[0])
     rows[MEAN_ROW] = _mean_of(maps, config.methods)
     rows[FUSED_ROW] = lambda _k, _i, rgb: predict_map(model, rgb, size)
 
