@@ -7,12 +7,16 @@ from pathlib import Path
 import click
 
 from cli.saliency_network import register as register_network_commands
+from jobs.config import ConfigError
+from jobs.device import resolve_device
 from jobs.lock import FolderLockedError
 from saliency.batch import HandcraftedConfig, OutputWriteError, run_handcrafted
 from saliency.evaluate import (
     EvaluateConfig,
     EvaluationError,
+    ModelEvaluation,
     evaluate,
+    evaluate_model,
     format_table,
     write_csv,
     write_json,
@@ -85,17 +89,43 @@ def handcrafted(
 
 
 @saliency_group.command("evaluate")
-@click.option("--pred", required=True, type=click.Path(path_type=Path),
+@click.option("--pred", type=click.Path(path_type=Path),
               help="Folder of maps, or of per-method sub-folders of maps.")
+@click.option("--model", "model_path", type=click.Path(path_type=Path),
+              help="Instead of --pred: a saved saliency model (model.pt of `saliency train`, or its --out folder) "
+                   "run on --images.")
+@click.option("--images", type=click.Path(path_type=Path), help="With --model: the folder of images to predict.")
+@click.option("--flip", is_flag=True, help="With --model: average each map with the mirrored image's.")
+@click.option("--maps", type=click.Path(path_type=Path),
+              help="With --model: average each map with the mean of these handcrafted maps "
+                   "(the --output folder of `saliency handcrafted` on the same images).")
+@click.option("--device", default="auto", show_default=True, help="With --model: auto, cpu or cuda[:N].")
 @click.option("--gt", required=True, type=click.Path(path_type=Path), help="Folder of ground-truth masks (same stems).")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write the scores as JSON.")
 @click.option("--csv", "csv_path", type=click.Path(path_type=Path), help="Also write the scores as CSV.")
 @click.option("--allow-missing", is_flag=True, help="Score only images that have both a map and a mask.")
-def evaluate_command(pred: Path, gt: Path, json_path: Path | None, csv_path: Path | None, allow_missing: bool) -> None:
-    """Print MAE, max-F, adaptive-F (beta^2 = 0.3) and S-measure per method."""
+def evaluate_command(pred: Path | None, model_path: Path | None, images: Path | None, flip: bool, maps: Path | None,
+                     device: str, gt: Path, json_path: Path | None, csv_path: Path | None, allow_missing: bool) -> None:
+    """Print MAE, max-F, adaptive-F (beta^2 = 0.3) and S-measure per method, or of a saved model.
+
+    \b
+    relicv2 saliency evaluate --pred maps/ --gt masks/
+    relicv2 saliency evaluate --model runs/saliency --images images/ --gt masks/
+    """
+    if (pred is None) == (model_path is None):
+        raise click.UsageError("give either --pred (maps) or --model with --images")
+    if model_path is None and (images or flip or maps):
+        raise click.UsageError("--images, --flip and --maps go with --model")
+    if model_path is not None and images is None:
+        raise click.UsageError("--model needs --images, the folder of images to predict")
     try:
-        results = evaluate(EvaluateConfig(pred=pred, gt=gt, allow_missing=allow_missing))
-    except (EvaluationError, ValueError) as error:
+        if model_path is None:
+            results = evaluate(EvaluateConfig(pred=pred, gt=gt, allow_missing=allow_missing))
+        else:
+            job = ModelEvaluation(model=model_path, images=images, gt=gt, flip=flip, maps=maps,
+                                  allow_missing=allow_missing, device=resolve_device(device, "--device"))
+            results = {str(model_path): evaluate_model(job)}
+    except (EvaluationError, ConfigError, ValueError) as error:
         raise click.ClickException(str(error)) from error
     click.echo(format_table(results))
     if json_path:

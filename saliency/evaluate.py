@@ -1,17 +1,24 @@
-"""Evaluate folders of saliency maps against ground-truth masks (``relicv2 saliency evaluate``).
+"""Score saliency maps against ground-truth masks (``relicv2 saliency evaluate``), with the
+standard protocol of ``saliency.metrics``.
 
-``pred`` is either a folder of maps (one method) or a folder of per-method sub-folders (the
-layout ``relicv2 saliency handcrafted`` writes). Maps and masks are matched by file stem.
+What is scored: a folder of maps (one method), a folder of per-method sub-folders (the layout
+``relicv2 saliency handcrafted`` writes), or a saved saliency model (``saliency train``'s model.pt)
+run on a folder of images. Maps or images and masks are matched by file stem.
 """
 
 from __future__ import annotations
 
 import csv
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from saliency.images import list_images, read_gray
+import numpy as np
+
+from saliency.handcrafted.methods import METHODS
+from saliency.images import list_images, read_gray, read_rgb
+from saliency.maps import map_to_uint8
 from saliency.metrics import DatasetScores, aggregate, score_image
 
 
@@ -48,37 +55,90 @@ def prediction_sets(pred: Path) -> dict[str, Path]:
     return sets
 
 
-def evaluate_folder(maps: Path, gt: Path, allow_missing: bool = False) -> DatasetScores:
-    """Score every map of ``maps`` against the mask of the same stem in ``gt``."""
-    predictions, masks = _by_stem(maps), _by_stem(gt)
+def _score_pairs(predictions: dict[str, Path], gt: Path, read: Callable[[Path], np.ndarray], what: str,
+                 allow_missing: bool) -> DatasetScores:
+    """Score ``read(predictions[stem])`` against the mask of each stem in ``gt``; ``what`` names the
+    prediction side in messages (the maps' or the images' folder)."""
+    masks = _by_stem(gt)
     missing = sorted(set(masks) - set(predictions))
     extra = sorted(set(predictions) - set(masks))
     common = sorted(set(masks) & set(predictions))
     if not common:
         raise EvaluationError(
-            f"no map in {maps} has a mask of the same name in {gt} (e.g. {sorted(predictions)[:3]}"
-            f" vs {sorted(masks)[:3]}); check --pred/--gt"
+            f"no file in {what} has a mask of the same name in {gt} (e.g. {sorted(predictions)[:3]}"
+            f" vs {sorted(masks)[:3]}); check the folders"
         )
     if extra and not allow_missing:
         raise EvaluationError(
-            f"{len(extra)} map(s) in {maps} have no ground truth in {gt}: {', '.join(extra[:5])}; "
+            f"{len(extra)} file(s) in {what} have no ground truth in {gt}: {', '.join(extra[:5])}; "
             "pass --allow-missing to score only the images that have both"
         )
     if missing and not allow_missing:
         raise EvaluationError(
-            f"{len(missing)} mask(s) in {gt} have no map in {maps}: {', '.join(missing[:5])}; "
+            f"{len(missing)} mask(s) in {gt} have no map in {what}: {', '.join(missing[:5])}; "
             "compute them or pass --allow-missing to score the others"
         )
     scores = []
     for stem in common:
-        prediction, mask = read_gray(predictions[stem]), read_gray(masks[stem])
+        prediction, mask = read(predictions[stem]), read_gray(masks[stem])
         if prediction.shape != mask.shape:
             raise EvaluationError(
                 f"{predictions[stem]} is {prediction.shape[1]}x{prediction.shape[0]} but its mask "
-                f"{masks[stem]} is {mask.shape[1]}x{mask.shape[0]}; maps must have the image's size"
+                f"{masks[stem]} is {mask.shape[1]}x{mask.shape[0]}; a map (or image) and its mask must have the same size"
             )
         scores.append(score_image(prediction, mask))
     return aggregate(scores)
+
+
+def evaluate_folder(maps: Path, gt: Path, allow_missing: bool = False) -> DatasetScores:
+    """Score every map of ``maps`` against the mask of the same stem in ``gt``."""
+    return _score_pairs(_by_stem(maps), gt, read_gray, str(maps), allow_missing)
+
+
+@dataclass(frozen=True)
+class ModelEvaluation:
+    """A saved saliency model scored on a folder of images: how its maps are predicted."""
+
+    model: Path  # model.pt, or the `saliency train` output folder holding it
+    images: Path
+    gt: Path
+    flip: bool = False  # average with the prediction of the mirrored image
+    maps: Path | None = None  # `saliency handcrafted` output: average with the mean of these maps
+    allow_missing: bool = False
+    device: str = "cpu"
+
+
+def evaluate_model(job: ModelEvaluation) -> DatasetScores:
+    """Predict every image of ``job.images`` with the model and score the maps against ``job.gt``.
+
+    Each prediction is taken through an 8-bit map, as a map written by the model would be, so a
+    model scores what its written maps score."""
+    from saliency.network.model_file import load_model
+    from saliency.network.predict import mean_of_maps, predict_map, with_maps
+
+    for option, folder in (("--images", job.images), ("--gt", job.gt)):
+        if not Path(folder).is_dir():
+            raise EvaluationError(f"{option} folder {folder} does not exist; check {option}")
+    model, info = load_model(job.model, job.device)
+    size = int(info["input_size"])
+    methods = _map_methods(job.maps) if job.maps is not None else ()
+
+    def read(path: Path) -> np.ndarray:
+        prediction = predict_map(model, read_rgb(path), size, flip=job.flip)
+        if methods:
+            prediction = with_maps(prediction, mean_of_maps(job.maps, methods, path.stem))
+        return map_to_uint8(prediction)
+
+    return _score_pairs(_by_stem(job.images), job.gt, read, str(job.images), job.allow_missing)
+
+
+def _map_methods(maps: Path) -> tuple[str, ...]:
+    """The handcrafted methods with a map folder in ``maps`` (a `saliency handcrafted` output)."""
+    found = tuple(m for m in METHODS if (Path(maps) / m).is_dir())
+    if not found:
+        raise EvaluationError(f"--maps {maps} holds no map folder ({', '.join(METHODS)}); "
+                              "give the --output folder of `relicv2 saliency handcrafted`")
+    return found
 
 
 def evaluate(config: EvaluateConfig) -> dict[str, DatasetScores]:

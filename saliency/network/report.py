@@ -1,5 +1,6 @@
-"""Scores for `saliency train --gt`: raw maps vs refined labels per method, the fused network, and the
-per-pixel mean of the handcrafted maps (the trivial fusion the network must beat).
+"""Scores for `saliency train --gt`: raw maps vs refined labels per method, the mean of the refined labels
+(what the fused network is trained to fit), the fused network, and the per-pixel mean of the handcrafted maps
+(the trivial fusion the network must beat).
 
 Everything is scored at the image's own resolution against its ground-truth mask with the standard
 protocol of `saliency.metrics` (MAE, max-F, adaptive F; beta^2 = 0.3). Labels and predictions made
@@ -14,18 +15,19 @@ from pathlib import Path
 
 import cv2
 import numpy as np
-import torch
 
 from jobs.progress import tracked
 from saliency.batch import map_path
 from saliency.images import ImageReadError, list_images, read_gray, read_rgb
 from saliency.metrics import aggregate, score_image
 from saliency.network.data import handcrafted_maps
-from saliency.network.images import SampleDecodeError, decode_displayed, resize_map, resize_square
+from saliency.network.images import SampleDecodeError, decode_displayed, resize_map
 from saliency.network.model import SaliencyNet
+from saliency.network.predict import mean_of_maps, predict_map
 from shards import ReadReport, iter_samples
 
 MEAN_ROW = "mean of handcrafted"
+LABELS_ROW = "mean of refined labels"
 FUSED_ROW = "fused network"
 
 RowFn = Callable[[str, int, np.ndarray], np.ndarray]
@@ -82,13 +84,6 @@ def check_ground_truth(gt: Path, keys: Iterable[str]) -> int:
     return len(matched)
 
 
-def predict_map(model: SaliencyNet, rgb: np.ndarray, size: int) -> np.ndarray:
-    """The network's foreground probability of one displayed image, at the image's size."""
-    square = torch.from_numpy(resize_square(rgb, size)).permute(2, 0, 1)[None]
-    probability = model.predict(square)[0].cpu().numpy()
-    return resize_map(probability, rgb.shape[1], rgb.shape[0])
-
-
 def _nearest(label: np.ndarray, width: int, height: int) -> np.ndarray:
     return cv2.resize(label.astype(np.uint8), (width, height), interpolation=cv2.INTER_NEAREST).astype(np.float32)
 
@@ -123,7 +118,7 @@ def _raw(folder: Path, method: str) -> RowFn:
 
 
 def _mean_of(folder: Path, methods: tuple[str, ...]) -> RowFn:
-    return lambda key, _i, _rgb: np.mean([read_gray(map_path(folder, m, key)) / 255.0 for m in methods], axis=0)
+    return lambda key, _i, _rgb: mean_of_maps(folder, methods, key)
 
 
 def evaluate_report(job, data, trainer, model: SaliencyNet, *, progress: bool = True) -> dict:
@@ -141,6 +136,10 @@ def evaluate_report(job, data, trainer, model: SaliencyNet, *, progress: bool = 
         for k in range(1, config.iterations + 1):
             average = trainer.result(f"{m}-it{k}").float().numpy()
             rows[f"{m} refined it{k}"] = lambda _k, i, rgb, a=average: _nearest(a[i] >= 0.5, rgb.shape[1], rgb.shape[0])
+    # What phase II fits: the per-pixel mean of the methods' last binarised labels.
+    labels = [trainer.result(f"{m}-it{config.iterations}").float().numpy() >= 0.5 for m in config.methods]
+    rows[LABELS_ROW] = lambda _k, i, rgb: resize_map(np.mean([lab[i] for lab in labels], axis=0, dtype=np.float32),
+                                                     rgb.shape[1], rgb.shape[0])
     rows[MEAN_ROW] = _mean_of(maps, config.methods)
     rows[FUSED_ROW] = lambda _k, _i, rgb: predict_map(model, rgb, size)
 

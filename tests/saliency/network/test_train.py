@@ -102,7 +102,7 @@ def test_train_resumes_after_a_kill_to_the_same_model(tmp_path: Path, scene_shar
     assert info["input_size"] == 32 and info["preset"] == "tiny" and info["arch"]["depth"] == 18
     assert report["images"] == 4 and set(report["losses"]) == {"mc-it1", "fused"}
     rows = report["train"]
-    assert {"mc raw map", "mc refined it1", "mean of handcrafted", "fused network"} <= set(rows)
+    assert {"mc raw map", "mc refined it1", "mean of refined labels", "mean of handcrafted", "fused network"} <= set(rows)
     assert all(r["count"] == 4 and 0 <= r["mae"] <= 1 for r in rows.values())
     held = report["heldout"]
     assert set(held) == {"mc raw map", "mean of handcrafted", "fused network"}

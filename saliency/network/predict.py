@@ -1,0 +1,44 @@
+"""One image's saliency map from a trained network, with the test-time options a user can score.
+
+- ``predict_map``: the foreground probability at the image's own size; ``flip`` averages it with the
+  prediction of the horizontally mirrored image (mirrored back), the usual test-time augmentation;
+- ``mean_of_maps``: the per-pixel mean of an image's handcrafted maps (the trivial fusion the network
+  must beat), read from a `saliency handcrafted` output folder;
+- ``with_maps``: the mean of a network's prediction and that mean of the maps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from saliency.batch import map_path
+from saliency.images import read_gray
+from saliency.network.images import resize_map, resize_square
+from saliency.network.model import SaliencyNet
+
+
+def predict_map(model: SaliencyNet, rgb: np.ndarray, size: int, *, flip: bool = False) -> np.ndarray:
+    """The network's foreground probability of one displayed image (uint8 HxWx3), at the image's size."""
+    square = torch.from_numpy(resize_square(rgb, size)).permute(2, 0, 1)[None]
+    if flip:
+        both = model.predict(torch.cat([square, square.flip(-1)]))
+        probability = ((both[0] + both[1].flip(-1)) / 2).cpu().numpy()
+    else:
+        probability = model.predict(square)[0].cpu().numpy()
+    return resize_map(probability, rgb.shape[1], rgb.shape[0])
+
+
+def mean_of_maps(folder: Path, methods: Sequence[str], key: str) -> np.ndarray:
+    """Per-pixel mean in [0, 1] of the maps ``folder/<method>/<key>.png`` of ``methods``."""
+    return np.mean([read_gray(map_path(folder, m, key)) / 255.0 for m in methods], axis=0)
+
+
+def with_maps(prediction: np.ndarray, maps_mean: np.ndarray) -> np.ndarray:
+    """The mean of a network's prediction and the mean of the handcrafted maps (same HxW)."""
+    if prediction.shape != maps_mean.shape:
+        raise ValueError(f"prediction {prediction.shape} and maps {maps_mean.shape} differ in size")
+    return (np.asarray(prediction, np.float64) + maps_mean) / 2.0
