@@ -30,9 +30,10 @@ $(DEV_STAMP): $(STAMP) $(DEV_LOCK)
 lint: setup-dev
 	$(PY) -m ruff check .
 
-# On every core (pytest-xdist); plain `pytest` runs in one process (the reduced demo then runs in the background).
+# On every core (pytest-xdist; an idle worker takes tests queued for a busy one, so the long ones do not leave a
+# worker waiting at the end); plain `pytest` runs in one process (the reduced demo then runs in the background).
 test: lint
-	$(PY) -m pytest -q -n auto
+	$(PY) -m pytest -q -n auto --dist worksteal
 
 demo: setup
 	DEMO_DATA="$(DATA)" bash scripts/demo.sh "$(PY)"
