@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -13,12 +14,18 @@ import pytest
 from tests.paths import REPO
 
 
+def rehearse(out: Path, jobs: str, timeout: int) -> subprocess.CompletedProcess:
+    """The rehearsal script's `jobs` on a 4,100-sample set in `out`; asserts that it exited 0."""
+    command = [sys.executable, str(REPO / "benchmarks" / "scale_rehearsal.py"), "--out", str(out), "--samples", "4100",
+               "--jobs", jobs]
+    done = subprocess.run(command, cwd=out.parent, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
 def test_the_rehearsal_makes_an_imagenet_shaped_set_and_every_job_finishes(tmp_path):
     out = tmp_path / "rehearsal"
-    command = [sys.executable, str(REPO / "benchmarks" / "scale_rehearsal.py"), "--out", str(out), "--samples", "4100",
-               "--jobs", "build,verify,subset"]
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = rehearse(out, "build,verify,subset", timeout=600)
     rows = [line for line in done.stdout.splitlines() if line.startswith("| shards ")]
     assert [row.split("|")[1].strip() for row in rows] == ["shards build", "shards verify --no-decode",
                                                            "shards subset 10%"]
@@ -36,10 +43,7 @@ def test_the_rehearsal_makes_an_imagenet_shaped_set_and_every_job_finishes(tmp_p
 @pytest.mark.release  # about 3 minutes: 64 ranks' start-ups
 def test_the_per_rank_jobs_run_for_ranks_of_64_and_rank_0_merges_them(tmp_path):
     out = tmp_path / "rehearsal"
-    command = [sys.executable, str(REPO / "benchmarks" / "scale_rehearsal.py"), "--out", str(out), "--samples", "4100",
-               "--jobs", "build,build-rank0,masks,masks-resume,knn-bank,linear,linear-bank"]
-    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stdout + done.stderr
+    done = rehearse(out, "build,build-rank0,masks,masks-resume,knn-bank,linear,linear-bank", timeout=900)
     exits = {row.split("|")[1].strip(): int(row.rstrip(" |").rsplit("|", 1)[1]) for row in done.stdout.splitlines()
              if row.startswith("| ") and not row.startswith("| job")}
     # Rank 0 of 64 builds its share, then finds the other ranks' shards missing: one line, exit 1.
