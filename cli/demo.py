@@ -13,8 +13,8 @@ from shards.demo import MIN_SIZE, write_demo_images
 @click.argument("output", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--train-per-class", type=click.IntRange(min=1), default=24, show_default=True,
               help="Random crops per class for train.")
-@click.option("--val-per-class", type=click.IntRange(min=1), default=8, show_default=True,
-              help="Random crops per class for val.")
+@click.option("--val-per-class", type=click.IntRange(min=1), default=16, show_default=True,
+              help="Random crops per class for val, each under its own lighting.")
 @click.option("--size", type=click.IntRange(min=MIN_SIZE), default=128, show_default=True,
               help=f"Side of each square crop in pixels (at least {MIN_SIZE}, the smallest side shards build accepts).")
 @click.option("--seed", default=0, show_default=True)

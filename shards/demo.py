@@ -1,7 +1,11 @@
 """Built-in demo data: a tiny labelled image-folder tree made from the photos bundled with scikit-image.
 
 Each class is one bundled photo; its samples are random crops of it (different positions, scales,
-flips), so a pretrained encoder can be checked with kNN on held-out crops. A few inputs are
+flips). The val crops are also seen under other lighting: each gets its own brightness, contrast,
+saturation and colour cast (hue), and a few lose their colour. Colour is what a randomly initialised
+encoder's features mostly say, so it scores poorly on them (kNN and linear heads trained on the
+evenly lit train crops); pretraining with colour augmentation learns to look past it, which is the
+gain the demo's report shows. A few inputs are
 deliberately awkward (greyscale, RGBA PNG, a zero-byte file, a non-image file) so the demo also shows
 how `shards build` converts or rejects them.
 """
@@ -11,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torchvision.transforms.v2.functional as tvf
 from PIL import Image
 from skimage import data as skdata
 
@@ -20,7 +25,22 @@ DEMO_PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "immunohistochemistry
                "hubble_deep_field", "retina")
 
 
-def _random_crop(photo: np.ndarray, rng: np.random.Generator, size: int) -> np.ndarray:
+# The val crops' lighting: factors drawn uniformly in 1 +- the value (hue: a shift in +- the value of
+# the colour circle), and the chance of losing colour; near the pretraining's colour augmentation.
+VAL_LIGHTING = {"brightness": 0.4, "contrast": 0.4, "saturation": 0.4, "hue": 0.25, "grayscale": 0.1}
+
+
+def _relight(crop: Image.Image, rng: np.random.Generator) -> Image.Image:
+    for name, adjust in (("brightness", tvf.adjust_brightness), ("contrast", tvf.adjust_contrast),
+                         ("saturation", tvf.adjust_saturation)):
+        crop = adjust(crop, float(rng.uniform(1 - VAL_LIGHTING[name], 1 + VAL_LIGHTING[name])))
+    crop = tvf.adjust_hue(crop, float(rng.uniform(-VAL_LIGHTING["hue"], VAL_LIGHTING["hue"])))
+    if rng.random() < VAL_LIGHTING["grayscale"]:
+        crop = tvf.rgb_to_grayscale(crop, num_output_channels=3)
+    return crop
+
+
+def _random_crop(photo: np.ndarray, rng: np.random.Generator, size: int) -> Image.Image:
     height, width = photo.shape[:2]
     side = int(min(height, width) * rng.uniform(0.5, 1.0))
     top = int(rng.integers(0, height - side + 1))
@@ -28,12 +48,12 @@ def _random_crop(photo: np.ndarray, rng: np.random.Generator, size: int) -> np.n
     crop = Image.fromarray(photo[top:top + side, left:left + side]).resize((size, size), Image.BICUBIC)
     if rng.random() < 0.5:
         crop = crop.transpose(Image.FLIP_LEFT_RIGHT)
-    return np.asarray(crop)
+    return crop
 
 
-def write_demo_images(out_dir: Path, *, train_per_class: int = 24, val_per_class: int = 8,
+def write_demo_images(out_dir: Path, *, train_per_class: int = 24, val_per_class: int = 16,
                       size: int = 128, seed: int = 0) -> dict[str, int]:
-    """Write `out_dir/{train,val}/<class>/*.jpg` (plus a few awkward files in train); return counts."""
+    """Write `out_dir/{train,val}/<class>/*.jpg` (val relit, plus a few awkward files in train); return counts."""
     if size < MIN_SIZE or train_per_class < 1 or val_per_class < 1:
         raise ValueError(f"size must be at least {MIN_SIZE} and the per-class counts at least 1 "
                          f"(got size={size}, train={train_per_class}, val={val_per_class})")
@@ -46,7 +66,9 @@ def write_demo_images(out_dir: Path, *, train_per_class: int = 24, val_per_class
             folder.mkdir(parents=True, exist_ok=True)
             for index in range(count):
                 crop = _random_crop(photo, rng, size)
-                Image.fromarray(crop).save(folder / f"{name}_{index:03d}.jpg", quality=90)
+                if split == "val":
+                    crop = _relight(crop, rng)
+                crop.save(folder / f"{name}_{index:03d}.jpg", quality=90)
                 counts[split] += 1
     awkward = out_dir / "train" / "astronaut"
     Image.fromarray(skdata.camera()).resize((size, size)).save(awkward / "greyscale.png")
