@@ -372,10 +372,8 @@ def iter_samples(
         tars, directory = shard_tars(source)
     except ShardSetError as exc:
         raise FileNotFoundError(str(exc)) from None
-    if isinstance(source, ShardSet):
-        for tar, reason in source.lost:  # the cut-short tars among them are read first, for what remains
-            if not tar.is_file():
-                report.lose_shard(tar, reason)
+    if isinstance(source, ShardSet):  # the tars its resolution lost are read first (shard_tars), or lost here
+        report.lost_shards += [(str(tar), why) for tar, why in source.lost if not tar.is_file()]
         if source.manifest is not None:
             report.expected = (report.expected or 0) + source.manifest.num_rows
     elif directory is not None and (directory / MANIFEST_NAME).is_file():

@@ -43,10 +43,8 @@ class ShardSet:
 
     manifest: the set's manifest.parquet table when it has one (sets from `shards build`), else None.
     has_labels: whether samples carry a class (`cls` member / manifest label); has_masks: whether any
-    carries a saliency mask (`mask.png` member). lost: (tar, why) for the tars a resolution with
-    `allow_lost` could not index (cut short, unreadable, or listed in the manifest but missing); they
-    are not in `tars` and are read first by `shards.iter_samples`, for what remains of them and for
-    their loss in its report. Prints as the spec it was resolved from.
+    carries a saliency mask (`mask.png` member). Prints as the spec it was resolved from. lost: (tar, why)
+    of the tars that `resolve_shard_set(allow_lost=True)` could not index, not in `tars`.
     """
 
     tars: tuple[Path, ...]
@@ -227,9 +225,8 @@ def resolve_shard_set(spec: Spec, *, index_cache: Path | None = None, allow_lost
 
     With a manifest, the tars are exactly the manifest's shards and each index must agree with it;
     without one, every `*-NNNN(NN).tar` is used and missing indexes are derived into `index_cache`.
-    Raises ShardSetError (a ValueError) naming the file and the fix; with `allow_lost`, a tar that is
-    missing or cannot be indexed goes to `ShardSet.lost` instead, and a tar with fewer samples than
-    its manifest lists stays (its reader counts the shortfall against the manifest).
+    Raises ShardSetError (a ValueError) naming the file and the fix; with `allow_lost` a tar missing or
+    not indexable goes to `ShardSet.lost`, one short of the manifest stays (`shards.iter_samples` reads both).
     """
     if isinstance(spec, ShardSet):
         return spec

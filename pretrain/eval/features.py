@@ -24,7 +24,7 @@ from pretrain.distributed import DistributedContext, all_gather_object
 from pretrain.eval.knn import extract_features, join_parts
 from pretrain.eval.outcome import LostSamples, LostSamplesError
 from pretrain.model.untrusted import TORCH_LOAD_ERRORS
-from shards.shardset import ShardSet, Spec, resolve_shard_set, shard_tars
+from shards.shardset import ShardSet, shard_tars
 
 CACHE_FORMAT = "relicv2-feature-cache"
 # Part of the cache file name: version 2 records the skipped keys and the samples lost while reading,
@@ -118,7 +118,7 @@ def extract_feature_set(
 
 def cached_features(
     encoder: nn.Module,
-    source: Spec,
+    source: ShardSet,
     spec: FeatureSpec,
     *,
     cache_dir: str | Path | None,
@@ -129,9 +129,7 @@ def cached_features(
     """`extract_feature_set`, read from / written to `cache_dir` when one is given (rank 0 writes).
 
     Features cached from a set that lost samples (extracted with `allow_lost`) are refused like
-    the set itself unless `allow_lost`. `source` is the set as the job resolved it; a spec is resolved
-    here, once, with `allow_lost` (what its tars lost is refused or counted by the reading)."""
-    source = resolve_shard_set(source, allow_lost=True)
+    the set itself unless `allow_lost`."""
     if cache_dir is None:
         return extract_feature_set(encoder, source, spec, device=device, ctx=ctx, allow_lost=allow_lost)
     path = cache_path(cache_dir, encoder, source, spec)

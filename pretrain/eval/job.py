@@ -190,8 +190,7 @@ def _knn_sets(job: EvalJob) -> tuple[ShardSet, ShardSet]:
             sets.append(resolve_shard_set(spec, allow_lost=True))
         except ShardSetError as error:
             raise ShardSetError(f"{option} {spec}: {error}") from None
-    both = shared_tars(*sets)
-    if both:
+    if both := shared_tars(*sets):
         raise ShardSetError(f"--train and --val share {len(both)} tar(s) ({both[0].name}, ...): each query would "
                             "be found in the bank itself; pass a held-out labelled set as --val")
     return sets[0], sets[1]
