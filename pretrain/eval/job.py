@@ -182,18 +182,13 @@ def _run_knn(job: EvalJob, log: Callable[[str], None]) -> EvalOutcome:
 
 
 def _knn_sets(job: EvalJob) -> tuple[ShardSet, ShardSet]:
-    """The job's one resolution of --train and --val, with `allow_lost` (the reading refuses what their
-    tars lost, or counts it with --allow-lost); ShardSetError when one names no usable tars or they share tars."""
-    sets = []
-    for option, spec in (("--train", job.train_shards), ("--val", job.val_shards)):
-        try:
-            sets.append(resolve_shard_set(spec, allow_lost=True))
-        except ShardSetError as error:
-            raise ShardSetError(f"{option} {spec}: {error}") from None
-    if both := shared_tars(*sets):
+    """The job's one resolution of --train and --val, with `allow_lost` (the reading refuses, or with --allow-lost
+    counts, what their tars lost); ShardSetError naming the file when one is unusable, or when they share tars."""
+    train, val = (resolve_shard_set(spec, allow_lost=True) for spec in (job.train_shards, job.val_shards))
+    if both := shared_tars(train, val):
         raise ShardSetError(f"--train and --val share {len(both)} tar(s) ({both[0].name}, ...): each query would "
                             "be found in the bank itself; pass a held-out labelled set as --val")
-    return sets[0], sets[1]
+    return train, val
 
 
 def _run_trained_head(job: EvalJob, log: Callable[[str], None]) -> EvalOutcome | None:

@@ -229,7 +229,7 @@ def extract_features(
     part = (index, parts): only the samples at positions p (shard-set order) with p % parts ==
     index, so `parts` ranks together extract each sample once. Only a split set's part may be empty.
     The keys of undecodable images are appended to `skipped`. A set that loses samples while it is
-    read (truncated or missing tars, also those its resolution lost; refused samples; `shards.ReadReport`)
+    read (truncated or missing tars, those its resolution lost among them; refused samples; `shards.ReadReport`)
     raises LostSamplesError, or with `allow_lost` goes on and appends what it lost to `lost`.
     """
     if not 0 <= part[0] < part[1]:
