@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from pretrain.model.encoder_file import load_encoder_file, save_encoder_file  # noqa: E402
 from pretrain.model.resnet import resnet  # noqa: E402
-from shards import ReadReport, iter_samples  # noqa: E402
+from shards import ReadReport, iter_samples, resolve_shard_set  # noqa: E402
 
 VIEW_SIZE = 64
 BATCH = 128
@@ -192,6 +192,7 @@ def score(train_shards: Path, val_shards: Path, out: Path, encoders: tuple[str, 
     from pretrain.eval.linear import LinearConfig, train_linear_on_features
 
     spec = FeatureSpec(crop_size=VIEW_SIZE, resize_size=VIEW_SIZE)
+    train_shards, val_shards = resolve_shard_set(train_shards), resolve_shard_set(val_shards)  # once for every encoder
     train_info = json.loads((out / "train.json").read_text()) if (out / "train.json").is_file() else {}
     files = dict(item.split("=", 1) for item in encoders) or {"relicv2": out / "relicv2.pt",
                                                               "lightly-simclr": out / "simclr.pt"}

@@ -345,6 +345,7 @@ def stage_linear(shards: Path, val: Path, out: Path, dim: int) -> None:
     features of both sets extracted and cached, the cache read back, one epoch of the head."""
     from pretrain.eval.features import FeatureSpec, cached_features
     from pretrain.eval.job import load_linear_config
+    from shards import resolve_shard_set
 
     config = load_linear_config("fast", ["crop_size=16", "resize_size=16"])
     spec = FeatureSpec(crop_size=config.crop_size, resize_size=config.resize_size, batch_size=config.feature_batch)
@@ -352,12 +353,13 @@ def stage_linear(shards: Path, val: Path, out: Path, dim: int) -> None:
     if cache.exists():
         shutil.rmtree(cache)  # this script's own output: every run extracts anew
     start = time.perf_counter()
-    sizes = [len(cached_features(encoder, source, spec, cache_dir=cache)) for source in (shards, val)]
+    sets = [resolve_shard_set(source) for source in (shards, val)]
+    sizes = [len(cached_features(encoder, source, spec, cache_dir=cache)) for source in sets]
     extracted = time.perf_counter() - start
     print(f"features of {sizes[0]:,} + {sizes[1]:,} images ({dim} wide) extracted and cached in {extracted:.1f} s "
           f"({extracted / sum(sizes) * 1e3:.2f} ms an image), peak RSS {peak_rss_mib():,.0f} MiB", flush=True)
     start = time.perf_counter()
-    train, val_set = (cached_features(encoder, source, spec, cache_dir=cache) for source in (shards, val))
+    train, val_set = (cached_features(encoder, source, spec, cache_dir=cache) for source in sets)
     print(f"cache read back in {time.perf_counter() - start:.1f} s", flush=True)
     head_epoch(train, val_set, config)
 

@@ -9,7 +9,7 @@ import click
 
 from jobs.config import ConfigError, parse_overrides
 from pretrain.config import KnnConfig  # light (no torch): the one owner of the kNN defaults
-from shards.shardset import ShardSetError, shard_tars
+from shards.shardset import ShardSetError
 
 KNN = KnnConfig()
 ALLOW_LOST_OPTION = click.option(
@@ -36,6 +36,8 @@ def _run(job_fields: dict[str, Any]) -> None:
         outcome = run_eval(EvalJob(**job_fields), log=click.echo)
     except LostSamplesError as error:
         raise click.ClickException(f"{error}{ALLOW_LOST_HINT}") from None
+    except ShardSetError as error:  # --train or --val names no usable set
+        raise click.UsageError(str(error)) from None
     except (CheckpointError, ExportError, HeadCheckpointError, FolderLockedError, FileNotFoundError,
             ValueError) as error:
         raise click.ClickException(str(error)) from None
@@ -83,7 +85,6 @@ def knn(checkpoint: Path | None, random_depth: int | None, network: str, train_s
         batch_size: int | None, device: str, seed: int, json_path: Path | None, allow_lost: bool) -> None:
     """Weighted cosine kNN top-1 of an encoder: train features as the bank (defaults: pretrain.config.KnnConfig)."""
     from pretrain.eval.job import knn_settings
-    from pretrain.eval.knn import shared_tars
 
     backbone = _backbone(checkpoint, random_depth, network, seed)
     given = {"k": k, "temperature": temperature, "crop_size": crop_size, "resize_size": resize_size,
@@ -92,22 +93,9 @@ def knn(checkpoint: Path | None, random_depth: int | None, network: str, train_s
         settings = knn_settings(given)
     except ConfigError as error:
         raise click.UsageError(str(error)) from None
-    _check_sets(train_shards, val_shards)
-    both = shared_tars(train_shards, val_shards)
-    if both:
-        raise click.UsageError(f"--train and --val share {len(both)} tar(s) ({both[0].name}, ...): each query would "
-                               "be found in the bank itself; pass a held-out labelled set as --val")
     _run({"backbone": backbone, "train_shards": train_shards, "val_shards": val_shards, "config": settings,
           "json_path": json_path, "device": device, "allow_lost": allow_lost,
           "given": frozenset(name for name, value in given.items() if value is not None)})
-
-
-def _check_sets(train_shards: Path, val_shards: Path) -> None:
-    for name, spec in (("--train", train_shards), ("--val", val_shards)):
-        try:
-            shard_tars(spec)
-        except ShardSetError as error:
-            raise click.UsageError(f"{name} {spec}: {error}") from None
 
 
 _BACKBONE_OPTIONS = [

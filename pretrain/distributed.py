@@ -81,9 +81,9 @@ def barrier(ctx: DistributedContext) -> None:
 
 
 def open_shard_sets(ctx: DistributedContext | None, *specs: Spec, check_samples: bool = True,
-                    **check: Any) -> list[ShardSet]:
+                    allow_lost: bool = False, **check: Any) -> list[ShardSet]:
     """The job's one resolution of each shard set (`shards.resolve_shard_set`: ShardSetError naming the
-    fix), to be handed to everything that reads it.
+    fix, or with `allow_lost` the tars it cannot index in `ShardSet.lost`), to be handed to everything that reads it.
 
     In a multi-rank job the sets' missing index files are derived first, and with `check_samples` their
     samples checked (`pretrain.views.sources.check_shard_set`, `check`: its decode options, as the job's
@@ -101,7 +101,7 @@ def open_shard_sets(ctx: DistributedContext | None, *specs: Spec, check_samples:
             except (ShardSetError, OSError):
                 continue  # every rank meets the same error right after, and reports it there
         barrier(ctx)  # every index exists before any rank resolves or checks a set
-    sets = [resolve_shard_set(spec) for spec in specs]
+    sets = [resolve_shard_set(spec, allow_lost=allow_lost) for spec in specs]
     if distributed and check_samples:
         from pretrain.views.sources import check_shard_set
 

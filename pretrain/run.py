@@ -73,7 +73,7 @@ from pretrain.views.synthetic import SyntheticViews
 from shards.outdir import output_folder
 from shards.reader import ReadReport, iter_samples
 from shards.sample import missing_label
-from shards.shardset import ShardSet, ShardSetError, shard_tars
+from shards.shardset import ShardSet, ShardSetError
 
 JOB_NAME = "relicv2 pretrain"
 # Builds this rank's data source once the process group is up (it needs the rank and the device) from the
@@ -139,26 +139,25 @@ def check_before_starting(config: PretrainConfig, resume: str | Path | None) -> 
         raise ConfigError(f"--resume {resume} does not exist or is not a file; pass a checkpoint-*.pt file")
 
 
-def open_run_shard_sets(config: PretrainConfig, ctx: DistributedContext) -> dict[str, ShardSet | str]:
+def open_run_shard_sets(config: PretrainConfig, ctx: DistributedContext) -> dict[str, ShardSet]:
     """The run's shard sets by setting (`data.train_shards`, `knn.train_shards`, `knn.val_shards`), each
     resolved once (`pretrain.distributed.open_shard_sets`: the work split over the ranks) for the views and
     the kNN monitor, and checked before any work: the monitor's sets must be labelled, number their classes
     alike, and its queries be neither in its bank (refused) nor trained on (a warning).
 
-    A kNN set whose tars exist but that does not resolve (a tar cut short under its index) stays its spec:
-    the monitor never stops a training, it reads what remains and logs the loss.
+    The kNN sets are resolved with `allow_lost` (a tar cut short under its index is in `ShardSet.lost`): the
+    monitor never stops a training, it reads what remains and logs the loss.
     """
     specs = {"knn.train_shards": config.knn.train_shards, "knn.val_shards": config.knn.val_shards,
              "data.train_shards": config.data.train_shards if config.data.source == "shards" else ""}
-    sets: dict[str, ShardSet | str] = {}
+    sets: dict[str, ShardSet] = {}
     for key, spec in specs.items():
         if spec:
             try:
-                sets[key] = open_shard_sets(ctx, spec, check_samples=key.startswith("data."))[0]
+                sets[key] = open_shard_sets(ctx, spec, check_samples=key.startswith("data."),
+                                            allow_lost=key.startswith("knn."))[0]
             except ShardSetError as error:
-                if key.startswith("data.") or not _names_tars(spec):
-                    raise ConfigError(f"{key}={spec}: {error}") from None
-                sets[key] = spec
+                raise ConfigError(f"{key}={spec}: {error}") from None
     if "knn.train_shards" not in sets:  # KnnConfig takes both sets or neither
         return sets
     bank, queries = sets["knn.train_shards"], sets["knn.val_shards"]
@@ -176,13 +175,6 @@ def open_run_shard_sets(config: PretrainConfig, ctx: DistributedContext) -> dict
         print(f"warning: knn.val_shards={queries} holds images of data.train_shards: the kNN monitor scores "
               "images the encoder trains on; a held-out labelled set gives a figure that generalises", flush=True)
     return sets
-
-
-def _names_tars(spec: str) -> bool:
-    try:
-        return bool(shard_tars(spec)[0])
-    except ShardSetError:
-        return False
 
 
 def check_masking(config: PretrainConfig, source: ViewSource, ctx: DistributedContext) -> None:
@@ -258,7 +250,7 @@ def build_view_source(config: PretrainConfig, ctx: DistributedContext, shards: S
         raise ConfigError(f"data.train_shards={config.data.train_shards}: {error}") from None
 
 
-def _pretrain(config: PretrainConfig, ctx: DistributedContext, views: ViewsFactory, sets: dict[str, ShardSet | str], *,
+def _pretrain(config: PretrainConfig, ctx: DistributedContext, views: ViewsFactory, sets: dict[str, ShardSet], *,
               resume: str | Path | None, auto_resume: bool, stop: _StopSignals) -> PretrainResult:
     out = Path(config.run.output_dir)
     own = latest_checkpoint(out)
@@ -305,7 +297,7 @@ def final_step(config: PretrainConfig, derived: DerivedValues) -> int:
 
 
 def _train(config: PretrainConfig, ctx: DistributedContext, state: TrainState, source: ViewSource,
-           settings: StepSettings, derived: DerivedValues, knn: tuple[ShardSet | str, ShardSet | str] | None, *,
+           settings: StepSettings, derived: DerivedValues, knn: tuple[ShardSet, ShardSet] | None, *,
            stop: _StopSignals, last_saved: Path | None) -> PretrainResult:
     """The step loop: one train step per batch, logging, checkpoints, the kNN monitor, stop signals."""
     compile_networks = ctx.device.type == "cuda" if config.run.compile is None else config.run.compile
@@ -473,7 +465,7 @@ def _save(state: TrainState, source: ViewSource, config: PretrainConfig, ctx: Di
     return path
 
 
-def _check_first_label(key: str, spec: ShardSet | str) -> None:
+def _check_first_label(key: str, spec: ShardSet) -> None:
     """The kNN sets' first sample must carry a class index: an unlabelled set (or one with class names
     in `cls`) would otherwise stop the run at its first epoch end, hours in."""
     sample = next(iter_samples(spec, report=ReadReport()), None)
@@ -486,7 +478,7 @@ def _check_first_label(key: str, spec: ShardSet | str) -> None:
 
 
 def _knn_monitor(state: TrainState, config: PretrainConfig, ctx: DistributedContext, logger: MetricsLogger | None,
-                 bank: ShardSet | str, queries: ShardSet | str) -> None:
+                 bank: ShardSet, queries: ShardSet) -> None:
     """kNN accuracy of the online encoder: every rank extracts the features of 1/W of the images,
     rank 0 gathers them, classifies and logs (so the wait stays short on large labelled sets)."""
     # A monitor never stops a training: a set that loses samples is scored on what remains, and the

@@ -358,7 +358,7 @@ def iter_samples(
     limits: ImageLimits = DEFAULT_LIMITS,
 ) -> Iterator[dict]:
     """Iterate the samples of a shard folder, a tar, a brace pattern, a list of tars or a resolved set
-    (`shards.ShardSet`, whose manifest is then used), in shard order.
+    (`shards.ShardSet`, whose manifest is then used, and the tars its resolution lost first), in shard order.
 
     Each item: `key`, `image` (bytes of the jpg/jpeg/png/webp member), `image_ext` (its member name),
     `label` (a class index, or None: no `cls`, or one holding a class name, then kept as `label_text`),
@@ -372,8 +372,10 @@ def iter_samples(
         tars, directory = shard_tars(source)
     except ShardSetError as exc:
         raise FileNotFoundError(str(exc)) from None
-    if isinstance(source, ShardSet) and source.manifest is not None:
-        report.expected = (report.expected or 0) + source.manifest.num_rows
+    if isinstance(source, ShardSet):  # the tars its resolution lost are read first (shard_tars), or lost here
+        report.lost_shards += [(str(tar), why) for tar, why in source.lost if not tar.is_file()]
+        if source.manifest is not None:
+            report.expected = (report.expected or 0) + source.manifest.num_rows
     elif directory is not None and (directory / MANIFEST_NAME).is_file():
         try:
             names = read_manifest(directory).column("shard").to_pylist()

@@ -43,7 +43,8 @@ class ShardSet:
 
     manifest: the set's manifest.parquet table when it has one (sets from `shards build`), else None.
     has_labels: whether samples carry a class (`cls` member / manifest label); has_masks: whether any
-    carries a saliency mask (`mask.png` member). Prints as the spec it was resolved from.
+    carries a saliency mask (`mask.png` member). Prints as the spec it was resolved from. lost: (tar, why)
+    of the tars that `resolve_shard_set(allow_lost=True)` could not index, not in `tars`.
     """
 
     tars: tuple[Path, ...]
@@ -54,6 +55,7 @@ class ShardSet:
     directory: Path | None = None  # the folder of a folder spec
     has_masks: bool = False
     spec: str = ""
+    lost: tuple[tuple[Path, str], ...] = ()
 
     @property
     def samples(self) -> int:
@@ -98,8 +100,8 @@ def shard_tars(spec: Spec) -> tuple[list[Path], Path | None]:
 
     Never treats any part of `spec` as a URL: every name is a local file (`pipe:` is a file name here).
     """
-    if isinstance(spec, ShardSet):
-        return list(spec.tars), spec.directory
+    if isinstance(spec, ShardSet):  # the tars a resolution lost first, where they exist: what remains is read
+        return [*(tar for tar, _ in spec.lost if tar.is_file()), *spec.tars], spec.directory
     if isinstance(spec, str | Path):
         text = str(spec)
         path = Path(text)
@@ -217,18 +219,19 @@ def derive_missing_indexes(
     return Derived(len(missing) - len(failed), len(tars), failed)
 
 
-def resolve_shard_set(spec: Spec, *, index_cache: Path | None = None) -> ShardSet:
+def resolve_shard_set(spec: Spec, *, index_cache: Path | None = None, allow_lost: bool = False) -> ShardSet:
     """A shard set spec -> tars + index files + sample counts (+ manifest when the folder has one);
     a resolved set is returned as it is.
 
     With a manifest, the tars are exactly the manifest's shards and each index must agree with it;
     without one, every `*-NNNN(NN).tar` is used and missing indexes are derived into `index_cache`.
-    Raises ShardSetError (a ValueError) naming the file and the fix.
+    Raises ShardSetError (a ValueError) naming the file and the fix; with `allow_lost` a tar missing or
+    not indexable goes to `ShardSet.lost`, one short of the manifest stays (`shards.iter_samples` reads both).
     """
     if isinstance(spec, ShardSet):
         return spec
     tars, directory = shard_tars(spec)
-    manifest = None
+    manifest, lost = None, []
     if directory is not None and (directory / MANIFEST_NAME).is_file():
         try:
             manifest = read_manifest(directory)
@@ -241,11 +244,13 @@ def resolve_shard_set(spec: Spec, *, index_cache: Path | None = None) -> ShardSe
         if unsafe:
             raise ShardSetError(f"{directory / MANIFEST_NAME} names {unsafe[0]!r}, not a shard file of this folder; rebuild the set")
         tars = [directory / name for name in listed]
-        missing = [t.name for t in tars if not t.is_file()]
-        if missing:
-            raise ShardSetError(f"{directory}: the manifest lists {', '.join(missing[:3])}, which is missing; rebuild the set")
+        lost = [(t, "listed in the manifest but missing") for t in tars if not t.is_file()]
+        if lost and not allow_lost:
+            raise ShardSetError(f"{directory}: the manifest lists {', '.join(t.name for t, _ in lost[:3])}, which is "
+                                "missing; rebuild the set")
+        tars = [t for t in tars if t.is_file()]
     cache = default_index_cache(index_cache)
-    index_files, counts, labelled, masked = [], [], False, False
+    kept, index_files, counts, labelled, masked = [], [], [], False, False
     missing = {tar for tar in tars if needs_index(tar, cache)}  # each read whole once: show progress
     phase = Phase(f"index files of {len(tars)} tars", len(missing), unit="tar", enabled=bool(missing))
     for tar in tars:
@@ -255,12 +260,16 @@ def resolve_shard_set(spec: Spec, *, index_cache: Path | None = None) -> ShardSe
                 phase.update()
             samples = read_index(idx, tar)
         except ValueError as exc:
-            raise ShardSetError(str(exc)) from None
+            if not allow_lost:
+                raise ShardSetError(str(exc)) from None
+            lost.append((tar, str(exc)))
+            continue
         except OSError as exc:
             raise ShardSetError(
                 f"cannot write the index of {tar} into {cache} ({exc.strerror or exc}); "
                 f"choose a writable index cache (index_cache= or ${INDEX_CACHE_ENV})"
             ) from None
+        kept.append(tar)
         index_files.append(idx)
         counts.append(len(samples))
         members = {e[0] for s in samples for e in s}
@@ -270,8 +279,8 @@ def resolve_shard_set(spec: Spec, *, index_cache: Path | None = None) -> ShardSe
         per_shard: dict[str, int] = {}
         for name in manifest.column("shard").to_pylist():
             per_shard[name] = per_shard.get(name, 0) + 1
-        for tar, count in zip(tars, counts, strict=True):
-            if per_shard[tar.name] != count:
+        for tar, count in zip(kept, counts, strict=True):
+            if per_shard[tar.name] != count and not (allow_lost and count < per_shard[tar.name]):
                 raise ShardSetError(
                     f"{tar}: the index lists {count} samples, the manifest {per_shard[tar.name]}; "
                     "the set is incomplete or mixed: rebuild it (relicv2 shards build) or run relicv2 shards verify"
@@ -279,4 +288,5 @@ def resolve_shard_set(spec: Spec, *, index_cache: Path | None = None) -> ShardSe
         if "label" in manifest.column_names:
             labelled = manifest.column("label").null_count < manifest.num_rows
     text = str(spec) if isinstance(spec, str | Path) else " ".join(str(s) for s in spec)
-    return ShardSet(tuple(tars), tuple(index_files), tuple(counts), manifest, labelled, directory, masked, text)
+    return ShardSet(tuple(kept), tuple(index_files), tuple(counts), manifest, labelled, directory, masked, text,
+                    tuple(lost))

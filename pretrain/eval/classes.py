@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 from shards.outdir import INFO_NAME
-from shards.shardset import ShardSetError, Spec, shard_tars
+from shards.shardset import ShardSet, shard_tars
 
 SHOWN = 8  # class names shown around the first difference
 
@@ -21,17 +21,14 @@ class ClassMismatchError(ValueError):
     """A train and a val set whose class indices mean different classes; names both sets and the fix."""
 
 
-def class_names(spec: Spec) -> list[str] | None:
+def class_names(shard_set: ShardSet) -> list[str] | None:
     """The class names a build recorded for a shard set (name i is class i), or None when it has none.
 
     The names are read from the info.json of the set's folder (for a pattern or a list: of the one
     folder holding all its tars). Sets without them (plain WebDataset sets, sets written by
     `shards.write_shard_set`, flat builds without classes) give None: they cannot be compared.
     """
-    try:
-        tars, folder = shard_tars(spec)
-    except ShardSetError:
-        return None  # reading the set reports it, with the fix
+    tars, folder = shard_tars(shard_set)
     parents = {tar.parent for tar in tars}
     folder = folder or (parents.pop() if len(parents) == 1 else None)
     info_path = folder / INFO_NAME if folder is not None else None
@@ -51,7 +48,7 @@ def class_names(spec: Spec) -> list[str] | None:
     return classes or None
 
 
-def check_same_classes(train_shards: Spec, val_shards: Spec) -> None:
+def check_same_classes(train_shards: ShardSet, val_shards: ShardSet) -> None:
     """Refuse (ClassMismatchError) a train and a val set whose recorded class names differ.
 
     Sets without recorded names are not compared (nothing to compare; their `cls` indices are

@@ -24,7 +24,7 @@ from pretrain.distributed import DistributedContext, all_gather_object
 from pretrain.eval.knn import extract_features, join_parts
 from pretrain.eval.outcome import LostSamples, LostSamplesError
 from pretrain.model.untrusted import TORCH_LOAD_ERRORS
-from shards.shardset import shard_tars
+from shards.shardset import ShardSet, shard_tars
 
 CACHE_FORMAT = "relicv2-feature-cache"
 # Part of the cache file name: version 2 records the skipped keys and the samples lost while reading,
@@ -64,14 +64,14 @@ def encoder_digest(encoder: nn.Module) -> str:
     return digest.hexdigest()
 
 
-def shard_set_fingerprint(source: str | Path) -> list[tuple[str, int, int]]:
+def shard_set_fingerprint(source: ShardSet) -> list[tuple[str, int, int]]:
     """(name, size, mtime_ns) of every tar of a shard set: changes whenever the set is rebuilt."""
     return [(tar.name, tar.stat().st_size, tar.stat().st_mtime_ns) for tar in shard_tars(source)[0]]
 
 
-def cache_path(cache_dir: str | Path, encoder: nn.Module, source: str | Path, spec: FeatureSpec) -> Path:
+def cache_path(cache_dir: str | Path, encoder: nn.Module, source: ShardSet, spec: FeatureSpec) -> Path:
     key = json.dumps({"version": CACHE_VERSION, "encoder": encoder_digest(encoder),
-                      "shards": str(Path(source).resolve()),
+                      "shards": str(Path(str(source)).resolve()),
                       "files": shard_set_fingerprint(source), "spec": asdict(spec)}, sort_keys=True)
     return Path(cache_dir) / f"features-{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt"
 
@@ -92,7 +92,7 @@ def _read_cache(path: Path) -> FeatureSet | None:
 
 def extract_feature_set(
     encoder: nn.Module,
-    source: str | Path,
+    source: ShardSet,
     spec: FeatureSpec,
     *,
     device: str | torch.device = "cpu",
@@ -118,7 +118,7 @@ def extract_feature_set(
 
 def cached_features(
     encoder: nn.Module,
-    source: str | Path,
+    source: ShardSet,
     spec: FeatureSpec,
     *,
     cache_dir: str | Path | None,

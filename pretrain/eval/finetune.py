@@ -77,11 +77,12 @@ def finetune(
 ) -> supervised.LinearResult:
     """Fine-tune `encoder` + a new head on the `keys` of `train_shards`; top-1/top-5 on `val_shards`.
 
-    Sets whose recorded class names differ are refused first (ClassMismatchError)."""
+    Each set is resolved here, once (a resolved `shards.ShardSet` is taken as it is); sets whose
+    recorded class names differ are refused before any training (ClassMismatchError)."""
+    train_shards, val_shards = open_shard_sets(ctx, train_shards, val_shards)
     check_same_classes(train_shards, val_shards)
     device = torch.device(device)
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
-    train_shards, val_shards = open_shard_sets(ctx, train_shards, val_shards)
     left_out: tuple[list[str], list[str]] = ([], [])
     train_samples, _ = labelled_samples(train_shards, keys, left_out=left_out[0])
     val_samples, _ = labelled_samples(val_shards, left_out=left_out[1])

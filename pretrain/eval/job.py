@@ -32,9 +32,10 @@ from jobs.device import resolve_device
 from jobs.version import package_version
 from pretrain.config import KnnConfig
 from pretrain.eval.finetune import FinetuneConfig
-from pretrain.eval.knn import at_trained_size
+from pretrain.eval.knn import at_trained_size, shared_tars
 from pretrain.eval.linear import LinearConfig
 from shards.outdir import check_output_file, check_output_folder, writing
+from shards.shardset import ShardSet, ShardSetError, resolve_shard_set
 
 LINEAR_PRESETS = Presets(job="relicv2 eval linear", package="pretrain.eval", folder="presets/linear")
 FINETUNE_PRESETS = Presets(job="relicv2 eval finetune", package="pretrain.eval", folder="presets/finetune")
@@ -136,7 +137,7 @@ class EvalOutcome:
 def run_eval(job: EvalJob, log: Callable[[str], None] = print) -> EvalOutcome | None:
     """Run `job`; the outcome on rank 0 (None on the other ranks). Errors a user can cause raise:
     LostSamplesError, CheckpointError, ExportError, HeadCheckpointError, FolderLockedError,
-    FileNotFoundError, ValueError (OutputError among them)."""
+    FileNotFoundError, ValueError (OutputError and ShardSetError among them)."""
     # Before any work: an unwritable --json must not be found after the whole evaluation.
     if job.output is not None:
         check_output_folder(job.output, "--output")
@@ -152,6 +153,7 @@ def _run_knn(job: EvalJob, log: Callable[[str], None]) -> EvalOutcome:
     from pretrain.eval.outcome import lost_text
 
     device = resolve_device(job.device, "--device")
+    train, val = _knn_sets(job)
     encoder, record = load_encoder(job.backbone)
     trained = record["trained_protocol"]
     # Unset options follow the checkpoint's training (its run's kNN monitor, else its view size), so the
@@ -164,8 +166,8 @@ def _run_knn(job: EvalJob, log: Callable[[str], None]) -> EvalOutcome:
                         f"on views of that size); --crop-size {settings.crop_size} gives a figure not comparable "
                         "with it")
     log(job.settings(settings).rstrip())
-    result = evaluate_knn(encoder.to(device), job.train_shards, job.val_shards, settings=settings, device=device,
-                          progress=True, allow_lost=job.allow_lost)
+    result = evaluate_knn(encoder.to(device), train, val, settings=settings, device=device, progress=True,
+                          allow_lost=job.allow_lost)
     assert result is not None  # a single process is rank 0
     what = (f"{record['checkpoint']} ({record['network']})" if job.backbone.checkpoint is not None
             else job.backbone.describe())
@@ -177,6 +179,16 @@ def _run_knn(job: EvalJob, log: Callable[[str], None]) -> EvalOutcome:
         "network": record["network"]})
     _write_json(job.json_path, payload, "--json")
     return EvalOutcome(result, payload, [line], warnings + _shortfalls(result))
+
+
+def _knn_sets(job: EvalJob) -> tuple[ShardSet, ShardSet]:
+    """The job's one resolution of --train and --val, with `allow_lost` (the reading refuses, or with --allow-lost
+    counts, what their tars lost); ShardSetError naming the file when one is unusable, or when they share tars."""
+    train, val = (resolve_shard_set(spec, allow_lost=True) for spec in (job.train_shards, job.val_shards))
+    if both := shared_tars(train, val):
+        raise ShardSetError(f"--train and --val share {len(both)} tar(s) ({both[0].name}, ...): each query would "
+                            "be found in the bank itself; pass a held-out labelled set as --val")
+    return train, val
 
 
 def _run_trained_head(job: EvalJob, log: Callable[[str], None]) -> EvalOutcome | None:

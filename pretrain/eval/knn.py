@@ -29,7 +29,7 @@ from pretrain.distributed import DistributedContext, gather_object
 from pretrain.eval.classes import check_same_classes
 from pretrain.eval.outcome import LostSamples, figure, lost_fields, refuse_lost
 from pretrain.model.normalization import IMAGENET_MEAN, IMAGENET_STD
-from shards import ReadReport, iter_samples, resolve_shard_set
+from shards import ReadReport, ShardSet, iter_samples, resolve_shard_set
 from shards.images import ImageLoadError, load_image
 from shards.sample import missing_label
 from shards.shardset import Spec, shard_tars
@@ -58,9 +58,9 @@ class KnnResult:
                 **(extra or {})}
 
 
-def shared_tars(bank: Spec, queries: Spec) -> list[Path]:
+def shared_tars(bank: ShardSet, queries: ShardSet) -> list[Path]:
     """The tars two shard sets have in common: a kNN classifier whose bank holds its queries scores
-    each image against itself (a figure near 1 that says nothing). Both specs must resolve."""
+    each image against itself (a figure near 1 that says nothing)."""
     return sorted({t.resolve() for t in shard_tars(bank)[0]} & {t.resolve() for t in shard_tars(queries)[0]})
 
 
@@ -139,21 +139,12 @@ def preprocess(jpeg: bytes, *, crop_size: int, resize_size: int, name: str = "im
     return TF.normalize(TF.to_dtype(TF.pil_to_tensor(image), torch.float32, scale=True), IMAGENET_MEAN, IMAGENET_STD)
 
 
-def _sample_count(source: Spec) -> int | None:
-    """Samples in a shard set (manifest or index files, derived once into the index cache for plain
-    WebDataset sets), for the progress total; None when the set cannot be resolved (reading reports why)."""
-    try:
-        return resolve_shard_set(source).samples
-    except (OSError, ValueError):
-        return None
-
-
 def _labelled_images(
-    source: Spec, *, crop_size: int, resize_size: int, skipped: list[str], part: tuple[int, int],
-    report: ReadReport, allow_lost: bool, total: int | None, progress: bool = False,
+    source: ShardSet, *, crop_size: int, resize_size: int, skipped: list[str], part: tuple[int, int],
+    report: ReadReport, allow_lost: bool, progress: bool = False,
 ) -> Iterator[tuple[Tensor, int]]:
     index, parts = part
-    samples = tracked(iter_samples(source, report=report), f"kNN features {Path(str(source)).name}", total,
+    samples = tracked(iter_samples(source, report=report), f"kNN features {Path(str(source)).name}", source.samples,
                       unit="img", enabled=progress)
     for position, sample in enumerate(samples):
         if not allow_lost:  # every rank reads the whole set, so every rank stops here alike
@@ -210,16 +201,16 @@ class _Rows:
         return None if self.buffer is None else self.buffer[: self.filled]
 
 
-def _part_size(total: int | None, part: tuple[int, int]) -> int:
-    """How many of a set's `total` positions p have p % parts == index (0 when the total is unknown)."""
+def _part_size(total: int, part: tuple[int, int]) -> int:
+    """How many of a set's `total` positions p have p % parts == index."""
     index, parts = part
-    return max(0, -(-(total - index) // parts)) if total is not None else 0
+    return max(0, -(-(total - index) // parts))
 
 
 @torch.no_grad()
 def extract_features(
     encoder: nn.Module,
-    source: Spec,
+    source: ShardSet,
     *,
     crop_size: int,
     resize_size: int = 0,
@@ -238,8 +229,8 @@ def extract_features(
     part = (index, parts): only the samples at positions p (shard-set order) with p % parts ==
     index, so `parts` ranks together extract each sample once. Only a split set's part may be empty.
     The keys of undecodable images are appended to `skipped`. A set that loses samples while it is
-    read (truncated or missing tars, refused samples; `shards.ReadReport`) raises LostSamplesError,
-    or with `allow_lost` goes on and appends what it lost to `lost`.
+    read (truncated or missing tars, those its resolution lost among them; refused samples; `shards.ReadReport`)
+    raises LostSamplesError, or with `allow_lost` goes on and appends what it lost to `lost`.
     """
     if not 0 <= part[0] < part[1]:
         raise ValueError(f"part must be (index, parts) with 0 <= index < parts, got {part}")
@@ -250,8 +241,7 @@ def extract_features(
     labels, images, batch_labels = [], [], []
     skipped = [] if skipped is None else skipped
     report = ReadReport()
-    total = _sample_count(source)
-    features = _Rows(_part_size(total, part), torch.device(keep_on))
+    features = _Rows(_part_size(source.samples, part), torch.device(keep_on))
 
     def flush() -> None:
         batch = torch.stack(images).to(device)
@@ -264,7 +254,7 @@ def extract_features(
     try:
         for image, label in _labelled_images(source, crop_size=crop_size, resize_size=resize_size,
                                              skipped=skipped, part=part, report=report, allow_lost=allow_lost,
-                                             total=total, progress=progress):
+                                             progress=progress):
             images.append(image)
             batch_labels.append(label)
             if len(images) == batch_size:
@@ -299,6 +289,8 @@ def evaluate_knn(
 ) -> KnnResult | None:
     """Top-1 accuracy on `val_shards` of the kNN classifier whose bank is `train_shards`' features.
 
+    The sets are passed down as the job resolved them; a spec is resolved here, once, with `allow_lost`
+    (the tars it cannot index are read for what remains, their loss refused or counted as below).
     `settings` gives k, T, crop/resize sizes and the batch size (default: `KnnConfig()`; its shard
     fields are not used here); keyword `overrides` (k=, temperature=, crop_size=, resize_size=,
     batch_size=) replace single fields of it. `progress` shows a bar with the manifest's total on rank 0.
@@ -313,6 +305,7 @@ def evaluate_knn(
     except TypeError as error:  # an unknown keyword
         raise TypeError(f"evaluate_knn: {error}") from None
     k, temperature = settings.k, settings.temperature
+    train_shards, val_shards = (resolve_shard_set(spec, allow_lost=True) for spec in (train_shards, val_shards))
     check_same_classes(train_shards, val_shards)
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
     skipped: list[str] = []
@@ -341,7 +334,7 @@ def evaluate_knn(
                      skipped_keys=sorted(skipped), lost=lost, settings=protocol)
 
 
-def join_parts(parts: list[tuple[Tensor, Tensor]], source: Spec, device: torch.device) -> tuple[Tensor, Tensor]:
+def join_parts(parts: list[tuple[Tensor, Tensor]], source: ShardSet, device: torch.device) -> tuple[Tensor, Tensor]:
     """The ranks' (features, labels) in rank order as one bank on `device`; parts without images are left
     out. `parts` is emptied as they are copied, so the bank is held about once, not parts + their join."""
     kept = [(features, labels) for features, labels in parts if labels.numel()]

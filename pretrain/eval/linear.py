@@ -24,13 +24,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pretrain.distributed import DistributedContext
+from pretrain.distributed import DistributedContext, open_shard_sets
 from pretrain.eval.classes import check_same_classes
 from pretrain.eval.features import FeatureSet, FeatureSpec, cached_features
 from pretrain.eval.linear_config import LinearConfig
 from pretrain.eval.paper import train_linear_paper
 from pretrain.eval.supervised import Batches, LinearResult, accuracy_report, train_classifier
 from pretrain.schedules import learning_rate
+from shards.shardset import Spec
 
 
 def train_linear_on_features(
@@ -87,8 +88,8 @@ def train_linear_on_features(
 
 def evaluate_linear(
     encoder: nn.Module,
-    train_shards: str | Path,
-    val_shards: str | Path,
+    train_shards: Spec,
+    val_shards: Spec,
     config: LinearConfig,
     *,
     device: str | torch.device = "cpu",
@@ -100,10 +101,13 @@ def evaluate_linear(
 
     `output_dir` holds the feature cache (fast) or the head's checkpoints (paper); None keeps
     nothing on disk (and the paper protocol then cannot resume). Sets whose recorded class names
-    differ are refused first (ClassMismatchError). The fast protocol reads the tars itself: a set
-    that loses samples raises LostSamplesError unless `allow_lost`; the paper protocol resolves
-    each set through its index first, which refuses a damaged set from `shards build`.
+    differ are refused first (ClassMismatchError). Each set is resolved here, once (a resolved
+    `shards.ShardSet` is taken as it is). The fast protocol reads the tars itself: a set that loses
+    samples raises LostSamplesError unless `allow_lost`; the paper protocol resolves each set
+    through its index, which refuses a damaged set (ShardSetError).
     """
+    train_shards, val_shards = open_shard_sets(ctx, train_shards, val_shards, check_samples=False,
+                                               allow_lost=config.protocol == "fast")
     check_same_classes(train_shards, val_shards)
     encoder = encoder.to(device).eval()
     for parameter in encoder.parameters():

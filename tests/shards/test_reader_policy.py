@@ -85,9 +85,10 @@ def test_eval_knn_features_reject_a_deep_json_member(tmp_path):
     folder = hostile_set(tmp_path / "set")
     encoder = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
     with pytest.raises(LostSamplesError, match="deeper"):
-        extract_features(encoder, folder, crop_size=16)
+        extract_features(encoder, shards.resolve_shard_set(folder), crop_size=16)
     lost = []
-    features, labels = extract_features(encoder, folder, crop_size=16, allow_lost=True, lost=lost)
+    features, labels = extract_features(encoder, shards.resolve_shard_set(folder), crop_size=16, allow_lost=True,
+                                        lost=lost)
     assert len(labels) == 3 and "deeper" in lost[0].detail
 
 

@@ -31,7 +31,7 @@ from pretrain.eval.knn import (
 )
 from pretrain.model.heads import build_networks
 from pretrain.run import run_pretraining
-from shards import ShardSample, write_shard_set
+from shards import ShardSample, resolve_shard_set, write_shard_set
 from tests.paths import REPO
 from tests.threads import one_torch_thread
 
@@ -86,15 +86,17 @@ BANK_PEAK = """
 import resource, sys, torch
 from torch import nn
 from pretrain.eval.knn import extract_features
+from shards import resolve_shard_set
 torch.set_num_threads(1)
 
 class Wide(nn.Module):  # 32,768 features an image: 800 images make a 100 MiB bank
     def forward(self, x):
         return x.mean(dim=(2, 3)).repeat(1, 32_768 // 3 + 1)[:, :32_768]
 
-extract_features(Wide(), sys.argv[1], crop_size=16, batch_size=32, part=(0, 100))  # first-call allocations
+bank = resolve_shard_set(sys.argv[1])
+extract_features(Wide(), bank, crop_size=16, batch_size=32, part=(0, 100))  # first-call allocations
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-features, _ = extract_features(Wide(), sys.argv[1], crop_size=16, batch_size=32)
+features, _ = extract_features(Wide(), bank, crop_size=16, batch_size=32)
 print(features.numel() * 4, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
 """
 
@@ -151,7 +153,7 @@ def test_preprocess_resizes_the_short_side_and_centre_crops():
 
 def test_knn_on_labelled_shards_skips_corrupt_images(colour_shards, capsys):
     train, val = colour_shards
-    features, labels = extract_features(MeanColour(), train, crop_size=32, batch_size=4)
+    features, labels = extract_features(MeanColour(), resolve_shard_set(train), crop_size=32, batch_size=4)
     assert features.shape == (10, 3) and labels.tolist() == [i % 2 for i in range(10)]
     result = evaluate_knn(MeanColour(), train, val, settings=KnnConfig(k=3, crop_size=32, batch_size=4))
     assert result.top1 == 1.0 and (result.num_train, result.num_val) == (10, 6)
@@ -172,7 +174,7 @@ def test_a_bug_in_the_encoder_surfaces_instead_of_being_counted_as_a_bad_image(c
 
 def test_feature_extraction_shows_progress_against_the_manifest_total(colour_shards, capsys):
     train, _ = colour_shards
-    extract_features(MeanColour(), train, crop_size=32, progress=True)
+    extract_features(MeanColour(), resolve_shard_set(train), crop_size=32, progress=True)
     err = capsys.readouterr().err
     assert "kNN features train" in err and "/11" in err  # 11 samples in the manifest (10 + the broken one)
 
@@ -203,8 +205,9 @@ def test_ranks_split_the_knn_images_and_rank_0_gets_the_single_process_result(co
     # every image counted once over the ranks (10 bank, 6 val), the corrupt one skipped once
     assert json.loads(out.read_text()) == dataclasses.asdict(one)
     assert (one.num_train, one.num_val, one.skipped) == (10, 6, 1)
-    halves = [extract_features(MeanColour(), train, crop_size=32, part=(i, 2))[0] for i in range(2)]
-    whole = extract_features(MeanColour(), train, crop_size=32)[0]
+    bank = resolve_shard_set(train)
+    halves = [extract_features(MeanColour(), bank, crop_size=32, part=(i, 2))[0] for i in range(2)]
+    whole = extract_features(MeanColour(), bank, crop_size=32)[0]
     assert torch.equal(torch.cat(halves).sort(dim=0).values, whole.sort(dim=0).values)
 
 
@@ -212,9 +215,10 @@ def test_ranks_split_the_knn_images_and_rank_0_gets_the_single_process_result(co
 def test_on_a_gpu_the_bank_is_kept_and_searched_there_with_the_cpu_answer(colour_shards):
     train, val = colour_shards
     settings = KnnConfig(k=3, crop_size=32, batch_size=4)
-    features, labels = extract_features(MeanColour(), train, crop_size=32, device="cuda", keep_on="cuda")
+    bank = resolve_shard_set(train)
+    features, labels = extract_features(MeanColour(), bank, crop_size=32, device="cuda", keep_on="cuda")
     assert features.is_cuda and labels.is_cuda
-    cpu = extract_features(MeanColour(), train, crop_size=32)[0]
+    cpu = extract_features(MeanColour(), bank, crop_size=32)[0]
     assert torch.allclose(features.cpu(), cpu, atol=1e-2)  # bf16 autocast on the GPU
     predicted = knn_predict(features, labels, features, num_classes=2, k=1)
     assert predicted.is_cuda and torch.equal(predicted, labels)
@@ -225,14 +229,14 @@ def test_on_a_gpu_the_bank_is_kept_and_searched_there_with_the_cpu_answer(colour
 def test_unlabelled_shards_are_refused(tmp_path):
     write_shard_set([ShardSample("a", {"jpg": _jpeg((1, 2, 3), (16, 16))})], tmp_path / "unlabelled")
     with pytest.raises(ValueError, match="has no class label"):
-        extract_features(MeanColour(), tmp_path / "unlabelled", crop_size=16)
+        extract_features(MeanColour(), resolve_shard_set(tmp_path / "unlabelled"), crop_size=16)
     import webdataset as wds
 
     (tmp_path / "named").mkdir()
     with wds.ShardWriter(str(tmp_path / "named" / "train-%04d.tar"), verbose=0) as sink:
         sink.write({"__key__": "b", "jpg": _jpeg((1, 2, 3), (16, 16)), "cls": b"tench"})
     with pytest.raises(ValueError, match="sample b in .* has cls 'tench', not a class index"):
-        extract_features(MeanColour(), tmp_path / "named", crop_size=16)
+        extract_features(MeanColour(), resolve_shard_set(tmp_path / "named"), crop_size=16)
 
 
 def _tiny_checkpoint(out) -> None:

@@ -24,6 +24,7 @@ from pretrain.eval.linear import (
     evaluate_linear,
     train_linear_on_features,
 )
+from shards import resolve_shard_set
 from tests.paths import REPO
 from tests.pretrain.eval.conftest import NUM_CLASSES, PooledPixels
 
@@ -52,8 +53,8 @@ def test_fast_linear_separates_the_classes_and_shuffled_labels_stay_at_chance(sh
     assert (result.num_train, result.num_val, result.skipped) == (72, 36, 1)
     assert "broken0" in capsys.readouterr().err  # the corrupt image is named, then skipped
     spec = FeatureSpec(crop_size=32, resize_size=36)
-    train_set = cached_features(PooledPixels(), train, spec, cache_dir=tmp_path / "features")
-    val_set = cached_features(PooledPixels(), val, spec, cache_dir=tmp_path / "features")
+    train_set, val_set = (cached_features(PooledPixels(), resolve_shard_set(source), spec,
+                                          cache_dir=tmp_path / "features") for source in (train, val))
     shuffled = FeatureSet(train_set.features, train_set.labels[torch.randperm(len(train_set),
                           generator=torch.Generator().manual_seed(3))])
     chance = train_linear_on_features(shuffled, val_set, FAST, num_classes=NUM_CLASSES)
@@ -86,7 +87,7 @@ def test_the_fast_head_standardises_a_batch_at_a_time_not_a_copy_of_the_bank():
 
 
 def test_feature_cache_is_reused_and_keyed_by_the_encoder(shape_shards, tmp_path):
-    train, _ = shape_shards
+    train = resolve_shard_set(shape_shards[0])
     spec = FeatureSpec(crop_size=32, resize_size=36)
     first = cached_features(PooledPixels(), train, spec, cache_dir=tmp_path)
     path = cache_path(tmp_path, PooledPixels(), train, spec)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,7 @@ from pretrain.eval.linear import LinearConfig, LinearResult, evaluate_linear
 from pretrain.eval.outcome import LostSamplesError
 from pretrain.model.encoder_file import sidecar_path
 from pretrain.model.heads import build_networks
-from shards import ShardSample, write_shard_set
+from shards import ShardSample, ShardSetError, resolve_shard_set, write_shard_set
 from shards.build import BuildConfig, build_shards
 from shards.outdir import INFO_NAME
 from tests.pretrain.eval.conftest import PooledPixels, shape_image
@@ -159,6 +160,29 @@ def test_knn_refuses_a_set_that_loses_samples_unless_allowed_and_then_counts_the
     assert "undecodable image(s) left out: broken7" in allowed.stderr
     with pytest.raises(LostSamplesError):  # the library refuses by default (the kNN monitor too)
         evaluate_knn(PooledPixels(), damaged_train, val, settings=KnnConfig(k=3, crop_size=16))
+
+
+def test_a_damaged_set_is_resolved_once_with_what_it_lost_and_scored_from_that_resolution(damaged_train, shape_shards,
+                                                                                         tmp_path, capsys):
+    _, val = shape_shards
+    with pytest.raises(ShardSetError, match=r"images-000001.idx .* lies beyond the tar"):
+        resolve_shard_set(damaged_train)  # its second tar is cut short under its index
+    damaged = tmp_path / "damaged"
+    shutil.copytree(damaged_train, damaged)
+    (damaged / "images-000003.tar").unlink()  # and its last tar is gone
+    bank = resolve_shard_set(damaged, allow_lost=True)
+    assert [tar.name for tar, _ in bank.lost] == ["images-000003.tar", "images-000001.tar"]
+    assert bank.lost[0][1] == "listed in the manifest but missing" and "lies beyond the tar" in bank.lost[1][1]
+    assert [tar.name for tar in bank.tars] == ["images-000000.tar", "images-000002.tar"] and bank.samples == 80
+    queries, settings = resolve_shard_set(val), KnnConfig(k=3, crop_size=16)
+    with pytest.raises(LostSamplesError, match="images-000003.tar: listed in the manifest but missing"):
+        evaluate_knn(PooledPixels(), bank, queries, settings=settings)
+    assert "broken7" not in capsys.readouterr().err  # refused before any image of the set was decoded
+    result = evaluate_knn(PooledPixels(), bank, queries, settings=settings, allow_lost=True)
+    (lost,) = result.lost
+    assert lost.source == str(damaged) and lost.shards == 2 and lost.counted
+    # the remaining samples of the cut-short tar are scored; every sample is scored, skipped or counted lost
+    assert 80 < result.num_train + result.skipped < 120 and result.num_train + result.skipped + lost.samples == 160
 
 
 def test_linear_fast_refuses_a_damaged_set_also_from_features_cached_when_it_was_allowed(damaged_train,
