@@ -100,9 +100,12 @@ maps=$out/saliency/maps
 if stage handcrafted "$sample_images" "handcrafted saliency (RBD, MR, DSR, MC) on $sample_images training images"; then
   sample=$out/saliency/sample
   rm -rf "$sample" && mkdir -p "$sample"
-  # Links named like the files, so the maps are named like the shard keys of the same images. (The list
-  # is read in full: `| head` would end `sort` with SIGPIPE, which pipefail turns into a failure.)
-  mapfile -t images < <(find -L "$train_images" -type f \( -iname '*.jpg' -o -iname '*.jpeg' \) -size +0 | LC_ALL=C sort)
+  # Links named like the files, so the maps are named like the shard keys of the same images. The first
+  # image of each folder (class) comes first, then the rest, so the report shows several classes. (The
+  # list is read in full: `| head` would end `sort` with SIGPIPE, which pipefail turns into a failure.)
+  mapfile -t images < <(find -L "$train_images" -type f \( -iname '*.jpg' -o -iname '*.jpeg' \) -size +0 | LC_ALL=C sort \
+      | awk '{ folder = $0; sub("/[^/]*$", "", folder); print (seen[folder]++ ? 1 : 0) "\t" $0 }' \
+      | LC_ALL=C sort -s -t "$(printf '\t')" -k1,1n | cut -f2-)
   for image in "${images[@]:0:$sample_images}"; do ln -sf "$image" "$sample/"; done
   relicv2 saliency handcrafted --method all --input "$sample" --output "$maps" --workers 2 --no-progress
   finished handcrafted "$sample_images"
