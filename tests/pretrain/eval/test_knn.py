@@ -179,32 +179,65 @@ def test_feature_extraction_shows_progress_against_the_manifest_total(colour_sha
     assert "kNN features train" in err and "/11" in err  # 11 samples in the manifest (10 + the broken one)
 
 
-def _knn_rank(rank: int, world_size: int, port: int, train, val, out) -> None:
+def _knn_rank(rank: int, world_size: int, port: int, jobs: list, out) -> None:
+    """Every job (train, val, k) of a test in one pair of processes (spawning costs seconds each time)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     ctx = init("cpu")
     try:
-        result = evaluate_knn(MeanColour(), train, val, settings=KnnConfig(k=3, crop_size=32, batch_size=2), ctx=ctx)
+        results = [evaluate_knn(MeanColour(), train, val, settings=KnnConfig(k=k, crop_size=32, batch_size=2),
+                                ctx=ctx) for train, val, k in jobs]
     finally:
         teardown(ctx)
     if rank == 0:
-        out.write_text(json.dumps(dataclasses.asdict(result)))
+        out.write_text(json.dumps([dataclasses.asdict(result) for result in results]))
     else:
-        assert result is None  # only rank 0 classifies
+        assert results == [None] * len(jobs)  # only rank 0 classifies
 
 
-def test_ranks_split_the_knn_images_and_rank_0_gets_the_single_process_result(colour_shards, tmp_path):
-    train, val = colour_shards
+def _two_ranks(jobs: list, tmp_path) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "two-ranks.json"
-    mp.spawn(_knn_rank, args=(2, port, train, val, out), nprocs=2, join=True)
-    one = evaluate_knn(MeanColour(), train, val, settings=KnnConfig(k=3, crop_size=32, batch_size=2))
+    mp.spawn(_knn_rank, args=(2, port, jobs, out), nprocs=2, join=True)
+    return json.loads(out.read_text())
+
+
+def _one_rank(train, val, k: int) -> dict:
+    return dataclasses.asdict(evaluate_knn(MeanColour(), train, val, settings=KnnConfig(k=k, crop_size=32, batch_size=2)))
+
+
+def _colour_set(out, name: str, colours: list, labels: list):
+    write_shard_set((ShardSample(f"{name}{i:03d}", {"jpg": _jpeg(tuple(colour), (24, 24))}, label=label)
+                     for i, (colour, label) in enumerate(zip(colours, labels, strict=True))), out / name)
+    return out / name
+
+
+def _random_colours(out, name: str, count: int, seed: int):
+    """A labelled set whose nearest neighbours are not its classes: random colours, random labels of 3 classes."""
+    generator = torch.Generator().manual_seed(seed)
+    colours = torch.randint(0, 256, (count, 3), generator=generator).tolist()
+    return _colour_set(out, name, colours, torch.randint(0, 3, (count,), generator=generator).tolist())
+
+
+def test_ranks_split_the_knn_images_and_rank_0_gets_the_single_process_result(colour_shards, tmp_path):
+    train, val = colour_shards
+    # Uneven parts (the bank's 11 samples, the broken one among them: 6 and 5) whose own nearest neighbours
+    # differ from the union's: only a merge into the global k nearest gives the single process's top-1.
+    noisy_train, noisy_val = _random_colours(tmp_path, "bank", 23, 0), _random_colours(tmp_path, "queries", 15, 1)
+    # One sample each: rank 1's parts of the bank and of the queries are empty, and k exceeds the bank. The
+    # query (cyan) is far from the bank's one item (red, cosine < 0): it is still its only neighbour, of its class.
+    single_train = _colour_set(tmp_path, "one", [(255, 0, 0)], [1])
+    single_val = _colour_set(tmp_path, "other", [(0, 255, 255)], [1])
+    jobs = [(train, val, 3), (noisy_train, noisy_val, 5), (single_train, single_val, 3)]
+    two = _two_ranks(jobs, tmp_path)
+    one = [_one_rank(*job) for job in jobs]
+    assert two == one
     # every image counted once over the ranks (10 bank, 6 val), the corrupt one skipped once
-    assert json.loads(out.read_text()) == dataclasses.asdict(one)
-    assert (one.num_train, one.num_val, one.skipped) == (10, 6, 1)
+    assert [(r["num_train"], r["num_val"], r["skipped"]) for r in one] == [(10, 6, 1), (23, 15, 0), (1, 1, 0)]
+    assert 0 < one[1]["top1"] < 1 and one[2]["top1"] == 1  # figures a wrong merge changes
     bank = resolve_shard_set(train)
     halves = [extract_features(MeanColour(), bank, crop_size=32, part=(i, 2))[0] for i in range(2)]
     whole = extract_features(MeanColour(), bank, crop_size=32)[0]
