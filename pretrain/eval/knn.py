@@ -9,7 +9,6 @@ and normalised with the ImageNet mean/std, as in the linear-evaluation test tran
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
@@ -126,8 +125,8 @@ def nearest(bank_features: Tensor, bank_labels: Tensor, query_features: Tensor, 
     queries = F.normalize(query_features.to(bank.device).float(), dim=1)
     bank_labels = bank_labels.to(bank.device)
     k = min(k, bank.shape[0])
-    if k == 0:  # a rank's empty part of a split bank
-        return torch.empty(len(queries), 0, device=bank.device), bank_labels.new_empty(len(queries), 0)
+    if k == 0 or len(queries) == 0:  # k == 0: a rank's empty part of a split bank
+        return torch.empty(len(queries), k, device=bank.device), bank_labels.new_empty(len(queries), k)
     chunk_size = max(1, min(chunk_size, SIMILARITY_BYTES // (4 * bank.shape[0])))
     similarities, labels = [], []
     for start in range(0, queries.shape[0], chunk_size):
@@ -136,8 +135,6 @@ def nearest(bank_features: Tensor, bank_labels: Tensor, query_features: Tensor, 
         del similarity
         similarities.append(top_similarity)
         labels.append(bank_labels[top_index])
-    if not similarities:
-        return torch.empty(0, k, device=bank.device), bank_labels.new_empty(0, k)
     return torch.cat(similarities), torch.cat(labels)
 
 
@@ -158,7 +155,7 @@ def merge_ranks(similarity: Tensor, labels: Tensor, *, k: int, ctx: DistributedC
     neighbours in the union of the ranks' banks. None on the other ranks."""
     # A part with fewer than k items pads its neighbours with -inf, never chosen over a real one (cos >= -1).
     width = k - similarity.shape[1]
-    similarity, labels = F.pad(similarity, (0, width), value=-math.inf), F.pad(labels, (0, width))
+    similarity, labels = F.pad(similarity, (0, width), value=float("-inf")), F.pad(labels, (0, width))
     similarity, labels = gather_tensor(similarity, ctx), gather_tensor(labels, ctx)  # [W, Q, k]
     if similarity is None or labels is None:
         return None
