@@ -123,6 +123,27 @@ def all_gather_tensor(tensor: Tensor, ctx: DistributedContext) -> Tensor:
     return torch.cat(parts)
 
 
+def all_gather_rows(tensor: Tensor, ctx: DistributedContext) -> Tensor:
+    """`all_gather_tensor` of tensors whose number of rows differs between the ranks (an empty one's other
+    sizes are ignored): each is padded to the largest shape for the collective, then trimmed."""
+    if not ctx.is_distributed:
+        return tensor
+    shapes = all_gather_tensor(torch.tensor([tensor.shape], device=tensor.device), ctx)
+    padded = tensor.new_zeros(shapes.amax(dim=0).tolist())
+    padded[tuple(slice(0, size) for size in tensor.shape)] = tensor
+    parts = all_gather_tensor(padded[None], ctx)
+    return torch.cat([part[:rows] for part, rows in zip(parts, shapes[:, 0].tolist(), strict=True)])
+
+
+def gather_tensor(tensor: Tensor, ctx: DistributedContext) -> Tensor | None:
+    """Every rank's `tensor` (one shape on every rank) stacked in rank order [W, ...] on rank 0; None on the others."""
+    if not ctx.is_distributed:
+        return tensor[None]
+    stacked = tensor.new_empty((ctx.world_size, *tensor.shape)) if ctx.is_main else None
+    dist.gather(tensor.contiguous(), None if stacked is None else list(stacked.unbind()), dst=0)
+    return stacked
+
+
 def all_gather_object(obj: Any, ctx: DistributedContext) -> list[Any]:
     """Every rank's picklable `obj`, in rank order (used for per-rank data and RNG states)."""
     if not ctx.is_distributed:

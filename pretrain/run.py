@@ -479,8 +479,8 @@ def _check_first_label(key: str, spec: ShardSet) -> None:
 
 def _knn_monitor(state: TrainState, config: PretrainConfig, ctx: DistributedContext, logger: MetricsLogger | None,
                  bank: ShardSet, queries: ShardSet) -> None:
-    """kNN accuracy of the online encoder: every rank extracts the features of 1/W of the images,
-    rank 0 gathers them, classifies and logs (so the wait stays short on large labelled sets)."""
+    """kNN accuracy of the online encoder: every rank extracts and searches 1/W of the bank, rank 0
+    merges the ranks' nearest, classifies and logs (so the wait stays short on large labelled sets)."""
     # A monitor never stops a training: a set that loses samples is scored on what remains, and the
     # loss is logged (`knn_lost`) and said (`relicv2 eval knn` refuses such a set instead).
     result = evaluate_knn(state.online.encoder, bank, queries, settings=config.knn,

@@ -25,7 +25,7 @@ from torchvision.transforms import InterpolationMode
 from jobs.progress import tracked
 from pretrain.checkpoint import encoder_from_checkpoint, random_encoder, resolve_checkpoint
 from pretrain.config import KnnConfig, PretrainConfig
-from pretrain.distributed import DistributedContext, gather_object
+from pretrain.distributed import DistributedContext, all_gather_rows, gather_object, gather_tensor
 from pretrain.eval.classes import check_same_classes
 from pretrain.eval.outcome import LostSamples, figure, lost_fields, refuse_lost
 from pretrain.model.normalization import IMAGENET_MEAN, IMAGENET_STD
@@ -106,11 +106,18 @@ def knn_predict(
     """Predicted class [Q] of each query: the k nearest bank items (cosine) vote with weight exp(cos / T).
 
     The search runs where the bank is (a GPU's matmul for a bank on the GPU), and so do its predictions.
-    Queries are processed in chunks of at most `chunk_size`, fewer when a chunk's similarities would
-    exceed SIMILARITY_BYTES, so memory stays the bank's plus O(SIMILARITY_BYTES).
     """
     if bank_features.shape[0] == 0:
         raise ValueError("the kNN bank is empty")
+    similarity, labels = nearest(bank_features, bank_labels, query_features, k=k, chunk_size=chunk_size)
+    return vote(similarity, labels, num_classes=num_classes, temperature=temperature, chunk_size=chunk_size)
+
+
+def nearest(bank_features: Tensor, bank_labels: Tensor, query_features: Tensor, *, k: int,
+            chunk_size: int = 1024) -> tuple[Tensor, Tensor]:
+    """(cosine similarity, label) [Q, min(k, N)] of each query's nearest items of the bank [N, F], most similar
+    first, where the bank is. Queries are processed in chunks of at most `chunk_size`, fewer when a chunk's
+    similarities would exceed SIMILARITY_BYTES, so memory stays the bank's plus O(SIMILARITY_BYTES)."""
     bank = bank_features.float()  # no copy for a float32 bank
     # Cosine as (q / |q|) . b / |b|: a normalised copy of the bank would double its memory (10.5 GB more at
     # 1.28 M x 2048); the norms are one float an item. The clamp is F.normalize's.
@@ -118,16 +125,43 @@ def knn_predict(
     queries = F.normalize(query_features.to(bank.device).float(), dim=1)
     bank_labels = bank_labels.to(bank.device)
     k = min(k, bank.shape[0])
+    if k == 0 or len(queries) == 0:  # k == 0: a rank's empty part of a split bank
+        return torch.empty(len(queries), k, device=bank.device), bank_labels.new_empty(len(queries), k)
     chunk_size = max(1, min(chunk_size, SIMILARITY_BYTES // (4 * bank.shape[0])))
-    predictions = []
+    similarities, labels = [], []
     for start in range(0, queries.shape[0], chunk_size):
         similarity = (queries[start : start + chunk_size] @ bank.T).div_(bank_norms)
         top_similarity, top_index = similarity.topk(k, dim=1)
         del similarity
-        votes = torch.zeros(top_index.shape[0], num_classes, device=top_index.device)
-        votes.scatter_add_(1, bank_labels[top_index], (top_similarity / temperature).exp())
+        similarities.append(top_similarity)
+        labels.append(bank_labels[top_index])
+    return torch.cat(similarities), torch.cat(labels)
+
+
+def vote(similarity: Tensor, labels: Tensor, *, num_classes: int, temperature: float,
+         chunk_size: int = 1024) -> Tensor:
+    """Predicted class [Q] of queries whose neighbours have `similarity` and `labels` [Q, k]: each neighbour
+    votes for its class with weight exp(cos / T); chunks of `chunk_size` queries hold their [chunk, classes] votes."""
+    predictions = []
+    for chunk_similarity, chunk_labels in zip(similarity.split(chunk_size), labels.split(chunk_size), strict=True):
+        votes = torch.zeros(chunk_labels.shape[0], num_classes, device=chunk_labels.device)
+        votes.scatter_add_(1, chunk_labels, (chunk_similarity / temperature).exp())
         predictions.append(votes.argmax(dim=1))
-    return torch.cat(predictions) if predictions else torch.empty(0, dtype=torch.long, device=bank.device)
+    return torch.cat(predictions)
+
+
+def merge_ranks(similarity: Tensor, labels: Tensor, *, k: int, ctx: DistributedContext) -> tuple[Tensor, Tensor] | None:
+    """On rank 0, the k most similar of every rank's `nearest` neighbours [Q, <= k] of the same queries: the
+    neighbours in the union of the ranks' banks. None on the other ranks."""
+    # A part with fewer than k items pads its neighbours with -inf, never chosen over a real one (cos >= -1).
+    width = k - similarity.shape[1]
+    similarity, labels = F.pad(similarity, (0, width), value=float("-inf")), F.pad(labels, (0, width))
+    similarity, labels = gather_tensor(similarity, ctx), gather_tensor(labels, ctx)  # [W, Q, k]
+    if similarity is None or labels is None:
+        return None
+    similarity, labels = (t.transpose(0, 1).flatten(1) for t in (similarity, labels))  # [Q, W * k]
+    similarity, index = similarity.topk(k, dim=1)
+    return similarity, labels.gather(1, index)
 
 
 def preprocess(jpeg: bytes, *, crop_size: int, resize_size: int, name: str = "image") -> Tensor:
@@ -295,8 +329,9 @@ def evaluate_knn(
     fields are not used here); keyword `overrides` (k=, temperature=, crop_size=, resize_size=,
     batch_size=) replace single fields of it. `progress` shows a bar with the manifest's total on rank 0.
     The bank is kept and searched on `device` (a GPU's matmul on a GPU). With a multi-rank `ctx` every
-    rank must call it: each extracts the features of 1/W of the samples, rank 0 gathers them (through
-    the CPU), classifies and returns the result; the other ranks return None.
+    rank must call it: each extracts the features of 1/W of the samples and keeps its part of the bank,
+    every rank searches its part for every query (the queries' features are gathered to all), rank 0
+    merges the ranks' k nearest into the global k nearest, votes and returns the result; the others return None.
     Sets whose recorded class names differ are refused first (ClassMismatchError); a set that loses
     samples while read raises LostSamplesError unless `allow_lost` (then the result lists the loss).
     """
@@ -313,24 +348,29 @@ def evaluate_knn(
     options = {"crop_size": settings.crop_size, "resize_size": settings.resize_size,
                "batch_size": settings.batch_size, "device": device, "skipped": skipped, "part": (rank, world),
                "progress": progress and rank == 0, "allow_lost": allow_lost, "lost": lost,
-               "keep_on": device if world == 1 else "cpu"}  # gather_object sends CPU tensors
+               "keep_on": device}
     bank, bank_labels = extract_features(encoder, train_shards, **options)
     queries, query_labels = extract_features(encoder, val_shards, **options)
+    num_train = len(bank_labels)
+    if world > 1:  # each rank searches its part of the bank for every query; rank 0 merges and votes
+        parts = gather_object((skipped, num_train), ctx)
+        queries, query_labels = (all_gather_rows(t.to(device), ctx) for t in (queries, query_labels))
+    candidates = nearest(bank, bank_labels, queries, k=k)
     if world > 1:
-        gathered = gather_object((bank, bank_labels, queries, query_labels, skipped), ctx)
-        if gathered is None:
+        candidates = merge_ranks(*(t.to(device) for t in candidates), k=k, ctx=ctx)
+        if parts is None or candidates is None:
             return None
-        bank_parts, query_parts = [(g[0], g[1]) for g in gathered], [(g[2], g[3]) for g in gathered]
-        skipped = [key for g in gathered for key in g[4]]
-        del gathered, bank, queries  # the parts are let go as they are copied into the joined bank
-        bank, bank_labels = join_parts(bank_parts, train_shards, torch.device(device))
-        queries, query_labels = join_parts(query_parts, val_shards, torch.device(device))
-    num_classes = int(max(bank_labels.max(), query_labels.max())) + 1
-    predicted = knn_predict(bank, bank_labels, queries, num_classes=num_classes, k=k, temperature=temperature)
+        skipped, num_train = [key for keys, _ in parts for key in keys], sum(count for _, count in parts)
+    for source, count in ((train_shards, num_train), (val_shards, len(query_labels))):
+        if count == 0:
+            raise ValueError(f"no decodable labelled images in {source}")
+    similarity, labels = candidates
+    num_classes = int(max(labels.max(), query_labels.max())) + 1
+    predicted = vote(similarity, labels, num_classes=num_classes, temperature=temperature)
     top1 = int((predicted.cpu() == query_labels.cpu()).sum()) / len(query_labels)
     protocol = {"image_size": settings.crop_size, "resize_size": resize_of(settings.crop_size, settings.resize_size),
                 "k": k, "temperature": temperature, "bank": str(train_shards), "split": str(val_shards)}
-    return KnnResult(top1=top1, num_train=len(bank_labels), num_val=len(query_labels), skipped=len(skipped),
+    return KnnResult(top1=top1, num_train=num_train, num_val=len(query_labels), skipped=len(skipped),
                      skipped_keys=sorted(skipped), lost=lost, settings=protocol)
 
 

@@ -7,6 +7,7 @@ import dataclasses
 import io
 import json
 import os
+import resource
 import socket
 import subprocess
 import sys
@@ -84,14 +85,10 @@ def test_the_search_holds_a_bounded_block_of_similarities_not_one_per_1024_queri
 # Runs in its own process on a set the test wrote: the growth of the peak RSS over extracting its bank.
 BANK_PEAK = """
 import resource, sys, torch
-from torch import nn
 from pretrain.eval.knn import extract_features
 from shards import resolve_shard_set
+from tests.pretrain.eval.test_knn import Wide
 torch.set_num_threads(1)
-
-class Wide(nn.Module):  # 32,768 features an image: 800 images make a 100 MiB bank
-    def forward(self, x):
-        return x.mean(dim=(2, 3)).repeat(1, 32_768 // 3 + 1)[:, :32_768]
 
 bank = resolve_shard_set(sys.argv[1])
 extract_features(Wide(), bank, crop_size=16, batch_size=32, part=(0, 100))  # first-call allocations
@@ -101,10 +98,22 @@ print(features.numel() * 4, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss 
 """
 
 
+class Wide(nn.Module):
+    """32,768 features an image (its mean colour, repeated): 800 images make a 100 MiB bank."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.mean(dim=(2, 3)).repeat(1, 32_768 // 3 + 1)[:, :32_768]
+
+
+def _wide_bank(out):
+    write_shard_set((ShardSample(f"s{i:04d}", {"jpg": _jpeg((i % 256, 90, 40), (20, 16))}, label=i % 3)
+                     for i in range(800)), out)
+    return out
+
+
 def test_the_bank_is_held_once_while_its_features_are_extracted(tmp_path):
     # A list of batches concatenated at the end holds the bank twice (2 x 10 GiB at ImageNet's 1.28 M x 2048).
-    write_shard_set((ShardSample(f"s{i:04d}", {"jpg": _jpeg((i % 256, 90, 40), (20, 16))}, label=i % 3)
-                     for i in range(800)), tmp_path / "bank")
+    _wide_bank(tmp_path / "bank")
     done = subprocess.run([sys.executable, "-c", BANK_PEAK, str(tmp_path / "bank")], capture_output=True, text=True,
                           timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr
@@ -179,36 +188,99 @@ def test_feature_extraction_shows_progress_against_the_manifest_total(colour_sha
     assert "kNN features train" in err and "/11" in err  # 11 samples in the manifest (10 + the broken one)
 
 
-def _knn_rank(rank: int, world_size: int, port: int, train, val, out) -> None:
+def _join(rank: int, world_size: int, port: int):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    ctx = init("cpu")
+    return init("cpu")
+
+
+def _knn_rank(rank: int, world_size: int, port: int, jobs: list, out) -> None:
+    """Every job (train, val, k) of a test in one pair of processes (spawning costs seconds each time)."""
+    ctx = _join(rank, world_size, port)
     try:
-        result = evaluate_knn(MeanColour(), train, val, settings=KnnConfig(k=3, crop_size=32, batch_size=2), ctx=ctx)
+        results = [evaluate_knn(MeanColour(), train, val, settings=KnnConfig(k=k, crop_size=32, batch_size=2),
+                                ctx=ctx) for train, val, k in jobs]
     finally:
         teardown(ctx)
     if rank == 0:
-        out.write_text(json.dumps(dataclasses.asdict(result)))
+        out.write_text(json.dumps([dataclasses.asdict(result) for result in results]))
     else:
-        assert result is None  # only rank 0 classifies
+        assert results == [None] * len(jobs)  # only rank 0 classifies
 
 
-def test_ranks_split_the_knn_images_and_rank_0_gets_the_single_process_result(colour_shards, tmp_path):
-    train, val = colour_shards
+def _two_ranks(rank_main, jobs, tmp_path):
+    """What rank 0 of two gloo ranks running `rank_main(rank, 2, port, jobs, out)` writes to `out`."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "two-ranks.json"
-    mp.spawn(_knn_rank, args=(2, port, train, val, out), nprocs=2, join=True)
-    one = evaluate_knn(MeanColour(), train, val, settings=KnnConfig(k=3, crop_size=32, batch_size=2))
+    mp.spawn(rank_main, args=(2, port, jobs, out), nprocs=2, join=True)
+    return json.loads(out.read_text())
+
+
+def _one_rank(train, val, k: int) -> dict:
+    return dataclasses.asdict(evaluate_knn(MeanColour(), train, val, settings=KnnConfig(k=k, crop_size=32, batch_size=2)))
+
+
+def _colour_set(out, name: str, colours: list, labels: list):
+    write_shard_set((ShardSample(f"{name}{i:03d}", {"jpg": _jpeg(tuple(colour), (24, 24))}, label=label)
+                     for i, (colour, label) in enumerate(zip(colours, labels, strict=True))), out / name)
+    return out / name
+
+
+def _random_colours(out, name: str, count: int, seed: int):
+    """A labelled set whose nearest neighbours are not its classes: random colours, random labels of 3 classes."""
+    generator = torch.Generator().manual_seed(seed)
+    colours = torch.randint(0, 256, (count, 3), generator=generator).tolist()
+    return _colour_set(out, name, colours, torch.randint(0, 3, (count,), generator=generator).tolist())
+
+
+def test_ranks_split_the_knn_images_and_rank_0_gets_the_single_process_result(colour_shards, tmp_path):
+    train, val = colour_shards
+    # Uneven parts (the bank's 11 samples, the broken one among them: 6 and 5) whose own nearest neighbours
+    # differ from the union's: only a merge into the global k nearest gives the single process's top-1.
+    noisy_train, noisy_val = _random_colours(tmp_path, "bank", 23, 0), _random_colours(tmp_path, "queries", 15, 1)
+    # One sample each: rank 1's parts of the bank and of the queries are empty, and k exceeds the bank. The
+    # query (cyan) is far from the bank's one item (red, cosine < 0): it is still its only neighbour, of its class.
+    single_train = _colour_set(tmp_path, "one", [(255, 0, 0)], [1])
+    single_val = _colour_set(tmp_path, "other", [(0, 255, 255)], [1])
+    jobs = [(train, val, 3), (noisy_train, noisy_val, 5), (single_train, single_val, 3)]
+    two = _two_ranks(_knn_rank, jobs, tmp_path)
+    one = [_one_rank(*job) for job in jobs]
+    assert two == one
     # every image counted once over the ranks (10 bank, 6 val), the corrupt one skipped once
-    assert json.loads(out.read_text()) == dataclasses.asdict(one)
-    assert (one.num_train, one.num_val, one.skipped) == (10, 6, 1)
+    assert [(r["num_train"], r["num_val"], r["skipped"]) for r in one] == [(10, 6, 1), (23, 15, 0), (1, 1, 0)]
+    assert 0 < one[1]["top1"] < 1 and one[2]["top1"] == 1  # figures a wrong merge changes
     bank = resolve_shard_set(train)
     halves = [extract_features(MeanColour(), bank, crop_size=32, part=(i, 2))[0] for i in range(2)]
     whole = extract_features(MeanColour(), bank, crop_size=32)[0]
     assert torch.equal(torch.cat(halves).sort(dim=0).values, whole.sort(dim=0).values)
+
+
+def _peak_rank(rank: int, world_size: int, port: int, sets: tuple, out) -> None:
+    bank, queries = sets
+    ctx = _join(rank, world_size, port)
+    settings = KnnConfig(k=5, crop_size=16, batch_size=32)
+    try:
+        evaluate_knn(Wide(), queries, queries, settings=settings, ctx=ctx)  # first-call allocations
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        result = evaluate_knn(Wide(), bank, queries, settings=settings, ctx=ctx)
+        grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+    finally:
+        teardown(ctx)
+    if rank == 0:
+        out.write_text(json.dumps([result.num_train, grown]))
+
+
+def test_under_two_ranks_rank_0_holds_its_part_of_the_bank_not_the_whole(tmp_path):
+    # Gathering the ranks' parts to rank 0 held the whole bank there, and more (10 GB at ImageNet's 1.28 M x 2048).
+    bank = _wide_bank(tmp_path / "bank")
+    queries = _random_colours(tmp_path, "queries", 8, 0)
+    num_train, grown = _two_ranks(_peak_rank, (bank, queries), tmp_path)
+    size = num_train * 32_768 * 4  # 100 MiB; rank 0's part is half of it
+    assert num_train == 800
+    assert grown < 0.75 * size, f"rank 0's peak RSS grew by {grown / size:.2f} x the bank's {size / 2**20:.0f} MiB"
 
 
 @pytest.mark.gpu
