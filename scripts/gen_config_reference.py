@@ -165,11 +165,11 @@ def render() -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=OUTPUT, help="file to write (default docs/config.md)")
     parser.add_argument("--check", action="store_true", help="only compare; exit 1 when the file is stale")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     text = render()
     if args.check:
         current = args.out.read_text() if args.out.is_file() else ""
