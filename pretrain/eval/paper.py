@@ -18,6 +18,7 @@ from pretrain.eval.linear_config import LinearConfig
 from pretrain.eval.supervised import HeadCheckpointError
 from pretrain.eval.views import LabelledViews, class_count, labelled_samples, loader, rank_order
 from pretrain.schedules import learning_rate
+from shards.shardset import Spec
 
 __all__ = ["HEAD_FILE", "HeadCheckpointError", "train_linear_paper"]  # the CLI catches the error from here
 
@@ -32,10 +33,11 @@ def _features(encoder: nn.Module, images: Tensor, device: torch.device) -> Tenso
 
 
 def train_linear_paper(
-    encoder: nn.Module, train_shards: str | Path, val_shards: str | Path, config: LinearConfig, *,
+    encoder: nn.Module, train_shards: Spec, val_shards: Spec, config: LinearConfig, *,
     device: torch.device, output_dir: Path | None, ctx: DistributedContext | None = None,
 ) -> supervised.LinearResult:
-    """Train the head on augmented views of `train_shards`, score it on `val_shards` (exact over ranks)."""
+    """Train the head on augmented views of `train_shards`, score it on `val_shards` (exact over ranks); each a
+    spec or the job's resolved `ShardSet`, opened once here for the views' decoding."""
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
     per_rank_batch = max(1, config.batch_size // world)
     if config.backend == "dali":
