@@ -75,6 +75,8 @@ def train_command(shards: Path, out: Path, config_name: str | None, preset_name:
               help="Under torchrun: seconds rank 0 waits for the other ranks before merging.")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a setting (repeatable), e.g. --set batch_size=64 --set device=cuda:1")
+@click.option("--flip/--no-flip", default=None,
+              help="Average each mask with the mirrored image's (twice the forward pass). [default: off]")
 @click.option("--progress/--no-progress", default=None, help="Show a progress bar. [default: on]")
 def build_masks_command(config_name: str | None, overrides: tuple[str, ...], **options) -> None:
     """Write a masked shard set: every sample's original image plus an 8-bit soft mask (mask.png).

@@ -129,6 +129,9 @@ class BuildMasksConfig:
     device: str = "auto"  # CUDA when a GPU is visible (this rank's under torchrun), else the CPU
     progress: bool = True
     merge_timeout_s: float = 3600.0  # rank 0 waits this long for the other ranks' shards
+    # Average each mask with the prediction of the mirrored image, mirrored back: twice the forward, +.003 to
+    # +.007 max-F on held-back PASCAL-S (benchmarks/RESULTS.md, "Saliency network quality").
+    flip: bool = False
     # Where indexes of input tars without one are derived; None: shards.shardset.default_index_cache.
     index_cache: Path | None = None
 
@@ -388,17 +391,18 @@ def check_input(tars: list[Path], out: Path) -> None:
         raise MasksError(f"--out {out} holds input shards; choose an output folder apart from --shards")
 
 
-def masks_job(out: Path, model_sha256: str, tars: list[Path]) -> tuple[ShardJob, dict]:
+def masks_job(out: Path, model_sha256: str, tars: list[Path], flip: bool = False) -> tuple[ShardJob, dict]:
     """The engine's job and plan: one unit per input tar, `masked-NNNNNN.tar` in the input's order. A
-    unit's digest covers the model, its output name and its input tar's name, size and modification
-    time (a stat: any rank can check any unit's record); the SHA-256 of the input's index is checked
-    by the rank that owns the unit (`input_tar_identity`)."""
-    plan = {"model_sha256": model_sha256, "input_shards": [t.name for t in tars], "prefix": PREFIX}
+    unit's digest covers the model (and `flip`, which makes other masks), its output name and its input
+    tar's name, size and modification time (a stat: any rank can check any unit's record); the SHA-256
+    of the input's index is checked by the rank that owns the unit (`input_tar_identity`)."""
+    masks = {"model_sha256": model_sha256, **({"flip": True} if flip else {})}  # without flip: as before it existed
+    plan = {**masks, "input_shards": [t.name for t in tars], "prefix": PREFIX}
     units = []
     for number, tar in enumerate(tars):
         stat = tar.stat()
         shard = shard_name(PREFIX, number)
-        digest = digest_of({"model_sha256": model_sha256, "shard": shard, "input": tar.name,
+        digest = digest_of({**masks, "shard": shard, "input": tar.name,
                             "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns})
         units.append(Unit(f"{number:06d}", shard, digest))
     return ShardJob(out, out / STATE_DIR, tuple(units)), plan
@@ -455,9 +459,9 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
     out = Path(config.out)
     check_input(tars, out)
     model = resolve_model_path(config.model)
-    job, plan = masks_job(out, hashlib.sha256(model.read_bytes()).hexdigest(), tars)
+    job, plan = masks_job(out, hashlib.sha256(model.read_bytes()).hexdigest(), tars, config.flip)
     try:
-        check_plan(job, plan, other="a masked set built from another model or input")
+        check_plan(job, plan, other="a masked set built from another model, input or flip setting")
     except PlanError as error:
         raise MasksError(str(error)) from None
     check_out_folder(job)
@@ -467,7 +471,7 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
         raise MasksError(str(error)) from None
     # The model is read before --out is created: a refused model leaves no folder behind.
     if predictor is None:
-        predictor = MaskPredictor(model, device)
+        predictor = MaskPredictor(model, device, flip=config.flip)
         print(f"saliency build-masks: rank {ranks.rank} predicts on {device}", file=sys.stderr, flush=True)
     if predictor.size < 1:
         raise MasksError(f"{model} has input size {predictor.size}; {PASS_MODEL}")
@@ -542,7 +546,7 @@ def _run(job: ShardJob, plan: dict, tars: list[Path], config: BuildMasksConfig, 
     summary = _summary(records, time.monotonic() - started)
     atomic_write_bytes(out / SETTINGS_FILE, settings_text(config, version=package_version()).encode())
     merge_records(out, records, info={
-        "prefix": PREFIX, "source": str(config.shards), "model": plan["model_sha256"],
+        "prefix": PREFIX, "source": str(config.shards), "model": plan["model_sha256"], "flip": config.flip,
         "mask": {k: summary[k] for k in ("below_min_coverage", "min_coverage", "coverage_histogram")},
         "version": package_version(),
     })

@@ -21,12 +21,22 @@ from saliency.network.images import resize_map, resize_square
 from saliency.network.model import SaliencyNet
 
 
+def with_mirrors(batch: torch.Tensor) -> torch.Tensor:
+    """N x C x H x W -> 2N: the batch, then each image mirrored left to right (one forward scores both)."""
+    return torch.cat([batch, batch.flip(-1)])
+
+
+def mirror_mean(probabilities: torch.Tensor) -> torch.Tensor:
+    """2N x H x W predictions of `with_mirrors(batch)` -> N: each image's mean with its mirror's, mirrored back."""
+    half = len(probabilities) // 2
+    return (probabilities[:half] + probabilities[half:].flip(-1)) / 2
+
+
 def predict_map(model: SaliencyNet, rgb: np.ndarray, size: int, *, flip: bool = False) -> np.ndarray:
     """The network's foreground probability of one displayed image (uint8 HxWx3), at the image's size."""
     square = torch.from_numpy(resize_square(rgb, size)).permute(2, 0, 1)[None]
     if flip:
-        both = model.predict(torch.cat([square, square.flip(-1)]))
-        probability = ((both[0] + both[1].flip(-1)) / 2).cpu().numpy()
+        probability = mirror_mean(model.predict(with_mirrors(square)))[0].cpu().numpy()
     else:
         probability = model.predict(square)[0].cpu().numpy()
     return resize_map(probability, rgb.shape[1], rgb.shape[0])

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from saliency.network.model_file import load_model
+from saliency.network.predict import mirror_mean, with_mirrors
 
 CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context, as torch's own staging does
 
@@ -24,9 +25,10 @@ CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for eve
 class MaskPredictor:
     """Batched inference of a `saliency train` model file (see the module's docstring)."""
 
-    def __init__(self, model_path: Path, device: str):
+    def __init__(self, model_path: Path, device: str, *, flip: bool = False):
         self.model, self.info = load_model(model_path, device)
         self.device, self.size = device, int(self.info["input_size"])
+        self.flip = flip  # average each image's prediction with its mirror's (twice the forward)
         self.cuda = device.startswith("cuda")
         if self.cuda:
             self.model = self.model.to(memory_format=torch.channels_last)
@@ -70,12 +72,19 @@ class MaskPredictor:
         if self.cuda and not self._page_locked(squares):  # a pinned copy (the caching host allocator reuses it): the upload is asynchronous
             batch = torch.empty(batch.shape, dtype=torch.uint8, pin_memory=True).copy_(batch)
         x = self.model.normalise(batch.permute(0, 3, 1, 2))
+        if self.flip:
+            x = with_mirrors(x)
         if not self.cuda:
-            torch.sigmoid(self.model(x).squeeze(1), out=torch.from_numpy(out))
+            if self.flip:
+                torch.from_numpy(out).copy_(mirror_mean(torch.sigmoid(self.model(x).squeeze(1))))
+            else:
+                torch.sigmoid(self.model(x).squeeze(1), out=torch.from_numpy(out))
             return lambda: out
         with torch.autocast("cuda", dtype=torch.bfloat16):
             logits = self.model(x.contiguous(memory_format=torch.channels_last))
         result = torch.sigmoid(logits.float()).squeeze(1)
+        if self.flip:
+            result = mirror_mean(result)
         direct = self._page_locked(out)
         host = torch.from_numpy(out) if direct else torch.empty(result.shape, dtype=torch.float32, pin_memory=True)
         host.copy_(result, non_blocking=True)

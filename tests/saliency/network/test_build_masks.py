@@ -4,6 +4,7 @@ and the masked set feeding the pretraining view loader."""
 from __future__ import annotations
 
 import io
+import json
 import tarfile
 from pathlib import Path
 
@@ -11,9 +12,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from saliency.network.build_masks import BuildMasksConfig, MasksError, build_masks
+from saliency.network.build_masks import STATE_DIR, BuildMasksConfig, MasksError, build_masks
+from saliency.synthetic import synthetic_scene
 from shards import (
     ReadReport,
+    ShardSample,
     iter_samples,
     read_manifest,
     read_rejected,
@@ -22,6 +25,7 @@ from shards import (
 )
 from shards.build import Ranks
 from shards.index import index_path
+from shards.job import PLAN_NAME
 from tests.exif_images import orientation6_jpeg
 from tests.saliency.network.conftest import SquarePredictor, jpeg_bytes, scene_samples
 
@@ -167,11 +171,73 @@ def test_masked_set_feeds_the_view_loader_with_masks_applied(tmp_path, scene_sha
 
 
 @pytest.mark.gpu
-def test_gpu_masks_agree_with_cpu(tmp_path, scene_shards, tiny_model) -> None:
+@pytest.mark.parametrize("flip", [False, True])
+def test_gpu_masks_agree_with_cpu(tmp_path, scene_shards, tiny_model, flip) -> None:
     shards, _ = scene_shards
-    build_masks(_config(tiny_model, shards, tmp_path / "cpu"), Ranks())
-    build_masks(_config(tiny_model, shards, tmp_path / "gpu", device="cuda"), Ranks())
+    build_masks(_config(tiny_model, shards, tmp_path / "cpu", flip=flip), Ranks())
+    build_masks(_config(tiny_model, shards, tmp_path / "gpu", device="cuda", flip=flip), Ranks())
     cpu = {r["key"]: r["mask_coverage"] for r in read_manifest(tmp_path / "cpu").to_pylist()}
     gpu = {r["key"]: r["mask_coverage"] for r in read_manifest(tmp_path / "gpu").to_pylist()}
     assert cpu.keys() == gpu.keys()
     assert max(abs(cpu[k] - gpu[k]) for k in cpu) < 0.05  # bf16 autocast on GPU, fp32 on CPU
+
+
+def _mirrored_pairs() -> list[ShardSample]:
+    """Each generated scene and its mirror image, as lossless PNG (a mirrored JPEG decodes to other pixels)."""
+    samples = []
+    for i in range(3):
+        rgb, _ = synthetic_scene(48, 64, seed=i)
+        for key, pixels in ((f"scene{i}", rgb), (f"mirror{i}", rgb[:, ::-1])):
+            buffer = io.BytesIO()
+            Image.fromarray(np.ascontiguousarray(pixels)).save(buffer, "PNG")
+            samples.append(ShardSample(key, {"png": buffer.getvalue()}, i, {"width": 64, "height": 48}))
+    return samples
+
+
+def _masks(out: Path) -> dict[str, np.ndarray]:
+    return {s["key"]: np.asarray(Image.open(io.BytesIO(s["mask.png"])), np.int16)
+            for s in iter_samples(out, report=ReadReport())}
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_flip_makes_the_mask_of_a_mirrored_image_the_mirrored_mask(tmp_path, flip) -> None:
+    """The real network (random, so not mirror-symmetric) with `flip`: each mask is the mean of the image's
+    prediction and its mirror's, so mirroring the image mirrors its mask (to the 8-bit rounding of the
+    resizes); without `flip` they differ."""
+    import torch
+
+    from saliency.network.model import SaliencyNet
+    from saliency.network.model_file import save_model
+
+    torch.manual_seed(0)
+    net = SaliencyNet(18).eval()
+    with torch.no_grad():  # a random network's map is nearly flat: sharpen it so that its asymmetry shows in 8 bits
+        net.fuse[-1].weight.mul_(200.0)
+    model = save_model(tmp_path / "sharp.pt", net, input_size=32, preset="tiny", backbone="random initialisation",
+                       config={}, report={})
+    write_shard_set(_mirrored_pairs(), tmp_path / "in", max_count=6)
+    summary = build_masks(_config(model, tmp_path / "in", tmp_path / "out", flip=flip), Ranks())
+    assert summary["written"] == 6
+    masks = _masks(tmp_path / "out")
+    worst = max(np.abs(masks[f"scene{i}"] - masks[f"mirror{i}"][:, ::-1]).max() for i in range(3))
+    if flip:
+        assert worst <= 2, worst
+    else:
+        assert worst > 10, worst
+
+
+def test_a_rerun_with_another_flip_setting_is_refused_and_the_old_plan_still_resumes(tmp_path, scene_shards,
+                                                                                      tiny_model) -> None:
+    """Masks made with and without `flip` are different sets: the same --out refuses the other setting. A job
+    without `flip` keeps the plan it had before the setting existed, so its interrupted runs still resume."""
+    shards, _ = scene_shards
+    out = tmp_path / "out"
+    build_masks(_config(tiny_model, shards, out), Ranks(), predictor=SquarePredictor())
+    assert set(json.loads((out / STATE_DIR / PLAN_NAME).read_text())) == {"model_sha256", "input_shards",
+                                                                                 "prefix"}
+    with pytest.raises(MasksError, match="flip setting"):
+        build_masks(_config(tiny_model, shards, out, flip=True), Ranks(), predictor=SquarePredictor())
+    flipped = tmp_path / "flipped"
+    build_masks(_config(tiny_model, shards, flipped, flip=True), Ranks(), predictor=SquarePredictor())
+    with pytest.raises(MasksError, match="flip setting"):
+        build_masks(_config(tiny_model, shards, flipped), Ranks(), predictor=SquarePredictor())

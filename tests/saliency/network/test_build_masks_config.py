@@ -25,10 +25,11 @@ def test_a_preset_the_options_and_set_are_echoed_and_saved_beside_the_set(tmp_pa
     monkeypatch.chdir(tmp_path)  # a preset is found by name from any directory
     out = tmp_path / "masked"
     result = _build_masks(tiny_model, shards, out, "--config", "cpu", "--batch", "8", "--set", "batch_size=4",
-                          "--set", "merge_timeout_s=60")
+                          "--set", "merge_timeout_s=60", "--flip")
     assert result.exit_code == 0, result.output
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert (saved["device"], saved["batch_size"], saved["workers"], saved["merge_timeout_s"]) == ("cpu", 4, 0, 60.0)
+    assert saved["flip"] is True
     assert saved["shards"] == str(shards) and saved["version"]
     assert (out / "config.yaml").read_text().rstrip() in result.output  # the echo is the saved text
 
