@@ -174,7 +174,7 @@ def test_a_ring_that_does_not_fit_in_dev_shm_is_refused_when_made(tmp_path: Path
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="signals a process group")
 def test_ctrl_c_is_one_line_and_exit_130_without_a_traceback_from_any_worker(tmp_path: Path, tiny_model: Path) -> None:
-    samples, _ = scene_samples(48, height=120, width=160)
+    samples, _ = scene_samples(96, height=120, width=160)  # 24 shards: the job is far from done when it is stopped
     shards, out = tmp_path / "in", tmp_path / "out"
     write_shard_set(samples, shards, max_count=4)
     command = [sys.executable, "-m", "cli", "saliency", "build-masks", "--model", str(tiny_model), "--shards",
