@@ -1,12 +1,15 @@
-"""The torch colour stage alone: each view coloured on its own against the views of one size as one batch.
+"""The torch colour stage alone: each view coloured on its own, the views of one size as one batch, and fused.
 
 Random 8-bit views (4 x 224 + 2 x 96 by default) with draws at the paper's probabilities (jitter,
-grayscale, each view's blur and solarize, saliency masking at p_m) go through `colour_views` twice, in
-the same run and on the same draws: each view alone (`stack=False`, the default on the CPU) and the
-views of one size as one batch (`stack=True`, the default on a GPU). Printed for each:
+grayscale, each view's blur and solarize, saliency masking at p_m) go through `colour_views` three
+times, in the same run and on the same draws: each view alone (`stack=False`, the default on the CPU),
+the views of one size as one batch (`stack=True`, the default on a GPU), and those batches with every
+row through every step (`fused=True`: `views.colour_kernels`, compiled on a GPU). Printed for each:
 the operators dispatched a batch and those among them that compute (each at least one kernel launch
-on a GPU, where the stage is launch-bound; the others are views), the CPU ms the calling thread
-spends a batch, the wall ms a batch (the device synchronised after each batch), and the ratios.
+on a GPU, where the stage is launch-bound; the others are views; 0 for the fused row on a GPU, whose
+compiled kernels are not counted), the CPU ms the calling thread spends a batch, the wall ms a batch
+(the device synchronised after each batch), and the ratios. The three ways must agree first (TF32 off:
+cuDNN may run one way's blur in TF32 and not another's).
 
     python benchmarks/bench_colour.py --batch 32                   # CPU box
     python benchmarks/bench_colour.py --device cuda --batch 256    # one H100
@@ -66,7 +69,7 @@ def make_batch(cfg: ViewConfig, batch: int, device: torch.device, rng: np.random
     views = [torch.from_numpy(rng.integers(0, 256, (batch, s.size, s.size, 3), dtype=np.uint8)).to(device)
              for s in specs]
     draws = [paper_draws(s, cfg, batch, rng) for s in specs]
-    grey = rng.uniform(*cfg.mask_grey_range, batch)
+    grey = np.floor(rng.uniform(*cfg.mask_grey_range, batch) * 255 + 0.5) / 255  # whole 8-bit levels, as the pipeline draws
     backgrounds = {
         j: Background(masked=rng.uniform(size=batch) < s.mask_probability, grey=grey,
                       soft=torch.from_numpy(rng.integers(0, 256, (batch, s.size, s.size, 1), dtype=np.uint8)).to(device))
@@ -83,7 +86,11 @@ def together(cfg, specs, views, draws, backgrounds):
     return colour_views(views, draws, specs, cfg, backgrounds, stack=True)
 
 
-def measure(run, args, cfg, batches, device) -> dict[str, float]:
+def fused(cfg, specs, views, draws, backgrounds):
+    return colour_views(views, draws, specs, cfg, backgrounds, stack=True, fused=True)
+
+
+def measure(run, args, cfg, batches, device, count: bool = True) -> dict[str, float]:
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -91,8 +98,10 @@ def measure(run, args, cfg, batches, device) -> dict[str, float]:
     for batch in batches[: args.warmup]:
         run(cfg, *batch)
     sync()
-    with OperatorCount() as counter:
-        run(cfg, *batches[0])
+    counter = OperatorCount()
+    if count:  # a dispatch mode around compiled code would trace it again: the fused row counts on a CPU only
+        with counter:
+            run(cfg, *batches[0])
     cpu_ms, wall_ms = [], []
     for batch in batches[args.warmup :]:
         wall, cpu = time.perf_counter(), time.thread_time()
@@ -119,20 +128,28 @@ def main() -> None:
     rng = np.random.default_rng(0)
     batches = [make_batch(cfg, args.batch, device, rng) for _ in range(args.warmup + args.batches)]
     first = batches[0]
-    for got, want in zip(together(cfg, *first), each_alone(cfg, *first), strict=True):
-        assert (got - want).abs().max().item() < 1e-3, "the two ways disagree"
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        alone_views = each_alone(cfg, *first)
+        for way in (together, fused):
+            for got, want in zip(way(cfg, *first), alone_views, strict=True):
+                worst = (got - want).abs().max().item()
+                assert worst < 1e-3, f"{way.__name__} and each view alone disagree by {worst:.2g}"
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"colour stage, {cfg.large_views} x {args.large_size} + {cfg.small_views} x {args.small_size}, "
           f"batch {args.batch}, p_m {args.mask_probability}, {name}, torch {torch.__version__}, "
           f"{torch.get_num_threads()} intra-op threads; medians of {args.batches} batches")
     alone = measure(each_alone, args, cfg, batches, device)
     joined = measure(together, args, cfg, batches, device)
-    print(f"{'':<26}{'operators':>10}{'computing':>10}{'CPU ms':>10}{'wall ms':>10}")
-    for label, row in (("each view alone", alone), ("views of one size together", joined)):
-        print(f"{label:<26}{row['operators']:>10}{row['computing']:>10}{row['cpu_ms']:>10.1f}{row['wall_ms']:>10.1f}")
+    compiled = measure(fused, args, cfg, batches, device, count=device.type == "cpu")
+    print(f"{'':<30}{'operators':>10}{'computing':>10}{'CPU ms':>10}{'wall ms':>10}")
+    for label, row in (("each view alone", alone), ("views of one size together", joined),
+                       ("views of one size, fused", compiled)):
+        print(f"{label:<30}{row['operators']:>10}{row['computing']:>10}{row['cpu_ms']:>10.1f}{row['wall_ms']:>10.1f}")
     print(f"together / alone: operators {joined['operators'] / alone['operators']:.2f}x "
           f"(computing {joined['computing'] / alone['computing']:.2f}x), "
           f"CPU ms {joined['cpu_ms'] / alone['cpu_ms']:.2f}x, wall ms {joined['wall_ms'] / alone['wall_ms']:.2f}x")
+    print(f"fused / together: CPU ms {compiled['cpu_ms'] / joined['cpu_ms']:.2f}x, "
+          f"wall ms {compiled['wall_ms'] / joined['wall_ms']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -86,7 +86,8 @@ if [[ "${SKIP_VIEWS:-0}" != 1 ]]; then
     "$PYTHON" - "$WORK/colour.txt" >> "$LOG" <<'PY'
 import re, sys
 text = open(sys.argv[1]).read()
-for label, name in (("each view alone", "alone"), ("views of one size together", "together")):
+for label, name in (("each view alone", "alone"), ("views of one size together", "together"),
+                    ("views of one size, fused", "fused")):
     _, computing, cpu_ms, wall_ms = re.search(rf"^{label} +(\d+) +(\d+) +([\d.]+) +([\d.]+)$", text, re.M).groups()
     print(f"colour stage {name} ({computing} kernels)\t-\t-\t{cpu_ms} CPU ms, {wall_ms} wall ms a batch")
 PY

@@ -243,7 +243,8 @@ def colour_view(view: torch.Tensor, draws: ColourDraws, spec: ViewSpec, cfg: Vie
 
 
 def colour_views(views: Sequence[torch.Tensor], draws: Sequence[ColourDraws], specs: Sequence[ViewSpec],
-                 cfg: ViewConfig, backgrounds: Mapping[int, Background], stack: bool | None = None) -> list[torch.Tensor]:
+                 cfg: ViewConfig, backgrounds: Mapping[int, Background], stack: bool | None = None,
+                 fused: bool | None = None) -> list[torch.Tensor]:
     """`colour_view` of every view of a batch; with `stack`, the views of one size as one batch.
 
     Every step works row by row with each row's own draws, so stacking the views of one size (the
@@ -252,10 +253,14 @@ def colour_views(views: Sequence[torch.Tensor], draws: Sequence[ColourDraws], sp
     25.5 GPU ms a batch of 256 on an H100, benchmarks/RESULTS.md), and torch's caching allocator
     reuses the larger blocks. A CPU is not launch-bound, and glibc maps fresh pages for each large
     allocation: stacked was 1.6-2x slower on the CPU box (`benchmarks/bench_colour.py`), 1.09x with
-    malloc's mmap threshold raised. `stack` defaults to "on a GPU".
+    malloc's mmap threshold raised. `stack` defaults to "on a GPU"; `fused` (every row through the
+    steps' compiled kernels, see `fused_steps`) to `cfg.colour_kernels`.
     """
+    on_gpu = views[0].device.type != "cpu"
     if stack is None:
-        stack = views[0].device.type != "cpu"
+        stack = on_gpu
+    if fused is None:
+        fused = cfg.colour_kernels == "fused" or (cfg.colour_kernels == "auto" and on_gpu)
     out: list[torch.Tensor | None] = [None] * len(views)
     groups: dict[object, list[int]] = {}  # views coloured as one batch: by size when stacking, else one each
     for j, view in enumerate(views):
@@ -263,7 +268,8 @@ def colour_views(views: Sequence[torch.Tensor], draws: Sequence[ColourDraws], sp
     for members in groups.values():
         stacked = torch.cat([views[j] for j in members]) if len(members) > 1 else views[members[0]]
         joined = ColourDraws.concat([draws[j].for_view(specs[j]) for j in members])
-        coloured = _colour(stacked, joined, cfg, _joined_background([backgrounds.get(j) for j in members]))
+        colour = _colour_fused if fused else _colour
+        coloured = colour(stacked, joined, cfg, _joined_background([backgrounds.get(j) for j in members]))
         for j, part in zip(members, coloured.split(len(views[members[0]])), strict=True):
             out[j] = part
     return out
@@ -313,3 +319,74 @@ def _colour(view: torch.Tensor, draws: ColourDraws, cfg: ViewConfig, background:
     # stream's queued kernels have run (two such waits a view cost the H100 12 waits a batch, RESULTS.md).
     mean, std = torch.tensor([cfg.mean, cfg.std]).to(x.device, non_blocking=True).view(2, 1, 3, 1, 1)
     return x.sub_(mean).div_(std)
+
+
+# Columns of the per-row table the fused steps read (one host-to-device copy a batch of views).
+MASKED, JITTER, GRAYSCALE, SOLARIZE, ORDER = 5, 6, 7, 8, 9  # after the 4 factors and the grey level
+
+
+def fused_steps(view: torch.Tensor, table: torch.Tensor, soft: torch.Tensor | None,
+                active: tuple[bool, ...]) -> torch.Tensor:
+    """The steps before the blur (masking, jitter in each row's order, grayscale) on every row.
+
+    Each step is computed for every row and kept where the row drew it (`torch.where`), so the
+    sequence of operations, and every shape, is the same for every batch: torch.compile fuses it into
+    a few kernels with no row selection on the host. The same values as `_colour`'s row selection
+    (the masking blend rounds to 8 bits, and with whole-step grey levels no blended value sits near a
+    rounding boundary, so the two ways' last-ulp differences cannot flip one), at ~4x its arithmetic:
+    the GPU's trade, where launches, not arithmetic, bound the stage. `table`: N x (ORDER + 4) float
+    rows (factors, grey, flags, the 4 jitter operations in order); `active`: which jitter operations
+    have strength > 0.
+    """
+    x = view.permute(0, 3, 1, 2).to(torch.float32).div(255.0)
+
+    def column(i: int) -> torch.Tensor:
+        return table[:, i].view(-1, 1, 1, 1)
+
+    if soft is not None:
+        x = torch.where(column(MASKED) > 0.5, replace_background(x, column(GREY_COLUMN), soft), x)
+    jitter = column(JITTER) > 0.5
+    for slot in range(len(JITTER_STEPS)):
+        operation, out = column(ORDER + slot), x
+        for op, step in enumerate(JITTER_STEPS):
+            if active[op]:
+                out = torch.where(jitter & (operation == op), step(x, column(op)), out)
+        x = out
+    return torch.where(column(GRAYSCALE) > 0.5, _grey(x).expand_as(x), x)
+
+
+def fused_finish(x: torch.Tensor, table: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
+    """The steps after the blur on every row: solarize where drawn, then the ImageNet mean/std."""
+    x = torch.where(table[:, SOLARIZE].view(-1, 1, 1, 1) > 0.5, solarize_view(x), x)
+    mean_std = torch.tensor([mean, std], dtype=x.dtype, device=x.device).view(2, 1, 3, 1, 1)
+    return (x - mean_std[0]) / mean_std[1]
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _compiled(step):
+    """`step` compiled for the GPU (static shapes: a loader's batches all have the same), once per process.
+    On a CPU the same function runs eagerly: there the stage is bound by arithmetic, not launches."""
+    if step.__name__ not in _COMPILED:
+        _COMPILED[step.__name__] = torch.compile(step, dynamic=False)
+    return _COMPILED[step.__name__]
+
+
+def _colour_fused(view: torch.Tensor, draws: ColourDraws, cfg: ViewConfig, background: Background | None) -> torch.Tensor:
+    """`_colour` with every step but the blur on every row, in two compiled functions on a GPU. The blur
+    keeps its row selection: its arithmetic (a 23-tap convolution) would grow by more than the launches
+    it saves."""
+    rows = len(draws.order)
+    masked = background.masked if background is not None else np.zeros(rows, bool)
+    grey = background.grey if background is not None else np.zeros(rows)
+    table = np.column_stack([draws.factors, grey, masked, draws.jitter, draws.grayscale, draws.solarize,
+                             ORDER_TABLE[draws.order]]).astype(np.float32)
+    table = torch.as_tensor(table).to(view.device, non_blocking=True)
+    active = tuple(s > 0 for s in (cfg.brightness, cfg.contrast, cfg.saturation, cfg.hue))
+    on_gpu = view.device.type == "cuda"
+    before, finish = (_compiled(fused_steps), _compiled(fused_finish)) if on_gpu else (fused_steps, fused_finish)
+    x = before(view, table, background.soft if background is not None else None, active)
+    blurred = _Rows([draws.blur], np.zeros((rows, 1)), view.device)
+    x = blurred.apply(x, 0, lambda v: gaussian_blur(v, draws.sigma[draws.blur], cfg.blur_kernel))
+    return finish(x, table, tuple(cfg.mean), tuple(cfg.std))

@@ -17,6 +17,7 @@ from shards.sample import MIN_MASK_COVERAGE
 GRAYSCALE_WEIGHTS = (0.2989, 0.5870, 0.1140)  # paper and torchvision's rgb_to_grayscale
 BACKENDS = ("dali", "reference")
 COLOUR_STAGES = ("torch", "dali")
+COLOUR_KERNELS = ("auto", "select", "fused")
 OUTPUT_DTYPES = ("float32", "bfloat16")
 
 
@@ -48,6 +49,10 @@ class ViewConfig:
     # Where the DALI backend applies jitter, grayscale, blur, solarize and normalisation, with DALI's draws:
     # "torch": batched torch operations on the views' device; "dali": DALI operators (~100 a view).
     colour_stage: str = "torch"
+    # How the torch stage picks each sample's steps: "select" runs a step on the rows that drew it (least
+    # arithmetic: CPUs); "fused" runs every row through compiled kernels and keeps the drawn results
+    # (fewest launches: GPUs, where launching bounds the stage); "auto": fused on a GPU.
+    colour_kernels: str = "select"
     grayscale_probability: float = 0.2
     blur_probability_even: float = 1.0
     blur_probability_odd: float = 0.1
@@ -122,6 +127,8 @@ def check_view_config(cfg: ViewConfig) -> None:
         raise ValueError(f"hue_model must be 'hsv' or 'yiq', got {cfg.hue_model!r}")
     if cfg.colour_stage not in COLOUR_STAGES:
         raise ValueError(f"colour_stage must be one of {COLOUR_STAGES}, got {cfg.colour_stage!r}")
+    if cfg.colour_kernels not in COLOUR_KERNELS:
+        raise ValueError(f"colour_kernels must be one of {COLOUR_KERNELS}, got {cfg.colour_kernels!r}")
     if cfg.hue_model == "yiq" and cfg.colour_stage != "dali":
         raise ValueError("hue_model 'yiq' is DALI's hue operator: it needs colour_stage 'dali'")
     if cfg.backend not in BACKENDS:

@@ -353,7 +353,9 @@ def _sample_mask(mask_bytes: DataNode, sample_set: SampleSet, cfg: ViewConfig, g
     lacking one, the CPU decoder runs under a conditional (an empty member cannot be decoded) and
     the crops are moved to the GPU.
     """
-    grey = _uniform(*[g * MAX for g in cfg.mask_grey_range])
+    # A whole 8-bit grey level, as the reference's grey image: the masking blend then never lands on a
+    # rounding boundary, so every way of computing it rounds alike (colour.fused_steps).
+    grey = dmath.floor(_uniform(*[g * MAX for g in cfg.mask_grey_range]) + 0.5)
     has_mask = mask_bytes.shape()[0] > 0
     zero = fn.cast(mask_bytes.shape()[0], dtype=types.FLOAT) * 0.0
     if not masks_in_play(sample_set, cfg):

@@ -180,7 +180,7 @@ def batch_of_views(specs, batch: int, rng: np.random.Generator, **fixed):
     views = [torch.from_numpy(rng.integers(0, 256, (batch, s.size, s.size, 3), dtype=np.uint8)) for s in specs]
     draws = [draws_for(batch, rng, **fixed) for _ in specs]
     backgrounds = {
-        j: Background(masked=rng.uniform(size=batch) < 0.5, grey=rng.uniform(size=batch),
+        j: Background(masked=rng.uniform(size=batch) < 0.5, grey=rng.integers(0, 256, batch) / 255,  # whole levels, as drawn
                       soft=torch.from_numpy(rng.integers(0, 256, (batch, s.size, s.size, 1), dtype=np.uint8)))
         for j, s in enumerate(specs) if s.mask_probability > 0
     }
@@ -236,3 +236,22 @@ def test_colour_params_follow_the_config_and_replay_from_the_pipelines_draw():
     other = pipeline.copy()
     other[:, 3] = np.random.default_rng(1).uniform(0, 1, rows)
     assert not np.array_equal(colour_params(other, spec, cfg)[:, 3:], params[:, 3:])
+
+
+@pytest.mark.parametrize("stack", [False, True], ids=["alone", "stacked"])
+def test_fused_kernels_give_each_row_its_selected_steps(stack):
+    """The GPU's way (every row through every step, the drawn result kept) against the CPU's (each step
+    on the rows that drew it): the same views, row by row, with masking, all four jitter steps in each
+    row's order, grayscale, blur and solarize drawn for some rows and not others."""
+    batch = 12
+    cfg = ViewConfig(large_size=16, small_size=12, blur_probability_even=0.5, solarize_probability_odd=0.5)
+    specs = view_specs(cfg)
+    rng = np.random.default_rng(5)
+    views, draws, backgrounds = batch_of_views(specs, batch, rng, blur=rng.uniform(size=batch) < 0.5,
+                                               solarize=rng.uniform(size=batch) < 0.5)
+    selected = colour_views(views, draws, specs, cfg, backgrounds, stack=stack, fused=False)
+    fused = colour_views(views, draws, specs, cfg, backgrounds, stack=stack, fused=True)
+    for j, (got, want) in enumerate(zip(fused, selected, strict=True)):
+        assert got.shape == want.shape == (batch, 3, specs[j].size, specs[j].size)
+        assert (got - want).abs().max() < 1e-5, j  # a row given another's step is > 1e-2
+    assert all(d.jitter.any() and not d.jitter.all() for d in draws)  # both kinds of row were there

@@ -137,7 +137,8 @@ def test_batches_made_ahead_on_their_own_stream_are_the_batches_made_on_demand(t
 
 
 @pytest.mark.gpu
-def test_the_colour_stage_never_waits_for_the_gpu():
+@pytest.mark.parametrize("fused", [False, True], ids=["rows-selected", "fused-compiled"])
+def test_the_colour_stage_never_waits_for_the_gpu(fused):
     """The loader's thread launches a batch's colour stage (every view, those of one size as one batch)
     without waiting for the GPU: a blocking copy (two a view before) stalls it until the stream's queued
     kernels have run, which during training share the GPU with the step. Any wait raises under sync
@@ -158,14 +159,37 @@ def test_the_colour_stage_never_waits_for_the_gpu():
               for j, (view, d, spec) in enumerate(zip(views, draws, specs, strict=True))]
     on_device = [v.cuda() for v in views]
     backgrounds_on_device = {j: dataclasses.replace(b, soft=b.soft.cuda()) for j, b in backgrounds.items()}
+    colour_views(on_device, draws, specs, cfg, backgrounds_on_device, fused=fused)  # compiles the fused kernels
     for tf32, tolerance in ((False, 1e-3), (True, 5e-3)):
         torch.cuda.synchronize()
         with torch.backends.cudnn.flags(enabled=True, allow_tf32=tf32):
             torch.cuda.set_sync_debug_mode("error")
             try:
-                on_gpu = colour_views(on_device, draws, specs, cfg, backgrounds_on_device)
+                on_gpu = colour_views(on_device, draws, specs, cfg, backgrounds_on_device, fused=fused)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         for out, want, spec in zip(on_gpu, on_cpu, specs, strict=True):
             # A wrong factor or row is orders of magnitude above; an 8-bit rounding flip is 0.017.
             assert (out.cpu() - want).abs().max() < tolerance, (spec, f"TF32 {tf32}")
+
+
+@pytest.mark.gpu
+def test_the_fused_colour_stage_gives_the_rows_selected_views_on_a_batch_of_256():
+    """The two ways of the torch stage on the GPU, at the paper's probabilities and a training batch: every
+    row through compiled kernels against each step on the rows that drew it. With whole 8-bit grey levels
+    (as the pipeline draws them) the masking blend's 8-bit rounding agrees, so they differ by float
+    rounding alone; TF32 off, since cuDNN may pick another convolution for another shape."""
+    from pretrain.views.colour import Background, colour_views
+    from pretrain.views.config import view_specs
+    from tests.pretrain.views.test_colour import batch_of_views
+
+    cfg = ViewConfig(large_size=64, small_size=32, mask_probability=0.5)
+    specs = view_specs(cfg)
+    views, draws, backgrounds = batch_of_views(specs, 256, np.random.default_rng(11))
+    on_device = [v.cuda() for v in views]
+    backgrounds_on_device = {j: Background(b.masked, b.grey, b.soft.cuda()) for j, b in backgrounds.items()}
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        selected = colour_views(on_device, draws, specs, cfg, backgrounds_on_device, fused=False)
+        fused = colour_views(on_device, draws, specs, cfg, backgrounds_on_device, fused=True)
+    for j, (got, want) in enumerate(zip(fused, selected, strict=True)):
+        assert (got - want).abs().max().item() < 1e-4, j  # one 8-bit level is 0.017 normalised
