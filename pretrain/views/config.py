@@ -16,7 +16,6 @@ from shards.sample import MIN_MASK_COVERAGE
 
 GRAYSCALE_WEIGHTS = (0.2989, 0.5870, 0.1140)  # paper and torchvision's rgb_to_grayscale
 BACKENDS = ("dali", "reference")
-COLOUR_STAGES = ("torch", "dali")
 OUTPUT_DTYPES = ("float32", "bfloat16")
 
 
@@ -43,11 +42,6 @@ class ViewConfig:
     contrast: float = 0.4
     saturation: float = 0.2
     hue: float = 0.1  # fraction of the colour circle, as in torchvision
-    # "hsv": torchvision's exact HSV hue shift; "yiq": DALI's faster linear approximation (colour_stage "dali" only)
-    hue_model: str = "hsv"
-    # Where the DALI backend applies jitter, grayscale, blur, solarize and normalisation, with DALI's draws:
-    # "torch": batched torch operations on the views' device; "dali": DALI operators (~100 a view).
-    colour_stage: str = "torch"
     grayscale_probability: float = 0.2
     blur_probability_even: float = 1.0
     blur_probability_odd: float = 0.1
@@ -118,12 +112,6 @@ def check_view_config(cfg: ViewConfig) -> None:
         raise ValueError(f"blur_kernel must be odd and positive, got {cfg.blur_kernel}")
     if not 0 < cfg.blur_sigma[0] <= cfg.blur_sigma[1]:
         raise ValueError(f"blur_sigma must satisfy 0 < min <= max, got {cfg.blur_sigma}")
-    if cfg.hue_model not in ("hsv", "yiq"):
-        raise ValueError(f"hue_model must be 'hsv' or 'yiq', got {cfg.hue_model!r}")
-    if cfg.colour_stage not in COLOUR_STAGES:
-        raise ValueError(f"colour_stage must be one of {COLOUR_STAGES}, got {cfg.colour_stage!r}")
-    if cfg.hue_model == "yiq" and cfg.colour_stage != "dali":
-        raise ValueError("hue_model 'yiq' is DALI's hue operator: it needs colour_stage 'dali'")
     if cfg.backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {cfg.backend!r}")
     if cfg.output_dtype not in OUTPUT_DTYPES:
