@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import ClassVar
 
+from jobs.config import RemovedKey
 from jobs.workers import rank_cores
 from pretrain.model.normalization import IMAGENET_MEAN, IMAGENET_STD
 from shards.sample import MIN_MASK_COVERAGE
@@ -72,6 +74,12 @@ class ViewConfig:
     ready_batches: int | None = None
     hw_decoder_load: float = 0.65  # share of JPEG decoding given to the GPU's hardware decoder
     debug_params: bool = False  # also return the drawn augmentation parameters per view
+    # Keys of earlier versions: refused in a user's settings, left out of a checkpoint's.
+    REMOVED_KEYS: ClassVar[dict[str, RemovedKey]] = {
+        "colour_stage": RemovedKey("torch", "the torch colour stage is the only one, the all-DALI one was slower"),
+        "hue_model": RemovedKey("hsv", "the hue shift is torchvision's exact HSV one, DALI's YIQ hue went with the "
+                                       "all-DALI colour stage"),
+    }
 
     def __post_init__(self) -> None:
         check_view_config(self)
