@@ -3,11 +3,10 @@
 Builds a masked shard set from `../shared/data/msra-unlabeled` in a temporary folder (the photos'
 JPEG bytes as they are, plus a synthetic soft elliptic mask per image so mask decoding, cropping
 and blending are part of the work), then, in one run on the same images:
-- the project's pipeline (`ViewLoader`, DALI backend) with its colour steps as batched torch operations
-  (`colour_stage=torch`, the default: `torch-colour` with each step on the rows that drew it,
-  `torch-fused` with every row through compiled kernels, `colour_kernels=fused`) and as DALI operators
-  (`colour_stage=dali`, exact HSV hue and DALI's YIQ hue), each with the operator count of its GPU graph
-  (what the DALI executor runs per batch);
+- the project's pipeline (`ViewLoader`, DALI backend: DALI geometry, colour steps as batched torch
+  operations), with each step on the rows that drew it (`torch-colour`, `colour_kernels=select`) and with
+  every row through compiled kernels (`torch-fused`, `colour_kernels=fused`), each with the operator count of
+  its GPU graph (what the DALI executor runs per batch);
 - the PIL/torchvision reference (`ViewLoader`, reference backend: a torch DataLoader, one worker per thread);
 - `../shared/tools/dali-views-floor`: a plain DALI pipeline with the same view geometry, colour jitter
   and blur but no masks (what DALI itself reaches here), bare and with colour;
@@ -56,12 +55,10 @@ SHARED = next((p for p in (REPO.parent / "shared", REPO / "shared") if p.is_dir(
 DATA = SHARED / "data" / "msra-unlabeled"
 FLOOR = SHARED / "tools" / "dali-views-floor"
 FLOOR_LINE = re.compile(r"colour\+blur=(True|False)\): (\d+) images/s")
-# The project's pipelines: name -> view settings (colour stage, hue model).
+# The project's pipelines: name -> its view settings over the common ones.
 STAGES = {
-    "torch-colour": {"colour_stage": "torch", "colour_kernels": "select"},
-    "torch-fused": {"colour_stage": "torch", "colour_kernels": "fused"},  # every row through compiled kernels
-    "dali-hsv": {"colour_stage": "dali", "hue_model": "hsv"},
-    "dali-yiq": {"colour_stage": "dali", "hue_model": "yiq"},
+    "torch-colour": {"colour_kernels": "select"},  # each step on the rows that drew it
+    "torch-fused": {"colour_kernels": "fused"},  # every row through compiled kernels
 }
 
 

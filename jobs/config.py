@@ -8,8 +8,9 @@ A job's settings are one frozen dataclass tree. They are resolved in three layer
 3. `--set section.key=value` overrides, each value read as YAML (`true`, `0.2`, `[0.5, 2]`, `abc`).
 
 Sections are nested mappings (`optim: {base_lr: 0.3}`); a key of a section is written
-`optim.base_lr` on the command line. Unknown keys are refused with the valid keys listed; a value
-of the wrong type names the key, the expected type and the source. The resolved settings are
+`optim.base_lr` on the command line. Unknown keys are refused with the valid keys listed, and a key
+an earlier version had (a dataclass's `REMOVED_KEYS`) with why it went; a value of the wrong type
+names the key, the expected type and the source. The resolved settings are
 printed at start and saved beside the job's outputs in one format, `settings_text` (YAML).
 
 Relative paths inside a preset (data folders) are read against the current directory, like any
@@ -37,6 +38,15 @@ PRESET_SUFFIXES = (".yaml", ".yml")
 
 class ConfigError(ValueError):
     """A user-fixable configuration problem (unknown key or preset, wrong type, impossible value)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RemovedKey:
+    """A key an earlier version had: the value whose behaviour remains, and why the key went. A config
+    dataclass lists its own as `REMOVED_KEYS: ClassVar[dict[str, RemovedKey]]`."""
+
+    kept: Any
+    why: str
 
 
 # --- presets ---------------------------------------------------------------------------------------
@@ -185,15 +195,22 @@ def resolve(cls: type, config: str | Path | None, overrides: Sequence[str], pres
     return build(cls, tree, source=source), source
 
 
-def build(cls: type, tree: Mapping[str, Any], *, source: str = "config", prefix: str = "") -> Any:
+def build(cls: type, tree: Mapping[str, Any], *, source: str = "config", prefix: str = "", saved: bool = False) -> Any:
     """An instance of the frozen dataclass `cls` from a nested mapping; strict keys and types.
 
     Missing keys keep their defaults; ints are accepted for floats; nothing else is converted,
     except a comma-separated string for a tuple (`methods=rbd,mc`). A `dict` field with a default
-    takes a partial mapping over that default, and only the default's keys.
+    takes a partial mapping over that default, and only the default's keys. A removed key
+    (`RemovedKey`) is refused with the fix, unless the tree is a job's own `saved` settings (a
+    checkpoint's), where it records how that job ran and is left out.
     """
     if not isinstance(tree, Mapping):
         raise ConfigError(f"{source}: {prefix.rstrip('.') or 'the config'} must be a mapping of keys")
+    removed = _removed_keys(cls)
+    gone = sorted(set(tree) & set(removed))
+    if gone and not saved:
+        raise ConfigError(f"{source}: {prefix}{gone[0]} was removed: {removed[gone[0]].why}; delete the key")
+    tree = {key: value for key, value in tree.items() if key not in removed}
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(tree) - set(fields))
@@ -204,7 +221,7 @@ def build(cls: type, tree: Mapping[str, Any], *, source: str = "config", prefix:
     for name, value in tree.items():
         hint, key = hints[name], f"{prefix}{name}"
         if dataclasses.is_dataclass(hint):
-            values[name] = build(hint, value or {}, source=source, prefix=f"{key}.")
+            values[name] = build(hint, value or {}, source=source, prefix=f"{key}.", saved=saved)
         elif typing.get_origin(hint) is dict:
             values[name] = _mapping(value, hint, _default(fields[name]), key=key, source=source)
         else:
@@ -214,6 +231,22 @@ def build(cls: type, tree: Mapping[str, Any], *, source: str = "config", prefix:
     except ValueError as error:  # a job's own checks (ConfigError is a ValueError), named by their section
         text = str(error)
         raise ConfigError(text if text.startswith(f"{source}:") else f"{source}: {prefix}{text}") from None
+
+
+def _removed_keys(cls: type) -> Mapping[str, RemovedKey]:
+    return getattr(cls, "REMOVED_KEYS", {})
+
+
+def removed_settings(cls: type, tree: Mapping[str, Any], prefix: str = "") -> dict[str, tuple[Any, RemovedKey]]:
+    """{dotted key: (value, its RemovedKey)} of the removed keys that saved settings of `cls` hold with
+    another value than the one that remains: behaviour this version no longer has."""
+    removed, hints, found = _removed_keys(cls), typing.get_type_hints(cls), {}
+    for name, value in tree.items():
+        if name in removed and value != removed[name].kept:
+            found[f"{prefix}{name}"] = (value, removed[name])
+        elif dataclasses.is_dataclass(hints.get(name)) and isinstance(value, Mapping):
+            found.update(removed_settings(hints[name], value, f"{prefix}{name}."))
+    return found
 
 
 def _default(field: dataclasses.Field) -> Any:

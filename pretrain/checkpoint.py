@@ -141,7 +141,7 @@ def encoder_from_checkpoint(path: str | Path, *, network: str = "online") -> Res
 def checkpoint_config(payload: dict[str, Any], path: Path) -> PretrainConfig:
     """The run config embedded in a checkpoint read by `load_checkpoint` from `path`; CheckpointError if damaged."""
     try:
-        return from_dict(payload["config"], source=f"the config embedded in {path}")
+        return from_dict(payload["config"], source=f"the config embedded in {path}", saved=True)
     except ConfigError as error:
         raise CheckpointError(f"{error}; the checkpoint is damaged or from another relicv2 version") from None
 

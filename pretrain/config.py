@@ -186,9 +186,10 @@ def load_config(config: str | Path | None = None, overrides: Sequence[str] = ())
     return resolve(PretrainConfig, config, overrides, PRESETS)[0]
 
 
-def from_dict(tree: Mapping[str, Any], *, source: str = "config") -> PretrainConfig:
-    """Build a config from a nested mapping (YAML or a checkpoint's embedded copy); strict keys and types."""
-    return build(PretrainConfig, tree, source=source)
+def from_dict(tree: Mapping[str, Any], *, source: str = "config", saved: bool = False) -> PretrainConfig:
+    """Build a config from a nested mapping (YAML, or with `saved` a checkpoint's embedded copy, which may
+    hold keys removed since); strict keys and types."""
+    return build(PretrainConfig, tree, source=source, saved=saved)
 
 
 def describe(config: PretrainConfig, derived: DerivedValues | None = None, version: str = "") -> str:

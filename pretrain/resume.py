@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jobs.config import removed_settings
 from pretrain.checkpoint import CheckpointError
 from pretrain.config import PretrainConfig, to_dict
 from pretrain.distributed import DistributedContext
@@ -84,6 +85,7 @@ def restore(state: TrainState, source: ViewSource, payload: dict[str, Any], ctx:
     global_batch = config.optim.global_batch
     saved_ranks = len(payload["data"])
     step = int(payload["step"])
+    gone = removed_settings(PretrainConfig, payload["config"])  # its data stream cannot be replayed exactly
     if saved_batch != global_batch:
         images_seen = step * saved_batch
         step = images_seen // global_batch
@@ -94,7 +96,7 @@ def restore(state: TrainState, source: ViewSource, payload: dict[str, Any], ctx:
             "position restarts at that step's place in the epoch order, so up to one batch of images is "
             "seen again or skipped"
         )
-    if saved_batch == global_batch and saved_ranks == ctx.world_size:
+    if saved_batch == global_batch and saved_ranks == ctx.world_size and not gone:
         try:
             source.load_state_dict(payload["data"][ctx.rank])  # exact: the rank's own reader state
         except StateVersionError as error:  # written by another relicv2: continue at the same place
@@ -110,6 +112,12 @@ def restore(state: TrainState, source: ViewSource, payload: dict[str, Any], ctx:
     else:
         position = DataPosition.at_step(step, steps_per_epoch, global_batch)
         _load_global_position(source, position, global_batch, ctx, path, saved_ranks)
+        if gone:
+            settings = ", ".join(f"{key}={value!r}" for key, (value, _) in gone.items())
+            reasons = "; ".join(removed.why for _, removed in gone.values())
+            notes.append(f"note: {path} was trained with {settings}, removed since ({reasons}); the run continues at "
+                         f"the same data position (epoch {position.epoch}, {position.samples} samples in) with this "
+                         "version's data stream")
         if saved_ranks != ctx.world_size:
             notes.append(f"note: {path} was written by {saved_ranks} rank(s), this run has {ctx.world_size}; "
                          f"the data position (epoch {position.epoch}, {position.samples} samples in) is split "
@@ -145,9 +153,10 @@ def _load_global_position(source: ViewSource, position: DataPosition, global_bat
 
 
 def changed_keys(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
-    """Dotted names of the settings whose values differ between two config trees."""
+    """Dotted names of the settings of `new` whose values differ in `old` (a key `new` lacks was removed
+    since: no setting of this run)."""
     changed = []
-    for key in sorted(set(old) | set(new)):
+    for key in sorted(new):
         a, b = old.get(key), new.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
             changed += changed_keys(a, b, f"{prefix}{key}.")

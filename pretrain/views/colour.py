@@ -1,20 +1,19 @@
-"""The colour steps of a view as batched torch operations, with the draws the DALI pipeline made.
+"""The colour steps of a view as batched torch operations, with the draws the DALI pipeline seeds.
 
-With `colour_stage="torch"` the DALI pipeline renders each view's geometry (decode, crop, resize,
-flip, and the same crop of the saliency mask) and draws every colour parameter with its own random
-operators; this module then applies the saliency masking (8-bit, as the reference's composite), the
-paper's colour steps (jitter in a random order, grayscale, blur, solarize) and the normalisation on
-the views' device, with torchvision's float semantics (clamped to [0, 1] after each step, no
-rounding between steps).
+The DALI pipeline renders each view's geometry (decode, crop, resize, flip, and the same crop of the
+saliency mask) and one uniform draw per sample that seeds the colour parameters (`colour_params`);
+this module then applies the saliency masking (8-bit, as the reference's composite), the paper's
+colour steps (jitter in a random order, grayscale, blur, solarize) and the normalisation on the
+views' device, with torchvision's float semantics (clamped to [0, 1] after each step, no rounding
+between steps).
 
 Why not DALI operators: DALI has no fused element-wise operator (its arithmetic runs one operator
 per `+`/`*`), so torchvision's exact HSV hue and the mean-centred contrast cost ~100 operators a
-view, and the pipeline's GPU graph held ~2,200 operators against the ~30 of a plain pipeline
-(benchmarks/RESULTS.md); each operator costs CPU time per sample. Here a step is a handful of
-batched kernels, applied only to the samples that draw it (their rows are known on the host,
-because DALI draws the parameters on the CPU, so selecting them needs no device synchronisation;
-the masked flags, GPU data when the masks are decoded there, are read back by the thread that
-makes the batch, not by the trainer).
+view: the all-DALI GPU graph held 2,066 operators against 128 (benchmarks/RESULTS.md), and each
+operator costs CPU time per sample. Here a step is a handful of batched kernels, applied only to
+the samples that draw it (their rows are known on the host, where the parameters are drawn, so
+selecting them needs no device synchronisation; the masked flags, GPU data when the masks are
+decoded there, are read back by the thread that makes the batch, not by the trainer).
 """
 
 from __future__ import annotations
@@ -82,11 +81,11 @@ GEOMETRY_COLUMNS = 3  # DRAWN_PARAM_NAMES starts with the crop's area and ratio 
 def colour_params(pipeline_params: np.ndarray, spec: ViewSpec, cfg: ViewConfig) -> np.ndarray:
     """A view's B x DRAWN_PARAM_NAMES parameters: the pipeline's geometry and the colour steps' draws.
 
-    `pipeline_params` is what the DALI pipeline returns for the view with the torch stage: the geometry
-    columns, then one uniform draw per sample whose bits seed this batch's colour draws. The draws follow
-    the distributions of the DALI stage's random operators (`dali_pipeline._colour_draws`), in numpy: one
-    vectorised call per parameter instead of a DALI operator per parameter and view. Seeded from the
-    pipeline's own draws, they replay exactly wherever the pipeline does (a resume from its checkpoint).
+    `pipeline_params` is what the DALI pipeline returns for the view: the geometry columns, then one
+    uniform draw per sample whose bits seed this batch's colour draws. The draws follow the paper's
+    distributions in numpy: one vectorised call per parameter instead of a DALI random operator per
+    parameter and view. Seeded from the pipeline's own draws, they replay exactly wherever the pipeline
+    does (a resume from its checkpoint).
     """
     geometry, entropy = pipeline_params[:, :GEOMETRY_COLUMNS], pipeline_params[:, GEOMETRY_COLUMNS]
     rows = len(pipeline_params)

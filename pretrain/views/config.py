@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import ClassVar
 
+from jobs.config import RemovedKey
 from jobs.workers import rank_cores
 from pretrain.model.normalization import IMAGENET_MEAN, IMAGENET_STD
 from shards.sample import MIN_MASK_COVERAGE
 
 GRAYSCALE_WEIGHTS = (0.2989, 0.5870, 0.1140)  # paper and torchvision's rgb_to_grayscale
 BACKENDS = ("dali", "reference")
-COLOUR_STAGES = ("torch", "dali")
 COLOUR_KERNELS = ("auto", "select", "fused")
 OUTPUT_DTYPES = ("float32", "bfloat16")
 
@@ -44,11 +45,6 @@ class ViewConfig:
     contrast: float = 0.4
     saturation: float = 0.2
     hue: float = 0.1  # fraction of the colour circle, as in torchvision
-    # "hsv": torchvision's exact HSV hue shift; "yiq": DALI's faster linear approximation (colour_stage "dali" only)
-    hue_model: str = "hsv"
-    # Where the DALI backend applies jitter, grayscale, blur, solarize and normalisation, with DALI's draws:
-    # "torch": batched torch operations on the views' device; "dali": DALI operators (~100 a view).
-    colour_stage: str = "torch"
     # How the torch stage picks each sample's steps: "select" runs a step on the rows that drew it (least
     # arithmetic: CPUs); "fused" runs every row through compiled kernels and keeps the drawn results
     # (fewest launches: GPUs, where launching bounds the stage); "auto": fused on a GPU.
@@ -83,6 +79,12 @@ class ViewConfig:
     ready_batches: int | None = None
     hw_decoder_load: float = 0.65  # share of JPEG decoding given to the GPU's hardware decoder
     debug_params: bool = False  # also return the drawn augmentation parameters per view
+    # Keys of earlier versions: refused in a user's settings, left out of a checkpoint's.
+    REMOVED_KEYS: ClassVar[dict[str, RemovedKey]] = {
+        "colour_stage": RemovedKey("torch", "the torch colour stage is the only one, the all-DALI one was slower"),
+        "hue_model": RemovedKey("hsv", "the hue shift is torchvision's exact HSV one, DALI's YIQ hue went with the "
+                                       "all-DALI colour stage"),
+    }
 
     def __post_init__(self) -> None:
         check_view_config(self)
@@ -123,14 +125,8 @@ def check_view_config(cfg: ViewConfig) -> None:
         raise ValueError(f"blur_kernel must be odd and positive, got {cfg.blur_kernel}")
     if not 0 < cfg.blur_sigma[0] <= cfg.blur_sigma[1]:
         raise ValueError(f"blur_sigma must satisfy 0 < min <= max, got {cfg.blur_sigma}")
-    if cfg.hue_model not in ("hsv", "yiq"):
-        raise ValueError(f"hue_model must be 'hsv' or 'yiq', got {cfg.hue_model!r}")
-    if cfg.colour_stage not in COLOUR_STAGES:
-        raise ValueError(f"colour_stage must be one of {COLOUR_STAGES}, got {cfg.colour_stage!r}")
     if cfg.colour_kernels not in COLOUR_KERNELS:
         raise ValueError(f"colour_kernels must be one of {COLOUR_KERNELS}, got {cfg.colour_kernels!r}")
-    if cfg.hue_model == "yiq" and cfg.colour_stage != "dali":
-        raise ValueError("hue_model 'yiq' is DALI's hue operator: it needs colour_stage 'dali'")
     if cfg.backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {cfg.backend!r}")
     if cfg.output_dtype not in OUTPUT_DTYPES:

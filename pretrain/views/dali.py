@@ -29,7 +29,6 @@ from pretrain.views.dali_pipeline import (
     READER_NAME,
     build_view_pipeline,
     masks_in_play,
-    returns_params,
     soft_mask_views,
 )
 from pretrain.views.sample_table import SampleRef
@@ -146,8 +145,6 @@ class DaliBackend:
         self.specs = view_specs(setup.config)
         self.num_views = len(self.specs)
         self.debug = setup.config.debug_params
-        self.torch_colour = setup.config.colour_stage == "torch"
-        self.returns_params = returns_params(setup.config)
         self.recoveries = 0
         # Pipeline runs in the current reader epoch: restored with the reader (same ranks), or a new
         # reader at the start of its order (first start, or a position re-split over other ranks: then
@@ -214,13 +211,12 @@ class DaliBackend:
             masked = out[v + 5 : 2 * v + 5]
             keys = [sample_key(carrier[i].source_info()) for i in range(len(carrier))]
             labels = [class_index(np.asarray(cls[i]).tobytes()) for i in range(len(cls))]
-            per_view = [_host_array(out[2 * v + 5 + j]) for j in range(v)] if self.returns_params else []
-            backgrounds = self._backgrounds(out, masked, grey)  # {} unless the torch stage masks
-        if self.torch_colour:
-            with record_function(RANGE_COLOUR):
-                per_view = [colour_params(p, spec, self.setup.config) for p, spec in zip(per_view, self.specs, strict=True)]
-                draws = [ColourDraws.from_params(p) for p in per_view]
-                views = colour_views(views, draws, self.specs, self.setup.config, backgrounds)
+            per_view = [_host_array(out[2 * v + 5 + j]) for j in range(v)]
+            backgrounds = self._backgrounds(out, masked, grey)  # {} unless views may be masked
+        with record_function(RANGE_COLOUR):
+            per_view = [colour_params(p, spec, self.setup.config) for p, spec in zip(per_view, self.specs, strict=True)]
+            draws = [ColourDraws.from_params(p) for p in per_view]
+            views = colour_views(views, draws, self.specs, self.setup.config, backgrounds)
         params = None
         if self.debug:
             params = assemble_params(per_view, [_scalars(m) for m in masked], _scalars(coverage), _scalars(grey))
@@ -229,7 +225,7 @@ class DaliBackend:
                             masked_views=masked_views)
 
     def _backgrounds(self, out, masked, grey) -> dict[int, Background]:
-        """{view: what the torch stage needs to mask it} for the views the pipeline gave a crop of the mask."""
+        """{view: what the colour stage needs to mask it} for the views the pipeline gave a crop of the mask."""
         if not self.mask_views:
             return {}
         first = len(out) - len(self.mask_views)

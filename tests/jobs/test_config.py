@@ -7,13 +7,22 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 import yaml
 from click.testing import CliRunner
 
 from cli.main import cli
-from jobs.config import ConfigError, Presets, build, parse_overrides, settings_text
+from jobs.config import (
+    ConfigError,
+    Presets,
+    RemovedKey,
+    build,
+    parse_overrides,
+    removed_settings,
+    settings_text,
+)
 from pretrain.config import PRESETS as PRETRAIN_PRESETS
 from pretrain.config import load_config
 from saliency.network.config import PRESETS as SALIENCY_PRESETS
@@ -61,6 +70,30 @@ def test_unknown_keys_and_wrong_types_are_one_clear_error(override, message):
     with pytest.raises(ConfigError) as error:
         build(Outer, parse_overrides([override]), source="--set overrides")
     assert message in str(error.value)
+
+
+@dataclass(frozen=True)
+class Trimmed:
+    size: int = 3
+    REMOVED_KEYS: ClassVar[dict[str, RemovedKey]] = {"mode": RemovedKey("fast", "fast is the only mode")}
+
+
+@dataclass(frozen=True)
+class Holder:
+    trimmed: Trimmed = field(default_factory=Trimmed)
+
+
+def test_a_removed_key_is_refused_with_the_fix_and_left_out_of_saved_settings():
+    for mode in ("fast", "slow"):  # a user who writes the key is told it went, whatever its value
+        with pytest.raises(ConfigError) as error:
+            build(Holder, {"trimmed": {"size": 4, "mode": mode}}, source="run.yaml")
+        assert str(error.value) == "run.yaml: trimmed.mode was removed: fast is the only mode; delete the key"
+        # a job's own saved settings record how it ran: read, the key left out
+        assert build(Holder, {"trimmed": {"size": 4, "mode": mode}}, saved=True) == Holder(Trimmed(size=4))
+    # only a value other than the one that remains is behaviour this version no longer has
+    assert removed_settings(Holder, {"trimmed": {"mode": "fast", "size": 4}}) == {}
+    assert removed_settings(Holder, {"trimmed": {"mode": "slow"}, "gone": {"mode": "slow"}}) == {
+        "trimmed.mode": ("slow", Trimmed.REMOVED_KEYS["mode"])}
 
 
 def test_unknown_keys_of_every_job_list_the_valid_ones():

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import yaml
 
+from pretrain.checkpoint import checkpoint_config
 from pretrain.config import (
     ConfigError,
     PretrainConfig,
@@ -119,6 +122,26 @@ def test_unknown_key_in_a_file_names_the_file(tmp_path):
     path.write_text("optim:\n  base_lr: 0.3\n  warmup: 10\n")
     with pytest.raises(ConfigError, match=rf"{path}.*unknown key optim.warmup; valid keys here are: .*warmup_epochs"):
         load_config(path)
+
+
+@pytest.mark.parametrize("key, value", [("colour_stage", "torch"), ("colour_stage", "dali"), ("hue_model", "hsv"),
+                                        ("hue_model", "yiq")])
+def test_a_removed_views_key_is_one_line_naming_it_and_the_fix(tmp_path, key, value):
+    with pytest.raises(ConfigError, match=rf"^--set overrides: views\.{key} was removed: [^\n]+; delete the key$"):
+        load_config(None, [f"views.{key}={value}"])
+    path = tmp_path / "old.yaml"
+    path.write_text(f"views:\n  large_size: 96\n  {key}: {value}\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: views\.{key} was removed: [^\n]+; delete the key$"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("stage, hue", [("torch", "hsv"), ("dali", "yiq")])
+def test_a_checkpoint_that_names_the_removed_colour_stage_still_reads(tmp_path, stage, hue):
+    """A checkpoint's saved config records how its run was trained: the removed keys are left out, whatever
+    they hold, so its encoder still loads and exports (a resume handles their values, see pretrain.resume)."""
+    tree = to_dict(load_config("demo-cpu"))
+    tree["views"].update(colour_stage=stage, hue_model=hue)
+    assert checkpoint_config({"config": tree}, tmp_path / "checkpoint-000000002.pt") == load_config("demo-cpu")
 
 
 def test_missing_or_invalid_file(tmp_path):

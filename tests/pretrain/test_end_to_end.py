@@ -94,6 +94,22 @@ def test_pretrain_on_shards_killed_and_resumed_equals_an_uninterrupted_run(shard
     assert losses(tmp_path / "run") == expected  # bit for bit on CPU, one record per step
     if backend == "dali":
         return  # --fresh and old states do not depend on the backend: checked once, on the cheaper one
+    # a checkpoint whose saved config holds the removed colour stage keys: with the values that remain the
+    # run resumes exactly and quietly; with the all-DALI stage, whose stream is gone, at its global position
+    checkpoint = tmp_path / "run" / "checkpoint-000000002.pt"
+    written = checkpoint.read_bytes()
+    for stage, hue in (("torch", "hsv"), ("dali", "yiq")):
+        (tmp_path / "run" / "checkpoint-000000004.pt").unlink()
+        payload = torch.load(checkpoint, weights_only=False)
+        payload["config"]["views"].update(colour_stage=stage, hue_model=hue)
+        torch.save(payload, checkpoint)
+        old = pretrain(tmp_path / "run", train, backend, "run.max_steps=4")
+        assert old.exit_code == 0 and "resumed from" in old.output and "at step 2" in old.output, old.output
+        removed = "was trained with views.colour_stage='dali', views.hue_model='yiq', removed since"
+        assert (removed in old.output) == (stage == "dali") and "config differs" not in old.output, old.output
+        assert ("continues at the same data position (epoch 0, 16 samples in)" in old.output) == (stage == "dali")
+        assert losses(tmp_path / "run") == expected
+    checkpoint.write_bytes(written)
     # a checkpoint whose loader state an earlier relicv2 wrote: the run continues at its global
     # position (the reference stream does not depend on how it was reached, so exactly here)
     (tmp_path / "run" / "checkpoint-000000004.pt").unlink()

@@ -35,13 +35,13 @@ FIXED = ViewConfig(**{**FIXED_GEOMETRY, "mask_grey_range": (0.5, 0.5), "jitter_p
 @pytest.mark.parametrize("every_sample_masked", [True, False], ids=["masks-on-gpu", "some-without-mask"])
 @pytest.mark.parametrize(
     "settings",
-    [{}, {"debug_params": True, "colour_stage": "dali"}, {"hue_model": "yiq", "colour_stage": "dali"}],
-    ids=["torch-colour", "dali-hsv-debug", "dali-yiq-training"],
+    [{}, {"debug_params": True}],
+    ids=["training", "debug"],
 )
 def test_the_gpu_graph_traces_with_views_and_masks_on_the_gpu(tmp_path, every_sample_masked, settings):
     """Defining the GPU pipeline (no GPU needed until it is built) catches device mix-ups in the graph:
-    a GPU value used as a condition, CPU and GPU inputs to one operator, a view left on the CPU; for
-    both colour stages, with and without the debug outputs, for both hue models of the DALI stage."""
+    a GPU value used as a condition, CPU and GPU inputs to one operator, a view left on the CPU; with
+    and without the debug outputs."""
     shards = mask_set(tmp_path, every_sample_masked=every_sample_masked)
     sample_set = load_sample_set(shards)
     views = ViewConfig(large_size=64, small_size=32, mask_probability=0.5, **settings)
@@ -51,8 +51,8 @@ def test_the_gpu_graph_traces_with_views_and_masks_on_the_gpu(tmp_path, every_sa
     assert devices[:count] == ["gpu"] * count  # every view is made on the GPU
     coverage = devices[count + 3]  # outputs: views, meta, cls, has_mask, coverage, grey, masked..., params..., crops
     assert coverage == ("gpu" if every_sample_masked else "cpu")  # masks decoded by `mixed` when all have one
-    crops = soft_mask_views(sample_set, views)  # the large views' crops of the mask, for the torch stage's blend
-    assert len(crops) == (views.large_views if views.colour_stage == "torch" else 0)
+    crops = soft_mask_views(sample_set, views)  # the large views' crops of the mask, for the colour stage's blend
+    assert len(crops) == views.large_views
     assert devices[len(devices) - len(crops):] == ["gpu"] * len(crops)
 
 

@@ -1,5 +1,5 @@
-"""The DALI backend's colour steps, pixel by pixel, against torchvision's functional ops with the same draws,
-for both colour stages (torch operations on DALI's draws, and DALI operators).
+"""The DALI backend's colour steps, pixel by pixel, against torchvision's functional ops with the same draws
+(the torch colour stage on the views DALI renders).
 
 The crop is forced to the whole (square) image at its own size and flips are off, so a DALI view is
 exactly the decoded image passed through the colour steps whose parameters the pipeline reports.
@@ -51,11 +51,6 @@ def square_shards(tmp_path_factory):
     return out
 
 
-@pytest.fixture(params=["torch", "dali"])
-def stage(request) -> str:
-    return request.param
-
-
 def decoded(shards, keys: list[str]) -> dict[str, torch.Tensor]:
     from shards import ReadReport, iter_samples
 
@@ -85,14 +80,14 @@ def torchvision_jitter(image: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     return image
 
 
-def test_identity_settings_reproduce_the_image(square_shards, stage):
-    views, _, images, keys = dali_batch(square_shards, colour_stage=stage)
+def test_identity_settings_reproduce_the_image(square_shards):
+    views, _, images, keys = dali_batch(square_shards)
     for i, key in enumerate(keys):
         assert torch.allclose(views[0][i], images[key], atol=0.02)
 
 
-def test_brightness_contrast_saturation_in_random_order_match_torchvision(square_shards, stage):
-    views, params, images, keys = dali_batch(square_shards, colour_stage=stage, jitter_probability=1.0, hue=0.0)
+def test_brightness_contrast_saturation_in_random_order_match_torchvision(square_shards):
+    views, params, images, keys = dali_batch(square_shards, jitter_probability=1.0, hue=0.0)
     orders = set()
     for j in range(2):
         for i, key in enumerate(keys):
@@ -103,8 +98,8 @@ def test_brightness_contrast_saturation_in_random_order_match_torchvision(square
     assert len(orders) > 8  # many different orders were exercised
 
 
-def test_hue_matches_torchvision(square_shards, stage):
-    views, params, images, keys = dali_batch(square_shards, colour_stage=stage, jitter_probability=1.0,
+def test_hue_matches_torchvision(square_shards):
+    views, params, images, keys = dali_batch(square_shards, jitter_probability=1.0,
                                              brightness=0.0, contrast=0.0,
                                              saturation=0.0)
     shifts = []
@@ -116,9 +111,9 @@ def test_hue_matches_torchvision(square_shards, stage):
     assert np.mean(shifts) > 0.02  # the hue really moved
 
 
-def test_grayscale_blur_solarize_match_torchvision(square_shards, stage):
+def test_grayscale_blur_solarize_match_torchvision(square_shards):
     views, params, images, keys = dali_batch(
-        square_shards, colour_stage=stage, grayscale_probability=1.0, blur_probability_odd=1.0, blur_probability_even=1.0,
+        square_shards, grayscale_probability=1.0, blur_probability_odd=1.0, blur_probability_even=1.0,
         solarize_probability_odd=1.0, solarize_probability_even=1.0,
     )
     for j in range(2):
