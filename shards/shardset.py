@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from jobs.atomic import atomic_write_bytes
 from jobs.progress import Phase, tracked
@@ -219,6 +221,45 @@ def derive_missing_indexes(
     return Derived(len(missing) - len(failed), len(tars), failed)
 
 
+def listed_shards(directory: Path, manifest: pa.Table | None = None, *, allow_lost: bool = False
+                  ) -> tuple[dict[Path, int], list[tuple[Path, str]]]:
+    """The tars the manifest of `directory` lists, in name order, each with its sample count, and (tar,
+    why) of those missing (ShardSetError for any unless `allow_lost`). Reads only the manifest's shard
+    column unless given the table. ShardSetError for an unreadable manifest or one naming anything but
+    a shard file of the folder."""
+    path = directory / MANIFEST_NAME
+    try:
+        names = manifest.schema.names if manifest is not None else pq.read_schema(path).names
+        if "shard" not in names:
+            raise ShardSetError(f"{path} has no 'shard' column; it is not a relicv2 manifest")
+        column = manifest.column("shard") if manifest is not None else pq.read_table(path, columns=["shard"]).column(0)
+    except (OSError, pa.ArrowException) as exc:
+        raise ShardSetError(f"{path} cannot be read ({exc}); rebuild the shard set") from None
+    # Counted in Arrow: a Python string a row was a second's CPU on every rank at ImageNet's size.
+    counted = pc.value_counts(column)
+    per_name = dict(zip(counted.field("values").to_pylist(), counted.field("counts").to_pylist(), strict=True))
+    listed = sorted(per_name, key=str)
+    unsafe = [n for n in listed if not is_plain_tar_name(n) or not SHARD_PATTERN.fullmatch(n)]
+    if unsafe:
+        raise ShardSetError(f"{path} names {unsafe[0]!r}, not a shard file of this folder; rebuild the set")
+    tars = {directory / name: per_name[name] for name in listed}
+    lost = [(t, "listed in the manifest but missing") for t in tars if not t.is_file()]
+    if lost and not allow_lost:
+        raise ShardSetError(f"{directory}: the manifest lists {', '.join(t.name for t, _ in lost[:3])}, which is "
+                            "missing; rebuild the set")
+    return tars, lost
+
+
+def check_count(tar: Path, count: int, listed: int, *, allow_lost: bool = False) -> None:
+    """ShardSetError unless `tar`'s index lists the `listed` samples its manifest does (or, with
+    `allow_lost`, fewer: a tar cut short)."""
+    if listed != count and not (allow_lost and count < listed):
+        raise ShardSetError(
+            f"{tar}: the index lists {count} samples, the manifest {listed}; the set is incomplete or mixed: "
+            "rebuild it (relicv2 shards build) or run relicv2 shards verify"
+        )
+
+
 def resolve_shard_set(spec: Spec, *, index_cache: Path | None = None, allow_lost: bool = False) -> ShardSet:
     """A shard set spec -> tars + index files + sample counts (+ manifest when the folder has one);
     a resolved set is returned as it is.
@@ -232,23 +273,14 @@ def resolve_shard_set(spec: Spec, *, index_cache: Path | None = None, allow_lost
         return spec
     tars, directory = shard_tars(spec)
     manifest, lost = None, []
+    listed: dict[Path, int] = {}
     if directory is not None and (directory / MANIFEST_NAME).is_file():
         try:
             manifest = read_manifest(directory)
         except (OSError, pa.ArrowException) as exc:
             raise ShardSetError(f"{directory / MANIFEST_NAME} cannot be read ({exc}); rebuild the shard set") from None
-        if "shard" not in manifest.column_names:
-            raise ShardSetError(f"{directory / MANIFEST_NAME} has no 'shard' column; it is not a relicv2 manifest")
-        listed = sorted(set(manifest.column("shard").to_pylist()), key=str)
-        unsafe = [n for n in listed if not is_plain_tar_name(n) or not SHARD_PATTERN.fullmatch(n)]
-        if unsafe:
-            raise ShardSetError(f"{directory / MANIFEST_NAME} names {unsafe[0]!r}, not a shard file of this folder; rebuild the set")
-        tars = [directory / name for name in listed]
-        lost = [(t, "listed in the manifest but missing") for t in tars if not t.is_file()]
-        if lost and not allow_lost:
-            raise ShardSetError(f"{directory}: the manifest lists {', '.join(t.name for t, _ in lost[:3])}, which is "
-                                "missing; rebuild the set")
-        tars = [t for t in tars if t.is_file()]
+        listed, lost = listed_shards(directory, manifest, allow_lost=allow_lost)
+        tars = [t for t in listed if t.is_file()]
     cache = default_index_cache(index_cache)
     kept, index_files, counts, labelled, masked = [], [], [], False, False
     missing = {tar for tar in tars if needs_index(tar, cache)}  # each read whole once: show progress
@@ -276,15 +308,8 @@ def resolve_shard_set(spec: Spec, *, index_cache: Path | None = None, allow_lost
         labelled, masked = labelled or LABEL_MEMBER in members, masked or MASK_MEMBER in members
     phase.close()
     if manifest is not None:
-        per_shard: dict[str, int] = {}
-        for name in manifest.column("shard").to_pylist():
-            per_shard[name] = per_shard.get(name, 0) + 1
         for tar, count in zip(kept, counts, strict=True):
-            if per_shard[tar.name] != count and not (allow_lost and count < per_shard[tar.name]):
-                raise ShardSetError(
-                    f"{tar}: the index lists {count} samples, the manifest {per_shard[tar.name]}; "
-                    "the set is incomplete or mixed: rebuild it (relicv2 shards build) or run relicv2 shards verify"
-                )
+            check_count(tar, count, listed[tar], allow_lost=allow_lost)
         if "label" in manifest.column_names:
             labelled = manifest.column("label").null_count < manifest.num_rows
     text = str(spec) if isinstance(spec, str | Path) else " ".join(str(s) for s in spec)
