@@ -18,6 +18,7 @@ decoded there, are read back by the thread that makes the batch, not by the trai
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 
@@ -361,15 +362,11 @@ def fused_finish(x: torch.Tensor, table: torch.Tensor, mean: tuple[float, ...], 
     return (x - mean_std[0]) / mean_std[1]
 
 
-_COMPILED: dict[str, object] = {}
-
-
+@functools.cache
 def _compiled(step):
     """`step` compiled for the GPU (static shapes: a loader's batches all have the same), once per process.
     On a CPU the same function runs eagerly: there the stage is bound by arithmetic, not launches."""
-    if step.__name__ not in _COMPILED:
-        _COMPILED[step.__name__] = torch.compile(step, dynamic=False)
-    return _COMPILED[step.__name__]
+    return torch.compile(step, dynamic=False)
 
 
 def _colour_fused(view: torch.Tensor, draws: ColourDraws, cfg: ViewConfig, background: Background | None) -> torch.Tensor:

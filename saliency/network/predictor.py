@@ -74,17 +74,17 @@ class MaskPredictor:
         x = self.model.normalise(batch.permute(0, 3, 1, 2))
         if self.flip:
             x = with_mirrors(x)
-        if not self.cuda:
-            if self.flip:
-                torch.from_numpy(out).copy_(mirror_mean(torch.sigmoid(self.model(x).squeeze(1))))
-            else:
-                torch.sigmoid(self.model(x).squeeze(1), out=torch.from_numpy(out))
-            return lambda: out
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = self.model(x.contiguous(memory_format=torch.channels_last))
-        result = torch.sigmoid(logits.float()).squeeze(1)
+        if self.cuda:
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = self.model(x.contiguous(memory_format=torch.channels_last)).float()
+        else:
+            logits = self.model(x)
+        result = torch.sigmoid(logits).squeeze(1)
         if self.flip:
             result = mirror_mean(result)
+        if not self.cuda:
+            torch.from_numpy(out).copy_(result)
+            return lambda: out
         direct = self._page_locked(out)
         host = torch.from_numpy(out) if direct else torch.empty(result.shape, dtype=torch.float32, pin_memory=True)
         host.copy_(result, non_blocking=True)
