@@ -315,10 +315,15 @@ def _colour(view: torch.Tensor, draws: ColourDraws, cfg: ViewConfig, background:
     x = rows.apply(x, later, lambda v: _grey(v).repeat(1, 3, 1, 1))
     x = rows.apply(x, later + 1, lambda v: gaussian_blur(v, draws.sigma[draws.blur], cfg.blur_kernel))
     x = rows.apply(x, later + 2, solarize_view)
-    # One copy to the device, and non-blocking like every copy here: a blocking one waits until the
-    # stream's queued kernels have run (two such waits a view cost the H100 12 waits a batch, RESULTS.md).
-    mean, std = torch.tensor([cfg.mean, cfg.std]).to(x.device, non_blocking=True).view(2, 1, 3, 1, 1)
+    mean, std = _mean_std(cfg, x.device)
     return x.sub_(mean).div_(std)
+
+
+def _mean_std(cfg: ViewConfig, device: torch.device) -> torch.Tensor:
+    """The normalisation's mean and std on `device`, 2 x 1 x 3 x 1 x 1. One copy to the device, and
+    non-blocking like every copy here: a blocking one waits until the stream's queued kernels have run (two
+    such waits a view cost the H100 12 waits a batch, RESULTS.md)."""
+    return torch.tensor([cfg.mean, cfg.std]).to(device, non_blocking=True).view(2, 1, 3, 1, 1)
 
 
 # Columns of the per-row table the fused steps read (one host-to-device copy a batch of views).
@@ -355,10 +360,10 @@ def fused_steps(view: torch.Tensor, table: torch.Tensor, soft: torch.Tensor | No
     return torch.where(column(GRAYSCALE) > 0.5, _grey(x).expand_as(x), x)
 
 
-def fused_finish(x: torch.Tensor, table: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
-    """The steps after the blur on every row: solarize where drawn, then the ImageNet mean/std."""
+def fused_finish(x: torch.Tensor, table: torch.Tensor, mean_std: torch.Tensor) -> torch.Tensor:
+    """The steps after the blur on every row: solarize where drawn, then the ImageNet mean/std
+    (`mean_std`, from `_mean_std`: made on the device inside, it would be a blocking copy)."""
     x = torch.where(table[:, SOLARIZE].view(-1, 1, 1, 1) > 0.5, solarize_view(x), x)
-    mean_std = torch.tensor([mean, std], dtype=x.dtype, device=x.device).view(2, 1, 3, 1, 1)
     return (x - mean_std[0]) / mean_std[1]
 
 
@@ -385,4 +390,4 @@ def _colour_fused(view: torch.Tensor, draws: ColourDraws, cfg: ViewConfig, backg
     x = before(view, table, background.soft if background is not None else None, active)
     blurred = _Rows([draws.blur], np.zeros((rows, 1)), view.device)
     x = blurred.apply(x, 0, lambda v: gaussian_blur(v, draws.sigma[draws.blur], cfg.blur_kernel))
-    return finish(x, table, tuple(cfg.mean), tuple(cfg.std))
+    return finish(x, table, _mean_std(cfg, view.device))
