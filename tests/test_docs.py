@@ -213,7 +213,7 @@ def test_every_results_table_names_command_machine_date_and_commit():
         columns = header.lower()
         has = {
             "command": "command" in columns or re.search(r"\bcommands?\b", context, re.I),
-            "machine": "machine" in columns or re.search(r"CPU box|H100", context),
+            "machine": "machine" in columns or re.search(r"CPU box|H[12]00", context),
             "date": "date" in columns or re.search(r"\b20\d\d-\d\d-\d\d\b", context),
             "commit": "commit" in columns or re.search(r"\bcommits?:? [0-9a-f]{7}\b|\bcode at [0-9a-f]{7}\b", context),
         }
