@@ -6,7 +6,8 @@ Steps, each through the library as the `relicv2` commands run them (and each res
    (with --train-masks, its report also scores the refined labels and the network on the training images);
 3. `saliency handcrafted` on the held-out images into OUT/heldout/maps, and their per-pixel mean;
 4. `saliency evaluate` of each handcrafted method, the mean of the four, and the fused network
-   (plain, with flip averaging, and averaged with the mean of the maps) against --heldout-masks.
+   (plain, with flip averaging, refined by its dense CRF, and averaged with the mean of the maps) against
+   --heldout-masks.
 Prints the table (MAE / max-F / adaptive-F, beta^2 = 0.3) and the wall time of each step.
 
     python benchmarks/saliency_quality.py --out OUT --train-images DIR [--train-images DIR2] \\
@@ -76,10 +77,11 @@ def score_rows(model: Path, images: Path, masks: Path, maps: Path, mean: Path,
     the images that have a mask are scored, and the table says how many."""
     rows = {m: evaluate_folder(maps / m, masks, allow_missing=True) for m in config.methods}
     rows[MEAN_ROW] = evaluate_folder(mean, masks, allow_missing=True)
-    for name, flip, with_maps in ((FUSED_ROW, False, False), (f"{FUSED_ROW}, flip", True, False),
-                                  (f"{FUSED_ROW} + maps", False, True), (f"{FUSED_ROW}, flip + maps", True, True)):
-        rows[name] = evaluate_model(ModelEvaluation(model=model, images=images, gt=masks, flip=flip,
-                                                    maps=maps if with_maps else None, allow_missing=True))
+    options = {"": {}, ", flip": {"flip": True}, " + CRF": {"crf": True}, ", flip + CRF": {"flip": True, "crf": True},
+               " + maps": {"maps": maps}, ", flip + maps": {"flip": True, "maps": maps}}
+    for suffix, chosen in options.items():
+        rows[FUSED_ROW + suffix] = evaluate_model(ModelEvaluation(model=model, images=images, gt=masks,
+                                                                  allow_missing=True, **chosen))
     return rows
 
 

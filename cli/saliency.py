@@ -96,6 +96,7 @@ def handcrafted(
                    "run on --images.")
 @click.option("--images", type=click.Path(path_type=Path), help="With --model: the folder of images to predict.")
 @click.option("--flip", is_flag=True, help="With --model: average each map with the mirrored image's.")
+@click.option("--crf", is_flag=True, help="With --model: refine each map with the dense CRF the model was trained with.")
 @click.option("--maps", type=click.Path(path_type=Path),
               help="With --model: average each map with the mean of these handcrafted maps "
                    "(the --output folder of `saliency handcrafted` on the same images).")
@@ -104,8 +105,8 @@ def handcrafted(
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="Also write the scores as JSON.")
 @click.option("--csv", "csv_path", type=click.Path(path_type=Path), help="Also write the scores as CSV.")
 @click.option("--allow-missing", is_flag=True, help="Score only images that have both a map and a mask.")
-def evaluate_command(pred: Path | None, model_path: Path | None, images: Path | None, flip: bool, maps: Path | None,
-                     device: str, gt: Path, json_path: Path | None, csv_path: Path | None, allow_missing: bool) -> None:
+def evaluate_command(pred: Path | None, model_path: Path | None, images: Path | None, flip: bool, crf: bool,
+                     maps: Path | None, device: str, gt: Path, json_path: Path | None, csv_path: Path | None, allow_missing: bool) -> None:
     """Print MAE, max-F, adaptive-F (beta^2 = 0.3) and S-measure per method, or of a saved model.
 
     \b
@@ -114,15 +115,15 @@ def evaluate_command(pred: Path | None, model_path: Path | None, images: Path | 
     """
     if (pred is None) == (model_path is None):
         raise click.UsageError("give either --pred (maps) or --model with --images")
-    if model_path is None and (images or flip or maps):
-        raise click.UsageError("--images, --flip and --maps go with --model")
+    if model_path is None and (images or flip or crf or maps):
+        raise click.UsageError("--images, --flip, --crf and --maps go with --model")
     if model_path is not None and images is None:
         raise click.UsageError("--model needs --images, the folder of images to predict")
     try:
         if model_path is None:
             results = evaluate(EvaluateConfig(pred=pred, gt=gt, allow_missing=allow_missing))
         else:
-            job = ModelEvaluation(model=model_path, images=images, gt=gt, flip=flip, maps=maps,
+            job = ModelEvaluation(model=model_path, images=images, gt=gt, flip=flip, crf=crf, maps=maps,
                                   allow_missing=allow_missing, device=resolve_device(device, "--device"))
             results = {str(model_path): evaluate_model(job)}
     except (EvaluationError, ConfigError, ValueError) as error:

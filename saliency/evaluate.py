@@ -103,6 +103,7 @@ class ModelEvaluation:
     images: Path
     gt: Path
     flip: bool = False  # average with the prediction of the mirrored image
+    crf: bool = False  # refine each prediction with the model's dense CRF (saliency.network.crf.model_crf)
     maps: Path | None = None  # `saliency handcrafted` output: average with the mean of these maps
     allow_missing: bool = False
     device: str = "cpu"
@@ -113,6 +114,7 @@ def evaluate_model(job: ModelEvaluation) -> DatasetScores:
 
     Each prediction is taken through an 8-bit map, as a map written by the model would be, so a
     model scores what its written maps score."""
+    from saliency.network.crf import model_crf
     from saliency.network.model_file import load_model
     from saliency.network.predict import mean_of_maps, predict_map, with_maps
 
@@ -121,10 +123,11 @@ def evaluate_model(job: ModelEvaluation) -> DatasetScores:
             raise EvaluationError(f"{option} folder {folder} does not exist; check {option}")
     model, info = load_model(job.model, job.device)
     size = int(info["input_size"])
+    crf = model_crf(info, str(job.model)) if job.crf else None
     methods = _map_methods(job.maps) if job.maps is not None else ()
 
     def read(path: Path) -> np.ndarray:
-        prediction = predict_map(model, read_rgb(path), size, flip=job.flip)
+        prediction = predict_map(model, read_rgb(path), size, flip=job.flip, crf=crf)
         if methods:
             prediction = with_maps(prediction, mean_of_maps(job.maps, methods, path.stem))
         return map_to_uint8(prediction)

@@ -68,6 +68,8 @@ from saliency.network.mask_work import (
     ring_bytes,
     use_ring,
 )
+from saliency.network.config import CrfConfig
+from saliency.network.crf import model_crf
 from saliency.network.model_file import PASS_MODEL, resolve_model_path
 from saliency.network.predictor import MaskPredictor, launch_forward
 from shards.images import Rejection
@@ -133,6 +135,10 @@ class BuildMasksConfig:
     # Average each mask with the prediction of the mirrored image, mirrored back: twice the forward, +.003 to
     # +.007 max-F on held-back PASCAL-S (benchmarks/RESULTS.md, "Saliency network quality").
     flip: bool = False
+    # Refine each mask with the dense CRF the model was trained with, at its input size, in the workers:
+    # ~20 CPU ms an image at 112 px; on held-back PASCAL-S -.03 to -.06 MAE and +.04 to +.07 max-F in every
+    # model measured (benchmarks/RESULTS.md, "CRF at inference").
+    crf: bool = False
     # Where indexes of input tars without one are derived; None: shards.shardset.default_index_cache.
     index_cache: Path | None = None
 
@@ -250,7 +256,8 @@ def _batches(items: Iterator, size: int) -> Iterator[list]:
 
 
 def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: Executor, ring: SlotRing, bar,
-               workers: int = 1, clock: MainThreadClock | None = None) -> tuple[TarShard | None, list[dict], dict[str, int]]:
+               workers: int = 1, clock: MainThreadClock | None = None,
+               crf: CrfConfig | None = None) -> tuple[TarShard | None, list[dict], dict[str, int]]:
     """Write the masked copy of one input shard; returns the closed tar (None when no sample could be
     written), the rejected samples and the input members carried or replaced, by name.
 
@@ -259,7 +266,7 @@ def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: Executo
     n-1 and writes them while the network runs, then hands batch n's maps to the workers. Batch n-1's
     records are all in before batch n+2 is read into its slot, so three slots never collide. Each batch
     goes to the pool as `workers` chunks, not a task per image (a task costs a pickled call and a pipe
-    round trip).
+    round trip). With `crf`, the workers refine each map on its square, still in the slot at the finish.
     """
     spec, parts = ring.spec, max(1, workers)
     rejected: list[dict] = []
@@ -323,7 +330,7 @@ def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: Executo
                 waited = time.perf_counter()
                 fill_maps()
                 clock.forward += time.perf_counter() - waited
-                writing.extend(pool.submit(finish_chunk, spec, slot, part.start, ready[part])
+                writing.extend(pool.submit(finish_chunk, spec, slot, part.start, ready[part], crf, kept[part])
                                for part in _chunks(len(ready), parts))
             current = following
         write_finished()
@@ -403,12 +410,14 @@ def check_input(tars: list[Path], out: Path) -> None:
         raise MasksError(f"--out {out} holds input shards; choose an output folder apart from --shards")
 
 
-def masks_job(out: Path, model_sha256: str, tars: list[Path], flip: bool = False) -> tuple[ShardJob, dict]:
+def masks_job(out: Path, model_sha256: str, tars: list[Path], flip: bool = False,
+              crf: bool = False) -> tuple[ShardJob, dict]:
     """The engine's job and plan: one unit per input tar, `masked-NNNNNN.tar` in the input's order. A
-    unit's digest covers the model (and `flip`, which makes other masks), its output name and its input
+    unit's digest covers the model (and `flip` and `crf`, which make other masks), its output name and its input
     tar's name, size and modification time (a stat: any rank can check any unit's record); the SHA-256
     of the input's index is checked by the rank that owns the unit (`input_tar_identity`)."""
-    masks = {"model_sha256": model_sha256, **({"flip": True} if flip else {})}  # without flip: as before it existed
+    # Each option only when on: a job without them keeps the plan it had before they existed.
+    masks = {"model_sha256": model_sha256, **({"flip": True} if flip else {}), **({"crf": True} if crf else {})}
     plan = {**masks, "input_shards": [t.name for t in tars], "prefix": PREFIX}
     units = []
     for number, tar in enumerate(tars):
@@ -471,9 +480,9 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
     out = Path(config.out)
     check_input(tars, out)
     model = resolve_model_path(config.model)
-    job, plan = masks_job(out, hashlib.sha256(model.read_bytes()).hexdigest(), tars, config.flip)
+    job, plan = masks_job(out, hashlib.sha256(model.read_bytes()).hexdigest(), tars, config.flip, config.crf)
     try:
-        check_plan(job, plan, other="a masked set built from another model, input or flip setting")
+        check_plan(job, plan, other="a masked set built from another model, input, flip or crf setting")
     except PlanError as error:
         raise MasksError(str(error)) from None
     check_out_folder(job)
@@ -487,6 +496,10 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
         print(f"saliency build-masks: rank {ranks.rank} predicts on {device}", file=sys.stderr, flush=True)
     if predictor.size < 1:
         raise MasksError(f"{model} has input size {predictor.size}; {PASS_MODEL}")
+    try:  # a stand-in predictor without the file's description gets the default CRF at its size
+        crf = model_crf(getattr(predictor, "info", {"input_size": predictor.size}), str(model)) if config.crf else None
+    except ConfigError as error:
+        raise MasksError(f"{error}; {PASS_MODEL}") from None
     workers, workers_note = job_workers(config)
     try:  # before --out exists, like the other refusals (the ring itself is made with the workers)
         check_shm_space(ring_bytes(config.batch_size, predictor.size) * local_ranks())  # every rank of the node has one
@@ -497,7 +510,7 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
     try:
         with output_folder(out), folder_lock(out, "relicv2 saliency build-masks", enabled=ranks.rank == 0):
             write_plan(job, plan)  # the first write: an unwritable --out is found before any work
-            summary = _run(job, plan, tars, config, ranks, predictor, workers)
+            summary = _run(job, plan, tars, config, ranks, predictor, workers, crf)
     except OSError as error:
         raise MasksError(str(output_error(error, out))) from None
     if summary is not None:
@@ -506,7 +519,7 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
 
 
 def _run(job: ShardJob, plan: dict, tars: list[Path], config: BuildMasksConfig, ranks: Ranks, predictor,
-         workers: int) -> dict | None:
+         workers: int, crf: CrfConfig | None) -> dict | None:
     """This rank's units (those whose record does not match their inputs and files), then rank 0's merge."""
     out = job.out
     cache = default_index_cache(config.index_cache)
@@ -534,7 +547,7 @@ def _run(job: ShardJob, plan: dict, tars: list[Path], config: BuildMasksConfig, 
             unit = job.units[number]
             try:
                 shard, rejected, members = mask_shard(tars[number], out / unit.shard, predictor, pool, ring, bar,
-                                                      workers, clock)
+                                                      workers, clock, crf)
             except BrokenProcessPool as error:
                 raise MasksError(
                     f"a worker process died while masking {tars[number]} (killed by the system for memory? "
@@ -559,6 +572,7 @@ def _run(job: ShardJob, plan: dict, tars: list[Path], config: BuildMasksConfig, 
     atomic_write_bytes(out / SETTINGS_FILE, settings_text(config, version=package_version()).encode())
     merge_records(out, records, info={
         "prefix": PREFIX, "source": str(config.shards), "model": plan["model_sha256"], "flip": config.flip,
+        "crf": config.crf,
         "mask": {k: summary[k] for k in ("below_min_coverage", "min_coverage", "coverage_histogram")},
         "version": package_version(),
     })

@@ -9,8 +9,12 @@ It needs a C++ compiler at install time (the set-up and the Docker image have on
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 
+from jobs.config import build
 from saliency.network.config import CrfConfig
 
 PROBABILITY_FLOOR = 1e-5  # -log(0) would be an infinite unary
@@ -36,3 +40,12 @@ def dense_crf(rgb: np.ndarray, foreground: np.ndarray, config: CrfConfig = CrfCo
     )
     q = np.asarray(crf.inference(config.iterations), dtype=np.float32).reshape(2, height, width)
     return q[1]
+
+
+def model_crf(info: Mapping[str, Any], source: str) -> CrfConfig:
+    """The CRF a saliency model was trained with (its file's `config.crf`; the defaults where the file
+    records none), at the model's input size: what `--crf` applies to its predictions. ConfigError,
+    naming `source`, for settings the file holds but no CrfConfig takes."""
+    config = info.get("config")
+    section = config.get("crf") if isinstance(config, Mapping) else None
+    return build(CrfConfig, section or {}, source=source, prefix="crf.", saved=True).at_size(int(info["input_size"]))

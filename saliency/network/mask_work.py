@@ -19,6 +19,7 @@ import hashlib
 import os
 import re
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
@@ -27,6 +28,8 @@ import cv2
 import numpy as np
 
 from jobs.lock import pid_alive
+from saliency.network.config import CrfConfig
+from saliency.network.crf import dense_crf
 from saliency.network.images import resize_map, resize_square
 from shards.images import ImageLoadError, Rejection, load_scaled
 from shards.sample import MASK_MEMBER, MIN_MASK_COVERAGE, ShardSample
@@ -70,8 +73,12 @@ def prepare(sample: RawSample, size: int) -> tuple[np.ndarray, int, int] | Rejec
     return resize_square(scaled.rgb, size), scaled.width, scaled.height
 
 
-def finish(sample: RawSample, probability: np.ndarray, width: int, height: int) -> SampleRecord:
-    """The output sample: original image bytes, the mask PNG at image size, coverage in the json."""
+def finish(sample: RawSample, probability: np.ndarray, width: int, height: int, *,
+           crf: CrfConfig | None = None, square: np.ndarray | None = None) -> SampleRecord:
+    """The output sample: original image bytes, the mask PNG at image size, coverage in the json. With
+    `crf`, the probability is first refined by the dense CRF on the network's input `square`."""
+    if crf is not None:
+        probability = dense_crf(square, probability, crf)
     soft = resize_map(probability, width, height)
     coverage = np.count_nonzero(soft >= 0.5) / soft.size
     # In place (soft is this call's own array): the same float32 values as clip(rint(soft * 255)), without
@@ -314,11 +321,15 @@ def prepare_chunk(spec: RingSpec, slot: int, start: int, samples: list[RawSample
     return results
 
 
-def finish_chunk(spec: RingSpec, slot: int, start: int, ready: list[tuple[RawSample, int, int]]) -> list[SampleRecord]:
-    """`finish` for a run of (sample, width, height) whose probability maps are in the slot from `start`."""
-    probabilities = _ring(spec).probabilities(slot)
-    return [finish(sample, probabilities[position], width, height)
-            for position, (sample, width, height) in enumerate(ready, start)]
+def finish_chunk(spec: RingSpec, slot: int, start: int, ready: list[tuple[RawSample, int, int]],
+                 crf: CrfConfig | None = None, squares_at: Sequence[int] = ()) -> list[SampleRecord]:
+    """`finish` for a run of (sample, width, height) whose probability maps are in the slot from `start`;
+    with `crf`, their network inputs are in the slot at `squares_at` (rejected samples leave gaps there)."""
+    ring = _ring(spec)
+    probabilities, squares = ring.probabilities(slot), ring.squares(slot)
+    return [finish(sample, probabilities[start + i], width, height, crf=crf,
+                   square=squares[squares_at[i]] if crf is not None else None)
+            for i, (sample, width, height) in enumerate(ready)]
 
 
 def init_worker() -> None:

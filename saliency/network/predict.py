@@ -2,6 +2,7 @@
 
 - ``predict_map``: the foreground probability at the image's own size; ``flip`` averages it with the
   prediction of the horizontally mirrored image (mirrored back), the usual test-time augmentation;
+  ``crf`` refines it with the dense CRF the network was trained with (`crf.model_crf`);
 - ``mean_of_maps``: the per-pixel mean of an image's handcrafted maps (the trivial fusion the network
   must beat), read from a `saliency handcrafted` output folder;
 - ``with_maps``: the mean of a network's prediction and that mean of the maps.
@@ -17,6 +18,8 @@ import torch
 
 from saliency.batch import map_path
 from saliency.images import read_gray
+from saliency.network.config import CrfConfig
+from saliency.network.crf import dense_crf
 from saliency.network.images import resize_map, resize_square
 from saliency.network.model import SaliencyNet
 
@@ -32,13 +35,18 @@ def mirror_mean(probabilities: torch.Tensor) -> torch.Tensor:
     return (probabilities[:half] + probabilities[half:].flip(-1)) / 2
 
 
-def predict_map(model: SaliencyNet, rgb: np.ndarray, size: int, *, flip: bool = False) -> np.ndarray:
-    """The network's foreground probability of one displayed image (uint8 HxWx3), at the image's size."""
-    square = torch.from_numpy(resize_square(rgb, size)).permute(2, 0, 1)[None]
+def predict_map(model: SaliencyNet, rgb: np.ndarray, size: int, *, flip: bool = False,
+                crf: CrfConfig | None = None) -> np.ndarray:
+    """The network's foreground probability of one displayed image (uint8 HxWx3), at the image's size;
+    with `crf`, refined by the dense CRF on the network's input square first (`saliency.network.crf`)."""
+    square = resize_square(rgb, size)
+    batch = torch.from_numpy(square).permute(2, 0, 1)[None]
     if flip:
-        probability = mirror_mean(model.predict(with_mirrors(square)))[0].cpu().numpy()
+        probability = mirror_mean(model.predict(with_mirrors(batch)))[0].cpu().numpy()
     else:
-        probability = model.predict(square)[0].cpu().numpy()
+        probability = model.predict(batch)[0].cpu().numpy()
+    if crf is not None:
+        probability = dense_crf(square, probability, crf)
     return resize_map(probability, rgb.shape[1], rgb.shape[0])
 
 

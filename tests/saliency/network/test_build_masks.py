@@ -235,9 +235,9 @@ def test_a_rerun_with_another_flip_setting_is_refused_and_the_old_plan_still_res
     build_masks(_config(tiny_model, shards, out), Ranks(), predictor=SquarePredictor())
     assert set(json.loads((out / STATE_DIR / PLAN_NAME).read_text())) == {"model_sha256", "input_shards",
                                                                                  "prefix"}
-    with pytest.raises(MasksError, match="flip setting"):
+    with pytest.raises(MasksError, match="flip or crf setting"):
         build_masks(_config(tiny_model, shards, out, flip=True), Ranks(), predictor=SquarePredictor())
     flipped = tmp_path / "flipped"
     build_masks(_config(tiny_model, shards, flipped, flip=True), Ranks(), predictor=SquarePredictor())
-    with pytest.raises(MasksError, match="flip setting"):
+    with pytest.raises(MasksError, match="flip or crf setting"):
         build_masks(_config(tiny_model, shards, flipped), Ranks(), predictor=SquarePredictor())

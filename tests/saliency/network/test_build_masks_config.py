@@ -45,7 +45,7 @@ def test_unknown_keys_presets_and_types_are_refused_in_one_line_before_any_work(
     shards, _ = scene_shards
     out = tmp_path / "masked"
     for options, message in [
-        (["--set", "batchsize=4"], "unknown key batchsize; valid keys here are: batch_size, device"),
+        (["--set", "batchsize=4"], "unknown key batchsize; valid keys here are: batch_size, crf, device"),
         (["--config", "fast"], "unknown preset 'fast'; presets: cpu (This machine's cores"),
         (["--set", "batch_size=four"], "batch_size must be of type int, got 'four'"),
         (["--device", "tpu"], "--device tpu is not a device; use auto, cpu, cuda or cuda:N"),

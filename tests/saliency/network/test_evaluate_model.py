@@ -80,11 +80,24 @@ def test_cli_scores_a_model(tiny_model, labelled):
     assert f"| {tiny_model} |" in result.output and "| 3 |" in result.output
 
 
+def test_cli_crf_refines_the_maps_it_scores(tiny_model, labelled, tmp_path):
+    pytest.importorskip("pydensecrf.densecrf", reason="the CRF needs pydensecrf2 (requirements.lock)")
+    images, masks = labelled
+    scores = {}
+    for flag in ([], ["--crf"]):
+        result = _invoke(["--model", str(tiny_model), "--images", str(images), "--gt", str(masks), "--device", "cpu",
+                          "--json", str(tmp_path / "scores.json"), *flag])
+        assert result.exit_code == 0, result.output
+        scores[bool(flag)] = (tmp_path / "scores.json").read_text()
+    assert scores[True] != scores[False]
+
+
 @pytest.mark.parametrize("args, message", [
     ([], "give either --pred"),
     (["--pred", "X", "--model", "Y"], "give either --pred"),
     (["--model", "Y"], "--model needs --images"),
     (["--pred", "X", "--flip"], "go with --model"),
+    (["--pred", "X", "--crf"], "go with --model"),
 ])
 def test_cli_refuses_mixed_options(args, message):
     result = _invoke([*args, "--gt", "G"])

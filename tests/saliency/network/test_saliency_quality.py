@@ -45,7 +45,7 @@ def test_trains_on_joined_folders_and_prints_every_row(tmp_path, capsys):
     printed = capsys.readouterr().out
     rows = {line.split("|")[1].strip(): line for line in printed.splitlines() if line.startswith("| ")}
     expected = ["rbd", "mr", "dsr", "mc", "mean of handcrafted", "fused network", "fused network, flip",
-                "fused network + maps", "fused network, flip + maps"]
+                "fused network + CRF", "fused network, flip + CRF", "fused network + maps", "fused network, flip + maps"]
     assert [name for name in rows if name != "row"] == expected
     assert all(rows[name].rstrip(" |").endswith("| 3") for name in expected)  # every held-out image scored
     assert "wall s: training shards" in printed
