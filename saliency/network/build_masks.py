@@ -53,6 +53,8 @@ from jobs.progress import Phase
 from jobs.ranks import Ranks, ranks_from_env
 from jobs.version import package_version
 from jobs.workers import local_ranks, rank_cores, usable_cores, worker_pool
+from saliency.network.config import CrfConfig
+from saliency.network.crf import model_crf
 from saliency.network.mask_work import (
     MIN_COVERAGE,
     RawSample,
@@ -68,8 +70,6 @@ from saliency.network.mask_work import (
     ring_bytes,
     use_ring,
 )
-from saliency.network.config import CrfConfig
-from saliency.network.crf import model_crf
 from saliency.network.model_file import PASS_MODEL, resolve_model_path
 from saliency.network.predictor import MaskPredictor, launch_forward
 from shards.images import Rejection
