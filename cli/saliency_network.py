@@ -79,7 +79,7 @@ def train_command(shards: Path, out: Path, config_name: str | None, preset_name:
               help="Average each mask with the mirrored image's (twice the forward pass). [default: off]")
 @click.option("--crf/--no-crf", default=None,
               help="Refine each mask with the dense CRF the model was trained with (CPU work in the workers). "
-                   "[default: off; on in the cpu preset]")
+                   "[default: off]")
 @click.option("--progress/--no-progress", default=None, help="Show a progress bar. [default: on]")
 def build_masks_command(config_name: str | None, overrides: tuple[str, ...], **options) -> None:
     """Write a masked shard set: every sample's original image plus an 8-bit soft mask (mask.png).

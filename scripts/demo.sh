@@ -122,10 +122,9 @@ fi
 
 # ---- 5. mask shards: every training image with the network's mask
 masked=$out/shards/masked-train-$saliency_preset
-if stage build-masks "$max_count $saliency_preset crf" "mask shards (saliency build-masks, the cpu preset: CRF-refined)"; then
-  rm -rf "$masked"  # an earlier run's masks, from other settings (build-masks refuses to mix them): made again
-  relicv2 saliency build-masks --model "$network/model.pt" --shards "$train" --out "$masked" --config cpu --workers 2
-  finished build-masks "$max_count $saliency_preset crf"
+if stage build-masks "$max_count $saliency_preset" "mask shards (saliency build-masks)"; then
+  relicv2 saliency build-masks --model "$network/model.pt" --shards "$train" --out "$masked" --workers 2 --device cpu
+  finished build-masks "$max_count $saliency_preset"
 fi
 pretrain_shards=$masked; mask_probability=0.1  # the paper's p_m
 

@@ -129,6 +129,7 @@ def test_the_cli_flag_lands_in_the_saved_settings(tmp_path, scene_shards) -> Non
     out = tmp_path / "masked"
     result = CliRunner().invoke(cli, ["saliency", "build-masks", "--model", str(model), "--shards", str(shards),
                                       "--out", str(out), "--config", "cpu", "--workers", "0", "--no-progress",
-                                      "--no-crf"])
+                                      "--crf"])
     assert result.exit_code == 0, result.output
-    assert "crf: false" in (out / "config.yaml").read_text()  # the option beats the cpu preset's crf: true
+    assert "crf: true" in (out / "config.yaml").read_text()
+    assert json.loads((out / "info.json").read_text())["crf"] is True
