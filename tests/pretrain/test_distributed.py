@@ -30,6 +30,7 @@ from pretrain.run import run_pretraining
 from pretrain.views.sources import check_path, check_shard_set
 from shards import ShardSample, index_path, write_shard_set
 from shards.shardset import cached_index_path, derive_missing_indexes
+from tests.once import built_once
 from tests.threads import one_torch_thread
 
 
@@ -101,8 +102,12 @@ def runs(tmp_path_factory) -> Path:
     """4-step runs: 1 process and 2 ranks uninterrupted (both negative settings), and the resumes
     2 ranks -> 1 process and 1 process -> 2 ranks after step 2 (subsampled negatives), on
     generated data and on a shard set (reference view backend); the run killed on 2 ranks (and its
-    resume) reads a plain copy of the set, whose index files the ranks derive between them."""
-    root = tmp_path_factory.mktemp("distributed")
+    resume) reads a plain copy of the set, whose index files the ranks derive between them. Made once
+    per session whichever workers run the tests (`tests.once`)."""
+    return built_once(tmp_path_factory, "distributed-runs", _make_runs)
+
+
+def _make_runs(root: Path) -> None:
     shards = _shard_set(root / "shards")
     plain = _plain_copy(shards, root / "plain")
     for name, negatives in NEGATIVES.items():
@@ -123,7 +128,6 @@ def runs(tmp_path_factory) -> Path:
     _single(config_overrides(root / "two-to-one", 8, 3), resume=root / "two-killed" / "checkpoint-000000002.pt")
     _single(config_overrides(root / "two-to-one-shards", 8, 3, plain),
             resume=root / "two-shards-killed" / "checkpoint-000000002.pt")
-    return root
 
 
 @pytest.mark.parametrize("name", list(NEGATIVES))
