@@ -85,6 +85,18 @@ class _Pool(cf.ProcessPoolExecutor):
         self.shutdown(wait=True, cancel_futures=exc_type is not None)
         return False
 
+    def _spawn_process(self) -> None:
+        # A terminal's Ctrl-C goes to the whole process group: a worker still importing its modules, before
+        # `_initialize` ignores SIGINT, would die with a KeyboardInterrupt traceback. Blocked in this thread
+        # while the worker starts, SIGINT is blocked in the worker from its first instruction (the signal
+        # mask survives fork and exec); here, one that arrived meanwhile is delivered once it is unblocked.
+        # (`_spawn_process` is the one place the executor starts a worker, since Python 3.9.)
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            super()._spawn_process()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
 
 @contextlib.contextmanager
 def single_threaded() -> Iterator[None]:
