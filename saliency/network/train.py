@@ -45,8 +45,9 @@ from shards.outdir import check_output_folder, writing
 
 CONFIG_NAME = SETTINGS_FILE  # the resolved settings and inputs, as printed at start
 RANDOM_BACKBONE_NOTE = (
-    "saliency train: note: the encoder starts from random weights (--backbone random); refinement works "
-    "far better from a self-supervised backbone (a relicv2 pretrain run folder)"
+    "saliency train: note: the encoder starts from random weights (--backbone random); the paper starts it "
+    "from a self-supervised backbone (a relicv2 pretrain run folder); benchmarks/RESULTS.md measures what "
+    "that buys at small scale"
 )
 
 
