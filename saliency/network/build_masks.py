@@ -137,7 +137,7 @@ class BuildMasksConfig:
     flip: bool = False
     # Refine each mask with the dense CRF the model was trained with, at its input size, in the workers: ~10
     # CPU ms an image at 112 px, ~150 at 432; on held-back PASCAL-S -.03 to -.06 MAE and +.04 to +.07 max-F
-    # for every model measured (benchmarks/RESULTS.md, "Dense CRF cost" and "CRF at inference").
+    # for every one-round model measured (benchmarks/RESULTS.md, "Dense CRF cost" and "CRF at inference").
     crf: bool = False
     # Where indexes of input tars without one are derived; None: shards.shardset.default_index_cache.
     index_cache: Path | None = None
