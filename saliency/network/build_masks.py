@@ -496,8 +496,8 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
         print(f"saliency build-masks: rank {ranks.rank} predicts on {device}", file=sys.stderr, flush=True)
     if predictor.size < 1:
         raise MasksError(f"{model} has input size {predictor.size}; {PASS_MODEL}")
-    try:  # a stand-in predictor without the file's description gets the default CRF at its size
-        crf = model_crf(getattr(predictor, "info", {"input_size": predictor.size}), str(model)) if config.crf else None
+    try:
+        crf = model_crf(predictor.info, str(model)) if config.crf else None
     except ConfigError as error:
         raise MasksError(f"{error}; {PASS_MODEL}") from None
     workers, workers_note = job_workers(config)

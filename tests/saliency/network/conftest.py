@@ -59,6 +59,7 @@ class SquarePredictor:
     """Stands in for the network: probability 1 inside the centre square of half the side, else 0."""
 
     size = 32
+    info = {"input_size": size}  # a model file's description, as MaskPredictor.info (no config: default CRF)
 
     def __call__(self, squares):
         out = np.zeros((len(squares), self.size, self.size), np.float32)
