@@ -1,6 +1,6 @@
 """The one image loader for untrusted images, and decode-verification for `shards build`.
 
-Every reader goes through :func:`open_checked` (header read, pixel limit checked before any pixel is
+Every reader goes through :func:`_open` (header read, pixel limit checked before any pixel is
 decoded, then a full decode) and :func:`displayed` (EXIF orientation applied, 16-bit scaled,
 transparency composited over white, palette/CMYK/GIF flattened to RGB). `shards build` passes an
 RGB JPEG through untouched (no re-encoding) unless its EXIF tag rotates it; any other readable
@@ -17,6 +17,7 @@ import math
 import os
 import re
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -113,14 +114,6 @@ def classify_error(exc: BaseException) -> Rejection:
     return Rejection("corrupt", f"image cannot be decoded ({type(exc).__name__}: {text})")
 
 
-class RejectedImage(Exception):
-    """Internal: carries a Rejection out of open_checked."""
-
-    def __init__(self, rejection: Rejection):
-        super().__init__(rejection.detail)
-        self.rejection = rejection
-
-
 @contextlib.contextmanager
 def _own_pixel_limit():
     """PIL's global bomb check off while we open: ours (ImageLimits, checked from the header) decides."""
@@ -134,37 +127,44 @@ def _own_pixel_limit():
         Image.MAX_IMAGE_PIXELS = saved
 
 
-def _open(data: bytes, limits: ImageLimits, *, max_side: int | None = None,
+@contextlib.contextmanager
+def _decoding(name: str) -> Iterator[None]:
+    """PIL's errors inside the block -> ImageLoadError naming `name` with the reason."""
+    try:
+        yield
+    except ImageLoadError:
+        raise
+    except DECODE_ERRORS as exc:  # also raised by lazy plugins while converting
+        raise ImageLoadError(name, classify_error(exc)) from None
+
+
+def _open(data: bytes, name: str, limits: ImageLimits, *, max_side: int | None = None,
           min_side: int | None = None) -> tuple[Image.Image, tuple[int, int]]:
-    """(decoded image, its full stored size from the header); see :func:`open_checked`.
+    """Open image bytes, refuse them (ImageLoadError naming `name`) when over the limits, before
+    decoding, then decode fully; returns the image and its full stored size from the header.
 
     JPEGs are decoded at the smallest DCT scale (1/2, 1/4, 1/8) keeping the longer side >= `max_side`,
     or each side >= `min_side`; other formats decode fully.
     """
     if not data:
-        raise RejectedImage(Rejection("empty_file", "file is empty (0 bytes)"))
+        raise ImageLoadError(name, Rejection("empty_file", "file is empty (0 bytes)"))
     if len(data) > limits.max_member_bytes:
-        raise RejectedImage(Rejection("too_large", f"{len(data)} bytes exceed the limit of {limits.max_member_bytes}"))
-    try:
-        with _own_pixel_limit():
-            image = Image.open(io.BytesIO(data))
-            width, height = image.size
-            if width * height > limits.max_pixels:
-                raise RejectedImage(Rejection(
-                    "too_large",
-                    f"image is {width}x{height} = {width * height} pixels, over the limit of {limits.max_pixels} "
-                    "(raise max_pixels to accept it)",
-                ))
-            if max_side is not None and max(width, height) > max_side:
-                scale = max_side / max(width, height)
-                image.draft("RGB", (math.ceil(width * scale), math.ceil(height * scale)))
-            elif min_side is not None:
-                image.draft("RGB", (min_side, min_side))
-            image.load()
-    except RejectedImage:
-        raise
-    except DECODE_ERRORS as exc:
-        raise RejectedImage(classify_error(exc)) from exc
+        raise ImageLoadError(name, Rejection("too_large", f"{len(data)} bytes exceed the limit of {limits.max_member_bytes}"))
+    with _decoding(name), _own_pixel_limit():
+        image = Image.open(io.BytesIO(data))
+        width, height = image.size
+        if width * height > limits.max_pixels:
+            raise ImageLoadError(name, Rejection(
+                "too_large",
+                f"image is {width}x{height} = {width * height} pixels, over the limit of {limits.max_pixels} "
+                "(raise max_pixels to accept it)",
+            ))
+        if max_side is not None and max(width, height) > max_side:
+            scale = max_side / max(width, height)
+            image.draft("RGB", (math.ceil(width * scale), math.ceil(height * scale)))
+        elif min_side is not None:
+            image.draft("RGB", (min_side, min_side))
+        image.load()
     return image, (width, height)
 
 
@@ -182,15 +182,6 @@ def header_problem(file: BinaryIO, limits: ImageLimits = DEFAULT_LIMITS) -> Reje
     return None
 
 
-def open_checked(data: bytes, limits: ImageLimits = DEFAULT_LIMITS, *, draft: bool = False) -> Image.Image:
-    """Open image bytes, refuse them when over the limits (before decoding), then decode fully.
-
-    With `draft=True` and `limits.max_side` set, JPEGs are decoded at a reduced scale (DCT scaling)
-    no smaller than max_side. Raises :class:`RejectedImage` carrying the Rejection.
-    """
-    return _open(data, limits, max_side=limits.max_side if draft else None)[0]
-
-
 def displayed_size(image: Image.Image, size: tuple[int, int] | None = None) -> tuple[int, int]:
     """(width, height) of an opened image as displayed (EXIF orientations 5..8 swap the axes);
     `size` (stored width, height) instead of the image's current size, e.g. the size before a draft."""
@@ -198,10 +189,13 @@ def displayed_size(image: Image.Image, size: tuple[int, int] | None = None) -> t
     return (height, width) if orientation_of(image) >= 5 else (width, height)
 
 
+def _upright(image: Image.Image) -> Image.Image:
+    return ImageOps.exif_transpose(image) if orientation_of(image) != 1 else image
+
+
 def displayed(image: Image.Image, *, max_side: int | None = None) -> Image.Image:
     """An opened image as a person sees it: EXIF orientation applied, 8-bit RGB, at most `max_side`."""
-    upright = ImageOps.exif_transpose(image) if orientation_of(image) != 1 else image
-    rgb = to_rgb(upright)
+    rgb = to_rgb(_upright(image))
     if max_side is not None and max(rgb.size) > max_side:
         scale = max_side / max(rgb.size)
         size = (max(1, round(rgb.width * scale)), max(1, round(rgb.height * scale)))
@@ -228,13 +222,9 @@ def load_image(data: bytes, name: str, limits: ImageLimits = DEFAULT_LIMITS) -> 
 
     Raises :class:`ImageLoadError` naming `name` with the reason (too_large, truncated, corrupt ...).
     """
-    try:
-        image = open_checked(data, limits, draft=True)
+    with _decoding(name):
+        image, _ = _open(data, name, limits, max_side=limits.max_side)
         return displayed(image, max_side=limits.max_side)
-    except RejectedImage as exc:
-        raise ImageLoadError(name, exc.rejection) from None
-    except DECODE_ERRORS as exc:  # raised by lazy plugins while converting
-        raise ImageLoadError(name, classify_error(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -253,14 +243,10 @@ def load_scaled(data: bytes, name: str, min_side: int, limits: ImageLimits = DEF
     For work at a small fixed size (a saliency network's square input) whose output must match the
     full image as displayed. Raises :class:`ImageLoadError` naming `name`.
     """
-    try:
-        image, stored = _open(data, limits, min_side=min_side)
+    with _decoding(name):
+        image, stored = _open(data, name, limits, min_side=min_side)
         width, height = displayed_size(image, stored)
         return ScaledImage(np.asarray(displayed(image), dtype=np.uint8), width, height)
-    except RejectedImage as exc:
-        raise ImageLoadError(name, exc.rejection) from None
-    except DECODE_ERRORS as exc:
-        raise ImageLoadError(name, classify_error(exc)) from None
 
 
 def exif_orientation(data: bytes) -> int:
@@ -280,33 +266,25 @@ def load_rgb(data: bytes, name: str, limits: ImageLimits = DEFAULT_LIMITS) -> np
 
 def load_gray(data: bytes, name: str, limits: ImageLimits = DEFAULT_LIMITS) -> np.ndarray:
     """Map or mask bytes -> uint8 HxW (colour converted to luminance, EXIF orientation applied)."""
-    try:
-        image = open_checked(data, limits)
-        upright = ImageOps.exif_transpose(image) if orientation_of(image) != 1 else image
+    with _decoding(name):
+        upright = _upright(_open(data, name, limits)[0])
         if upright.mode in ("RGBA", "LA", "PA", "P", "CMYK", "YCbCr", "F"):
             upright = to_rgb(upright)
         return np.asarray(to_gray(upright), dtype=np.uint8)
-    except RejectedImage as exc:
-        raise ImageLoadError(name, exc.rejection) from None
-    except DECODE_ERRORS as exc:
-        raise ImageLoadError(name, classify_error(exc)) from None
 
 
 def decode(data: bytes, limits: ImageLimits = DEFAULT_LIMITS) -> Image.Image:
     """Fully decode image bytes within the limits; raises ImageLoadError("image", ...) otherwise."""
-    try:
-        return open_checked(data, limits)
-    except RejectedImage as exc:
-        raise ImageLoadError("image", exc.rejection) from None
+    return _open(data, "image", limits)[0]
 
 
 def prepare_image(data: bytes, *, min_side: int = 32, quality: int = 95,
                   limits: ImageLimits = DEFAULT_LIMITS) -> PreparedImage | Rejection:
     """Decode-verify image bytes; return the `.jpg` member (passed through or converted) or why not."""
     try:
-        image = open_checked(data, limits)
-    except RejectedImage as exc:
-        return exc.rejection
+        image, _ = _open(data, "image", limits)
+    except ImageLoadError as exc:
+        return Rejection(exc.reason, exc.detail)
     orientation = orientation_of(image)
     width, height = displayed_size(image)
     if min(width, height) < min_side:
