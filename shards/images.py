@@ -149,7 +149,8 @@ def _open(data: bytes, name: str, limits: ImageLimits, *, max_side: int | None =
     if not data:
         raise ImageLoadError(name, Rejection("empty_file", "file is empty (0 bytes)"))
     if len(data) > limits.max_member_bytes:
-        raise ImageLoadError(name, Rejection("too_large", f"{len(data)} bytes exceed the limit of {limits.max_member_bytes}"))
+        raise ImageLoadError(name, Rejection(
+            "too_large", f"{len(data)} bytes exceed the limit of {limits.max_member_bytes}"))
     with _decoding(name), _own_pixel_limit():
         image = Image.open(io.BytesIO(data))
         width, height = image.size

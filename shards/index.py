@@ -9,14 +9,15 @@ Index files may come from someone else: :func:`read_index` checks every field.
 
 from __future__ import annotations
 
+import itertools
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from jobs.atomic import atomic_write_bytes
 from shards.keys import UnsafeKeyError, check_key
 from shards.limits import DEFAULT_LIMITS, ImageLimits
-from shards.tario import Member, Skipped, TarReadError, iter_tar
+from shards.tario import Skipped, TarReadError, iter_tar
 
 INDEX_VERSION = "v1.2"
 
@@ -46,19 +47,10 @@ def name_key(name: str) -> str:
     return split_member_name(name)[0].rsplit("/", 1)[-1]
 
 
-def entries_key(entries: Sequence[IndexEntry]) -> str:
-    """The key of the sample an index line describes (its first member's name, without folders)."""
-    return name_key(entries[0][3])
-
-
-def sample_line(entries: Iterable[IndexEntry]) -> str:
-    """One sample's line of an index: `ext offset size name` per member."""
-    return " ".join(f"{ext} {offset} {size} {name}" for ext, offset, size, name in entries)
-
-
 def format_index(samples: Sequence[Sequence[IndexEntry]]) -> str:
-    """The text of an index listing `samples` (each a list of member entries)."""
-    return "\n".join([f"{INDEX_VERSION} {len(samples)}", *(sample_line(s) for s in samples)]) + "\n"
+    """The text of an index listing `samples` (each a list of member entries: `ext offset size name`)."""
+    lines = (" ".join(f"{ext} {offset} {size} {name}" for ext, offset, size, name in s) for s in samples)
+    return "\n".join([f"{INDEX_VERSION} {len(samples)}", *lines]) + "\n"
 
 
 def scan_tar(tar: Path, limits: ImageLimits = DEFAULT_LIMITS) -> tuple[list[list[IndexEntry]], list[Skipped]]:
@@ -66,39 +58,30 @@ def scan_tar(tar: Path, limits: ImageLimits = DEFAULT_LIMITS) -> tuple[list[list
     members left out: links, devices, unsafe names, oversized members, and truncation (`name` None or
     reason "truncated"). Hidden files are left out silently, as DALI's own indexer does. Raises
     TarReadError when the file is not a readable tar at all."""
-    samples: list[list[IndexEntry]] = []
+    members: list[tuple[str, IndexEntry]] = []
     skipped: list[Skipped] = []
-    last_key = None
     for item in iter_tar(tar, limits, read_data=False):
         if isinstance(item, Skipped):
             skipped.append(item)
             continue
-        assert isinstance(item, Member)
         key, ext = split_member_name(item.name)
-        if not key or key.endswith("/"):
-            continue  # hidden files, skipped by DALI's own indexer too
-        entry = (ext, item.offset, item.size, item.name)
-        if key != last_key:
-            samples.append([entry])
-            last_key = key
-        else:
-            samples[-1].append(entry)
+        if key and not key.endswith("/"):  # hidden files are skipped, as DALI's own indexer does
+            members.append((key, (ext, item.offset, item.size, item.name)))
+    # A sample is a run of adjacent members with one key.
+    samples = [[entry for _, entry in run] for _, run in itertools.groupby(members, key=lambda m: m[0])]
     return samples, skipped
 
 
 def index_text(tar: Path) -> str:
-    """The index of `tar` as text; raises ValueError naming the file when it is not a readable tar.
+    """The index of `tar` as text; TarReadError (a ValueError) naming the file when it is not a readable tar.
 
     Members a reader refuses (links, devices, unsafe names, oversized) are left out, as are hidden files.
     """
-    try:
-        samples, skipped = scan_tar(tar)
-        cut = next((item for item in skipped if item.name is None or item.reason == "truncated"), None)
-        if cut is not None:  # cut short: an index would hide the loss
-            raise TarReadError(f"{tar}: {cut.detail}; rebuild or remove this shard")
-        _check_members_together(tar, samples)
-    except TarReadError as exc:
-        raise ValueError(str(exc)) from exc
+    samples, skipped = scan_tar(tar)
+    cut = next((item for item in skipped if item.name is None or item.reason == "truncated"), None)
+    if cut is not None:  # cut short: an index would hide the loss
+        raise TarReadError(f"{tar}: {cut.detail}; rebuild or remove this shard")
+    _check_members_together(tar, samples)
     return format_index(samples)
 
 
@@ -109,7 +92,7 @@ def _check_members_together(tar: Path, samples: list[list[IndexEntry]]) -> None:
     are two samples that share a key, which the readers take as they are.)"""
     runs: dict[str, list[set[str]]] = {}
     for entries in samples:
-        runs.setdefault(entries_key(entries), []).append({entry[0] for entry in entries})
+        runs.setdefault(name_key(entries[0][3]), []).append({entry[0] for entry in entries})
     for key, extensions in runs.items():
         if len(extensions) > 1 and sum(map(len, extensions)) == len(set().union(*extensions)):
             raise TarReadError(

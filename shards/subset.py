@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from jobs.atomic import atomic_output
-from shards.index import entries_key, read_index
+from shards.index import name_key, read_index
 from shards.keys import check_key
 from shards.outdir import writing
 from shards.sample import LABEL_MEMBER, read_class_index
@@ -43,7 +43,7 @@ def keys_and_labels(spec: str | Path, *, index_cache: Path | None = None) -> Ite
             for entries in read_index(idx, tar):
                 label = next((read_class_index(handle, offset, size)
                               for ext, offset, size, _ in entries if ext == LABEL_MEMBER), None)
-                yield entries_key(entries), label
+                yield name_key(entries[0][3]), label
 
 
 def class_balanced_keys(spec: str | Path, fraction: float, *, seed: int = 0, min_per_class: int = 1,
