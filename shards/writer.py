@@ -27,11 +27,6 @@ def shard_name(prefix: str, number: int) -> str:
     return f"{prefix}-{number:06d}.tar"
 
 
-def tar_footprint(members: list[tuple[str, bytes]]) -> int:
-    """Bytes the members take in a tar: one header block each plus data padded to whole blocks."""
-    return sum(TAR_BLOCK + -(-len(data) // TAR_BLOCK) * TAR_BLOCK for _, data in members)
-
-
 def manifest_row(sample: ShardSample, members: list[tuple[str, bytes]]) -> dict:
     """The manifest row of a sample, without its place (shard, position): core columns plus the
     scalar entries of its meta."""
@@ -62,10 +57,11 @@ class SampleRecord:
     entries: tuple[tuple[str, int, int], ...]
 
 
-def sample_record(sample: ShardSample, members: list[tuple[str, bytes]] | None = None) -> SampleRecord:
-    """Serialise a sample into ustar blocks: per member a 512-byte header, then data padded to 512."""
+def sample_record(sample: ShardSample) -> SampleRecord:
+    """Serialise a sample into ustar blocks: per member a 512-byte header, then data padded to 512
+    (the blob's length is what the sample takes in a tar)."""
     check_sample(sample)
-    members = sample_members(sample) if members is None else members
+    members = sample_members(sample)
     parts, entries, offset = [], [], 0
     for ext, data in members:
         info = tarfile.TarInfo(f"{sample.key}.{ext}")
@@ -104,9 +100,9 @@ class TarShard:
         self.keys: set[str] = set()
         self._index: list[list[IndexEntry]] = []
 
-    def add(self, sample: ShardSample, members: list[tuple[str, bytes]] | None = None) -> dict:
+    def add(self, sample: ShardSample) -> dict:
         """Append a sample (its members adjacent, sorted by extension); return its manifest row."""
-        return self.add_record(sample_record(sample, members))
+        return self.add_record(sample_record(sample))
 
     def add_record(self, record: SampleRecord) -> dict:
         """Append a serialised sample; return its manifest row with shard and position filled in."""
@@ -198,13 +194,12 @@ def write_shard_set(
     current: TarShard | None = None
     try:
         for sample in samples:
-            check_sample(sample)
+            record = sample_record(sample)
             if sample.key in keys:
                 raise ValueError(f"duplicate key {sample.key!r}; keys must be unique in a shard set")
             keys.add(sample.key)
-            members = sample_members(sample)
             if current is not None and (
-                current.size + tar_footprint(members) > max_bytes
+                current.size + len(record.blob) > max_bytes
                 or (max_count is not None and len(current.rows) >= max_count)
             ):
                 rows += current.close()
@@ -212,7 +207,7 @@ def write_shard_set(
                 current = None
             if current is None:
                 current = TarShard(out_dir / shard_name(prefix, len(written)))
-            current.add_record(sample_record(sample, members))
+            current.add_record(record)
         if current is not None:
             rows += current.close()
             written.append(current.path)
@@ -222,26 +217,21 @@ def write_shard_set(
             current.abort()
     if not written:
         raise ValueError(f"no samples to write into {out_dir}")
-    _remove_previous_shards(out_dir, previous, {p.name for p in written})
-    write_manifest(rows, out_dir)
-    write_info(
-        out_dir,
-        {
-            "prefix": prefix,
-            "shards": len(written),
-            "samples": len(rows),
-            "bytes": sum(p.stat().st_size for p in written),
-            "labelled": sum(r["label"] is not None for r in rows),
-            "version": package_version(),
-        },
-    )
-    return written
-
-
-def _remove_previous_shards(out_dir: Path, previous: set[str], keep: set[str]) -> None:
-    """Delete the shards (and indexes) of the set this folder held before that the new set does not
-    reuse: only files the previous manifest listed, never anything else in the folder."""
+    # Remove the shards (and indexes) of the set this folder held before that the new set does not
+    # reuse: only files the previous manifest listed, never anything else in the folder.
+    keep = {p.name for p in written}
     for name in sorted(previous - keep):
         for path in (out_dir / name, index_path(out_dir / name)):
             path.unlink(missing_ok=True)
     remove_stale_temps(out_dir, keep | {index_path(Path(n)).name for n in keep})
+    write_manifest(rows, out_dir)
+    write_info(out_dir, {
+        "prefix": prefix,
+        "shards": len(written),
+        "samples": len(rows),
+        "bytes": sum(p.stat().st_size for p in written),
+        "labelled": sum(r["label"] is not None for r in rows),
+        "version": package_version(),
+    })
+    return written
+
