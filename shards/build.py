@@ -232,14 +232,7 @@ def _build_locked(config: BuildConfig, ranks: Ranks) -> BuildReport:
     with Phase("shards build: listing inputs", None, unit="file", enabled=config.progress) as phase:
         listing = list_inputs(config.input, config.layout, exclude=out)
         phase.update(len(listing.images) + len(listing.rejected))
-    shards = plan_shards(
-        listing.images,
-        seed=config.seed,
-        prefix=config.prefix,
-        max_bytes=config.max_bytes,
-        max_count=config.max_count,
-        settings=settings_of(config),
-    )
+    shards = plan_shards(listing.images, settings_of(config))
     removed = claim_out_dir(out, plan_record(config, listing, shards), overwrite=config.overwrite,
                             multi_rank=ranks.world_size > 1)
     if removed:

@@ -33,18 +33,6 @@ class ShardPlan:
     digest: str
 
 
-def shuffled(images: list[SourceImage], seed: int) -> list[SourceImage]:
-    """The inputs (already sorted by source) in a seeded random order."""
-    order = np.random.default_rng(seed).permutation(len(images))
-    return [images[i] for i in order]
-
-
-def estimated_bytes(image: SourceImage) -> int:
-    """Tar bytes of a sample, estimated from the source file size (exact for pass-through JPEGs,
-    approximate for converted images)."""
-    return -(-image.size // TAR_BLOCK) * TAR_BLOCK + SAMPLE_OVERHEAD
-
-
 def _json_or_null(value: str | None) -> str:
     return "null" if value is None else encode_basestring_ascii(value)
 
@@ -61,22 +49,18 @@ def shard_digest(images: list[SourceImage], settings: dict) -> str:
     return h.hexdigest()
 
 
-def plan_shards(
-    images: list[SourceImage],
-    *,
-    seed: int,
-    prefix: str,
-    max_bytes: int,
-    max_count: int | None,
-    settings: dict,
-) -> list[ShardPlan]:
-    """Shuffle the inputs and cut them into shards of at most `max_bytes` (estimated) and
-    `max_count` samples; a single oversized image still gets a shard of its own."""
+def plan_shards(images: list[SourceImage], settings: dict) -> list[ShardPlan]:
+    """Shuffle the inputs (sorted by source) with `settings["seed"]` and cut them into shards of at
+    most `max_bytes` (estimated) and `max_count` samples; a single oversized image still gets a shard
+    of its own. `settings` (shards.build.settings_of) also go into every shard's digest."""
+    prefix, max_bytes, max_count = settings["prefix"], settings["max_bytes"], settings["max_count"]
     groups: list[list[SourceImage]] = []
     current: list[SourceImage] = []
     current_bytes = 0
-    for im in shuffled(images, seed):
-        size = estimated_bytes(im)
+    for i in np.random.default_rng(settings["seed"]).permutation(len(images)):
+        im = images[i]
+        # Tar bytes of the sample: exact for pass-through JPEGs, approximate for converted images.
+        size = -(-im.size // TAR_BLOCK) * TAR_BLOCK + SAMPLE_OVERHEAD
         if current and (current_bytes + size > max_bytes or (max_count is not None and len(current) >= max_count)):
             groups.append(current)
             current, current_bytes = [], 0
