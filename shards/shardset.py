@@ -9,11 +9,12 @@ named after the tar's absolute path, size and modification time, so a changed ta
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -184,6 +185,15 @@ class Derived:
     failed: dict[Path, str]  # tar -> why no index could be derived (one line naming the fix)
 
 
+def in_workers(fn: Callable, items: Sequence, *more: Sequence, workers: int, desc: str, unit: str = "shard",
+               enabled: bool = True) -> list:
+    """`fn` over `items` (zipped with `more`) in order, in up to `workers` processes, with progress."""
+    if workers <= 1 or len(items) <= 1:
+        return list(tracked(map(fn, items, *more), desc, len(items), unit=unit, enabled=enabled))
+    with worker_pool(min(workers, len(items))) as pool:
+        return list(tracked(pool.map(fn, items, *more), desc, len(items), unit=unit, enabled=enabled))
+
+
 def _derive(tar: Path, cache: Path) -> str | None:
     """Write the derived index of `tar`; the reason when the tar cannot be read (a bad tar is
     reported with the others, not the end of the job)."""
@@ -210,13 +220,8 @@ def derive_missing_indexes(
     cache = default_index_cache(index_cache)
     missing = [tar for i, tar in enumerate(tars) if i % parts == index and needs_index(tar, cache)]
     desc = f"index files of {len(tars)} tars" + (f" (part {index + 1}/{parts})" if parts > 1 else "")
-    enabled = progress and bool(missing)
-    if workers > 1 and len(missing) > 1:
-        with worker_pool(min(workers, len(missing))) as pool:
-            reasons = list(tracked(pool.map(_derive, missing, [cache] * len(missing)), desc, len(missing),
-                                   unit="tar", enabled=enabled))
-    else:
-        reasons = [_derive(tar, cache) for tar in tracked(missing, desc, len(missing), unit="tar", enabled=enabled)]
+    reasons = in_workers(functools.partial(_derive, cache=cache), missing, workers=workers, desc=desc,
+                         unit="tar", enabled=progress and bool(missing))
     failed = {tar: reason for tar, reason in zip(missing, reasons, strict=True) if reason is not None}
     return Derived(len(missing) - len(failed), len(tars), failed)
 

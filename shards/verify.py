@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,8 +22,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from jobs.progress import tracked
-from jobs.workers import worker_pool
 from shards.images import JPEG_FORMATS, ImageLoadError, decode, displayed_size
 from shards.index import index_path, index_text
 from shards.manifest import (
@@ -37,7 +34,13 @@ from shards.manifest import (
 from shards.merge import plan_file
 from shards.reader import ReadReport, Sample, read_samples
 from shards.sample import MASK_MEMBER, content_hash
-from shards.shardset import SHARD_PATTERN, default_index_cache, list_shard_files, tar_index
+from shards.shardset import (
+    SHARD_PATTERN,
+    default_index_cache,
+    in_workers,
+    list_shard_files,
+    tar_index,
+)
 
 
 @dataclass(frozen=True)
@@ -228,15 +231,6 @@ def shard_tables(manifest: pa.Table) -> tuple[dict[str, pa.Table], list[str]]:
     return tables, problems
 
 
-def _run(check: Callable, tars: list[Path], extra: list | None, workers: int, progress: bool) -> list:
-    """`check(tar[, extra])` for every tar, in `workers` processes, with progress over shards."""
-    args = (tars,) if extra is None else (tars, extra)
-    if workers <= 1 or len(tars) <= 1:
-        return list(tracked(map(check, *args), "shards verify", len(tars), unit="shard", enabled=progress))
-    with worker_pool(min(workers, len(tars))) as pool:
-        return list(tracked(pool.map(check, *args), "shards verify", len(tars), unit="shard", enabled=progress))
-
-
 def verify_shard_set(directory: Path, *, workers: int = 1, decode_images: bool = True,
                      index_cache: Path | None = None, progress: bool = False) -> VerifyReport:
     """Verify a shard set folder; every problem is reported as one line, none raised.
@@ -254,7 +248,7 @@ def verify_shard_set(directory: Path, *, workers: int = 1, decode_images: bool =
             raise FileNotFoundError(f"no manifest and no shards (*-NNNNNN.tar) in {directory}; nothing to verify")
         cache = default_index_cache(index_cache)
         check = functools.partial(verify_plain_shard, index_cache=cache, decode_images=decode_images)
-        results = _run(check, tars, None, workers, progress)
+        results = in_workers(check, tars, workers=workers, desc="shards verify", enabled=progress)
         problems += [p for _, ps in results for p in ps]
         samples = sum(n for n, _ in results)
         if samples == 0:
@@ -271,7 +265,8 @@ def verify_shard_set(directory: Path, *, workers: int = 1, decode_images: bool =
         problems.append(f"{name}: shard on disk but not in the manifest")
     tars = [directory / n for n in sorted(by_shard)]
     check = functools.partial(verify_shard, decode_images=decode_images)
-    per_shard = _run(check, tars, [by_shard[t.name] for t in tars], workers, progress)
+    per_shard = in_workers(check, tars, [by_shard[t.name] for t in tars], workers=workers,
+                           desc="shards verify", enabled=progress)
     problems += [p for shard_problems in per_shard for p in shard_problems]
     problems += info_problems(directory, len(manifest))
     if not len(manifest):  # a build whose every input was rejected still writes a (0-row) manifest
