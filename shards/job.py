@@ -124,13 +124,6 @@ def input_tar_identity(tar: Path, index: Path) -> dict:
     return {"tar": tar.name, "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "index_sha256": sha256_of(index)}
 
 
-def output_identity(shard: TarShard) -> dict:
-    """The identity of a closed output tar and its index (their SHA-256 computed while writing)."""
-    stat = shard.path.stat()
-    return {"tar_bytes": stat.st_size, "tar_mtime_ns": stat.st_mtime_ns, "tar_sha256": shard.sha256,
-            "index_sha256": shard.index_sha256}
-
-
 def read_record(path: Path) -> dict | None:
     """A done record, or None when it is missing or not one."""
     try:
@@ -195,8 +188,10 @@ def write_record(job: ShardJob, unit: Unit, shard: TarShard | None, rejected: li
               "manifest": [] if shard is None else shard.rows, "rejected": rejected}
     if inputs is not None:
         record["inputs"] = inputs
-    if shard is not None:
-        record |= output_identity(shard)
+    if shard is not None:  # the identity of its files (their SHA-256 computed while writing)
+        stat = shard.path.stat()
+        record |= {"tar_bytes": stat.st_size, "tar_mtime_ns": stat.st_mtime_ns, "tar_sha256": shard.sha256,
+                   "index_sha256": shard.index_sha256}
     else:  # a redone unit that now writes nothing: the tar an earlier run made from other inputs goes
         for stale in (job.out / unit.shard, index_path(job.out / unit.shard)):
             stale.unlink(missing_ok=True)

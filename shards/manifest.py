@@ -76,16 +76,11 @@ def rejected_table(rows: Iterable[dict]) -> pa.Table:
     return pa.Table.from_pylist([{k: r.get(k) for k in REJECTED_SCHEMA.names} for r in rows], REJECTED_SCHEMA)
 
 
-def table_bytes(table: pa.Table) -> bytes:
-    """A parquet file's bytes; the same table gives the same bytes (no timestamps are stored)."""
+def write_table(table: pa.Table, path: Path) -> Path:
+    """Write a table as parquet atomically; the same table gives the same bytes (no timestamps are stored)."""
     sink = io.BytesIO()
     pq.write_table(table, sink, compression="zstd")
-    return sink.getvalue()
-
-
-def write_table(table: pa.Table, path: Path) -> Path:
-    """Write a table as parquet atomically."""
-    atomic_write_bytes(Path(path), table_bytes(table))
+    atomic_write_bytes(Path(path), sink.getvalue())
     return Path(path)
 
 

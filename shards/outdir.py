@@ -17,8 +17,9 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from jobs.atomic import OutputError, atomic_write_bytes
+from jobs.atomic import OutputError
 from shards.index import index_path
+from shards.job import ShardJob, write_plan
 from shards.manifest import MANIFEST_NAME, REJECTED_NAME, is_plain_tar_name, manifest_shards
 from shards.merge import plan_file, work_dir
 from shards.sources import InputError
@@ -28,17 +29,14 @@ SET_FILES = (MANIFEST_NAME, REJECTED_NAME, INFO_NAME)
 CORRUPT = object()  # a plan.json that cannot be read
 
 
-def _nearest_existing(path: Path) -> Path:
-    return next(p for p in (path, *path.parents) if p.exists() or p.is_symlink())
-
-
 def check_output_folder(folder: Path, option: str) -> None:
     """Refuse, before any work, an output folder the job could not create or write into: a file at its
     place or above it, or a folder (its own or its nearest existing parent) this user may not write."""
     folder = Path(folder)
-    existing = _nearest_existing(folder.absolute())
+    absolute = folder.absolute()
+    existing = next(p for p in (absolute, *absolute.parents) if p.exists() or p.is_symlink())
     if not existing.is_dir():
-        where = "is a file" if existing == folder.absolute() else f"lies under {existing}, which is a file"
+        where = "is a file" if existing == absolute else f"lies under {existing}, which is a file"
         raise OutputError(f"{option} {folder} {where}, not a folder; choose another {option}")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise OutputError(f"{option} {folder}: {existing} is not writable (read-only, or another user's); "
@@ -172,8 +170,7 @@ def claim_out_dir(out: Path, record: dict, *, overwrite: bool, multi_rank: bool)
             f"{out} holds {', '.join(clash[:3])}, which this build would overwrite and no build of this "
             "folder wrote; move them away or choose a new --out folder"
         )
-    work_dir(out).mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(plan_file(out), (json.dumps(record, indent=1, sort_keys=True) + "\n").encode())
+    write_plan(ShardJob(out, work_dir(out), ()), record)
     return removed
 
 

@@ -51,14 +51,6 @@ class Skipped:
     detail: str
 
 
-def compression_of(head: bytes) -> str | None:
-    """The compression a file starts with, or None."""
-    for magic, name in COMPRESSED_MAGIC:
-        if head.startswith(magic):
-            return name
-    return None
-
-
 def iter_tar(
     path: Path, limits: ImageLimits = DEFAULT_LIMITS, *, read_data: bool = True
 ) -> Iterator[Member | Skipped]:
@@ -75,7 +67,8 @@ def iter_tar(
         size = os.fstat(handle.fileno()).st_size
         if size == 0:
             raise TarReadError(f"{path}: is empty (0 bytes), not a tar; rebuild or remove this shard")
-        compression = compression_of(handle.read(8))
+        head = handle.read(8)
+        compression = next((name for magic, name in COMPRESSED_MAGIC if head.startswith(magic)), None)
         if compression is not None:
             raise TarReadError(
                 f"{path}: is {compression}-compressed; compressed shards are refused (they can expand "
