@@ -60,7 +60,7 @@ def scan_tar(tar: Path, limits: ImageLimits = DEFAULT_LIMITS) -> tuple[list[list
     TarReadError when the file is not a readable tar at all."""
     members: list[tuple[str, IndexEntry]] = []
     skipped: list[Skipped] = []
-    for item in iter_tar(tar, limits, read_data=False):
+    for item in iter_tar(tar, limits):
         if isinstance(item, Skipped):
             skipped.append(item)
             continue

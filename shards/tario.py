@@ -34,12 +34,11 @@ class TarReadError(ValueError):
 
 @dataclass(frozen=True)
 class Member:
-    """One regular-file member read from a tar."""
+    """One regular-file member of a tar, from its header."""
 
     name: str
     offset: int  # of the data inside the tar
     size: int
-    data: bytes | None  # None when read without data (indexing)
 
 
 @dataclass(frozen=True)
@@ -51,13 +50,10 @@ class Skipped:
     detail: str
 
 
-def iter_tar(
-    path: Path, limits: ImageLimits = DEFAULT_LIMITS, *, read_data: bool = True
-) -> Iterator[Member | Skipped]:
-    """The members of a local tar in order; refused members and truncation come as :class:`Skipped`.
-
-    Raises :class:`TarReadError` when the file is missing, empty, compressed or not a tar at all.
-    """
+def iter_tar(path: Path, limits: ImageLimits = DEFAULT_LIMITS) -> Iterator[Member | Skipped]:
+    """The members of a local tar in order, from their headers (no data is read); refused members and
+    truncation come as :class:`Skipped`. Raises :class:`TarReadError` when the file is missing, empty,
+    compressed or not a tar at all."""
     path = Path(path)
     try:
         handle = open(path, "rb")  # noqa: SIM115 (closed below)
@@ -79,44 +75,35 @@ def iter_tar(
             archive = tarfile.open(fileobj=handle, mode="r:")
         except tarfile.TarError as exc:
             raise TarReadError(f"{path}: is not a readable tar ({exc}); rebuild or remove this shard") from None
-        yield from _members(archive, handle, size, limits, read_data)
-
-
-def _members(
-    archive: tarfile.TarFile, handle, size: int, limits: ImageLimits, read_data: bool
-) -> Iterator[Member | Skipped]:
-    end = 0
-    try:
-        for info in archive:
-            end = info.offset_data + -(-info.size // BLOCK) * BLOCK
-            if info.isdir():
-                continue
-            while info.name.startswith("./"):  # what `tar -cf x.tar .` writes: same file, plain name
-                info.name = info.name[2:]
-            refusal = member_refusal(info)
-            if refusal is not None:
-                unsafe_name = info.isreg() or info.isdir()  # else a link or a device, whatever its name
-                yield Skipped(info.name, "unsafe_key" if unsafe_name else "unsafe_member", refusal)
-                continue
-            if info.size > limits.max_member_bytes:
-                yield Skipped(info.name, "too_large",
-                              f"member {info.name!r} is {info.size} bytes, over the limit of {limits.max_member_bytes}")
-                continue
-            if info.offset_data + info.size > size:
-                yield Skipped(info.name, "truncated", f"member {info.name!r} is cut off: the tar ends inside it")
-                return
-            data = None
-            if read_data:
-                handle.seek(info.offset_data)
-                data = handle.read(info.size)
-            yield Member(info.name, info.offset_data, info.size, data)
-    except (tarfile.TarError, EOFError, OSError) as exc:
-        yield Skipped(None, "truncated", f"the tar cannot be read past byte {end} ({exc})")
-        return
-    # tarfile stops quietly at a header cut short; a complete tar ends with two zero blocks.
-    handle.seek(end)
-    if handle.read(2 * BLOCK) != b"\0" * (2 * BLOCK):
-        yield Skipped(None, "truncated", f"the tar ends at byte {size} without its end-of-archive blocks (cut short?)")
+        end = 0
+        try:
+            for info in archive:
+                end = info.offset_data + -(-info.size // BLOCK) * BLOCK
+                if info.isdir():
+                    continue
+                while info.name.startswith("./"):  # what `tar -cf x.tar .` writes: same file, plain name
+                    info.name = info.name[2:]
+                refusal = member_refusal(info)
+                if refusal is not None:
+                    unsafe_name = info.isreg() or info.isdir()  # else a link or a device, whatever its name
+                    yield Skipped(info.name, "unsafe_key" if unsafe_name else "unsafe_member", refusal)
+                elif info.size > limits.max_member_bytes:
+                    yield Skipped(info.name, "too_large", f"member {info.name!r} is {info.size} bytes, over "
+                                  f"the limit of {limits.max_member_bytes}")
+                elif info.offset_data + info.size > size:
+                    yield Skipped(info.name, "truncated",
+                                  f"member {info.name!r} is cut off: the tar ends inside it")
+                    return
+                else:
+                    yield Member(info.name, info.offset_data, info.size)
+        except (tarfile.TarError, EOFError, OSError) as exc:
+            yield Skipped(None, "truncated", f"the tar cannot be read past byte {end} ({exc})")
+            return
+        # tarfile stops quietly at a header cut short; a complete tar ends with two zero blocks.
+        handle.seek(end)
+        if handle.read(2 * BLOCK) != b"\0" * (2 * BLOCK):
+            yield Skipped(None, "truncated", f"the tar ends at byte {size} without its end-of-archive blocks "
+                          "(cut short?)")
 
 
 def read_indexed_member(fd: int, offset: int, size: int) -> bytes | None:
