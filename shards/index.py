@@ -101,14 +101,13 @@ def _check_members_together(tar: Path, samples: list[list[IndexEntry]]) -> None:
             )
 
 
-def write_index(tar: Path, out: Path | None = None) -> Path:
-    """Write the DALI index of `tar` (default: beside it) atomically and return its path."""
-    out = index_path(tar) if out is None else Path(out)
-    atomic_write_bytes(out, index_text(tar).encode("utf-8"))
-    return out
+def write_index(tar: Path) -> Path:
+    """Write the DALI index of `tar` beside it atomically and return its path."""
+    atomic_write_bytes(index_path(tar), index_text(tar).encode("utf-8"))
+    return index_path(tar)
 
 
-def _entry(path: Path, number: int, fields: list[str], i: int, tar_size: int | None) -> IndexEntry:
+def _entry(path: Path, number: int, fields: list[str], i: int, tar_size: int) -> IndexEntry:
     ext, offset, size, name = fields[i : i + 4]
     try:
         offset, size = int(offset), int(size)
@@ -117,7 +116,7 @@ def _entry(path: Path, number: int, fields: list[str], i: int, tar_size: int | N
                              "rewrite it with write_index") from None
     if offset < 0 or size < 0:
         raise IndexFileError(f"{path} line {number}: negative offset or size ({offset}, {size}); rewrite it with write_index")
-    if tar_size is not None and offset + size > tar_size:
+    if offset + size > tar_size:
         raise IndexFileError(f"{path} line {number}: member {name!r} at {offset}+{size} lies beyond the tar's {tar_size} "
                              "bytes: the tar is cut short or the index belongs to another tar; check the set with "
                              "`relicv2 shards verify` and rebuild it (rerun `relicv2 shards build`)")
@@ -128,11 +127,11 @@ def _entry(path: Path, number: int, fields: list[str], i: int, tar_size: int | N
     return ext, offset, size, name
 
 
-def read_index(path: Path, tar: Path | None = None) -> list[list[IndexEntry]]:
-    """Parse an index file into per-sample lists of (extension, offset, size, name).
+def read_index(path: Path, tar: Path) -> list[list[IndexEntry]]:
+    """Parse the index file of `tar` into per-sample lists of (extension, offset, size, name).
 
-    Every field is checked (count present, offsets and sizes non-negative integers, names safe, and
-    with `tar` given, members inside the tar's size); a bad index raises ValueError naming the file.
+    Every field is checked (count present, offsets and sizes non-negative integers, names safe,
+    members inside the tar's size); a bad index raises ValueError naming the file.
     """
     path = Path(path)
     try:
@@ -143,7 +142,7 @@ def read_index(path: Path, tar: Path | None = None) -> list[list[IndexEntry]]:
     if len(head) != 2 or head[0] != INDEX_VERSION or not head[1].isdigit():
         raise IndexFileError(f"{path} is not a DALI {INDEX_VERSION} index (first line must be '{INDEX_VERSION} <count>'); rewrite it with write_index")
     count = int(head[1])
-    tar_size = os.path.getsize(tar) if tar is not None else None
+    tar_size = os.path.getsize(tar)
     samples = []
     for number, line in enumerate(lines[1:], start=2):
         fields = line.split(" ")

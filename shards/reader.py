@@ -339,15 +339,14 @@ def read_samples(tar: Path, report: ReadReport, *, index: Path | None = None,
             yield Sample(key, tar, position, members, meta, class_index(members.get(LABEL_MEMBER)))
 
 
-def list_shards(directory: Path, prefix: str | None = None) -> list[Path]:
-    """The shard tars of a folder (`*-NNNNNN.tar`, 4-6 digits; optionally of one prefix), sorted by name."""
+def list_shards(directory: Path) -> list[Path]:
+    """The shard tars of a folder (`*-NNNNNN.tar`, 4-6 digits), sorted by name."""
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"shard folder {directory} does not exist; check the path")
-    tars = [p for p in list_shard_files(directory) if prefix is None or p.name.startswith(prefix + "-")]
+    tars = list_shard_files(directory)
     if not tars:
-        what = f"{prefix}-NNNNNN.tar" if prefix else "*-NNNNNN.tar"
-        raise FileNotFoundError(f"no shards ({what}) in {directory}; build them with relicv2 shards build")
+        raise FileNotFoundError(f"no shards (*-NNNNNN.tar) in {directory}; build them with relicv2 shards build")
     return tars
 
 
