@@ -276,8 +276,7 @@ def _index(tar: Path, index: Path | None, limits: ImageLimits, report: ReadRepor
     if index is not None:
         lines = read_index(index, tar)
         for entries in lines:  # every line before any verdict: a bad index changes nothing in `report`
-            if entries:
-                _check_line(tar, index, entries)
+            _check_line(tar, index, entries)
         return lines
     lines, skipped = scan_tar(tar, limits)
     for item in skipped:
@@ -291,7 +290,7 @@ def _index(tar: Path, index: Path | None, limits: ImageLimits, report: ReadRepor
 def _located(tar: Path, index: Path | None, limits: ImageLimits, report: ReadReport) -> list[tuple[int, SampleRef]]:
     seen: set[str] = set()
     return [(line, ref) for line, entries in enumerate(_index(tar, index, limits, report))
-            if entries and (ref := _policy(tar, entries, seen, limits, report)) is not None]
+            if (ref := _policy(tar, entries, seen, limits, report)) is not None]
 
 
 def locate_samples(tar: Path, report: ReadReport, *, index: Path | None = None,
@@ -311,8 +310,6 @@ def read_samples(tar: Path, report: ReadReport, *, index: Path | None = None,
         try:
             refs = _located(tar, index, limits, report)
         except IndexFileError:
-            if index is None:
-                raise
             # An index that does not fit its tar (a tar cut short, an index of another tar): the tar's
             # own headers give every complete sample, and name the loss.
             refs = _located(tar, None, limits, report)
@@ -330,12 +327,12 @@ def read_samples(tar: Path, report: ReadReport, *, index: Path | None = None,
                                            f"the index with shards.write_index({tar.name}) (or rebuild the shard set)")
                     return
                 members[ext] = data
+            key = split_member_name(name)[0]  # folders kept: they name outputs
             reason, meta = json_problem(members[META_MEMBER], limits) if META_MEMBER in members else (None, {})
             if reason is not None:
-                report.reject(tar, split_member_name(name)[0], reason, meta)
+                report.reject(tar, key, reason, meta)
                 continue
             report.samples += 1
-            key = split_member_name(next(iter(ref.members.values()))[2])[0]  # folders kept: they name outputs
             yield Sample(key, tar, position, members, meta, class_index(members.get(LABEL_MEMBER)))
 
 
