@@ -11,7 +11,7 @@ from shards.reader import ReadReport, iter_samples, list_shards
 from shards.sample import IMAGE_MEMBERS, ShardSample
 from shards.shardset import ShardSet, ShardSetError, resolve_shard_set
 from shards.verify import VerifyReport, verify_shard_set
-from shards.writer import write_shard, write_shard_set
+from shards.writer import write_shard_set
 
 __all__ = [
     "DEFAULT_LIMITS",
@@ -42,6 +42,5 @@ __all__ = [
     "verify_shard_set",
     "write_index",
     "write_manifest",
-    "write_shard",
     "write_shard_set",
 ]

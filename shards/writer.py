@@ -144,23 +144,6 @@ class TarShard:
             self.tmp.unlink(missing_ok=True)
 
 
-def write_shard(samples: Iterable[ShardSample], tar: Path) -> list[dict]:
-    """Write exactly these samples into one tar (+ `.idx`) atomically; return the manifest rows.
-
-    At least one sample is required: DALI refuses an index of zero samples.
-    """
-    shard = TarShard(tar)
-    try:
-        for sample in samples:
-            shard.add(sample)
-        if not shard.rows:
-            raise ValueError(f"no samples to write into {shard.path}; DALI cannot read an empty shard")
-    except BaseException:
-        shard.abort()
-        raise
-    return shard.close()
-
-
 def write_info(directory: Path, info: dict) -> Path:
     """Write `info.json` (sorted keys, so equal content gives equal bytes) atomically."""
     path = Path(directory) / "info.json"

@@ -204,9 +204,6 @@ def test_tar_bytes_equal_what_tarfile_writes(shard_set, tmp_path):
         for member in archive.getmembers():
             out.addfile(member, archive.extractfile(member))
     assert reference.read_bytes() == paths[0].read_bytes()
-    with pytest.raises(ValueError, match="DALI cannot read an empty shard"):
-        shards.write_shard([], tmp_path / "empty-000000.tar")
-    assert not list(tmp_path.glob("empty-*")) and not list(tmp_path.glob(".empty-*"))
 
 
 def test_a_meta_key_with_mixed_types_becomes_json_text_in_the_manifest():
