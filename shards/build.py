@@ -1,12 +1,10 @@
 """`relicv2 shards build`: input images -> shuffled, decode-verified, resumable WebDataset shards.
 
-The job plans everything up front (shards.plan) and drives the shard-job engine (shards.job): each
-unfinished shard of this rank is a unit whose images are decode-verified (and converted when needed)
-in a process pool and written in plan order into the shard's tar; its done record is written last.
-Killing the job at any point and rerunning the same command skips finished shards and redoes the
-rest, giving the same bytes; a finished shard whose files changed since (truncated, edited, deleted)
-is redone the same way. Rank 0 then merges the records into manifest.parquet, rejected.parquet and
-info.json (shards.merge).
+The job plans everything up front (shards.plan); each unfinished shard of this rank is a unit of the
+shard-job engine (shards.job) whose images are decode-verified (and converted when needed) in a process
+pool and written in plan order, its done record last. Rerunning the same command after a kill skips
+finished shards and redoes the rest (and any finished shard whose files changed since, truncated, edited
+or deleted), giving the same bytes. Rank 0 then merges the records (shards.merge).
 """
 
 from __future__ import annotations
@@ -211,11 +209,9 @@ def check_out_dir(config: BuildConfig) -> None:
 
 
 def build_shards(config: BuildConfig, ranks: Ranks = Ranks()) -> BuildReport:
-    """Build this rank's shards of the planned set, resuming finished ones; rank 0 then merges.
-
-    Rank 0 holds the output folder's lock for the whole job (other ranks write into the folder it
-    holds). Raises InputError for bad settings or inputs, OutputError when the output cannot be written.
-    """
+    """Build this rank's shards of the planned set, resuming finished ones; rank 0 holds the output folder's
+    lock for the whole job (the other ranks write into it), then merges. Raises InputError for bad settings
+    or inputs, OutputError when the output cannot be written."""
     check_config(config)
     check_out_dir(config)
     try:

@@ -5,9 +5,8 @@ flips). The val crops are also seen under other lighting: each gets its own brig
 saturation and colour cast (hue), and a few lose their colour. Colour is what a randomly initialised
 encoder's features mostly say, so it scores poorly on them (kNN and linear heads trained on the
 evenly lit train crops); pretraining with colour augmentation learns to look past it, which is the
-gain the demo's report shows. A few inputs are
-deliberately awkward (greyscale, RGBA PNG, a zero-byte file, a non-image file) so the demo also shows
-how `shards build` converts or rejects them.
+gain the demo's report shows. A few inputs are deliberately awkward (greyscale, RGBA PNG, a zero-byte
+file, a non-image file) so the demo also shows how `shards build` converts or rejects them.
 """
 
 from __future__ import annotations

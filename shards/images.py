@@ -140,12 +140,9 @@ def _decoding(name: str) -> Iterator[None]:
 
 def _open(data: bytes, name: str, limits: ImageLimits, *, max_side: int | None = None,
           min_side: int | None = None) -> tuple[Image.Image, tuple[int, int]]:
-    """Open image bytes, refuse them (ImageLoadError naming `name`) when over the limits, before
-    decoding, then decode fully; returns the image and its full stored size from the header.
-
-    JPEGs are decoded at the smallest DCT scale (1/2, 1/4, 1/8) keeping the longer side >= `max_side`,
-    or each side >= `min_side`; other formats decode fully.
-    """
+    """(image, its full stored size from the header): refused (ImageLoadError naming `name`) when over
+    the limits, before decoding, then decoded fully; JPEGs at the smallest DCT scale (1/2, 1/4, 1/8)
+    keeping the longer side >= `max_side`, or each side >= `min_side`."""
     if not data:
         raise ImageLoadError(name, Rejection("empty_file", "file is empty (0 bytes)"))
     if len(data) > limits.max_member_bytes:
@@ -219,10 +216,8 @@ def read_bytes(path: Path | str, limits: ImageLimits = DEFAULT_LIMITS) -> bytes:
 
 
 def load_image(data: bytes, name: str, limits: ImageLimits = DEFAULT_LIMITS) -> Image.Image:
-    """Image bytes -> displayed 8-bit RGB PIL image (downscaled to `limits.max_side` when set).
-
-    Raises :class:`ImageLoadError` naming `name` with the reason (too_large, truncated, corrupt ...).
-    """
+    """Image bytes -> displayed 8-bit RGB PIL image (downscaled to `limits.max_side` when set);
+    :class:`ImageLoadError` naming `name` with the reason (too_large, truncated, corrupt ...)."""
     with _decoding(name):
         image, _ = _open(data, name, limits, max_side=limits.max_side)
         return displayed(image, max_side=limits.max_side)
@@ -238,12 +233,9 @@ class ScaledImage:
 
 
 def load_scaled(data: bytes, name: str, min_side: int, limits: ImageLimits = DEFAULT_LIMITS) -> ScaledImage:
-    """Image bytes -> the displayed image decoded no smaller than `min_side` on each side (JPEGs at a
-    reduced DCT scale, other formats fully), and the displayed full width and height.
-
-    For work at a small fixed size (a saliency network's square input) whose output must match the
-    full image as displayed. Raises :class:`ImageLoadError` naming `name`.
-    """
+    """Image bytes -> the displayed image decoded no smaller than `min_side` on each side, and the
+    displayed full width and height: for work at a small fixed size (a saliency network's square
+    input) whose output must match the full image as displayed. ImageLoadError names `name`."""
     with _decoding(name):
         image, stored = _open(data, name, limits, min_side=min_side)
         width, height = displayed_size(image, stored)

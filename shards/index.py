@@ -73,10 +73,8 @@ def scan_tar(tar: Path, limits: ImageLimits = DEFAULT_LIMITS) -> tuple[list[list
 
 
 def index_text(tar: Path) -> str:
-    """The index of `tar` as text; TarReadError (a ValueError) naming the file when it is not a readable tar.
-
-    Members a reader refuses (links, devices, unsafe names, oversized) are left out, as are hidden files.
-    """
+    """The index of `tar` as text, without the members a reader refuses and hidden files; TarReadError
+    (a ValueError) naming the file when it is not a readable tar."""
     samples, skipped = scan_tar(tar)
     cut = next((item for item in skipped if item.name is None or item.reason == "truncated"), None)
     if cut is not None:  # cut short: an index would hide the loss
@@ -128,11 +126,8 @@ def _entry(path: Path, number: int, fields: list[str], i: int, tar_size: int) ->
 
 
 def read_index(path: Path, tar: Path) -> list[list[IndexEntry]]:
-    """Parse the index file of `tar` into per-sample lists of (extension, offset, size, name).
-
-    Every field is checked (count present, offsets and sizes non-negative integers, names safe,
-    members inside the tar's size); a bad index raises ValueError naming the file.
-    """
+    """The index file of `tar` as per-sample lists of (extension, offset, size, name), every field
+    checked (count, integers, safe names, members inside the tar); ValueError naming a bad one."""
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()

@@ -20,11 +20,8 @@ class UnsafeKeyError(ValueError):
 
 
 def check_key(key: str) -> str:
-    """Return ``key`` if it is a safe relative name, else raise :class:`UnsafeKeyError` saying why.
-
-    Safe: non-empty, relative, no ``..`` or empty component, no NUL or control character,
-    no backslash (a Windows separator that would mean something else elsewhere).
-    """
+    """Return ``key`` if it is a safe relative name (non-empty, relative, no ``..``, ``.`` or empty
+    component, no control character or backslash), else raise :class:`UnsafeKeyError` saying why."""
     if not isinstance(key, str) or not key:
         raise UnsafeKeyError("empty key")
     if _FORBIDDEN.search(key):

@@ -42,10 +42,8 @@ def rejected_listing_command(path: Path) -> str:
 
 
 def merge_shard_set(out: Path, *, wait_s: float = 0.0, progress: bool = True) -> MergeReport:
-    """Merge the done records of a planned build into the shard set's manifest, rejections and info.
-
-    The caller holds the folder's lock (`shards build` rank 0, or the `shards merge` command).
-    """
+    """Merge the done records of a planned build into the shard set's manifest, rejections and info;
+    the caller holds the folder's lock (`shards build` rank 0, or the `shards merge` command)."""
     out = Path(out)
     if not plan_file(out).is_file():
         raise FileNotFoundError(f"{out} holds no build plan ({plan_file(out)}); run relicv2 shards build first")

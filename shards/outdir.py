@@ -126,10 +126,8 @@ def plan_differences(previous: dict, record: dict) -> str:
 
 
 def claim_out_dir(out: Path, record: dict, *, overwrite: bool, multi_rank: bool) -> int:
-    """Make `out` hold only this build (or an unfinished run of it); write its plan. Returns files removed.
-
-    Raises InputError naming the folder, what it holds and the way out.
-    """
+    """Make `out` hold only this build (or an unfinished run of it) and write its plan; return the files
+    removed. InputError names the folder, what it holds and the way out."""
     planned = shard_files([s["name"] for s in record["shards"]]) | set(SET_FILES)
     previous = read_plan(out)
     if previous is None and multi_rank and other_entries(out, set()):

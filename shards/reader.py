@@ -343,7 +343,8 @@ def list_shards(directory: Path) -> list[Path]:
         raise FileNotFoundError(f"shard folder {directory} does not exist; check the path")
     tars = list_shard_files(directory)
     if not tars:
-        raise FileNotFoundError(f"no shards (*-NNNNNN.tar) in {directory}; build them with relicv2 shards build")
+        raise FileNotFoundError(f"no shards (*-NNNNNN.tar) in {directory}; build them with relicv2 "
+                                "shards build")
     return tars
 
 

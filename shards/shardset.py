@@ -99,10 +99,8 @@ Spec = str | Path | Sequence[str | Path] | ShardSet  # what names a shard set
 
 
 def shard_tars(spec: Spec) -> tuple[list[Path], Path | None]:
-    """(tar paths, the folder when `spec` is one) for a folder, a tar, a brace pattern, a list or a resolved set.
-
-    Never treats any part of `spec` as a URL: every name is a local file (`pipe:` is a file name here).
-    """
+    """(tar paths, the folder when `spec` is one) for a folder, a tar, a brace pattern, a list or a resolved
+    set. Every name is a local file, never a URL (`pipe:` is a file name here)."""
     if isinstance(spec, ShardSet):  # the tars a resolution lost first, where they exist: what remains is read
         return [*(tar for tar, _ in spec.lost if tar.is_file()), *spec.tars], spec.directory
     if isinstance(spec, str | Path):
@@ -208,13 +206,10 @@ def derive_missing_indexes(
     spec: Spec, *, index_cache: Path | None = None, part: tuple[int, int] = (0, 1),
     workers: int = 1, progress: bool = True,
 ) -> Derived:
-    """Derive the missing indexes of part `index` of `parts` of the set's tars (every parts-th tar),
-    in `workers` processes.
-
-    The ranks of a job each call it with their own part before a barrier, so a plain set's tars are
-    read once between them instead of once per rank (with the cache on a shared filesystem). An
-    unreadable spec raises ShardSetError, an unwritable cache OSError; unreadable tars are listed.
-    """
+    """Derive the missing indexes of part `index` of `parts` of the set's tars (every parts-th tar), in
+    `workers` processes. The ranks of a job each call it with their own part before a barrier, so a plain
+    set's tars are read once between them instead of once per rank (with the cache on a shared filesystem).
+    An unreadable spec raises ShardSetError, an unwritable cache OSError; unreadable tars are listed."""
     index, parts = part
     tars, _ = shard_tars(spec)
     cache = default_index_cache(index_cache)
@@ -266,14 +261,12 @@ def check_count(tar: Path, count: int, listed: int, *, allow_lost: bool = False)
 
 
 def resolve_shard_set(spec: Spec, *, index_cache: Path | None = None, allow_lost: bool = False) -> ShardSet:
-    """A shard set spec -> tars + index files + sample counts (+ manifest when the folder has one);
-    a resolved set is returned as it is.
-
-    With a manifest, the tars are exactly the manifest's shards and each index must agree with it;
-    without one, every `*-NNNN(NN).tar` is used and missing indexes are derived into `index_cache`.
-    Raises ShardSetError (a ValueError) naming the file and the fix; with `allow_lost` a tar missing or
-    not indexable goes to `ShardSet.lost`, one short of the manifest stays (`shards.iter_samples` reads both).
-    """
+    """A shard set spec -> tars + index files + sample counts (+ manifest when the folder has one); a
+    resolved set is returned as it is. With a manifest, the tars are exactly the manifest's shards and
+    each index must agree with it; without one, every `*-NNNN(NN).tar` is used and missing indexes are
+    derived into `index_cache`. Raises ShardSetError (a ValueError) naming the file and the fix; with
+    `allow_lost` a tar missing or not indexable goes to `ShardSet.lost`, one short of the manifest stays
+    (`shards.iter_samples` reads both)."""
     if isinstance(spec, ShardSet):
         return spec
     tars, directory = shard_tars(spec)

@@ -77,10 +77,8 @@ def suffix_of(path: str) -> str:
 
 
 def assign_keys(images: list[SourceImage]) -> list[SourceImage]:
-    """Give every image a unique key: its normalised stem, plus a hash of its source when stems collide.
-
-    All members of a colliding group get the hash, so a key never depends on listing order.
-    """
+    """Give every image a unique key: its normalised stem, plus a hash of its source when stems collide
+    (for every member of a colliding group, so a key never depends on listing order)."""
     stems = [normalise_stem(stem_of(im.source)) for im in images]
     counts = Counter(stems)
     # The hash: 8 hex digits identifying the source path, stable across runs and machines.
@@ -113,13 +111,10 @@ def check_file(source: str, path: str, label: int | None, class_name: str | None
 
 
 def walk_files(root: Path, exclude: Path | None = None) -> tuple[list[tuple[str, str]], list[dict]]:
-    """(relative posix path, full path) of every non-directory entry under root, broken links
-    included (they are reported), and rejections for folders left out.
-
-    Hidden folders are skipped. Directory links are followed, but no folder is walked twice (a
-    link loop, or two links to one folder, would repeat its images and never end): the second
-    visit is reported. `exclude` (the build's output folder, when it lies inside the input) is left out.
-    """
+    """(relative posix path, full path) of every non-directory entry under root, broken links included
+    (they are reported), and rejections for folders left out. Hidden folders and `exclude` (the build's
+    output folder) are skipped. Directory links are followed, but no folder is walked twice (a link loop,
+    or two links to one folder, would repeat its images and never end): the second visit is reported."""
     found: list[tuple[str, str]] = []
     rejected: list[dict] = []
     excluded = _identity(exclude) if exclude is not None else None
@@ -230,10 +225,8 @@ def list_table(list_file: Path) -> Listing:
 
 
 def list_inputs(source: Path, layout: str = "auto", exclude: Path | None = None) -> Listing:
-    """Find the inputs of a build; keys assigned, images sorted by source. Raises InputError on job-level problems.
-
-    `exclude`: a folder under `source` to leave out (the build's own output folder).
-    """
+    """Find the inputs of a build, leaving out `exclude` (its output folder); keys assigned, images sorted
+    by source. Raises InputError on job-level problems."""
     source = Path(source)
     if layout not in LAYOUTS:
         raise InputError(f"unknown layout {layout!r}; use one of {', '.join(LAYOUTS)}")

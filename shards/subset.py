@@ -1,4 +1,4 @@
-"""Seeded class-balanced key lists of a labelled shard set (the 1% / 10% label splits of semi-supervised fine-tuning).
+"""Seeded class-balanced key lists of a labelled shard set (the 1% / 10% label splits of fine-tuning).
 
 From every class the same fraction of its samples is drawn (at least `min_per_class`), with a
 seeded permutation, so a split is reproducible and no class is left out. The list is a text
@@ -48,11 +48,8 @@ def keys_and_labels(spec: str | Path, *, index_cache: Path | None = None) -> Ite
 
 def class_balanced_keys(spec: str | Path, fraction: float, *, seed: int = 0, min_per_class: int = 1,
                         index_cache: Path | None = None) -> SubsetReport:
-    """`fraction` of each class's keys (rounded, at least `min_per_class`), drawn with `seed`.
-
-    `spec`: any shard set `resolve_shard_set` takes (a `shards build` folder, plain WebDataset tars
-    by folder or brace pattern, a tar).
-    """
+    """`fraction` of each class's keys (rounded, at least `min_per_class`), drawn with `seed`, from any
+    shard set `resolve_shard_set` takes."""
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
     by_class: dict[int, list[str]] = defaultdict(list)

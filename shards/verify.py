@@ -5,10 +5,10 @@ does; each tar reads completely; each sample's members are adjacent, its key, po
 size and content hash match the manifest; its `.jpg` decodes fully with the recorded width and
 height (as displayed: EXIF orientation applied), and its `mask.png`, when present, decodes at that
 size or a scaled copy of it; each `.idx` exists and equals the index computed from the tar; keys
-are unique across the set; info.json agrees on the sample count. Without one (plain WebDataset shards): every tar reads
-completely, every sample has a decodable image (jpg/jpeg/png/webp) and a fitting mask when it has
-one (a `cls` holding a class name is not damage), and the index (beside the tar or derived into the cache) agrees with the tar.
-Every problem is one line; nothing raises except a folder without any shard.
+are unique across the set; info.json agrees on the sample count. Without one (plain WebDataset
+shards): every tar reads completely, every sample has a decodable image (jpg/jpeg/png/webp) and a
+fitting mask when it has one (a `cls` holding a class name is not damage), and the index (beside
+the tar or derived into the cache) agrees with the tar. Every problem is one line.
 """
 
 from __future__ import annotations
@@ -66,11 +66,9 @@ def read_problems(tar: Path, report: ReadReport) -> list[str]:
 
 
 def mask_problem(where: str, mask: bytes, size: tuple[int, int]) -> str | None:
-    """Why a mask member does not fit its image of displayed `size` (width, height), or None.
-
-    A mask is at the displayed size or a scaled copy of it (same aspect up to rounding); one with
-    the stored size of an EXIF-rotated image was made for the wrong orientation.
-    """
+    """Why a mask member does not fit its image of displayed `size` (width, height), or None: a mask is at
+    the displayed size or a scaled copy of it (same aspect up to rounding); one with the stored size of an
+    EXIF-rotated image was made for the wrong orientation."""
     try:
         mw, mh = decode(mask).size
     except ImageLoadError as exc:
@@ -233,10 +231,8 @@ def shard_tables(manifest: pa.Table) -> tuple[dict[str, pa.Table], list[str]]:
 
 def verify_shard_set(directory: Path, *, workers: int = 1, decode_images: bool = True,
                      index_cache: Path | None = None, progress: bool = False) -> VerifyReport:
-    """Verify a shard set folder; every problem is reported as one line, none raised.
-
-    Raises FileNotFoundError only when the folder holds neither a manifest nor any shard.
-    """
+    """Verify a shard set folder; every problem is reported as one line, none raised (FileNotFoundError
+    only when the folder holds neither a manifest nor any shard)."""
     directory = Path(directory)
     problems: list[str] = []
     manifest: pa.Table | None = None

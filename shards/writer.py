@@ -81,11 +81,10 @@ def sample_record(sample: ShardSample) -> SampleRecord:
 class TarShard:
     """One tar being written under a temporary name; `close()` publishes it with its index.
 
-    The tar is assembled from SampleRecords rather than through tarfile.TarFile so that records can
-    be serialised in worker processes; the bytes equal what tarfile writes for the same members.
-    Publishing order: the index is renamed into place first, then the tar, so a final tar name
-    always has an index beside it. The SHA-256 of both files is computed as they are written (no
-    second read), for the done-record of `shards build` (`sha256`, `index_sha256`, set by `close()`).
+    Assembled from SampleRecords rather than through tarfile.TarFile so that records can be serialised
+    in worker processes; the bytes equal what tarfile writes. The index is renamed into place first,
+    then the tar, so a final tar name always has an index beside it. The SHA-256 of both files is
+    computed as they are written, for the engine's done record (`sha256`, `index_sha256`, set by `close()`).
     """
 
     def __init__(self, tar: Path):
@@ -159,13 +158,11 @@ def write_shard_set(
     max_bytes: int = 1 << 30,
     max_count: int | None = None,
 ) -> list[Path]:
-    """Write samples, in the given order, as `{prefix}-000000.tar ...` shards in `out_dir`.
-
-    A new shard starts when the next sample would push the current one past `max_bytes` (tar
-    bytes) or `max_count` samples. Writes a `.idx` beside each tar, `manifest.parquet` and
-    `info.json`; every file appears atomically. Shards of the set the folder held before (those its
-    manifest lists) that this set does not overwrite are removed; no other file is touched. Returns the tar paths.
-    """
+    """Write samples, in the given order, as `{prefix}-000000.tar ...` shards in `out_dir` (each with its
+    `.idx`), `manifest.parquet` and `info.json`, every file atomically; return the tar paths. A new shard
+    starts when the next sample would push the current one past `max_bytes` (tar bytes) or `max_count`
+    samples. Shards the folder's previous manifest lists that this set does not overwrite are removed;
+    no other file is touched."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     previous = manifest_shards(out_dir) or set()
