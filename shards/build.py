@@ -85,16 +85,12 @@ class BuildReport:
 
 def settings_of(config: BuildConfig) -> dict:
     """The settings that shape the output bytes (part of every shard digest)."""
-    return {
-        "prefix": config.prefix,
-        "seed": config.seed,
-        "max_bytes": config.max_bytes,
-        "max_count": config.max_count,
-        "min_side": config.min_side,
-        "quality": config.quality,
-        # Only when changed: the digests (and resumability) of builds planned before the option existed stay.
-        **({"max_pixels": config.max_pixels} if config.max_pixels != DEFAULT_MAX_PIXELS else {}),
-    }
+    names = ("prefix", "seed", "max_bytes", "max_count", "min_side", "quality")
+    settings = {name: getattr(config, name) for name in names}
+    # Only when changed: the digests (and resumability) of builds planned before the option existed stay.
+    if config.max_pixels != DEFAULT_MAX_PIXELS:
+        settings["max_pixels"] = config.max_pixels
+    return settings
 
 
 def check_config(config: BuildConfig) -> None:

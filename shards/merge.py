@@ -64,14 +64,9 @@ def merge_shard_set(out: Path, *, wait_s: float = 0.0, progress: bool = True) ->
     plan_rejected = pq.read_table(work_dir(out) / "plan-rejected.parquet").to_pylist()
     converted = sum(r["manifest"].column("status").to_pylist().count("converted") for r in records)
     return merge_records(out, records, rejected=plan_rejected, info={
+        **{name: plan[name] for name in ("inputs", "classes", "layout", "settings", "command", "version")},
         "prefix": plan["settings"]["prefix"],
         "converted": converted,
-        "inputs": plan["inputs"],
-        "classes": plan["classes"],
         "num_classes": len(plan["classes"]),
-        "layout": plan["layout"],
-        "settings": plan["settings"],
         "plan_digest": plan["digest"],
-        "command": plan["command"],
-        "version": plan["version"],
     })
