@@ -94,7 +94,8 @@ def settings_of(config: BuildConfig) -> dict:
 
 
 def check_config(config: BuildConfig) -> None:
-    """Raise InputError for settings that cannot work."""
+    """Raise InputError for settings that cannot work, and for an output that is not a folder (or not yet
+    one) or is the input itself."""
     if config.max_bytes <= 0 or (config.max_count is not None and config.max_count <= 0):
         raise InputError("--max-bytes and --max-count must be positive")
     if not 1 <= config.quality <= 100:
@@ -107,6 +108,11 @@ def check_config(config: BuildConfig) -> None:
         raise InputError(f"--min-side {config.min_side} must be at least 1")
     if not config.prefix or "." in config.prefix or "/" in config.prefix:
         raise InputError(f"--prefix {config.prefix!r} must be a plain name without dots or slashes")
+    out = config.out_dir
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} is an existing file, not a folder; choose a folder path")
+    if config.input.is_dir() and out.resolve() == config.input.resolve():
+        raise InputError(f"--out {out} is the input folder itself; choose another folder")
 
 
 def plan_record(config: BuildConfig, listing: Listing, shards: list[ShardPlan]) -> dict:
@@ -173,13 +179,16 @@ def sample_of(image: SourceImage, prepared: PreparedImage) -> ShardSample:
     return ShardSample(image.key, {"jpg": prepared.jpg}, image.label, meta)
 
 
-def build_one(job: ShardJob, shard: ShardPlan, results: Iterator[SampleRecord | Rejection]) -> tuple[int, int]:
-    """Write one shard from its images' results, then its done record; return (written, rejected)."""
+def build_one(job: ShardJob, shard: ShardPlan, results: Iterator[SampleRecord | Rejection],
+              bar: Phase) -> tuple[int, int]:
+    """Write one shard from its images' results (counted on `bar`), then its done record; return
+    (written, rejected)."""
     tar: TarShard | None = None
     rejected = []
     try:
         for image in shard.images:
             result = next(results)
+            bar.update(1)
             if isinstance(result, Rejection):
                 rejected.append({"source": image.source, "reason": result.reason, "detail": result.detail})
                 continue
@@ -195,21 +204,11 @@ def build_one(job: ShardJob, shard: ShardPlan, results: Iterator[SampleRecord | 
     return len(rows), len(rejected)
 
 
-def check_out_dir(config: BuildConfig) -> None:
-    """The output must be a folder (or not exist yet) and must not be the input itself."""
-    out = config.out_dir
-    if out.exists() and not out.is_dir():
-        raise InputError(f"--out {out} is an existing file, not a folder; choose a folder path")
-    if config.input.is_dir() and out.resolve() == config.input.resolve():
-        raise InputError(f"--out {out} is the input folder itself; choose another folder")
-
-
 def build_shards(config: BuildConfig, ranks: Ranks = Ranks()) -> BuildReport:
     """Build this rank's shards of the planned set, resuming finished ones; rank 0 holds the output folder's
     lock for the whole job (the other ranks write into it), then merges. Raises InputError for bad settings
     or inputs, OutputError when the output cannot be written."""
     check_config(config)
-    check_out_dir(config)
     try:
         # The lock is released (its file removed) before an empty folder is removed.
         with output_folder(config.out_dir), \
@@ -250,9 +249,8 @@ def _build_locked(config: BuildConfig, ranks: Ranks) -> BuildReport:
     with Phase(desc, len(images), unit="img", enabled=config.progress) as bar:
         results = prepared_stream(images, config)
         try:
-            counted = counting(results, bar)
             for shard in pending:
-                w, r = build_one(job, shard, counted)
+                w, r = build_one(job, shard, results, bar)
                 written, rejected = written + w, rejected + r
         finally:
             results.close()  # shuts the worker pool down now, not at garbage collection
@@ -267,11 +265,4 @@ def _build_locked(config: BuildConfig, ranks: Ranks) -> BuildReport:
                 f"why is in {out / REJECTED_NAME}; list them with: {rejected_listing_command(out / REJECTED_NAME)}"
             )
     return BuildReport(len(shards), len(pending), len(mine) - len(pending), written, rejected, merge, repaired)
-
-
-def counting(results: Iterator, bar: Phase) -> Iterator:
-    """Pass results through, advancing the progress bar."""
-    for item in results:
-        bar.update(1)
-        yield item
 

@@ -13,13 +13,6 @@ from dataclasses import dataclass
 # PIL's own warning threshold (~ 9459 x 9459): large enough for any camera photo, small enough
 # that one decoded image (3 bytes per pixel, ~ 270 MB) cannot exhaust a worker's memory.
 DEFAULT_MAX_PIXELS = 89_478_485
-# A tar member larger than this is refused before reading: no image a pipeline should train on is
-# this large, and reading a member means holding it in memory.
-DEFAULT_MAX_MEMBER_BYTES = 256 << 20
-# A sample's json member holds a few scalars (source, size, class name, mask statistics): one of a
-# megabyte or nested deeper than this is not metadata, and a deep one would exhaust the parser's stack.
-DEFAULT_MAX_JSON_BYTES = 1 << 20
-DEFAULT_MAX_JSON_DEPTH = 32
 
 
 @dataclass(frozen=True)
@@ -36,10 +29,14 @@ class ImageLimits:
     """
 
     max_pixels: int = DEFAULT_MAX_PIXELS
-    max_member_bytes: int = DEFAULT_MAX_MEMBER_BYTES
+    # A tar member larger than this is refused before reading: no image a pipeline should train on is
+    # this large, and reading a member means holding it in memory.
+    max_member_bytes: int = 256 << 20
     max_side: int | None = None
-    max_json_bytes: int = DEFAULT_MAX_JSON_BYTES
-    max_json_depth: int = DEFAULT_MAX_JSON_DEPTH
+    # A sample's json member holds a few scalars (source, size, class name, mask statistics): one of a
+    # megabyte or nested deeper than this is not metadata, and a deep one would exhaust the parser's stack.
+    max_json_bytes: int = 1 << 20
+    max_json_depth: int = 32
 
     def __post_init__(self) -> None:
         if self.max_pixels < 1:
