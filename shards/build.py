@@ -74,7 +74,6 @@ class BuildConfig:
 class BuildReport:
     """What one rank did, and the merged totals when this rank merged."""
 
-    shards_planned: int
     shards_built: int
     shards_kept: int
     written: int
@@ -264,5 +263,5 @@ def _build_locked(config: BuildConfig, ranks: Ranks) -> BuildReport:
                 f"none of the {merge.rejected} input file(s) could be written ({reasons}); each file and "
                 f"why is in {out / REJECTED_NAME}; list them with: {rejected_listing_command(out / REJECTED_NAME)}"
             )
-    return BuildReport(len(shards), len(pending), len(mine) - len(pending), written, rejected, merge, repaired)
+    return BuildReport(len(pending), len(mine) - len(pending), written, rejected, merge, repaired)
 

@@ -45,7 +45,6 @@ class PreparedImage:
     height: int
     converted: bool
     source_format: str
-    source_mode: str
     orientation: int = 1  # the source's EXIF orientation (1: none); the output is always upright
 
 
@@ -284,14 +283,14 @@ def prepare_image(data: bytes, *, min_side: int = 32, quality: int = 95,
         return Rejection("too_small", f"image is {width}x{height}, smaller than the minimum side {min_side}")
     fmt, mode = image.format or "unknown", image.mode
     if fmt in JPEG_FORMATS and mode == "RGB" and orientation == 1:
-        return PreparedImage(data, width, height, False, fmt, mode)
+        return PreparedImage(data, width, height, False, fmt)
     try:
         out = io.BytesIO()
         # Re-encoded upright and without EXIF: DALI, PIL and every other decoder show the same pixels.
         displayed(image).save(out, "JPEG", quality=quality)
     except DECODE_ERRORS as exc:
         return Rejection("unconvertible", f"{fmt} image in mode {mode} cannot be converted to RGB ({exc})")
-    return PreparedImage(out.getvalue(), width, height, True, fmt, mode, orientation)
+    return PreparedImage(out.getvalue(), width, height, True, fmt, orientation)
 
 
 def prepare_file(path: str, *, min_side: int = 32, quality: int = 95,
