@@ -53,8 +53,6 @@ from shards.sample import (
 from shards.shardset import ShardSet, ShardSetError, Spec, list_shard_files, shard_tars
 from shards.tario import TarReadError, read_indexed_member
 
-__all__ = ["ReadReport", "Sample", "SampleRef", "iter_samples", "list_shards", "locate_samples", "read_samples"]
-
 UNUSED_LISTED = 20  # unused members named one by one in a report; the rest only counted
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')  # a JSON string literal: brackets inside it do not nest
 

@@ -280,7 +280,7 @@ def resolve_shard_set(spec: Spec, *, index_cache: Path | None = None, allow_lost
         listed, lost = listed_shards(directory, manifest, allow_lost=allow_lost)
         tars = [t for t in listed if t.is_file()]
     cache = default_index_cache(index_cache)
-    kept, index_files, counts, labelled, masked = [], [], [], False, False
+    kept, index_files, counts, extensions = [], [], [], set()
     missing = {tar for tar in tars if needs_index(tar, cache)}  # each read whole once: show progress
     phase = Phase(f"index files of {len(tars)} tars", len(missing), unit="tar", enabled=bool(missing))
     for tar in tars:
@@ -302,14 +302,14 @@ def resolve_shard_set(spec: Spec, *, index_cache: Path | None = None, allow_lost
         kept.append(tar)
         index_files.append(idx)
         counts.append(len(samples))
-        members = {e[0] for s in samples for e in s}
-        labelled, masked = labelled or LABEL_MEMBER in members, masked or MASK_MEMBER in members
+        extensions |= {e[0] for s in samples for e in s}
     phase.close()
+    labelled = LABEL_MEMBER in extensions
     if manifest is not None:
         for tar, count in zip(kept, counts, strict=True):
             check_count(tar, count, listed[tar], allow_lost=allow_lost)
         if "label" in manifest.column_names:
             labelled = manifest.column("label").null_count < manifest.num_rows
     text = str(spec) if isinstance(spec, str | Path) else " ".join(str(s) for s in spec)
-    return ShardSet(tuple(kept), tuple(index_files), tuple(counts), manifest, labelled, directory, masked, text,
-                    tuple(lost))
+    return ShardSet(tuple(kept), tuple(index_files), tuple(counts), manifest, labelled, directory,
+                    MASK_MEMBER in extensions, text, tuple(lost))

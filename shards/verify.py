@@ -252,12 +252,10 @@ def verify_shard_set(directory: Path, *, workers: int = 1, decode_images: bool =
         return VerifyReport(len(tars), samples, problems)
     by_shard, order_problems = shard_tables(manifest)
     problems += order_problems
-    unsafe = [n for n in by_shard if not is_plain_tar_name(n) or not SHARD_PATTERN.fullmatch(n)]
-    for name in unsafe:
+    for name in [n for n in by_shard if not is_plain_tar_name(n) or not SHARD_PATTERN.fullmatch(n)]:
         problems.append(f"manifest: shard name {name!r} is not a shard file name in this folder; rebuild")
         del by_shard[name]
-    on_disk = {p.name for p in list_shard_files(directory)}
-    for name in sorted(on_disk - set(by_shard)):
+    for name in sorted({p.name for p in list_shard_files(directory)} - set(by_shard)):
         problems.append(f"{name}: shard on disk but not in the manifest")
     tars = [directory / n for n in sorted(by_shard)]
     check = functools.partial(verify_shard, decode_images=decode_images)
@@ -304,5 +302,3 @@ def info_problems(directory: Path, samples: int) -> list[str]:
         return [f"info.json: records {recorded.get('samples')} samples, the manifest lists {samples}"]
     return []
 
-
-__all__ = ["VerifyReport", "verify_shard_set"]
