@@ -16,6 +16,7 @@ from shards.job import PLAN_NAME, MergeReport, ShardJob, Unit, merge_records, wa
 from shards.manifest import is_plain_tar_name
 
 WORK_DIR = ".build"
+PLAN_FIELDS = {"digest", "shards", "settings", "inputs", "classes"}  # what merging a build needs
 
 
 def work_dir(out: Path) -> Path:
@@ -26,6 +27,24 @@ def work_dir(out: Path) -> Path:
 def plan_file(out: Path) -> Path:
     """The plan record of a build."""
     return work_dir(out) / PLAN_NAME
+
+
+def read_plan(out: Path) -> dict | None:
+    """The plan of the build in `out`, None when it has none; ValueError saying why one is unusable."""
+    path = plan_file(out)
+    if not path.is_file():
+        return None
+    try:
+        plan = json.loads(path.read_text())
+    except OSError as exc:
+        raise ValueError(exc.strerror or str(exc)) from None
+    if not isinstance(plan, dict) or not PLAN_FIELDS <= set(plan) or not isinstance(plan["shards"], list):
+        raise ValueError("fields missing")
+    # A name with a slash or '..' must never reach unlink().
+    if not all(isinstance(s, dict) and is_plain_tar_name(s.get("name")) and isinstance(s.get("digest"), str)
+               for s in plan["shards"]):
+        raise ValueError("a shard entry is not a plain .tar name with a digest")
+    return plan
 
 
 def build_job(out: Path, shards: list[tuple[str, str]]) -> ShardJob:
@@ -45,19 +64,14 @@ def merge_shard_set(out: Path, *, wait_s: float = 0.0, progress: bool = True) ->
     """Merge the done records of a planned build into the shard set's manifest, rejections and info;
     the caller holds the folder's lock (`shards build` rank 0, or the `shards merge` command)."""
     out = Path(out)
-    if not plan_file(out).is_file():
-        raise FileNotFoundError(f"{out} holds no build plan ({plan_file(out)}); run relicv2 shards build first")
     try:
-        plan = json.loads(plan_file(out).read_text())
-        if not isinstance(plan, dict) or not {"shards", "settings", "inputs", "classes"} <= set(plan):
-            raise ValueError("fields missing")
-        if not all(isinstance(s, dict) and is_plain_tar_name(s.get("name")) and isinstance(s.get("digest"), str)
-                   for s in plan["shards"]):
-            raise ValueError("a shard entry is not a plain .tar name with a digest")
-    except (OSError, ValueError) as exc:
+        plan = read_plan(out)
+    except ValueError as exc:
         raise RuntimeError(
             f"{plan_file(out)} is not a readable build plan ({exc}); rerun relicv2 shards build with --overwrite"
         ) from None
+    if plan is None:
+        raise FileNotFoundError(f"{out} holds no build plan ({plan_file(out)}); run relicv2 shards build first")
     job = build_job(out, [(s["name"], s["digest"]) for s in plan["shards"]])
     records = wait_for_records(job, wait_s, progress=progress,
                                rerun=f"rerun the build for the ranks that own them, then run: relicv2 shards merge {out}")

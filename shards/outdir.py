@@ -10,7 +10,6 @@ overwritten by this build's outputs but was not written by a build is always ref
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import shutil
@@ -20,8 +19,8 @@ from pathlib import Path
 from jobs.atomic import OutputError
 from shards.index import index_path
 from shards.job import ShardJob, write_plan
-from shards.manifest import MANIFEST_NAME, REJECTED_NAME, is_plain_tar_name, manifest_shards
-from shards.merge import plan_file, work_dir
+from shards.manifest import MANIFEST_NAME, REJECTED_NAME, manifest_shards
+from shards.merge import plan_file, read_plan, work_dir
 from shards.sources import InputError
 
 INFO_NAME = "info.json"
@@ -62,19 +61,11 @@ def writing(path: Path, option: str, errors: tuple[type[Exception], ...] = (OSEr
         raise OutputError(f"cannot write {option} {path}: {detail}; free some space or choose another {option}") from None
 
 
-def read_plan(out: Path) -> dict | None | object:
-    """The plan of the build in `out`: a dict, None when there is none, CORRUPT when unreadable."""
-    path = plan_file(out)
-    if not path.is_file():
-        return None
+def previous_plan(out: Path) -> dict | None | object:
+    """The plan of the build in `out`: a dict, None when there is none, CORRUPT when unusable."""
     try:
-        plan = json.loads(path.read_text())
-        if not isinstance(plan, dict) or not isinstance(plan.get("digest"), str) or not isinstance(plan.get("shards"), list):
-            return CORRUPT
-        if not all(isinstance(s, dict) and is_plain_tar_name(s.get("name")) for s in plan["shards"]):
-            return CORRUPT  # a name with a slash or '..' must never reach unlink()
-        return plan
-    except (OSError, ValueError):
+        return read_plan(out)
+    except ValueError:
         return CORRUPT
 
 
@@ -129,10 +120,10 @@ def claim_out_dir(out: Path, record: dict, *, overwrite: bool, multi_rank: bool)
     """Make `out` hold only this build (or an unfinished run of it) and write its plan; return the files
     removed. InputError names the folder, what it holds and the way out."""
     planned = shard_files([s["name"] for s in record["shards"]]) | set(SET_FILES)
-    previous = read_plan(out)
+    previous = previous_plan(out)
     if previous is None and multi_rank and other_entries(out, set()):
         # Another rank may have planned (and started writing) just now: look again once settled.
-        previous = read_plan(out)
+        previous = previous_plan(out)
     resume = isinstance(previous, dict) and previous["digest"] == record["digest"]
     previous_files = planned if resume else own_files(out, previous)
     existing = {p.name for p in out.iterdir()} if out.is_dir() else set()
