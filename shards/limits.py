@@ -39,12 +39,9 @@ class ImageLimits:
     max_json_depth: int = 32
 
     def __post_init__(self) -> None:
-        if self.max_pixels < 1:
-            raise ValueError(f"max_pixels={self.max_pixels} must be positive")
-        if self.max_member_bytes < 1:
-            raise ValueError(f"max_member_bytes={self.max_member_bytes} must be positive")
-        if self.max_json_bytes < 1 or self.max_json_depth < 1:
-            raise ValueError(f"max_json_bytes={self.max_json_bytes} and max_json_depth={self.max_json_depth} must be positive")
+        for name in ("max_pixels", "max_member_bytes", "max_json_bytes", "max_json_depth"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be positive")
         if self.max_side is not None and self.max_side < 1:
             raise ValueError(f"max_side={self.max_side} must be positive (or None for no downscaling)")
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jobs.atomic import atomic_output
+from jobs.atomic import atomic_write_bytes
 from shards.index import name_key, read_index
 from shards.keys import check_key
 from shards.outdir import writing
@@ -83,8 +83,7 @@ def write_key_list(path: str | Path, keys: list[str], header: str = "") -> None:
     lines = [f"# {line}" for line in header.splitlines()] + keys
     with writing(path, "--out"):
         path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_output(path) as tmp:
-            Path(tmp).write_text("\n".join(lines) + "\n")
+        atomic_write_bytes(path, ("\n".join(lines) + "\n").encode("utf-8"))
 
 
 def read_key_list(path: str | Path) -> set[str]:

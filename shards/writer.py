@@ -16,9 +16,6 @@ from shards.index import IndexEntry, format_index, index_path
 from shards.manifest import CORE_COLUMNS, manifest_shards, write_manifest
 from shards.sample import ShardSample, check_sample, content_hash, sample_members
 
-# Fixed header fields make a rebuilt tar byte-identical (docs/design.md: mtime 0, fixed owner).
-OWNER_NAME = "relicv2"
-MEMBER_MODE = 0o444
 TAR_BLOCK = 512
 
 
@@ -66,10 +63,11 @@ def sample_record(sample: ShardSample) -> SampleRecord:
     for ext, data in members:
         info = tarfile.TarInfo(f"{sample.key}.{ext}")
         info.size = len(data)
+        # Fixed header fields make a rebuilt tar byte-identical (docs/design.md: mtime 0, fixed owner).
         info.mtime = 0
-        info.mode = MEMBER_MODE
+        info.mode = 0o444
         info.uid = info.gid = 0
-        info.uname = info.gname = OWNER_NAME
+        info.uname = info.gname = "relicv2"
         header = info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "strict")
         padding = -len(data) % TAR_BLOCK
         parts += [header, data, b"\0" * padding]
