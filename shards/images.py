@@ -137,34 +137,6 @@ def _decoding(name: str) -> Iterator[None]:
         raise ImageLoadError(name, classify_error(exc)) from None
 
 
-def _open(data: bytes, name: str, limits: ImageLimits, *, max_side: int | None = None,
-          min_side: int | None = None) -> tuple[Image.Image, tuple[int, int]]:
-    """(image, its full stored size from the header): refused (ImageLoadError naming `name`) when over
-    the limits, before decoding, then decoded fully; JPEGs at the smallest DCT scale (1/2, 1/4, 1/8)
-    keeping the longer side >= `max_side`, or each side >= `min_side`."""
-    if not data:
-        raise ImageLoadError(name, Rejection("empty_file", "file is empty (0 bytes)"))
-    if len(data) > limits.max_member_bytes:
-        raise ImageLoadError(name, Rejection(
-            "too_large", f"{len(data)} bytes exceed the limit of {limits.max_member_bytes}"))
-    with _decoding(name), _own_pixel_limit():
-        image = Image.open(io.BytesIO(data))
-        width, height = image.size
-        if width * height > limits.max_pixels:
-            raise ImageLoadError(name, Rejection(
-                "too_large",
-                f"image is {width}x{height} = {width * height} pixels, over the limit of {limits.max_pixels} "
-                "(raise max_pixels to accept it)",
-            ))
-        if max_side is not None and max(width, height) > max_side:
-            scale = max_side / max(width, height)
-            image.draft("RGB", (math.ceil(width * scale), math.ceil(height * scale)))
-        elif min_side is not None:
-            image.draft("RGB", (min_side, min_side))
-        image.load()
-    return image, (width, height)
-
-
 def header_problem(file: BinaryIO, limits: ImageLimits = DEFAULT_LIMITS) -> Rejection | None:
     """Why an image (an open binary file) must not be decoded, from its header alone, or None:
     over `limits.max_pixels`, or a header PIL cannot read. No pixel is decoded."""
@@ -175,8 +147,32 @@ def header_problem(file: BinaryIO, limits: ImageLimits = DEFAULT_LIMITS) -> Reje
         return classify_error(exc)
     if width * height > limits.max_pixels:
         return Rejection("too_large", f"image is {width}x{height} = {width * height} pixels, over the limit of "
-                                      f"{limits.max_pixels}")
+                                      f"{limits.max_pixels} (raise max_pixels to accept it)")
     return None
+
+
+def _open(data: bytes, name: str, limits: ImageLimits, *, max_side: int | None = None,
+          min_side: int | None = None) -> tuple[Image.Image, tuple[int, int]]:
+    """(image, its full stored size from the header): refused (ImageLoadError naming `name`) when over
+    the limits, before decoding, then decoded fully; JPEGs at the smallest DCT scale (1/2, 1/4, 1/8)
+    keeping the longer side >= `max_side`, or each side >= `min_side`."""
+    if not data:
+        raise ImageLoadError(name, Rejection("empty_file", "file is empty (0 bytes)"))
+    if len(data) > limits.max_member_bytes:
+        raise ImageLoadError(name, Rejection(
+            "too_large", f"{len(data)} bytes exceed the limit of {limits.max_member_bytes}"))
+    if (rejection := header_problem(io.BytesIO(data), limits)) is not None:
+        raise ImageLoadError(name, rejection)
+    with _decoding(name), _own_pixel_limit():
+        image = Image.open(io.BytesIO(data))
+        width, height = image.size
+        if max_side is not None and max(width, height) > max_side:
+            scale = max_side / max(width, height)
+            image.draft("RGB", (math.ceil(width * scale), math.ceil(height * scale)))
+        elif min_side is not None:
+            image.draft("RGB", (min_side, min_side))
+        image.load()
+    return image, (width, height)
 
 
 def displayed_size(image: Image.Image, size: tuple[int, int] | None = None) -> tuple[int, int]:
