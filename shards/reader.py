@@ -144,8 +144,7 @@ class SampleRef:
 
     def read_image(self) -> bytes | None:
         """The bytes of the image member, whatever its format."""
-        ext = self.image_ext
-        return None if ext is None else self.read(ext)
+        return self.read(self.image_ext)
 
     @property
     def label(self) -> int | None:
@@ -156,7 +155,7 @@ class SampleRef:
         with open(self.tar, "rb") as f:
             return read_class_index(f, offset, size)  # no more than a class index can hold
 
-    def read(self, ext: str) -> bytes | None:
+    def read(self, ext: str | None) -> bytes | None:
         """The bytes of member `ext`, or None when the sample has no such member."""
         if ext not in self.members:
             return None

@@ -262,24 +262,21 @@ def verify_shard_set(directory: Path, *, workers: int = 1, decode_images: bool =
     per_shard = in_workers(check, tars, [by_shard[t.name] for t in tars], workers=workers,
                            desc="shards verify", enabled=progress)
     problems += [p for shard_problems in per_shard for p in shard_problems]
-    problems += info_problems(directory, len(manifest))
+    info, repair = info_problems(directory, len(manifest))
+    problems += info
     if not len(manifest):  # a build whose every input was rejected still writes a (0-row) manifest
         rejected = directory / REJECTED_NAME
         why = f"; every input was rejected, each with its reason in {rejected}" if rejected.is_file() else ""
         problems.append(f"{MANIFEST_NAME}: lists no samples, the set is empty{why}")
         return VerifyReport(len(tars), 0, problems)  # no repair: rerunning the build would reject them again
-    return VerifyReport(len(tars), len(manifest), problems, repair_command(directory))
+    return VerifyReport(len(tars), len(manifest), problems, repair)
 
 
-def repair_command(directory: Path) -> str | None:
+def repair_command(directory: Path, info: dict) -> str | None:
     """How to rebuild the damaged shards of a set made by `relicv2 shards build` (rerunning its
     command redoes every shard whose files changed, and the manifest and info), or None for sets
-    made otherwise. The command comes from info.json, as the build recorded it."""
-    try:
-        info = json.loads((directory / "info.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(info, dict) or "plan_digest" not in info:
+    made otherwise. The command comes from its `info`.json, as the build recorded it."""
+    if "plan_digest" not in info:
         return None  # not from shards build (e.g. saliency build-masks, write_shard_set)
     command = info.get("command") or "relicv2 shards build INPUT OUT [the options of the first run]"
     if not plan_file(directory).is_file():  # without its plan the build no longer knows the set as its own
@@ -287,18 +284,20 @@ def repair_command(directory: Path) -> str | None:
     return f"rerun the build that made this set, which rebuilds damaged shards: {command}"
 
 
-def info_problems(directory: Path, samples: int) -> list[str]:
-    """info.json must exist, be a JSON object, and record the manifest's sample count."""
+def info_problems(directory: Path, samples: int) -> tuple[list[str], str | None]:
+    """The problems of info.json (it must exist, be a JSON object, and record the manifest's sample
+    count), and the set's `repair_command`."""
     info = directory / "info.json"
     if not info.is_file():
-        return ["info.json: missing"]
+        return ["info.json: missing"], None
     try:
         recorded = json.loads(info.read_text())
     except (OSError, ValueError) as exc:
-        return [f"info.json: not valid JSON ({exc}); rerun relicv2 shards merge or rebuild"]
+        return [f"info.json: not valid JSON ({exc}); rerun relicv2 shards merge or rebuild"], None
     if not isinstance(recorded, dict):
-        return ["info.json: not a JSON object; rerun relicv2 shards merge or rebuild"]
+        return ["info.json: not a JSON object; rerun relicv2 shards merge or rebuild"], None
+    problems = []
     if recorded.get("samples") != samples:
-        return [f"info.json: records {recorded.get('samples')} samples, the manifest lists {samples}"]
-    return []
+        problems.append(f"info.json: records {recorded.get('samples')} samples, the manifest lists {samples}")
+    return problems, repair_command(directory, recorded)
 
