@@ -57,7 +57,6 @@ def write_demo_images(out_dir: Path, *, train_per_class: int = 24, val_per_class
         raise ValueError(f"size must be at least {MIN_SIZE} and the per-class counts at least 1 "
                          f"(got size={size}, train={train_per_class}, val={val_per_class})")
     rng = np.random.default_rng(seed)
-    counts = {"train": 0, "val": 0}
     for name in DEMO_PHOTOS:
         photo = getattr(skdata, name)()
         for split, count in (("train", train_per_class), ("val", val_per_class)):
@@ -68,10 +67,9 @@ def write_demo_images(out_dir: Path, *, train_per_class: int = 24, val_per_class
                 if split == "val":
                     crop = _relight(crop, rng)
                 crop.save(folder / f"{name}_{index:03d}.jpg", quality=90)
-                counts[split] += 1
     awkward = out_dir / "train" / "astronaut"
     Image.fromarray(skdata.camera()).resize((size, size)).save(awkward / "greyscale.png")
     Image.fromarray(skdata.logo()).resize((size, size)).save(awkward / "with_alpha.png")
     (awkward / "empty.jpg").write_bytes(b"")
     (awkward / "notes.txt").write_text("not an image\n")
-    return counts
+    return {"train": train_per_class * len(DEMO_PHOTOS), "val": val_per_class * len(DEMO_PHOTOS)}
