@@ -68,12 +68,11 @@ class ImageLoadError(ValueError):
 
 def to_rgb(image: Image.Image) -> Image.Image:
     """Any PIL image -> 8-bit RGB; 16-bit scaled over its full range, transparency composited over white."""
-    mode = image.mode
-    if mode in SIXTEEN_BIT_MODES:
+    if image.mode in SIXTEEN_BIT_MODES:
         # PIL's convert("L") clips 16-bit values at 255; scale the full 0..65535 range instead.
         values = np.asarray(image, dtype=np.int64)
         image = Image.fromarray((np.clip(values, 0, 65535) // 257).astype(np.uint8), "L")
-    elif mode == "F":
+    elif image.mode == "F":
         image = Image.fromarray(np.clip(np.asarray(image), 0, 255).astype(np.uint8), "L")
     if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
         rgba = image.convert("RGBA")

@@ -107,9 +107,8 @@ def sample_members(sample: ShardSample) -> list[tuple[str, bytes]]:
     if sample.label is not None:
         members[LABEL_MEMBER] = str(sample.label).encode("ascii")
     try:
-        members["json"] = json.dumps(
-            sample.meta, sort_keys=True, separators=(",", ":"), ensure_ascii=False
-        ).encode("utf-8")
+        members[META_MEMBER] = json.dumps(sample.meta, sort_keys=True, separators=(",", ":"),
+                                          ensure_ascii=False).encode("utf-8")
     except (TypeError, ValueError) as exc:
         raise ValueError(f"sample {sample.key!r}: meta is not JSON-serialisable ({exc})") from exc
     return sorted(members.items())
