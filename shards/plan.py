@@ -16,11 +16,12 @@ from json.encoder import encode_basestring_ascii
 import numpy as np
 
 from shards.sources import SourceImage
-from shards.writer import TAR_BLOCK, shard_name
+from shards.tario import BLOCK
+from shards.writer import shard_name
 
 PLAN_VERSION = 1
 # Per-sample tar overhead besides the image: headers of jpg/cls/json plus the json payload block.
-SAMPLE_OVERHEAD = 5 * TAR_BLOCK
+SAMPLE_OVERHEAD = 5 * BLOCK
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ def plan_shards(images: list[SourceImage], settings: dict) -> list[ShardPlan]:
     for i in np.random.default_rng(settings["seed"]).permutation(len(images)):
         im = images[i]
         # Tar bytes of the sample: exact for pass-through JPEGs, approximate for converted images.
-        size = -(-im.size // TAR_BLOCK) * TAR_BLOCK + SAMPLE_OVERHEAD
+        size = -(-im.size // BLOCK) * BLOCK + SAMPLE_OVERHEAD
         if current and (current_bytes + size > max_bytes or (max_count is not None and len(current) >= max_count)):
             groups.append(current)
             current, current_bytes = [], 0

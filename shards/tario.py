@@ -25,7 +25,7 @@ COMPRESSED_MAGIC = (
     (b"\xfd7zXZ\x00", "xz"),
     (b"\x28\xb5\x2f\xfd", "zstd"),
 )
-BLOCK = 512
+BLOCK = tarfile.BLOCKSIZE
 
 
 class TarReadError(ValueError):

@@ -16,8 +16,6 @@ from shards.index import IndexEntry, format_index, index_path
 from shards.manifest import CORE_COLUMNS, manifest_shards, write_manifest
 from shards.sample import ShardSample, check_sample, content_hash, sample_members
 
-TAR_BLOCK = 512
-
 
 def shard_name(prefix: str, number: int) -> str:
     """`images-000012.tar` for prefix "images" and shard 12."""
@@ -69,7 +67,7 @@ def sample_record(sample: ShardSample) -> SampleRecord:
         info.uid = info.gid = 0
         info.uname = info.gname = "relicv2"
         header = info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "strict")
-        padding = -len(data) % TAR_BLOCK
+        padding = -len(data) % tarfile.BLOCKSIZE
         parts += [header, data, b"\0" * padding]
         entries.append((ext, offset + len(header), len(data)))
         offset += len(header) + len(data) + padding
@@ -117,7 +115,7 @@ class TarShard:
     def close(self) -> list[dict]:
         """Finish the tar, fsync, write its index, rename both into place; return the rows."""
         # End of archive as tarfile writes it: two zero blocks, then zeros up to a whole record.
-        end = 2 * TAR_BLOCK
+        end = 2 * tarfile.BLOCKSIZE
         end += -(self.size + end) % tarfile.RECORDSIZE
         self._file.write(b"\0" * end)
         self._hash.update(b"\0" * end)
