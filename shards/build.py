@@ -22,7 +22,7 @@ from PIL import Image
 from jobs.atomic import remove_stale_temps
 from jobs.lock import folder_lock
 from jobs.progress import Phase
-from jobs.ranks import Ranks, ranks_from_env  # noqa: F401 (re-exported for callers of shards.build)
+from jobs.ranks import Ranks
 from jobs.version import package_version
 from jobs.workers import worker_pool
 from shards.images import PreparedImage, Rejection, prepare_file
