@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from saliency.handcrafted.colour import rgb_to_lab
+from saliency.handcrafted.colour import D65_WHITE, RGB_TO_XYZ, rgb_to_lab
 from saliency.handcrafted.frame import guarded_map
 from saliency.handcrafted.graph import boundary_ids, minmax_normalise, segment, superpixel_means
 from saliency.handcrafted.reconstruction import (
@@ -65,9 +65,8 @@ def dsr_saliency(rgb: np.ndarray, config: DSRConfig = DSRConfig()) -> np.ndarray
     """
 
     def compute(image: np.ndarray) -> np.ndarray:
-        dense, sparse = multiscale_errors(image, config)
-        dense = object_biased_gaussian(dense, config.gaussian_sigma_ratio)
-        sparse = object_biased_gaussian(sparse, config.gaussian_sigma_ratio)
+        errors = multiscale_errors(image, config)
+        dense, sparse = (object_biased_gaussian(e, config.gaussian_sigma_ratio) for e in errors)
         posterior = bayes_posterior(sparse, dense, config.histogram_bins)
         return minmax_normalise(posterior + bayes_posterior(dense, sparse, config.histogram_bins))
 
@@ -83,10 +82,8 @@ def multiscale_errors(rgb: np.ndarray, config: DSRConfig = DSRConfig()) -> tuple
     lab_span = feature_lab.reshape(-1, 3).max(axis=0) - lab_min
     lab_span = np.where(lab_span > 0, lab_span, np.inf)  # a constant channel becomes 0
     # per-pixel colour features of the fusion weight: RGB in [0, 1], min-max normalised Lab
-    pixel_colour = np.concatenate(
-        [rgb.astype(np.float32) / 255.0, ((feature_lab - lab_min) / lab_span).astype(np.float32)],
-        axis=2,
-    )
+    normalised_lab = ((feature_lab - lab_min) / lab_span).astype(np.float32)
+    pixel_colour = np.concatenate([rgb.astype(np.float32) / 255.0, normalised_lab], axis=2)
     rows = np.arange(1, height + 1, dtype=np.float32)[:, None]
     cols = np.arange(1, width + 1, dtype=np.float32)[None, :]
     weight_sum = np.zeros((height, width), dtype=np.float32)
@@ -94,28 +91,13 @@ def multiscale_errors(rgb: np.ndarray, config: DSRConfig = DSRConfig()) -> tuple
     sparse_sum = np.zeros_like(weight_sum)
     for count, compactness in config.scales:
         sp = segment(rgb, count, compactness, lab=lab)
-        features = np.concatenate(
-            [
-                sp.mean_rgb / 255.0,
-                (superpixel_means(sp.labels, feature_lab, sp.count, sp.size) - lab_min) / lab_span,
-                sp.mean_position[:, ::-1],
-            ],
-            axis=1,
-        )
+        mean_lab = (superpixel_means(sp.labels, feature_lab, sp.count, sp.size) - lab_min) / lab_span
+        features = np.concatenate([sp.mean_rgb / 255.0, mean_lab, sp.mean_position[:, ::-1]], axis=1)
         templates = features[boundary_ids(sp.labels)]
         clusters = cluster_labels(features, config.num_clusters, config.seed, config.kmeans_max_iter)
-        dense = propagate_errors(
-            features,
-            dense_reconstruction_error(features, templates, config.pca_energy),
-            clusters,
-            config.propagation_weight,
-        )
-        sparse = propagate_errors(
-            features,
-            sparse_reconstruction_error(features, templates, config.lasso_lambda),
-            clusters,
-            config.propagation_weight,
-        )
+        errors = (dense_reconstruction_error(features, templates, config.pca_energy),
+                  sparse_reconstruction_error(features, templates, config.lasso_lambda))
+        dense, sparse = (propagate_errors(features, e, clusters, config.propagation_weight) for e in errors)
         weight = fusion_weight(pixel_colour, rows, cols, sp.labels, features)
         weight_sum += weight
         dense_sum += weight * dense.astype(np.float32)[sp.labels]
@@ -139,17 +121,9 @@ def ruzon_lab(rgb: np.ndarray) -> np.ndarray:
     ).astype(np.float32)
 
 
+
 # BT.709 RGB -> XYZ with the D65 white point divided out of X and Z (as RGB2Lab.m does)
-_RUZON_RGB_TO_XYZ = (
-    np.array(
-        [
-            [0.412453, 0.357580, 0.180423],
-            [0.212671, 0.715160, 0.072169],
-            [0.019334, 0.119193, 0.950227],
-        ]
-    )
-    / np.array([0.950456, 1.0, 1.088754])[:, None]
-).astype(np.float32)
+_RUZON_RGB_TO_XYZ = (RGB_TO_XYZ / D65_WHITE[:, None]).astype(np.float32)
 
 
 def fusion_weight(

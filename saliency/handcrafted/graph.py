@@ -5,21 +5,6 @@ Pure functions of numpy arrays; superpixel ids are 0..n-1, contiguous. Positions
 ``[y / H, x / W]`` as in the RBD code's ``GetNormedMeanPos``; adjacency matrices are dense
 ``bool (n, n)`` with a ``False`` diagonal (n is a few hundred, so dense linear algebra is both
 the simplest and the fastest choice).
-
-Public API:
-    slic_labels(rgb, n_segments, compactness=20.0, *, max_num_iter=10, gmr_variant=False) -> int32 HxW
-    segment(rgb, n_segments, compactness=20.0, lab=None, *, gmr_variant=False) -> Superpixels
-    superpixel_means(labels, values, count) -> float64 (n, C)
-    mean_positions(labels, count) -> float64 (n, 2)
-    adjacency(labels, count, connectivity=4) -> bool (n, n)
-    two_ring(adj) -> bool (n, n)
-    link_clique(adj, ids) -> bool (n, n)
-    boundary_ids(labels, thickness=1) -> int64 (k,)
-    border_ids(labels) -> tuple of 4 int64 arrays (top, bottom, left, right)
-    pairwise_distances(features) -> float64 (n, n)
-    distance_to_weight(dist, sigma, cutoff=3.0) -> float64
-    minmax_normalise(values, *, keep_constant=False) -> float64 in [0, 1]
-    to_pixels(values, labels) -> float32 HxW
 """
 
 from __future__ import annotations
@@ -110,18 +95,10 @@ def segment(
     )
 
 
-def superpixel_means(
-    labels: np.ndarray,
-    values: np.ndarray,
-    count: int,
-    size: np.ndarray | None = None,
-) -> np.ndarray:
-    """Mean of ``values`` (HxW or HxWxC) over each superpixel, float64 ``(n, C)``."""
+def superpixel_means(labels: np.ndarray, values: np.ndarray, count: int, size: np.ndarray) -> np.ndarray:
+    """Mean of ``values`` (HxW or HxWxC) over each superpixel of ``size`` pixels, float64 ``(n, C)``."""
     flat = labels.ravel()
-    if size is None:
-        size = np.bincount(flat, minlength=count).astype(np.float64)
-    values = np.asarray(values)
-    channels = values.reshape(flat.size, -1)
+    channels = np.asarray(values).reshape(flat.size, -1)
     sums = np.stack(
         [np.bincount(flat, weights=channels[:, c], minlength=count) for c in range(channels.shape[1])],
         axis=1,
@@ -129,15 +106,13 @@ def superpixel_means(
     return sums / np.maximum(size, 1.0)[:, None]
 
 
-def mean_positions(labels: np.ndarray, count: int, size: np.ndarray | None = None) -> np.ndarray:
+def mean_positions(labels: np.ndarray, count: int, size: np.ndarray) -> np.ndarray:
     """Mean ``[row / H, col / W]`` of each superpixel (RBD's ``GetNormedMeanPos``), ``(n, 2)``.
 
     Uses 1-based pixel coordinates like the MATLAB original so that values agree exactly.
     """
     height, width = labels.shape
     flat = labels.ravel()
-    if size is None:
-        size = np.bincount(flat, minlength=count).astype(np.float64)
     rows = np.repeat(np.arange(1, height + 1, dtype=np.float64), width)
     cols = np.tile(np.arange(1, width + 1, dtype=np.float64), height)
     denom = np.maximum(size, 1.0)
@@ -195,12 +170,9 @@ def boundary_ids(labels: np.ndarray, thickness: int = 1) -> np.ndarray:
 
 def border_ids(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Ids of superpixels on the top, bottom, left and right outermost pixel lines."""
-    return (
-        np.unique(labels[0, :]).astype(np.int64),
-        np.unique(labels[-1, :]).astype(np.int64),
-        np.unique(labels[:, 0]).astype(np.int64),
-        np.unique(labels[:, -1]).astype(np.int64),
-    )
+    lines = (labels[0], labels[-1], labels[:, 0], labels[:, -1])
+    top, bottom, left, right = (np.unique(line).astype(np.int64) for line in lines)
+    return top, bottom, left, right
 
 
 def pairwise_distances(features: np.ndarray) -> np.ndarray:

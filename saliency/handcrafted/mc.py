@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from saliency.handcrafted.colour import REFERENCE_RGB_TO_XYZ
 from saliency.handcrafted.frame import guarded_map
 from saliency.handcrafted.graph import adjacency, boundary_ids, minmax_normalise, segment, to_pixels
 
@@ -65,21 +66,12 @@ def mc_superpixel_lab(mean_rgb: np.ndarray) -> np.ndarray:
     value = np.asarray(mean_rgb, dtype=np.float64)
     linear = ((value + 0.099) / 1.099) ** 2.222
     linear = np.where(linear < 0.018, value / 4.5138, linear)
-    xyz = linear @ _RGB_TO_XYZ_D65_NORMALISED.T
+    xyz = linear @ REFERENCE_RGB_TO_XYZ.T
     f = np.where(xyz > 0.008856, np.cbrt(xyz), 7.787069 * xyz + 0.137931)
     return np.stack(
         [116.0 * f[:, 1] - 16.0, 500.0 * (f[:, 0] - f[:, 1]), 200.0 * (f[:, 1] - f[:, 2])], axis=1
     )
 
-
-# sRGB -> XYZ with the D65 white point folded into the X and Z rows (the authors' constants)
-_RGB_TO_XYZ_D65_NORMALISED = np.array(
-    [
-        [0.4339563, 0.3762153, 0.1898430],
-        [0.2126729, 0.7151522, 0.0721750],
-        [0.0177578, 0.1094756, 0.8728363],
-    ]
-)
 
 
 def mc_graph(labels: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:

@@ -17,11 +17,6 @@ details that matter (seed placement, distance scaling, size-based connectivity m
 
 All loops run in numba (``cache=True``: compiled once per machine, then loaded from disk).
 Float arithmetic follows the reference order so labels are reproducible bit for bit.
-
-Public API:
-    reference_lab(rgb) -> float64 HxWx3
-    slic_reference(rgb, n_segments, compactness=20.0, max_num_iter=10, perturb_seeds=False,
-                   column_major=False) -> int32 HxW labels 0..n-1
 """
 
 from __future__ import annotations
@@ -29,23 +24,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-# sRGB -> XYZ with the D65 white folded into the X and Z rows (the reference's constants)
-_XYZ = np.array(
-    [
-        [0.4339563, 0.3762153, 0.1898430],
-        [0.2126729, 0.7151522, 0.0721750],
-        [0.0177578, 0.1094756, 0.8728363],
-    ]
-)
+from saliency.handcrafted.colour import REFERENCE_RGB_TO_XYZ, srgb_to_linear
 
-
-def _linear_table() -> np.ndarray:
-    """sRGB 0..255 -> linear RGB (the reference's per-channel gamma), float64 (256,)."""
-    c = np.arange(256, dtype=np.float64) / 255.0
-    return np.where(c <= 0.04045, c / 12.92, ((c + 0.055) / 1.055) ** 2.4)
-
-
-_LINEAR = _linear_table()
+_LINEAR = srgb_to_linear(np.arange(256, dtype=np.float64) / 255.0)  # sRGB 0..255 -> linear RGB
 
 
 @numba.njit(cache=True)
@@ -73,7 +54,7 @@ def _lab_kernel(rgb: np.ndarray, linear: np.ndarray, m: np.ndarray) -> np.ndarra
 def reference_lab(rgb: np.ndarray) -> np.ndarray:
     """CIE Lab (D65, L in [0, 100]) of a uint8 RGB image as the reference SLIC computes it, float64."""
     array = np.ascontiguousarray(rgb, dtype=np.uint8)
-    return _lab_kernel(array, _LINEAR, _XYZ)
+    return _lab_kernel(array, _LINEAR, REFERENCE_RGB_TO_XYZ)
 
 
 @numba.njit(cache=True)
@@ -288,7 +269,7 @@ def slic_reference(
     size = height * width
     segment_size = int(0.5 + size / max(1, int(n_segments)))
     step = max(1, int(np.sqrt(segment_size) + 0.5))
-    lab = _lab_kernel(array, _LINEAR, _XYZ)
+    lab = _lab_kernel(array, _LINEAR, REFERENCE_RGB_TO_XYZ)
     seed_x, seed_y = _grid_seeds(height, width, step)
     if perturb_seeds:
         _perturb(lab, seed_x, seed_y)
