@@ -77,7 +77,6 @@ def is_masked_shard_set(source: Path) -> bool:
 
 def build_masked_preview(config: PreviewConfig) -> np.ndarray:
     """Rows of image | soft mask | image with the background (mask < 0.5) replaced by grey."""
-    from saliency.network.images import SampleDecodeError, decode_displayed
     from shards import iter_samples
 
     rows, read = [], ReadReport()
@@ -85,9 +84,9 @@ def build_masked_preview(config: PreviewConfig) -> np.ndarray:
         if len(rows) >= config.count:
             break
         try:
-            rgb = decode_displayed(sample["image"], sample["key"])
+            rgb = decode_rgb(sample["image"], sample["key"])
             mask = decode_rgb(sample[MASK_MEMBER], f"{sample['key']}.{MASK_MEMBER}")[..., 0]
-        except (SampleDecodeError, ImageReadError, KeyError) as error:
+        except (ImageReadError, KeyError) as error:
             warnings.warn(f"preview skips {sample['key']}: {error}", stacklevel=2)
             continue
         if mask.shape != rgb.shape[:2]:

@@ -19,17 +19,11 @@ import torch
 from PIL import Image
 
 from saliency.batch import HandcraftedConfig, map_path, run_handcrafted
-from saliency.images import ImageReadError, read_gray
-from saliency.network.images import (
-    SampleDecodeError,
-    SampleLocation,
-    decode_displayed,
-    has_rotation,
-    resize_map,
-    resize_square,
-    sample_locations,
-)
+from saliency.images import ImageReadError, decode_rgb, read_gray
+from saliency.network.images import resize_map, resize_square, sample_locations
 from shards import ReadReport, ShardSample, iter_samples, write_shard_set
+from shards.images import exif_orientation
+from shards.reader import SampleRef
 
 SAMPLE_PREFIX = "sample"
 
@@ -47,18 +41,18 @@ class TrainingImages:
         return self.images.permute(0, 2, 3, 1).contiguous().numpy()
 
 
-def _sample_stream(locations: list[SampleLocation], skipped: list) -> Iterator[ShardSample]:
+def _sample_stream(locations: list[SampleRef], skipped: list) -> Iterator[ShardSample]:
     for location in locations:
         data = location.read_image()
         try:
-            rgb = decode_displayed(data, f"{location.key} in {location.tar.name}")
-        except SampleDecodeError as error:
+            rgb = decode_rgb(data, f"{location.key} in {location.tar.name}")
+        except ImageReadError as error:
             skipped.append((location.key, str(error)))
             print(f"saliency train: skipping {error}", file=sys.stderr)
             continue
         # The image keeps its member name (png and webp stay what they are; `jpeg` is our `jpg`).
         member = "jpg" if location.image_ext == "jpeg" else location.image_ext
-        if has_rotation(data):
+        if exif_orientation(data) != 1:  # pixels stored rotated
             buffer = io.BytesIO()
             Image.fromarray(rgb).save(buffer, "JPEG", quality=95)
             data, member = buffer.getvalue(), "jpg"
@@ -67,7 +61,7 @@ def _sample_stream(locations: list[SampleLocation], skipped: list) -> Iterator[S
 
 
 def write_sample_set(shards: Path | str, out: Path, count: int, seed: int, index_cache: Path | None = None,
-                     locations: list[SampleLocation] | None = None) -> tuple[Path, list]:
+                     locations: list[SampleRef] | None = None) -> tuple[Path, list]:
     """`OUT/sample/`: the seeded sample of `shards` (kept when it exists: the plan is deterministic).
 
     `shards` is any shard set spec `shards.shardset.resolve_shard_set` takes (folder, brace pattern,
@@ -94,7 +88,7 @@ def handcrafted_maps(images: Path, output: Path, methods: tuple[str, ...], worke
 
 def load_training_images(
     shards: Path | str, out: Path, *, count: int, seed: int, size: int, methods: tuple[str, ...], workers: int,
-    progress: bool = True, index_cache: Path | None = None, locations: list[SampleLocation] | None = None,
+    progress: bool = True, index_cache: Path | None = None, locations: list[SampleRef] | None = None,
 ) -> TrainingImages:
     """Sample, compute maps (cached), and load everything at `size` x `size` into memory."""
     sample_dir, skipped = write_sample_set(shards, out, count, seed, index_cache, locations)
@@ -107,9 +101,9 @@ def load_training_images(
             skipped.append((key, failed[key]))
             continue
         try:
-            rgb = decode_displayed(sample["image"], key)
+            rgb = decode_rgb(sample["image"], key)
             raw = {m: read_gray(map_path(Path(out) / "maps", m, key)) for m in methods}
-        except (SampleDecodeError, ImageReadError) as error:
+        except ImageReadError as error:
             skipped.append((key, str(error)))
             continue
         keys.append(key)

@@ -18,10 +18,10 @@ import numpy as np
 
 from jobs.progress import tracked
 from saliency.batch import map_path
-from saliency.images import ImageReadError, list_images, read_gray, read_rgb
+from saliency.images import ImageReadError, decode_rgb, list_images, read_gray, read_rgb
 from saliency.metrics import aggregate, score_image
 from saliency.network.data import handcrafted_maps
-from saliency.network.images import SampleDecodeError, decode_displayed, resize_map
+from saliency.network.images import resize_map
 from saliency.network.model import SaliencyNet
 from saliency.network.predict import mean_of_maps, predict_map
 from shards import ReadReport, iter_samples
@@ -147,7 +147,7 @@ def evaluate_report(job, data, trainer, model: SaliencyNet, *, progress: bool = 
         read = ReadReport()
         for sample in iter_samples(out / "sample", report=read):
             if sample["key"] in position:
-                yield sample["key"], position[sample["key"]], decode_displayed(sample["image"], sample["key"])
+                yield sample["key"], position[sample["key"]], decode_rgb(sample["image"], sample["key"])
         if not read.ok:
             print(f"report: {out / 'sample'}: {read.summary()}", file=sys.stderr)
 
@@ -165,8 +165,8 @@ def evaluate_report(job, data, trainer, model: SaliencyNet, *, progress: bool = 
                 if sample["key"] in failed:
                     continue
                 try:
-                    yield sample["key"], i, decode_displayed(sample["image"], sample["key"])
-                except SampleDecodeError as error:
+                    yield sample["key"], i, decode_rgb(sample["image"], sample["key"])
+                except ImageReadError as error:
                     print(f"report: skipping {error}", file=sys.stderr)
             if not read.ok:
                 print(f"report: {job.eval_shards}: {read.summary()}", file=sys.stderr)

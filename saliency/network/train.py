@@ -35,13 +35,14 @@ from jobs.version import package_version
 from pretrain.model.resnet import load_torchvision_state_dict
 from saliency.network.config import SaliencyTrainConfig
 from saliency.network.data import TrainingImages, load_training_images
-from saliency.network.images import SampleLocation, sample_locations
+from saliency.network.images import sample_locations
 from saliency.network.loop import CrfPool, train_epoch
 from saliency.network.model import SaliencyNet
 from saliency.network.model_file import save_model
 from saliency.network.report import check_ground_truth, evaluate_report, format_report
 from saliency.network.weights import encoder_state_dict, load_fitting
 from shards.outdir import check_output_folder, writing
+from shards.reader import SampleRef
 
 CONFIG_NAME = SETTINGS_FILE  # the resolved settings and inputs, as printed at start
 RANDOM_BACKBONE_NOTE = (
@@ -159,7 +160,7 @@ def _finite_or_null(tree: object) -> object:
 class CheckedInputs:
     """What `check_inputs` found usable: the seeded sample of --shards and the encoder weights."""
 
-    locations: list[SampleLocation]
+    locations: list[SampleRef]
     encoder_state: dict | None  # None: random initialisation
     backbone: str  # where the encoder weights came from, in words
 
