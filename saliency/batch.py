@@ -32,18 +32,11 @@ from jobs.progress import Phase
 from jobs.workers import one_thread, single_threaded, worker_pool
 from saliency.failures import FailureLimit
 from saliency.handcrafted.methods import METHODS
-from saliency.images import ImageReadError, decode_rgb, read_rgb
+from saliency.images import ImageReadError
 from saliency.inputs import Item, count_inputs, is_shard_source, iter_items
 from saliency.maps import write_map
 from shards.keys import UnsafeKeyError, safe_relative_path
 from shards.reader import ReadReport
-
-try:  # the shared image loader (shards.images) names its errors itself; saliency.images wraps it
-    from shards.images import ImageLoadError
-except ImportError:  # a tree without it: saliency.images raises ImageReadError only
-    ImageLoadError = ImageReadError
-READ_ERRORS = (ImageReadError, ImageLoadError)
-"""What reading or decoding one input raises when the input is bad (never a bug's exceptions)."""
 
 JOB_NAME = "saliency handcrafted"
 OUTPUT_FULL = (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
@@ -148,9 +141,8 @@ def process_item(item: Item, methods: tuple[str, ...], output: Path) -> Result:
     propagates (a method must give a map for every image).
     """
     try:
-        # A shard sample always has its image: the shard reader refuses one without (no_image).
-        rgb = read_rgb(item.path) if item.path is not None else decode_rgb(item.data or b"", item.name)
-    except READ_ERRORS as error:
+        rgb = item.rgb()
+    except ImageReadError as error:
         return Result(item.name, error=_plain(str(error)))
     written: list[str] = []
     for method in methods:
@@ -171,9 +163,7 @@ def process_item(item: Item, methods: tuple[str, ...], output: Path) -> Result:
 def _pending(config: HandcraftedConfig, item: Item) -> tuple[str, ...]:
     """The methods whose map of ``item`` is still to be written (raises UnsafeKeyError)."""
     paths = {m: map_path(config.output, m, item.name) for m in config.methods}
-    if config.overwrite:
-        return config.methods
-    return tuple(m for m in config.methods if not paths[m].exists())
+    return tuple(m for m, path in paths.items() if config.overwrite or not path.exists())
 
 
 def _work(config: HandcraftedConfig, report: BatchReport, bar: Phase) -> Iterator[tuple[Item, tuple[str, ...]]]:
@@ -233,10 +223,8 @@ def run_handcrafted(config: HandcraftedConfig) -> BatchReport:
     source = Path(config.input)
     if not is_shard_source(source) and not source.exists():
         raise FileNotFoundError(f"input {source} does not exist; pass an image folder or a shard set")
-    report = BatchReport()
     total = count_inputs(source)
-    if is_shard_source(source):
-        report.expected = total
+    report = BatchReport(expected=total if is_shard_source(source) else None)
     with contextlib.ExitStack() as stack:
         try:
             stack.enter_context(folder_lock(config.output, JOB_NAME))

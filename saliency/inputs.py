@@ -11,7 +11,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from saliency.images import list_images
+import numpy as np
+
+from saliency.images import decode_rgb, list_images, read_rgb
 from shards.reader import ReadReport
 from shards.shardset import BRACE, list_shard_files, resolve_shard_set, shard_tars
 
@@ -23,6 +25,11 @@ class Item:
     name: str
     path: Path | None = None
     data: bytes | None = None
+
+    def rgb(self) -> np.ndarray:
+        """The image as uint8 HxWx3 RGB as displayed; ImageReadError names a bad one."""
+        # A shard sample always has its image: the shard reader refuses one without (no_image).
+        return read_rgb(self.path) if self.path is not None else decode_rgb(self.data or b"", self.name)
 
 
 def is_shard_source(source: Path) -> bool:

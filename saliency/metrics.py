@@ -13,6 +13,7 @@ A precision or recall with a zero denominator counts as 0, so an empty predictio
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -171,14 +172,7 @@ class DatasetScores:
 
     def as_dict(self) -> dict[str, float | int | None]:
         """Plain values for JSON; the scores of an empty set are None (null), not NaN (invalid JSON)."""
-        empty = self.count == 0
-        return {
-            "mae": None if empty else self.mae,
-            "max_f": None if empty else self.max_f,
-            "adaptive_f": None if empty else self.adaptive_f,
-            "s_measure": None if empty else self.s_measure,
-            "count": self.count,
-        }
+        return {k: None if self.count == 0 and k != "count" else v for k, v in dataclasses.asdict(self).items()}
 
 
 def score_image(prediction: np.ndarray, ground_truth: np.ndarray) -> ImageScores:
@@ -199,7 +193,7 @@ def aggregate(scores: Iterable[ImageScores]) -> DatasetScores:
     """Average per-image scores; max-F is the maximum of the mean F curve."""
     items = list(scores)
     if not items:
-        return DatasetScores(float("nan"), float("nan"), float("nan"), float("nan"), 0)
+        return DatasetScores(*[float("nan")] * 4, count=0)
     return DatasetScores(
         mae=float(np.mean([i.mae for i in items])),
         max_f=float(np.max(np.mean([i.f_curve for i in items], axis=0))),

@@ -12,8 +12,8 @@ import numpy as np
 
 from saliency.batch import iter_items, map_path
 from saliency.handcrafted.methods import METHODS
-from saliency.images import ImageReadError, decode_rgb, list_images, read_gray, read_rgb
-from saliency.maps import write_png
+from saliency.images import ImageReadError, decode_rgb, list_images, read_gray
+from saliency.maps import map_to_uint8, write_png
 from shards import ReadReport
 from shards.sample import MASK_MEMBER
 
@@ -96,11 +96,7 @@ def build_masked_preview(config: PreviewConfig) -> np.ndarray:
         coverage = sample["meta"].get("mask_coverage")
         title = f"mask {coverage:.0%}" if isinstance(coverage, int | float) else "mask"
         rows.append([(sample["key"], rgb), (title, mask), ("background removed", removed)])
-    if read.rejected or read.lost_shards:  # (not the samples after the first few: a preview stops early)
-        warnings.warn(f"preview of {config.input}: {read.summary()}", stacklevel=2)
-    if not rows:
-        raise ValueError(f"no readable masked sample in {config.input}")
-    return contact_sheet(rows, config.tile_height)
+    return _sheet(rows, read, config, "masked sample")
 
 
 def build_preview(config: PreviewConfig) -> np.ndarray:
@@ -116,7 +112,7 @@ def build_preview(config: PreviewConfig) -> np.ndarray:
         if len(rows) >= config.count:
             break
         try:
-            rgb = read_rgb(item.path) if item.path is not None else decode_rgb(item.data or b"", item.name)
+            rgb = item.rgb()
         except ImageReadError as error:
             warnings.warn(f"preview skips {error}", stacklevel=2)
             continue
@@ -126,15 +122,19 @@ def build_preview(config: PreviewConfig) -> np.ndarray:
             if stored is not None and stored.exists():
                 saliency = read_gray(stored)
             else:
-                saliency = np.rint(METHODS[method](rgb) * 255).astype(np.uint8)
+                saliency = map_to_uint8(METHODS[method](rgb))
             row.append((method, saliency))
         if item.name in masks:
             row.append(("GT", read_gray(masks[item.name])))
         rows.append(row)
+    return _sheet(rows, read, config, "image")
+
+
+def _sheet(rows: list, read: ReadReport, config: PreviewConfig, what: str) -> np.ndarray:
     if read.rejected or read.lost_shards:  # (not the samples after the first few: a preview stops early)
-        warnings.warn(f"preview of {config.input}: {read.summary()}", stacklevel=2)
+        warnings.warn(f"preview of {config.input}: {read.summary()}", stacklevel=3)
     if not rows:
-        raise ValueError(f"no readable image in {config.input}")
+        raise ValueError(f"no readable {what} in {config.input}")
     return contact_sheet(rows, config.tile_height)
 
 

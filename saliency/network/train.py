@@ -44,7 +44,6 @@ from saliency.network.weights import encoder_state_dict, load_fitting
 from shards.outdir import check_output_folder, writing
 from shards.reader import SampleRef
 
-CONFIG_NAME = SETTINGS_FILE  # the resolved settings and inputs, as printed at start
 RANDOM_BACKBONE_NOTE = (
     "saliency train: note: the encoder starts from random weights (--backbone random); the paper starts it "
     "from a self-supervised backbone (a relicv2 pretrain run folder); benchmarks/RESULTS.md measures what "
@@ -122,7 +121,7 @@ def _check_config(out: Path, text: str) -> bool:
 
     A config.yaml beside nothing else (no sample, no work: an earlier version wrote it before a
     failed check) is not a run, and is replaced. The version that wrote it does not count."""
-    path = out / CONFIG_NAME
+    path = out / SETTINGS_FILE
     if not path.is_file():
         return True
     try:
@@ -222,15 +221,13 @@ class Trainer:
         methods = [unit.method] if unit.method else list(self.config.methods)
         labels, soft = [], []
         for m in methods:
-            if unit.method is not None and unit.iteration == 0:
-                raw = self.data.maps[m].float()
-                labels.append((raw >= self.config.thresholds[m]).half())
-                soft.append(raw.half())
-            else:
+            if unit.method is not None and unit.iteration == 0:  # the handcrafted map
+                soft_map, threshold = self.data.maps[m].float(), self.config.thresholds[m]
+            else:  # the refined labels of the iteration before (phase II: the last)
                 k = unit.iteration if unit.method else self.config.iterations
-                average = self.result(f"{m}-it{k}").float()
-                labels.append((average >= 0.5).half())
-                soft.append(average.half())
+                soft_map, threshold = self.result(f"{m}-it{k}").float(), 0.5
+            labels.append((soft_map >= threshold).half())
+            soft.append(soft_map.half())
         return torch.stack(labels, 1), torch.stack(soft, 1)
 
     def result(self, name: str) -> torch.Tensor:
@@ -300,7 +297,7 @@ def run_train(job: TrainJob, log: Callable[[str], None] = print) -> dict:
         text = settings_text(config, extra={"inputs": {"shards": str(job.shards), "backbone": job.backbone}},
                              version=package_version())
         if _check_config(out, text):
-            atomic_write_bytes(out / CONFIG_NAME, text.encode())
+            atomic_write_bytes(out / SETTINGS_FILE, text.encode())
         log(text.rstrip())
         if config.threads:
             torch.set_num_threads(config.threads)
