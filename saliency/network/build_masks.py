@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import sys
 import time
 from collections import Counter
@@ -245,14 +246,7 @@ def _chunks(count: int, parts: int) -> list[slice]:
 
 
 def _batches(items: Iterator, size: int) -> Iterator[list]:
-    batch: list = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+    return iter(lambda: list(itertools.islice(items, size)), [])
 
 
 def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: Executor, ring: SlotRing, bar,

@@ -143,36 +143,32 @@ def evaluate_report(job, data, trainer, model: SaliencyNet, *, progress: bool = 
     rows[MEAN_ROW] = _mean_of(maps, config.methods)
     rows[FUSED_ROW] = lambda _k, _i, rgb: predict_map(model, rgb, size)
 
-    def train_images() -> Iterator[tuple[str, int, np.ndarray]]:
-        read = ReadReport()
-        for sample in iter_samples(out / "sample", report=read):
-            if sample["key"] in position:
-                yield sample["key"], position[sample["key"]], decode_rgb(sample["image"], sample["key"])
-        if not read.ok:
-            print(f"report: {out / 'sample'}: {read.summary()}", file=sys.stderr)
-
-    report = {"train": score_rows(train_images(), job.gt, rows, len(position), "report (train)", progress)}
+    train_images = _decoded(out / "sample", lambda key, _i: position.get(key))
+    report = {"train": score_rows(train_images, job.gt, rows, len(position), "report (train)", progress)}
     if job.eval_shards is not None:
         eval_maps = out / "eval-maps"
         failed = dict(handcrafted_maps(Path(job.eval_shards), eval_maps, config.methods, config.workers, progress))
         held: dict[str, RowFn] = {f"{m} raw map": _raw(eval_maps, m) for m in config.methods}
         held[MEAN_ROW] = _mean_of(eval_maps, config.methods)
         held[FUSED_ROW] = rows[FUSED_ROW]
-
-        def held_images() -> Iterator[tuple[str, int, np.ndarray]]:
-            read = ReadReport()
-            for i, sample in enumerate(iter_samples(Path(job.eval_shards), report=read)):
-                if sample["key"] in failed:
-                    continue
-                try:
-                    yield sample["key"], i, decode_rgb(sample["image"], sample["key"])
-                except ImageReadError as error:
-                    print(f"report: skipping {error}", file=sys.stderr)
-            if not read.ok:
-                print(f"report: {job.eval_shards}: {read.summary()}", file=sys.stderr)
-
-        report["heldout"] = score_rows(held_images(), job.gt, held, None, "report (held out)", progress)
+        held_images = _decoded(Path(job.eval_shards), lambda key, i: None if key in failed else i)
+        report["heldout"] = score_rows(held_images, job.gt, held, None, "report (held out)", progress)
     return report
+
+
+def _decoded(shards: Path, number: Callable[[str, int], int | None]) -> Iterator[tuple[str, int, np.ndarray]]:
+    """(key, number, rgb) of the samples of `shards` that `number(key, position)` numbers (None: left out);
+    the reader's refusals and undecodable images are said on stderr."""
+    read = ReadReport()
+    for position, sample in enumerate(iter_samples(shards, report=read)):
+        if (index := number(sample["key"], position)) is None:
+            continue
+        try:
+            yield sample["key"], index, decode_rgb(sample["image"], sample["key"])
+        except ImageReadError as error:
+            print(f"report: skipping {error}", file=sys.stderr)
+    if not read.ok:
+        print(f"report: {shards}: {read.summary()}", file=sys.stderr)
 
 
 def format_report(report: dict) -> str:
