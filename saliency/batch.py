@@ -8,10 +8,6 @@ and renamed), so a killed job resumes with the same command. The job holds the o
 lock for its whole life and first removes the temporaries a killed run left. A corrupt input or
 a map that cannot be written is reported and skipped; a full or read-only output folder stops
 the job with one clear error (finished maps are kept, the rerun goes on from there).
-
-The steps of :func:`run_handcrafted`: open the source (items and, where known, their count),
-take the lock, clean stale temporaries, compute (in this process or in worker processes),
-count what happened in a :class:`BatchReport`.
 """
 
 from __future__ import annotations

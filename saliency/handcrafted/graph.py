@@ -28,21 +28,12 @@ def slic_labels(
 ) -> np.ndarray:
     """SLIC superpixels exactly as the authors' C++ SLIC computes them; int32 labels 0..n-1.
 
-    Achanta's reference algorithm (:func:`saliency.handcrafted.slic.slic_reference`): grid seeds (no seed
-    perturbation, as in the copy shipped with MC's code, also used by RBD and DSR), 2S x 2S search
-    windows, squared distance ``d_lab^2 + (compactness / S)^2 d_xy^2``, ``max_num_iter`` iterations
-    (10 in the authors' code), then pieces smaller than a quarter of the nominal size merged into
-    the previously labelled neighbour. Lab comes from the reference's own float64 conversion of
-    ``rgb`` (OpenCV's differs by up to ~0.5 Lab units, enough to move some superpixel borders).
-
     ``gmr_variant``: MR's C++ (GMR) packs the image column-major before calling Achanta's original
     SLIC, which also moves each seed to the lowest-gradient pixel of its 3x3 neighbourhood; so it
     segments the transposed image with seed perturbation (correlation to MR's reference maps
     .983 vs .921 for the plain variant, measured on 40 dev images).
     """
-    # Hand-written (numba) rather than skimage.segmentation.slic: skimage's SLIC differs from the
-    # authors' algorithm (seed placement, distance scaling, size-based connectivity merging) and
-    # is ~5x slower; this one reproduces the reference labels pixel for pixel.
+    # Not skimage's slic, which is another algorithm: see saliency.handcrafted.slic.
     return slic_reference(as_rgb(rgb), n_segments, compactness, max_num_iter=max_num_iter,
                           perturb_seeds=gmr_variant, column_major=gmr_variant)
 

@@ -1,12 +1,5 @@
-"""One image's saliency map from a trained network, with the test-time options a user can score.
-
-- ``predict_map``: the foreground probability at the image's own size; ``flip`` averages it with the
-  prediction of the horizontally mirrored image (mirrored back), the usual test-time augmentation;
-  ``crf`` refines it with the dense CRF the network was trained with (`crf.model_crf`);
-- ``mean_of_maps``: the per-pixel mean of an image's handcrafted maps (the trivial fusion the network
-  must beat), read from a `saliency handcrafted` output folder;
-- ``with_maps``: the mean of a network's prediction and that mean of the maps.
-"""
+"""One image's saliency map from a trained network, with the test-time options a user can score
+(mirror averaging, the dense CRF, averaging with the handcrafted maps)."""
 
 from __future__ import annotations
 
