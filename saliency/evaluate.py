@@ -163,10 +163,8 @@ def format_table(results: dict[str, DatasetScores]) -> str:
         "| method | MAE | max-F | adaptive-F | S-measure | count |",
         "|---|---|---|---|---|---|",
     ]
-    for name, s in results.items():
-        lines.append(
-            f"| {name} | {s.mae:.3f} | {s.max_f:.3f} | {s.adaptive_f:.3f} | {s.s_measure:.3f} | {s.count} |"
-        )
+    lines += [f"| {name} | {s.mae:.3f} | {s.max_f:.3f} | {s.adaptive_f:.3f} | {s.s_measure:.3f} | {s.count} |"
+              for name, s in results.items()]
     return "\n".join(lines)
 
 
