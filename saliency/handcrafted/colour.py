@@ -10,23 +10,15 @@ from __future__ import annotations
 import cv2
 import numpy as np
 
-RGB_TO_XYZ = np.array(
-    [
-        [0.412453, 0.357580, 0.180423],
-        [0.212671, 0.715160, 0.072169],
-        [0.019334, 0.119193, 0.950227],
-    ]
-)
+RGB_TO_XYZ = np.array([[0.412453, 0.357580, 0.180423],
+                       [0.212671, 0.715160, 0.072169],
+                       [0.019334, 0.119193, 0.950227]])
 D65_WHITE = np.array([0.950456, 1.0, 1.088754])
 # sRGB -> XYZ with the D65 white folded into the X and Z rows, as the authors' C++ SLIC rounds it
 # (MC's and the reference SLIC's constants)
-REFERENCE_RGB_TO_XYZ = np.array(
-    [
-        [0.4339563, 0.3762153, 0.1898430],
-        [0.2126729, 0.7151522, 0.0721750],
-        [0.0177578, 0.1094756, 0.8728363],
-    ]
-)
+REFERENCE_RGB_TO_XYZ = np.array([[0.4339563, 0.3762153, 0.1898430],
+                                 [0.2126729, 0.7151522, 0.0721750],
+                                 [0.0177578, 0.1094756, 0.8728363]])
 
 
 def as_rgb(image: np.ndarray) -> np.ndarray:
@@ -74,7 +66,8 @@ def rgb_values_to_lab(rgb_values: np.ndarray) -> np.ndarray:
     linear = srgb_to_linear(np.asarray(rgb_values, dtype=np.float64).reshape(-1, 3) / 255.0)
     xyz = linear @ RGB_TO_XYZ.T / D65_WHITE
     f = np.where(xyz > (6.0 / 29.0) ** 3, np.cbrt(xyz), xyz / (3 * (6.0 / 29.0) ** 2) + 4.0 / 29.0)
-    return np.stack([116.0 * f[:, 1] - 16.0, 500.0 * (f[:, 0] - f[:, 1]), 200.0 * (f[:, 1] - f[:, 2])], axis=1)
+    lightness, a, b = 116.0 * f[:, 1] - 16.0, 500.0 * (f[:, 0] - f[:, 1]), 200.0 * (f[:, 1] - f[:, 2])
+    return np.stack([lightness, a, b], axis=1)
 
 
 def srgb_to_linear(values: np.ndarray) -> np.ndarray:

@@ -126,13 +126,8 @@ def ruzon_lab(rgb: np.ndarray) -> np.ndarray:
 _RUZON_RGB_TO_XYZ = (RGB_TO_XYZ / D65_WHITE[:, None]).astype(np.float32)
 
 
-def fusion_weight(
-    pixel_colour: np.ndarray,
-    rows: np.ndarray,
-    cols: np.ndarray,
-    labels: np.ndarray,
-    features: np.ndarray,
-) -> np.ndarray:
+def fusion_weight(pixel_colour: np.ndarray, rows: np.ndarray, cols: np.ndarray, labels: np.ndarray,
+                  features: np.ndarray) -> np.ndarray:
     """Per-pixel weight of one scale: ``1 / (||pixel feature - its superpixel's feature|| + eps)``.
 
     Reproduces ``extractSupfeat.m``: the pixel's position enters as raw 1-based (row, col)
@@ -146,9 +141,8 @@ def fusion_weight(
     return 1.0 / (np.sqrt(dist2) + np.float32(np.finfo(np.float64).eps))
 
 
-def object_biased_gaussian(
-    saliency: np.ndarray, sigma_ratio: float = DSRConfig.gaussian_sigma_ratio
-) -> np.ndarray:
+def object_biased_gaussian(saliency: np.ndarray,
+                           sigma_ratio: float = DSRConfig.gaussian_sigma_ratio) -> np.ndarray:
     """Multiply by a Gaussian (sigma = ``sigma_ratio`` x side) centred on the saliency-weighted centroid."""
     height, width = saliency.shape
     total = float(saliency.sum())
@@ -163,9 +157,8 @@ def object_biased_gaussian(
     return minmax_normalise(np.outer(along_rows, along_cols) * saliency)
 
 
-def bayes_posterior(
-    prior: np.ndarray, observer: np.ndarray, bins: int = DSRConfig.histogram_bins
-) -> np.ndarray:
+def bayes_posterior(prior: np.ndarray, observer: np.ndarray,
+                    bins: int = DSRConfig.histogram_bins) -> np.ndarray:
     """Bayesian integration: posterior saliency from ``prior`` with likelihoods from ``observer``.
 
     The prior, thresholded at its mean, splits the image into inner and outer regions; each

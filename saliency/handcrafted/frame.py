@@ -65,13 +65,8 @@ def _sobel_edges(gray: np.ndarray) -> np.ndarray:
     return (mag > cutoff) & (along_x | along_y)
 
 
-def detect_frame(
-    rgb: np.ndarray,
-    edges: Literal["sobel", "canny"] = "sobel",
-    min_sides: int = 1,
-    max_width: int = 30,
-    density: float = 0.6,
-) -> Frame:
+def detect_frame(rgb: np.ndarray, edges: Literal["sobel", "canny"] = "sobel", min_sides: int = 1,
+                 max_width: int = 30, density: float = 0.6) -> Frame:
     """Find an artificial frame (authors' ``removeframe``) and return the crop box without it.
 
     A frame side is the last of the first ``max_width`` pixel lines (from that side) whose edge
@@ -119,12 +114,8 @@ class Prepared:
         return self.frame.paste(np.clip(sal, 0.0, 1.0))
 
 
-def prepare(
-    image: np.ndarray,
-    remove_frame: Literal["sobel", "canny", "none"] = "sobel",
-    min_frame_sides: int = 1,
-    min_side: int = MIN_SIDE,
-) -> Prepared:
+def prepare(image: np.ndarray, remove_frame: Literal["sobel", "canny", "none"] = "sobel",
+            min_frame_sides: int = 1, min_side: int = MIN_SIDE) -> Prepared:
     """Convert to RGB, remove an artificial frame, and upscale tiny images (see :class:`Prepared`).
 
     Upscaling keeps the aspect ratio, so extreme shapes stay extreme but every side has at
@@ -150,13 +141,9 @@ def is_flat(rgb: np.ndarray, tolerance: float = 1.0) -> bool:
     return bool(np.all(flat.max(axis=0).astype(np.int32) - flat.min(axis=0) < tolerance))
 
 
-def guarded_map(
-    image: np.ndarray,
-    compute: Callable[[np.ndarray], np.ndarray | None],
-    *,
-    remove_frame: Literal["sobel", "canny", "none"] = "none",
-    min_frame_sides: int = 1,
-) -> np.ndarray:
+def guarded_map(image: np.ndarray, compute: Callable[[np.ndarray], np.ndarray | None], *,
+                remove_frame: Literal["sobel", "canny", "none"] = "none",
+                min_frame_sides: int = 1) -> np.ndarray:
     """Run a method's ``compute(rgb) -> HxW map`` inside the shared guard (see the module doc).
 
     ``compute`` gets the prepared uint8 RGB image and returns its map (any float dtype, values

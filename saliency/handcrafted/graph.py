@@ -18,14 +18,8 @@ from saliency.handcrafted.colour import as_rgb, rgb_to_lab, rgb_values_to_lab
 from saliency.handcrafted.slic import slic_reference
 
 
-def slic_labels(
-    rgb: np.ndarray,
-    n_segments: int,
-    compactness: float = 20.0,
-    *,
-    max_num_iter: int = 10,
-    gmr_variant: bool = False,
-) -> np.ndarray:
+def slic_labels(rgb: np.ndarray, n_segments: int, compactness: float = 20.0, *,
+                max_num_iter: int = 10, gmr_variant: bool = False) -> np.ndarray:
     """SLIC superpixels exactly as the authors' C++ SLIC computes them; int32 labels 0..n-1.
 
     ``gmr_variant``: MR's C++ (GMR) packs the image column-major before calling Achanta's original
@@ -60,14 +54,8 @@ class Superpixels:
         return rgb_values_to_lab(self.mean_rgb)
 
 
-def segment(
-    rgb: np.ndarray,
-    n_segments: int,
-    compactness: float = 20.0,
-    lab: np.ndarray | None = None,
-    *,
-    gmr_variant: bool = False,
-) -> Superpixels:
+def segment(rgb: np.ndarray, n_segments: int, compactness: float = 20.0,
+            lab: np.ndarray | None = None, *, gmr_variant: bool = False) -> Superpixels:
     """SLIC-segment ``rgb`` and compute the standard per-superpixel features (``lab``: a
     precomputed :func:`rgb_to_lab` of ``rgb`` for the Lab means; ``gmr_variant``: see
     :func:`slic_labels`)."""
@@ -76,14 +64,9 @@ def segment(
     labels = slic_labels(rgb, n_segments, compactness, gmr_variant=gmr_variant)
     count = int(labels.max()) + 1
     size = np.bincount(labels.ravel(), minlength=count).astype(np.float64)
-    return Superpixels(
-        labels=labels,
-        count=count,
-        size=size,
-        mean_rgb=superpixel_means(labels, rgb, count, size),
-        mean_lab=superpixel_means(labels, lab, count, size),
-        mean_position=mean_positions(labels, count, size),
-    )
+    return Superpixels(labels, count, size, mean_rgb=superpixel_means(labels, rgb, count, size),
+                       mean_lab=superpixel_means(labels, lab, count, size),
+                       mean_position=mean_positions(labels, count, size))
 
 
 def superpixel_means(labels: np.ndarray, values: np.ndarray, count: int, size: np.ndarray) -> np.ndarray:

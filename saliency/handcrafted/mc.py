@@ -92,9 +92,8 @@ def mc_graph(labels: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
     return ring, second
 
 
-def absorbing_chain_saliency(
-    labels: np.ndarray, colour: np.ndarray, config: MCConfig = MCConfig()
-) -> np.ndarray:
+def absorbing_chain_saliency(labels: np.ndarray, colour: np.ndarray,
+                             config: MCConfig = MCConfig()) -> np.ndarray:
     """Per-superpixel MC saliency in [0, 1] for a label image and per-superpixel colours."""
     count = colour.shape[0]
     ring, graph = mc_graph(labels, count)
@@ -148,9 +147,8 @@ def _affinity(graph: np.ndarray, colour: np.ndarray, config: MCConfig) -> np.nda
     return affinity
 
 
-def _border_states(
-    labels: np.ndarray, ring: np.ndarray, affinity: np.ndarray, frame_affinity: float | None
-) -> np.ndarray:
+def _border_states(labels: np.ndarray, ring: np.ndarray, affinity: np.ndarray,
+                   frame_affinity: float | None) -> np.ndarray:
     """Mark states: border superpixels absorbing, or (frame case) dropped with the next ring absorbing.
 
     ``frame_affinity``: the border counts as a frame when its total affinity to the inner

@@ -19,10 +19,7 @@ from saliency.handcrafted.rbd import RBDConfig, rbd_saliency
 SaliencyMethod = Callable[[np.ndarray], np.ndarray]
 
 METHODS: dict[str, SaliencyMethod] = {
-    "rbd": rbd_saliency,
-    "mr": mr_saliency,
-    "dsr": dsr_saliency,
-    "mc": mc_saliency,
+    "rbd": rbd_saliency, "mr": mr_saliency, "dsr": dsr_saliency, "mc": mc_saliency
 }
 
 CONFIGS: dict[str, type] = {"rbd": RBDConfig, "mr": MRConfig, "dsr": DSRConfig, "mc": MCConfig}

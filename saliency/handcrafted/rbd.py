@@ -66,13 +66,9 @@ def rbd_saliency(rgb: np.ndarray, config: RBDConfig = RBDConfig()) -> np.ndarray
     return guarded_map(rgb, compute, remove_frame="sobel", min_frame_sides=1)
 
 
-def rbd_superpixel_saliency(
-    adj: np.ndarray,
-    boundary: np.ndarray,
-    colour_dist: np.ndarray,
-    position_dist: np.ndarray,
-    config: RBDConfig = RBDConfig(),
-) -> np.ndarray:
+def rbd_superpixel_saliency(adj: np.ndarray, boundary: np.ndarray, colour_dist: np.ndarray,
+                            position_dist: np.ndarray,
+                            config: RBDConfig = RBDConfig()) -> np.ndarray:
     """Optimised saliency per superpixel (unnormalised), from the graph and distance matrices."""
     clip_value, geo_sigma, neighbour_sigma = dynamic_parameters(adj, colour_dist)
     bdcon = boundary_connectivity(adj, boundary, colour_dist, clip_value, geo_sigma)
@@ -105,13 +101,8 @@ def _mean_neighbour_min(adj: np.ndarray, dist: np.ndarray) -> float:
     return float(nearest.mean()) if nearest.size else 0.0
 
 
-def boundary_connectivity(
-    adj: np.ndarray,
-    boundary: np.ndarray,
-    colour_dist: np.ndarray,
-    clip_value: float,
-    geo_sigma: float,
-) -> np.ndarray:
+def boundary_connectivity(adj: np.ndarray, boundary: np.ndarray, colour_dist: np.ndarray,
+                          clip_value: float, geo_sigma: float) -> np.ndarray:
     """BndCon = Len_bnd / sqrt(Area) from clipped geodesic colour distances (paper Eq. 1-4)."""
     linked = link_clique(adj, boundary)
     rows, cols = np.nonzero(np.triu(linked, 1))
@@ -126,12 +117,8 @@ def boundary_connectivity(
     return length / np.sqrt(area)
 
 
-def weighted_contrast(
-    colour_dist: np.ndarray,
-    position_dist: np.ndarray,
-    background: np.ndarray,
-    spatial_sigma: float,
-) -> np.ndarray:
+def weighted_contrast(colour_dist: np.ndarray, position_dist: np.ndarray, background: np.ndarray,
+                      spatial_sigma: float) -> np.ndarray:
     """Background-weighted contrast, min-max normalised, values under Otsu's threshold zeroed."""
     spatial = distance_to_weight(position_dist, spatial_sigma)
     contrast = (colour_dist * spatial) @ background
@@ -160,15 +147,9 @@ def otsu_threshold(values: np.ndarray) -> float:
     return float((index - 1) / 255.0)
 
 
-def optimise_saliency(
-    adj: np.ndarray,
-    boundary: np.ndarray,
-    colour_dist: np.ndarray,
-    neighbour_sigma: float,
-    background_weight: np.ndarray,
-    foreground_weight: np.ndarray,
-    config: RBDConfig = RBDConfig(),
-) -> np.ndarray:
+def optimise_saliency(adj: np.ndarray, boundary: np.ndarray, colour_dist: np.ndarray,
+                      neighbour_sigma: float, background_weight: np.ndarray,
+                      foreground_weight: np.ndarray, config: RBDConfig = RBDConfig()) -> np.ndarray:
     """Closed-form minimiser of the background/foreground/smoothness cost (paper Eq. 9)."""
     neighbours = link_clique(two_ring(adj), boundary)
     smooth = np.where(neighbours, distance_to_weight(colour_dist, neighbour_sigma), 0.0)

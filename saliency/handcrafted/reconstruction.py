@@ -28,9 +28,8 @@ NUM_CLUSTERS = 8
 KMEANS_MAX_ITER = 200
 
 
-def dense_reconstruction_error(
-    features: np.ndarray, background: np.ndarray, energy: float = PCA_ENERGY
-) -> np.ndarray:
+def dense_reconstruction_error(features: np.ndarray, background: np.ndarray,
+                               energy: float = PCA_ENERGY) -> np.ndarray:
     """Distance of each feature row to the principal subspace of the ``background`` rows.
 
     As in the authors' ``PCA.m``: the basis holds the principal axes of the centred
@@ -57,9 +56,8 @@ def dense_reconstruction_error(
     return minmax_normalise(np.linalg.norm(residual, axis=1))
 
 
-def sparse_reconstruction_error(
-    features: np.ndarray, background: np.ndarray, lam: float = LASSO_LAMBDA
-) -> np.ndarray:
+def sparse_reconstruction_error(features: np.ndarray, background: np.ndarray,
+                                lam: float = LASSO_LAMBDA) -> np.ndarray:
     """Squared residual of each (unit-normalised) feature coded over the normalised templates.
 
     Solves ``min_a 0.5 ||x - D a||^2 + lambda ||a||_1`` (SPAMS ``mexLasso`` mode 2, lambda
@@ -78,12 +76,8 @@ def _unit_rows(values: np.ndarray) -> np.ndarray:
     return values / np.where(norms > 0, norms, 1.0)
 
 
-def lasso_lars(
-    atoms: np.ndarray,
-    signals: np.ndarray,
-    lam: float,
-    max_active: int | None = None,
-) -> np.ndarray:
+def lasso_lars(atoms: np.ndarray, signals: np.ndarray, lam: float,
+               max_active: int | None = None) -> np.ndarray:
     """Lasso codes of many signals over one dictionary by the LARS homotopy, batched.
 
     Minimises ``0.5 ||x - a @ atoms||^2 + lam ||a||_1`` for each row ``x`` of ``signals``
@@ -203,12 +197,8 @@ def _schur_pivot(gram, index, count, entering):
     return gram[entering, entering] - np.einsum("ij,ij->i", cross, proj)
 
 
-def cluster_labels(
-    features: np.ndarray,
-    num_clusters: int = NUM_CLUSTERS,
-    seed: int = 0,
-    max_iter: int = KMEANS_MAX_ITER,
-) -> np.ndarray:
+def cluster_labels(features: np.ndarray, num_clusters: int = NUM_CLUSTERS, seed: int = 0,
+                   max_iter: int = KMEANS_MAX_ITER) -> np.ndarray:
     """K-means (random initial centres, as ``vgg_kmeans``) cluster index of each row."""
     features = np.asarray(features, dtype=np.float64)
     distinct = np.unique(features, axis=0).shape[0]
@@ -224,12 +214,8 @@ def cluster_labels(
     return np.argmin(d2, axis=1)
 
 
-def propagate_errors(
-    features: np.ndarray,
-    errors: np.ndarray,
-    clusters: np.ndarray,
-    weight_of_neighbours: float = PROPAGATION_WEIGHT,
-) -> np.ndarray:
+def propagate_errors(features: np.ndarray, errors: np.ndarray, clusters: np.ndarray,
+                     weight_of_neighbours: float = PROPAGATION_WEIGHT) -> np.ndarray:
     """Context-based propagation of reconstruction errors within K-means clusters.
 
     Superpixels are visited from the largest initial error down; each becomes

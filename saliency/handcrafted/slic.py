@@ -237,14 +237,9 @@ def _enforce_connectivity(labels: np.ndarray, min_size: int) -> np.ndarray:
     return out
 
 
-def slic_reference(
-    rgb: np.ndarray,
-    n_segments: int,
-    compactness: float = 20.0,
-    max_num_iter: int = 10,
-    perturb_seeds: bool = False,
-    column_major: bool = False,
-) -> np.ndarray:
+def slic_reference(rgb: np.ndarray, n_segments: int, compactness: float = 20.0,
+                   max_num_iter: int = 10, perturb_seeds: bool = False,
+                   column_major: bool = False) -> np.ndarray:
     """Achanta's reference SLIC of a uint8 HxWx3 RGB image; int32 labels 0..n-1 (raster order).
 
     ``n_segments`` is the requested count K (the result is near it, not equal); ``compactness``
