@@ -297,11 +297,8 @@ def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: Executo
                                   for part in _chunks(len(samples), parts)]
 
     try:
-        batches = prepared_batches()
-        current = next(batches, None)
-        while current is not None:
-            following = next(batches, None)  # decode the next batch while this one is in the network
-            slot, samples, futures = current
+        # pairwise: the next batch is read and handed to the workers before this one goes to the network
+        for (slot, samples, futures), _ in itertools.pairwise(itertools.chain(prepared_batches(), [None])):
             results = [result for future in futures for result in pool_result(future)]
             if clock.first_batch is None:
                 clock.first_batch = time.perf_counter() - clock.started
@@ -326,7 +323,6 @@ def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: Executo
                 clock.forward += time.perf_counter() - waited
                 writing.extend(pool.submit(finish_chunk, spec, slot, part.start, ready[part], crf, kept[part])
                                for part in _chunks(len(ready), parts))
-            current = following
         write_finished()
         clock.total += time.perf_counter() - began
         if not shard.rows:
