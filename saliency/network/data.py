@@ -80,10 +80,8 @@ def write_sample_set(shards: Path | str, out: Path, count: int, seed: int, index
 
 def handcrafted_maps(images: Path, output: Path, methods: tuple[str, ...], workers: int, progress: bool) -> list:
     """Run (or resume) the handcrafted batch job; returns its failures [(key, reason)]."""
-    report = run_handcrafted(
-        HandcraftedConfig(methods=methods, input=images, output=output, workers=workers, progress=progress)
-    )
-    return list(report.failed)
+    config = HandcraftedConfig(methods=methods, input=images, output=output, workers=workers, progress=progress)
+    return list(run_handcrafted(config).failed)
 
 
 def load_training_images(

@@ -29,19 +29,9 @@ def batches(order: Tensor, batch_size: int) -> list[Tensor]:
     return parts
 
 
-def train_epoch(
-    model: SaliencyNet,
-    optimizer: torch.optim.Optimizer,
-    images: Tensor,
-    labels: Tensor,
-    soft_maps: Tensor,
-    *,
-    order: Tensor,
-    batch_size: int,
-    beta2: float,
-    device: str,
-    progress=None,
-) -> tuple[np.ndarray, float]:
+def train_epoch(model: SaliencyNet, optimizer: torch.optim.Optimizer, images: Tensor,
+                labels: Tensor, soft_maps: Tensor, *, order: Tensor, batch_size: int, beta2: float,
+                device: str, progress=None) -> tuple[np.ndarray, float]:
     """Train one pass over `order`; return (train-mode predictions [N, S, S] float32, mean loss).
 
     images uint8 [N, 3, S, S]; labels and soft_maps [N, M, S, S] (M label sets: the loss is the mean
@@ -54,9 +44,8 @@ def train_epoch(
         probability = torch.sigmoid(model(model.normalise(images[index]))).squeeze(1)
         y = labels[index].to(device).float()
         m = soft_maps[index].to(device).float()
-        loss = torch.stack(
-            [refinement_loss(probability, y[:, j], m[:, j], beta2) for j in range(y.shape[1])]
-        ).mean()
+        per_label_set = [refinement_loss(probability, y[:, j], m[:, j], beta2) for j in range(y.shape[1])]
+        loss = torch.stack(per_label_set).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
