@@ -131,11 +131,8 @@ def _plain(reason: str) -> str:
 
 
 def process_item(item: Item, methods: tuple[str, ...], output: Path) -> Result:
-    """Compute and write the requested maps of one input.
-
-    Decoding errors and write errors are this input's failure; anything else is a bug and
-    propagates (a method must give a map for every image).
-    """
+    """Compute and write the requested maps of one input. Decoding and write errors are this input's
+    failure; anything else is a bug and propagates (a method must give a map for every image)."""
     try:
         rgb = item.rgb()
     except ImageReadError as error:
@@ -207,12 +204,9 @@ def _compute_pooled(config: HandcraftedConfig, work: Iterator) -> Iterator[Resul
 
 
 def run_handcrafted(config: HandcraftedConfig) -> BatchReport:
-    """Run the job described by ``config``; see the module docstring.
-
-    Raises FileNotFoundError/ValueError for a bad input, ``jobs.lock.FolderLockedError`` when
-    another job holds the output folder, :class:`OutputWriteError` when the output folder can
-    take no more maps.
-    """
+    """Run the job (see the module docstring). FileNotFoundError/ValueError for a bad input,
+    ``jobs.lock.FolderLockedError`` when another job holds the output folder, :class:`OutputWriteError`
+    when the output folder can take no more maps."""
     unknown = [m for m in config.methods if m not in METHODS]
     if unknown or not config.methods:
         raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")

@@ -44,11 +44,8 @@ def is_shard_source(source: Path) -> bool:
 
 
 def iter_items(source: Path, read: ReadReport) -> Iterator[Item]:
-    """Inputs of a folder of images, or of a shard folder / single ``.tar`` (keys as names).
-
-    Shard members and shards the reader refuses (unsafe keys, links, truncated tars, bad json) are
-    recorded in ``read``, never yielded.
-    """
+    """Inputs of a folder of images, or of a shard set (keys as names). Shard members and shards the
+    reader refuses (unsafe keys, links, truncated tars, bad json) are recorded in ``read``, never yielded."""
     source = Path(source)
     if not is_shard_source(source) and not source.exists():
         raise FileNotFoundError(f"input {source} does not exist; pass an image folder or a shard set")

@@ -59,10 +59,7 @@ class DSRConfig:
 
 
 def dsr_saliency(rgb: np.ndarray, config: DSRConfig = DSRConfig()) -> np.ndarray:
-    """Dense-and-sparse-reconstruction saliency of an image: float32 HxW in [0, 1].
-
-    ``rgb``: uint8 HxWx3 (greyscale, HxWx1 and RGBA are accepted).
-    """
+    """DSR saliency map: image (uint8 HxWx3; greyscale/RGBA accepted) -> float32 HxW in [0, 1]."""
 
     def compute(image: np.ndarray) -> np.ndarray:
         errors = multiscale_errors(image, config)

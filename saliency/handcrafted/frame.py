@@ -1,11 +1,5 @@
-"""The frame every handcrafted method runs in: artificial-frame removal, tiny-image upscaling,
-the flat-image guard, and the final map back at the original image's size.
-
-Each method is ``guarded_map(image, compute, ...)`` around its own ``compute(rgb)``: the
-guard converts the input to RGB, removes an artificial frame when the method's authors do,
-upscales images with a side under ``MIN_SIDE`` pixels, answers an all-zero map for a (nearly)
-one-colour image or when ``compute`` finds too few superpixels, and returns float32 HxW in
-[0, 1] without NaN at the original size (frame pixels 0).
+"""The frame every handcrafted method runs in (``guarded_map``): artificial-frame removal, tiny-image
+upscaling, the flat-image guard, and the final map back at the original image's size (frame pixels 0).
 """
 
 from __future__ import annotations

@@ -41,10 +41,7 @@ class MCConfig:
 
 
 def mc_saliency(rgb: np.ndarray, config: MCConfig = MCConfig()) -> np.ndarray:
-    """Absorbing-Markov-chain saliency of an image: float32 HxW in [0, 1].
-
-    ``rgb``: uint8 HxWx3 (greyscale, HxWx1 and RGBA are accepted). Deterministic.
-    """
+    """MC saliency map: image (uint8 HxWx3; greyscale/RGBA accepted) -> float32 HxW in [0, 1]."""
 
     def compute(image: np.ndarray) -> np.ndarray | None:
         sp = segment(image, config.superpixels, config.compactness)

@@ -63,12 +63,7 @@ def _sample_stream(locations: list[SampleRef], skipped: list) -> Iterator[ShardS
 def write_sample_set(shards: Path | str, out: Path, count: int, seed: int, index_cache: Path | None = None,
                      locations: list[SampleRef] | None = None) -> tuple[Path, list]:
     """`OUT/sample/`: the seeded sample of `shards` (kept when it exists: the plan is deterministic).
-
-    `shards` is any shard set spec `shards.shardset.resolve_shard_set` takes (folder, brace pattern,
-    tar); indexes missing beside its tars are derived into `index_cache`. `locations`: the sample
-    already drawn (`sample_locations(shards, count, seed)`, as `saliency train` does before it
-    writes anything), so the set's indexes are not read twice.
-    """
+    `locations`: the sample `sample_locations` already drew, so that the set's indexes are not read twice."""
     folder = Path(out) / "sample"
     skipped: list[tuple[str, str]] = []
     if not (folder / "info.json").is_file():

@@ -34,13 +34,8 @@ def _writable(ref: SampleRef, report: ReadReport) -> bool:
 
 
 def sample_locations(shards: Path | str, count: int, seed: int, *, index_cache: Path | None = None) -> list[SampleRef]:
-    """`count` samples drawn without replacement (seeded) from a shard set; all when it has fewer.
-
-    `shards`: a folder (ours, or plain WebDataset tars without manifest or index), a brace pattern
-    or a tar; indexes missing beside the tars are derived once into `index_cache`
-    (`shards.shardset.resolve_shard_set`). Samples are located by the shard reader, whose refusals
-    are said on stderr. Raises ValueError naming the set when it holds no image.
-    """
+    """`count` samples drawn without replacement (seeded) from any shard set `resolve_shard_set` takes; all
+    when it has fewer. The reader's refusals are said on stderr; ValueError naming a set without images."""
     shard_set = resolve_shard_set(shards, index_cache=index_cache)
     report = ReadReport()
     everything = [ref for tar, idx in zip(shard_set.tars, shard_set.index_files, strict=True)
