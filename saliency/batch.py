@@ -94,10 +94,8 @@ class BatchReport:
         """One line: inputs, maps written per method, complete, failed, never read."""
         written = ", ".join(f"{m} {self.written[m]}" for m in methods)
         missing = f", {self.missing} listed in the manifest but not read" if self.missing else ""
-        return (
-            f"{self.inputs} inputs: maps written ({written}), {self.already_done} already complete, "
-            f"{len(self.failed)} failed{missing}"
-        )
+        return (f"{self.inputs} inputs: maps written ({written}), {self.already_done} already complete, "
+                f"{len(self.failed)} failed{missing}")
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,5 @@ def read_gray(path: Path | str, *, limits: ImageLimits = DEFAULT_LIMITS) -> np.n
 def list_images(folder: Path | str) -> list[Path]:
     """Image files directly inside ``folder`` (by extension, case-insensitive), sorted by name."""
     folder = Path(folder)
-    return sorted(
-        p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS
-    )
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
 
-
-__all__ = ["IMAGE_EXTENSIONS", "ImageReadError", "decode_rgb", "list_images", "read_gray", "read_rgb"]

@@ -181,12 +181,10 @@ def score_image(prediction: np.ndarray, ground_truth: np.ndarray) -> ImageScores
     g = binarise_ground_truth(ground_truth)
     if s.shape != g.shape:
         raise ValueError(f"prediction shape {s.shape} differs from ground truth shape {g.shape}")
-    return ImageScores(
-        mae=mae(s, g),
-        f_curve=f_measure_curve(s, g),
-        adaptive_f=adaptive_f_measure(s, g),
-        s_measure=s_measure(s, g),
-    )
+    return ImageScores(mae=mae(s, g),
+                       f_curve=f_measure_curve(s, g),
+                       adaptive_f=adaptive_f_measure(s, g),
+                       s_measure=s_measure(s, g))
 
 
 def aggregate(scores: Iterable[ImageScores]) -> DatasetScores:
@@ -194,10 +192,8 @@ def aggregate(scores: Iterable[ImageScores]) -> DatasetScores:
     items = list(scores)
     if not items:
         return DatasetScores(*[float("nan")] * 4, count=0)
-    return DatasetScores(
-        mae=float(np.mean([i.mae for i in items])),
-        max_f=float(np.max(np.mean([i.f_curve for i in items], axis=0))),
-        adaptive_f=float(np.mean([i.adaptive_f for i in items])),
-        s_measure=float(np.mean([i.s_measure for i in items])),
-        count=len(items),
-    )
+    return DatasetScores(mae=float(np.mean([i.mae for i in items])),
+                         max_f=float(np.max(np.mean([i.f_curve for i in items], axis=0))),
+                         adaptive_f=float(np.mean([i.adaptive_f for i in items])),
+                         s_measure=float(np.mean([i.s_measure for i in items])),
+                         count=len(items))

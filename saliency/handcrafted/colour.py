@@ -32,9 +32,7 @@ def as_rgb(image: np.ndarray) -> np.ndarray:
     if array.ndim == 2:
         array = array[:, :, None]
     if array.ndim != 3 or array.shape[2] not in (1, 3, 4) or min(array.shape[:2]) < 1:
-        raise ValueError(
-            f"expected an image of shape HxW, HxWx1, HxWx3 or HxWx4, got shape {array.shape}"
-        )
+        raise ValueError(f"expected an image of shape HxW, HxWx1, HxWx3 or HxWx4, got shape {array.shape}")
     if array.dtype != np.uint8:
         data = np.nan_to_num(array.astype(np.float64), nan=0.0, posinf=255.0, neginf=0.0)
         if data.size and data.max() <= 1.0:

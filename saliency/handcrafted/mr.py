@@ -80,8 +80,6 @@ def two_stage_ranking(affinity: np.ndarray,
     for side, ids in enumerate(borders):
         background[ids, side] = 1.0
     scores = affinity @ background
-    stage1 = np.prod(
-        [1.0 - minmax_normalise(scores[:, side]) for side in range(len(borders))], axis=0
-    )
+    stage1 = np.prod([1.0 - minmax_normalise(scores[:, side]) for side in range(len(borders))], axis=0)
     queries = (stage1 > stage1.mean()).astype(np.float64)
     return affinity @ queries

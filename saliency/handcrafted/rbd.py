@@ -54,13 +54,11 @@ def rbd_saliency(rgb: np.ndarray, config: RBDConfig = RBDConfig()) -> np.ndarray
         sp = segment(image, n_segments, config.compactness)
         if sp.count < 3:
             return None
-        values = rbd_superpixel_saliency(
-            adj=adjacency(sp.labels, sp.count, connectivity=4),
-            boundary=boundary_ids(sp.labels, config.boundary_thickness),
-            colour_dist=pairwise_distances(sp.lab_of_mean_rgb),
-            position_dist=pairwise_distances(sp.mean_position),
-            config=config,
-        )
+        values = rbd_superpixel_saliency(adj=adjacency(sp.labels, sp.count, connectivity=4),
+                                         boundary=boundary_ids(sp.labels, config.boundary_thickness),
+                                         colour_dist=pairwise_distances(sp.lab_of_mean_rgb),
+                                         position_dist=pairwise_distances(sp.mean_position),
+                                         config=config)
         return to_pixels(minmax_normalise(values), sp.labels)
 
     return guarded_map(rgb, compute, remove_frame="sobel", min_frame_sides=1)
@@ -75,9 +73,7 @@ def rbd_superpixel_saliency(adj: np.ndarray, boundary: np.ndarray, colour_dist: 
     background = 1.0 - np.exp(-(bdcon**2) / (2.0 * config.bdcon_sigma**2))
     background_weight = np.where(bdcon > config.bdcon_high, config.bdcon_high_weight, background)
     contrast = weighted_contrast(colour_dist, position_dist, background, config.spatial_sigma)
-    return optimise_saliency(
-        adj, boundary, colour_dist, neighbour_sigma, background_weight, contrast, config
-    )
+    return optimise_saliency(adj, boundary, colour_dist, neighbour_sigma, background_weight, contrast, config)
 
 
 def dynamic_parameters(adj: np.ndarray, colour_dist: np.ndarray) -> tuple[float, float, float]:

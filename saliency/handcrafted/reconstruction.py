@@ -163,11 +163,9 @@ def lasso_lars(atoms: np.ndarray, signals: np.ndarray, lam: float,
         entering = np.where(adding, entering_next, entering)
         valid = slots[None, :] < count[:, None]
         residual = signals[origin] - _scatter(coef, index, m, valid) @ atoms
-        live &= ~(
-            (adding & (count == limit))
-            | (level - lam < 1e-15)
-            | (np.einsum("ij,ij->i", residual, residual) < 1e-15)
-        )
+        live &= ~((adding & (count == limit))
+                  | (level - lam < 1e-15)
+                  | (np.einsum("ij,ij->i", residual, residual) < 1e-15))
         # finished signals leave the batch with their codes
         done = ~live
         coef_full[origin[done]] = _scatter(coef[done], index[done], m, valid[done])
