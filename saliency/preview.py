@@ -14,7 +14,7 @@ from saliency.batch import iter_items, map_path
 from saliency.handcrafted.methods import METHODS
 from saliency.images import ImageReadError, decode_rgb, list_images, read_gray
 from saliency.maps import map_to_uint8, write_png
-from shards import ReadReport
+from shards import ReadReport, iter_samples
 from shards.sample import MASK_MEMBER
 
 HEADER = 22
@@ -69,16 +69,12 @@ def is_masked_shard_set(source: Path) -> bool:
     source = Path(source)
     if not (source.is_dir() and any(source.glob("*-[0-9]*.tar"))) and source.suffix != ".tar":
         return False
-    from shards import iter_samples
-
     first = next(iter(iter_samples(source, report=ReadReport())), None)  # a look at one sample: losses are the jobs' to count
     return first is not None and MASK_MEMBER in first
 
 
 def build_masked_preview(config: PreviewConfig) -> np.ndarray:
     """Rows of image | soft mask | image with the background (mask < 0.5) replaced by grey."""
-    from shards import iter_samples
-
     rows, read = [], ReadReport()
     for sample in iter_samples(config.input, report=read):
         if len(rows) >= config.count:
@@ -100,10 +96,8 @@ def build_masked_preview(config: PreviewConfig) -> np.ndarray:
 
 
 def build_preview(config: PreviewConfig) -> np.ndarray:
-    """Compute (or read) the maps of the first ``count`` inputs and return the sheet.
-
-    A masked shard set shows image | mask | background removed instead of the methods.
-    """
+    """The sheet of the first ``count`` inputs and their maps (computed, or read from ``maps``); of a
+    masked shard set, image | mask | background removed."""
     if is_masked_shard_set(config.input):
         return build_masked_preview(config)
     masks = {p.stem: p for p in list_images(config.gt)} if config.gt else {}

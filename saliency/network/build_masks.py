@@ -1,16 +1,12 @@
 """`relicv2 saliency build-masks`: a masked shard set from a shard set and a trained saliency model.
 
-Input: any shard set `shards.shardset.resolve_shard_set` takes: a folder from `shards build`, a folder
-of plain WebDataset tars (webdataset.ShardWriter, `tar`: no manifest, no index, names like
-`train-0000.tar`), a brace pattern (`train-{0000..0099}.tar`) or one tar. Indexes missing beside the
-tars are derived once into the index cache (`--index-cache`); nothing is written beside the input.
+Input: any shard set `shards.shardset.resolve_shard_set` takes; indexes missing beside its tars are
+derived once into the index cache (`--index-cache`); nothing is written beside the input.
 
-Output `OUT/masked-NNNNNN.tar` (+ `.idx`), one per input shard (numbered by the input's order), each
-sample holding the input's image bytes unchanged (a `jpg` or `jpeg` member as `{key}.jpg`, a `png` or
-`webp` one under its own name), its `.cls` when it has one, its json plus `mask_coverage` /
-`mask_status`, and `{key}.mask.png`: the 8-bit soft mask at the displayed image's size (EXIF
-orientation applied, as DALI's decoder applies it). Then `manifest.parquet`, `rejected.parquet`,
-`info.json` and `config.yaml` (the job's settings as it printed them, `jobs.config.settings_text`).
+Output `OUT/masked-NNNNNN.tar` (+ `.idx`), one per input shard, each sample holding the input's image
+bytes unchanged (`output_member` names it), its `.cls`, its json plus `mask_coverage` / `mask_status`,
+and `{key}.mask.png`: the 8-bit soft mask at the displayed image's size (EXIF orientation applied, as
+DALI's decoder applies it). Then `manifest.parquet`, `rejected.parquet`, `info.json` and `config.yaml`.
 
 - Streaming: one batch being decoded (worker processes), one in the network, one being encoded and
   written; memory is a few batches whatever the data set size (the batches in flight live in a
@@ -422,7 +418,7 @@ def masks_job(out: Path, model_sha256: str, tars: list[Path], flip: bool = False
 def _summary(records: list[dict], seconds: float) -> dict:
     coverage = np.concatenate([np.zeros(0), *(rec["manifest"].column("mask_coverage").to_numpy(zero_copy_only=False)
                                               for rec in records if rec["manifest"].num_rows)]).astype(np.float64)
-    histogram = np.histogram(coverage, bins=10, range=(0.0, 1.0))[0].tolist() if len(coverage) else [0] * 10
+    histogram = np.histogram(coverage, bins=10, range=(0.0, 1.0))[0].tolist()
     members = sum((Counter(rec.get("members", {})) for rec in records), Counter())
     replaced = members.pop(MASK_MEMBER, 0)
     return {

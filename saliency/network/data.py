@@ -20,6 +20,7 @@ from PIL import Image
 
 from saliency.batch import HandcraftedConfig, map_path, run_handcrafted
 from saliency.images import ImageReadError, decode_rgb, read_gray
+from saliency.network.build_masks import output_member
 from saliency.network.images import resize_map, resize_square, sample_locations
 from shards import ReadReport, ShardSample, iter_samples, write_shard_set
 from shards.images import exif_orientation
@@ -50,8 +51,7 @@ def _sample_stream(locations: list[SampleRef], skipped: list) -> Iterator[ShardS
             skipped.append((location.key, str(error)))
             print(f"saliency train: skipping {error}", file=sys.stderr)
             continue
-        # The image keeps its member name (png and webp stay what they are; `jpeg` is our `jpg`).
-        member = "jpg" if location.image_ext == "jpeg" else location.image_ext
+        member = output_member(location.image_ext)
         if exif_orientation(data) != 1:  # pixels stored rotated
             buffer = io.BytesIO()
             Image.fromarray(rgb).save(buffer, "JPEG", quality=95)

@@ -6,7 +6,6 @@ DeepUSPS keeps the train-mode predictions of the training pass itself (no extra 
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
 
@@ -14,6 +13,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from jobs.workers import worker_pool
 from saliency.network.config import CrfConfig
 from saliency.network.crf import dense_crf
 from saliency.network.loss import refinement_loss
@@ -79,10 +79,8 @@ class CrfPool:
         self.pool: ProcessPoolExecutor | None = None
         if workers > 1:
             # spawn: forking a process with torch's thread pools running can deadlock the child.
-            context = multiprocessing.get_context("spawn")
-            self.pool = ProcessPoolExecutor(
-                workers, mp_context=context, initializer=_init_crf_worker, initargs=(images_hwc, config)
-            )
+            self.pool = worker_pool(workers, start_method="spawn", initializer=_init_crf_worker,
+                                    initargs=(images_hwc, config))
 
     def refine(self, probabilities: np.ndarray) -> np.ndarray:
         """CRF-refined foreground probabilities [N, S, S] of `probabilities` [N, S, S]."""
