@@ -148,10 +148,8 @@ def evaluate(config: EvaluateConfig) -> dict[str, DatasetScores]:
     """Scores of every prediction set under ``config.pred`` against ``config.gt``."""
     if not Path(config.gt).is_dir():
         raise EvaluationError(f"ground-truth folder {config.gt} does not exist; check --gt")
-    return {
-        name: evaluate_folder(folder, config.gt, config.allow_missing)
-        for name, folder in prediction_sets(config.pred).items()
-    }
+    return {name: evaluate_folder(folder, config.gt, config.allow_missing)
+            for name, folder in prediction_sets(config.pred).items()}
 
 
 COLUMNS = ("method", "mae", "max_f", "adaptive_f", "s_measure", "count")
@@ -176,5 +174,4 @@ def write_csv(results: dict[str, DatasetScores], path: Path) -> None:
     with Path(path).open("w", newline="") as stream:
         writer = csv.writer(stream)
         writer.writerow(COLUMNS)
-        for name, s in results.items():
-            writer.writerow([name, s.mae, s.max_f, s.adaptive_f, s.s_measure, s.count])
+        writer.writerows([name, s.mae, s.max_f, s.adaptive_f, s.s_measure, s.count] for name, s in results.items())

@@ -137,16 +137,9 @@ def _s_region(s: np.ndarray, g: np.ndarray) -> float:
     cx = int(np.floor((g.sum(axis=0) * np.arange(1, width + 1)).sum() / total + 0.5))
     cy = int(np.floor((g.sum(axis=1) * np.arange(1, height + 1)).sum() / total + 0.5))
     area = float(width * height)
-    w1 = cx * cy / area
-    w2 = (width - cx) * cy / area
-    w3 = cx * (height - cy) / area
-    w4 = 1.0 - w1 - w2 - w3
-    quadrants = [
-        (slice(0, cy), slice(0, cx), w1),
-        (slice(0, cy), slice(cx, width), w2),
-        (slice(cy, height), slice(0, cx), w3),
-        (slice(cy, height), slice(cx, width), w4),
-    ]
+    w1, w2, w3 = cx * cy / area, (width - cx) * cy / area, cx * (height - cy) / area
+    top, bottom, left, right = slice(0, cy), slice(cy, height), slice(0, cx), slice(cx, width)
+    quadrants = [(top, left, w1), (top, right, w2), (bottom, left, w3), (bottom, right, 1.0 - w1 - w2 - w3)]
     return sum(w * _ssim(s[r, c], g[r, c]) for r, c, w in quadrants if w > 0)
 
 

@@ -55,9 +55,7 @@ def contact_sheet(rows: list[list[tuple[str, np.ndarray]]], tile_height: int = 1
         parts = [p for t in tiles for p in (t, gap)][:-1]
         built.append(np.concatenate(parts, axis=1))
     width = max(r.shape[1] for r in built)
-    padded = [
-        np.pad(r, ((0, 4), (0, width - r.shape[1]), (0, 0)), constant_values=255) for r in built
-    ]
+    padded = [np.pad(r, ((0, 4), (0, width - r.shape[1]), (0, 0)), constant_values=255) for r in built]
     return np.concatenate(padded, axis=0)
 
 

@@ -73,10 +73,8 @@ def superpixel_means(labels: np.ndarray, values: np.ndarray, count: int, size: n
     """Mean of ``values`` (HxW or HxWxC) over each superpixel of ``size`` pixels, float64 ``(n, C)``."""
     flat = labels.ravel()
     channels = np.asarray(values).reshape(flat.size, -1)
-    sums = np.stack(
-        [np.bincount(flat, weights=channels[:, c], minlength=count) for c in range(channels.shape[1])],
-        axis=1,
-    )
+    sums = np.stack([np.bincount(flat, weights=channels[:, c], minlength=count)
+                     for c in range(channels.shape[1])], axis=1)
     return sums / np.maximum(size, 1.0)[:, None]
 
 

@@ -556,12 +556,10 @@ def _run(job: ShardJob, plan: dict, tars: list[Path], config: BuildMasksConfig, 
         raise MasksError(str(error)) from None
     summary = _summary(records, time.monotonic() - started)
     atomic_write_bytes(out / SETTINGS_FILE, settings_text(config, version=package_version()).encode())
-    merge_records(out, records, info={
-        "prefix": PREFIX, "source": str(config.shards), "model": plan["model_sha256"], "flip": config.flip,
-        "crf": config.crf,
-        "mask": {k: summary[k] for k in ("below_min_coverage", "min_coverage", "coverage_histogram")},
-        "version": package_version(),
-    })
+    mask = {k: summary[k] for k in ("below_min_coverage", "min_coverage", "coverage_histogram")}
+    info = {"prefix": PREFIX, "source": str(config.shards), "model": plan["model_sha256"], "flip": config.flip,
+            "crf": config.crf, "mask": mask, "version": package_version()}
+    merge_records(out, records, info=info)
     summary["shards_kept"], summary["shards_built"] = kept, len(tars) - kept
     summary["rejected_file"] = str(out / REJECTED_NAME)
     summary["workers"], summary["ring_page_locked"] = workers, page_locked

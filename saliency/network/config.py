@@ -45,9 +45,8 @@ class CrfConfig:
     def at_size(self, size: int) -> CrfConfig:
         """These settings with the spatial widths scaled to a `size` x `size` input."""
         scale = size / self.reference_size
-        return dataclasses.replace(
-            self, gaussian_sxy=self.gaussian_sxy * scale, bilateral_sxy=self.bilateral_sxy * scale, reference_size=size
-        )
+        return dataclasses.replace(self, gaussian_sxy=self.gaussian_sxy * scale,
+                                   bilateral_sxy=self.bilateral_sxy * scale, reference_size=size)
 
 
 @dataclass(frozen=True)

@@ -49,9 +49,8 @@ def dilate_last_stages(encoder: ResNet) -> ResNet:
 
 
 def _conv_bn_relu(cin: int, cout: int, kernel: int) -> nn.Sequential:
-    return nn.Sequential(
-        nn.Conv2d(cin, cout, kernel, padding=kernel // 2, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)
-    )
+    return nn.Sequential(nn.Conv2d(cin, cout, kernel, padding=kernel // 2, bias=False), nn.BatchNorm2d(cout),
+                         nn.ReLU(inplace=True))
 
 
 class SaliencyNet(nn.Module):

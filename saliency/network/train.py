@@ -44,11 +44,9 @@ from saliency.network.weights import encoder_state_dict, load_fitting
 from shards.outdir import check_output_folder, writing
 from shards.reader import SampleRef
 
-RANDOM_BACKBONE_NOTE = (
-    "saliency train: note: the encoder starts from random weights (--backbone random); the paper starts it "
-    "from a self-supervised backbone (a relicv2 pretrain run folder); benchmarks/RESULTS.md measures what "
-    "that buys at small scale"
-)
+RANDOM_BACKBONE_NOTE = ("saliency train: note: the encoder starts from random weights (--backbone random); "
+                        "the paper starts it from a self-supervised backbone (a relicv2 pretrain run folder); "
+                        "benchmarks/RESULTS.md measures what that buys at small scale")
 
 
 class TrainStateError(RuntimeError):
@@ -88,11 +86,8 @@ class Unit:
 
 
 def plan_units(config: SaliencyTrainConfig) -> list[Unit]:
-    units = [
-        Unit(f"{m}-it{k + 1}", m, k, config.epochs, config.lr * config.lr_growth**k, config.phase1_beta2)
-        for m in config.methods
-        for k in range(config.iterations)
-    ]
+    units = [Unit(f"{m}-it{k + 1}", m, k, config.epochs, config.lr * config.lr_growth**k, config.phase1_beta2)
+             for m in config.methods for k in range(config.iterations)]
     if config.fuse_epochs > 0:
         units.append(Unit("fused", None, 0, config.fuse_epochs, config.fuse_lr, config.fuse_beta2))
     return units
@@ -101,10 +96,7 @@ def plan_units(config: SaliencyTrainConfig) -> list[Unit]:
 def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
     flat: dict[str, object] = {}
     for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
+        flat.update(_flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
     return flat
 
 
@@ -305,11 +297,9 @@ def run_train(job: TrainJob, log: Callable[[str], None] = print) -> dict:
             print(RANDOM_BACKBONE_NOTE, file=sys.stderr)
         log(f"saliency train: preset {config.preset}, ResNet-{config.depth} x{config.width}, "
             f"{config.input_size} px, encoder from {checked.backbone}, on {device}")
-        data = load_training_images(
-            job.shards, out, count=config.num_images, seed=config.seed, size=config.input_size,
-            methods=config.methods, workers=config.workers, progress=job.progress, index_cache=job.index_cache,
-            locations=checked.locations,
-        )
+        data = load_training_images(job.shards, out, count=config.num_images, seed=config.seed,
+                                    size=config.input_size, methods=config.methods, workers=config.workers,
+                                    progress=job.progress, index_cache=job.index_cache, locations=checked.locations)
         for key, reason in data.skipped:
             print(f"saliency train: left out {key}: {reason}", file=sys.stderr)
         log(f"saliency train: {len(data.keys)} images ({len(data.skipped)} left out)")
