@@ -38,11 +38,7 @@ def as_rgb(image: np.ndarray) -> np.ndarray:
         if data.size and data.max() <= 1.0:
             data = data * 255.0
         array = np.clip(np.rint(data), 0, 255).astype(np.uint8)
-    if array.shape[2] == 1:
-        array = np.repeat(array, 3, axis=2)
-    elif array.shape[2] == 4:
-        array = array[:, :, :3]
-    return np.ascontiguousarray(array)
+    return np.ascontiguousarray(np.repeat(array, 3, axis=2) if array.shape[2] == 1 else array[:, :, :3])
 
 
 def rgb_to_lab(rgb: np.ndarray) -> np.ndarray:

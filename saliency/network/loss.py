@@ -20,11 +20,9 @@ def soft_threshold(prediction: Tensor, label: Tensor, soft_map: Tensor) -> Tenso
     below that map, it counts as 0. Those pixels then add no gradient: the network is not pushed
     to copy the noisy map's exact values where it already agrees with the label's side.
     """
-    one = torch.ones_like(prediction)
-    zero = torch.zeros_like(prediction)
     positive = (label > 0.5) & (prediction > soft_map)
     negative = (label <= 0.5) & (prediction < soft_map)
-    return torch.where(positive, one, torch.where(negative, zero, prediction))
+    return torch.where(positive, 1.0, torch.where(negative, 0.0, prediction))
 
 
 def f_measure(prediction: Tensor, label: Tensor, beta2: float = 1.0) -> Tensor:

@@ -34,10 +34,8 @@ def predict_map(model: SaliencyNet, rgb: np.ndarray, size: int, *, flip: bool = 
     with `crf`, refined by the dense CRF on the network's input square first (`saliency.network.crf`)."""
     square = resize_square(rgb, size)
     batch = torch.from_numpy(square).permute(2, 0, 1)[None]
-    if flip:
-        probability = mirror_mean(model.predict(with_mirrors(batch)))[0].cpu().numpy()
-    else:
-        probability = model.predict(batch)[0].cpu().numpy()
+    probabilities = mirror_mean(model.predict(with_mirrors(batch))) if flip else model.predict(batch)
+    probability = probabilities[0].cpu().numpy()
     if crf is not None:
         probability = dense_crf(square, probability, crf)
     return resize_map(probability, rgb.shape[1], rgb.shape[0])

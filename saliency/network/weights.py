@@ -65,11 +65,9 @@ def _check_sidecar(path: Path, depth: int, width: int) -> str:
         info = json.loads(sidecar.read_text())
     except (OSError, ValueError) as error:
         raise BackboneError(f"{sidecar} (the sidecar of {path.name}) is not readable JSON ({error})") from None
-    if not isinstance(info, dict):
+    if not isinstance(info, dict) or info.get("depth") is None:
         return "torch"
-    found = (info.get("depth"), info.get("width") or 1)
-    if found[0] is None:
-        return "torch"
+    found = (info["depth"], info.get("width") or 1)
     if type(found[0]) is not int or type(found[1]) is not int:
         raise BackboneError(f"{sidecar} (the sidecar of {path.name}) gives depth {found[0]!r:.20} and width "
                             f"{found[1]!r:.20}, not whole numbers; rewrite it with `relicv2 export`")
