@@ -1,9 +1,6 @@
-"""Score saliency maps against ground-truth masks (``relicv2 saliency evaluate``), with the
-standard protocol of ``saliency.metrics``.
-
-What is scored: a folder of maps (one method), a folder of per-method sub-folders (the layout
-``relicv2 saliency handcrafted`` writes), or a saved saliency model (``saliency train``'s model.pt)
-run on a folder of images. Maps or images and masks are matched by file stem.
+"""Score saliency maps against ground-truth masks (``relicv2 saliency evaluate``, ``saliency.metrics``):
+a folder of maps, a folder of per-method sub-folders (``saliency handcrafted``'s layout), or a saved
+saliency model run on a folder of images. Maps or images and masks are matched by file stem.
 """
 
 from __future__ import annotations

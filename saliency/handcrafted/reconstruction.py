@@ -1,16 +1,5 @@
-"""Reconstruction errors against background templates, and their context propagation (DSR).
-
-The pieces of Li et al., "Saliency Detection via Dense and Sparse Reconstruction" (ICCV 2013)
-that work on per-superpixel feature vectors, following the authors' MATLAB code:
-
-- :func:`dense_reconstruction_error`: distance to the PCA subspace of the border templates
-  (``calculatePCAError.m`` / ``PCA.m``);
-- :func:`sparse_reconstruction_error`: residual of Lasso coding over the border templates
-  (``calculateSRError.m`` with SPAMS ``mexLasso``), solved by :func:`lasso_lars`;
-- :func:`cluster_labels` and :func:`propagate_errors`: K-means context and the sequential
-  error propagation (``descendPropagation.m``).
-
-All functions are pure; features are rows (``(n, d)``), as scikit-learn expects.
+"""DSR's dense and sparse reconstruction errors against the border templates, and their propagation
+within K-means clusters, following the authors' MATLAB code. Pure functions; features are rows ``(n, d)``.
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 (what the fused network is trained to fit), the fused network, and the per-pixel mean of the handcrafted maps
 (the trivial fusion the network must beat).
 
-Everything is scored at the image's own resolution against its ground-truth mask with the standard
-protocol of `saliency.metrics` (MAE, max-F, adaptive F; beta^2 = 0.3). Labels and predictions made
+Everything is scored at the image's own resolution with `saliency.metrics`; labels and predictions made
 at the network's input size are resized back (bilinear; binary labels nearest).
 """
 
