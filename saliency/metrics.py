@@ -94,8 +94,8 @@ def s_measure(s: np.ndarray, g: np.ndarray, alpha: float = 0.5) -> float:
         return 1.0 - float(s.mean())
     if coverage == 1.0:
         return float(s.mean())
-    score = alpha * _s_object(s, g) + (1.0 - alpha) * _s_region(s, g)
-    return max(0.0, float(score))
+    s_object = coverage * _object_score(s[g]) + (1.0 - coverage) * _object_score(1.0 - s[~g])
+    return max(0.0, float(alpha * s_object + (1.0 - alpha) * _s_region(s, g)))
 
 
 def _object_score(values: np.ndarray) -> float:
@@ -104,13 +104,6 @@ def _object_score(values: np.ndarray) -> float:
     x = float(values.mean())
     sigma = float(values.std(ddof=1)) if values.size > 1 else 0.0
     return 2.0 * x / (x * x + 1.0 + sigma + EPS)
-
-
-def _s_object(s: np.ndarray, g: np.ndarray) -> float:
-    coverage = float(g.mean())
-    foreground = _object_score(s[g])
-    background = _object_score(1.0 - s[~g])
-    return coverage * foreground + (1.0 - coverage) * background
 
 
 def _ssim(s: np.ndarray, g: np.ndarray) -> float:

@@ -57,65 +57,37 @@ def reference_lab(rgb: np.ndarray) -> np.ndarray:
     return _lab_kernel(array, _LINEAR, REFERENCE_RGB_TO_XYZ)
 
 
-@numba.njit(cache=True)
-def _grid_seeds(height: int, width: int, step: int):
-    """Seed positions (x, y) on the reference grid: step ``step``, remainder spread evenly."""
-    xs = int(0.5 + width / step)
-    ys = int(0.5 + height / step)
-    xerr = width - step * xs
-    if xerr < 0:
-        xs -= 1
-        xerr = width - step * xs
-    yerr = height - step * ys
-    if yerr < 0:
-        ys -= 1
-        yerr = height - step * ys
-    xs = max(xs, 1)
-    ys = max(ys, 1)
-    xe_per_seed = xerr / xs
-    ye_per_seed = yerr / ys
-    offset = step // 2
-    n = xs * ys
-    seed_x = np.empty(n, dtype=np.float64)
-    seed_y = np.empty(n, dtype=np.float64)
-    k = 0
-    for j in range(ys):
-        ye = int(j * ye_per_seed)
-        for i in range(xs):
-            xe = int(i * xe_per_seed)
-            # clamp: only reachable on images smaller than one step
-            seed_x[k] = min(i * step + offset + xe, width - 1)
-            seed_y[k] = min(j * step + offset + ye, height - 1)
-            k += 1
-    return seed_x, seed_y
+def _grid_seeds(height: int, width: int, step: int) -> tuple[np.ndarray, np.ndarray]:
+    """Seed positions (x, y) on the reference grid: step ``step``, remainder spread evenly, row by row."""
+    axes = []
+    for length in (width, height):
+        count = int(0.5 + length / step)
+        if length - step * count < 0:
+            count -= 1
+        per_seed = (length - step * count) / max(count, 1)
+        index = np.arange(max(count, 1))
+        # clamp: only reachable on images smaller than one step
+        axes.append(np.minimum(index * step + step // 2 + (index * per_seed).astype(np.int64), length - 1))
+    xs, ys = axes
+    return np.tile(xs, ys.size).astype(np.float64), np.repeat(ys, xs.size).astype(np.float64)
 
 
-@numba.njit(cache=True)
 def _perturb(lab: np.ndarray, seed_x: np.ndarray, seed_y: np.ndarray) -> None:
     """Move each seed to the lowest-gradient pixel of its 3x3 neighbourhood (Achanta's PerturbSeeds)."""
     height, width = lab.shape[0], lab.shape[1]
+    gx = (lab[1:-1, :-2] - lab[1:-1, 2:]) ** 2
+    gy = (lab[:-2, 1:-1] - lab[2:, 1:-1]) ** 2
     edges = np.zeros((height, width), dtype=np.float64)
-    for y in range(1, height - 1):
-        for x in range(1, width - 1):
-            dx = 0.0
-            dy = 0.0
-            for c in range(3):
-                gx = lab[y, x - 1, c] - lab[y, x + 1, c]
-                gy = lab[y - 1, x, c] - lab[y + 1, x, c]
-                dx += gx * gx
-                dy += gy * gy
-            edges[y, x] = dx + dy
-    nx = (-1, -1, 0, 1, 1, 1, 0, -1)
-    ny = (0, -1, -1, -1, 0, 1, 1, 1)
+    # channels summed in the reference's order, so that ties between neighbours break the same way
+    edges[1:-1, 1:-1] = (gx[..., 0] + gx[..., 1] + gx[..., 2]) + (gy[..., 0] + gy[..., 1] + gy[..., 2])
     for k in range(seed_x.size):
         ox, oy = int(seed_x[k]), int(seed_y[k])
         bx, by = ox, oy
-        for t in range(8):
-            x, y = ox + nx[t], oy + ny[t]
+        for dx, dy in ((-1, 0), (-1, -1), (0, -1), (1, -1), (1, 0), (1, 1), (0, 1), (-1, 1)):
+            x, y = ox + dx, oy + dy
             if 0 <= x < width and 0 <= y < height and edges[y, x] < edges[by, bx]:
                 bx, by = x, y
-        seed_x[k] = bx
-        seed_y[k] = by
+        seed_x[k], seed_y[k] = bx, by
 
 
 @numba.njit(cache=True)

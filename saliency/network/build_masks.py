@@ -445,10 +445,7 @@ def check_out_folder(job: ShardJob) -> None:
     # Listed before the plan is looked at: under torchrun, rank 0 writes the plan before any output,
     # so an output seen here always comes with the plan that makes it ours.
     visible = other_entries(out, set())
-    if not visible:
-        return
-    started = job.plan_path.is_file()
-    others = [name for name in visible if name not in ours] if started else visible
+    others = [name for name in visible if name not in ours] if job.plan_path.is_file() else visible
     if others:
         shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
         raise MasksError(f"--out {out} holds files this job did not write ({shown}); choose an empty or new folder")

@@ -88,9 +88,7 @@ class Unit:
 def plan_units(config: SaliencyTrainConfig) -> list[Unit]:
     units = [Unit(f"{m}-it{k + 1}", m, k, config.epochs, config.lr * config.lr_growth**k, config.phase1_beta2)
              for m in config.methods for k in range(config.iterations)]
-    if config.fuse_epochs > 0:
-        units.append(Unit("fused", None, 0, config.fuse_epochs, config.fuse_lr, config.fuse_beta2))
-    return units
+    return [*units, Unit("fused", None, 0, config.fuse_epochs, config.fuse_lr, config.fuse_beta2)]
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
