@@ -104,10 +104,6 @@ class RingSpec:
     size: int
     slots: int = RING_SLOTS
 
-    @property
-    def nbytes(self) -> int:
-        return ring_bytes(self.batch, self.size, self.slots)
-
 
 def ring_bytes(batch: int, size: int, slots: int = RING_SLOTS) -> int:
     """A ring's size: float32 probabilities [slots, B, S, S], then uint8 squares [slots, B, S, S, 3]."""
@@ -215,9 +211,9 @@ class SlotRing:
         here: RingSpaceError when /dev/shm is too full (the job's check of the room for every rank of
         the node, `check_shm_space`, comes before it, but /dev/shm may have filled since)."""
         spec = RingSpec(f"{RING_PREFIX}-{os.getpid()}-{folder_tag(out)}-{secrets.token_hex(4)}", batch, size)
-        memory = SharedMemory(spec.name, create=True, size=spec.nbytes)
+        memory = SharedMemory(spec.name, create=True, size=ring_bytes(batch, size))
         try:
-            _reserve(memory.name, spec.nbytes)
+            _reserve(memory.name, ring_bytes(batch, size))
         except BaseException:
             memory.close()
             memory.unlink()
@@ -230,7 +226,7 @@ class SlotRing:
 
     def address(self) -> tuple[int, int]:
         """The block's start address and size, for page-locking it."""
-        return self._probabilities.ctypes.data, self.spec.nbytes
+        return self._probabilities.ctypes.data, self._probabilities.nbytes + self._squares.nbytes
 
     def squares(self, slot: int) -> np.ndarray:
         return self._squares[slot]

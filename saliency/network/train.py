@@ -124,8 +124,7 @@ def _check_config(out: Path, text: str) -> bool:
             tree.pop("version", None)
     if old == new:
         return False
-    started = (out / "sample" / "info.json").is_file() or (out / "work").is_dir()
-    if not started:
+    if not ((out / "sample" / "info.json").is_file() or (out / "work").is_dir()):  # no run began there
         return True
     differences = config_differences(old if isinstance(old, dict) else {}, new)
     raise TrainStateError(
