@@ -108,9 +108,6 @@ class Result:
     output_full: bool = False
 
 
-# --------------------------------------------------------------------------- outputs
-
-
 def map_path(output: Path, method: str, name: str) -> Path:
     """Where the map of input ``name`` by ``method`` is written; :class:`UnsafeKeyError` when
     ``name`` (an untrusted shard key) would lead outside ``output/method``."""
@@ -123,9 +120,6 @@ _ADDRESS = re.compile(r" object at 0x[0-9a-fA-F]+")
 def _plain(reason: str) -> str:
     """A failure reason without object addresses (``<_io.BytesIO object at 0x7f..>``)."""
     return _ADDRESS.sub("", reason)
-
-
-# --------------------------------------------------------------------------- one input
 
 
 def process_item(item: Item, methods: tuple[str, ...], output: Path) -> Result:
@@ -146,9 +140,6 @@ def process_item(item: Item, methods: tuple[str, ...], output: Path) -> Result:
             return Result(item.name, tuple(written), reason, output_full=error.errno in OUTPUT_FULL)
         written.append(method)
     return Result(item.name, tuple(written))
-
-
-# --------------------------------------------------------------------------- the job
 
 
 def _pending(config: HandcraftedConfig, item: Item) -> tuple[str, ...]:

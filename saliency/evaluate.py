@@ -107,10 +107,8 @@ class ModelEvaluation:
 
 
 def evaluate_model(job: ModelEvaluation) -> DatasetScores:
-    """Predict every image of ``job.images`` with the model and score the maps against ``job.gt``.
-
-    Each prediction is taken through an 8-bit map, as a map written by the model would be, so a
-    model scores what its written maps score."""
+    """Predict every image of ``job.images`` with the model and score the maps against ``job.gt``, each
+    through an 8-bit map, so that a model scores what its written maps score."""
     from saliency.network.crf import model_crf
     from saliency.network.model_file import load_model
     from saliency.network.predict import mean_of_maps, predict_map, with_maps

@@ -16,10 +16,8 @@ ImageReadError = ImageLoadError
 
 
 def decode_rgb(data: bytes, name: str, *, limits: ImageLimits = DEFAULT_LIMITS) -> np.ndarray:
-    """Decode encoded image bytes (e.g. a shard's image member) to uint8 HxWx3 RGB as displayed.
-
-    :class:`ImageReadError` names ``name`` and the reason; ``limits.max_side`` downscales large images.
-    """
+    """Decode image bytes (e.g. a shard's image member) to uint8 HxWx3 RGB as displayed; ImageReadError
+    names ``name`` and the reason."""
     return load_rgb(data, name, limits)
 
 

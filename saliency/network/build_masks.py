@@ -217,11 +217,9 @@ def read_input_shard(tar: Path, report: ReadReport, kept: Counter) -> Iterator[R
 
 @dataclass
 class MainThreadClock:
-    """Where the job's main thread spent its time (seconds): in the forward pass (launching it and
-    waiting for it; on the CPU, running it), waiting for the pool (decode, mask encoding), and in all.
-    The rest is its own work: reading input and writing tars. A GPU run with much waiting on the pool
-    is host-bound. Also how long after the clock's start the first batch was decoded: the one-time
-    start of the worker processes, which a short benchmark should not count as throughput."""
+    """Where the job's main thread spent its time (seconds): in the forward pass, waiting for the pool
+    (decode, mask encoding: a GPU run with much of it is host-bound), in all; and when the first batch was
+    decoded (the workers' one-time start, which a short benchmark should not count as throughput)."""
 
     forward: float = 0.0
     waiting_for_pool: float = 0.0
@@ -452,12 +450,8 @@ def check_out_folder(job: ShardJob) -> None:
 
 
 def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=None) -> dict | None:
-    """Run (or resume) the job; rank 0 returns the summary, the other ranks None.
-
-    `predictor` (tests, benchmarks): used instead of the model file's network, with a `.size` and either
-    `MaskPredictor`'s `.launch` or a call (uint8 squares -> probabilities; see `launch_forward`); the file
-    is still read and fingerprinted.
-    """
+    """Run (or resume) the job; rank 0 returns the summary, the other ranks None. `predictor` (tests,
+    benchmarks) stands in for the model file's network (see `launch_forward`); the file is still read."""
     ranks = ranks or ranks_from_env()
     tars = _input_tars(config, ranks)
     out = Path(config.out)

@@ -100,10 +100,8 @@ PRESETS = Presets(job="relicv2 saliency train", package="saliency")
 
 
 def load_saliency_config(config: str | Path | None = None, overrides: Sequence[str] = ()) -> SaliencyTrainConfig:
-    """Defaults (the paper's) <- preset NAME or YAML file (flat keys, `crf:` a section) <- `key=value`.
-
-    `preset` records where the settings came from: the preset's name, or the file's stem.
-    """
+    """Defaults (the paper's) <- preset NAME or YAML file (flat keys, `crf:` a section) <- `key=value`;
+    `preset` records the preset's name or the file's stem."""
     label = None if config is None else (Path(config).stem if is_file_reference(config) else str(config))
     return resolve(SaliencyTrainConfig, config, overrides, PRESETS,
                    defaults={"preset": label} if label else None)[0]

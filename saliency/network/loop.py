@@ -32,11 +32,8 @@ def batches(order: Tensor, batch_size: int) -> list[Tensor]:
 def train_epoch(model: SaliencyNet, optimizer: torch.optim.Optimizer, images: Tensor,
                 labels: Tensor, soft_maps: Tensor, *, order: Tensor, batch_size: int, beta2: float,
                 device: str, progress=None) -> tuple[np.ndarray, float]:
-    """Train one pass over `order`; return (train-mode predictions [N, S, S] float32, mean loss).
-
-    images uint8 [N, 3, S, S]; labels and soft_maps [N, M, S, S] (M label sets: the loss is the mean
-    over them, M = 1 in phase I, one per method in phase II).
-    """
+    """Train one pass over `order`; return (train-mode predictions [N, S, S] float32, mean loss). labels and
+    soft_maps [N, M, S, S]: M label sets (1 in phase I, one per method in phase II), the loss their mean."""
     model.train()
     predictions = np.zeros((images.shape[0], *images.shape[-2:]), dtype=np.float32)
     losses = []

@@ -107,10 +107,9 @@ def config_differences(old: dict, new: dict) -> list[str]:
 
 
 def _check_config(out: Path, text: str) -> bool:
-    """Refuse an earlier run in `out` with other settings; True when `config.yaml` must be written.
-
-    A config.yaml beside nothing else (no sample, no work: an earlier version wrote it before a
-    failed check) is not a run, and is replaced. The version that wrote it does not count."""
+    """Refuse an earlier run in `out` with other settings; True when `config.yaml` must be written. A
+    config.yaml beside nothing else (an earlier version wrote it before a failed check) is not a run, and
+    is replaced; the version that wrote it does not count."""
     path = out / SETTINGS_FILE
     if not path.is_file():
         return True
@@ -154,10 +153,8 @@ class CheckedInputs:
 
 
 def check_inputs(job: TrainJob) -> CheckedInputs:
-    """Check every input of the job before anything is written to OUT (a ValueError naming the option).
-
-    --shards resolvable and holding images, --backbone loadable into the encoder, --eval-shards
-    resolvable, and --gt a folder of masks named like the training or held-back images."""
+    """Check every input of the job before anything is written to OUT (a ValueError naming the option):
+    --shards, --backbone, --eval-shards and --gt."""
     config = job.config
     if config.fuse_epochs < 1:
         raise ValueError("fuse_epochs must be >= 1: the fused network is the job's output")
