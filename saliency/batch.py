@@ -73,22 +73,17 @@ class BatchReport:
         """Inputs the manifest lists that were never read (a truncated or unreadable shard)."""
         return max(0, (self.expected or 0) - self.inputs)
 
-    @property
-    def lost(self) -> int:
-        """Inputs without maps: failed ones plus those never read."""
-        return len(self.failed) + self.missing
-
     def failure(self, limit: FailureLimit) -> str | None:
         """Why the job counts as failed (it did nothing, or lost more inputs than ``limit``
         allows), or None when it succeeded."""
-        total = self.inputs + self.missing
+        total, lost = self.inputs + self.missing, len(self.failed) + self.missing  # lost: inputs without maps
         if total == 0:
             return "no inputs were found"
-        if self.lost == 0 or limit.allows(self.lost, total):
+        if lost == 0 or limit.allows(lost, total):
             return None
-        if self.lost >= total:
+        if lost >= total:
             return "every input failed"
-        return f"{self.lost} inputs without maps exceed --max-failures {limit.describe()}"
+        return f"{lost} inputs without maps exceed --max-failures {limit.describe()}"
 
     def summary(self, methods: Iterable[str]) -> str:
         """One line: inputs, maps written per method, complete, failed, never read."""
@@ -114,12 +109,7 @@ def map_path(output: Path, method: str, name: str) -> Path:
     return safe_relative_path(Path(output) / method, name, ".png")
 
 
-_ADDRESS = re.compile(r" object at 0x[0-9a-fA-F]+")
-
-
-def _plain(reason: str) -> str:
-    """A failure reason without object addresses (``<_io.BytesIO object at 0x7f..>``)."""
-    return _ADDRESS.sub("", reason)
+_ADDRESS = re.compile(r" object at 0x[0-9a-fA-F]+")  # kept out of failure reasons (<_io.BytesIO object at 0x7f..>)
 
 
 def process_item(item: Item, methods: tuple[str, ...], output: Path) -> Result:
@@ -128,7 +118,7 @@ def process_item(item: Item, methods: tuple[str, ...], output: Path) -> Result:
     try:
         rgb = item.rgb()
     except ImageReadError as error:
-        return Result(item.name, error=_plain(str(error)))
+        return Result(item.name, error=_ADDRESS.sub("", str(error)))
     written: list[str] = []
     for method in methods:
         saliency = METHODS[method](rgb)

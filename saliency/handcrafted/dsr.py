@@ -1,11 +1,8 @@
 """Saliency by dense and sparse reconstruction (DSR; Li, Lu, Zhang, Ruan, Yang, ICCV 2013).
 
-At each of eight SLIC scales, every superpixel (8-D feature: RGB, min-max normalised Lab,
-normalised x, y) is reconstructed from the border superpixels, the background templates:
-densely (distance to their PCA subspace) and sparsely (Lasso residual). Both errors are
-propagated within K-means clusters, fused over the scales at pixel level, refined by an
-object-biased Gaussian, and finally integrated by Bayes' rule, each map serving as the prior
-for the other's likelihood.
+At each of eight SLIC scales every superpixel is reconstructed from the border superpixels, densely
+(PCA) and sparsely (Lasso); both errors are propagated within K-means clusters, fused over the scales,
+refined by an object-biased Gaussian and integrated by Bayes' rule, each map the other's prior.
 
 Follows the authors' MATLAB code (``GetDSR.m`` and its helpers) step by step, including two
 quirks kept on purpose because they shape the output: the pixel-level fusion weight compares

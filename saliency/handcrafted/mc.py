@@ -1,10 +1,8 @@
 """Saliency by absorbing Markov chain (MC; Jiang, Zhang, Lu, Yang, Yang, ICCV 2013).
 
-Superpixels are the transient states of a random walk on a 2-ring graph (opposite image
-borders linked); copies of the border superpixels are absorbing states. A superpixel's
-saliency is its expected time to absorption ``y = (I - Q)^-1 1``: background regions, similar
-to the border, are absorbed quickly; the object is not. When that map's histogram is too
-spread out, the absorption time is re-weighted by the chain's equilibrium distribution.
+A superpixel's saliency is its expected time to absorption ``y = (I - Q)^-1 1`` in a random walk on
+a 2-ring graph whose absorbing states are copies of the border superpixels: background regions, similar
+to the border, are absorbed quickly; the object is not.
 
 Follows the authors' MATLAB code (``Saliency_Absorb_MC.m`` and its ``SubCode``) step by
 step, including its own frame handling: when the border superpixels are dissimilar from their

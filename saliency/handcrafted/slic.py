@@ -15,8 +15,8 @@ details that matter (seed placement, distance scaling, size-based connectivity m
    most a quarter of the nominal size ``H W / K'`` (``K' = H W / S^2``) takes the label of an
    already labelled 4-neighbour of that first pixel (the last one found, left/up/right/down).
 
-All loops run in numba (``cache=True``: compiled once per machine, then loaded from disk).
-Float arithmetic follows the reference order so labels are reproducible bit for bit.
+The per-pixel loops run in numba (``cache=True``: compiled once per machine, then loaded from disk);
+float arithmetic follows the reference order, so labels are reproducible bit for bit.
 """
 
 from __future__ import annotations
