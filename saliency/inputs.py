@@ -1,7 +1,5 @@
-"""The inputs of a saliency job: an image folder, a shard folder or one shard ``.tar``.
-
-Images are named by file stem, shard samples by key (untrusted: callers turn names into paths
-only through ``shards.keys``).
+"""The inputs of a saliency job: an image folder or a shard set. Images are named by file stem, shard
+samples by key (untrusted: callers turn names into paths only through ``shards.keys``).
 """
 
 from __future__ import annotations
@@ -60,8 +58,7 @@ def iter_items(source: Path, read: ReadReport) -> Iterator[Item]:
     paths = list_images(source)
     if not paths:
         raise FileNotFoundError(f"no images (jpg/png/...) or shards (*-NNNNNN.tar) in {source}")
-    stems = Counter(p.stem for p in paths)
-    clashes = sorted(s for s, n in stems.items() if n > 1)
+    clashes = sorted(stem for stem, n in Counter(p.stem for p in paths).items() if n > 1)
     if clashes:
         raise ValueError(
             f"{source}: several images share a name stem ({', '.join(clashes[:5])}); their maps would"

@@ -100,11 +100,8 @@ def multiscale_errors(rgb: np.ndarray, config: DSRConfig = DSRConfig()) -> tuple
 
 
 def ruzon_lab(rgb: np.ndarray) -> np.ndarray:
-    """The authors' ``RGB2Lab.m`` (Ruzon): CIE Lab formulas applied to *gamma-encoded* RGB.
-
-    It skips the sRGB linearisation, so its L, a, b differ markedly from CIE Lab; DSR's
-    colour features are these values, min-max normalised per image. float32 HxWx3.
-    """
+    """The authors' ``RGB2Lab.m`` (Ruzon): CIE Lab formulas applied to *gamma-encoded* RGB, so far from
+    CIE Lab; DSR's colour features are these values, min-max normalised per image. float32 HxWx3."""
     value = rgb.astype(np.float32) * np.float32(1.0 / 255.0)
     xyz = value @ _RUZON_RGB_TO_XYZ.T
     big = xyz > 0.008856
@@ -122,11 +119,8 @@ _RUZON_RGB_TO_XYZ = (RGB_TO_XYZ / D65_WHITE[:, None]).astype(np.float32)
 
 def fusion_weight(pixel_colour: np.ndarray, rows: np.ndarray, cols: np.ndarray, labels: np.ndarray,
                   features: np.ndarray) -> np.ndarray:
-    """Per-pixel weight of one scale: ``1 / (||pixel feature - its superpixel's feature|| + eps)``.
-
-    Reproduces ``extractSupfeat.m``: the pixel's position enters as raw 1-based (row, col)
-    while the superpixel's is its normalised (x, y), so the position term dominates.
-    """
+    """Per-pixel weight of one scale, ``1 / (||pixel feature - its superpixel's feature|| + eps)``, as
+    ``extractSupfeat.m``: raw 1-based (row, col) against normalised (x, y), so position dominates."""
     mean = features.astype(np.float32)
     diff = pixel_colour - mean[:, :6][labels]
     dist2 = np.einsum("ijk,ijk->ij", diff, diff)

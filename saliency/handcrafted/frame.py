@@ -90,11 +90,8 @@ def detect_frame(rgb: np.ndarray, edges: Literal["sobel", "canny"] = "sobel", mi
 
 @dataclass(frozen=True)
 class Prepared:
-    """An image made safe for a method: RGB, frame removed, at least ``MIN_SIDE`` px a side.
-
-    ``rgb`` is what the method segments; ``finish`` turns the method's map of ``rgb`` into the
-    final float32 map of the original image, in [0, 1] and without NaN.
-    """
+    """An image made safe for a method (``rgb``: RGB, frame removed, at least ``MIN_SIDE`` px a side);
+    ``finish`` turns its map into the original image's float32 map, in [0, 1] and without NaN."""
 
     rgb: np.ndarray
     frame: Frame
@@ -110,11 +107,8 @@ class Prepared:
 
 def prepare(image: np.ndarray, remove_frame: Literal["sobel", "canny", "none"] = "sobel",
             min_frame_sides: int = 1, min_side: int = MIN_SIDE) -> Prepared:
-    """Convert to RGB, remove an artificial frame, and upscale tiny images (see :class:`Prepared`).
-
-    Upscaling keeps the aspect ratio, so extreme shapes stay extreme but every side has at
-    least ``min_side`` pixels, enough for a few superpixels.
-    """
+    """Convert to RGB, remove an artificial frame, and upscale tiny images keeping the aspect ratio, so
+    that every side has at least ``min_side`` pixels, enough for a few superpixels."""
     rgb = as_rgb(image)
     height, width = rgb.shape[:2]
     frame = (Frame(height, width, 0, height, 0, width) if remove_frame == "none"

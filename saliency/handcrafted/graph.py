@@ -79,10 +79,8 @@ def superpixel_means(labels: np.ndarray, values: np.ndarray, count: int, size: n
 
 
 def mean_positions(labels: np.ndarray, count: int, size: np.ndarray) -> np.ndarray:
-    """Mean ``[row / H, col / W]`` of each superpixel (RBD's ``GetNormedMeanPos``), ``(n, 2)``.
-
-    Uses 1-based pixel coordinates like the MATLAB original so that values agree exactly.
-    """
+    """Mean ``[row / H, col / W]`` of each superpixel (RBD's ``GetNormedMeanPos``), ``(n, 2)``; 1-based
+    pixel coordinates like the MATLAB original, so that values agree exactly."""
     height, width = labels.shape
     flat = labels.ravel()
     rows = np.repeat(np.arange(1, height + 1, dtype=np.float64), width)
@@ -94,10 +92,8 @@ def mean_positions(labels: np.ndarray, count: int, size: np.ndarray) -> np.ndarr
 
 
 def adjacency(labels: np.ndarray, count: int, connectivity: Literal[4, 8] = 4) -> np.ndarray:
-    """Superpixels sharing a pixel edge (4) or also a pixel corner (8); bool, no diagonal.
-
-    RBD's ``GetAdjMatrix`` uses 4-connectivity; the MR C++ code also links diagonal pixels (8).
-    """
+    """Superpixels sharing a pixel edge (4: RBD's ``GetAdjMatrix``) or also a pixel corner (8: the MR
+    C++ code); bool, no diagonal."""
     adj = np.zeros((count, count), dtype=bool)
     pairs = [(labels[1:, :], labels[:-1, :]), (labels[:, 1:], labels[:, :-1])]
     if connectivity == 8:
@@ -128,11 +124,8 @@ def link_clique(adj: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 
 def boundary_ids(labels: np.ndarray, thickness: int = 1) -> np.ndarray:
-    """Sorted ids of superpixels touching a band of ``thickness`` pixels along the image border.
-
-    RBD uses an 8-pixel band (``GetBndPatchIds``); MR, MC and DSR (its background templates) use
-    the outermost pixels.
-    """
+    """Sorted ids of superpixels touching a band of ``thickness`` pixels along the image border (RBD: 8,
+    ``GetBndPatchIds``; MR, MC and DSR: the outermost pixels)."""
     t = max(1, int(thickness))
     band = np.concatenate(
         [labels[:t, :].ravel(), labels[-t:, :].ravel(), labels[:, :t].ravel(), labels[:, -t:].ravel()]

@@ -70,12 +70,8 @@ def mc_superpixel_lab(mean_rgb: np.ndarray) -> np.ndarray:
 
 
 def mc_graph(labels: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
-    """MC's graphs: (1-ring 8-connected adjacency, 2-ring adjacency with opposite borders linked).
-
-    The 2-ring graph links each superpixel to its neighbours and their neighbours, after
-    linking the superpixels at the two ends of every image column and row. The diagonal of
-    the 2-ring graph is False (self-loops are added to the affinity separately).
-    """
+    """MC's graphs: the 1-ring 8-connected adjacency, and the 2-ring adjacency after linking the
+    superpixels at the two ends of every image column and row (no diagonal: the affinity adds it)."""
     ring = adjacency(labels, count, connectivity=8)
     linked = ring.copy()
     linked[labels[0, :], labels[-1, :]] = True
@@ -144,11 +140,8 @@ def _affinity(graph: np.ndarray, colour: np.ndarray, config: MCConfig) -> np.nda
 
 def _border_states(labels: np.ndarray, ring: np.ndarray, affinity: np.ndarray,
                    frame_affinity: float | None) -> np.ndarray:
-    """Mark states: border superpixels absorbing, or (frame case) dropped with the next ring absorbing.
-
-    ``frame_affinity``: the border counts as a frame when its total affinity to the inner
-    superpixels is at most this; None: never a frame.
-    """
+    """Border superpixels absorbing, or, when their total affinity to the inner ones is at most
+    ``frame_affinity`` (None: never), dropped as a frame with the next ring absorbing."""
     count = ring.shape[0]
     border = np.zeros(count, dtype=bool)
     border[boundary_ids(labels)] = True

@@ -124,11 +124,8 @@ def weighted_contrast(colour_dist: np.ndarray, position_dist: np.ndarray, backgr
 
 
 def otsu_threshold(values: np.ndarray) -> float:
-    """MATLAB ``graythresh`` on values in [0, 1]: Otsu over a 256-bin histogram.
-
-    Hand-written (rather than skimage's ``threshold_otsu``) to reproduce MATLAB's binning of
-    doubles (round(255 x)) and its tie rule (mean of the maximising bins).
-    """
+    """MATLAB ``graythresh`` on values in [0, 1]: Otsu over a 256-bin histogram. Not skimage's
+    ``threshold_otsu``: MATLAB bins doubles at round(255 x) and takes the mean of tied bins."""
     bins = np.clip(np.rint(np.asarray(values, dtype=np.float64) * 255.0), 0, 255).astype(np.int64)
     p = np.bincount(bins, minlength=256) / bins.size
     omega = np.cumsum(p)

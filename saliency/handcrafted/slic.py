@@ -92,11 +92,8 @@ def _perturb(lab: np.ndarray, seed_x: np.ndarray, seed_y: np.ndarray) -> None:
 
 @numba.njit(cache=True)
 def _cluster(lab_l, lab_a, lab_b, seed_x, seed_y, step, compactness, iterations):
-    """The reference k-means: windowed assignment then mean update, ``iterations`` times.
-
-    ``lab_l``/``lab_a``/``lab_b`` are contiguous HxW planes, so the inner loop over a window
-    row is branch-free (selects instead of an ``if``) and compiles to SIMD code.
-    """
+    """The reference k-means: windowed assignment then mean update, ``iterations`` times. The Lab planes
+    are contiguous, so the inner loop over a window row is branch-free and compiles to SIMD code."""
     height, width = lab_l.shape
     n = seed_x.size
     seed_l = np.empty(n)
@@ -217,11 +214,9 @@ def slic_reference(rgb: np.ndarray, n_segments: int, compactness: float = 20.0,
     ``n_segments`` is the requested count K (the result is near it, not equal); ``compactness``
     is the reference's m (20 in all four saliency codes). Deterministic.
 
-    Variants of the authors' copies: MC's (also DSR's) runs without seed perturbation on the
-    image as stored row by row (the defaults). MR's C++ (GMR) calls Achanta's original SLIC,
-    which perturbs seeds, on a column-major copy of the image with width and height swapped,
-    i.e. on the transposed image: ``perturb_seeds=True, column_major=True`` reproduces it
-    (labels are then numbered in column-major order, like GMR's).
+    The defaults are MC's copy (also DSR's); ``perturb_seeds=True, column_major=True`` reproduces MR's
+    C++ (GMR), which runs Achanta's original SLIC on a column-major copy of the image (labels then
+    numbered in column-major order, like GMR's).
     """
     if column_major:
         image = np.ascontiguousarray(np.asarray(rgb).transpose(1, 0, 2))

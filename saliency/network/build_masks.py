@@ -384,11 +384,9 @@ def check_input(tars: list[Path], out: Path) -> None:
     """Refuse an input that names a tar twice (its samples would be written twice) or lies in `out`
     (the masked tars, `masked-NNNNNN.tar`, would join the input set)."""
     resolved = [t.resolve() for t in tars]
-    seen: set[Path] = set()  # a set, not the list before each tar: that was quadratic in the tars
-    for tar in resolved:
-        if tar in seen:
-            raise MasksError(f"the input names {tar} more than once; give each shard once")
-        seen.add(tar)
+    twice = [tar for tar, n in Counter(resolved).items() if n > 1]
+    if twice:
+        raise MasksError(f"the input names {twice[0]} more than once; give each shard once")
     out_dir = out.resolve()
     if any(t.parent == out_dir for t in resolved):
         raise MasksError(f"--out {out} holds input shards; choose an output folder apart from --shards")

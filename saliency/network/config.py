@@ -1,8 +1,5 @@
-"""Configuration of `relicv2 saliency train`: one frozen dataclass, presets by name, `--set k=v` overrides.
-
-The defaults are the paper's values (docs/design.md "Refinement (DeepUSPS-style)"). The presets live in
-`saliency/presets/NAME.yaml` (each file's first line says what it is for): `paper`, `cpu`, `demo`,
-`tiny`. Loading goes through `jobs.config`, like every job's settings.
+"""Configuration of `relicv2 saliency train` through `jobs.config`: the paper's values by default
+(docs/design.md "Refinement (DeepUSPS-style)"), presets in `saliency/presets/NAME.yaml`, `--set k=v`.
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from PIL import Image
 
@@ -37,9 +36,6 @@ class TrainingImages:
     images: torch.Tensor  # uint8 [N, 3, S, S]
     maps: dict[str, torch.Tensor]  # method -> float16 [N, S, S] in [0, 1]
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (key, reason)
-
-    def images_hwc(self) -> np.ndarray:
-        return self.images.permute(0, 2, 3, 1).contiguous().numpy()
 
 
 def _sample_stream(locations: list[SampleRef], skipped: list) -> Iterator[ShardSample]:

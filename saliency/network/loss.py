@@ -1,7 +1,5 @@
-"""The refinement loss: 1 - continuous F-measure per image, after DeepUSPS's soft thresholding.
-
-Pure functions of tensors. Shapes: predictions, labels and maps are [B, H, W] (or any shape whose
-first axis is the image), predictions are probabilities in [0, 1], labels binary {0, 1}.
+"""The refinement loss: 1 - continuous F-measure per image, after DeepUSPS's soft thresholding. Pure
+functions of tensors whose first axis is the image: probabilities in [0, 1], labels binary {0, 1}.
 """
 
 from __future__ import annotations

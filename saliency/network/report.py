@@ -173,11 +173,8 @@ def _decoded(shards: Path, number: Callable[[str, int], int | None]) -> Iterator
 def format_report(report: dict) -> str:
     """The report's score tables as text."""
     lines = []
-    for part in ("train", "heldout"):
-        if part not in report:
-            continue
-        lines.append(f"\n{part} images:")
-        lines.append(f"{'':28s} {'MAE':>7s} {'max-F':>7s} {'adapt-F':>7s} {'count':>6s}")
+    for part in [part for part in ("train", "heldout") if part in report]:
+        lines += [f"\n{part} images:", f"{'':28s} {'MAE':>7s} {'max-F':>7s} {'adapt-F':>7s} {'count':>6s}"]
         for name, s in report[part].items():
             values = " ".join("      -" if s[k] is None else f"{s[k]:7.3f}" for k in ("mae", "max_f", "adaptive_f"))
             lines.append(f"{name:28s} {values} {s['count']:6d}")

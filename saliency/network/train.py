@@ -192,7 +192,8 @@ class Trainer:
         self.work = Path(job.out) / "work"
         self.work.mkdir(parents=True, exist_ok=True)
         self.device = device or resolve_device(self.config.device)
-        self.crf = CrfPool(data.images_hwc(), self.config.crf.at_size(self.config.input_size), self.config.workers)
+        images_hwc = data.images.permute(0, 2, 3, 1).contiguous().numpy()
+        self.crf = CrfPool(images_hwc, self.config.crf.at_size(self.config.input_size), self.config.workers)
         self.history: dict[str, list[float]] = {}
 
     def fresh_network(self, unit: Unit) -> SaliencyNet:
