@@ -22,12 +22,9 @@ REFERENCE_RGB_TO_XYZ = np.array([[0.4339563, 0.3762153, 0.1898430],
 
 
 def as_rgb(image: np.ndarray) -> np.ndarray:
-    """Return ``image`` as contiguous ``uint8 HxWx3`` RGB.
-
-    Accepts HxW greyscale, HxWx1, HxWx3 and HxWx4 (alpha dropped, not composited: the
-    authors' MATLAB code reads only the colour planes too). Non-uint8 input is taken as
-    [0, 1] floats when its maximum is <= 1, else as 0..255, and clipped.
-    """
+    """``image`` (HxW, HxWx1, HxWx3 or HxWx4) as contiguous ``uint8 HxWx3`` RGB. Alpha is dropped, not
+    composited (the authors' MATLAB code reads only the colour planes too); non-uint8 input is taken as
+    [0, 1] floats when its maximum is <= 1, else as 0..255, and clipped."""
     array = np.asarray(image)
     if array.ndim == 2:
         array = array[:, :, None]
