@@ -8,10 +8,6 @@ and renamed), so a killed job resumes with the same command. The job holds the o
 lock for its whole life and first removes the temporaries a killed run left. A corrupt input or
 a map that cannot be written is reported and skipped; a full or read-only output folder stops
 the job with one clear error (finished maps are kept, the rerun goes on from there).
-
-The steps of :func:`run_handcrafted`: open the source (items and, where known, their count),
-take the lock, clean stale temporaries, compute (in this process or in worker processes),
-count what happened in a :class:`BatchReport`.
 """
 
 from __future__ import annotations
@@ -32,18 +28,11 @@ from jobs.progress import Phase
 from jobs.workers import one_thread, single_threaded, worker_pool
 from saliency.failures import FailureLimit
 from saliency.handcrafted.methods import METHODS
-from saliency.images import ImageReadError, decode_rgb, read_rgb
+from saliency.images import ImageReadError
 from saliency.inputs import Item, count_inputs, is_shard_source, iter_items
 from saliency.maps import write_map
 from shards.keys import UnsafeKeyError, safe_relative_path
 from shards.reader import ReadReport
-
-try:  # the shared image loader (shards.images) names its errors itself; saliency.images wraps it
-    from shards.images import ImageLoadError
-except ImportError:  # a tree without it: saliency.images raises ImageReadError only
-    ImageLoadError = ImageReadError
-READ_ERRORS = (ImageReadError, ImageLoadError)
-"""What reading or decoding one input raises when the input is bad (never a bug's exceptions)."""
 
 JOB_NAME = "saliency handcrafted"
 OUTPUT_FULL = (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
@@ -84,31 +73,24 @@ class BatchReport:
         """Inputs the manifest lists that were never read (a truncated or unreadable shard)."""
         return max(0, (self.expected or 0) - self.inputs)
 
-    @property
-    def lost(self) -> int:
-        """Inputs without maps: failed ones plus those never read."""
-        return len(self.failed) + self.missing
-
     def failure(self, limit: FailureLimit) -> str | None:
         """Why the job counts as failed (it did nothing, or lost more inputs than ``limit``
         allows), or None when it succeeded."""
-        total = self.inputs + self.missing
+        total, lost = self.inputs + self.missing, len(self.failed) + self.missing  # lost: inputs without maps
         if total == 0:
             return "no inputs were found"
-        if self.lost == 0 or limit.allows(self.lost, total):
+        if lost == 0 or limit.allows(lost, total):
             return None
-        if self.lost >= total:
+        if lost >= total:
             return "every input failed"
-        return f"{self.lost} inputs without maps exceed --max-failures {limit.describe()}"
+        return f"{lost} inputs without maps exceed --max-failures {limit.describe()}"
 
     def summary(self, methods: Iterable[str]) -> str:
         """One line: inputs, maps written per method, complete, failed, never read."""
         written = ", ".join(f"{m} {self.written[m]}" for m in methods)
         missing = f", {self.missing} listed in the manifest but not read" if self.missing else ""
-        return (
-            f"{self.inputs} inputs: maps written ({written}), {self.already_done} already complete, "
-            f"{len(self.failed)} failed{missing}"
-        )
+        return (f"{self.inputs} inputs: maps written ({written}), {self.already_done} already complete, "
+                f"{len(self.failed)} failed{missing}")
 
 
 @dataclass(frozen=True)
@@ -121,37 +103,22 @@ class Result:
     output_full: bool = False
 
 
-# --------------------------------------------------------------------------- outputs
-
-
 def map_path(output: Path, method: str, name: str) -> Path:
     """Where the map of input ``name`` by ``method`` is written; :class:`UnsafeKeyError` when
     ``name`` (an untrusted shard key) would lead outside ``output/method``."""
     return safe_relative_path(Path(output) / method, name, ".png")
 
 
-_ADDRESS = re.compile(r" object at 0x[0-9a-fA-F]+")
-
-
-def _plain(reason: str) -> str:
-    """A failure reason without object addresses (``<_io.BytesIO object at 0x7f..>``)."""
-    return _ADDRESS.sub("", reason)
-
-
-# --------------------------------------------------------------------------- one input
+_ADDRESS = re.compile(r" object at 0x[0-9a-fA-F]+")  # kept out of failure reasons (<_io.BytesIO object at 0x7f..>)
 
 
 def process_item(item: Item, methods: tuple[str, ...], output: Path) -> Result:
-    """Compute and write the requested maps of one input.
-
-    Decoding errors and write errors are this input's failure; anything else is a bug and
-    propagates (a method must give a map for every image).
-    """
+    """Compute and write the requested maps of one input. Decoding and write errors are this input's
+    failure; anything else is a bug and propagates (a method must give a map for every image)."""
     try:
-        # A shard sample always has its image: the shard reader refuses one without (no_image).
-        rgb = read_rgb(item.path) if item.path is not None else decode_rgb(item.data or b"", item.name)
-    except READ_ERRORS as error:
-        return Result(item.name, error=_plain(str(error)))
+        rgb = item.rgb()
+    except ImageReadError as error:
+        return Result(item.name, error=_ADDRESS.sub("", str(error)))
     written: list[str] = []
     for method in methods:
         saliency = METHODS[method](rgb)
@@ -165,15 +132,10 @@ def process_item(item: Item, methods: tuple[str, ...], output: Path) -> Result:
     return Result(item.name, tuple(written))
 
 
-# --------------------------------------------------------------------------- the job
-
-
 def _pending(config: HandcraftedConfig, item: Item) -> tuple[str, ...]:
     """The methods whose map of ``item`` is still to be written (raises UnsafeKeyError)."""
     paths = {m: map_path(config.output, m, item.name) for m in config.methods}
-    if config.overwrite:
-        return config.methods
-    return tuple(m for m in config.methods if not paths[m].exists())
+    return tuple(m for m, path in paths.items() if config.overwrite or not path.exists())
 
 
 def _work(config: HandcraftedConfig, report: BatchReport, bar: Phase) -> Iterator[tuple[Item, tuple[str, ...]]]:
@@ -221,22 +183,17 @@ def _compute_pooled(config: HandcraftedConfig, work: Iterator) -> Iterator[Resul
 
 
 def run_handcrafted(config: HandcraftedConfig) -> BatchReport:
-    """Run the job described by ``config``; see the module docstring.
-
-    Raises FileNotFoundError/ValueError for a bad input, ``jobs.lock.FolderLockedError`` when
-    another job holds the output folder, :class:`OutputWriteError` when the output folder can
-    take no more maps.
-    """
+    """Run the job (see the module docstring). FileNotFoundError/ValueError for a bad input,
+    ``jobs.lock.FolderLockedError`` when another job holds the output folder, :class:`OutputWriteError`
+    when the output folder can take no more maps."""
     unknown = [m for m in config.methods if m not in METHODS]
     if unknown or not config.methods:
         raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
     source = Path(config.input)
     if not is_shard_source(source) and not source.exists():
         raise FileNotFoundError(f"input {source} does not exist; pass an image folder or a shard set")
-    report = BatchReport()
     total = count_inputs(source)
-    if is_shard_source(source):
-        report.expected = total
+    report = BatchReport(expected=total if is_shard_source(source) else None)
     with contextlib.ExitStack() as stack:
         try:
             stack.enter_context(folder_lock(config.output, JOB_NAME))

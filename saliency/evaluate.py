@@ -1,9 +1,6 @@
-"""Score saliency maps against ground-truth masks (``relicv2 saliency evaluate``), with the
-standard protocol of ``saliency.metrics``.
-
-What is scored: a folder of maps (one method), a folder of per-method sub-folders (the layout
-``relicv2 saliency handcrafted`` writes), or a saved saliency model (``saliency train``'s model.pt)
-run on a folder of images. Maps or images and masks are matched by file stem.
+"""Score saliency maps against ground-truth masks (``relicv2 saliency evaluate``, ``saliency.metrics``):
+a folder of maps, a folder of per-method sub-folders (``saliency handcrafted``'s layout), or a saved
+saliency model run on a folder of images. Maps or images and masks are matched by file stem.
 """
 
 from __future__ import annotations
@@ -110,10 +107,8 @@ class ModelEvaluation:
 
 
 def evaluate_model(job: ModelEvaluation) -> DatasetScores:
-    """Predict every image of ``job.images`` with the model and score the maps against ``job.gt``.
-
-    Each prediction is taken through an 8-bit map, as a map written by the model would be, so a
-    model scores what its written maps score."""
+    """Predict every image of ``job.images`` with the model and score the maps against ``job.gt``, each
+    through an 8-bit map, so that a model scores what its written maps score."""
     from saliency.network.crf import model_crf
     from saliency.network.model_file import load_model
     from saliency.network.predict import mean_of_maps, predict_map, with_maps
@@ -148,10 +143,8 @@ def evaluate(config: EvaluateConfig) -> dict[str, DatasetScores]:
     """Scores of every prediction set under ``config.pred`` against ``config.gt``."""
     if not Path(config.gt).is_dir():
         raise EvaluationError(f"ground-truth folder {config.gt} does not exist; check --gt")
-    return {
-        name: evaluate_folder(folder, config.gt, config.allow_missing)
-        for name, folder in prediction_sets(config.pred).items()
-    }
+    return {name: evaluate_folder(folder, config.gt, config.allow_missing)
+            for name, folder in prediction_sets(config.pred).items()}
 
 
 COLUMNS = ("method", "mae", "max_f", "adaptive_f", "s_measure", "count")
@@ -163,10 +156,8 @@ def format_table(results: dict[str, DatasetScores]) -> str:
         "| method | MAE | max-F | adaptive-F | S-measure | count |",
         "|---|---|---|---|---|---|",
     ]
-    for name, s in results.items():
-        lines.append(
-            f"| {name} | {s.mae:.3f} | {s.max_f:.3f} | {s.adaptive_f:.3f} | {s.s_measure:.3f} | {s.count} |"
-        )
+    lines += [f"| {name} | {s.mae:.3f} | {s.max_f:.3f} | {s.adaptive_f:.3f} | {s.s_measure:.3f} | {s.count} |"
+              for name, s in results.items()]
     return "\n".join(lines)
 
 
@@ -178,5 +169,4 @@ def write_csv(results: dict[str, DatasetScores], path: Path) -> None:
     with Path(path).open("w", newline="") as stream:
         writer = csv.writer(stream)
         writer.writerow(COLUMNS)
-        for name, s in results.items():
-            writer.writerow([name, s.mae, s.max_f, s.adaptive_f, s.s_measure, s.count])
+        writer.writerows([name, s.mae, s.max_f, s.adaptive_f, s.s_measure, s.count] for name, s in results.items())

@@ -13,10 +13,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class FailureLimit:
-    """How many failed inputs a job accepts and still succeeds: a count, or a fraction of the inputs.
-
-    A job in which every input failed never succeeds, whatever the limit.
-    """
+    """How many failed inputs a job accepts and still succeeds: a count, or a fraction of the inputs (a
+    job in which every input failed never succeeds, whatever the limit)."""
 
     count: int | None = 0
     fraction: float | None = None

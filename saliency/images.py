@@ -16,10 +16,8 @@ ImageReadError = ImageLoadError
 
 
 def decode_rgb(data: bytes, name: str, *, limits: ImageLimits = DEFAULT_LIMITS) -> np.ndarray:
-    """Decode encoded image bytes (e.g. a shard's image member) to uint8 HxWx3 RGB as displayed.
-
-    :class:`ImageReadError` names ``name`` and the reason; ``limits.max_side`` downscales large images.
-    """
+    """Decode image bytes (e.g. a shard's image member) to uint8 HxWx3 RGB as displayed; ImageReadError
+    names ``name`` and the reason."""
     return load_rgb(data, name, limits)
 
 
@@ -36,9 +34,5 @@ def read_gray(path: Path | str, *, limits: ImageLimits = DEFAULT_LIMITS) -> np.n
 def list_images(folder: Path | str) -> list[Path]:
     """Image files directly inside ``folder`` (by extension, case-insensitive), sorted by name."""
     folder = Path(folder)
-    return sorted(
-        p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS
-    )
+    return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in IMAGE_EXTENSIONS)
 
-
-__all__ = ["IMAGE_EXTENSIONS", "ImageReadError", "decode_rgb", "list_images", "read_gray", "read_rgb"]

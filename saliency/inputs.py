@@ -1,7 +1,5 @@
-"""The inputs of a saliency job: an image folder, a shard folder or one shard ``.tar``.
-
-Images are named by file stem, shard samples by key (untrusted: callers turn names into paths
-only through ``shards.keys``).
+"""The inputs of a saliency job: an image folder or a shard set. Images are named by file stem, shard
+samples by key (untrusted: callers turn names into paths only through ``shards.keys``).
 """
 
 from __future__ import annotations
@@ -11,7 +9,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from saliency.images import list_images
+import numpy as np
+
+from saliency.images import decode_rgb, list_images, read_rgb
 from shards.reader import ReadReport
 from shards.shardset import BRACE, list_shard_files, resolve_shard_set, shard_tars
 
@@ -23,6 +23,11 @@ class Item:
     name: str
     path: Path | None = None
     data: bytes | None = None
+
+    def rgb(self) -> np.ndarray:
+        """The image as uint8 HxWx3 RGB as displayed; ImageReadError names a bad one."""
+        # A shard sample always has its image: the shard reader refuses one without (no_image).
+        return read_rgb(self.path) if self.path is not None else decode_rgb(self.data or b"", self.name)
 
 
 def is_shard_source(source: Path) -> bool:
@@ -37,11 +42,8 @@ def is_shard_source(source: Path) -> bool:
 
 
 def iter_items(source: Path, read: ReadReport) -> Iterator[Item]:
-    """Inputs of a folder of images, or of a shard folder / single ``.tar`` (keys as names).
-
-    Shard members and shards the reader refuses (unsafe keys, links, truncated tars, bad json) are
-    recorded in ``read``, never yielded.
-    """
+    """Inputs of a folder of images, or of a shard set (keys as names). Shard members and shards the
+    reader refuses (unsafe keys, links, truncated tars, bad json) are recorded in ``read``, never yielded."""
     source = Path(source)
     if not is_shard_source(source) and not source.exists():
         raise FileNotFoundError(f"input {source} does not exist; pass an image folder or a shard set")
@@ -56,8 +58,7 @@ def iter_items(source: Path, read: ReadReport) -> Iterator[Item]:
     paths = list_images(source)
     if not paths:
         raise FileNotFoundError(f"no images (jpg/png/...) or shards (*-NNNNNN.tar) in {source}")
-    stems = Counter(p.stem for p in paths)
-    clashes = sorted(s for s, n in stems.items() if n > 1)
+    clashes = sorted(stem for stem, n in Counter(p.stem for p in paths).items() if n > 1)
     if clashes:
         raise ValueError(
             f"{source}: several images share a name stem ({', '.join(clashes[:5])}); their maps would"

@@ -1,15 +1,5 @@
-"""Writing saliency maps: 8-bit single-channel PNGs, written atomically through jobs.atomic.
-
-A map is written under a hidden temporary name beside its final name, fsynced and renamed
-(``jobs.atomic``, the one owner of atomic writes: the rename is made durable by syncing the
-folder too), so a killed job never leaves a half-written map under a final name. Files get the
-mode the umask gives, like every other output of the project.
-
-Public API:
-    map_to_uint8(saliency) -> uint8 HxW
-    write_png(path, array)
-    write_map(path, saliency)
-"""
+"""Writing saliency maps: 8-bit single-channel PNGs, written atomically through ``jobs.atomic`` (a
+killed job never leaves a half-written map under a final name)."""
 
 from __future__ import annotations
 

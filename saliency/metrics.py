@@ -13,6 +13,7 @@ A precision or recall with a zero denominator counts as 0, so an empty predictio
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -93,8 +94,8 @@ def s_measure(s: np.ndarray, g: np.ndarray, alpha: float = 0.5) -> float:
         return 1.0 - float(s.mean())
     if coverage == 1.0:
         return float(s.mean())
-    score = alpha * _s_object(s, g) + (1.0 - alpha) * _s_region(s, g)
-    return max(0.0, float(score))
+    s_object = coverage * _object_score(s[g]) + (1.0 - coverage) * _object_score(1.0 - s[~g])
+    return max(0.0, float(alpha * s_object + (1.0 - alpha) * _s_region(s, g)))
 
 
 def _object_score(values: np.ndarray) -> float:
@@ -103,13 +104,6 @@ def _object_score(values: np.ndarray) -> float:
     x = float(values.mean())
     sigma = float(values.std(ddof=1)) if values.size > 1 else 0.0
     return 2.0 * x / (x * x + 1.0 + sigma + EPS)
-
-
-def _s_object(s: np.ndarray, g: np.ndarray) -> float:
-    coverage = float(g.mean())
-    foreground = _object_score(s[g])
-    background = _object_score(1.0 - s[~g])
-    return coverage * foreground + (1.0 - coverage) * background
 
 
 def _ssim(s: np.ndarray, g: np.ndarray) -> float:
@@ -136,16 +130,9 @@ def _s_region(s: np.ndarray, g: np.ndarray) -> float:
     cx = int(np.floor((g.sum(axis=0) * np.arange(1, width + 1)).sum() / total + 0.5))
     cy = int(np.floor((g.sum(axis=1) * np.arange(1, height + 1)).sum() / total + 0.5))
     area = float(width * height)
-    w1 = cx * cy / area
-    w2 = (width - cx) * cy / area
-    w3 = cx * (height - cy) / area
-    w4 = 1.0 - w1 - w2 - w3
-    quadrants = [
-        (slice(0, cy), slice(0, cx), w1),
-        (slice(0, cy), slice(cx, width), w2),
-        (slice(cy, height), slice(0, cx), w3),
-        (slice(cy, height), slice(cx, width), w4),
-    ]
+    w1, w2, w3 = cx * cy / area, (width - cx) * cy / area, cx * (height - cy) / area
+    top, bottom, left, right = slice(0, cy), slice(cy, height), slice(0, cx), slice(cx, width)
+    quadrants = [(top, left, w1), (top, right, w2), (bottom, left, w3), (bottom, right, 1.0 - w1 - w2 - w3)]
     return sum(w * _ssim(s[r, c], g[r, c]) for r, c, w in quadrants if w > 0)
 
 
@@ -171,14 +158,7 @@ class DatasetScores:
 
     def as_dict(self) -> dict[str, float | int | None]:
         """Plain values for JSON; the scores of an empty set are None (null), not NaN (invalid JSON)."""
-        empty = self.count == 0
-        return {
-            "mae": None if empty else self.mae,
-            "max_f": None if empty else self.max_f,
-            "adaptive_f": None if empty else self.adaptive_f,
-            "s_measure": None if empty else self.s_measure,
-            "count": self.count,
-        }
+        return {k: None if self.count == 0 and k != "count" else v for k, v in dataclasses.asdict(self).items()}
 
 
 def score_image(prediction: np.ndarray, ground_truth: np.ndarray) -> ImageScores:
@@ -187,23 +167,19 @@ def score_image(prediction: np.ndarray, ground_truth: np.ndarray) -> ImageScores
     g = binarise_ground_truth(ground_truth)
     if s.shape != g.shape:
         raise ValueError(f"prediction shape {s.shape} differs from ground truth shape {g.shape}")
-    return ImageScores(
-        mae=mae(s, g),
-        f_curve=f_measure_curve(s, g),
-        adaptive_f=adaptive_f_measure(s, g),
-        s_measure=s_measure(s, g),
-    )
+    return ImageScores(mae=mae(s, g),
+                       f_curve=f_measure_curve(s, g),
+                       adaptive_f=adaptive_f_measure(s, g),
+                       s_measure=s_measure(s, g))
 
 
 def aggregate(scores: Iterable[ImageScores]) -> DatasetScores:
     """Average per-image scores; max-F is the maximum of the mean F curve."""
     items = list(scores)
     if not items:
-        return DatasetScores(float("nan"), float("nan"), float("nan"), float("nan"), 0)
-    return DatasetScores(
-        mae=float(np.mean([i.mae for i in items])),
-        max_f=float(np.max(np.mean([i.f_curve for i in items], axis=0))),
-        adaptive_f=float(np.mean([i.adaptive_f for i in items])),
-        s_measure=float(np.mean([i.s_measure for i in items])),
-        count=len(items),
-    )
+        return DatasetScores(*[float("nan")] * 4, count=0)
+    return DatasetScores(mae=float(np.mean([i.mae for i in items])),
+                         max_f=float(np.max(np.mean([i.f_curve for i in items], axis=0))),
+                         adaptive_f=float(np.mean([i.adaptive_f for i in items])),
+                         s_measure=float(np.mean([i.s_measure for i in items])),
+                         count=len(items))

@@ -12,9 +12,9 @@ import numpy as np
 
 from saliency.batch import iter_items, map_path
 from saliency.handcrafted.methods import METHODS
-from saliency.images import ImageReadError, decode_rgb, list_images, read_gray, read_rgb
-from saliency.maps import write_png
-from shards import ReadReport
+from saliency.images import ImageReadError, decode_rgb, list_images, read_gray
+from saliency.maps import map_to_uint8, write_png
+from shards import ReadReport, iter_samples
 from shards.sample import MASK_MEMBER
 
 HEADER = 22
@@ -55,9 +55,7 @@ def contact_sheet(rows: list[list[tuple[str, np.ndarray]]], tile_height: int = 1
         parts = [p for t in tiles for p in (t, gap)][:-1]
         built.append(np.concatenate(parts, axis=1))
     width = max(r.shape[1] for r in built)
-    padded = [
-        np.pad(r, ((0, 4), (0, width - r.shape[1]), (0, 0)), constant_values=255) for r in built
-    ]
+    padded = [np.pad(r, ((0, 4), (0, width - r.shape[1]), (0, 0)), constant_values=255) for r in built]
     return np.concatenate(padded, axis=0)
 
 
@@ -69,25 +67,20 @@ def is_masked_shard_set(source: Path) -> bool:
     source = Path(source)
     if not (source.is_dir() and any(source.glob("*-[0-9]*.tar"))) and source.suffix != ".tar":
         return False
-    from shards import iter_samples
-
     first = next(iter(iter_samples(source, report=ReadReport())), None)  # a look at one sample: losses are the jobs' to count
     return first is not None and MASK_MEMBER in first
 
 
 def build_masked_preview(config: PreviewConfig) -> np.ndarray:
     """Rows of image | soft mask | image with the background (mask < 0.5) replaced by grey."""
-    from saliency.network.images import SampleDecodeError, decode_displayed
-    from shards import iter_samples
-
     rows, read = [], ReadReport()
     for sample in iter_samples(config.input, report=read):
         if len(rows) >= config.count:
             break
         try:
-            rgb = decode_displayed(sample["image"], sample["key"])
+            rgb = decode_rgb(sample["image"], sample["key"])
             mask = decode_rgb(sample[MASK_MEMBER], f"{sample['key']}.{MASK_MEMBER}")[..., 0]
-        except (SampleDecodeError, ImageReadError, KeyError) as error:
+        except (ImageReadError, KeyError) as error:
             warnings.warn(f"preview skips {sample['key']}: {error}", stacklevel=2)
             continue
         if mask.shape != rgb.shape[:2]:
@@ -97,18 +90,12 @@ def build_masked_preview(config: PreviewConfig) -> np.ndarray:
         coverage = sample["meta"].get("mask_coverage")
         title = f"mask {coverage:.0%}" if isinstance(coverage, int | float) else "mask"
         rows.append([(sample["key"], rgb), (title, mask), ("background removed", removed)])
-    if read.rejected or read.lost_shards:  # (not the samples after the first few: a preview stops early)
-        warnings.warn(f"preview of {config.input}: {read.summary()}", stacklevel=2)
-    if not rows:
-        raise ValueError(f"no readable masked sample in {config.input}")
-    return contact_sheet(rows, config.tile_height)
+    return _sheet(rows, read, config, "masked sample")
 
 
 def build_preview(config: PreviewConfig) -> np.ndarray:
-    """Compute (or read) the maps of the first ``count`` inputs and return the sheet.
-
-    A masked shard set shows image | mask | background removed instead of the methods.
-    """
+    """The sheet of the first ``count`` inputs and their maps (computed, or read from ``maps``); of a
+    masked shard set, image | mask | background removed."""
     if is_masked_shard_set(config.input):
         return build_masked_preview(config)
     masks = {p.stem: p for p in list_images(config.gt)} if config.gt else {}
@@ -117,7 +104,7 @@ def build_preview(config: PreviewConfig) -> np.ndarray:
         if len(rows) >= config.count:
             break
         try:
-            rgb = read_rgb(item.path) if item.path is not None else decode_rgb(item.data or b"", item.name)
+            rgb = item.rgb()
         except ImageReadError as error:
             warnings.warn(f"preview skips {error}", stacklevel=2)
             continue
@@ -127,15 +114,19 @@ def build_preview(config: PreviewConfig) -> np.ndarray:
             if stored is not None and stored.exists():
                 saliency = read_gray(stored)
             else:
-                saliency = np.rint(METHODS[method](rgb) * 255).astype(np.uint8)
+                saliency = map_to_uint8(METHODS[method](rgb))
             row.append((method, saliency))
         if item.name in masks:
             row.append(("GT", read_gray(masks[item.name])))
         rows.append(row)
+    return _sheet(rows, read, config, "image")
+
+
+def _sheet(rows: list, read: ReadReport, config: PreviewConfig, what: str) -> np.ndarray:
     if read.rejected or read.lost_shards:  # (not the samples after the first few: a preview stops early)
-        warnings.warn(f"preview of {config.input}: {read.summary()}", stacklevel=2)
+        warnings.warn(f"preview of {config.input}: {read.summary()}", stacklevel=3)
     if not rows:
-        raise ValueError(f"no readable image in {config.input}")
+        raise ValueError(f"no readable {what} in {config.input}")
     return contact_sheet(rows, config.tile_height)
 
 

@@ -10,12 +10,8 @@ import numpy as np
 
 
 def synthetic_scene(height: int = 120, width: int = 160, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """An RGB uint8 image with a textured ellipse on a textured, differently coloured background.
-
-    Returns ``(rgb, mask)`` where ``mask`` is uint8 {0, 255}, 255 on the object. The object sits
-    off-centre, away from the border, and covers ~15% of the image; both regions carry
-    smoothed noise so that superpixels see texture, not flat colour.
-    """
+    """``(rgb, mask)``: a textured ellipse (~15% of the image, off-centre) on a textured, differently
+    coloured background (smoothed noise: superpixels see texture); mask uint8 {0, 255}, 255 on the object."""
     rng = np.random.default_rng(seed)
     noise = rng.normal(0.0, 1.0, (height, width, 3)).astype(np.float32)
     texture = cv2.GaussianBlur(noise, (0, 0), 1.5) * 12.0
@@ -32,11 +28,8 @@ def synthetic_scene(height: int = 120, width: int = 160, seed: int = 0) -> tuple
 
 
 def striped_scene(height: int = 96, width: int = 128, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """A red ellipse on a noisy green-grey background with vertical stripes (strong texture).
-
-    Returns ``(rgb, mask)`` like :func:`synthetic_scene`. The stripes give the background more
-    internal contrast than the object has to it in places, a harder case for contrast cues.
-    """
+    """``(rgb, mask)`` like :func:`synthetic_scene`: a red ellipse on a green-grey background whose stripes
+    give it more internal contrast than the object has to it in places (harder for contrast cues)."""
     rng = np.random.default_rng(seed)
     yy, xx = np.mgrid[0:height, 0:width]
     stripes = 20.0 * np.sin(xx / 3.0)[..., None] * np.array([0.5, 1.0, 0.5])

@@ -186,7 +186,7 @@ def test_every_reader_applies_the_pixel_limit():
     reference views, kNN preprocessing and the saliency network's decoder alike (ImageLoadError,
     a ValueError: the samples are reported and skipped by their callers)."""
     from pretrain.views.reference import augment_sample
-    from saliency.network.images import SampleDecodeError, decode_displayed
+    from saliency.images import ImageReadError, decode_rgb
     from saliency.network.mask_work import RawSample, prepare
     from shards import ImageLoadError
     from tests.shards.test_hostile import bomb_png
@@ -198,6 +198,6 @@ def test_every_reader_applies_the_pixel_limit():
         augment_sample(upright_jpeg(), bomb, ViewConfig(), np.random.default_rng(0))
     with pytest.raises(ImageLoadError, match="pixels, over the limit"):
         preprocess(bomb, crop_size=32, resize_size=32)
-    with pytest.raises(SampleDecodeError, match="pixels, over the limit"):
-        decode_displayed(bomb, "bomb")
+    with pytest.raises(ImageReadError, match="pixels, over the limit"):
+        decode_rgb(bomb, "bomb")
     assert prepare(RawSample("bomb", bomb, None, {}), 32).reason == "too_large"

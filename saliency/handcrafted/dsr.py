@@ -1,11 +1,8 @@
 """Saliency by dense and sparse reconstruction (DSR; Li, Lu, Zhang, Ruan, Yang, ICCV 2013).
 
-At each of eight SLIC scales, every superpixel (8-D feature: RGB, min-max normalised Lab,
-normalised x, y) is reconstructed from the border superpixels, the background templates:
-densely (distance to their PCA subspace) and sparsely (Lasso residual). Both errors are
-propagated within K-means clusters, fused over the scales at pixel level, refined by an
-object-biased Gaussian, and finally integrated by Bayes' rule, each map serving as the prior
-for the other's likelihood.
+At each of eight SLIC scales every superpixel is reconstructed from the border superpixels, densely
+(PCA) and sparsely (Lasso); both errors are propagated within K-means clusters, fused over the scales,
+refined by an object-biased Gaussian and integrated by Bayes' rule, each map the other's prior.
 
 Follows the authors' MATLAB code (``GetDSR.m`` and its helpers) step by step, including two
 quirks kept on purpose because they shape the output: the pixel-level fusion weight compares
@@ -24,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from saliency.handcrafted.colour import rgb_to_lab
+from saliency.handcrafted.colour import D65_WHITE, RGB_TO_XYZ, rgb_to_lab
 from saliency.handcrafted.frame import guarded_map
 from saliency.handcrafted.graph import boundary_ids, minmax_normalise, segment, superpixel_means
 from saliency.handcrafted.reconstruction import (
@@ -59,15 +56,11 @@ class DSRConfig:
 
 
 def dsr_saliency(rgb: np.ndarray, config: DSRConfig = DSRConfig()) -> np.ndarray:
-    """Dense-and-sparse-reconstruction saliency of an image: float32 HxW in [0, 1].
-
-    ``rgb``: uint8 HxWx3 (greyscale, HxWx1 and RGBA are accepted).
-    """
+    """DSR saliency map: image (uint8 HxWx3; greyscale/RGBA accepted) -> float32 HxW in [0, 1]."""
 
     def compute(image: np.ndarray) -> np.ndarray:
-        dense, sparse = multiscale_errors(image, config)
-        dense = object_biased_gaussian(dense, config.gaussian_sigma_ratio)
-        sparse = object_biased_gaussian(sparse, config.gaussian_sigma_ratio)
+        errors = multiscale_errors(image, config)
+        dense, sparse = (object_biased_gaussian(e, config.gaussian_sigma_ratio) for e in errors)
         posterior = bayes_posterior(sparse, dense, config.histogram_bins)
         return minmax_normalise(posterior + bayes_posterior(dense, sparse, config.histogram_bins))
 
@@ -83,10 +76,8 @@ def multiscale_errors(rgb: np.ndarray, config: DSRConfig = DSRConfig()) -> tuple
     lab_span = feature_lab.reshape(-1, 3).max(axis=0) - lab_min
     lab_span = np.where(lab_span > 0, lab_span, np.inf)  # a constant channel becomes 0
     # per-pixel colour features of the fusion weight: RGB in [0, 1], min-max normalised Lab
-    pixel_colour = np.concatenate(
-        [rgb.astype(np.float32) / 255.0, ((feature_lab - lab_min) / lab_span).astype(np.float32)],
-        axis=2,
-    )
+    normalised_lab = ((feature_lab - lab_min) / lab_span).astype(np.float32)
+    pixel_colour = np.concatenate([rgb.astype(np.float32) / 255.0, normalised_lab], axis=2)
     rows = np.arange(1, height + 1, dtype=np.float32)[:, None]
     cols = np.arange(1, width + 1, dtype=np.float32)[None, :]
     weight_sum = np.zeros((height, width), dtype=np.float32)
@@ -94,28 +85,13 @@ def multiscale_errors(rgb: np.ndarray, config: DSRConfig = DSRConfig()) -> tuple
     sparse_sum = np.zeros_like(weight_sum)
     for count, compactness in config.scales:
         sp = segment(rgb, count, compactness, lab=lab)
-        features = np.concatenate(
-            [
-                sp.mean_rgb / 255.0,
-                (superpixel_means(sp.labels, feature_lab, sp.count, sp.size) - lab_min) / lab_span,
-                sp.mean_position[:, ::-1],
-            ],
-            axis=1,
-        )
+        mean_lab = (superpixel_means(sp.labels, feature_lab, sp.count, sp.size) - lab_min) / lab_span
+        features = np.concatenate([sp.mean_rgb / 255.0, mean_lab, sp.mean_position[:, ::-1]], axis=1)
         templates = features[boundary_ids(sp.labels)]
         clusters = cluster_labels(features, config.num_clusters, config.seed, config.kmeans_max_iter)
-        dense = propagate_errors(
-            features,
-            dense_reconstruction_error(features, templates, config.pca_energy),
-            clusters,
-            config.propagation_weight,
-        )
-        sparse = propagate_errors(
-            features,
-            sparse_reconstruction_error(features, templates, config.lasso_lambda),
-            clusters,
-            config.propagation_weight,
-        )
+        errors = (dense_reconstruction_error(features, templates, config.pca_energy),
+                  sparse_reconstruction_error(features, templates, config.lasso_lambda))
+        dense, sparse = (propagate_errors(features, e, clusters, config.propagation_weight) for e in errors)
         weight = fusion_weight(pixel_colour, rows, cols, sp.labels, features)
         weight_sum += weight
         dense_sum += weight * dense.astype(np.float32)[sp.labels]
@@ -124,11 +100,8 @@ def multiscale_errors(rgb: np.ndarray, config: DSRConfig = DSRConfig()) -> tuple
 
 
 def ruzon_lab(rgb: np.ndarray) -> np.ndarray:
-    """The authors' ``RGB2Lab.m`` (Ruzon): CIE Lab formulas applied to *gamma-encoded* RGB.
-
-    It skips the sRGB linearisation, so its L, a, b differ markedly from CIE Lab; DSR's
-    colour features are these values, min-max normalised per image. float32 HxWx3.
-    """
+    """The authors' ``RGB2Lab.m`` (Ruzon): CIE Lab formulas applied to *gamma-encoded* RGB, so far from
+    CIE Lab; DSR's colour features are these values, min-max normalised per image. float32 HxWx3."""
     value = rgb.astype(np.float32) * np.float32(1.0 / 255.0)
     xyz = value @ _RUZON_RGB_TO_XYZ.T
     big = xyz > 0.008856
@@ -139,31 +112,15 @@ def ruzon_lab(rgb: np.ndarray) -> np.ndarray:
     ).astype(np.float32)
 
 
+
 # BT.709 RGB -> XYZ with the D65 white point divided out of X and Z (as RGB2Lab.m does)
-_RUZON_RGB_TO_XYZ = (
-    np.array(
-        [
-            [0.412453, 0.357580, 0.180423],
-            [0.212671, 0.715160, 0.072169],
-            [0.019334, 0.119193, 0.950227],
-        ]
-    )
-    / np.array([0.950456, 1.0, 1.088754])[:, None]
-).astype(np.float32)
+_RUZON_RGB_TO_XYZ = (RGB_TO_XYZ / D65_WHITE[:, None]).astype(np.float32)
 
 
-def fusion_weight(
-    pixel_colour: np.ndarray,
-    rows: np.ndarray,
-    cols: np.ndarray,
-    labels: np.ndarray,
-    features: np.ndarray,
-) -> np.ndarray:
-    """Per-pixel weight of one scale: ``1 / (||pixel feature - its superpixel's feature|| + eps)``.
-
-    Reproduces ``extractSupfeat.m``: the pixel's position enters as raw 1-based (row, col)
-    while the superpixel's is its normalised (x, y), so the position term dominates.
-    """
+def fusion_weight(pixel_colour: np.ndarray, rows: np.ndarray, cols: np.ndarray, labels: np.ndarray,
+                  features: np.ndarray) -> np.ndarray:
+    """Per-pixel weight of one scale, ``1 / (||pixel feature - its superpixel's feature|| + eps)``, as
+    ``extractSupfeat.m``: raw 1-based (row, col) against normalised (x, y), so position dominates."""
     mean = features.astype(np.float32)
     diff = pixel_colour - mean[:, :6][labels]
     dist2 = np.einsum("ijk,ijk->ij", diff, diff)
@@ -172,9 +129,8 @@ def fusion_weight(
     return 1.0 / (np.sqrt(dist2) + np.float32(np.finfo(np.float64).eps))
 
 
-def object_biased_gaussian(
-    saliency: np.ndarray, sigma_ratio: float = DSRConfig.gaussian_sigma_ratio
-) -> np.ndarray:
+def object_biased_gaussian(saliency: np.ndarray,
+                           sigma_ratio: float = DSRConfig.gaussian_sigma_ratio) -> np.ndarray:
     """Multiply by a Gaussian (sigma = ``sigma_ratio`` x side) centred on the saliency-weighted centroid."""
     height, width = saliency.shape
     total = float(saliency.sum())
@@ -189,9 +145,8 @@ def object_biased_gaussian(
     return minmax_normalise(np.outer(along_rows, along_cols) * saliency)
 
 
-def bayes_posterior(
-    prior: np.ndarray, observer: np.ndarray, bins: int = DSRConfig.histogram_bins
-) -> np.ndarray:
+def bayes_posterior(prior: np.ndarray, observer: np.ndarray,
+                    bins: int = DSRConfig.histogram_bins) -> np.ndarray:
     """Bayesian integration: posterior saliency from ``prior`` with likelihoods from ``observer``.
 
     The prior, thresholded at its mean, splits the image into inner and outer regions; each

@@ -1,19 +1,5 @@
-"""The frame every handcrafted method runs in: artificial-frame removal, tiny-image upscaling,
-the flat-image guard, and the final map back at the original image's size.
-
-Each method is ``guarded_map(image, compute, ...)`` around its own ``compute(rgb)``: the
-guard converts the input to RGB, removes an artificial frame when the method's authors do,
-upscales images with a side under ``MIN_SIDE`` pixels, answers an all-zero map for a (nearly)
-one-colour image or when ``compute`` finds too few superpixels, and returns float32 HxW in
-[0, 1] without NaN at the original size (frame pixels 0).
-
-Public API:
-    detect_frame(rgb, edges="sobel", min_sides=1) -> Frame
-    Frame.crop(image), Frame.paste(map, fill=0.0)
-    prepare(image, remove_frame="sobel", min_frame_sides=1, min_side=32) -> Prepared
-    Prepared.finish(map) -> float32 HxW in [0, 1]
-    is_flat(rgb) -> bool
-    guarded_map(image, compute, *, remove_frame="none", min_frame_sides=1) -> float32 HxW in [0, 1]
+"""The frame every handcrafted method runs in (``guarded_map``): artificial-frame removal, tiny-image
+upscaling, the flat-image guard, and the final map back at the original image's size (frame pixels 0).
 """
 
 from __future__ import annotations
@@ -73,13 +59,8 @@ def _sobel_edges(gray: np.ndarray) -> np.ndarray:
     return (mag > cutoff) & (along_x | along_y)
 
 
-def detect_frame(
-    rgb: np.ndarray,
-    edges: Literal["sobel", "canny"] = "sobel",
-    min_sides: int = 1,
-    max_width: int = 30,
-    density: float = 0.6,
-) -> Frame:
+def detect_frame(rgb: np.ndarray, edges: Literal["sobel", "canny"] = "sobel", min_sides: int = 1,
+                 max_width: int = 30, density: float = 0.6) -> Frame:
     """Find an artificial frame (authors' ``removeframe``) and return the crop box without it.
 
     A frame side is the last of the first ``max_width`` pixel lines (from that side) whose edge
@@ -92,21 +73,11 @@ def detect_frame(
     if height < 2 * max_width or width < 2 * max_width:
         return none
     gray = cv2.cvtColor(rgb, cv2.COLOR_RGB2GRAY)
-    if edges == "sobel":
-        edge_map = _sobel_edges(gray)
-    else:
-        edge_map = cv2.Canny(gray, 60, 150) > 0
-    row_density = edge_map.mean(axis=1)
-    col_density = edge_map.mean(axis=0)
-    sides = [
-        row_density[:max_width],
-        row_density[::-1][:max_width],
-        col_density[:max_width],
-        col_density[::-1][:max_width],
-    ]
+    edge_map = _sobel_edges(gray) if edges == "sobel" else cv2.Canny(gray, 60, 150) > 0
+    rows, cols = edge_map.mean(axis=1), edge_map.mean(axis=0)
     widths = []
-    for profile in sides:
-        hits = np.flatnonzero(profile > density)
+    for profile in (rows, rows[::-1], cols, cols[::-1]):  # top, bottom, left, right
+        hits = np.flatnonzero(profile[:max_width] > density)
         widths.append(int(hits[-1]) + 1 if hits.size else 0)
     if sum(w > 0 for w in widths) < max(1, min_sides):
         return none
@@ -119,44 +90,29 @@ def detect_frame(
 
 @dataclass(frozen=True)
 class Prepared:
-    """An image made safe for a method: RGB, frame removed, at least ``MIN_SIDE`` px a side.
-
-    ``rgb`` is what the method segments; ``finish`` turns the method's map of ``rgb`` into the
-    final float32 map of the original image, in [0, 1] and without NaN.
-    """
+    """An image made safe for a method (``rgb``: RGB, frame removed, at least ``MIN_SIDE`` px a side);
+    ``finish`` turns its map into the original image's float32 map, in [0, 1] and without NaN."""
 
     rgb: np.ndarray
     frame: Frame
-    original_shape: tuple[int, int]
 
     def finish(self, saliency: np.ndarray) -> np.ndarray:
         sal = np.asarray(saliency, dtype=np.float32)
-        crop_h = self.frame.bottom - self.frame.top
-        crop_w = self.frame.right - self.frame.left
+        crop_h, crop_w = self.frame.bottom - self.frame.top, self.frame.right - self.frame.left
         if sal.shape != (crop_h, crop_w):
             sal = cv2.resize(sal, (crop_w, crop_h), interpolation=cv2.INTER_LINEAR)
         sal = np.nan_to_num(sal, nan=0.0, posinf=0.0, neginf=0.0)
-        full = self.frame.paste(np.clip(sal, 0.0, 1.0), fill=0.0)
-        return np.clip(full, 0.0, 1.0).astype(np.float32)
+        return self.frame.paste(np.clip(sal, 0.0, 1.0))
 
 
-def prepare(
-    image: np.ndarray,
-    remove_frame: Literal["sobel", "canny", "none"] = "sobel",
-    min_frame_sides: int = 1,
-    min_side: int = MIN_SIDE,
-) -> Prepared:
-    """Convert to RGB, remove an artificial frame, and upscale tiny images (see :class:`Prepared`).
-
-    Upscaling keeps the aspect ratio, so extreme shapes stay extreme but every side has at
-    least ``min_side`` pixels, enough for a few superpixels.
-    """
+def prepare(image: np.ndarray, remove_frame: Literal["sobel", "canny", "none"] = "sobel",
+            min_frame_sides: int = 1, min_side: int = MIN_SIDE) -> Prepared:
+    """Convert to RGB, remove an artificial frame, and upscale tiny images keeping the aspect ratio, so
+    that every side has at least ``min_side`` pixels, enough for a few superpixels."""
     rgb = as_rgb(image)
     height, width = rgb.shape[:2]
-    if remove_frame == "none":
-        frame = Frame(height, width, 0, height, 0, width)
-    else:
-        frame = detect_frame(rgb, edges=remove_frame, min_sides=min_frame_sides)
+    frame = (Frame(height, width, 0, height, 0, width) if remove_frame == "none"
+             else detect_frame(rgb, edges=remove_frame, min_sides=min_frame_sides))
     work = frame.crop(rgb)
     short = min(work.shape[:2])
     if short < min_side:
@@ -164,7 +120,7 @@ def prepare(
         new_w = max(min_side, int(round(work.shape[1] * scale)))
         new_h = max(min_side, int(round(work.shape[0] * scale)))
         work = cv2.resize(work, (new_w, new_h), interpolation=cv2.INTER_LINEAR)
-    return Prepared(rgb=np.ascontiguousarray(work), frame=frame, original_shape=(height, width))
+    return Prepared(rgb=np.ascontiguousarray(work), frame=frame)
 
 
 def is_flat(rgb: np.ndarray, tolerance: float = 1.0) -> bool:
@@ -173,13 +129,9 @@ def is_flat(rgb: np.ndarray, tolerance: float = 1.0) -> bool:
     return bool(np.all(flat.max(axis=0).astype(np.int32) - flat.min(axis=0) < tolerance))
 
 
-def guarded_map(
-    image: np.ndarray,
-    compute: Callable[[np.ndarray], np.ndarray | None],
-    *,
-    remove_frame: Literal["sobel", "canny", "none"] = "none",
-    min_frame_sides: int = 1,
-) -> np.ndarray:
+def guarded_map(image: np.ndarray, compute: Callable[[np.ndarray], np.ndarray | None], *,
+                remove_frame: Literal["sobel", "canny", "none"] = "none",
+                min_frame_sides: int = 1) -> np.ndarray:
     """Run a method's ``compute(rgb) -> HxW map`` inside the shared guard (see the module doc).
 
     ``compute`` gets the prepared uint8 RGB image and returns its map (any float dtype, values

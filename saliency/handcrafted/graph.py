@@ -5,21 +5,6 @@ Pure functions of numpy arrays; superpixel ids are 0..n-1, contiguous. Positions
 ``[y / H, x / W]`` as in the RBD code's ``GetNormedMeanPos``; adjacency matrices are dense
 ``bool (n, n)`` with a ``False`` diagonal (n is a few hundred, so dense linear algebra is both
 the simplest and the fastest choice).
-
-Public API:
-    slic_labels(rgb, n_segments, compactness=20.0, *, max_num_iter=10, gmr_variant=False) -> int32 HxW
-    segment(rgb, n_segments, compactness=20.0, lab=None, *, gmr_variant=False) -> Superpixels
-    superpixel_means(labels, values, count) -> float64 (n, C)
-    mean_positions(labels, count) -> float64 (n, 2)
-    adjacency(labels, count, connectivity=4) -> bool (n, n)
-    two_ring(adj) -> bool (n, n)
-    link_clique(adj, ids) -> bool (n, n)
-    boundary_ids(labels, thickness=1) -> int64 (k,)
-    border_ids(labels) -> tuple of 4 int64 arrays (top, bottom, left, right)
-    pairwise_distances(features) -> float64 (n, n)
-    distance_to_weight(dist, sigma, cutoff=3.0) -> float64
-    minmax_normalise(values, *, keep_constant=False) -> float64 in [0, 1]
-    to_pixels(values, labels) -> float32 HxW
 """
 
 from __future__ import annotations
@@ -33,31 +18,16 @@ from saliency.handcrafted.colour import as_rgb, rgb_to_lab, rgb_values_to_lab
 from saliency.handcrafted.slic import slic_reference
 
 
-def slic_labels(
-    rgb: np.ndarray,
-    n_segments: int,
-    compactness: float = 20.0,
-    *,
-    max_num_iter: int = 10,
-    gmr_variant: bool = False,
-) -> np.ndarray:
+def slic_labels(rgb: np.ndarray, n_segments: int, compactness: float = 20.0, *,
+                max_num_iter: int = 10, gmr_variant: bool = False) -> np.ndarray:
     """SLIC superpixels exactly as the authors' C++ SLIC computes them; int32 labels 0..n-1.
-
-    Achanta's reference algorithm (:func:`saliency.handcrafted.slic.slic_reference`): grid seeds (no seed
-    perturbation, as in the copy shipped with MC's code, also used by RBD and DSR), 2S x 2S search
-    windows, squared distance ``d_lab^2 + (compactness / S)^2 d_xy^2``, ``max_num_iter`` iterations
-    (10 in the authors' code), then pieces smaller than a quarter of the nominal size merged into
-    the previously labelled neighbour. Lab comes from the reference's own float64 conversion of
-    ``rgb`` (OpenCV's differs by up to ~0.5 Lab units, enough to move some superpixel borders).
 
     ``gmr_variant``: MR's C++ (GMR) packs the image column-major before calling Achanta's original
     SLIC, which also moves each seed to the lowest-gradient pixel of its 3x3 neighbourhood; so it
     segments the transposed image with seed perturbation (correlation to MR's reference maps
     .983 vs .921 for the plain variant, measured on 40 dev images).
     """
-    # Hand-written (numba) rather than skimage.segmentation.slic: skimage's SLIC differs from the
-    # authors' algorithm (seed placement, distance scaling, size-based connectivity merging) and
-    # is ~5x slower; this one reproduces the reference labels pixel for pixel.
+    # Not skimage's slic, which is another algorithm: see saliency.handcrafted.slic.
     return slic_reference(as_rgb(rgb), n_segments, compactness, max_num_iter=max_num_iter,
                           perturb_seeds=gmr_variant, column_major=gmr_variant)
 
@@ -84,14 +54,8 @@ class Superpixels:
         return rgb_values_to_lab(self.mean_rgb)
 
 
-def segment(
-    rgb: np.ndarray,
-    n_segments: int,
-    compactness: float = 20.0,
-    lab: np.ndarray | None = None,
-    *,
-    gmr_variant: bool = False,
-) -> Superpixels:
+def segment(rgb: np.ndarray, n_segments: int, compactness: float = 20.0,
+            lab: np.ndarray | None = None, *, gmr_variant: bool = False) -> Superpixels:
     """SLIC-segment ``rgb`` and compute the standard per-superpixel features (``lab``: a
     precomputed :func:`rgb_to_lab` of ``rgb`` for the Lab means; ``gmr_variant``: see
     :func:`slic_labels`)."""
@@ -100,44 +64,25 @@ def segment(
     labels = slic_labels(rgb, n_segments, compactness, gmr_variant=gmr_variant)
     count = int(labels.max()) + 1
     size = np.bincount(labels.ravel(), minlength=count).astype(np.float64)
-    return Superpixels(
-        labels=labels,
-        count=count,
-        size=size,
-        mean_rgb=superpixel_means(labels, rgb, count, size),
-        mean_lab=superpixel_means(labels, lab, count, size),
-        mean_position=mean_positions(labels, count, size),
-    )
+    return Superpixels(labels, count, size, mean_rgb=superpixel_means(labels, rgb, count, size),
+                       mean_lab=superpixel_means(labels, lab, count, size),
+                       mean_position=mean_positions(labels, count, size))
 
 
-def superpixel_means(
-    labels: np.ndarray,
-    values: np.ndarray,
-    count: int,
-    size: np.ndarray | None = None,
-) -> np.ndarray:
-    """Mean of ``values`` (HxW or HxWxC) over each superpixel, float64 ``(n, C)``."""
+def superpixel_means(labels: np.ndarray, values: np.ndarray, count: int, size: np.ndarray) -> np.ndarray:
+    """Mean of ``values`` (HxW or HxWxC) over each superpixel of ``size`` pixels, float64 ``(n, C)``."""
     flat = labels.ravel()
-    if size is None:
-        size = np.bincount(flat, minlength=count).astype(np.float64)
-    values = np.asarray(values)
-    channels = values.reshape(flat.size, -1)
-    sums = np.stack(
-        [np.bincount(flat, weights=channels[:, c], minlength=count) for c in range(channels.shape[1])],
-        axis=1,
-    )
+    channels = np.asarray(values).reshape(flat.size, -1)
+    sums = np.stack([np.bincount(flat, weights=channels[:, c], minlength=count)
+                     for c in range(channels.shape[1])], axis=1)
     return sums / np.maximum(size, 1.0)[:, None]
 
 
-def mean_positions(labels: np.ndarray, count: int, size: np.ndarray | None = None) -> np.ndarray:
-    """Mean ``[row / H, col / W]`` of each superpixel (RBD's ``GetNormedMeanPos``), ``(n, 2)``.
-
-    Uses 1-based pixel coordinates like the MATLAB original so that values agree exactly.
-    """
+def mean_positions(labels: np.ndarray, count: int, size: np.ndarray) -> np.ndarray:
+    """Mean ``[row / H, col / W]`` of each superpixel (RBD's ``GetNormedMeanPos``), ``(n, 2)``; 1-based
+    pixel coordinates like the MATLAB original, so that values agree exactly."""
     height, width = labels.shape
     flat = labels.ravel()
-    if size is None:
-        size = np.bincount(flat, minlength=count).astype(np.float64)
     rows = np.repeat(np.arange(1, height + 1, dtype=np.float64), width)
     cols = np.tile(np.arange(1, width + 1, dtype=np.float64), height)
     denom = np.maximum(size, 1.0)
@@ -147,10 +92,8 @@ def mean_positions(labels: np.ndarray, count: int, size: np.ndarray | None = Non
 
 
 def adjacency(labels: np.ndarray, count: int, connectivity: Literal[4, 8] = 4) -> np.ndarray:
-    """Superpixels sharing a pixel edge (4) or also a pixel corner (8); bool, no diagonal.
-
-    RBD's ``GetAdjMatrix`` uses 4-connectivity; the MR C++ code also links diagonal pixels (8).
-    """
+    """Superpixels sharing a pixel edge (4: RBD's ``GetAdjMatrix``) or also a pixel corner (8: the MR
+    C++ code); bool, no diagonal."""
     adj = np.zeros((count, count), dtype=bool)
     pairs = [(labels[1:, :], labels[:-1, :]), (labels[:, 1:], labels[:, :-1])]
     if connectivity == 8:
@@ -181,11 +124,8 @@ def link_clique(adj: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 
 def boundary_ids(labels: np.ndarray, thickness: int = 1) -> np.ndarray:
-    """Sorted ids of superpixels touching a band of ``thickness`` pixels along the image border.
-
-    RBD uses an 8-pixel band (``GetBndPatchIds``); MR, MC and DSR (its background templates) use
-    the outermost pixels.
-    """
+    """Sorted ids of superpixels touching a band of ``thickness`` pixels along the image border (RBD: 8,
+    ``GetBndPatchIds``; MR, MC and DSR: the outermost pixels)."""
     t = max(1, int(thickness))
     band = np.concatenate(
         [labels[:t, :].ravel(), labels[-t:, :].ravel(), labels[:, :t].ravel(), labels[:, -t:].ravel()]
@@ -195,12 +135,9 @@ def boundary_ids(labels: np.ndarray, thickness: int = 1) -> np.ndarray:
 
 def border_ids(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Ids of superpixels on the top, bottom, left and right outermost pixel lines."""
-    return (
-        np.unique(labels[0, :]).astype(np.int64),
-        np.unique(labels[-1, :]).astype(np.int64),
-        np.unique(labels[:, 0]).astype(np.int64),
-        np.unique(labels[:, -1]).astype(np.int64),
-    )
+    lines = (labels[0], labels[-1], labels[:, 0], labels[:, -1])
+    top, bottom, left, right = (np.unique(line).astype(np.int64) for line in lines)
+    return top, bottom, left, right
 
 
 def pairwise_distances(features: np.ndarray) -> np.ndarray:

@@ -1,10 +1,8 @@
 """Saliency by absorbing Markov chain (MC; Jiang, Zhang, Lu, Yang, Yang, ICCV 2013).
 
-Superpixels are the transient states of a random walk on a 2-ring graph (opposite image
-borders linked); copies of the border superpixels are absorbing states. A superpixel's
-saliency is its expected time to absorption ``y = (I - Q)^-1 1``: background regions, similar
-to the border, are absorbed quickly; the object is not. When that map's histogram is too
-spread out, the absorption time is re-weighted by the chain's equilibrium distribution.
+A superpixel's saliency is its expected time to absorption ``y = (I - Q)^-1 1`` in a random walk on
+a 2-ring graph whose absorbing states are copies of the border superpixels: background regions, similar
+to the border, are absorbed quickly; the object is not.
 
 Follows the authors' MATLAB code (``Saliency_Absorb_MC.m`` and its ``SubCode``) step by
 step, including its own frame handling: when the border superpixels are dissimilar from their
@@ -21,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from saliency.handcrafted.colour import REFERENCE_RGB_TO_XYZ
 from saliency.handcrafted.frame import guarded_map
 from saliency.handcrafted.graph import adjacency, boundary_ids, minmax_normalise, segment, to_pixels
 
@@ -40,10 +39,7 @@ class MCConfig:
 
 
 def mc_saliency(rgb: np.ndarray, config: MCConfig = MCConfig()) -> np.ndarray:
-    """Absorbing-Markov-chain saliency of an image: float32 HxW in [0, 1].
-
-    ``rgb``: uint8 HxWx3 (greyscale, HxWx1 and RGBA are accepted). Deterministic.
-    """
+    """MC saliency map: image (uint8 HxWx3; greyscale/RGBA accepted) -> float32 HxW in [0, 1]."""
 
     def compute(image: np.ndarray) -> np.ndarray | None:
         sp = segment(image, config.superpixels, config.compactness)
@@ -65,30 +61,17 @@ def mc_superpixel_lab(mean_rgb: np.ndarray) -> np.ndarray:
     value = np.asarray(mean_rgb, dtype=np.float64)
     linear = ((value + 0.099) / 1.099) ** 2.222
     linear = np.where(linear < 0.018, value / 4.5138, linear)
-    xyz = linear @ _RGB_TO_XYZ_D65_NORMALISED.T
+    xyz = linear @ REFERENCE_RGB_TO_XYZ.T
     f = np.where(xyz > 0.008856, np.cbrt(xyz), 7.787069 * xyz + 0.137931)
     return np.stack(
         [116.0 * f[:, 1] - 16.0, 500.0 * (f[:, 0] - f[:, 1]), 200.0 * (f[:, 1] - f[:, 2])], axis=1
     )
 
 
-# sRGB -> XYZ with the D65 white point folded into the X and Z rows (the authors' constants)
-_RGB_TO_XYZ_D65_NORMALISED = np.array(
-    [
-        [0.4339563, 0.3762153, 0.1898430],
-        [0.2126729, 0.7151522, 0.0721750],
-        [0.0177578, 0.1094756, 0.8728363],
-    ]
-)
-
 
 def mc_graph(labels: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
-    """MC's graphs: (1-ring 8-connected adjacency, 2-ring adjacency with opposite borders linked).
-
-    The 2-ring graph links each superpixel to its neighbours and their neighbours, after
-    linking the superpixels at the two ends of every image column and row. The diagonal of
-    the 2-ring graph is False (self-loops are added to the affinity separately).
-    """
+    """MC's graphs: the 1-ring 8-connected adjacency, and the 2-ring adjacency after linking the
+    superpixels at the two ends of every image column and row (no diagonal: the affinity adds it)."""
     ring = adjacency(labels, count, connectivity=8)
     linked = ring.copy()
     linked[labels[0, :], labels[-1, :]] = True
@@ -100,9 +83,8 @@ def mc_graph(labels: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
     return ring, second
 
 
-def absorbing_chain_saliency(
-    labels: np.ndarray, colour: np.ndarray, config: MCConfig = MCConfig()
-) -> np.ndarray:
+def absorbing_chain_saliency(labels: np.ndarray, colour: np.ndarray,
+                             config: MCConfig = MCConfig()) -> np.ndarray:
     """Per-superpixel MC saliency in [0, 1] for a label image and per-superpixel colours."""
     count = colour.shape[0]
     ring, graph = mc_graph(labels, count)
@@ -156,14 +138,10 @@ def _affinity(graph: np.ndarray, colour: np.ndarray, config: MCConfig) -> np.nda
     return affinity
 
 
-def _border_states(
-    labels: np.ndarray, ring: np.ndarray, affinity: np.ndarray, frame_affinity: float | None
-) -> np.ndarray:
-    """Mark states: border superpixels absorbing, or (frame case) dropped with the next ring absorbing.
-
-    ``frame_affinity``: the border counts as a frame when its total affinity to the inner
-    superpixels is at most this; None: never a frame.
-    """
+def _border_states(labels: np.ndarray, ring: np.ndarray, affinity: np.ndarray,
+                   frame_affinity: float | None) -> np.ndarray:
+    """Border superpixels absorbing, or, when their total affinity to the inner ones is at most
+    ``frame_affinity`` (None: never), dropped as a frame with the next ring absorbing."""
     count = ring.shape[0]
     border = np.zeros(count, dtype=bool)
     border[boundary_ids(labels)] = True

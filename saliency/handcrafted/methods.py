@@ -1,8 +1,5 @@
-"""The registry of handcrafted saliency methods: name -> ``rgb uint8 HxWx3 -> float32 HxW``, and
-each method's config dataclass.
-
-An explicit dict (no registration by import side effect); every function is pure and
-deterministic, so it can be shipped to worker processes by name.
+"""The registry of handcrafted saliency methods, name -> ``rgb uint8 HxWx3 -> float32 HxW``: an explicit
+dict (no registration by import side effect) of pure, deterministic functions, shipped to workers by name.
 """
 
 from __future__ import annotations
@@ -19,10 +16,7 @@ from saliency.handcrafted.rbd import RBDConfig, rbd_saliency
 SaliencyMethod = Callable[[np.ndarray], np.ndarray]
 
 METHODS: dict[str, SaliencyMethod] = {
-    "rbd": rbd_saliency,
-    "mr": mr_saliency,
-    "dsr": dsr_saliency,
-    "mc": mc_saliency,
+    "rbd": rbd_saliency, "mr": mr_saliency, "dsr": dsr_saliency, "mc": mc_saliency
 }
 
 CONFIGS: dict[str, type] = {"rbd": RBDConfig, "mr": MRConfig, "dsr": DSRConfig, "mc": MCConfig}

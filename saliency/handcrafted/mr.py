@@ -47,9 +47,7 @@ def mr_saliency(rgb: np.ndarray, config: MRConfig = MRConfig()) -> np.ndarray:
         sp = segment(image, config.superpixels, config.compactness, gmr_variant=True)
         if sp.count < 3:
             return None
-        affinity = ranking_matrix(
-            mr_graph(sp.labels, sp.count), pairwise_distances(sp.mean_lab), config
-        )
+        affinity = ranking_matrix(mr_graph(sp.labels, sp.count), pairwise_distances(sp.mean_lab), config)
         values = two_stage_ranking(affinity, border_ids(sp.labels))
         return to_pixels(minmax_normalise(values), sp.labels)
 
@@ -75,16 +73,13 @@ def ranking_matrix(edges: np.ndarray, colour_dist: np.ndarray, config: MRConfig)
     return affinity
 
 
-def two_stage_ranking(
-    affinity: np.ndarray, borders: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
-) -> np.ndarray:
+def two_stage_ranking(affinity: np.ndarray,
+                      borders: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
     """Stage 1: product of complemented border rankings; stage 2: rank against its foreground."""
     background = np.zeros((affinity.shape[0], len(borders)))
     for side, ids in enumerate(borders):
         background[ids, side] = 1.0
     scores = affinity @ background
-    stage1 = np.prod(
-        [1.0 - minmax_normalise(scores[:, side]) for side in range(len(borders))], axis=0
-    )
+    stage1 = np.prod([1.0 - minmax_normalise(scores[:, side]) for side in range(len(borders))], axis=0)
     queries = (stage1 > stage1.mean()).astype(np.float64)
     return affinity @ queries

@@ -54,34 +54,26 @@ def rbd_saliency(rgb: np.ndarray, config: RBDConfig = RBDConfig()) -> np.ndarray
         sp = segment(image, n_segments, config.compactness)
         if sp.count < 3:
             return None
-        values = rbd_superpixel_saliency(
-            adj=adjacency(sp.labels, sp.count, connectivity=4),
-            boundary=boundary_ids(sp.labels, config.boundary_thickness),
-            colour_dist=pairwise_distances(sp.lab_of_mean_rgb),
-            position_dist=pairwise_distances(sp.mean_position),
-            config=config,
-        )
+        values = rbd_superpixel_saliency(adj=adjacency(sp.labels, sp.count, connectivity=4),
+                                         boundary=boundary_ids(sp.labels, config.boundary_thickness),
+                                         colour_dist=pairwise_distances(sp.lab_of_mean_rgb),
+                                         position_dist=pairwise_distances(sp.mean_position),
+                                         config=config)
         return to_pixels(minmax_normalise(values), sp.labels)
 
     return guarded_map(rgb, compute, remove_frame="sobel", min_frame_sides=1)
 
 
-def rbd_superpixel_saliency(
-    adj: np.ndarray,
-    boundary: np.ndarray,
-    colour_dist: np.ndarray,
-    position_dist: np.ndarray,
-    config: RBDConfig = RBDConfig(),
-) -> np.ndarray:
+def rbd_superpixel_saliency(adj: np.ndarray, boundary: np.ndarray, colour_dist: np.ndarray,
+                            position_dist: np.ndarray,
+                            config: RBDConfig = RBDConfig()) -> np.ndarray:
     """Optimised saliency per superpixel (unnormalised), from the graph and distance matrices."""
     clip_value, geo_sigma, neighbour_sigma = dynamic_parameters(adj, colour_dist)
     bdcon = boundary_connectivity(adj, boundary, colour_dist, clip_value, geo_sigma)
     background = 1.0 - np.exp(-(bdcon**2) / (2.0 * config.bdcon_sigma**2))
     background_weight = np.where(bdcon > config.bdcon_high, config.bdcon_high_weight, background)
     contrast = weighted_contrast(colour_dist, position_dist, background, config.spatial_sigma)
-    return optimise_saliency(
-        adj, boundary, colour_dist, neighbour_sigma, background_weight, contrast, config
-    )
+    return optimise_saliency(adj, boundary, colour_dist, neighbour_sigma, background_weight, contrast, config)
 
 
 def dynamic_parameters(adj: np.ndarray, colour_dist: np.ndarray) -> tuple[float, float, float]:
@@ -105,13 +97,8 @@ def _mean_neighbour_min(adj: np.ndarray, dist: np.ndarray) -> float:
     return float(nearest.mean()) if nearest.size else 0.0
 
 
-def boundary_connectivity(
-    adj: np.ndarray,
-    boundary: np.ndarray,
-    colour_dist: np.ndarray,
-    clip_value: float,
-    geo_sigma: float,
-) -> np.ndarray:
+def boundary_connectivity(adj: np.ndarray, boundary: np.ndarray, colour_dist: np.ndarray,
+                          clip_value: float, geo_sigma: float) -> np.ndarray:
     """BndCon = Len_bnd / sqrt(Area) from clipped geodesic colour distances (paper Eq. 1-4)."""
     linked = link_clique(adj, boundary)
     rows, cols = np.nonzero(np.triu(linked, 1))
@@ -126,12 +113,8 @@ def boundary_connectivity(
     return length / np.sqrt(area)
 
 
-def weighted_contrast(
-    colour_dist: np.ndarray,
-    position_dist: np.ndarray,
-    background: np.ndarray,
-    spatial_sigma: float,
-) -> np.ndarray:
+def weighted_contrast(colour_dist: np.ndarray, position_dist: np.ndarray, background: np.ndarray,
+                      spatial_sigma: float) -> np.ndarray:
     """Background-weighted contrast, min-max normalised, values under Otsu's threshold zeroed."""
     spatial = distance_to_weight(position_dist, spatial_sigma)
     contrast = (colour_dist * spatial) @ background
@@ -141,11 +124,8 @@ def weighted_contrast(
 
 
 def otsu_threshold(values: np.ndarray) -> float:
-    """MATLAB ``graythresh`` on values in [0, 1]: Otsu over a 256-bin histogram.
-
-    Hand-written (rather than skimage's ``threshold_otsu``) to reproduce MATLAB's binning of
-    doubles (round(255 x)) and its tie rule (mean of the maximising bins).
-    """
+    """MATLAB ``graythresh`` on values in [0, 1]: Otsu over a 256-bin histogram. Not skimage's
+    ``threshold_otsu``: MATLAB bins doubles at round(255 x) and takes the mean of tied bins."""
     bins = np.clip(np.rint(np.asarray(values, dtype=np.float64) * 255.0), 0, 255).astype(np.int64)
     p = np.bincount(bins, minlength=256) / bins.size
     omega = np.cumsum(p)
@@ -160,15 +140,9 @@ def otsu_threshold(values: np.ndarray) -> float:
     return float((index - 1) / 255.0)
 
 
-def optimise_saliency(
-    adj: np.ndarray,
-    boundary: np.ndarray,
-    colour_dist: np.ndarray,
-    neighbour_sigma: float,
-    background_weight: np.ndarray,
-    foreground_weight: np.ndarray,
-    config: RBDConfig = RBDConfig(),
-) -> np.ndarray:
+def optimise_saliency(adj: np.ndarray, boundary: np.ndarray, colour_dist: np.ndarray,
+                      neighbour_sigma: float, background_weight: np.ndarray,
+                      foreground_weight: np.ndarray, config: RBDConfig = RBDConfig()) -> np.ndarray:
     """Closed-form minimiser of the background/foreground/smoothness cost (paper Eq. 9)."""
     neighbours = link_clique(two_ring(adj), boundary)
     smooth = np.where(neighbours, distance_to_weight(colour_dist, neighbour_sigma), 0.0)

@@ -1,16 +1,5 @@
-"""Reconstruction errors against background templates, and their context propagation (DSR).
-
-The pieces of Li et al., "Saliency Detection via Dense and Sparse Reconstruction" (ICCV 2013)
-that work on per-superpixel feature vectors, following the authors' MATLAB code:
-
-- :func:`dense_reconstruction_error`: distance to the PCA subspace of the border templates
-  (``calculatePCAError.m`` / ``PCA.m``);
-- :func:`sparse_reconstruction_error`: residual of Lasso coding over the border templates
-  (``calculateSRError.m`` with SPAMS ``mexLasso``), solved by :func:`lasso_lars`;
-- :func:`cluster_labels` and :func:`propagate_errors`: K-means context and the sequential
-  error propagation (``descendPropagation.m``).
-
-All functions are pure; features are rows (``(n, d)``), as scikit-learn expects.
+"""DSR's dense and sparse reconstruction errors against the border templates, and their propagation
+within K-means clusters, following the authors' MATLAB code. Pure functions; features are rows ``(n, d)``.
 """
 
 from __future__ import annotations
@@ -28,9 +17,8 @@ NUM_CLUSTERS = 8
 KMEANS_MAX_ITER = 200
 
 
-def dense_reconstruction_error(
-    features: np.ndarray, background: np.ndarray, energy: float = PCA_ENERGY
-) -> np.ndarray:
+def dense_reconstruction_error(features: np.ndarray, background: np.ndarray,
+                               energy: float = PCA_ENERGY) -> np.ndarray:
     """Distance of each feature row to the principal subspace of the ``background`` rows.
 
     As in the authors' ``PCA.m``: the basis holds the principal axes of the centred
@@ -57,9 +45,8 @@ def dense_reconstruction_error(
     return minmax_normalise(np.linalg.norm(residual, axis=1))
 
 
-def sparse_reconstruction_error(
-    features: np.ndarray, background: np.ndarray, lam: float = LASSO_LAMBDA
-) -> np.ndarray:
+def sparse_reconstruction_error(features: np.ndarray, background: np.ndarray,
+                                lam: float = LASSO_LAMBDA) -> np.ndarray:
     """Squared residual of each (unit-normalised) feature coded over the normalised templates.
 
     Solves ``min_a 0.5 ||x - D a||^2 + lambda ||a||_1`` (SPAMS ``mexLasso`` mode 2, lambda
@@ -78,12 +65,8 @@ def _unit_rows(values: np.ndarray) -> np.ndarray:
     return values / np.where(norms > 0, norms, 1.0)
 
 
-def lasso_lars(
-    atoms: np.ndarray,
-    signals: np.ndarray,
-    lam: float,
-    max_active: int | None = None,
-) -> np.ndarray:
+def lasso_lars(atoms: np.ndarray, signals: np.ndarray, lam: float,
+               max_active: int | None = None) -> np.ndarray:
     """Lasso codes of many signals over one dictionary by the LARS homotopy, batched.
 
     Minimises ``0.5 ||x - a @ atoms||^2 + lam ||a||_1`` for each row ``x`` of ``signals``
@@ -169,11 +152,9 @@ def lasso_lars(
         entering = np.where(adding, entering_next, entering)
         valid = slots[None, :] < count[:, None]
         residual = signals[origin] - _scatter(coef, index, m, valid) @ atoms
-        live &= ~(
-            (adding & (count == limit))
-            | (level - lam < 1e-15)
-            | (np.einsum("ij,ij->i", residual, residual) < 1e-15)
-        )
+        live &= ~((adding & (count == limit))
+                  | (level - lam < 1e-15)
+                  | (np.einsum("ij,ij->i", residual, residual) < 1e-15))
         # finished signals leave the batch with their codes
         done = ~live
         coef_full[origin[done]] = _scatter(coef[done], index[done], m, valid[done])
@@ -203,12 +184,8 @@ def _schur_pivot(gram, index, count, entering):
     return gram[entering, entering] - np.einsum("ij,ij->i", cross, proj)
 
 
-def cluster_labels(
-    features: np.ndarray,
-    num_clusters: int = NUM_CLUSTERS,
-    seed: int = 0,
-    max_iter: int = KMEANS_MAX_ITER,
-) -> np.ndarray:
+def cluster_labels(features: np.ndarray, num_clusters: int = NUM_CLUSTERS, seed: int = 0,
+                   max_iter: int = KMEANS_MAX_ITER) -> np.ndarray:
     """K-means (random initial centres, as ``vgg_kmeans``) cluster index of each row."""
     features = np.asarray(features, dtype=np.float64)
     distinct = np.unique(features, axis=0).shape[0]
@@ -224,12 +201,8 @@ def cluster_labels(
     return np.argmin(d2, axis=1)
 
 
-def propagate_errors(
-    features: np.ndarray,
-    errors: np.ndarray,
-    clusters: np.ndarray,
-    weight_of_neighbours: float = PROPAGATION_WEIGHT,
-) -> np.ndarray:
+def propagate_errors(features: np.ndarray, errors: np.ndarray, clusters: np.ndarray,
+                     weight_of_neighbours: float = PROPAGATION_WEIGHT) -> np.ndarray:
     """Context-based propagation of reconstruction errors within K-means clusters.
 
     Superpixels are visited from the largest initial error down; each becomes

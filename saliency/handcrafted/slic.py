@@ -15,13 +15,8 @@ details that matter (seed placement, distance scaling, size-based connectivity m
    most a quarter of the nominal size ``H W / K'`` (``K' = H W / S^2``) takes the label of an
    already labelled 4-neighbour of that first pixel (the last one found, left/up/right/down).
 
-All loops run in numba (``cache=True``: compiled once per machine, then loaded from disk).
-Float arithmetic follows the reference order so labels are reproducible bit for bit.
-
-Public API:
-    reference_lab(rgb) -> float64 HxWx3
-    slic_reference(rgb, n_segments, compactness=20.0, max_num_iter=10, perturb_seeds=False,
-                   column_major=False) -> int32 HxW labels 0..n-1
+The per-pixel loops run in numba (``cache=True``: compiled once per machine, then loaded from disk);
+float arithmetic follows the reference order, so labels are reproducible bit for bit.
 """
 
 from __future__ import annotations
@@ -29,23 +24,9 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-# sRGB -> XYZ with the D65 white folded into the X and Z rows (the reference's constants)
-_XYZ = np.array(
-    [
-        [0.4339563, 0.3762153, 0.1898430],
-        [0.2126729, 0.7151522, 0.0721750],
-        [0.0177578, 0.1094756, 0.8728363],
-    ]
-)
+from saliency.handcrafted.colour import REFERENCE_RGB_TO_XYZ, srgb_to_linear
 
-
-def _linear_table() -> np.ndarray:
-    """sRGB 0..255 -> linear RGB (the reference's per-channel gamma), float64 (256,)."""
-    c = np.arange(256, dtype=np.float64) / 255.0
-    return np.where(c <= 0.04045, c / 12.92, ((c + 0.055) / 1.055) ** 2.4)
-
-
-_LINEAR = _linear_table()
+_LINEAR = srgb_to_linear(np.arange(256, dtype=np.float64) / 255.0)  # sRGB 0..255 -> linear RGB
 
 
 @numba.njit(cache=True)
@@ -73,77 +54,46 @@ def _lab_kernel(rgb: np.ndarray, linear: np.ndarray, m: np.ndarray) -> np.ndarra
 def reference_lab(rgb: np.ndarray) -> np.ndarray:
     """CIE Lab (D65, L in [0, 100]) of a uint8 RGB image as the reference SLIC computes it, float64."""
     array = np.ascontiguousarray(rgb, dtype=np.uint8)
-    return _lab_kernel(array, _LINEAR, _XYZ)
+    return _lab_kernel(array, _LINEAR, REFERENCE_RGB_TO_XYZ)
 
 
-@numba.njit(cache=True)
-def _grid_seeds(height: int, width: int, step: int):
-    """Seed positions (x, y) on the reference grid: step ``step``, remainder spread evenly."""
-    xs = int(0.5 + width / step)
-    ys = int(0.5 + height / step)
-    xerr = width - step * xs
-    if xerr < 0:
-        xs -= 1
-        xerr = width - step * xs
-    yerr = height - step * ys
-    if yerr < 0:
-        ys -= 1
-        yerr = height - step * ys
-    xs = max(xs, 1)
-    ys = max(ys, 1)
-    xe_per_seed = xerr / xs
-    ye_per_seed = yerr / ys
-    offset = step // 2
-    n = xs * ys
-    seed_x = np.empty(n, dtype=np.float64)
-    seed_y = np.empty(n, dtype=np.float64)
-    k = 0
-    for j in range(ys):
-        ye = int(j * ye_per_seed)
-        for i in range(xs):
-            xe = int(i * xe_per_seed)
-            # clamp: only reachable on images smaller than one step
-            seed_x[k] = min(i * step + offset + xe, width - 1)
-            seed_y[k] = min(j * step + offset + ye, height - 1)
-            k += 1
-    return seed_x, seed_y
+def _grid_seeds(height: int, width: int, step: int) -> tuple[np.ndarray, np.ndarray]:
+    """Seed positions (x, y) on the reference grid: step ``step``, remainder spread evenly, row by row."""
+    axes = []
+    for length in (width, height):
+        count = int(0.5 + length / step)
+        if length - step * count < 0:
+            count -= 1
+        per_seed = (length - step * count) / max(count, 1)
+        index = np.arange(max(count, 1))
+        # clamp: only reachable on images smaller than one step
+        axes.append(np.minimum(index * step + step // 2 + (index * per_seed).astype(np.int64), length - 1))
+    xs, ys = axes
+    return np.tile(xs, ys.size).astype(np.float64), np.repeat(ys, xs.size).astype(np.float64)
 
 
-@numba.njit(cache=True)
 def _perturb(lab: np.ndarray, seed_x: np.ndarray, seed_y: np.ndarray) -> None:
     """Move each seed to the lowest-gradient pixel of its 3x3 neighbourhood (Achanta's PerturbSeeds)."""
     height, width = lab.shape[0], lab.shape[1]
+    gx = (lab[1:-1, :-2] - lab[1:-1, 2:]) ** 2
+    gy = (lab[:-2, 1:-1] - lab[2:, 1:-1]) ** 2
     edges = np.zeros((height, width), dtype=np.float64)
-    for y in range(1, height - 1):
-        for x in range(1, width - 1):
-            dx = 0.0
-            dy = 0.0
-            for c in range(3):
-                gx = lab[y, x - 1, c] - lab[y, x + 1, c]
-                gy = lab[y - 1, x, c] - lab[y + 1, x, c]
-                dx += gx * gx
-                dy += gy * gy
-            edges[y, x] = dx + dy
-    nx = (-1, -1, 0, 1, 1, 1, 0, -1)
-    ny = (0, -1, -1, -1, 0, 1, 1, 1)
+    # channels summed in the reference's order, so that ties between neighbours break the same way
+    edges[1:-1, 1:-1] = (gx[..., 0] + gx[..., 1] + gx[..., 2]) + (gy[..., 0] + gy[..., 1] + gy[..., 2])
     for k in range(seed_x.size):
         ox, oy = int(seed_x[k]), int(seed_y[k])
         bx, by = ox, oy
-        for t in range(8):
-            x, y = ox + nx[t], oy + ny[t]
+        for dx, dy in ((-1, 0), (-1, -1), (0, -1), (1, -1), (1, 0), (1, 1), (0, 1), (-1, 1)):
+            x, y = ox + dx, oy + dy
             if 0 <= x < width and 0 <= y < height and edges[y, x] < edges[by, bx]:
                 bx, by = x, y
-        seed_x[k] = bx
-        seed_y[k] = by
+        seed_x[k], seed_y[k] = bx, by
 
 
 @numba.njit(cache=True)
 def _cluster(lab_l, lab_a, lab_b, seed_x, seed_y, step, compactness, iterations):
-    """The reference k-means: windowed assignment then mean update, ``iterations`` times.
-
-    ``lab_l``/``lab_a``/``lab_b`` are contiguous HxW planes, so the inner loop over a window
-    row is branch-free (selects instead of an ``if``) and compiles to SIMD code.
-    """
+    """The reference k-means: windowed assignment then mean update, ``iterations`` times. The Lab planes
+    are contiguous, so the inner loop over a window row is branch-free and compiles to SIMD code."""
     height, width = lab_l.shape
     n = seed_x.size
     seed_l = np.empty(n)
@@ -256,24 +206,17 @@ def _enforce_connectivity(labels: np.ndarray, min_size: int) -> np.ndarray:
     return out
 
 
-def slic_reference(
-    rgb: np.ndarray,
-    n_segments: int,
-    compactness: float = 20.0,
-    max_num_iter: int = 10,
-    perturb_seeds: bool = False,
-    column_major: bool = False,
-) -> np.ndarray:
+def slic_reference(rgb: np.ndarray, n_segments: int, compactness: float = 20.0,
+                   max_num_iter: int = 10, perturb_seeds: bool = False,
+                   column_major: bool = False) -> np.ndarray:
     """Achanta's reference SLIC of a uint8 HxWx3 RGB image; int32 labels 0..n-1 (raster order).
 
     ``n_segments`` is the requested count K (the result is near it, not equal); ``compactness``
     is the reference's m (20 in all four saliency codes). Deterministic.
 
-    Variants of the authors' copies: MC's (also DSR's) runs without seed perturbation on the
-    image as stored row by row (the defaults). MR's C++ (GMR) calls Achanta's original SLIC,
-    which perturbs seeds, on a column-major copy of the image with width and height swapped,
-    i.e. on the transposed image: ``perturb_seeds=True, column_major=True`` reproduces it
-    (labels are then numbered in column-major order, like GMR's).
+    The defaults are MC's copy (also DSR's); ``perturb_seeds=True, column_major=True`` reproduces MR's
+    C++ (GMR), which runs Achanta's original SLIC on a column-major copy of the image (labels then
+    numbered in column-major order, like GMR's).
     """
     if column_major:
         image = np.ascontiguousarray(np.asarray(rgb).transpose(1, 0, 2))
@@ -288,7 +231,7 @@ def slic_reference(
     size = height * width
     segment_size = int(0.5 + size / max(1, int(n_segments)))
     step = max(1, int(np.sqrt(segment_size) + 0.5))
-    lab = _lab_kernel(array, _LINEAR, _XYZ)
+    lab = _lab_kernel(array, _LINEAR, REFERENCE_RGB_TO_XYZ)
     seed_x, seed_y = _grid_seeds(height, width, step)
     if perturb_seeds:
         _perturb(lab, seed_x, seed_y)

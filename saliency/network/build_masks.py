@@ -1,16 +1,12 @@
 """`relicv2 saliency build-masks`: a masked shard set from a shard set and a trained saliency model.
 
-Input: any shard set `shards.shardset.resolve_shard_set` takes: a folder from `shards build`, a folder
-of plain WebDataset tars (webdataset.ShardWriter, `tar`: no manifest, no index, names like
-`train-0000.tar`), a brace pattern (`train-{0000..0099}.tar`) or one tar. Indexes missing beside the
-tars are derived once into the index cache (`--index-cache`); nothing is written beside the input.
+Input: any shard set `shards.shardset.resolve_shard_set` takes; indexes missing beside its tars are
+derived once into the index cache (`--index-cache`); nothing is written beside the input.
 
-Output `OUT/masked-NNNNNN.tar` (+ `.idx`), one per input shard (numbered by the input's order), each
-sample holding the input's image bytes unchanged (a `jpg` or `jpeg` member as `{key}.jpg`, a `png` or
-`webp` one under its own name), its `.cls` when it has one, its json plus `mask_coverage` /
-`mask_status`, and `{key}.mask.png`: the 8-bit soft mask at the displayed image's size (EXIF
-orientation applied, as DALI's decoder applies it). Then `manifest.parquet`, `rejected.parquet`,
-`info.json` and `config.yaml` (the job's settings as it printed them, `jobs.config.settings_text`).
+Output `OUT/masked-NNNNNN.tar` (+ `.idx`), one per input shard, each sample holding the input's image
+bytes unchanged (`output_member` names it), its `.cls`, its json plus `mask_coverage` / `mask_status`,
+and `{key}.mask.png`: the 8-bit soft mask at the displayed image's size (EXIF orientation applied, as
+DALI's decoder applies it). Then `manifest.parquet`, `rejected.parquet`, `info.json` and `config.yaml`.
 
 - Streaming: one batch being decoded (worker processes), one in the network, one being encoded and
   written; memory is a few batches whatever the data set size (the batches in flight live in a
@@ -32,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import sys
 import time
 from collections import Counter
@@ -220,11 +217,9 @@ def read_input_shard(tar: Path, report: ReadReport, kept: Counter) -> Iterator[R
 
 @dataclass
 class MainThreadClock:
-    """Where the job's main thread spent its time (seconds): in the forward pass (launching it and
-    waiting for it; on the CPU, running it), waiting for the pool (decode, mask encoding), and in all.
-    The rest is its own work: reading input and writing tars. A GPU run with much waiting on the pool
-    is host-bound. Also how long after the clock's start the first batch was decoded: the one-time
-    start of the worker processes, which a short benchmark should not count as throughput."""
+    """Where the job's main thread spent its time (seconds): in the forward pass, waiting for the pool
+    (decode, mask encoding: a GPU run with much of it is host-bound), in all; and when the first batch was
+    decoded (the workers' one-time start, which a short benchmark should not count as throughput)."""
 
     forward: float = 0.0
     waiting_for_pool: float = 0.0
@@ -245,14 +240,7 @@ def _chunks(count: int, parts: int) -> list[slice]:
 
 
 def _batches(items: Iterator, size: int) -> Iterator[list]:
-    batch: list = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
+    return iter(lambda: list(itertools.islice(items, size)), [])
 
 
 def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: Executor, ring: SlotRing, bar,
@@ -303,11 +291,8 @@ def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: Executo
                                   for part in _chunks(len(samples), parts)]
 
     try:
-        batches = prepared_batches()
-        current = next(batches, None)
-        while current is not None:
-            following = next(batches, None)  # decode the next batch while this one is in the network
-            slot, samples, futures = current
+        # pairwise: the next batch is read and handed to the workers before this one goes to the network
+        for (slot, samples, futures), _ in itertools.pairwise(itertools.chain(prepared_batches(), [None])):
             results = [result for future in futures for result in pool_result(future)]
             if clock.first_batch is None:
                 clock.first_batch = time.perf_counter() - clock.started
@@ -332,7 +317,6 @@ def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: Executo
                 clock.forward += time.perf_counter() - waited
                 writing.extend(pool.submit(finish_chunk, spec, slot, part.start, ready[part], crf, kept[part])
                                for part in _chunks(len(ready), parts))
-            current = following
         write_finished()
         clock.total += time.perf_counter() - began
         if not shard.rows:
@@ -400,11 +384,9 @@ def check_input(tars: list[Path], out: Path) -> None:
     """Refuse an input that names a tar twice (its samples would be written twice) or lies in `out`
     (the masked tars, `masked-NNNNNN.tar`, would join the input set)."""
     resolved = [t.resolve() for t in tars]
-    seen: set[Path] = set()  # a set, not the list before each tar: that was quadratic in the tars
-    for tar in resolved:
-        if tar in seen:
-            raise MasksError(f"the input names {tar} more than once; give each shard once")
-        seen.add(tar)
+    twice = [tar for tar, n in Counter(resolved).items() if n > 1]
+    if twice:
+        raise MasksError(f"the input names {twice[0]} more than once; give each shard once")
     out_dir = out.resolve()
     if any(t.parent == out_dir for t in resolved):
         raise MasksError(f"--out {out} holds input shards; choose an output folder apart from --shards")
@@ -432,7 +414,7 @@ def masks_job(out: Path, model_sha256: str, tars: list[Path], flip: bool = False
 def _summary(records: list[dict], seconds: float) -> dict:
     coverage = np.concatenate([np.zeros(0), *(rec["manifest"].column("mask_coverage").to_numpy(zero_copy_only=False)
                                               for rec in records if rec["manifest"].num_rows)]).astype(np.float64)
-    histogram = np.histogram(coverage, bins=10, range=(0.0, 1.0))[0].tolist() if len(coverage) else [0] * 10
+    histogram = np.histogram(coverage, bins=10, range=(0.0, 1.0))[0].tolist()
     members = sum((Counter(rec.get("members", {})) for rec in records), Counter())
     replaced = members.pop(MASK_MEMBER, 0)
     return {
@@ -459,22 +441,15 @@ def check_out_folder(job: ShardJob) -> None:
     # Listed before the plan is looked at: under torchrun, rank 0 writes the plan before any output,
     # so an output seen here always comes with the plan that makes it ours.
     visible = other_entries(out, set())
-    if not visible:
-        return
-    started = job.plan_path.is_file()
-    others = [name for name in visible if name not in ours] if started else visible
+    others = [name for name in visible if name not in ours] if job.plan_path.is_file() else visible
     if others:
         shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
         raise MasksError(f"--out {out} holds files this job did not write ({shown}); choose an empty or new folder")
 
 
 def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=None) -> dict | None:
-    """Run (or resume) the job; rank 0 returns the summary, the other ranks None.
-
-    `predictor` (tests, benchmarks): used instead of the model file's network, with a `.size` and either
-    `MaskPredictor`'s `.launch` or a call (uint8 squares -> probabilities; see `launch_forward`); the file
-    is still read and fingerprinted.
-    """
+    """Run (or resume) the job; rank 0 returns the summary, the other ranks None. `predictor` (tests,
+    benchmarks) stands in for the model file's network (see `launch_forward`); the file is still read."""
     ranks = ranks or ranks_from_env()
     tars = _input_tars(config, ranks)
     out = Path(config.out)
@@ -570,12 +545,10 @@ def _run(job: ShardJob, plan: dict, tars: list[Path], config: BuildMasksConfig, 
         raise MasksError(str(error)) from None
     summary = _summary(records, time.monotonic() - started)
     atomic_write_bytes(out / SETTINGS_FILE, settings_text(config, version=package_version()).encode())
-    merge_records(out, records, info={
-        "prefix": PREFIX, "source": str(config.shards), "model": plan["model_sha256"], "flip": config.flip,
-        "crf": config.crf,
-        "mask": {k: summary[k] for k in ("below_min_coverage", "min_coverage", "coverage_histogram")},
-        "version": package_version(),
-    })
+    mask = {k: summary[k] for k in ("below_min_coverage", "min_coverage", "coverage_histogram")}
+    info = {"prefix": PREFIX, "source": str(config.shards), "model": plan["model_sha256"], "flip": config.flip,
+            "crf": config.crf, "mask": mask, "version": package_version()}
+    merge_records(out, records, info=info)
     summary["shards_kept"], summary["shards_built"] = kept, len(tars) - kept
     summary["rejected_file"] = str(out / REJECTED_NAME)
     summary["workers"], summary["ring_page_locked"] = workers, page_locked

@@ -1,8 +1,5 @@
-"""Configuration of `relicv2 saliency train`: one frozen dataclass, presets by name, `--set k=v` overrides.
-
-The defaults are the paper's values (docs/design.md "Refinement (DeepUSPS-style)"). The presets live in
-`saliency/presets/NAME.yaml` (each file's first line says what it is for): `paper`, `cpu`, `demo`,
-`tiny`. Loading goes through `jobs.config`, like every job's settings.
+"""Configuration of `relicv2 saliency train` through `jobs.config`: the paper's values by default
+(docs/design.md "Refinement (DeepUSPS-style)"), presets in `saliency/presets/NAME.yaml`, `--set k=v`.
 """
 
 from __future__ import annotations
@@ -45,9 +42,8 @@ class CrfConfig:
     def at_size(self, size: int) -> CrfConfig:
         """These settings with the spatial widths scaled to a `size` x `size` input."""
         scale = size / self.reference_size
-        return dataclasses.replace(
-            self, gaussian_sxy=self.gaussian_sxy * scale, bilateral_sxy=self.bilateral_sxy * scale, reference_size=size
-        )
+        return dataclasses.replace(self, gaussian_sxy=self.gaussian_sxy * scale,
+                                   bilateral_sxy=self.bilateral_sxy * scale, reference_size=size)
 
 
 @dataclass(frozen=True)
@@ -101,10 +97,8 @@ PRESETS = Presets(job="relicv2 saliency train", package="saliency")
 
 
 def load_saliency_config(config: str | Path | None = None, overrides: Sequence[str] = ()) -> SaliencyTrainConfig:
-    """Defaults (the paper's) <- preset NAME or YAML file (flat keys, `crf:` a section) <- `key=value`.
-
-    `preset` records where the settings came from: the preset's name, or the file's stem.
-    """
+    """Defaults (the paper's) <- preset NAME or YAML file (flat keys, `crf:` a section) <- `key=value`;
+    `preset` records the preset's name or the file's stem."""
     label = None if config is None else (Path(config).stem if is_file_reference(config) else str(config))
     return resolve(SaliencyTrainConfig, config, overrides, PRESETS,
                    defaults={"preset": label} if label else None)[0]

@@ -32,14 +32,9 @@ def dense_crf(rgb: np.ndarray, foreground: np.ndarray, config: CrfConfig = CrfCo
     crf = dcrf.DenseCRF2D(width, height, 2)
     crf.setUnaryEnergy(np.ascontiguousarray(-np.log(probabilities), dtype=np.float32))
     crf.addPairwiseGaussian(sxy=config.gaussian_sxy, compat=config.gaussian_compat)
-    crf.addPairwiseBilateral(
-        sxy=config.bilateral_sxy,
-        srgb=config.bilateral_srgb,
-        rgbim=np.ascontiguousarray(rgb, dtype=np.uint8),
-        compat=config.bilateral_compat,
-    )
-    q = np.asarray(crf.inference(config.iterations), dtype=np.float32).reshape(2, height, width)
-    return q[1]
+    crf.addPairwiseBilateral(sxy=config.bilateral_sxy, srgb=config.bilateral_srgb,
+                             rgbim=np.ascontiguousarray(rgb, dtype=np.uint8), compat=config.bilateral_compat)
+    return np.asarray(crf.inference(config.iterations), dtype=np.float32).reshape(2, height, width)[1]
 
 
 def model_crf(info: Mapping[str, Any], source: str) -> CrfConfig:

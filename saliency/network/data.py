@@ -14,22 +14,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 from PIL import Image
 
 from saliency.batch import HandcraftedConfig, map_path, run_handcrafted
-from saliency.images import ImageReadError, read_gray
-from saliency.network.images import (
-    SampleDecodeError,
-    SampleLocation,
-    decode_displayed,
-    has_rotation,
-    resize_map,
-    resize_square,
-    sample_locations,
-)
+from saliency.images import ImageReadError, decode_rgb, read_gray
+from saliency.network.build_masks import output_member
+from saliency.network.images import resize_map, resize_square, sample_locations
 from shards import ReadReport, ShardSample, iter_samples, write_shard_set
+from shards.images import exif_orientation
+from shards.reader import SampleRef
 
 SAMPLE_PREFIX = "sample"
 
@@ -43,22 +37,18 @@ class TrainingImages:
     maps: dict[str, torch.Tensor]  # method -> float16 [N, S, S] in [0, 1]
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (key, reason)
 
-    def images_hwc(self) -> np.ndarray:
-        return self.images.permute(0, 2, 3, 1).contiguous().numpy()
 
-
-def _sample_stream(locations: list[SampleLocation], skipped: list) -> Iterator[ShardSample]:
+def _sample_stream(locations: list[SampleRef], skipped: list) -> Iterator[ShardSample]:
     for location in locations:
         data = location.read_image()
         try:
-            rgb = decode_displayed(data, f"{location.key} in {location.tar.name}")
-        except SampleDecodeError as error:
+            rgb = decode_rgb(data, f"{location.key} in {location.tar.name}")
+        except ImageReadError as error:
             skipped.append((location.key, str(error)))
             print(f"saliency train: skipping {error}", file=sys.stderr)
             continue
-        # The image keeps its member name (png and webp stay what they are; `jpeg` is our `jpg`).
-        member = "jpg" if location.image_ext == "jpeg" else location.image_ext
-        if has_rotation(data):
+        member = output_member(location.image_ext)
+        if exif_orientation(data) != 1:  # pixels stored rotated
             buffer = io.BytesIO()
             Image.fromarray(rgb).save(buffer, "JPEG", quality=95)
             data, member = buffer.getvalue(), "jpg"
@@ -67,14 +57,9 @@ def _sample_stream(locations: list[SampleLocation], skipped: list) -> Iterator[S
 
 
 def write_sample_set(shards: Path | str, out: Path, count: int, seed: int, index_cache: Path | None = None,
-                     locations: list[SampleLocation] | None = None) -> tuple[Path, list]:
+                     locations: list[SampleRef] | None = None) -> tuple[Path, list]:
     """`OUT/sample/`: the seeded sample of `shards` (kept when it exists: the plan is deterministic).
-
-    `shards` is any shard set spec `shards.shardset.resolve_shard_set` takes (folder, brace pattern,
-    tar); indexes missing beside its tars are derived into `index_cache`. `locations`: the sample
-    already drawn (`sample_locations(shards, count, seed)`, as `saliency train` does before it
-    writes anything), so the set's indexes are not read twice.
-    """
+    `locations`: the sample `sample_locations` already drew, so that the set's indexes are not read twice."""
     folder = Path(out) / "sample"
     skipped: list[tuple[str, str]] = []
     if not (folder / "info.json").is_file():
@@ -86,15 +71,13 @@ def write_sample_set(shards: Path | str, out: Path, count: int, seed: int, index
 
 def handcrafted_maps(images: Path, output: Path, methods: tuple[str, ...], workers: int, progress: bool) -> list:
     """Run (or resume) the handcrafted batch job; returns its failures [(key, reason)]."""
-    report = run_handcrafted(
-        HandcraftedConfig(methods=methods, input=images, output=output, workers=workers, progress=progress)
-    )
-    return list(report.failed)
+    config = HandcraftedConfig(methods=methods, input=images, output=output, workers=workers, progress=progress)
+    return list(run_handcrafted(config).failed)
 
 
 def load_training_images(
     shards: Path | str, out: Path, *, count: int, seed: int, size: int, methods: tuple[str, ...], workers: int,
-    progress: bool = True, index_cache: Path | None = None, locations: list[SampleLocation] | None = None,
+    progress: bool = True, index_cache: Path | None = None, locations: list[SampleRef] | None = None,
 ) -> TrainingImages:
     """Sample, compute maps (cached), and load everything at `size` x `size` into memory."""
     sample_dir, skipped = write_sample_set(shards, out, count, seed, index_cache, locations)
@@ -107,9 +90,9 @@ def load_training_images(
             skipped.append((key, failed[key]))
             continue
         try:
-            rgb = decode_displayed(sample["image"], key)
+            rgb = decode_rgb(sample["image"], key)
             raw = {m: read_gray(map_path(Path(out) / "maps", m, key)) for m in methods}
-        except (SampleDecodeError, ImageReadError) as error:
+        except ImageReadError as error:
             skipped.append((key, str(error)))
             continue
         keys.append(key)

@@ -1,10 +1,4 @@
-"""Images as the view pipeline sees them, resized squares for the network, and seeded sampling from shards.
-
-Orientation: DALI's image decoder applies the EXIF orientation tag (`adjust_orientation`, on by
-default), so a mask must be computed on the displayed image and stored at the displayed size, or
-image and mask disagree in training. Decoding goes through the project's one image loader
-(`shards.images`), which applies the orientation and the pixel limits.
-"""
+"""Resized squares for the network, and seeded sampling of training images from a shard set."""
 
 from __future__ import annotations
 
@@ -15,26 +9,10 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from shards.images import ImageLoadError, exif_orientation, load_rgb
 from shards.index import split_member_name
 from shards.reader import ReadReport, SampleRef, locate_samples
 from shards.sample import IMAGE_MEMBERS, unwritable_key
 from shards.shardset import resolve_shard_set
-
-# A shard sample whose image cannot be decoded (a ValueError); the message names the sample and the
-# reason. The loader's own error, so callers catching either catch both.
-SampleDecodeError = ImageLoadError
-
-
-def decode_displayed(data: bytes, name: str) -> np.ndarray:
-    """Encoded image bytes -> uint8 [H, W, 3] RGB in the displayed orientation (EXIF applied);
-    :class:`SampleDecodeError` names `name`."""
-    return load_rgb(data, name)
-
-
-def has_rotation(data: bytes) -> bool:
-    """True when the image carries an EXIF orientation other than 1 (its pixels are stored rotated)."""
-    return exif_orientation(data) != 1
 
 
 def resize_square(rgb: np.ndarray, size: int) -> np.ndarray:
@@ -47,11 +25,6 @@ def resize_map(values: np.ndarray, width: int, height: int) -> np.ndarray:
     return cv2.resize(np.asarray(values, dtype=np.float32), (width, height), interpolation=cv2.INTER_LINEAR)
 
 
-# Where a sampled image lies: its tar, and per member (offset, size, name); `read_image()`, `image_ext`
-# and `label` read what training needs.
-SampleLocation = SampleRef
-
-
 def _writable(ref: SampleRef, report: ReadReport) -> bool:
     """Whether a sample's key can name a written sample (1-80 of [A-Za-z0-9_-]); else a rejection."""
     key = split_member_name(ref.entries[0][3])[0]
@@ -60,14 +33,9 @@ def _writable(ref: SampleRef, report: ReadReport) -> bool:
     return problem is None
 
 
-def sample_locations(shards: Path | str, count: int, seed: int, *, index_cache: Path | None = None) -> list[SampleLocation]:
-    """`count` samples drawn without replacement (seeded) from a shard set; all when it has fewer.
-
-    `shards`: a folder (ours, or plain WebDataset tars without manifest or index), a brace pattern
-    or a tar; indexes missing beside the tars are derived once into `index_cache`
-    (`shards.shardset.resolve_shard_set`). Samples are located by the shard reader, whose refusals
-    are said on stderr. Raises ValueError naming the set when it holds no image.
-    """
+def sample_locations(shards: Path | str, count: int, seed: int, *, index_cache: Path | None = None) -> list[SampleRef]:
+    """`count` samples drawn without replacement (seeded) from any shard set `resolve_shard_set` takes; all
+    when it has fewer. The reader's refusals are said on stderr; ValueError naming a set without images."""
     shard_set = resolve_shard_set(shards, index_cache=index_cache)
     report = ReadReport()
     everything = [ref for tar, idx in zip(shard_set.tars, shard_set.index_files, strict=True)

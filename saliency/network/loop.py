@@ -6,7 +6,6 @@ DeepUSPS keeps the train-mode predictions of the training pass itself (no extra 
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
 
@@ -14,6 +13,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from jobs.workers import worker_pool
 from saliency.network.config import CrfConfig
 from saliency.network.crf import dense_crf
 from saliency.network.loss import refinement_loss
@@ -29,24 +29,11 @@ def batches(order: Tensor, batch_size: int) -> list[Tensor]:
     return parts
 
 
-def train_epoch(
-    model: SaliencyNet,
-    optimizer: torch.optim.Optimizer,
-    images: Tensor,
-    labels: Tensor,
-    soft_maps: Tensor,
-    *,
-    order: Tensor,
-    batch_size: int,
-    beta2: float,
-    device: str,
-    progress=None,
-) -> tuple[np.ndarray, float]:
-    """Train one pass over `order`; return (train-mode predictions [N, S, S] float32, mean loss).
-
-    images uint8 [N, 3, S, S]; labels and soft_maps [N, M, S, S] (M label sets: the loss is the mean
-    over them, M = 1 in phase I, one per method in phase II).
-    """
+def train_epoch(model: SaliencyNet, optimizer: torch.optim.Optimizer, images: Tensor,
+                labels: Tensor, soft_maps: Tensor, *, order: Tensor, batch_size: int, beta2: float,
+                device: str, progress=None) -> tuple[np.ndarray, float]:
+    """Train one pass over `order`; return (train-mode predictions [N, S, S] float32, mean loss). labels and
+    soft_maps [N, M, S, S]: M label sets (1 in phase I, one per method in phase II), the loss their mean."""
     model.train()
     predictions = np.zeros((images.shape[0], *images.shape[-2:]), dtype=np.float32)
     losses = []
@@ -54,9 +41,8 @@ def train_epoch(
         probability = torch.sigmoid(model(model.normalise(images[index]))).squeeze(1)
         y = labels[index].to(device).float()
         m = soft_maps[index].to(device).float()
-        loss = torch.stack(
-            [refinement_loss(probability, y[:, j], m[:, j], beta2) for j in range(y.shape[1])]
-        ).mean()
+        per_label_set = [refinement_loss(probability, y[:, j], m[:, j], beta2) for j in range(y.shape[1])]
+        loss = torch.stack(per_label_set).mean()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -90,10 +76,8 @@ class CrfPool:
         self.pool: ProcessPoolExecutor | None = None
         if workers > 1:
             # spawn: forking a process with torch's thread pools running can deadlock the child.
-            context = multiprocessing.get_context("spawn")
-            self.pool = ProcessPoolExecutor(
-                workers, mp_context=context, initializer=_init_crf_worker, initargs=(images_hwc, config)
-            )
+            self.pool = worker_pool(workers, start_method="spawn", initializer=_init_crf_worker,
+                                    initargs=(images_hwc, config))
 
     def refine(self, probabilities: np.ndarray) -> np.ndarray:
         """CRF-refined foreground probabilities [N, S, S] of `probabilities` [N, S, S]."""

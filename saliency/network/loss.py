@@ -1,7 +1,5 @@
-"""The refinement loss: 1 - continuous F-measure per image, after DeepUSPS's soft thresholding.
-
-Pure functions of tensors. Shapes: predictions, labels and maps are [B, H, W] (or any shape whose
-first axis is the image), predictions are probabilities in [0, 1], labels binary {0, 1}.
+"""The refinement loss: 1 - continuous F-measure per image, after DeepUSPS's soft thresholding. Pure
+functions of tensors whose first axis is the image: probabilities in [0, 1], labels binary {0, 1}.
 """
 
 from __future__ import annotations
@@ -20,11 +18,9 @@ def soft_threshold(prediction: Tensor, label: Tensor, soft_map: Tensor) -> Tenso
     below that map, it counts as 0. Those pixels then add no gradient: the network is not pushed
     to copy the noisy map's exact values where it already agrees with the label's side.
     """
-    one = torch.ones_like(prediction)
-    zero = torch.zeros_like(prediction)
     positive = (label > 0.5) & (prediction > soft_map)
     negative = (label <= 0.5) & (prediction < soft_map)
-    return torch.where(positive, one, torch.where(negative, zero, prediction))
+    return torch.where(positive, 1.0, torch.where(negative, 0.0, prediction))
 
 
 def f_measure(prediction: Tensor, label: Tensor, beta2: float = 1.0) -> Tensor:

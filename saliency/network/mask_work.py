@@ -104,10 +104,6 @@ class RingSpec:
     size: int
     slots: int = RING_SLOTS
 
-    @property
-    def nbytes(self) -> int:
-        return ring_bytes(self.batch, self.size, self.slots)
-
 
 def ring_bytes(batch: int, size: int, slots: int = RING_SLOTS) -> int:
     """A ring's size: float32 probabilities [slots, B, S, S], then uint8 squares [slots, B, S, S, 3]."""
@@ -133,22 +129,18 @@ def folder_tag(out: Path | None) -> str:
     return "none" if out is None else hashlib.sha256(str(Path(out).resolve()).encode()).hexdigest()[:12]
 
 
-def remove_dead_rings(out: Path, folder: str = SHM_FOLDER) -> int:
+def remove_dead_rings(out: Path, folder: str = SHM_FOLDER) -> None:
     """Remove the rings earlier jobs on `out` left on this host when they were killed with their whole
     process group (their resource tracker, which removes a killed job's ring and semaphores, went with
     them), and the semaphores their worker pools recorded. What belongs to a process that still runs
-    (another rank of this job) is kept. Returns how many rings and semaphores were removed."""
-    tag, removed = folder_tag(out), 0
-    for path in Path(folder).glob(f"{RING_PREFIX}-*-{tag}-*"):
+    (another rank of this job) is kept."""
+    for path in Path(folder).glob(f"{RING_PREFIX}-*-{folder_tag(out)}-*"):
         match = RING_NAME.fullmatch(path.name) or SEMAPHORES_NAME.fullmatch(path.name)
         if match is None or pid_alive(int(match.group(1))):
             continue
         if SEMAPHORES_NAME.fullmatch(path.name):
-            removed += _unlink_semaphores(path)
-        with contextlib.suppress(FileNotFoundError):  # another rank of the job removed it first
-            path.unlink()
-            removed += RING_NAME.fullmatch(path.name) is not None
-    return removed
+            _unlink_semaphores(path)
+        path.unlink(missing_ok=True)  # another rank of the job may have removed it first
 
 
 def record_semaphores(pool: object, out: Path, folder: str = SHM_FOLDER) -> SharedMemory | None:
@@ -170,25 +162,18 @@ def _semaphore_names(pool: object) -> list[str]:
     # No public API lists them: multiprocessing names the POSIX semaphores of a spawned pool's two
     # queues (their locks and the call queue's bound) and leaves their unlinking to its resource
     # tracker; they are read off the queues here, and nothing is found where the layout differs.
-    names = []
-    for queue in (getattr(pool, "_call_queue", None), getattr(pool, "_result_queue", None)):
-        for value in vars(queue).values() if queue is not None else ():
-            name = getattr(getattr(value, "_semlock", None), "name", None)
-            if isinstance(name, str):
-                names.append(name)
-    return names
+    queues = (getattr(pool, "_call_queue", None), getattr(pool, "_result_queue", None))
+    locks = (getattr(value, "_semlock", None) for q in queues if q is not None for value in vars(q).values())
+    return [name for lock in locks if isinstance(name := getattr(lock, "name", None), str)]
 
 
-def _unlink_semaphores(record: Path) -> int:
+def _unlink_semaphores(record: Path) -> None:
     import _multiprocessing  # sem_unlink: what the resource tracker itself calls for a semaphore
 
-    removed = 0
     for name in record.read_text().split():
         if re.fullmatch(r"/mp-[\w-]+", name):  # only names multiprocessing gives: the record is a file on a shared folder
             with contextlib.suppress(OSError):  # gone already
                 _multiprocessing.sem_unlink(name)
-                removed += 1
-    return removed
 
 
 def _reserve(name: str, nbytes: int, folder: str = SHM_FOLDER) -> None:
@@ -226,9 +211,9 @@ class SlotRing:
         here: RingSpaceError when /dev/shm is too full (the job's check of the room for every rank of
         the node, `check_shm_space`, comes before it, but /dev/shm may have filled since)."""
         spec = RingSpec(f"{RING_PREFIX}-{os.getpid()}-{folder_tag(out)}-{secrets.token_hex(4)}", batch, size)
-        memory = SharedMemory(spec.name, create=True, size=spec.nbytes)
+        memory = SharedMemory(spec.name, create=True, size=ring_bytes(batch, size))
         try:
-            _reserve(memory.name, spec.nbytes)
+            _reserve(memory.name, ring_bytes(batch, size))
         except BaseException:
             memory.close()
             memory.unlink()
@@ -241,7 +226,7 @@ class SlotRing:
 
     def address(self) -> tuple[int, int]:
         """The block's start address and size, for page-locking it."""
-        return self._probabilities.ctypes.data, self.spec.nbytes
+        return self._probabilities.ctypes.data, self._probabilities.nbytes + self._squares.nbytes
 
     def squares(self, slot: int) -> np.ndarray:
         return self._squares[slot]
@@ -254,10 +239,8 @@ class SlotRing:
         memory goes with the last mapping."""
         self.memory.unlink()
         del self._probabilities, self._squares
-        try:
+        with contextlib.suppress(BufferError):  # a view still held by the caller (a predictor's result): the GC unmaps it later
             self.memory.close()
-        except BufferError:  # a view still held by the caller (a predictor's result): the GC unmaps it later
-            pass
 
 
 def readable_size(nbytes: float) -> str:
@@ -300,10 +283,9 @@ def forget_ring(ring: SlotRing) -> None:
 
 
 def _ring(spec: RingSpec) -> SlotRing:
-    ring = _rings.get(spec.name)
-    if ring is None:
-        ring = _rings[spec.name] = SlotRing.attach(spec)
-    return ring
+    if spec.name not in _rings:
+        _rings[spec.name] = SlotRing.attach(spec)
+    return _rings[spec.name]
 
 
 def prepare_chunk(spec: RingSpec, slot: int, start: int, samples: list[RawSample]) -> list[tuple[int, int] | Rejection]:
@@ -313,11 +295,9 @@ def prepare_chunk(spec: RingSpec, slot: int, start: int, samples: list[RawSample
     results: list[tuple[int, int] | Rejection] = []
     for position, sample in enumerate(samples, start):
         prepared = prepare(sample, spec.size)
-        if isinstance(prepared, Rejection):
-            results.append(prepared)
-        else:
-            squares[position] = prepared[0]
-            results.append(prepared[1:])
+        if not isinstance(prepared, Rejection):
+            squares[position], prepared = prepared[0], prepared[1:]
+        results.append(prepared)
     return results
 
 

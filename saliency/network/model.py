@@ -7,9 +7,7 @@ of a stage's first block becomes stride 1, and every 3x3 convolution of the stag
 (2 for layer3, 4 for layer4) except the first block's, which keeps the previous stage's dilation.
 Parameter shapes are unchanged, so pretrained weights load as they are.
 
-Decoder (DeepLabv3+-like, small): layer4 features -> 1x1 conv (128) -> 3x3 conv; upsampled to
-layer1's stride 4 and joined with a 1x1 (32) reduction of layer1 -> 3x3 conv (64) -> 1x1 conv to
-one logit -> bilinear upsampling to the input size.
+The decoder is a small DeepLabv3+-like head joining layer4's features with layer1's at stride 4.
 """
 
 from __future__ import annotations
@@ -49,9 +47,8 @@ def dilate_last_stages(encoder: ResNet) -> ResNet:
 
 
 def _conv_bn_relu(cin: int, cout: int, kernel: int) -> nn.Sequential:
-    return nn.Sequential(
-        nn.Conv2d(cin, cout, kernel, padding=kernel // 2, bias=False), nn.BatchNorm2d(cout), nn.ReLU(inplace=True)
-    )
+    return nn.Sequential(nn.Conv2d(cin, cout, kernel, padding=kernel // 2, bias=False), nn.BatchNorm2d(cout),
+                         nn.ReLU(inplace=True))
 
 
 class SaliencyNet(nn.Module):

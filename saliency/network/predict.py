@@ -1,12 +1,5 @@
-"""One image's saliency map from a trained network, with the test-time options a user can score.
-
-- ``predict_map``: the foreground probability at the image's own size; ``flip`` averages it with the
-  prediction of the horizontally mirrored image (mirrored back), the usual test-time augmentation;
-  ``crf`` refines it with the dense CRF the network was trained with (`crf.model_crf`);
-- ``mean_of_maps``: the per-pixel mean of an image's handcrafted maps (the trivial fusion the network
-  must beat), read from a `saliency handcrafted` output folder;
-- ``with_maps``: the mean of a network's prediction and that mean of the maps.
-"""
+"""One image's saliency map from a trained network, with the test-time options a user can score
+(mirror averaging, the dense CRF, averaging with the handcrafted maps)."""
 
 from __future__ import annotations
 
@@ -41,10 +34,8 @@ def predict_map(model: SaliencyNet, rgb: np.ndarray, size: int, *, flip: bool = 
     with `crf`, refined by the dense CRF on the network's input square first (`saliency.network.crf`)."""
     square = resize_square(rgb, size)
     batch = torch.from_numpy(square).permute(2, 0, 1)[None]
-    if flip:
-        probability = mirror_mean(model.predict(with_mirrors(batch)))[0].cpu().numpy()
-    else:
-        probability = model.predict(batch)[0].cpu().numpy()
+    probabilities = mirror_mean(model.predict(with_mirrors(batch))) if flip else model.predict(batch)
+    probability = probabilities[0].cpu().numpy()
     if crf is not None:
         probability = dense_crf(square, probability, crf)
     return resize_map(probability, rgb.shape[1], rgb.shape[0])

@@ -107,17 +107,13 @@ def launch_forward(predictor, squares: np.ndarray, out: np.ndarray) -> Callable[
     """Start `predictor`'s forward of `squares`; the returned function waits for it with the probabilities
     in `out`. A predictor with `launch` (MaskPredictor, the benchmark's stand-in) may fill `out` itself;
     a plain callable (tests) runs now."""
-    if hasattr(predictor, "launch"):
-        wait = predictor.launch(squares, out)
-    else:
-        probabilities = predictor(squares)
-
-        def wait() -> np.ndarray:
-            return probabilities
+    if not hasattr(predictor, "launch"):
+        out[...] = predictor(squares)
+        return lambda: None
+    wait = predictor.launch(squares, out)
 
     def fill() -> None:
-        probabilities = wait()
-        if probabilities is not out:
+        if (probabilities := wait()) is not out:
             out[...] = probabilities
 
     return fill

@@ -2,8 +2,7 @@
 (what the fused network is trained to fit), the fused network, and the per-pixel mean of the handcrafted maps
 (the trivial fusion the network must beat).
 
-Everything is scored at the image's own resolution against its ground-truth mask with the standard
-protocol of `saliency.metrics` (MAE, max-F, adaptive F; beta^2 = 0.3). Labels and predictions made
+Everything is scored at the image's own resolution with `saliency.metrics`; labels and predictions made
 at the network's input size are resized back (bilinear; binary labels nearest).
 """
 
@@ -18,10 +17,10 @@ import numpy as np
 
 from jobs.progress import tracked
 from saliency.batch import map_path
-from saliency.images import ImageReadError, list_images, read_gray, read_rgb
+from saliency.images import ImageReadError, decode_rgb, list_images, read_gray, read_rgb
 from saliency.metrics import aggregate, score_image
 from saliency.network.data import handcrafted_maps
-from saliency.network.images import SampleDecodeError, decode_displayed, resize_map
+from saliency.network.images import resize_map
 from saliency.network.model import SaliencyNet
 from saliency.network.predict import mean_of_maps, predict_map
 from shards import ReadReport, iter_samples
@@ -143,46 +142,39 @@ def evaluate_report(job, data, trainer, model: SaliencyNet, *, progress: bool = 
     rows[MEAN_ROW] = _mean_of(maps, config.methods)
     rows[FUSED_ROW] = lambda _k, _i, rgb: predict_map(model, rgb, size)
 
-    def train_images() -> Iterator[tuple[str, int, np.ndarray]]:
-        read = ReadReport()
-        for sample in iter_samples(out / "sample", report=read):
-            if sample["key"] in position:
-                yield sample["key"], position[sample["key"]], decode_displayed(sample["image"], sample["key"])
-        if not read.ok:
-            print(f"report: {out / 'sample'}: {read.summary()}", file=sys.stderr)
-
-    report = {"train": score_rows(train_images(), job.gt, rows, len(position), "report (train)", progress)}
+    train_images = _decoded(out / "sample", lambda key, _i: position.get(key))
+    report = {"train": score_rows(train_images, job.gt, rows, len(position), "report (train)", progress)}
     if job.eval_shards is not None:
         eval_maps = out / "eval-maps"
         failed = dict(handcrafted_maps(Path(job.eval_shards), eval_maps, config.methods, config.workers, progress))
         held: dict[str, RowFn] = {f"{m} raw map": _raw(eval_maps, m) for m in config.methods}
         held[MEAN_ROW] = _mean_of(eval_maps, config.methods)
         held[FUSED_ROW] = rows[FUSED_ROW]
-
-        def held_images() -> Iterator[tuple[str, int, np.ndarray]]:
-            read = ReadReport()
-            for i, sample in enumerate(iter_samples(Path(job.eval_shards), report=read)):
-                if sample["key"] in failed:
-                    continue
-                try:
-                    yield sample["key"], i, decode_displayed(sample["image"], sample["key"])
-                except SampleDecodeError as error:
-                    print(f"report: skipping {error}", file=sys.stderr)
-            if not read.ok:
-                print(f"report: {job.eval_shards}: {read.summary()}", file=sys.stderr)
-
-        report["heldout"] = score_rows(held_images(), job.gt, held, None, "report (held out)", progress)
+        held_images = _decoded(Path(job.eval_shards), lambda key, i: None if key in failed else i)
+        report["heldout"] = score_rows(held_images, job.gt, held, None, "report (held out)", progress)
     return report
+
+
+def _decoded(shards: Path, number: Callable[[str, int], int | None]) -> Iterator[tuple[str, int, np.ndarray]]:
+    """(key, number, rgb) of the samples of `shards` that `number(key, position)` numbers (None: left out);
+    the reader's refusals and undecodable images are said on stderr."""
+    read = ReadReport()
+    for position, sample in enumerate(iter_samples(shards, report=read)):
+        if (index := number(sample["key"], position)) is None:
+            continue
+        try:
+            yield sample["key"], index, decode_rgb(sample["image"], sample["key"])
+        except ImageReadError as error:
+            print(f"report: skipping {error}", file=sys.stderr)
+    if not read.ok:
+        print(f"report: {shards}: {read.summary()}", file=sys.stderr)
 
 
 def format_report(report: dict) -> str:
     """The report's score tables as text."""
     lines = []
-    for part in ("train", "heldout"):
-        if part not in report:
-            continue
-        lines.append(f"\n{part} images:")
-        lines.append(f"{'':28s} {'MAE':>7s} {'max-F':>7s} {'adapt-F':>7s} {'count':>6s}")
+    for part in [part for part in ("train", "heldout") if part in report]:
+        lines += [f"\n{part} images:", f"{'':28s} {'MAE':>7s} {'max-F':>7s} {'adapt-F':>7s} {'count':>6s}"]
         for name, s in report[part].items():
             values = " ".join("      -" if s[k] is None else f"{s[k]:7.3f}" for k in ("mae", "max_f", "adaptive_f"))
             lines.append(f"{name:28s} {values} {s['count']:6d}")

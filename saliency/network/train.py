@@ -35,20 +35,18 @@ from jobs.version import package_version
 from pretrain.model.resnet import load_torchvision_state_dict
 from saliency.network.config import SaliencyTrainConfig
 from saliency.network.data import TrainingImages, load_training_images
-from saliency.network.images import SampleLocation, sample_locations
+from saliency.network.images import sample_locations
 from saliency.network.loop import CrfPool, train_epoch
 from saliency.network.model import SaliencyNet
 from saliency.network.model_file import save_model
 from saliency.network.report import check_ground_truth, evaluate_report, format_report
 from saliency.network.weights import encoder_state_dict, load_fitting
 from shards.outdir import check_output_folder, writing
+from shards.reader import SampleRef
 
-CONFIG_NAME = SETTINGS_FILE  # the resolved settings and inputs, as printed at start
-RANDOM_BACKBONE_NOTE = (
-    "saliency train: note: the encoder starts from random weights (--backbone random); the paper starts it "
-    "from a self-supervised backbone (a relicv2 pretrain run folder); benchmarks/RESULTS.md measures what "
-    "that buys at small scale"
-)
+RANDOM_BACKBONE_NOTE = ("saliency train: note: the encoder starts from random weights (--backbone random); "
+                        "the paper starts it from a self-supervised backbone (a relicv2 pretrain run folder); "
+                        "benchmarks/RESULTS.md measures what that buys at small scale")
 
 
 class TrainStateError(RuntimeError):
@@ -88,23 +86,15 @@ class Unit:
 
 
 def plan_units(config: SaliencyTrainConfig) -> list[Unit]:
-    units = [
-        Unit(f"{m}-it{k + 1}", m, k, config.epochs, config.lr * config.lr_growth**k, config.phase1_beta2)
-        for m in config.methods
-        for k in range(config.iterations)
-    ]
-    if config.fuse_epochs > 0:
-        units.append(Unit("fused", None, 0, config.fuse_epochs, config.fuse_lr, config.fuse_beta2))
-    return units
+    units = [Unit(f"{m}-it{k + 1}", m, k, config.epochs, config.lr * config.lr_growth**k, config.phase1_beta2)
+             for m in config.methods for k in range(config.iterations)]
+    return [*units, Unit("fused", None, 0, config.fuse_epochs, config.fuse_lr, config.fuse_beta2)]
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
     flat: dict[str, object] = {}
     for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
+        flat.update(_flatten(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
     return flat
 
 
@@ -117,11 +107,10 @@ def config_differences(old: dict, new: dict) -> list[str]:
 
 
 def _check_config(out: Path, text: str) -> bool:
-    """Refuse an earlier run in `out` with other settings; True when `config.yaml` must be written.
-
-    A config.yaml beside nothing else (no sample, no work: an earlier version wrote it before a
-    failed check) is not a run, and is replaced. The version that wrote it does not count."""
-    path = out / CONFIG_NAME
+    """Refuse an earlier run in `out` with other settings; True when `config.yaml` must be written. A
+    config.yaml beside nothing else (an earlier version wrote it before a failed check) is not a run, and
+    is replaced; the version that wrote it does not count."""
+    path = out / SETTINGS_FILE
     if not path.is_file():
         return True
     try:
@@ -134,8 +123,7 @@ def _check_config(out: Path, text: str) -> bool:
             tree.pop("version", None)
     if old == new:
         return False
-    started = (out / "sample" / "info.json").is_file() or (out / "work").is_dir()
-    if not started:
+    if not ((out / "sample" / "info.json").is_file() or (out / "work").is_dir()):  # no run began there
         return True
     differences = config_differences(old if isinstance(old, dict) else {}, new)
     raise TrainStateError(
@@ -159,16 +147,14 @@ def _finite_or_null(tree: object) -> object:
 class CheckedInputs:
     """What `check_inputs` found usable: the seeded sample of --shards and the encoder weights."""
 
-    locations: list[SampleLocation]
+    locations: list[SampleRef]
     encoder_state: dict | None  # None: random initialisation
     backbone: str  # where the encoder weights came from, in words
 
 
 def check_inputs(job: TrainJob) -> CheckedInputs:
-    """Check every input of the job before anything is written to OUT (a ValueError naming the option).
-
-    --shards resolvable and holding images, --backbone loadable into the encoder, --eval-shards
-    resolvable, and --gt a folder of masks named like the training or held-back images."""
+    """Check every input of the job before anything is written to OUT (a ValueError naming the option):
+    --shards, --backbone, --eval-shards and --gt."""
     config = job.config
     if config.fuse_epochs < 1:
         raise ValueError("fuse_epochs must be >= 1: the fused network is the job's output")
@@ -206,7 +192,8 @@ class Trainer:
         self.work = Path(job.out) / "work"
         self.work.mkdir(parents=True, exist_ok=True)
         self.device = device or resolve_device(self.config.device)
-        self.crf = CrfPool(data.images_hwc(), self.config.crf.at_size(self.config.input_size), self.config.workers)
+        images_hwc = data.images.permute(0, 2, 3, 1).contiguous().numpy()
+        self.crf = CrfPool(images_hwc, self.config.crf.at_size(self.config.input_size), self.config.workers)
         self.history: dict[str, list[float]] = {}
 
     def fresh_network(self, unit: Unit) -> SaliencyNet:
@@ -221,15 +208,13 @@ class Trainer:
         methods = [unit.method] if unit.method else list(self.config.methods)
         labels, soft = [], []
         for m in methods:
-            if unit.method is not None and unit.iteration == 0:
-                raw = self.data.maps[m].float()
-                labels.append((raw >= self.config.thresholds[m]).half())
-                soft.append(raw.half())
-            else:
+            if unit.method is not None and unit.iteration == 0:  # the handcrafted map
+                soft_map, threshold = self.data.maps[m].float(), self.config.thresholds[m]
+            else:  # the refined labels of the iteration before (phase II: the last)
                 k = unit.iteration if unit.method else self.config.iterations
-                average = self.result(f"{m}-it{k}").float()
-                labels.append((average >= 0.5).half())
-                soft.append(average.half())
+                soft_map, threshold = self.result(f"{m}-it{k}").float(), 0.5
+            labels.append((soft_map >= threshold).half())
+            soft.append(soft_map.half())
         return torch.stack(labels, 1), torch.stack(soft, 1)
 
     def result(self, name: str) -> torch.Tensor:
@@ -299,7 +284,7 @@ def run_train(job: TrainJob, log: Callable[[str], None] = print) -> dict:
         text = settings_text(config, extra={"inputs": {"shards": str(job.shards), "backbone": job.backbone}},
                              version=package_version())
         if _check_config(out, text):
-            atomic_write_bytes(out / CONFIG_NAME, text.encode())
+            atomic_write_bytes(out / SETTINGS_FILE, text.encode())
         log(text.rstrip())
         if config.threads:
             torch.set_num_threads(config.threads)
@@ -307,11 +292,9 @@ def run_train(job: TrainJob, log: Callable[[str], None] = print) -> dict:
             print(RANDOM_BACKBONE_NOTE, file=sys.stderr)
         log(f"saliency train: preset {config.preset}, ResNet-{config.depth} x{config.width}, "
             f"{config.input_size} px, encoder from {checked.backbone}, on {device}")
-        data = load_training_images(
-            job.shards, out, count=config.num_images, seed=config.seed, size=config.input_size,
-            methods=config.methods, workers=config.workers, progress=job.progress, index_cache=job.index_cache,
-            locations=checked.locations,
-        )
+        data = load_training_images(job.shards, out, count=config.num_images, seed=config.seed,
+                                    size=config.input_size, methods=config.methods, workers=config.workers,
+                                    progress=job.progress, index_cache=job.index_cache, locations=checked.locations)
         for key, reason in data.skipped:
             print(f"saliency train: left out {key}: {reason}", file=sys.stderr)
         log(f"saliency train: {len(data.keys)} images ({len(data.skipped)} left out)")

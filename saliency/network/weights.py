@@ -1,6 +1,6 @@
 """Encoder weights for the saliency network, from a file or a run folder; nothing is ever downloaded.
 
-Accepted (`load_encoder_weights(source, depth, width)`):
+Accepted (`encoder_state_dict(source, depth, width)`, then `load_fitting`):
 - a `relicv2 pretrain` checkpoint file or run folder (its newest checkpoint): the online encoder;
 - a torchvision-format ResNet state dict (`conv1.weight`, `layer1.0...`; `fc.*` dropped);
 - a SwAV-format checkpoint: `{"state_dict": ...}` or a bare dict whose names carry a `module.`
@@ -50,8 +50,7 @@ def _strip(state: dict[str, Tensor]) -> dict[str, Tensor]:
     out = {}
     for name, value in state.items():
         for prefix in WRAPPER_PREFIXES:
-            if name.startswith(prefix):
-                name = name[len(prefix):]
+            name = name.removeprefix(prefix)
         if not name.startswith(DROPPED_PREFIXES):
             out[name] = value
     return out
@@ -66,11 +65,9 @@ def _check_sidecar(path: Path, depth: int, width: int) -> str:
         info = json.loads(sidecar.read_text())
     except (OSError, ValueError) as error:
         raise BackboneError(f"{sidecar} (the sidecar of {path.name}) is not readable JSON ({error})") from None
-    if not isinstance(info, dict):
+    if not isinstance(info, dict) or info.get("depth") is None:
         return "torch"
-    found = (info.get("depth"), info.get("width") or 1)
-    if found[0] is None:
-        return "torch"
+    found = (info["depth"], info.get("width") or 1)
     if type(found[0]) is not int or type(found[1]) is not int:
         raise BackboneError(f"{sidecar} (the sidecar of {path.name}) gives depth {found[0]!r:.20} and width "
                             f"{found[1]!r:.20}, not whole numbers; rewrite it with `relicv2 export`")
@@ -81,15 +78,6 @@ def _check_sidecar(path: Path, depth: int, width: int) -> str:
             f"width={found[1]} (--set) or pass other weights"
         )
     return str(info.get("padding") or "torch")
-
-
-def _pretrain_encoder_state(path: Path) -> dict[str, Tensor]:
-    try:
-        payload = load_checkpoint(path)
-    except CheckpointError as error:
-        raise BackboneError(str(error)) from None
-    prefix = "encoder."
-    return {name[len(prefix):]: value for name, value in payload["online"].items() if name.startswith(prefix)}
 
 
 def encoder_state_dict(source: str | Path, depth: int, width: int) -> tuple[dict[str, Tensor], str]:
@@ -106,7 +94,12 @@ def encoder_state_dict(source: str | Path, depth: int, width: int) -> tuple[dict
     if not isinstance(payload, dict):
         raise BackboneError(f"{path} holds a {type(payload).__name__}, not a state dict or checkpoint")
     if payload.get("format") == PRETRAIN_FORMAT:
-        return _pretrain_encoder_state(path), f"relicv2 pretrain checkpoint {path}"
+        try:
+            online = load_checkpoint(path)["online"]
+        except CheckpointError as error:
+            raise BackboneError(str(error)) from None
+        encoder = {k.removeprefix("encoder."): v for k, v in online.items() if k.startswith("encoder.")}
+        return encoder, f"relicv2 pretrain checkpoint {path}"
     padding = _check_sidecar(path, depth, width)
     # The saliency encoder pads as torchvision does (its dilated stages need it): weights made for
     # TensorFlow "SAME" padding (the authors' release) still initialise it, but its features shift.
@@ -120,8 +113,8 @@ def encoder_state_dict(source: str | Path, depth: int, width: int) -> tuple[dict
     tensors = {k: v for k, v in payload.items() if isinstance(k, str) and isinstance(v, Tensor)}
     if not tensors:
         raise BackboneError(f"{path} holds no weight tensors (keys {sorted(map(str, payload))[:5]}); it is not a ResNet state dict")
-    if any(k.startswith("module.") for k in tensors):
-        kind = "SwAV-format checkpoint" if kind == "state dict" else kind
+    if kind == "state dict" and any(k.startswith("module.") for k in tensors):
+        kind = "SwAV-format checkpoint"
     return _strip(tensors), f"{kind} {path}{note}"
 
 
@@ -138,10 +131,3 @@ def load_fitting(encoder: ResNet, state: dict[str, Tensor], source: str | Path, 
                        (("depth", found[0], depth), ("width", found[1], width)) if value != wanted)
         raise BackboneError(f"{source} does not fit a ResNet-{depth} at width {width}: it holds a ResNet-{found[0]} "
                             f"at width {found[1]} (read from its tensors); add {fix}") from None
-
-
-def load_encoder_weights(encoder: ResNet, source: str | Path, depth: int, width: int) -> str:
-    """Initialise `encoder` (a `resnet(depth, width)`) from `source`; returns a description of the source."""
-    state, description = encoder_state_dict(source, depth, width)
-    load_fitting(encoder, state, source, depth, width)
-    return description

@@ -11,7 +11,7 @@ import torch
 from pretrain.checkpoint import save_checkpoint
 from pretrain.model.resnet import resnet
 from saliency.network.model import SaliencyNet
-from saliency.network.weights import BackboneError, encoder_state_dict, load_encoder_weights
+from saliency.network.weights import BackboneError, encoder_state_dict, load_fitting
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -28,7 +28,7 @@ def test_torchvision_state_dict_loads(tmp_path: Path, source: dict) -> None:
     path = tmp_path / "tv.pth"
     torch.save({**source, "fc.weight": torch.zeros(1000, 512), "fc.bias": torch.zeros(1000)}, path)
     net = SaliencyNet(18)
-    load_encoder_weights(net.encoder, path, 18, 1)
+    load_fitting(net.encoder, encoder_state_dict(path, 18, 1)[0], path, 18, 1)
     assert _same(net.encoder.state_dict(), source)
 
 
@@ -66,7 +66,7 @@ def test_wrong_architecture_names_the_keys(tmp_path: Path, source: dict) -> None
     torch.save(source, path)
     with pytest.raises(BackboneError, match=r"r18\.pth does not fit a ResNet-50 at width 1: it holds a ResNet-18 at "
                                             r"width 1 \(read from its tensors\); add --set depth=18$"):
-        load_encoder_weights(SaliencyNet(50).encoder, path, 50, 1)
+        load_fitting(SaliencyNet(50).encoder, encoder_state_dict(path, 50, 1)[0], path, 50, 1)
 
 
 def test_corrupt_and_foreign_files(tmp_path: Path) -> None:
