@@ -42,16 +42,12 @@ def step_of(path: str | Path) -> int | None:
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
     """This run's checkpoint files, oldest step first (temporary files are ignored)."""
-    folder = Path(output_dir)
-    if not folder.is_dir():
-        return []
-    return sorted(p for p in folder.iterdir() if _NAME.match(p.name))
+    return sorted(p for p in Path(output_dir).glob("checkpoint-*.pt") if _NAME.match(p.name))
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     """The checkpoint with the highest step in `output_dir`, or None (for automatic resume)."""
-    found = list_checkpoints(output_dir)
-    return found[-1] if found else None
+    return max(list_checkpoints(output_dir), default=None)
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
@@ -65,15 +61,13 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except TORCH_LOAD_ERRORS as error:
-        first_line = load_failure(error)
         if step_of(path) is not None:  # a run's own checkpoint, damaged (a killed copy, a full disk)
-            raise CheckpointError(
-                f"{path} is not a readable relicv2 pretraining checkpoint ({first_line}); it may be truncated: "
-                "delete it (a run then resumes from the previous checkpoint) or pass another file"
-            ) from None
-        raise CheckpointError(
-            f"{path} is not a readable relicv2 pretraining checkpoint ({first_line}); pass {_WHAT_TO_PASS}"
-        ) from None
+            fix = ("it may be truncated: delete it (a run then resumes from the previous checkpoint) "
+                   "or pass another file")
+        else:
+            fix = f"pass {_WHAT_TO_PASS}"
+        raise CheckpointError(f"{path} is not a readable relicv2 pretraining checkpoint ({load_failure(error)}); "
+                              f"{fix}") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         if is_state_dict(payload) and "conv1.weight" in payload:  # an exported ResNet without its sidecar
             raise CheckpointError(

@@ -30,6 +30,7 @@ import torch
 
 from jobs.atomic import atomic_output
 from pretrain.model.resnet import (
+    PADDINGS,
     STAGE_BLOCKS,
     STAGE_PLANES,
     Bottleneck,
@@ -42,7 +43,6 @@ from pretrain.model.untrusted import TORCH_LOAD_ERRORS, load_failure
 
 FORMATS = ("torchvision", "relicv2")
 SIDECAR_SUFFIX = ".json"
-PADDINGS = ("torch", "same_tf")
 PADDING_MARKER = "padding.same_tf"  # in the state dict of an encoder that pads like TensorFlow
 
 
@@ -54,10 +54,6 @@ def sidecar_path(path: str | Path) -> Path:
     """FILE + ".json" (appended, not replacing the suffix): `encoder.pt` -> `encoder.pt.json`."""
     path = Path(path)
     return path.with_name(path.name + SIDECAR_SUFFIX)
-
-
-def encoder_padding(encoder: ResNet) -> str:
-    return getattr(encoder, "padding", "torch")
 
 
 def check_output_file(path: str | Path) -> None:
@@ -82,7 +78,7 @@ def save_encoder_file(encoder: ResNet, path: str | Path, *, depth: int, width: i
     fmt = "torchvision" if width == 1 else "relicv2"
     state = to_torchvision_state_dict(encoder) if fmt == "torchvision" else {
         name: tensor.detach().clone().cpu() for name, tensor in encoder.state_dict().items()}
-    padding = encoder_padding(encoder)
+    padding = encoder.padding
     if padding == "same_tf":
         state[PADDING_MARKER] = torch.zeros(0)
     sidecar = {

@@ -21,7 +21,8 @@ from torchvision.models.resnet import BasicBlock, Bottleneck
 
 # Blocks per stage. ResNet-200 is not in torchvision; its layout is the one of He et al. 2016
 # ("Identity Mappings in Deep Residual Networks") used by BYOL/ReLICv2 for their largest encoder.
-STAGE_BLOCKS: dict[int, tuple[type[BasicBlock] | type[Bottleneck], tuple[int, int, int, int]]] = {
+Block = type[BasicBlock] | type[Bottleneck]
+STAGE_BLOCKS: dict[int, tuple[Block, tuple[int, int, int, int]]] = {
     18: (BasicBlock, (2, 2, 2, 2)),
     34: (BasicBlock, (3, 4, 6, 3)),
     50: (Bottleneck, (3, 4, 6, 3)),
@@ -42,22 +43,26 @@ def _same_tf_pads(size: int, kernel: int, stride: int) -> tuple[int, int]:
     return total // 2, total - total // 2
 
 
+def _pad_same_tf(x: Tensor, kernel: int, stride: int, value: float = 0.0) -> Tensor:
+    """`x` padded on both spatial axes under TensorFlow's "SAME" rule (square kernel and stride)."""
+    top, bottom = _same_tf_pads(x.shape[-2], kernel, stride)
+    left, right = _same_tf_pads(x.shape[-1], kernel, stride)
+    return F.pad(x, (left, right, top, bottom), value=value)
+
+
 class SameTFConv2d(nn.Conv2d):
     """A Conv2d (same parameters, same state-dict names) that pads like TensorFlow's "SAME"."""
 
     def forward(self, x: Tensor) -> Tensor:
-        top, bottom = _same_tf_pads(x.shape[-2], self.kernel_size[0], self.stride[0])
-        left, right = _same_tf_pads(x.shape[-1], self.kernel_size[1], self.stride[1])
-        return self._conv_forward(F.pad(x, (left, right, top, bottom)), self.weight, self.bias)
+        padded = _pad_same_tf(x, self.kernel_size[0], self.stride[0])
+        return self._conv_forward(padded, self.weight, self.bias)
 
 
 class SameTFMaxPool2d(nn.MaxPool2d):
     """Max pooling with TensorFlow's "SAME" padding (padded cells never win: they are -inf)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        top, bottom = _same_tf_pads(x.shape[-2], self.kernel_size, self.stride)
-        left, right = _same_tf_pads(x.shape[-1], self.kernel_size, self.stride)
-        padded = F.pad(x, (left, right, top, bottom), value=float("-inf"))
+        padded = _pad_same_tf(x, self.kernel_size, self.stride, float("-inf"))
         return F.max_pool2d(padded, self.kernel_size, self.stride)
 
 
@@ -67,15 +72,8 @@ class ResNet(nn.Module):
     `forward(x)` maps images [B, 3, H, W] to pooled features [B, num_features].
     """
 
-    def __init__(
-        self,
-        block: type[BasicBlock] | type[Bottleneck],
-        stage_blocks: tuple[int, int, int, int],
-        width: int = 1,
-        *,
-        zero_init_residual: bool = False,
-        padding: str = "torch",
-    ) -> None:
+    def __init__(self, block: Block, stage_blocks: tuple[int, int, int, int], width: int = 1, *,
+                 zero_init_residual: bool = False, padding: str = "torch") -> None:
         super().__init__()
         if padding not in PADDINGS:
             raise ValueError(f"padding must be one of {list(PADDINGS)}, got {padding!r}")
@@ -88,9 +86,8 @@ class ResNet(nn.Module):
         in_channels = stem_channels
         stages = []
         for index, (planes, blocks) in enumerate(zip(STAGE_PLANES, stage_blocks, strict=True)):
-            stage, in_channels = _make_stage(
-                block, in_channels, planes * width, blocks, stride=1 if index == 0 else 2
-            )
+            stride = 1 if index == 0 else 2
+            stage, in_channels = _make_stage(block, in_channels, planes * width, blocks, stride)
             stages.append(stage)
         self.layer1, self.layer2, self.layer3, self.layer4 = stages
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
@@ -105,13 +102,8 @@ class ResNet(nn.Module):
         return torch.flatten(self.avgpool(x), 1)
 
 
-def _make_stage(
-    block: type[BasicBlock] | type[Bottleneck],
-    in_channels: int,
-    planes: int,
-    blocks: int,
-    stride: int,
-) -> tuple[nn.Sequential, int]:
+def _make_stage(block: Block, in_channels: int, planes: int, blocks: int,
+                stride: int) -> tuple[nn.Sequential, int]:
     """One stage as torchvision builds it (projection shortcut `downsample` = conv1x1 + BN)."""
     out_channels = planes * block.expansion
     downsample = None
