@@ -152,12 +152,9 @@ def _initialise(model: nn.Module, zero_init_residual: bool) -> None:
 
 
 def resnet(depth: int, width: int = 1, *, zero_init_residual: bool = False, padding: str = "torch") -> ResNet:
-    """ResNet-`depth` encoder with every layer `width` times wider (SimCLR/BYOL convention).
-
-    depth is one of 18, 34, 50, 101, 152, 200; width one of 1, 2, 4. The result returns pooled
-    features of size `num_features` (512 * width for 18/34, 2048 * width for 50 and deeper).
-    padding "same_tf" pads like TensorFlow/JAX "SAME" (for weights imported from the authors).
-    """
+    """ResNet-`depth` encoder with every layer `width` times wider (SimCLR/BYOL convention), giving
+    `num_features` pooled features (512 * width for 18/34, 2048 * width for 50 and deeper); padding
+    "same_tf" pads like TensorFlow/JAX "SAME" (for weights imported from the authors)."""
     if depth not in STAGE_BLOCKS:
         raise ValueError(f"ResNet depth {depth} is not supported; choose one of {sorted(STAGE_BLOCKS)}")
     if width not in WIDTHS:
@@ -167,15 +164,11 @@ def resnet(depth: int, width: int = 1, *, zero_init_residual: bool = False, padd
 
 
 def to_torchvision_state_dict(model: ResNet) -> dict[str, Tensor]:
-    """The encoder's weights under torchvision's names (no `fc.*`; load with strict=False).
-
-    Only width-1 encoders have a torchvision counterpart.
-    """
+    """A width-1 encoder's weights under torchvision's names (no `fc.*`; load with strict=False)."""
     if model.conv1.out_channels != 64:
-        raise ValueError(
-            f"only width-1 ResNets have torchvision weights (this one has a {model.conv1.out_channels}-"
-            "channel stem); export wider encoders with model.state_dict() instead"
-        )
+        stem = model.conv1.out_channels
+        raise ValueError(f"only width-1 ResNets have torchvision weights (this one has a {stem}-channel "
+                         "stem); export wider encoders with model.state_dict() instead")
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
 
@@ -184,28 +177,19 @@ def state_dict_differences(own: dict[str, Tensor], incoming: dict[str, Tensor]) 
     (e.g. layer4.1.conv1.weight); 1 wrong shape (e.g. fc.weight (10, 512) != (10, 2048))"; "" when it fits."""
     missing = sorted(set(own) - set(incoming))
     unexpected = sorted(set(incoming) - set(own))
-    wrong_shape = sorted(
-        f"{name} {tuple(incoming[name].shape)} != {tuple(own[name].shape)}"
-        for name in set(own) & set(incoming)
-        if incoming[name].shape != own[name].shape
-    )
+    wrong_shape = sorted(f"{name} {tuple(incoming[name].shape)} != {tuple(own[name].shape)}"
+                         for name in set(own) & set(incoming) if incoming[name].shape != own[name].shape)
     return "; ".join(f"{len(items)} {label} (e.g. {', '.join(items[:3])})"
                      for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong_shape))
                      if items)
 
 
 def load_torchvision_state_dict(model: ResNet, state_dict: dict[str, Tensor]) -> None:
-    """Load a `torchvision.models.resnet*` state dict into `model` (its `fc.*` entries are dropped).
-
-    Raises ValueError naming the missing, unexpected or wrongly shaped entries when the state
-    dict is not for this depth and width.
-    """
+    """Load a `torchvision.models.resnet*` state dict into `model` (its `fc.*` entries are dropped); a
+    ValueError names the missing, unexpected or wrongly shaped entries of one for another depth or width."""
     incoming = {name: t for name, t in state_dict.items() if not name.startswith("fc.")}
     differences = state_dict_differences(model.state_dict(), incoming)
     if differences:
-        raise ValueError(
-            f"state dict does not fit this ResNet ({differences}); check that the "
-            "weights are a torchvision resnet of the same depth, at width 1, and without a "
-            "'module.' prefix"
-        )
+        raise ValueError(f"state dict does not fit this ResNet ({differences}); check that the weights are a "
+                         "torchvision resnet of the same depth, at width 1, and without a 'module.' prefix")
     model.load_state_dict(incoming, strict=True)

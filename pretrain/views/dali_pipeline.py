@@ -209,18 +209,9 @@ def soft_mask_views(sample_set: SampleSet, cfg: ViewConfig) -> list[int]:
     return [j for j, spec in enumerate(view_specs(cfg)) if spec.mask_probability > 0]
 
 
-def build_view_pipeline(
-    sample_set: SampleSet,
-    cfg: ViewConfig,
-    *,
-    batch_size: int,
-    gpu: bool,
-    rank: int,
-    world_size: int,
-    seed: int,
-    device_id: int = 0,
-    checkpoint: str | None = None,
-) -> Pipeline:
+def build_view_pipeline(sample_set: SampleSet, cfg: ViewConfig, *, batch_size: int, gpu: bool, rank: int,
+                        world_size: int, seed: int, device_id: int = 0,
+                        checkpoint: str | None = None) -> Pipeline:
     """A built view pipeline; restores the reader and random state from `checkpoint` when given."""
     pipe = _views_pipeline(
         sample_set, cfg, gpu, rank, world_size, seed,

@@ -85,17 +85,9 @@ class SampleSet:
 
 
 def samples_per_rank(count: int, world_size: int) -> int:
-    """Samples each rank delivers per epoch (`ViewSource.epoch_size`): the smallest rank's share.
-
-    Rounded down so that every rank runs the same number of batches and no rank ever delivers
-    one of the reader's padding duplicates.
-    """
+    """Samples each rank delivers per epoch (`ViewSource.epoch_size`): the smallest rank's share, so that
+    every rank runs the same number of batches and none delivers one of the reader's padding duplicates."""
     return count // world_size
-
-
-def reader_samples_per_rank(count: int, world_size: int) -> int:
-    """Samples DALI's reader yields per rank and epoch with `pad_last_batch` (the largest share)."""
-    return -(-count // world_size)
 
 
 def structural_problem(sample: SampleRef, handle, headers: bool = False) -> str | None:
@@ -116,11 +108,8 @@ def structural_problem(sample: SampleRef, handle, headers: bool = False) -> str 
     kind = image_format(head)
     if kind is None:
         return "not_an_image"
-    if kind == "jpeg" and not tail.endswith(JPEG_EOI):
-        return "truncated_image"
-    if kind == "png" and tail != PNG_IEND:
-        return "truncated_image"
-    if kind == "webp" and int.from_bytes(head[4:8], "little") + 8 > size:
+    if ((kind == "jpeg" and not tail.endswith(JPEG_EOI)) or (kind == "png" and tail != PNG_IEND)
+            or (kind == "webp" and int.from_bytes(head[4:8], "little") + 8 > size)):
         return "truncated_image"
     if MASK_MEMBER in sample.members:
         offset, size, _ = sample.members[MASK_MEMBER]
@@ -160,10 +149,6 @@ class TarCheck:
     fresh: bool  # the samples were read now (else the verdicts came from the cache)
     stored: bool  # the verdicts are kept in the cache (read from it or written to it)
     refused: list[tuple[str, str]] = field(default_factory=list)
-
-    @property
-    def kept(self) -> list[SampleRef]:
-        return [s for i, s in enumerate(self.samples) if i not in self.left_out]
 
 
 @dataclass(frozen=True)
@@ -226,10 +211,9 @@ def check_tar(tar: Path, idx: Path, *, headers: bool, cache: Path, decode_check:
     ones when given), or read the verdicts a previous check kept in `cache` (any rank's or job's,
     on a shared folder); keep new verdicts there.
 
-    The index is always parsed and checked against its tar by the shard reader (`shards.reader.
-    locate_samples`: its policy refuses unsafe and duplicate keys, oversized members, samples without
-    an image; an index that does not fit its tar raises ValueError naming it); only the per-sample
-    reads are cached. A cache that cannot be written is not an error (`stored` is then False).
+    The index is always parsed and checked against its tar by the shard reader (ValueError naming an
+    index that does not fit its tar); only the per-sample reads are cached. A cache that cannot be
+    written is not an error (`stored` is then False).
     """
     report = ReadReport()
     samples = locate_samples(tar, report, index=idx)
@@ -293,26 +277,17 @@ def check_shard_set(
             results = list(tracked(pool.map(_check_tar_args, todo), desc, len(todo), unit="tar", enabled=progress))
     else:
         results = [_check_tar_args(args) for args in tracked(todo, desc, len(todo), unit="tar", enabled=progress)]
-    left_out: Counter = Counter()
-    for _, _, reasons in results:
-        left_out.update(reasons)
+    left_out = sum((reasons for _, _, reasons in results), Counter())
     return SetCheck(len(shard_set.tars), sum(fresh for fresh, _, _ in results),
                     sum(not stored for _, stored, _ in results), left_out)
 
 
-def load_sample_set(
-    spec: Spec,
-    *,
-    decode_check: DecodeCheck | None = None,
-    decode_foreign_only: bool = False,
-    index_cache: Path | None = None,
-) -> SampleSet:
+def load_sample_set(spec: Spec, *, decode_check: DecodeCheck | None = None, decode_foreign_only: bool = False,
+                    index_cache: Path | None = None) -> SampleSet:
     """Read and check a shard set; write filtered index files when samples must be left out.
 
-    `spec` is anything `shards.resolve_shard_set` takes: a resolved `shards.ShardSet` (the job's one
-    resolution, used as it is), a folder from `relicv2 shards build`
-    (its manifest must agree with the index files), a folder of plain WebDataset tars (no manifest;
-    missing `.idx` files are derived once into `index_cache`), a brace pattern or a tar.
+    `spec` is anything `shards.resolve_shard_set` takes (a resolved `shards.ShardSet`, the job's one
+    resolution, is used as it is; missing `.idx` files of plain tars are derived into `index_cache`).
     `decode_check(samples) -> {key: reason}` (e.g. `pretrain.views.dali.find_undecodable`) is run on
     the structurally sound samples when given; with `decode_foreign_only` only on sets without a
     manifest (sets from `shards build` and `saliency build-masks` decoded every image when writing it).
@@ -333,13 +308,11 @@ def load_sample_set(
     for tar, idx in tracked(zip(tars, shard_set.index_files, strict=True), f"checking the samples of {directory}",
                             len(tars), unit="tar", enabled=shard_set.samples >= progress_from):
         check = check_tar(tar, idx, headers=headers, cache=cache, decode_check=decode_check)
-        for name, reason in check.refused:
+        left_out = [(check.samples[i].key, reason) for i, reason in sorted(check.left_out.items())]
+        for name, reason in [*check.refused, *left_out]:
             skipped[reason] += 1
             skipped_keys.append(name)
-        for i, reason in sorted(check.left_out.items()):
-            skipped[reason] += 1
-            skipped_keys.append(check.samples[i].key)
-        table.extend(check.kept)
+        table.extend(s for i, s in enumerate(check.samples) if i not in check.left_out)
         unstored += not check.stored
     if unstored and shard_set.samples >= progress_from:
         warnings.warn(f"cannot keep the sample checks of {directory} in {cache / CHECKS_FOLDER}: every start "
@@ -351,11 +324,8 @@ def load_sample_set(
     masked = samples.with_member(MASK_MEMBER)
     sample_set.has_masks, sample_set.without_mask = bool(masked.any()), int((~masked).sum())
     if skipped:
-        warnings.warn(
-            f"{directory}: left out {sum(skipped.values())} bad samples {dict(skipped)}, "
-            f"e.g. {skipped_keys[:5]}; rebuild the shards to recover them",
-            stacklevel=2,
-        )
+        warnings.warn(f"{directory}: left out {sum(skipped.values())} bad samples {dict(skipped)}, "
+                      f"e.g. {skipped_keys[:5]}; rebuild the shards to recover them", stacklevel=2)
         write_filtered_indexes(sample_set)
     return sample_set
 
@@ -368,10 +338,9 @@ def require_class_labels(samples: Sequence[SampleRef], source: Path | str) -> li
         if label is None:
             raw = sample.read(LABEL_MEMBER)
             what = missing_label(None if raw is None else label_text(raw))
-            raise ValueError(
-                f"{source}: sample {sample.key} in {sample.tar.name} has {what}; evaluation needs integer class "
-                "labels: build the set with `relicv2 shards build` from a folder with class sub-folders"
-            )
+            raise ValueError(f"{source}: sample {sample.key} in {sample.tar.name} has {what}; evaluation "
+                             "needs integer class labels: build the set with `relicv2 shards build` from a "
+                             "folder with class sub-folders")
         labels.append(label)
     return labels
 
@@ -395,14 +364,9 @@ def write_filtered_indexes(sample_set: SampleSet) -> None:
     Tars left empty are dropped: DALI's reader rejects an index with no samples.
     """
     sample_set._tmp = tempfile.TemporaryDirectory(prefix="relicv2-index-")
-    kept_tars, indexes = [], []
     per_tar = sample_set.samples.by_tar()
-    for tar in sample_set.source.tars:
-        if tar not in per_tar:
-            continue
-        kept = per_tar[tar]
-        path = Path(sample_set._tmp.name) / index_path(tar).name
-        path.write_text(format_index([s.entries for s in kept]), encoding="utf-8")
-        kept_tars.append(tar)
-        indexes.append(path)
-    sample_set.tars, sample_set.index_files = kept_tars, indexes
+    tars = [tar for tar in sample_set.source.tars if tar in per_tar]
+    indexes = [Path(sample_set._tmp.name) / index_path(tar).name for tar in tars]
+    for tar, path in zip(tars, indexes, strict=True):
+        path.write_text(format_index([s.entries for s in per_tar[tar]]), encoding="utf-8")
+    sample_set.tars, sample_set.index_files = tars, indexes
