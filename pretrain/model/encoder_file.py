@@ -69,10 +69,8 @@ def check_output_file(path: str | Path) -> None:
 
 def save_encoder_file(encoder: ResNet, path: str | Path, *, depth: int, width: int,
                       metadata: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Write `encoder` to `path` (state dict) and its sidecar atomically; return the sidecar dict.
-
-    Width 1 is written in torchvision format, wider encoders in this project's format.
-    """
+    """Write `encoder` to `path` (state dict, in the format its width allows) and its sidecar atomically;
+    return the sidecar dict."""
     path = Path(path)
     check_output_file(path)
     fmt = "torchvision" if width == 1 else "relicv2"

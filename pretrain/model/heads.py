@@ -91,10 +91,9 @@ class TargetNetwork(nn.Module):
         return self.projector(self.encoder(x))
 
 
-def build_networks(
-    depth: int, width: int, *, hidden_dim: int = 4096, out_dim: int = 256, zero_init_residual: bool = False,
-    activation_checkpointing: bool = False,
-) -> tuple[OnlineNetwork, TargetNetwork]:
+def build_networks(depth: int, width: int, *, hidden_dim: int = 4096, out_dim: int = 256,
+                   zero_init_residual: bool = False,
+                   activation_checkpointing: bool = False) -> tuple[OnlineNetwork, TargetNetwork]:
     """Online network and a target network initialised as an exact, frozen copy of its encoder+projector."""
     encoder = resnet(depth, width, zero_init_residual=zero_init_residual)
     projector = MLP(encoder.num_features, hidden_dim, out_dim)

@@ -292,12 +292,9 @@ def _colour(view: torch.Tensor, draws: ColourDraws, cfg: ViewConfig, background:
     jitter = [(slot, op) for slot in range(len(JITTER_STEPS)) for op in range(len(JITTER_STEPS)) if strengths[op] > 0]
     masked = background.masked if background is not None else np.zeros(len(draws.order), bool)
     grey = background.grey if background is not None else np.zeros(len(draws.order))
-    rows = _Rows(
-        [masked]
-        + [draws.jitter & (operations[:, slot] == op) for slot, op in jitter]
-        + [draws.grayscale, draws.blur, draws.solarize],
-        np.column_stack([draws.factors, grey]), x.device,
-    )
+    groups = [masked, *(draws.jitter & (operations[:, slot] == op) for slot, op in jitter),
+              draws.grayscale, draws.blur, draws.solarize]
+    rows = _Rows(groups, np.column_stack([draws.factors, grey]), x.device)
     if background is not None:
         x = rows.apply(x, 0, replace_background, column=GREY_COLUMN, aligned=background.soft)
     # A step of strength 0 draws factor 1 (or hue 0), the identity: it is left out.

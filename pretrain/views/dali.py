@@ -132,18 +132,13 @@ class DaliBackend:
         self.setup = setup
         self.samples = setup.samples
         self.specs = view_specs(setup.config)
-        self.num_views = len(self.specs)
-        self.debug = setup.config.debug_params
+        self.gpu = setup.device != "cpu"
         self.recoveries = 0
         # Pipeline runs in the current reader epoch: restored with the reader (same ranks), or a new
         # reader at the start of its order (first start, or a position re-split over other ranks: then
         # the reader's epoch runs behind the loader's batch count until the loader's epoch ends).
         self.runs = int(setup.restore.get("runs", setup.batch_in_epoch)) if setup.restore else 0
         self._build(setup.restore["checkpoint"] if setup.restore else None)
-
-    @property
-    def gpu(self) -> bool:
-        return self.setup.device != "cpu"
 
     def _build(self, checkpoint: str | None) -> None:
         st = self.setup
@@ -192,7 +187,7 @@ class DaliBackend:
                 excluded = self._recover(error)
                 out = self.pipe.run()
         self.runs += 1
-        v = self.num_views
+        v = len(self.specs)
         with record_function(RANGE_OUTPUTS):
             views = [_to_torch(out[i]) for i in range(v)]
             carrier, cls, _has_mask, coverage, grey = out[v : v + 5]
@@ -206,7 +201,7 @@ class DaliBackend:
             draws = [ColourDraws.from_params(p) for p in per_view]
             views = colour_views(views, draws, self.specs, self.setup.config, backgrounds)
         params = None
-        if self.debug:
+        if self.setup.config.debug_params:
             masked_flags = [_host_array(m) for m in masked]
             params = assemble_params(per_view, masked_flags, _host_array(coverage), _host_array(grey))
         masked_views = int(sum(_host_array(masked[j]).sum() for j in self.mask_views))

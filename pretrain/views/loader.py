@@ -43,12 +43,10 @@ class ViewLoader:
     """Iterable over batches `{"views": [L+S tensors NCHW], "keys": [str], "labels": tensor|None,
     "masking": (large views masked, large views)}`.
 
-    `views` holds every view option; `backend` ("dali" or "reference") overrides `views.backend`.
-    With `views.debug_params` each batch also has `params` (float tensor B x (L+S) x
-    len(PARAM_NAMES), columns named by `pretrain.views.config.PARAM_NAMES`, "masked" and
-    "coverage" included). `verify` is "structure" (cheap checks of every sample at start) or
-    "decode" (decode every image with DALI's decoder first); bad samples are left out and counted
-    in `skipped`.
+    `backend` overrides `views.backend`. With `views.debug_params` each batch also has `params`
+    (float B x (L+S) x len(PARAM_NAMES), columns named by `pretrain.views.config.PARAM_NAMES`). `verify`
+    is "structure" (cheap checks of every sample at start) or "decode" (decode every image with
+    DALI's decoder first); bad samples are left out and counted in `skipped`.
     """
 
     def __init__(self, shards: Spec, batch_size: int, views: ViewConfig | None = None, *, device: str = "cpu",
@@ -78,6 +76,7 @@ class ViewLoader:
 
             decode_check = find_undecodable
         self.samples: SampleSet = load_sample_set(shards, decode_check=decode_check)
+        self.has_masks = self.samples.has_masks  # a `mask.png` member in any usable sample
         if self.epoch_size < batch_size:
             raise ValueError(f"{shards} gives each of {world_size} ranks {self.epoch_size} samples, "
                              f"fewer than one batch of {batch_size}; use a smaller batch or more data")
@@ -94,11 +93,6 @@ class ViewLoader:
     def epoch_size(self) -> int:
         """Samples this rank delivers per epoch (every rank the same number)."""
         return samples_per_rank(len(self.samples), self.world_size)
-
-    @property
-    def has_masks(self) -> bool:
-        """Whether the shard set carries saliency masks (a `mask.png` member in any usable sample)."""
-        return self.samples.has_masks
 
     @property
     def skipped(self) -> dict[str, int]:

@@ -177,17 +177,14 @@ class RankBatches(Sampler):
         self.count, self.batch_size, self.num_batches, self.rank, self.seed = count, batch_size, num_batches, rank, seed
         self.epoch, self.start = epoch, start
 
-    def epoch_batches(self, epoch: int, start: int) -> list[list[tuple[int, int]]]:
-        """Batches `start`.. of `epoch`, as (epoch, sample position) pairs."""
-        order = np.random.default_rng(derive_seed(self.seed, SeedPurpose.EPOCH_ORDER, epoch)).permutation(self.count)
-        offset = self.rank * self.batch_size
-        return [[(epoch, int(p)) for p in order[i * self.global_batch + offset:][: self.batch_size]]
-                for i in range(start, self.num_batches)]
-
     def __iter__(self):
-        epoch, start = self.epoch, self.start
+        """Batches of (epoch, sample position) pairs."""
+        epoch, start, offset = self.epoch, self.start, self.rank * self.batch_size
         while True:
-            yield from self.epoch_batches(epoch, start)
+            rng = np.random.default_rng(derive_seed(self.seed, SeedPurpose.EPOCH_ORDER, epoch))
+            order = rng.permutation(self.count)
+            for i in range(start, self.num_batches):
+                yield [(epoch, int(p)) for p in order[i * self.global_batch + offset:][: self.batch_size]]
             epoch, start = epoch + 1, 0
 
 

@@ -3,19 +3,17 @@
 Bad-data policy (the DALI decoder stops the whole pipeline on an undecodable JPEG, so bad samples
 must never reach it):
 1. `relicv2 shards build` decodes every image before writing it, so a fresh shard set is clean.
-2. When a loader opens a shard set, every tar's index goes through the shard reader
-   (`shards.reader.locate_samples`), whose one policy refuses unsafe and duplicate keys, members over
-   `max_member_bytes` and samples without an image; then every sample is checked cheaply: exactly one
+2. When a loader opens a shard set, every tar's index goes through the shard reader's one policy for
+   bad members (`shards.reader.locate_samples`); then every sample is checked cheaply: exactly one
    image member (`IMAGE_MEMBERS`) must be non-empty and carry its format's signature and end marker
    (catches truncated, empty and mislabelled data); a `mask.png` member, when present, must carry
-   the PNG signature. In a set without a
-   manifest (another tool's), the image's and mask's headers are read too and pictures over
-   `max_pixels` are left out ("too_large"), so a decompression bomb never reaches a decoder (sets
-   from `shards build` and `saliency build-masks` were checked when written). `verify="decode"`
-   additionally decodes every image and mask with the same decoder as DALI (exact, but as slow as
-   an epoch of decoding).
-3. Refused and failing samples are left out of a filtered copy of the index files (the tars are not touched),
-   counted by reason in `SampleSet.skipped`, and reported once as a warning with a few keys.
+   the PNG signature. In a set without a manifest (another tool's), the image's and mask's headers
+   are read too and pictures over `max_pixels` are left out ("too_large"), so a decompression bomb
+   never reaches a decoder (sets from `shards build` and `saliency build-masks` were checked when
+   written). `verify="decode"` additionally decodes every image and mask with the same decoder as
+   DALI (exact, but as slow as an epoch of decoding).
+3. Refused and failing samples are left out of a filtered copy of the index files (the tars are not
+   touched), counted by reason in `SampleSet.skipped`, and reported once as a warning with a few keys.
 4. If DALI still fails to decode during a run (corruption the cheap check cannot see), the DALI
    backend decodes every sample once to find the culprits, leaves them out as in 3 and rebuilds
    its pipeline at the same batch of the epoch (see `DaliBackend`). The left-out keys are part of
@@ -91,12 +89,8 @@ def samples_per_rank(count: int, world_size: int) -> int:
 
 
 def structural_problem(sample: SampleRef, handle, headers: bool = False) -> str | None:
-    """A short reason code when the sample's members are visibly broken, else None.
-
-    `headers`: also read the image's and the mask's headers (a few hundred bytes each) and refuse
-    pictures over `DEFAULT_LIMITS.max_pixels` before any decoder sees them (sets from other tools;
-    `shards build` and `saliency build-masks` checked theirs when writing them).
-    """
+    """A short reason code when the sample's members are visibly broken, else None; with `headers`, also
+    for pictures over `DEFAULT_LIMITS.max_pixels`, read from the headers of the image and the mask."""
     images = [ext for ext in IMAGE_MEMBERS if ext in sample.members]  # one at least: the reader refuses none
     if len(images) > 1:
         return "several_images"  # DALI's reader would refuse the sample: which one is the image?
@@ -197,13 +191,10 @@ def _cached_verdicts(path: Path, count: int, identity: dict, check: str) -> dict
     if (not isinstance(data, dict) or data.get("samples") != count or not isinstance(data.get("left_out"), list)
             or data.get("identity") != identity or data.get("checker") != check):
         return None
-    verdicts = {}
-    for entry in data["left_out"]:
-        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int) and 0 <= entry[0] < count
-                and isinstance(entry[1], str)):
-            return None
-        verdicts[entry[0]] = entry[1]
-    return verdicts
+    if not all(isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int)
+               and 0 <= entry[0] < count and isinstance(entry[1], str) for entry in data["left_out"]):
+        return None
+    return dict(data["left_out"])
 
 
 def check_tar(tar: Path, idx: Path, *, headers: bool, cache: Path, decode_check: DecodeCheck | None = None) -> TarCheck:
@@ -350,8 +341,7 @@ def exclude_samples(sample_set: SampleSet, bad: dict[str, str]) -> None:
     bad = {k: r for k, r in bad.items() if k not in sample_set.skipped_keys}
     if not bad:
         return
-    for reason in bad.values():
-        sample_set.skipped[reason] += 1
+    sample_set.skipped.update(bad.values())
     sample_set.skipped_keys += sorted(bad)
     sample_set.samples = sample_set.samples.select([i for i, key in enumerate(sample_set.samples.keys())
                                                     if key not in bad])
