@@ -67,10 +67,8 @@ class SameTFMaxPool2d(nn.MaxPool2d):
 
 
 class ResNet(nn.Module):
-    """ResNet trunk: stem, four residual stages, global average pooling; no classifier.
-
-    `forward(x)` maps images [B, 3, H, W] to pooled features [B, num_features].
-    """
+    """ResNet trunk (stem, four residual stages, global average pooling; no classifier): images
+    [B, 3, H, W] to pooled features [B, num_features]."""
 
     def __init__(self, block: Block, stage_blocks: tuple[int, int, int, int], width: int = 1, *,
                  zero_init_residual: bool = False, padding: str = "torch") -> None:

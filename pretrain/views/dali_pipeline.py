@@ -113,8 +113,7 @@ def _view(image: DataNode, mask: SampleMask, shape: DataNode, image_hw: DataNode
     """One view (HWC uint8, as cropped), its parameters, its masked flag and its crop of the mask.
 
     The parameters: the geometry's (area, ratio, flip) and a uniform draw the host's colour draws are
-    seeded from (`pretrain.views.colour.colour_params`), which then applies the paper's order: mask,
-    jitter, grayscale, blur, solarize.
+    seeded from (`pretrain.views.colour.colour_params`).
     """
     window = _crop_window(shape, image_hw, spec, cfg)
     view = fn.resize(image, interp_type=types.INTERP_CUBIC, **_resize_args(window, spec))  # uint8: rounded, clamped
