@@ -18,7 +18,10 @@ from pretrain.model.untrusted import TORCH_LOAD_ERRORS, load_failure
 
 FORMAT = "relicv2-pretrain-checkpoint"
 VERSION = 1
-REQUIRED_KEYS = ("config", "step", "online", "target", "optimizer", "rng", "data")
+# Every field of a checkpoint and the type the loaders rely on.
+FIELD_TYPES = {"config": dict, "step": int, "online": dict, "target": dict, "optimizer": dict, "rng": list,
+               "data": list}
+REQUIRED_KEYS = tuple(FIELD_TYPES)
 _NAME = re.compile(r"^checkpoint-(\d{9})\.pt$")
 # What to give instead of a file that is not a checkpoint.
 _WHAT_TO_PASS = ("a run folder, a checkpoint-*.pt file written by `relicv2 pretrain` or (to eval) an encoder "
@@ -42,16 +45,12 @@ def step_of(path: str | Path) -> int | None:
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
     """This run's checkpoint files, oldest step first (temporary files are ignored)."""
-    folder = Path(output_dir)
-    if not folder.is_dir():
-        return []
-    return sorted(p for p in folder.iterdir() if _NAME.match(p.name))
+    return sorted(p for p in Path(output_dir).glob("checkpoint-*.pt") if _NAME.match(p.name))
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     """The checkpoint with the highest step in `output_dir`, or None (for automatic resume)."""
-    found = list_checkpoints(output_dir)
-    return found[-1] if found else None
+    return max(list_checkpoints(output_dir), default=None)
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
@@ -65,29 +64,25 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except TORCH_LOAD_ERRORS as error:
-        first_line = load_failure(error)
         if step_of(path) is not None:  # a run's own checkpoint, damaged (a killed copy, a full disk)
-            raise CheckpointError(
-                f"{path} is not a readable relicv2 pretraining checkpoint ({first_line}); it may be truncated: "
-                "delete it (a run then resumes from the previous checkpoint) or pass another file"
-            ) from None
-        raise CheckpointError(
-            f"{path} is not a readable relicv2 pretraining checkpoint ({first_line}); pass {_WHAT_TO_PASS}"
-        ) from None
+            fix = ("it may be truncated: delete it (a run then resumes from the previous checkpoint) "
+                   "or pass another file")
+        else:
+            fix = f"pass {_WHAT_TO_PASS}"
+        raise CheckpointError(f"{path} is not a readable relicv2 pretraining checkpoint ({load_failure(error)}); "
+                              f"{fix}") from None
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         if is_state_dict(payload) and "conv1.weight" in payload:  # an exported ResNet without its sidecar
-            raise CheckpointError(
-                f"{path} is not a relicv2 pretraining checkpoint: it holds a plain encoder state dict, like an "
-                f"exported encoder whose sidecar {sidecar_path(path).name} is missing (`relicv2 export` writes "
-                "it beside the .pt): put the sidecar back beside it, or pass a run folder or a checkpoint-*.pt"
-            )
+            sidecar = sidecar_path(path).name
+            raise CheckpointError(f"{path} is not a relicv2 pretraining checkpoint: it holds a plain encoder "
+                                  f"state dict, like an exported encoder whose sidecar {sidecar} is missing "
+                                  "(`relicv2 export` writes it beside the .pt): put the sidecar back beside "
+                                  "it, or pass a run folder or a checkpoint-*.pt")
         held = sorted(payload)[:5] if isinstance(payload, dict) else type(payload).__name__
         raise CheckpointError(f"{path} is not a relicv2 pretraining checkpoint (it holds {held}); pass {_WHAT_TO_PASS}")
     if payload.get("version") != VERSION:
-        raise CheckpointError(
-            f"{path} has checkpoint format version {payload.get('version')}, this relicv2 reads version "
-            f"{VERSION}; use the relicv2 release that wrote it"
-        )
+        raise CheckpointError(f"{path} has checkpoint format version {payload.get('version')}, this relicv2 "
+                              f"reads version {VERSION}; use the relicv2 release that wrote it")
     missing = [key for key in REQUIRED_KEYS if key not in payload]
     if missing:
         raise CheckpointError(f"{path} lacks {missing}; the file is incomplete, delete it and resume from an older one")
@@ -97,16 +92,12 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
 
 def _check_types(path: Path, payload: dict[str, Any]) -> None:
     """Hand-made or damaged files: every field has the type the loaders rely on, checked up front."""
-    expected = {"config": dict, "step": int, "online": dict, "target": dict, "optimizer": dict,
-                "rng": list, "data": list}
-    for key, kind in expected.items():
+    for key, kind in FIELD_TYPES.items():
         value = payload[key]
         if not isinstance(value, kind) or isinstance(value, bool):
-            raise CheckpointError(
-                f"{path}: field {key!r} is a {type(value).__name__}, a relicv2 checkpoint holds a "
-                f"{kind.__name__} there; the file is damaged or hand-made, use a checkpoint written by "
-                "`relicv2 pretrain`"
-            )
+            raise CheckpointError(f"{path}: field {key!r} is a {type(value).__name__}, a relicv2 checkpoint "
+                                  f"holds a {kind.__name__} there; the file is damaged or hand-made, use a "
+                                  "checkpoint written by `relicv2 pretrain`")
     if payload["step"] < 0:
         raise CheckpointError(f"{path}: field 'step' is {payload['step']}; a step count is never negative")
     for network in ("online", "target"):

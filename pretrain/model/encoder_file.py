@@ -30,6 +30,7 @@ import torch
 
 from jobs.atomic import atomic_output
 from pretrain.model.resnet import (
+    PADDINGS,
     STAGE_BLOCKS,
     STAGE_PLANES,
     Bottleneck,
@@ -42,7 +43,6 @@ from pretrain.model.untrusted import TORCH_LOAD_ERRORS, load_failure
 
 FORMATS = ("torchvision", "relicv2")
 SIDECAR_SUFFIX = ".json"
-PADDINGS = ("torch", "same_tf")
 PADDING_MARKER = "padding.same_tf"  # in the state dict of an encoder that pads like TensorFlow
 
 
@@ -54,10 +54,6 @@ def sidecar_path(path: str | Path) -> Path:
     """FILE + ".json" (appended, not replacing the suffix): `encoder.pt` -> `encoder.pt.json`."""
     path = Path(path)
     return path.with_name(path.name + SIDECAR_SUFFIX)
-
-
-def encoder_padding(encoder: ResNet) -> str:
-    return getattr(encoder, "padding", "torch")
 
 
 def check_output_file(path: str | Path) -> None:
@@ -73,31 +69,22 @@ def check_output_file(path: str | Path) -> None:
 
 def save_encoder_file(encoder: ResNet, path: str | Path, *, depth: int, width: int,
                       metadata: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Write `encoder` to `path` (state dict) and its sidecar atomically; return the sidecar dict.
-
-    Width 1 is written in torchvision format, wider encoders in this project's format.
-    """
+    """Write `encoder` to `path` (state dict, in the format its width allows) and its sidecar atomically;
+    return the sidecar dict."""
     path = Path(path)
     check_output_file(path)
     fmt = "torchvision" if width == 1 else "relicv2"
     state = to_torchvision_state_dict(encoder) if fmt == "torchvision" else {
         name: tensor.detach().clone().cpu() for name, tensor in encoder.state_dict().items()}
-    padding = encoder_padding(encoder)
-    if padding == "same_tf":
+    sidecar = {"format": fmt, "arch": f"resnet{depth}" + ("" if width == 1 else f"_{width}x"), "depth": depth,
+               "width": width, "padding": encoder.padding, "num_features": encoder.num_features,
+               "fc": "not included: the file holds the encoder only (add your own classifier)"}
+    if encoder.padding == "same_tf":
         state[PADDING_MARKER] = torch.zeros(0)
-    sidecar = {
-        "format": fmt,
-        "arch": f"resnet{depth}" + ("" if width == 1 else f"_{width}x"),
-        "depth": depth,
-        "width": width,
-        "padding": padding,
-        "num_features": encoder.num_features,
-        "fc": "not included: the file holds the encoder only (add your own classifier)",
-        **({"padding_note": f"pads like TensorFlow 'SAME': a torchvision ResNet takes these weights (less the "
-                            f"{PADDING_MARKER!r} entry) but gives other features; load the file with "
-                            "pretrain.model.encoder_file.load_encoder_file"} if padding == "same_tf" else {}),
-        **(metadata or {}),
-    }
+        sidecar["padding_note"] = (f"pads like TensorFlow 'SAME': a torchvision ResNet takes these weights "
+                                   f"(less the {PADDING_MARKER!r} entry) but gives other features; load the "
+                                   "file with pretrain.model.encoder_file.load_encoder_file")
+    sidecar.update(metadata or {})
     path.parent.mkdir(parents=True, exist_ok=True)
     # The sidecar is written (and renamed) while the weights wait under their temporary name: a failed
     # write of either (a full disk) leaves the pair as it was, never new weights without their sidecar.
@@ -171,11 +158,10 @@ def load_encoder_file(path: str | Path, *, network: str | None = None) -> ResNet
         raise ExportError(f"encoder file {path} does not exist; check the path")
     info = read_sidecar(path)
     if network == "target" and exported_network(info) != "target":
-        raise ExportError(
-            f"{path} is an exported encoder holding the {exported_network(info)} network only (per "
-            f"{sidecar_path(path).name}); --network target needs a pretraining checkpoint: pass the run folder or "
-            "its checkpoint-*.pt, or export the target with `relicv2 export --network target`"
-        )
+        raise ExportError(f"{path} is an exported encoder holding the {exported_network(info)} network only "
+                          f"(per {sidecar_path(path).name}); --network target needs a pretraining checkpoint: "
+                          "pass the run folder or its checkpoint-*.pt, or export the target with "
+                          "`relicv2 export --network target`")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except TORCH_LOAD_ERRORS as error:

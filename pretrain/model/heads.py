@@ -91,15 +91,9 @@ class TargetNetwork(nn.Module):
         return self.projector(self.encoder(x))
 
 
-def build_networks(
-    depth: int,
-    width: int,
-    *,
-    hidden_dim: int = 4096,
-    out_dim: int = 256,
-    zero_init_residual: bool = False,
-    activation_checkpointing: bool = False,
-) -> tuple[OnlineNetwork, TargetNetwork]:
+def build_networks(depth: int, width: int, *, hidden_dim: int = 4096, out_dim: int = 256,
+                   zero_init_residual: bool = False,
+                   activation_checkpointing: bool = False) -> tuple[OnlineNetwork, TargetNetwork]:
     """Online network and a target network initialised as an exact, frozen copy of its encoder+projector."""
     encoder = resnet(depth, width, zero_init_residual=zero_init_residual)
     projector = MLP(encoder.num_features, hidden_dim, out_dim)
@@ -123,13 +117,10 @@ def ema_update(target: TargetNetwork, online: nn.Module, coefficient: float) -> 
     if not 0.0 <= coefficient <= 1.0:
         raise ValueError(f"EMA coefficient must be in [0, 1], got {coefficient}")
     online = getattr(online, "module", online)  # unwrap DistributedDataParallel
-    target_params, online_params, target_buffers, online_buffers = [], [], [], []
-    for name in ("encoder", "projector"):
-        target_part, online_part = getattr(target, name), getattr(online, name)
-        target_params += list(target_part.parameters())
-        online_params += list(online_part.parameters())
-        target_buffers += list(target_part.buffers())
-        online_buffers += list(online_part.buffers())
+    target_part = nn.ModuleList([target.encoder, target.projector])
+    online_part = nn.ModuleList([online.encoder, online.projector])
+    target_params, online_params = list(target_part.parameters()), list(online_part.parameters())
+    target_buffers, online_buffers = list(target_part.buffers()), list(online_part.buffers())
     if len(target_params) != len(online_params) or len(target_buffers) != len(online_buffers):
         raise ValueError("target and online networks have different architectures; build both with build_networks")
     # lerp(t, o, w) = t + w (o - t) = (1 - w) t + w o with w = 1 - coefficient.

@@ -21,7 +21,8 @@ from torchvision.models.resnet import BasicBlock, Bottleneck
 
 # Blocks per stage. ResNet-200 is not in torchvision; its layout is the one of He et al. 2016
 # ("Identity Mappings in Deep Residual Networks") used by BYOL/ReLICv2 for their largest encoder.
-STAGE_BLOCKS: dict[int, tuple[type[BasicBlock] | type[Bottleneck], tuple[int, int, int, int]]] = {
+Block = type[BasicBlock] | type[Bottleneck]
+STAGE_BLOCKS: dict[int, tuple[Block, tuple[int, int, int, int]]] = {
     18: (BasicBlock, (2, 2, 2, 2)),
     34: (BasicBlock, (3, 4, 6, 3)),
     50: (Bottleneck, (3, 4, 6, 3)),
@@ -42,40 +43,35 @@ def _same_tf_pads(size: int, kernel: int, stride: int) -> tuple[int, int]:
     return total // 2, total - total // 2
 
 
+def _pad_same_tf(x: Tensor, kernel: int, stride: int, value: float = 0.0) -> Tensor:
+    """`x` padded on both spatial axes under TensorFlow's "SAME" rule (square kernel and stride)."""
+    top, bottom = _same_tf_pads(x.shape[-2], kernel, stride)
+    left, right = _same_tf_pads(x.shape[-1], kernel, stride)
+    return F.pad(x, (left, right, top, bottom), value=value)
+
+
 class SameTFConv2d(nn.Conv2d):
     """A Conv2d (same parameters, same state-dict names) that pads like TensorFlow's "SAME"."""
 
     def forward(self, x: Tensor) -> Tensor:
-        top, bottom = _same_tf_pads(x.shape[-2], self.kernel_size[0], self.stride[0])
-        left, right = _same_tf_pads(x.shape[-1], self.kernel_size[1], self.stride[1])
-        return self._conv_forward(F.pad(x, (left, right, top, bottom)), self.weight, self.bias)
+        padded = _pad_same_tf(x, self.kernel_size[0], self.stride[0])
+        return self._conv_forward(padded, self.weight, self.bias)
 
 
 class SameTFMaxPool2d(nn.MaxPool2d):
     """Max pooling with TensorFlow's "SAME" padding (padded cells never win: they are -inf)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        top, bottom = _same_tf_pads(x.shape[-2], self.kernel_size, self.stride)
-        left, right = _same_tf_pads(x.shape[-1], self.kernel_size, self.stride)
-        padded = F.pad(x, (left, right, top, bottom), value=float("-inf"))
+        padded = _pad_same_tf(x, self.kernel_size, self.stride, float("-inf"))
         return F.max_pool2d(padded, self.kernel_size, self.stride)
 
 
 class ResNet(nn.Module):
-    """ResNet trunk: stem, four residual stages, global average pooling; no classifier.
+    """ResNet trunk (stem, four residual stages, global average pooling; no classifier): images
+    [B, 3, H, W] to pooled features [B, num_features]."""
 
-    `forward(x)` maps images [B, 3, H, W] to pooled features [B, num_features].
-    """
-
-    def __init__(
-        self,
-        block: type[BasicBlock] | type[Bottleneck],
-        stage_blocks: tuple[int, int, int, int],
-        width: int = 1,
-        *,
-        zero_init_residual: bool = False,
-        padding: str = "torch",
-    ) -> None:
+    def __init__(self, block: Block, stage_blocks: tuple[int, int, int, int], width: int = 1, *,
+                 zero_init_residual: bool = False, padding: str = "torch") -> None:
         super().__init__()
         if padding not in PADDINGS:
             raise ValueError(f"padding must be one of {list(PADDINGS)}, got {padding!r}")
@@ -88,9 +84,8 @@ class ResNet(nn.Module):
         in_channels = stem_channels
         stages = []
         for index, (planes, blocks) in enumerate(zip(STAGE_PLANES, stage_blocks, strict=True)):
-            stage, in_channels = _make_stage(
-                block, in_channels, planes * width, blocks, stride=1 if index == 0 else 2
-            )
+            stride = 1 if index == 0 else 2
+            stage, in_channels = _make_stage(block, in_channels, planes * width, blocks, stride)
             stages.append(stage)
         self.layer1, self.layer2, self.layer3, self.layer4 = stages
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
@@ -105,13 +100,8 @@ class ResNet(nn.Module):
         return torch.flatten(self.avgpool(x), 1)
 
 
-def _make_stage(
-    block: type[BasicBlock] | type[Bottleneck],
-    in_channels: int,
-    planes: int,
-    blocks: int,
-    stride: int,
-) -> tuple[nn.Sequential, int]:
+def _make_stage(block: Block, in_channels: int, planes: int, blocks: int,
+                stride: int) -> tuple[nn.Sequential, int]:
     """One stage as torchvision builds it (projection shortcut `downsample` = conv1x1 + BN)."""
     out_channels = planes * block.expansion
     downsample = None
@@ -160,12 +150,9 @@ def _initialise(model: nn.Module, zero_init_residual: bool) -> None:
 
 
 def resnet(depth: int, width: int = 1, *, zero_init_residual: bool = False, padding: str = "torch") -> ResNet:
-    """ResNet-`depth` encoder with every layer `width` times wider (SimCLR/BYOL convention).
-
-    depth is one of 18, 34, 50, 101, 152, 200; width one of 1, 2, 4. The result returns pooled
-    features of size `num_features` (512 * width for 18/34, 2048 * width for 50 and deeper).
-    padding "same_tf" pads like TensorFlow/JAX "SAME" (for weights imported from the authors).
-    """
+    """ResNet-`depth` encoder with every layer `width` times wider (SimCLR/BYOL convention), giving
+    `num_features` pooled features (512 * width for 18/34, 2048 * width for 50 and deeper); padding
+    "same_tf" pads like TensorFlow/JAX "SAME" (for weights imported from the authors)."""
     if depth not in STAGE_BLOCKS:
         raise ValueError(f"ResNet depth {depth} is not supported; choose one of {sorted(STAGE_BLOCKS)}")
     if width not in WIDTHS:
@@ -175,15 +162,11 @@ def resnet(depth: int, width: int = 1, *, zero_init_residual: bool = False, padd
 
 
 def to_torchvision_state_dict(model: ResNet) -> dict[str, Tensor]:
-    """The encoder's weights under torchvision's names (no `fc.*`; load with strict=False).
-
-    Only width-1 encoders have a torchvision counterpart.
-    """
+    """A width-1 encoder's weights under torchvision's names (no `fc.*`; load with strict=False)."""
     if model.conv1.out_channels != 64:
-        raise ValueError(
-            f"only width-1 ResNets have torchvision weights (this one has a {model.conv1.out_channels}-"
-            "channel stem); export wider encoders with model.state_dict() instead"
-        )
+        stem = model.conv1.out_channels
+        raise ValueError(f"only width-1 ResNets have torchvision weights (this one has a {stem}-channel "
+                         "stem); export wider encoders with model.state_dict() instead")
     return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
 
@@ -192,28 +175,19 @@ def state_dict_differences(own: dict[str, Tensor], incoming: dict[str, Tensor]) 
     (e.g. layer4.1.conv1.weight); 1 wrong shape (e.g. fc.weight (10, 512) != (10, 2048))"; "" when it fits."""
     missing = sorted(set(own) - set(incoming))
     unexpected = sorted(set(incoming) - set(own))
-    wrong_shape = sorted(
-        f"{name} {tuple(incoming[name].shape)} != {tuple(own[name].shape)}"
-        for name in set(own) & set(incoming)
-        if incoming[name].shape != own[name].shape
-    )
+    wrong_shape = sorted(f"{name} {tuple(incoming[name].shape)} != {tuple(own[name].shape)}"
+                         for name in set(own) & set(incoming) if incoming[name].shape != own[name].shape)
     return "; ".join(f"{len(items)} {label} (e.g. {', '.join(items[:3])})"
                      for label, items in (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong_shape))
                      if items)
 
 
 def load_torchvision_state_dict(model: ResNet, state_dict: dict[str, Tensor]) -> None:
-    """Load a `torchvision.models.resnet*` state dict into `model` (its `fc.*` entries are dropped).
-
-    Raises ValueError naming the missing, unexpected or wrongly shaped entries when the state
-    dict is not for this depth and width.
-    """
+    """Load a `torchvision.models.resnet*` state dict into `model` (its `fc.*` entries are dropped); a
+    ValueError names the missing, unexpected or wrongly shaped entries of one for another depth or width."""
     incoming = {name: t for name, t in state_dict.items() if not name.startswith("fc.")}
     differences = state_dict_differences(model.state_dict(), incoming)
     if differences:
-        raise ValueError(
-            f"state dict does not fit this ResNet ({differences}); check that the "
-            "weights are a torchvision resnet of the same depth, at width 1, and without a "
-            "'module.' prefix"
-        )
+        raise ValueError(f"state dict does not fit this ResNet ({differences}); check that the weights are a "
+                         "torchvision resnet of the same depth, at width 1, and without a 'module.' prefix")
     model.load_state_dict(incoming, strict=True)

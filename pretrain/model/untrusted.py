@@ -20,8 +20,7 @@ TORCH_LOAD_ERRORS = (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.Bad
 
 def load_failure(error: BaseException) -> str:
     """Why `torch.load(weights_only=True)` could not read a file, in one line, without torch's advice to
-    retry with weights_only=False or to allowlist globals: the file is not trusted, so running its code is
-    never the way out."""
+    run the file's code (see above)."""
     for line in str(error).strip().splitlines():
         line = line.strip().removeprefix("WeightsUnpickler error:").strip()
         if line and "weights_only" not in line and not line.startswith(

@@ -148,7 +148,7 @@ def _fill(items: Iterator[Made], out: queue.Queue, stop: threading.Event, device
         stream = torch.cuda.Stream(device)
     try:
         while not stop.is_set():
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            with torch.cuda.stream(stream):  # a no-op for None (a CPU)
                 item = next(items)
                 if stream is not None:
                     item.ready = torch.cuda.Event()
@@ -160,11 +160,9 @@ def _fill(items: Iterator[Made], out: queue.Queue, stop: threading.Event, device
 
 def _put(out: queue.Queue, item: Made | _Failed, stop: threading.Event) -> None:
     while not stop.is_set():
-        try:
+        with contextlib.suppress(queue.Full):
             out.put(item, timeout=POLL_S)
             return
-        except queue.Full:
-            continue
 
 
 def _stop_thread(stop: threading.Event, out: queue.Queue, thread: threading.Thread) -> None:
@@ -172,9 +170,7 @@ def _stop_thread(stop: threading.Event, out: queue.Queue, thread: threading.Thre
     if threading.current_thread() is thread:  # collected by a garbage collection the thread itself ran
         return  # it ends after the item in hand
     while thread.is_alive():  # it may be blocked on a full queue or inside a pipeline run
-        try:
+        with contextlib.suppress(queue.Empty):
             while True:
                 out.get_nowait()
-        except queue.Empty:
-            pass
         thread.join(timeout=POLL_S)

@@ -3,15 +3,19 @@
 A backend gets everything it needs at construction (`BackendSetup`) and never sees the loader:
 it produces batches, runs to the end of an epoch, and reports its resumable state. Samples it has
 to leave out are returned in `BackendBatch.excluded`, and the loader does its own bookkeeping.
+The helpers that build a batch's fields live here too, so backends and loader import this module
+without importing each other.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from pretrain.views.batch import BackendBatch
-from pretrain.views.config import ViewConfig
+import numpy as np
+import torch
+
+from pretrain.views.config import DRAWN_PARAM_NAMES, PARAM_NAMES, ViewConfig
 from pretrain.views.sources import SampleSet
 
 
@@ -34,6 +38,47 @@ class BackendSetup:
     epoch: int = 0
     batch_in_epoch: int = 0
     restore: dict[str, Any] | None = None
+
+
+@dataclass
+class BackendBatch:
+    """One batch from a backend, before the loader moves it to the training device.
+
+    `excluded`: samples the backend found undecodable while producing it ({key: reason}); the
+    loader records them (they stay out on resume) and shrinks its epoch. `unreadable`: samples
+    dropped from this batch because they could not be read (the batch is smaller by as many).
+    `masked_views`: how many of its large views had their background removed (the masking applied).
+    """
+
+    views: list[torch.Tensor]
+    keys: list[str]
+    labels: torch.Tensor | None
+    params: torch.Tensor | None = None
+    excluded: dict[str, str] = field(default_factory=dict)
+    unreadable: int = 0
+    masked_views: int = 0
+
+
+def assemble_params(per_view: list[np.ndarray], masked: list[np.ndarray], coverage: np.ndarray,
+                    grey: np.ndarray) -> torch.Tensor:
+    """B x V x len(PARAM_NAMES) tensor (backend-neutral layout) from per-view B x DRAWN_PARAM_NAMES draws."""
+    b, v = len(coverage), len(per_view)
+    out = np.zeros((b, v, len(PARAM_NAMES)), np.float32)
+    col = {n: i for i, n in enumerate(PARAM_NAMES)}
+    rest = [col[n] for n in DRAWN_PARAM_NAMES]
+    for j in range(v):
+        out[:, j, rest] = per_view[j]
+        out[:, j, col["masked"]] = masked[j]
+        out[:, j, col["coverage"]] = coverage
+        out[:, j, col["grey"]] = grey
+    return torch.from_numpy(out)
+
+
+def labels_tensor(labels: list[int | None]) -> torch.Tensor | None:
+    """int64 labels, -1 for unlabelled samples; None when no sample of the batch has a label."""
+    if all(label is None for label in labels):
+        return None
+    return torch.tensor([-1 if label is None else label for label in labels], dtype=torch.int64)
 
 
 @runtime_checkable

@@ -54,15 +54,10 @@ class ColourDraws:
     def from_params(cls, params: np.ndarray) -> ColourDraws:
         """From a B x DRAWN_PARAM_NAMES array, the layout the pipeline returns."""
         col = {n: params[:, i] for i, n in enumerate(DRAWN_PARAM_NAMES)}
-        return cls(
-            jitter=col["jitter"] > 0.5,
-            order=np.rint(col["order"]).astype(np.int64),
-            factors=np.stack([col[n] for n in ("brightness", "contrast", "saturation", "hue")], axis=1),
-            grayscale=col["grayscale"] > 0.5,
-            blur=col["blur"] > 0.5,
-            sigma=col["sigma"].astype(np.float64),
-            solarize=col["solarize"] > 0.5,
-        )
+        flags = {n: col[n] > 0.5 for n in ("jitter", "grayscale", "blur", "solarize")}
+        factors = np.stack([col[n] for n in ("brightness", "contrast", "saturation", "hue")], axis=1)
+        return cls(order=np.rint(col["order"]).astype(np.int64), factors=factors,
+                   sigma=col["sigma"].astype(np.float64), **flags)
 
     def for_view(self, spec: ViewSpec) -> ColourDraws:
         """These draws with the steps `spec` never takes switched off: a step of probability 0 is
@@ -98,10 +93,7 @@ def colour_params(pipeline_params: np.ndarray, spec: ViewSpec, cfg: ViewConfig) 
     colour = np.column_stack([
         coin(cfg.jitter_probability),
         rng.integers(0, len(JITTER_ORDERS), rows),
-        rng.uniform(max(0.0, 1 - cfg.brightness), 1 + cfg.brightness, rows),
-        rng.uniform(max(0.0, 1 - cfg.contrast), 1 + cfg.contrast, rows),
-        rng.uniform(max(0.0, 1 - cfg.saturation), 1 + cfg.saturation, rows),
-        rng.uniform(-cfg.hue, cfg.hue, rows),
+        *(rng.uniform(lo, hi, rows) for lo, hi in cfg.jitter_ranges),
         coin(cfg.grayscale_probability),
         coin(spec.blur_probability),
         rng.uniform(*cfg.blur_sigma, rows),
@@ -300,12 +292,9 @@ def _colour(view: torch.Tensor, draws: ColourDraws, cfg: ViewConfig, background:
     jitter = [(slot, op) for slot in range(len(JITTER_STEPS)) for op in range(len(JITTER_STEPS)) if strengths[op] > 0]
     masked = background.masked if background is not None else np.zeros(len(draws.order), bool)
     grey = background.grey if background is not None else np.zeros(len(draws.order))
-    rows = _Rows(
-        [masked]
-        + [draws.jitter & (operations[:, slot] == op) for slot, op in jitter]
-        + [draws.grayscale, draws.blur, draws.solarize],
-        np.column_stack([draws.factors, grey]), x.device,
-    )
+    groups = [masked, *(draws.jitter & (operations[:, slot] == op) for slot, op in jitter),
+              draws.grayscale, draws.blur, draws.solarize]
+    rows = _Rows(groups, np.column_stack([draws.factors, grey]), x.device)
     if background is not None:
         x = rows.apply(x, 0, replace_background, column=GREY_COLUMN, aligned=background.soft)
     # A step of strength 0 draws factor 1 (or hue 0), the identity: it is left out.

@@ -87,55 +87,47 @@ class ViewConfig:
                                        "all-DALI colour stage"),
     }
 
+    @property
+    def jitter_ranges(self) -> tuple[tuple[float, float], ...]:
+        """The ranges of the brightness, contrast and saturation factors and the hue shift (torchvision)."""
+        factors = [(max(0.0, 1 - s), 1 + s) for s in (self.brightness, self.contrast, self.saturation)]
+        return (*factors, (-self.hue, self.hue))
+
     def __post_init__(self) -> None:
-        check_view_config(self)
-
-
-def check_view_config(cfg: ViewConfig) -> None:
-    """Raise ValueError with one sentence naming the option when a value is out of range."""
-    if cfg.large_views < 1 or cfg.small_views < 0:
-        raise ValueError("large_views must be >= 1 and small_views >= 0")
-    if cfg.large_size < 8 or (cfg.small_views and cfg.small_size < 8):
-        raise ValueError("large_size and small_size must be at least 8 pixels")
-    for name in ("crop_scale_even", "crop_scale_odd_large", "crop_scale_odd_small"):
-        lo, hi = getattr(cfg, name)
-        if not 0 < lo <= hi <= 1:
-            raise ValueError(f"{name} must satisfy 0 < min <= max <= 1, got {(lo, hi)}")
-    lo, hi = cfg.crop_ratio
-    if not 0 < lo <= hi:
-        raise ValueError(f"crop_ratio must satisfy 0 < min <= max, got {(lo, hi)}")
-    for name in (
-        "flip_probability",
-        "jitter_probability",
-        "grayscale_probability",
-        "blur_probability_even",
-        "blur_probability_odd",
-        "solarize_probability_even",
-        "solarize_probability_odd",
-        "mask_probability",
-        "mask_min_coverage",
-    ):
-        value = getattr(cfg, name)
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"{name} must be in [0, 1], got {value}")
-    if not 0 <= cfg.hue <= 0.5:
-        raise ValueError(f"hue must be in [0, 0.5], got {cfg.hue}")
-    if min(cfg.brightness, cfg.contrast, cfg.saturation) < 0:
-        raise ValueError("brightness, contrast and saturation must be >= 0")
-    if cfg.blur_kernel < 1 or cfg.blur_kernel % 2 == 0:
-        raise ValueError(f"blur_kernel must be odd and positive, got {cfg.blur_kernel}")
-    if not 0 < cfg.blur_sigma[0] <= cfg.blur_sigma[1]:
-        raise ValueError(f"blur_sigma must satisfy 0 < min <= max, got {cfg.blur_sigma}")
-    if cfg.colour_kernels not in COLOUR_KERNELS:
-        raise ValueError(f"colour_kernels must be one of {COLOUR_KERNELS}, got {cfg.colour_kernels!r}")
-    if cfg.backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {cfg.backend!r}")
-    if cfg.output_dtype not in OUTPUT_DTYPES:
-        raise ValueError(f"output_dtype must be one of {OUTPUT_DTYPES}, got {cfg.output_dtype!r}")
-    if cfg.num_threads < 0 or cfg.shuffle_buffer < 1 or cfg.prefetch < 1:
-        raise ValueError("num_threads must be >= 0 (0: auto), shuffle_buffer and prefetch >= 1")
-    if cfg.ready_batches is not None and cfg.ready_batches < 0:
-        raise ValueError(f"ready_batches must be >= 0 (or null: auto), got {cfg.ready_batches}")
+        """Raise ValueError with one sentence naming the option when a value is out of range."""
+        if self.large_views < 1 or self.small_views < 0:
+            raise ValueError("large_views must be >= 1 and small_views >= 0")
+        if self.large_size < 8 or (self.small_views and self.small_size < 8):
+            raise ValueError("large_size and small_size must be at least 8 pixels")
+        for name in ("crop_scale_even", "crop_scale_odd_large", "crop_scale_odd_small"):
+            lo, hi = getattr(self, name)
+            if not 0 < lo <= hi <= 1:
+                raise ValueError(f"{name} must satisfy 0 < min <= max <= 1, got {(lo, hi)}")
+        lo, hi = self.crop_ratio
+        if not 0 < lo <= hi:
+            raise ValueError(f"crop_ratio must satisfy 0 < min <= max, got {(lo, hi)}")
+        for name in ("flip_probability", "jitter_probability", "grayscale_probability",
+                     "blur_probability_even", "blur_probability_odd", "solarize_probability_even",
+                     "solarize_probability_odd", "mask_probability", "mask_min_coverage"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value}")
+        if not 0 <= self.hue <= 0.5:
+            raise ValueError(f"hue must be in [0, 0.5], got {self.hue}")
+        if min(self.brightness, self.contrast, self.saturation) < 0:
+            raise ValueError("brightness, contrast and saturation must be >= 0")
+        if self.blur_kernel < 1 or self.blur_kernel % 2 == 0:
+            raise ValueError(f"blur_kernel must be odd and positive, got {self.blur_kernel}")
+        if not 0 < self.blur_sigma[0] <= self.blur_sigma[1]:
+            raise ValueError(f"blur_sigma must satisfy 0 < min <= max, got {self.blur_sigma}")
+        choices = (("colour_kernels", COLOUR_KERNELS), ("backend", BACKENDS), ("output_dtype", OUTPUT_DTYPES))
+        for name, allowed in choices:
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.num_threads < 0 or self.shuffle_buffer < 1 or self.prefetch < 1:
+            raise ValueError("num_threads must be >= 0 (0: auto), shuffle_buffer and prefetch >= 1")
+        if self.ready_batches is not None and self.ready_batches < 0:
+            raise ValueError(f"ready_batches must be >= 0 (or null: auto), got {self.ready_batches}")
 
 
 def mask_mismatch(cfg: ViewConfig, has_masks: bool) -> str | None:
@@ -174,40 +166,20 @@ def view_specs(cfg: ViewConfig) -> tuple[ViewSpec, ...]:
                 scale = cfg.crop_scale_even
             else:
                 scale = cfg.crop_scale_odd_large if large else cfg.crop_scale_odd_small
-            specs.append(
-                ViewSpec(
-                    index=len(specs),
-                    large=large,
-                    odd=odd,
-                    size=cfg.large_size if large else cfg.small_size,
-                    crop_scale=scale,
-                    blur_probability=cfg.blur_probability_odd if odd else cfg.blur_probability_even,
-                    solarize_probability=cfg.solarize_probability_odd if odd else cfg.solarize_probability_even,
-                    mask_probability=cfg.mask_probability if large else 0.0,
-                )
-            )
+            specs.append(ViewSpec(
+                index=len(specs), large=large, odd=odd, size=cfg.large_size if large else cfg.small_size,
+                crop_scale=scale, mask_probability=cfg.mask_probability if large else 0.0,
+                blur_probability=cfg.blur_probability_odd if odd else cfg.blur_probability_even,
+                solarize_probability=cfg.solarize_probability_odd if odd else cfg.solarize_probability_even,
+            ))
     return tuple(specs)
 
 
-# Order of the columns of the per-view debug parameter vector (both backends fill it the same way).
-PARAM_NAMES = (
-    "area",  # crop area / image area
-    "ratio",  # crop width / height
-    "flip",
-    "masked",
-    "jitter",
-    "order",  # index into JITTER_ORDERS (-1 when no jitter)
-    "brightness",
-    "contrast",
-    "saturation",
-    "hue",
-    "grayscale",
-    "blur",
-    "sigma",
-    "solarize",
-    "coverage",  # mask coverage of the sample (0 when it has no mask)
-    "grey",  # the sample's background grey level in [0, 1]
-)
+# Order of the columns of the per-view debug parameter vector (both backends fill it the same way):
+# "area" is crop area / image area, "ratio" crop width / height, "order" an index into JITTER_ORDERS (-1 when
+# no jitter), "coverage" the sample's mask coverage (0 when it has no mask), "grey" its background grey level.
+PARAM_NAMES = ("area", "ratio", "flip", "masked", "jitter", "order", "brightness", "contrast", "saturation",
+               "hue", "grayscale", "blur", "sigma", "solarize", "coverage", "grey")
 # The columns a backend draws per view, in PARAM_NAMES order (the rest are per sample or the mask's).
 DRAWN_PARAM_NAMES = tuple(n for n in PARAM_NAMES if n not in ("masked", "coverage", "grey"))
 

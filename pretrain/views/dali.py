@@ -21,18 +21,12 @@ from torch.profiler import record_function
 
 from jobs.progress import tracked
 from jobs.workers import rank_cores
-from pretrain.views.backend import BackendSetup
-from pretrain.views.batch import BackendBatch, assemble_params, labels_tensor
+from pretrain.views.backend import BackendBatch, BackendSetup, assemble_params, labels_tensor
 from pretrain.views.colour import Background, ColourDraws, colour_params, colour_views
 from pretrain.views.config import view_specs
-from pretrain.views.dali_pipeline import (
-    READER_NAME,
-    build_view_pipeline,
-    masks_in_play,
-    soft_mask_views,
-)
+from pretrain.views.dali_pipeline import READER_NAME, build_view_pipeline, soft_mask_views
 from pretrain.views.sample_table import SampleRef
-from pretrain.views.sources import MASK_MEMBER, exclude_samples, reader_samples_per_rank
+from pretrain.views.sources import MASK_MEMBER, exclude_samples
 from shards.sample import class_index
 
 __all__ = ["DaliBackend", "find_undecodable", "is_decode_error"]
@@ -120,11 +114,6 @@ def _host_array(batch) -> np.ndarray:
     return np.array(batch.as_cpu().as_tensor() if isinstance(batch, TensorListGPU) else batch.as_tensor())
 
 
-def _scalars(batch) -> np.ndarray:
-    batch = batch.as_cpu() if isinstance(batch, TensorListGPU) else batch
-    return np.array([np.asarray(batch[i]).reshape(()) for i in range(len(batch))], np.float32)
-
-
 def sample_key(source_info: str) -> str:
     """`shard.tar:offset:key.ext` (DALI's source info of a webdataset member) -> key."""
     member = source_info.rsplit(":", 1)[-1].rsplit("/", 1)[-1]
@@ -134,7 +123,7 @@ def sample_key(source_info: str) -> str:
 class DaliBackend:
     """Runs the view pipeline for one rank and keeps its epochs aligned with the reader's.
 
-    The reader yields `reader_samples_per_rank` samples per rank and epoch (padded), that is
+    The reader yields the largest rank's share of samples per rank and epoch (padded), that is
     `runs_per_epoch` pipeline runs; the loader takes the first `batches_per_epoch` of them and
     `end_epoch` runs the rest, so the next batch is the first of the reader's next epoch.
     """
@@ -143,18 +132,13 @@ class DaliBackend:
         self.setup = setup
         self.samples = setup.samples
         self.specs = view_specs(setup.config)
-        self.num_views = len(self.specs)
-        self.debug = setup.config.debug_params
+        self.gpu = setup.device != "cpu"
         self.recoveries = 0
         # Pipeline runs in the current reader epoch: restored with the reader (same ranks), or a new
         # reader at the start of its order (first start, or a position re-split over other ranks: then
         # the reader's epoch runs behind the loader's batch count until the loader's epoch ends).
         self.runs = int(setup.restore.get("runs", setup.batch_in_epoch)) if setup.restore else 0
         self._build(setup.restore["checkpoint"] if setup.restore else None)
-
-    @property
-    def gpu(self) -> bool:
-        return self.setup.device != "cpu"
 
     def _build(self, checkpoint: str | None) -> None:
         st = self.setup
@@ -165,13 +149,12 @@ class DaliBackend:
             self.samples, st.config, batch_size=st.batch_size, gpu=self.gpu, rank=st.rank, world_size=st.world_size,
             seed=st.seed, device_id=device_id, checkpoint=checkpoint,
         )
-        self.mask_views = soft_mask_views(self.samples, st.config)  # the pipeline's last outputs, in this order
-        # The views that may be masked, whose flags are counted (a few bytes from the GPU per batch).
-        self.maskable_views = ([j for j, spec in enumerate(self.specs) if spec.mask_probability > 0]
-                               if masks_in_play(self.samples, st.config) else [])
+        # The views that may be masked: the pipeline's last outputs are their crops of the mask, in this
+        # order, and their flags are counted (a few bytes from the GPU per batch).
+        self.mask_views = soft_mask_views(self.samples, st.config)
         meta = self.pipe.reader_meta(READER_NAME)
         reader_epoch = meta["epoch_size_padded"] // meta["number_of_shards"]
-        expected = reader_samples_per_rank(len(self.samples), st.world_size)
+        expected = -(-len(self.samples) // st.world_size)  # pad_last_batch: each rank reads the largest share
         if reader_epoch != expected:
             raise RuntimeError(f"DALI reads {reader_epoch} samples per rank, expected {expected}")
         self.runs_per_epoch = -(-reader_epoch // st.batch_size)
@@ -204,7 +187,7 @@ class DaliBackend:
                 excluded = self._recover(error)
                 out = self.pipe.run()
         self.runs += 1
-        v = self.num_views
+        v = len(self.specs)
         with record_function(RANGE_OUTPUTS):
             views = [_to_torch(out[i]) for i in range(v)]
             carrier, cls, _has_mask, coverage, grey = out[v : v + 5]
@@ -218,9 +201,10 @@ class DaliBackend:
             draws = [ColourDraws.from_params(p) for p in per_view]
             views = colour_views(views, draws, self.specs, self.setup.config, backgrounds)
         params = None
-        if self.debug:
-            params = assemble_params(per_view, [_scalars(m) for m in masked], _scalars(coverage), _scalars(grey))
-        masked_views = int(sum(_host_array(masked[j]).sum() for j in self.maskable_views))
+        if self.setup.config.debug_params:
+            masked_flags = [_host_array(m) for m in masked]
+            params = assemble_params(per_view, masked_flags, _host_array(coverage), _host_array(grey))
+        masked_views = int(sum(_host_array(masked[j]).sum() for j in self.mask_views))
         return BackendBatch(views=views, keys=keys, labels=labels_tensor(labels), params=params, excluded=excluded,
                             masked_views=masked_views)
 

@@ -32,13 +32,8 @@ READER_NAME = "shards"
 # The `mixed` decoder's settings: nvJPEG buffers sized once for ImageNet's largest photos (NVIDIA's
 # ResNet-50 DALI example) so that a large image never triggers a reallocation mid-run, and the
 # chroma upsampling of the CPU decoder (libjpeg-turbo, as PIL), so both devices see the same pixels.
-MIXED_DECODER = dict(
-    device_memory_padding=211025920,
-    host_memory_padding=140544512,
-    preallocate_width_hint=5980,
-    preallocate_height_hint=6430,
-    jpeg_fancy_upsampling=True,
-)
+MIXED_DECODER = dict(device_memory_padding=211025920, host_memory_padding=140544512,
+                     preallocate_width_hint=5980, preallocate_height_hint=6430, jpeg_fancy_upsampling=True)
 MAX = 255.0
 
 
@@ -118,8 +113,7 @@ def _view(image: DataNode, mask: SampleMask, shape: DataNode, image_hw: DataNode
     """One view (HWC uint8, as cropped), its parameters, its masked flag and its crop of the mask.
 
     The parameters: the geometry's (area, ratio, flip) and a uniform draw the host's colour draws are
-    seeded from (`pretrain.views.colour.colour_params`), which then applies the paper's order: mask,
-    jitter, grayscale, blur, solarize.
+    seeded from (`pretrain.views.colour.colour_params`).
     """
     window = _crop_window(shape, image_hw, spec, cfg)
     view = fn.resize(image, interp_type=types.INTERP_CUBIC, **_resize_args(window, spec))  # uint8: rounded, clamped
@@ -161,19 +155,11 @@ def _sample_mask(mask_bytes: DataNode, sample_set: SampleSet, cfg: ViewConfig, g
 @pipeline_def(enable_conditionals=True, enable_checkpointing=True)
 def _views_pipeline(sample_set: SampleSet, cfg: ViewConfig, gpu: bool, rank: int, world_size: int, reader_seed: int):
     image_bytes, mask_bytes, cls = fn.readers.webdataset(
-        paths=[str(p) for p in sample_set.tars],
-        index_paths=[str(p) for p in sample_set.index_files],
-        ext=[";".join(IMAGE_MEMBERS), MASK_MEMBER, LABEL_MEMBER],
-        missing_component_behavior="empty",
-        name=READER_NAME,
-        shard_id=rank,
-        num_shards=world_size,
-        random_shuffle=True,
-        initial_fill=cfg.shuffle_buffer,
-        shuffle_after_epoch=True,
+        paths=[str(p) for p in sample_set.tars], index_paths=[str(p) for p in sample_set.index_files],
+        ext=[";".join(IMAGE_MEMBERS), MASK_MEMBER, LABEL_MEMBER], missing_component_behavior="empty",
+        name=READER_NAME, shard_id=rank, num_shards=world_size, pad_last_batch=True, seed=reader_seed,
+        random_shuffle=True, initial_fill=cfg.shuffle_buffer, shuffle_after_epoch=True,
         shuffle_after_epoch_seed=reader_seed,  # shared by all ranks: one global shard order per epoch
-        seed=reader_seed,
-        pad_last_batch=True,
     )
     # Decoded once per image (the hardware JPEG decoder on a GPU); every view is cut from it.
     decoder = dict(device="mixed", hw_decoder_load=cfg.hw_decoder_load, **MIXED_DECODER) if gpu else dict(device="cpu")
@@ -209,27 +195,14 @@ def soft_mask_views(sample_set: SampleSet, cfg: ViewConfig) -> list[int]:
     return [j for j, spec in enumerate(view_specs(cfg)) if spec.mask_probability > 0]
 
 
-def build_view_pipeline(
-    sample_set: SampleSet,
-    cfg: ViewConfig,
-    *,
-    batch_size: int,
-    gpu: bool,
-    rank: int,
-    world_size: int,
-    seed: int,
-    device_id: int = 0,
-    checkpoint: str | None = None,
-) -> Pipeline:
+def build_view_pipeline(sample_set: SampleSet, cfg: ViewConfig, *, batch_size: int, gpu: bool, rank: int,
+                        world_size: int, seed: int, device_id: int = 0,
+                        checkpoint: str | None = None) -> Pipeline:
     """A built view pipeline; restores the reader and random state from `checkpoint` when given."""
     pipe = _views_pipeline(
-        sample_set, cfg, gpu, rank, world_size, seed,
-        batch_size=batch_size,
-        num_threads=cfg.num_threads,
-        device_id=device_id if gpu else None,
+        sample_set, cfg, gpu, rank, world_size, seed, batch_size=batch_size, num_threads=cfg.num_threads,
+        device_id=device_id if gpu else None, prefetch_queue_depth=cfg.prefetch, checkpoint=checkpoint,
         seed=seed * 7919 + rank + 1,  # augmentations differ per rank, reproducible per seed
-        prefetch_queue_depth=cfg.prefetch,
-        checkpoint=checkpoint,
     )
     pipe.build()
     return pipe

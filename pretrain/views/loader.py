@@ -1,28 +1,26 @@
 """`ViewLoader`: batches of L large + S small augmented views from a shard set.
 
-Backends: "dali" (the DALI pipeline of `pretrain.views.dali_pipeline`, CPU or GPU) and "reference" (the
-same augmentations with PIL/torchvision on a torch DataLoader; the fallback when DALI is missing).
-Both satisfy `pretrain.views.backend.ViewBackend`; the loader satisfies
-`pretrain.views.source.ViewSource`: `epoch_size` samples per rank and epoch (the smallest rank's
-share, so every rank runs `len(loader)` = `epoch_size // batch_size` full batches and none
-delivers a padding duplicate); the incomplete last batch is dropped.
+Backends (`pretrain.views.backend.ViewBackend`): "dali" (the DALI pipeline of `pretrain.views.dali_pipeline`,
+CPU or GPU) and "reference" (the same augmentations with PIL/torchvision on a torch DataLoader; the fallback
+when DALI is missing). The loader is a `pretrain.views.source.ViewSource` (every rank delivers the smallest
+rank's share, `sources.samples_per_rank`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from jobs.device import resolve_device
 from pretrain.views.ahead import Made, Position, ahead, stop
-from pretrain.views.backend import BackendSetup, ViewBackend
-from pretrain.views.batch import BackendBatch
-from pretrain.views.config import BACKENDS, ViewConfig, loader_threads, ready_batches
+from pretrain.views.backend import BackendBatch, BackendSetup, ViewBackend
+from pretrain.views.config import ViewConfig, loader_threads, ready_batches
 from pretrain.views.source import GLOBAL_POSITION, StateVersionError, batch_from_global_position
 from pretrain.views.sources import SampleSet, exclude_samples, load_sample_set, samples_per_rank
 from shards.shardset import Spec
@@ -45,27 +43,15 @@ class ViewLoader:
     """Iterable over batches `{"views": [L+S tensors NCHW], "keys": [str], "labels": tensor|None,
     "masking": (large views masked, large views)}`.
 
-    `views` holds every view option; `backend` ("dali" or "reference") overrides `views.backend`.
-    With `views.debug_params` each batch also has `params` (float tensor B x (L+S) x
-    len(PARAM_NAMES), columns named by `pretrain.views.config.PARAM_NAMES`, "masked" and
-    "coverage" included). `verify` is "structure" (cheap checks of every sample at start) or
-    "decode" (decode every image with DALI's decoder first); bad samples are left out and counted
-    in `skipped`.
+    `backend` overrides `views.backend`. With `views.debug_params` each batch also has `params`
+    (float B x (L+S) x len(PARAM_NAMES), columns named by `pretrain.views.config.PARAM_NAMES`). `verify`
+    is "structure" (cheap checks of every sample at start) or "decode" (decode every image with
+    DALI's decoder first); bad samples are left out and counted in `skipped`.
     """
 
-    def __init__(
-        self,
-        shards: Spec,
-        batch_size: int,
-        views: ViewConfig | None = None,
-        *,
-        device: str = "cpu",
-        rank: int = 0,
-        world_size: int = 1,
-        seed: int = 0,
-        backend: str | None = None,
-        verify: str = "structure",
-    ) -> None:
+    def __init__(self, shards: Spec, batch_size: int, views: ViewConfig | None = None, *, device: str = "cpu",
+                 rank: int = 0, world_size: int = 1, seed: int = 0, backend: str | None = None,
+                 verify: str = "structure") -> None:
         views = ViewConfig() if views is None else views
         if not isinstance(views, ViewConfig):
             raise TypeError(f"views must be a ViewConfig, got {type(views).__name__}")
@@ -77,9 +63,7 @@ class ViewLoader:
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         if backend is not None:
-            if backend not in BACKENDS:
-                raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-            views = dataclasses.replace(views, backend=backend)
+            views = dataclasses.replace(views, backend=backend)  # ViewConfig refuses an unknown one
         if views.backend == "dali" and not dali_available():
             warnings.warn("NVIDIA DALI is not installed; using the PIL/torchvision reference backend", stacklevel=2)
             views = dataclasses.replace(views, backend="reference")
@@ -92,11 +76,10 @@ class ViewLoader:
 
             decode_check = find_undecodable
         self.samples: SampleSet = load_sample_set(shards, decode_check=decode_check)
-        if samples_per_rank(len(self.samples), world_size) < batch_size:
-            raise ValueError(
-                f"{shards} gives each of {world_size} ranks {samples_per_rank(len(self.samples), world_size)} "
-                f"samples, fewer than one batch of {batch_size}; use a smaller batch or more data"
-            )
+        self.has_masks = self.samples.has_masks  # a `mask.png` member in any usable sample
+        if self.epoch_size < batch_size:
+            raise ValueError(f"{shards} gives each of {world_size} ranks {self.epoch_size} samples, "
+                             f"fewer than one batch of {batch_size}; use a smaller batch or more data")
         self.excluded: dict[str, str] = {}  # samples left out during the run, {key: reason}
         self.unreadable = 0  # samples dropped from their batch because they could not be read
         self.epoch = 0
@@ -112,17 +95,9 @@ class ViewLoader:
         return samples_per_rank(len(self.samples), self.world_size)
 
     @property
-    def has_masks(self) -> bool:
-        """Whether the shard set carries saliency masks (a `mask.png` member in any usable sample)."""
-        return self.samples.has_masks
-
-    @property
     def skipped(self) -> dict[str, int]:
         """Samples left out (or read without a mask), by reason."""
-        skipped = dict(self.samples.skipped)
-        if self.unreadable:
-            skipped["unreadable"] = skipped.get("unreadable", 0) + self.unreadable
-        return skipped
+        return dict(self.samples.skipped + Counter(unreadable=self.unreadable))
 
     def __len__(self) -> int:
         """Full batches per epoch on this rank."""
@@ -147,18 +122,10 @@ class ViewLoader:
         """Resume position after the last batch delivered: epoch, batch within it, the backend's
         reader/random state (batches made ahead but not delivered are made again on resume)."""
         self._ensure_backend()
-        return {
-            "version": STATE_VERSION,
-            "backend": self.config.backend,
-            "epoch": self.epoch,
-            "batch_in_epoch": self.batch_in_epoch,
-            "samples": len(self.samples),
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "seed": self.seed,
-            "excluded": dict(self.excluded),
-            "backend_state": self._position.backend_state,
-        }
+        return {"version": STATE_VERSION, "backend": self.config.backend, "epoch": self.epoch,
+                "batch_in_epoch": self.batch_in_epoch, "samples": len(self.samples),
+                "world_size": self.world_size, "rank": self.rank, "seed": self.seed,
+                "excluded": dict(self.excluded), "backend_state": self._position.backend_state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue after the batch that was last delivered when `state` was taken.
@@ -172,16 +139,15 @@ class ViewLoader:
         and others not at all.
         """
         if state.get("format") == GLOBAL_POSITION:
-            self.epoch, self.batch_in_epoch = batch_from_global_position(
-                state, self.batch_size, self.world_size, len(self))
+            position = batch_from_global_position(state, self.batch_size, self.world_size, len(self))
+            self.epoch, self.batch_in_epoch = position
             self._drop_backend()
             self._restore = None
             return
         if state.get("version") != STATE_VERSION:
             raise StateVersionError(  # pretrain.resume falls back to the global position
                 f"the loader state has version {state.get('version')!r}, from another relicv2 version (this one "
-                f"writes {STATE_VERSION})"
-            )
+                f"writes {STATE_VERSION})")
         if state.get("excluded"):
             exclude_samples(self.samples, state["excluded"])
             self.excluded.update(state["excluded"])
@@ -189,10 +155,8 @@ class ViewLoader:
                     "rank": self.rank, "seed": self.seed}
         for name, value in expected.items():
             if state.get(name) != value:
-                raise ValueError(
-                    f"loader state was saved with {name}={state.get(name)!r} but this loader has {value!r}; "
-                    "resume with the same shards, seed, backend and ranks"
-                )
+                raise ValueError(f"loader state was saved with {name}={state.get(name)!r} but this loader "
+                                 f"has {value!r}; resume with the same shards, seed, backend and ranks")
         self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
         self._drop_backend()
         self._restore = state["backend_state"]
@@ -223,8 +187,9 @@ class ViewLoader:
             backend = self._ensure_backend()
             # The stream gets the backend and the sample set, never the loader: a thread that made
             # batches ahead must not keep its loader alive (dropping the loader stops the thread).
+            finish = functools.partial(_finish, device=self.device, config=self.config)
             items = _made_batches(backend, self.samples, self._position, self.batch_size, self.world_size,
-                                  _Finish(self.device, self.config))
+                                  finish)
             self._made = ahead(items, self.config.ready_batches, self.device)
         return self._made
 
@@ -243,21 +208,15 @@ class ViewLoader:
         self._position = position
 
 
-@dataclass(frozen=True)
-class _Finish:
-    """Moves a backend's views to the training device and dtype, and keeps `params` when asked for."""
-
-    device: str
-    config: ViewConfig
-
-    def __call__(self, batch: BackendBatch) -> dict[str, Any]:
-        dtype = torch.bfloat16 if self.config.output_dtype == "bfloat16" else torch.float32
-        views = [v.to(self.device, dtype=dtype, non_blocking=True) for v in batch.views]
-        out: dict[str, Any] = {"views": views, "keys": batch.keys, "labels": batch.labels,
-                               "masking": (batch.masked_views, len(batch.keys) * self.config.large_views)}
-        if self.config.debug_params:
-            out["params"] = batch.params
-        return out
+def _finish(batch: BackendBatch, device: str, config: ViewConfig) -> dict[str, Any]:
+    """A backend's batch with its views on the training device and dtype, and `params` when asked for."""
+    dtype = torch.bfloat16 if config.output_dtype == "bfloat16" else torch.float32
+    views = [v.to(device, dtype=dtype, non_blocking=True) for v in batch.views]
+    out: dict[str, Any] = {"views": views, "keys": batch.keys, "labels": batch.labels,
+                           "masking": (batch.masked_views, len(batch.keys) * config.large_views)}
+    if config.debug_params:
+        out["params"] = batch.params
+    return out
 
 
 def batches_per_epoch(samples: SampleSet, world_size: int, batch_size: int) -> int:
@@ -266,7 +225,7 @@ def batches_per_epoch(samples: SampleSet, world_size: int, batch_size: int) -> i
 
 
 def _made_batches(backend: ViewBackend, samples: SampleSet, start: Position, batch_size: int, world_size: int,
-                  finish: _Finish) -> Iterator[Made]:
+                  finish: Callable[[BackendBatch], dict[str, Any]]) -> Iterator[Made]:
     """Every batch from `start` on, epoch after epoch, each with the loader position after it.
 
     Samples the backend leaves out shrink the epoch from then on (`len(ViewLoader)` follows them).

@@ -18,12 +18,14 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from pretrain.seeding import SeedPurpose, derive_seed
-from pretrain.views.backend import BackendSetup
-from pretrain.views.batch import BackendBatch, assemble_params, labels_tensor
+from pretrain.views.backend import BackendBatch, BackendSetup, assemble_params, labels_tensor
 from pretrain.views.config import JITTER_ORDERS, ViewConfig, ViewSpec, view_specs
 from pretrain.views.sample_table import SampleRef
 from pretrain.views.sources import MASK_MEMBER
 from shards.images import load_gray, load_image
+
+# The jitter operations in JITTER_ORDERS' numbering, each taking its own factor.
+JITTER_STEPS = (F.adjust_brightness, F.adjust_contrast, F.adjust_saturation, F.adjust_hue)
 
 
 def random_resized_crop(width: int, height: int, scale, ratio, rng: np.random.Generator) -> tuple[int, int, int, int]:
@@ -51,16 +53,6 @@ def random_resized_crop(width: int, height: int, scale, ratio, rng: np.random.Ge
     return (width - w) // 2, (height - h) // 2, w, h
 
 
-def _jitter(view: Image.Image, op: int, factors: tuple[float, float, float, float]) -> Image.Image:
-    if op == 0:
-        return F.adjust_brightness(view, factors[0])
-    if op == 1:
-        return F.adjust_contrast(view, factors[1])
-    if op == 2:
-        return F.adjust_saturation(view, factors[2])
-    return F.adjust_hue(view, factors[3])
-
-
 def crop_view(image: Image.Image, box: tuple[int, int, int, int], size: int, flip: bool) -> Image.Image:
     """The crop `box` (left, top, right, bottom) resized to size x size (bicubic), mirrored if `flip`."""
     view = image.resize((size, size), Image.BICUBIC, box=box)
@@ -84,7 +76,7 @@ def colour_steps(
     """Colour jitter (in JITTER_ORDERS[order]), grayscale, blur and solarize with the given draws."""
     if jitter:
         for op in JITTER_ORDERS[order]:
-            view = _jitter(view, op, factors)
+            view = JITTER_STEPS[op](view, factors[op])
     if gray:
         view = F.rgb_to_grayscale(view, num_output_channels=3)
     if blur:
@@ -112,12 +104,7 @@ def augment_view(
         view = mask_view(view, image, mask, box, flip, grey)
     jitter = rng.random() < cfg.jitter_probability
     order = int(rng.integers(0, len(JITTER_ORDERS)))
-    factors = (
-        rng.uniform(max(0.0, 1 - cfg.brightness), 1 + cfg.brightness),
-        rng.uniform(max(0.0, 1 - cfg.contrast), 1 + cfg.contrast),
-        rng.uniform(max(0.0, 1 - cfg.saturation), 1 + cfg.saturation),
-        rng.uniform(-cfg.hue, cfg.hue),
-    )
+    factors = tuple(rng.uniform(lo, hi) for lo, hi in cfg.jitter_ranges)
     gray = rng.random() < cfg.grayscale_probability
     sigma = rng.uniform(*cfg.blur_sigma)
     blur = rng.random() < spec.blur_probability
@@ -125,10 +112,8 @@ def augment_view(
     view = colour_steps(view, cfg, jitter=jitter, order=order, factors=factors, gray=gray, blur=blur, sigma=sigma,
                         solarize=solarize)
     tensor = F.normalize(F.to_tensor(view), cfg.mean, cfg.std)
-    params = np.array(
-        [w * h / (image.width * image.height), w / h, flip, jitter, order, *factors, gray, blur, sigma, solarize],
-        np.float32,
-    )
+    params = np.array([w * h / (image.width * image.height), w / h, flip, jitter, order, *factors, gray, blur,
+                       sigma, solarize], np.float32)
     return tensor, params, masked
 
 
@@ -142,15 +127,10 @@ def augment_sample(encoded: bytes, mask_png: bytes | None, cfg: ViewConfig, rng:
         gray = load_gray(mask_png, "mask")
         mask = Image.fromarray(gray)
         coverage = float((gray >= 128).mean())
-    grey_level = rng.uniform(*cfg.mask_grey_range)
-    grey = int(round(grey_level * 255))
+    grey = int(round(rng.uniform(*cfg.mask_grey_range) * 255))
     maskable = mask is not None and coverage >= cfg.mask_min_coverage
-    views, params, masked = [], [], []
-    for spec in view_specs(cfg):
-        v, p, m = augment_view(image, mask, maskable, grey, spec, cfg, rng)
-        views.append(v)
-        params.append(p)
-        masked.append(m)
+    drawn = [augment_view(image, mask, maskable, grey, spec, cfg, rng) for spec in view_specs(cfg)]
+    views, params, masked = (list(column) for column in zip(*drawn, strict=True))
     return {"views": views, "params": params, "masked": masked, "coverage": coverage, "grey": grey / 255}
 
 
@@ -197,17 +177,14 @@ class RankBatches(Sampler):
         self.count, self.batch_size, self.num_batches, self.rank, self.seed = count, batch_size, num_batches, rank, seed
         self.epoch, self.start = epoch, start
 
-    def epoch_batches(self, epoch: int, start: int) -> list[list[tuple[int, int]]]:
-        """Batches `start`.. of `epoch`, as (epoch, sample position) pairs."""
-        order = np.random.default_rng(derive_seed(self.seed, SeedPurpose.EPOCH_ORDER, epoch)).permutation(self.count)
-        offset = self.rank * self.batch_size
-        return [[(epoch, int(p)) for p in order[i * self.global_batch + offset:][: self.batch_size]]
-                for i in range(start, self.num_batches)]
-
     def __iter__(self):
-        epoch, start = self.epoch, self.start
+        """Batches of (epoch, sample position) pairs."""
+        epoch, start, offset = self.epoch, self.start, self.rank * self.batch_size
         while True:
-            yield from self.epoch_batches(epoch, start)
+            rng = np.random.default_rng(derive_seed(self.seed, SeedPurpose.EPOCH_ORDER, epoch))
+            order = rng.permutation(self.count)
+            for i in range(start, self.num_batches):
+                yield [(epoch, int(p)) for p in order[i * self.global_batch + offset:][: self.batch_size]]
             epoch, start = epoch + 1, 0
 
 
@@ -216,16 +193,13 @@ def collate(items: list[dict | None]) -> BackendBatch:
     good = [it for it in items if it is not None]
     v = len(good[0]["views"]) if good else 0
     per_view = [np.stack([it["params"][j] for it in good]) for j in range(v)]
+    masked = [np.array([it["masked"][j] for it in good], np.float32) for j in range(v)]
     return BackendBatch(
         views=[torch.stack([it["views"][j] for it in good]) for j in range(v)],
         keys=[it["key"] for it in good],
         labels=labels_tensor([it["label"] for it in good]),
-        params=assemble_params(
-            per_view,
-            [np.array([it["masked"][j] for it in good], np.float32) for j in range(v)],
-            np.array([it["coverage"] for it in good], np.float32),
-            np.array([it["grey"] for it in good], np.float32),
-        ),
+        params=assemble_params(per_view, masked, np.array([it["coverage"] for it in good], np.float32),
+                               np.array([it["grey"] for it in good], np.float32)),
         unreadable=len(items) - len(good),
         masked_views=sum(int(flag) for it in good for flag in it["masked"]),
     )
@@ -251,10 +225,9 @@ class ReferenceBackend:
             sampler = RankBatches(len(st.samples), st.batch_size, st.batches_per_epoch, st.rank, st.world_size, st.seed,
                                   st.epoch, st.batch_in_epoch)
             workers = dataloader_workers(st.config)
-            self.iterator = iter(
-                DataLoader(self.dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
-                           prefetch_factor=st.config.prefetch if workers else None)
-            )
+            loader = DataLoader(self.dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
+                                prefetch_factor=st.config.prefetch if workers else None)
+            self.iterator = iter(loader)
         return next(self.iterator)
 
     def end_epoch(self) -> None:

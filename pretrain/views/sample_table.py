@@ -71,17 +71,15 @@ class SampleTable(Sequence[SampleRef]):
     def _refs(self, start: int, stop: int) -> list[SampleRef]:
         first, last = int(self._starts[start]), int(self._starts[stop])
         bounds = self._starts[start : stop + 1].tolist()
-        name_ends = self._name_ends[first:last].tolist()
-        name_from = int(self._name_ends[first - 1]) if first else 0
-        names = self._names[name_from : name_ends[-1] if name_ends else name_from]  # utf-8: sliced as bytes
+        begins = self._name_begins(np.arange(first, last)).tolist()
+        ends = self._name_ends[first:last].tolist()
         exts = [self._exts[i] for i in self._ext_ids[first:last].tolist()]
         offsets, sizes = self._offsets[first:last].tolist(), self._sizes[first:last].tolist()
         refs = []
         for tar_id, lo, hi in zip(self._tar_ids[start:stop].tolist(), bounds[:-1], bounds[1:], strict=True):
             members = {}
-            for j in range(lo - first, hi - first):
-                begin = (name_ends[j - 1] if j else name_from) - name_from
-                members[exts[j]] = (offsets[j], sizes[j], names[begin : name_ends[j] - name_from].decode("utf-8"))
+            for j in range(lo - first, hi - first):  # names are utf-8: sliced as bytes, then decoded
+                members[exts[j]] = (offsets[j], sizes[j], self._names[begins[j] : ends[j]].decode("utf-8"))
             first_name = next(iter(members.values()))[2]
             refs.append(SampleRef(name_key(first_name), self.tars[tar_id], members))
         return refs

@@ -3,19 +3,17 @@
 Bad-data policy (the DALI decoder stops the whole pipeline on an undecodable JPEG, so bad samples
 must never reach it):
 1. `relicv2 shards build` decodes every image before writing it, so a fresh shard set is clean.
-2. When a loader opens a shard set, every tar's index goes through the shard reader
-   (`shards.reader.locate_samples`), whose one policy refuses unsafe and duplicate keys, members over
-   `max_member_bytes` and samples without an image; then every sample is checked cheaply: exactly one
+2. When a loader opens a shard set, every tar's index goes through the shard reader's one policy for
+   bad members (`shards.reader.locate_samples`); then every sample is checked cheaply: exactly one
    image member (`IMAGE_MEMBERS`) must be non-empty and carry its format's signature and end marker
    (catches truncated, empty and mislabelled data); a `mask.png` member, when present, must carry
-   the PNG signature. In a set without a
-   manifest (another tool's), the image's and mask's headers are read too and pictures over
-   `max_pixels` are left out ("too_large"), so a decompression bomb never reaches a decoder (sets
-   from `shards build` and `saliency build-masks` were checked when written). `verify="decode"`
-   additionally decodes every image and mask with the same decoder as DALI (exact, but as slow as
-   an epoch of decoding).
-3. Refused and failing samples are left out of a filtered copy of the index files (the tars are not touched),
-   counted by reason in `SampleSet.skipped`, and reported once as a warning with a few keys.
+   the PNG signature. In a set without a manifest (another tool's), the image's and mask's headers
+   are read too and pictures over `max_pixels` are left out ("too_large"), so a decompression bomb
+   never reaches a decoder (sets from `shards build` and `saliency build-masks` were checked when
+   written). `verify="decode"` additionally decodes every image and mask with the same decoder as
+   DALI (exact, but as slow as an epoch of decoding).
+3. Refused and failing samples are left out of a filtered copy of the index files (the tars are not
+   touched), counted by reason in `SampleSet.skipped`, and reported once as a warning with a few keys.
 4. If DALI still fails to decode during a run (corruption the cheap check cannot see), the DALI
    backend decodes every sample once to find the culprits, leaves them out as in 3 and rebuilds
    its pipeline at the same batch of the epoch (see `DaliBackend`). The left-out keys are part of
@@ -85,26 +83,14 @@ class SampleSet:
 
 
 def samples_per_rank(count: int, world_size: int) -> int:
-    """Samples each rank delivers per epoch (`ViewSource.epoch_size`): the smallest rank's share.
-
-    Rounded down so that every rank runs the same number of batches and no rank ever delivers
-    one of the reader's padding duplicates.
-    """
+    """Samples each rank delivers per epoch (`ViewSource.epoch_size`): the smallest rank's share, so that
+    every rank runs the same number of batches and none delivers one of the reader's padding duplicates."""
     return count // world_size
 
 
-def reader_samples_per_rank(count: int, world_size: int) -> int:
-    """Samples DALI's reader yields per rank and epoch with `pad_last_batch` (the largest share)."""
-    return -(-count // world_size)
-
-
 def structural_problem(sample: SampleRef, handle, headers: bool = False) -> str | None:
-    """A short reason code when the sample's members are visibly broken, else None.
-
-    `headers`: also read the image's and the mask's headers (a few hundred bytes each) and refuse
-    pictures over `DEFAULT_LIMITS.max_pixels` before any decoder sees them (sets from other tools;
-    `shards build` and `saliency build-masks` checked theirs when writing them).
-    """
+    """A short reason code when the sample's members are visibly broken, else None; with `headers`, also
+    for pictures over `DEFAULT_LIMITS.max_pixels`, read from the headers of the image and the mask."""
     images = [ext for ext in IMAGE_MEMBERS if ext in sample.members]  # one at least: the reader refuses none
     if len(images) > 1:
         return "several_images"  # DALI's reader would refuse the sample: which one is the image?
@@ -116,11 +102,8 @@ def structural_problem(sample: SampleRef, handle, headers: bool = False) -> str 
     kind = image_format(head)
     if kind is None:
         return "not_an_image"
-    if kind == "jpeg" and not tail.endswith(JPEG_EOI):
-        return "truncated_image"
-    if kind == "png" and tail != PNG_IEND:
-        return "truncated_image"
-    if kind == "webp" and int.from_bytes(head[4:8], "little") + 8 > size:
+    if ((kind == "jpeg" and not tail.endswith(JPEG_EOI)) or (kind == "png" and tail != PNG_IEND)
+            or (kind == "webp" and int.from_bytes(head[4:8], "little") + 8 > size)):
         return "truncated_image"
     if MASK_MEMBER in sample.members:
         offset, size, _ = sample.members[MASK_MEMBER]
@@ -160,10 +143,6 @@ class TarCheck:
     fresh: bool  # the samples were read now (else the verdicts came from the cache)
     stored: bool  # the verdicts are kept in the cache (read from it or written to it)
     refused: list[tuple[str, str]] = field(default_factory=list)
-
-    @property
-    def kept(self) -> list[SampleRef]:
-        return [s for i, s in enumerate(self.samples) if i not in self.left_out]
 
 
 @dataclass(frozen=True)
@@ -212,13 +191,10 @@ def _cached_verdicts(path: Path, count: int, identity: dict, check: str) -> dict
     if (not isinstance(data, dict) or data.get("samples") != count or not isinstance(data.get("left_out"), list)
             or data.get("identity") != identity or data.get("checker") != check):
         return None
-    verdicts = {}
-    for entry in data["left_out"]:
-        if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int) and 0 <= entry[0] < count
-                and isinstance(entry[1], str)):
-            return None
-        verdicts[entry[0]] = entry[1]
-    return verdicts
+    if not all(isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int)
+               and 0 <= entry[0] < count and isinstance(entry[1], str) for entry in data["left_out"]):
+        return None
+    return dict(data["left_out"])
 
 
 def check_tar(tar: Path, idx: Path, *, headers: bool, cache: Path, decode_check: DecodeCheck | None = None) -> TarCheck:
@@ -226,10 +202,9 @@ def check_tar(tar: Path, idx: Path, *, headers: bool, cache: Path, decode_check:
     ones when given), or read the verdicts a previous check kept in `cache` (any rank's or job's,
     on a shared folder); keep new verdicts there.
 
-    The index is always parsed and checked against its tar by the shard reader (`shards.reader.
-    locate_samples`: its policy refuses unsafe and duplicate keys, oversized members, samples without
-    an image; an index that does not fit its tar raises ValueError naming it); only the per-sample
-    reads are cached. A cache that cannot be written is not an error (`stored` is then False).
+    The index is always parsed and checked against its tar by the shard reader (ValueError naming an
+    index that does not fit its tar); only the per-sample reads are cached. A cache that cannot be
+    written is not an error (`stored` is then False).
     """
     report = ReadReport()
     samples = locate_samples(tar, report, index=idx)
@@ -293,26 +268,17 @@ def check_shard_set(
             results = list(tracked(pool.map(_check_tar_args, todo), desc, len(todo), unit="tar", enabled=progress))
     else:
         results = [_check_tar_args(args) for args in tracked(todo, desc, len(todo), unit="tar", enabled=progress)]
-    left_out: Counter = Counter()
-    for _, _, reasons in results:
-        left_out.update(reasons)
+    left_out = sum((reasons for _, _, reasons in results), Counter())
     return SetCheck(len(shard_set.tars), sum(fresh for fresh, _, _ in results),
                     sum(not stored for _, stored, _ in results), left_out)
 
 
-def load_sample_set(
-    spec: Spec,
-    *,
-    decode_check: DecodeCheck | None = None,
-    decode_foreign_only: bool = False,
-    index_cache: Path | None = None,
-) -> SampleSet:
+def load_sample_set(spec: Spec, *, decode_check: DecodeCheck | None = None, decode_foreign_only: bool = False,
+                    index_cache: Path | None = None) -> SampleSet:
     """Read and check a shard set; write filtered index files when samples must be left out.
 
-    `spec` is anything `shards.resolve_shard_set` takes: a resolved `shards.ShardSet` (the job's one
-    resolution, used as it is), a folder from `relicv2 shards build`
-    (its manifest must agree with the index files), a folder of plain WebDataset tars (no manifest;
-    missing `.idx` files are derived once into `index_cache`), a brace pattern or a tar.
+    `spec` is anything `shards.resolve_shard_set` takes (a resolved `shards.ShardSet`, the job's one
+    resolution, is used as it is; missing `.idx` files of plain tars are derived into `index_cache`).
     `decode_check(samples) -> {key: reason}` (e.g. `pretrain.views.dali.find_undecodable`) is run on
     the structurally sound samples when given; with `decode_foreign_only` only on sets without a
     manifest (sets from `shards build` and `saliency build-masks` decoded every image when writing it).
@@ -333,13 +299,11 @@ def load_sample_set(
     for tar, idx in tracked(zip(tars, shard_set.index_files, strict=True), f"checking the samples of {directory}",
                             len(tars), unit="tar", enabled=shard_set.samples >= progress_from):
         check = check_tar(tar, idx, headers=headers, cache=cache, decode_check=decode_check)
-        for name, reason in check.refused:
+        left_out = [(check.samples[i].key, reason) for i, reason in sorted(check.left_out.items())]
+        for name, reason in [*check.refused, *left_out]:
             skipped[reason] += 1
             skipped_keys.append(name)
-        for i, reason in sorted(check.left_out.items()):
-            skipped[reason] += 1
-            skipped_keys.append(check.samples[i].key)
-        table.extend(check.kept)
+        table.extend(s for i, s in enumerate(check.samples) if i not in check.left_out)
         unstored += not check.stored
     if unstored and shard_set.samples >= progress_from:
         warnings.warn(f"cannot keep the sample checks of {directory} in {cache / CHECKS_FOLDER}: every start "
@@ -351,11 +315,8 @@ def load_sample_set(
     masked = samples.with_member(MASK_MEMBER)
     sample_set.has_masks, sample_set.without_mask = bool(masked.any()), int((~masked).sum())
     if skipped:
-        warnings.warn(
-            f"{directory}: left out {sum(skipped.values())} bad samples {dict(skipped)}, "
-            f"e.g. {skipped_keys[:5]}; rebuild the shards to recover them",
-            stacklevel=2,
-        )
+        warnings.warn(f"{directory}: left out {sum(skipped.values())} bad samples {dict(skipped)}, "
+                      f"e.g. {skipped_keys[:5]}; rebuild the shards to recover them", stacklevel=2)
         write_filtered_indexes(sample_set)
     return sample_set
 
@@ -368,10 +329,9 @@ def require_class_labels(samples: Sequence[SampleRef], source: Path | str) -> li
         if label is None:
             raw = sample.read(LABEL_MEMBER)
             what = missing_label(None if raw is None else label_text(raw))
-            raise ValueError(
-                f"{source}: sample {sample.key} in {sample.tar.name} has {what}; evaluation needs integer class "
-                "labels: build the set with `relicv2 shards build` from a folder with class sub-folders"
-            )
+            raise ValueError(f"{source}: sample {sample.key} in {sample.tar.name} has {what}; evaluation "
+                             "needs integer class labels: build the set with `relicv2 shards build` from a "
+                             "folder with class sub-folders")
         labels.append(label)
     return labels
 
@@ -381,8 +341,7 @@ def exclude_samples(sample_set: SampleSet, bad: dict[str, str]) -> None:
     bad = {k: r for k, r in bad.items() if k not in sample_set.skipped_keys}
     if not bad:
         return
-    for reason in bad.values():
-        sample_set.skipped[reason] += 1
+    sample_set.skipped.update(bad.values())
     sample_set.skipped_keys += sorted(bad)
     sample_set.samples = sample_set.samples.select([i for i, key in enumerate(sample_set.samples.keys())
                                                     if key not in bad])
@@ -395,14 +354,9 @@ def write_filtered_indexes(sample_set: SampleSet) -> None:
     Tars left empty are dropped: DALI's reader rejects an index with no samples.
     """
     sample_set._tmp = tempfile.TemporaryDirectory(prefix="relicv2-index-")
-    kept_tars, indexes = [], []
     per_tar = sample_set.samples.by_tar()
-    for tar in sample_set.source.tars:
-        if tar not in per_tar:
-            continue
-        kept = per_tar[tar]
-        path = Path(sample_set._tmp.name) / index_path(tar).name
-        path.write_text(format_index([s.entries for s in kept]), encoding="utf-8")
-        kept_tars.append(tar)
-        indexes.append(path)
-    sample_set.tars, sample_set.index_files = kept_tars, indexes
+    tars = [tar for tar in sample_set.source.tars if tar in per_tar]
+    indexes = [Path(sample_set._tmp.name) / index_path(tar).name for tar in tars]
+    for tar, path in zip(tars, indexes, strict=True):
+        path.write_text(format_index([s.entries for s in per_tar[tar]]), encoding="utf-8")
+    sample_set.tars, sample_set.index_files = tars, indexes

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 import torch
@@ -22,61 +23,43 @@ from pretrain.seeding import SeedPurpose, derive_seed
 from pretrain.views.source import GLOBAL_POSITION, batch_from_global_position
 
 
-def _smooth_noise(generator: torch.Generator, size: int, cells: int) -> Tensor:
-    coarse = torch.randn(1, 3, cells, cells, generator=generator)
+def _smooth_noise(seed: int, size: int, cells: int) -> Tensor:
+    coarse = torch.randn(1, 3, cells, cells, generator=torch.Generator().manual_seed(seed))
     return F.interpolate(coarse, size=(size, size), mode="bicubic", align_corners=False)[0]
 
 
+@dataclass(eq=False)
 class SyntheticViews:
-    """Generated labelled images served as multi-view batches, sharded over ranks like the ViewLoader.
+    """Generated labelled images served as multi-view batches (a `ViewSource`), sharded over ranks like
+    the ViewLoader; each epoch is a fresh seeded permutation."""
 
-    Iterating yields the remaining batches of the current epoch as dicts
-    {"views": [L + S tensors [B, 3, H, W]] (large first), "keys": [str] * B, "labels": int64 [B]};
-    the next iteration starts the next epoch (a fresh seeded permutation). The incomplete last
-    global batch is dropped. `state_dict()` after a batch makes a restored source continue with the
-    following batch.
-    """
+    num_images: int
+    batch_size: int
+    _: KW_ONLY
+    rank: int = 0
+    world_size: int = 1
+    seed: int = 0
+    large_views: int = 4
+    small_views: int = 2
+    large_size: int = 32
+    small_size: int = 16
+    num_classes: int = 10
+    device: str | torch.device = "cpu"
 
-    def __init__(
-        self,
-        num_images: int,
-        batch_size: int,
-        *,
-        rank: int = 0,
-        world_size: int = 1,
-        seed: int = 0,
-        large_views: int = 4,
-        small_views: int = 2,
-        large_size: int = 32,
-        small_size: int = 16,
-        num_classes: int = 10,
-        device: str | torch.device = "cpu",
-    ) -> None:
-        if num_images < batch_size * world_size:
-            raise ValueError(f"{num_images} synthetic images cannot fill one global batch of {batch_size * world_size}")
-        self.num_images = num_images
-        self.batch_size = batch_size
-        self.rank = rank
-        self.world_size = world_size
-        self.seed = seed
-        self.large_views = large_views
-        self.small_views = small_views
-        self.large_size = large_size
-        self.small_size = small_size
-        self.num_classes = num_classes
-        self.device = torch.device(device)
+    def __post_init__(self) -> None:
+        if self.num_images < self.batch_size * self.world_size:
+            raise ValueError(f"{self.num_images} synthetic images cannot fill one global batch of "
+                             f"{self.batch_size * self.world_size}")
+        self.device = torch.device(self.device)
         self.epoch = 0
         self.position = 0  # batches of the current epoch already served
-        classes = torch.stack(
-            [_smooth_noise(torch.Generator().manual_seed(derive_seed(seed, SeedPurpose.SYNTHETIC_CLASS_PATTERN, c)), large_size, 4) for c in range(num_classes)]
-        )
-        self.labels = torch.arange(num_images) % num_classes
-        self.images = torch.stack(
-            [
-                classes[self.labels[i]] + 0.8 * _smooth_noise(torch.Generator().manual_seed(derive_seed(seed, SeedPurpose.SYNTHETIC_IMAGE_PATTERN, i)), large_size, 6)
-                for i in range(num_images)
-            ]
-        )
+        classes = torch.stack([_smooth_noise(derive_seed(self.seed, SeedPurpose.SYNTHETIC_CLASS_PATTERN, c),
+                                             self.large_size, 4) for c in range(self.num_classes)])
+        self.labels = torch.arange(self.num_images) % self.num_classes
+        seeds = [derive_seed(self.seed, SeedPurpose.SYNTHETIC_IMAGE_PATTERN, i)
+                 for i in range(self.num_images)]
+        self.images = torch.stack([classes[self.labels[i]] + 0.8 * _smooth_noise(seed, self.large_size, 6)
+                                   for i, seed in enumerate(seeds)])
 
     @property
     def epoch_size(self) -> int:
@@ -114,21 +97,13 @@ class SyntheticViews:
         views: list[list[Tensor]] = [[] for _ in range(self.large_views + self.small_views)]
         for index in indices:
             generator = torch.Generator().manual_seed(derive_seed(self.seed, SeedPurpose.VIEW_PARAMETERS, self.epoch, index))
-            for v in range(self.large_views + self.small_views):
+            for v, view in enumerate(views):
                 large = v < self.large_views
-                views[v].append(
-                    self._view(
-                        self.images[index],
-                        generator,
-                        size=self.large_size if large else self.small_size,
-                        area=(0.35, 1.0) if large else (0.1, 0.35),
-                    )
-                )
-        return {
-            "views": [torch.stack(v).to(self.device) for v in views],
-            "keys": [f"synthetic{index:06d}" for index in indices],
-            "labels": self.labels[indices].to(self.device),
-        }
+                size, area = (self.large_size, (0.35, 1.0)) if large else (self.small_size, (0.1, 0.35))
+                view.append(self._view(self.images[index], generator, size=size, area=area))
+        return {"views": [torch.stack(v).to(self.device) for v in views],
+                "keys": [f"synthetic{index:06d}" for index in indices],
+                "labels": self.labels[indices].to(self.device)}
 
     @staticmethod
     def _view(image: Tensor, generator: torch.Generator, *, size: int, area: tuple[float, float]) -> Tensor:
