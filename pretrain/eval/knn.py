@@ -2,13 +2,15 @@
 
 The classifier of Wu et al. 2018 as used by DINO and lightly's benchmarks: l2-normalised
 features, the k most similar bank items vote for their class with weight exp(cos / T);
-defaults (k = 20, T = 0.07, 224 px crops) from `pretrain.config.KnnConfig`. Images are decoded, the short side resized (bicubic), centre-cropped
-and normalised with the ImageNet mean/std, as in the linear-evaluation test transform.
+defaults (k = 20, T = 0.07, 224 px crops) from `pretrain.config.KnnConfig`. Images are decoded, the
+short side resized (bicubic), centre-cropped and normalised with the ImageNet mean/std, as in the
+linear-evaluation test transform.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import sys
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
@@ -21,9 +23,10 @@ import torchvision.transforms.v2.functional as TF
 from torch import Tensor, nn
 from torchvision.transforms import InterpolationMode
 
-# Re-exported: pretrain.checkpoint owns turning a file or run folder into an encoder.
 from jobs.progress import tracked
-from pretrain.checkpoint import encoder_from_checkpoint, random_encoder, resolve_checkpoint
+
+# Re-exported: pretrain.checkpoint owns turning a file or run folder into an encoder.
+from pretrain.checkpoint import encoder_from_checkpoint, random_encoder, resolve_checkpoint  # noqa: F401
 from pretrain.config import KnnConfig, PretrainConfig
 from pretrain.distributed import DistributedContext, all_gather_rows, gather_object, gather_tensor
 from pretrain.eval.classes import check_same_classes
@@ -33,10 +36,6 @@ from shards import ReadReport, ShardSet, iter_samples, resolve_shard_set
 from shards.images import ImageLoadError, load_image
 from shards.sample import missing_label
 from shards.shardset import Spec, shard_tars
-
-__all__ = ["KnnResult", "encoder_from_checkpoint", "evaluate_knn", "extract_features", "join_parts", "knn_predict",
-           "random_encoder", "resolve_checkpoint", "shared_tars", "trained_protocol", "at_trained_size"]
-
 
 
 @dataclass(frozen=True)
@@ -235,12 +234,6 @@ class _Rows:
         return None if self.buffer is None else self.buffer[: self.filled]
 
 
-def _part_size(total: int, part: tuple[int, int]) -> int:
-    """How many of a set's `total` positions p have p % parts == index."""
-    index, parts = part
-    return max(0, -(-(total - index) // parts))
-
-
 @torch.no_grad()
 def extract_features(
     encoder: nn.Module,
@@ -272,29 +265,18 @@ def extract_features(
     device = torch.device(device)
     was_training = encoder.training
     encoder.eval()
-    labels, images, batch_labels = [], [], []
+    labels: list[int] = []
     skipped = [] if skipped is None else skipped
     report = ReadReport()
-    features = _Rows(_part_size(source.samples, part), torch.device(keep_on))
-
-    def flush() -> None:
-        batch = torch.stack(images).to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            features.add(encoder(batch).float())
-        labels.extend(batch_labels)
-        images.clear()
-        batch_labels.clear()
-
+    features = _Rows(len(range(part[0], source.samples, part[1])), torch.device(keep_on))  # this part's samples
+    pairs = _labelled_images(source, crop_size=crop_size, resize_size=resize_size, skipped=skipped, part=part,
+                             report=report, allow_lost=allow_lost, progress=progress)
     try:
-        for image, label in _labelled_images(source, crop_size=crop_size, resize_size=resize_size,
-                                             skipped=skipped, part=part, report=report, allow_lost=allow_lost,
-                                             progress=progress):
-            images.append(image)
-            batch_labels.append(label)
-            if len(images) == batch_size:
-                flush()
-        if images:
-            flush()
+        while batch := list(itertools.islice(pairs, batch_size)):
+            images, batch_labels = zip(*batch, strict=True)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                features.add(encoder(torch.stack(images).to(device)).float())
+            labels.extend(batch_labels)
     finally:
         encoder.train(was_training)
     if not allow_lost:
