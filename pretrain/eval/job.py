@@ -1,11 +1,9 @@
 """The `relicv2 eval` jobs (kNN, linear probe, fine-tuning) as one library function, `run_eval`.
 
-A job is an `EvalJob`: the backbone (a checkpoint, run folder or exported file, or a random
-initialisation), the labelled train and val shard sets, the protocol's frozen settings (resolved
-from a preset by `load_linear_config` / `load_finetune_config`, or `KnnConfig`), and where results go.
-`run_eval` loads the backbone, prints the settings (`jobs.config.settings_text`, the format every
-job uses) and saves them as `config.yaml` in the output folder, evaluates, writes the JSON records
-and returns what the command prints. Under torchrun every rank calls it; rank 0 gets the result.
+A job is an `EvalJob`: the backbone, the labelled train and val shard sets, the protocol's frozen
+settings and where results go. `run_eval` loads the backbone, prints the settings (the format every job
+uses) and saves them as `config.yaml` in the output folder, evaluates, writes the JSON records and
+returns what the command prints. Under torchrun every rank calls it; rank 0 gets the result.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jobs.atomic import atomic_output, atomic_write_bytes
+from jobs.atomic import atomic_write_bytes
 from jobs.config import (
     SETTINGS_FILE,
     ConfigError,
@@ -115,8 +113,7 @@ class EvalJob:
         return f"relicv2 eval {kind}"
 
     def settings(self, config: Any = None) -> str:
-        """The settings (`config`, default the job's) as printed at start and saved as config.yaml (the
-        format of every job)."""
+        """The settings (`config`, default the job's) as printed at start and saved as config.yaml."""
         inputs: dict[str, Any] = {"backbone": self.backbone.as_dict(), "train": str(self.train_shards), "val": str(self.val_shards)}
         if self.labels is not None:
             inputs["labels"] = str(self.labels)
@@ -211,10 +208,8 @@ def _run_trained_head(job: EvalJob, log: Callable[[str], None]) -> EvalOutcome |
         distributed.teardown(ctx)
     if ctx.rank != 0:
         return None
-    extra: dict[str, Any] = {"network": record["network"], "step": record["step"], "world_size": ctx.world_size}
-    if job.labels is not None:
-        extra["labels"] = str(job.labels)
-    extra["config"] = to_dict(config)
+    extra = {"network": record["network"], "step": record["step"], "world_size": ctx.world_size,
+             **({"labels": str(job.labels)} if job.labels is not None else {}), "config": to_dict(config)}
     payload = result.as_json(checkpoint=record["checkpoint"], random_init=job.backbone.random_depth, extra=extra)
     _write_json(job.json_path, payload, "--json")
     if job.output is not None:
@@ -250,5 +245,4 @@ def _write_json(path: Path | None, record: dict[str, Any], option: str) -> None:
         return
     with writing(path, option):  # the disk may have filled during the work
         path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_output(path) as tmp:
-            Path(tmp).write_text(json.dumps(record, indent=2) + "\n")
+        atomic_write_bytes(path, (json.dumps(record, indent=2) + "\n").encode())

@@ -253,11 +253,10 @@ def extract_features(
     """(features [N, F] float32, labels [N]) of every decodable sample of a labelled shard set, both on
     `keep_on` (the CPU when they would take over half of a GPU's free memory).
 
-    part = (index, parts): only the samples at positions p (shard-set order) with p % parts ==
-    index, so `parts` ranks together extract each sample once. Only a split set's part may be empty.
-    The keys of undecodable images are appended to `skipped`. A set that loses samples while it is
-    read (truncated or missing tars, those its resolution lost among them; refused samples; `shards.ReadReport`)
-    raises LostSamplesError, or with `allow_lost` goes on and appends what it lost to `lost`.
+    part = (index, parts): only the samples at positions p with p % parts == index, so `parts` ranks
+    together extract each sample once; only a split set's part may be empty. The keys of undecodable
+    images are appended to `skipped`. A set that loses samples while read (`shards.ReadReport`) raises
+    LostSamplesError, or with `allow_lost` goes on and appends what it lost to `lost`.
     """
     if not 0 <= part[0] < part[1]:
         raise ValueError(f"part must be (index, parts) with 0 <= index < parts, got {part}")
@@ -305,17 +304,13 @@ def evaluate_knn(
 ) -> KnnResult | None:
     """Top-1 accuracy on `val_shards` of the kNN classifier whose bank is `train_shards`' features.
 
-    The sets are passed down as the job resolved them; a spec is resolved here, once, with `allow_lost`
-    (the tars it cannot index are read for what remains, their loss refused or counted as below).
-    `settings` gives k, T, crop/resize sizes and the batch size (default: `KnnConfig()`; its shard
-    fields are not used here); keyword `overrides` (k=, temperature=, crop_size=, resize_size=,
-    batch_size=) replace single fields of it. `progress` shows a bar with the manifest's total on rank 0.
-    The bank is kept and searched on `device` (a GPU's matmul on a GPU). With a multi-rank `ctx` every
-    rank must call it: each extracts the features of 1/W of the samples and keeps its part of the bank,
-    every rank searches its part for every query (the queries' features are gathered to all), rank 0
-    merges the ranks' k nearest into the global k nearest, votes and returns the result; the others return None.
-    Sets whose recorded class names differ are refused first (ClassMismatchError); a set that loses
-    samples while read raises LostSamplesError unless `allow_lost` (then the result lists the loss).
+    A spec is resolved here, once, with `allow_lost`. `settings` (default `KnnConfig()`; its shard fields
+    unused) gives k, T, the sizes and the batch size; keyword `overrides` replace single fields of it.
+    The bank is kept and searched on `device`. With a multi-rank `ctx` every rank must call it: each
+    keeps the features of 1/W of the bank and searches them for every query, rank 0 merges the ranks'
+    k nearest, votes and returns the result; the others return None. Sets whose class names differ are
+    refused first (ClassMismatchError); a set that loses samples while read raises LostSamplesError
+    unless `allow_lost` (then the result lists the loss).
     """
     try:
         settings = dataclasses.replace(settings or KnnConfig(), **overrides)

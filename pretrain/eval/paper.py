@@ -26,12 +26,6 @@ HEAD_FORMAT = "relicv2-linear-head"
 HEAD_FILE = "linear-head.pt"
 
 
-@torch.no_grad()
-def _features(encoder: nn.Module, images: Tensor, device: torch.device) -> Tensor:
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        return encoder(images.to(device, non_blocking=True)).float()
-
-
 def train_linear_paper(
     encoder: nn.Module, train_shards: Spec, val_shards: Spec, config: LinearConfig, *,
     device: torch.device, output_dir: Path | None, ctx: DistributedContext | None = None,
@@ -52,10 +46,8 @@ def train_linear_paper(
         train_skipped, val_skipped = set(dali[True].sample_set.skipped_keys), set(dali[False].sample_set.skipped_keys)
     else:
         train_shards, val_shards = open_shard_sets(ctx, train_shards, val_shards)
-        left_out: tuple[list[str], list[str]] = ([], [])
-        train_samples, _ = labelled_samples(train_shards, left_out=left_out[0])
-        val_samples, _ = labelled_samples(val_shards, left_out=left_out[1])
-        train_skipped, val_skipped = set(left_out[0]), set(left_out[1])
+        train_samples, train_skipped = labelled_samples(train_shards)
+        val_samples, val_skipped = labelled_samples(val_shards)
     train_set = LabelledViews(train_samples, train=True, crop_size=config.crop_size,
                               resize_size=config.resize_size, scale=config.crop_scale, seed=config.seed)
     val_set = LabelledViews(val_samples, train=False, crop_size=config.crop_size, resize_size=config.resize_size)
@@ -78,7 +70,9 @@ def train_linear_paper(
                                   what="linear", network="head") if output_dir is not None else None)
 
     def forward(images: Tensor) -> Tensor:
-        return head(_features(encoder, images, device))
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            features = encoder(images.to(device, non_blocking=True)).float()
+        return head(features)
 
     supervised.train_classifier(
         head, forward, optimizer, train_batches=lambda epoch: batches(train_set, epoch),

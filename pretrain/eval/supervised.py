@@ -71,10 +71,10 @@ def accuracy_report(logits: Tensor, labels: Tensor, num_classes: int) -> tuple[f
     return top1, top5, per_class
 
 
-def new_head(num_features: int, num_classes: int) -> nn.Linear:
+def new_head(num_features: int, num_classes: int, generator: torch.Generator | None = None) -> nn.Linear:
     """A linear classifier initialised as the paper's protocols do: weights N(0, 0.01), bias 0."""
     head = nn.Linear(num_features, num_classes)
-    nn.init.normal_(head.weight, 0, 0.01)
+    nn.init.normal_(head.weight, 0, 0.01, generator=generator)
     nn.init.zeros_(head.bias)
     return head
 
