@@ -70,5 +70,6 @@ def check_same_classes(train_shards: ShardSet, val_shards: ShardSet) -> None:
 def _shown(names: list[str], first: int) -> str:
     """All names when few, else a window around index `first`: "[..., b, c, d, ...]"."""
     start = max(0, min(first - 2, len(names) - SHOWN))
-    window = (["..."] if start else []) + names[start:start + SHOWN] + (["..."] if start + SHOWN < len(names) else [])
+    window = names[start:start + SHOWN]
+    window = (["..."] if start else []) + window + (["..."] if start + SHOWN < len(names) else [])
     return "[" + ", ".join(window) + "]"

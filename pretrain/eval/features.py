@@ -100,10 +100,11 @@ def cached_features(
     ctx: DistributedContext | None = None,
     allow_lost: bool = False,
 ) -> FeatureSet:
-    """Features of every decodable sample, read from / written to `cache_dir` when one is given (rank 0 writes);
-    with a multi-rank ctx each rank extracts 1/W and all get the union.
+    """Features of every decodable sample, read from / written to `cache_dir` when one is given (rank 0
+    writes); with a multi-rank ctx each rank extracts 1/W and all get the union.
 
-    A set that loses samples while read, or features cached from one, raise LostSamplesError unless `allow_lost`."""
+    A set that loses samples while read, or features cached from one, raise LostSamplesError unless
+    `allow_lost`."""
     path = cache_path(cache_dir, encoder, source, spec) if cache_dir is not None else None
     cached = _read_cache(path) if path is not None and path.is_file() else None
     if cached is not None:

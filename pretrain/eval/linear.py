@@ -24,7 +24,6 @@ from pretrain.eval.features import FeatureSet, FeatureSpec, cached_features
 from pretrain.eval.linear_config import LinearConfig
 from pretrain.eval.paper import train_linear_paper
 from pretrain.eval.supervised import Batches, LinearResult, accuracy_report, train_classifier
-from pretrain.schedules import learning_rate
 from shards.shardset import Spec
 
 
@@ -56,15 +55,13 @@ def train_linear_on_features(
                                 nesterov=config.nesterov, weight_decay=config.weight_decay)
     batch = min(config.batch_size, len(train))
     steps_per_epoch = math.ceil(len(train) / batch)
-    total = steps_per_epoch * config.epochs
 
     def train_batches(epoch: int) -> Batches:
         order = torch.randperm(len(train), generator=generator)
         return ((standardised(train.features[index]), train.labels[index], []) for index in order.split(batch))
 
     train_classifier(head, head, optimizer, train_batches=train_batches, epochs=config.epochs,
-                     learning_rates=lambda step: [learning_rate(step, peak_lr=config.peak_lr, warmup_steps=0,
-                                                                total_steps=total)],
+                     learning_rates=config.learning_rates(steps_per_epoch * config.epochs),
                      steps_per_epoch=steps_per_epoch, skipped=set())
     with torch.no_grad():
         logits = torch.cat([head(standardised(rows)).cpu() for rows in val.features.split(65_536)])

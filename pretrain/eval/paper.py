@@ -15,12 +15,9 @@ from torch import Tensor, nn
 from pretrain.distributed import DistributedContext, open_shard_sets
 from pretrain.eval import supervised
 from pretrain.eval.linear_config import LinearConfig
-from pretrain.eval.supervised import HeadCheckpointError
+from pretrain.eval.supervised import HeadCheckpointError  # noqa: F401  (the CLI catches it from here)
 from pretrain.eval.views import LabelledViews, class_count, labelled_samples, loader, rank_order
-from pretrain.schedules import learning_rate
 from shards.shardset import Spec
-
-__all__ = ["HEAD_FILE", "HeadCheckpointError", "train_linear_paper"]  # the CLI catches the error from here
 
 HEAD_FORMAT = "relicv2-linear-head"
 HEAD_FILE = "linear-head.pt"
@@ -65,7 +62,6 @@ def train_linear_paper(
     optimizer = torch.optim.SGD(head.parameters(), lr=config.peak_lr, momentum=config.momentum,
                                 nesterov=config.nesterov, weight_decay=config.weight_decay)
     steps_per_epoch = math.ceil(math.ceil(len(train_set) / world) / per_rank_batch)
-    total = steps_per_epoch * config.epochs
     state = (supervised.StateFile(output_dir / HEAD_FILE, HEAD_FORMAT, config, ("workers", "feature_batch"),
                                   what="linear", network="head") if output_dir is not None else None)
 
@@ -76,7 +72,7 @@ def train_linear_paper(
 
     supervised.train_classifier(
         head, forward, optimizer, train_batches=lambda epoch: batches(train_set, epoch),
-        learning_rates=lambda step: [learning_rate(step, peak_lr=config.peak_lr, warmup_steps=0, total_steps=total)],
+        learning_rates=config.learning_rates(steps_per_epoch * config.epochs),
         epochs=config.epochs, steps_per_epoch=steps_per_epoch, skipped=train_skipped, state=state, ctx=ctx,
         desc="linear")
     return supervised.score(head, forward, batches(val_set, 0), protocol=config.name, num_classes=num_classes,

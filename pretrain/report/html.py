@@ -330,7 +330,7 @@ def _deltas(results: list[EvalResult]) -> str:
         groups.setdefault((result.protocol, result.num_train, result.num_val, protocol_text(result.settings)),
                           []).append(result)
     lines = []
-    for (protocol, num_train, num_val, settings), same in sorted(groups.items(), key=lambda group: str(group[0])):
+    for (protocol, num_train, num_val, settings), same in sorted(groups.items(), key=lambda item: str(item[0])):
         trained = [r for r in same if not r.random_init]
         baseline = [r for r in same if r.random_init]
         if trained and baseline:
@@ -350,9 +350,7 @@ def _fmt(value: object) -> str:
 
 
 def _notes(lines: list[str]) -> str:
-    if not lines:
-        return ""
-    return "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + "</ul>"
+    return "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + "</ul>" if lines else ""
 
 
 def _table(header: list[str], rows: list[list[str]], css: str) -> str:

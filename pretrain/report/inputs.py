@@ -215,12 +215,11 @@ def read_saliency_samples(shards: Path | None, maps_dir: Path | None, count: int
     from shards import iter_samples  # imported here: it pulls in the shard reader
     from shards.reader import ReadReport
 
-    problems: list[str] = []
     if shards is None:
-        return [], problems
+        return [], []
+    problems: list[str] = []
     with_maps: list[SaliencySample] = []
     without: list[SaliencySample] = []
-
     read = ReadReport()
     # Scan a bounded prefix: on an ImageNet-size set whose keys have no maps, never read it all.
     for scanned, raw in enumerate(iter_samples(shards, report=read)):
