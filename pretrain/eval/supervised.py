@@ -1,9 +1,8 @@
 """The one supervised loop of the evaluation protocols that train (linear-fast, linear-paper, fine-tuning).
 
-`train_classifier` trains for whole epochs, each group's lr set at every step from a schedule of
-`pretrain.schedules`, gradients averaged over ranks; with a `StateFile` rank 0 saves the state after
-each epoch (atomically, read back with weights_only=True) and a rerun resumes at the next epoch.
-`score` classifies the validation batches, counted exactly over ranks.
+`train_classifier` trains for whole epochs, gradients averaged over ranks; with a `StateFile` rank 0
+saves the state after each epoch and a rerun resumes at the next. `score` classifies the validation
+batches, counted exactly over ranks.
 """
 
 from __future__ import annotations

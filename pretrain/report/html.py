@@ -180,8 +180,7 @@ def _saliency_training_section(page: _Page, inputs: ReportInputs) -> None:
         page.not_run("saliency-training", "no saliency train report.json")
         return
     report, problem = read_json(inputs.saliency_report)
-    rows = metric_rows(report) if problem is None else []
-    losses = _loss_rows(report) if problem is None else []
+    rows, losses = metric_rows(report), _loss_rows(report)  # none of either when unreadable (report None)
     if not rows and not losses:
         page.summary.problems.append(problem or f"{inputs.saliency_report}: no metrics in it")
         page.not_run("saliency-training", f"{inputs.saliency_report} holds no readable metrics")
