@@ -21,6 +21,7 @@ from nvidia.dali import pipeline_def
 from nvidia.dali.plugin.base_iterator import LastBatchPolicy
 from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
+from pretrain.eval.views import CROP_RATIO
 from pretrain.model.normalization import IMAGENET_MEAN, IMAGENET_STD
 from pretrain.views.dali import find_undecodable
 from pretrain.views.sources import load_sample_set
@@ -41,7 +42,7 @@ def _eval_pipeline(tars, index_files, *, train: bool, crop_size: int, resize_siz
     device = "mixed" if gpu else "cpu"
     if train:
         images = fn.decoders.image_random_crop(jpeg, device=device, output_type=types.RGB,
-                                               random_area=list(scale), random_aspect_ratio=[3 / 4, 4 / 3],
+                                               random_area=list(scale), random_aspect_ratio=list(CROP_RATIO),
                                                num_attempts=10)
         images = fn.resize(images, size=[crop_size, crop_size], antialias=True)
         mirror = fn.random.coin_flip(probability=0.5)
