@@ -31,9 +31,9 @@ def class_names(shard_set: ShardSet) -> list[str] | None:
     tars, folder = shard_tars(shard_set)
     parents = {tar.parent for tar in tars}
     folder = folder or (parents.pop() if len(parents) == 1 else None)
-    info_path = folder / INFO_NAME if folder is not None else None
-    if info_path is None or not info_path.is_file():
+    if folder is None or not (folder / INFO_NAME).is_file():
         return None
+    info_path = folder / INFO_NAME
     try:
         info = json.loads(info_path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -69,9 +69,7 @@ def check_same_classes(train_shards: ShardSet, val_shards: ShardSet) -> None:
 
 def _shown(names: list[str], first: int) -> str:
     """All names when few, else a window around index `first`: "[..., b, c, d, ...]"."""
-    if len(names) <= SHOWN:
-        return "[" + ", ".join(names) + "]"
     start = max(0, min(first - 2, len(names) - SHOWN))
     window = names[start:start + SHOWN]
-    return ("[" + ("..., " if start else "") + ", ".join(window)
-            + (", ..." if start + SHOWN < len(names) else "") + "]")
+    window = (["..."] if start else []) + window + (["..."] if start + SHOWN < len(names) else [])
+    return "[" + ", ".join(window) + "]"

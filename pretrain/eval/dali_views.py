@@ -1,12 +1,10 @@
 """Labelled train / test views for linear evaluation through DALI (CPU or GPU decoding).
 
-A small pipeline beside the pretraining one, built from the same pieces: the shard set is read
-with `pretrain.views.sources.load_sample_set` (in a set from another tool, undecodable images found
-first by the view pipeline's `find_undecodable`, verdicts kept in the index cache, and left out
-through filtered index files), samples come from DALI's
-webdataset reader over those index files, and the normalisation constants are the view config's.
-Train views: random-resized-crop (area `scale`, ratio 3/4..4/3) + flip; test views: short side
-`resize_size` bicubic + centre crop. Yields (images [B, 3, crop, crop] float, labels [B]).
+A small pipeline beside the pretraining one, built from the same pieces: the set is read with
+`pretrain.views.sources.load_sample_set` (undecodable images of a set from another tool found first by
+`find_undecodable` and left out through filtered index files) and its samples by DALI's webdataset
+reader over those index files. Train views: random-resized-crop + flip; test views: short side
+bicubic + centre crop. Yields (images [B, 3, crop, crop] float, labels [B]).
 """
 
 from __future__ import annotations
@@ -23,6 +21,7 @@ from nvidia.dali import pipeline_def
 from nvidia.dali.plugin.base_iterator import LastBatchPolicy
 from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
+from pretrain.eval.views import CROP_RATIO
 from pretrain.model.normalization import IMAGENET_MEAN, IMAGENET_STD
 from pretrain.views.dali import find_undecodable
 from pretrain.views.sources import load_sample_set
@@ -43,7 +42,7 @@ def _eval_pipeline(tars, index_files, *, train: bool, crop_size: int, resize_siz
     device = "mixed" if gpu else "cpu"
     if train:
         images = fn.decoders.image_random_crop(jpeg, device=device, output_type=types.RGB,
-                                               random_area=list(scale), random_aspect_ratio=[3 / 4, 4 / 3],
+                                               random_area=list(scale), random_aspect_ratio=list(CROP_RATIO),
                                                num_attempts=10)
         images = fn.resize(images, size=[crop_size, crop_size], antialias=True)
         mirror = fn.random.coin_flip(probability=0.5)

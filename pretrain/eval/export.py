@@ -31,10 +31,9 @@ from shards.outdir import writing
 def load_backbone(path: str | Path, *, network: str = "online") -> tuple[ResNet, dict[str, Any]]:
     """(encoder, description) of an exported file or a pretraining checkpoint / run folder.
 
-    The description holds what outputs should record: "checkpoint" (the file used), "network",
-    "step" when known, "format", and "trained_protocol": the kNN settings that fit the encoder's
-    training ({} when the file does not say). An exported file holds one network:
-    `network="target"` of a file holding the online one is an ExportError.
+    The description: "checkpoint" (the file used), "network", "step" when known, "format", and
+    "trained_protocol" (the kNN settings that fit the encoder's training; {} when the file does not
+    say). `network="target"` of an exported file holding the online network is an ExportError.
     """
     path = Path(path)
     if is_encoder_file(path):
@@ -86,17 +85,12 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, network: str =
     config = checkpoint_config(payload, resolved)
     encoder = encoder_from_payload(payload, resolved, network=network)
     step = int(payload["step"])
-    summary = {
-        "model": {"depth": config.model.depth, "width": config.model.width},
-        "views": {"large_views": config.views.large_views, "small_views": config.views.small_views,
-                  "large_size": config.views.large_size, "small_size": config.views.small_size,
-                  "mask_probability": config.views.mask_probability},
-        "loss": {"temperature": config.loss.temperature, "num_negatives": config.loss.num_negatives,
-                 "contrast_weight": config.loss.contrast_weight, "invariance_weight": config.loss.invariance_weight},
-        "optim": {"global_batch": config.optim.global_batch, "epochs": config.optim.epochs,
-                  "base_lr": config.optim.base_lr},
-        "data": {"train_shards": config.data.train_shards},
-    }
+    sections = {"model": ("depth", "width"),
+                "views": ("large_views", "small_views", "large_size", "small_size", "mask_probability"),
+                "loss": ("temperature", "num_negatives", "contrast_weight", "invariance_weight"),
+                "optim": ("global_batch", "epochs", "base_lr"), "data": ("train_shards",)}
+    summary = {section: {name: getattr(getattr(config, section), name) for name in names}
+               for section, names in sections.items()}
     metadata = {"source": str(resolved), "network": network, "step": step, "config_summary": summary,
                 "figures": _known_figures(resolved.parent, step)}
     with writing(out, "--out", errors=(OSError, RuntimeError)):  # torch.save fails with a RuntimeError

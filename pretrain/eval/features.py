@@ -87,33 +87,7 @@ def _read_cache(path: Path) -> FeatureSet | None:
         return None
     return FeatureSet(payload["features"], payload["labels"], int(payload["skipped"]),
                       tuple(payload.get("skipped_keys", ())),
-                      tuple(LostSamples.from_json(entry) for entry in payload.get("lost", ())))
-
-
-def extract_feature_set(
-    encoder: nn.Module,
-    source: ShardSet,
-    spec: FeatureSpec,
-    *,
-    device: str | torch.device = "cpu",
-    ctx: DistributedContext | None = None,
-    allow_lost: bool = False,
-) -> FeatureSet:
-    """Features of every decodable sample; with a multi-rank ctx each rank extracts 1/W and all get the union.
-
-    A set that loses samples while read raises LostSamplesError unless `allow_lost`."""
-    rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
-    skipped: list[str] = []
-    lost: list[LostSamples] = []  # every rank reads the whole set: the same on every rank
-    features, labels = extract_features(encoder, source, crop_size=spec.crop_size, resize_size=spec.resize_size,
-                                        batch_size=spec.batch_size, device=device, skipped=skipped,
-                                        part=(rank, world), allow_lost=allow_lost, lost=lost)
-    if world > 1:
-        parts = all_gather_object((features, labels, skipped), ctx)
-        pairs, skipped = [(f, lab) for f, lab, _ in parts], [key for _, _, keys in parts for key in keys]
-        del parts, features, labels  # let go as they are copied into the joined features
-        features, labels = join_parts(pairs, source, torch.device("cpu"))
-    return FeatureSet(features, labels, len(skipped), tuple(sorted(skipped)), tuple(lost))
+                      tuple(LostSamples(**entry) for entry in payload.get("lost", ())))
 
 
 def cached_features(
@@ -126,27 +100,36 @@ def cached_features(
     ctx: DistributedContext | None = None,
     allow_lost: bool = False,
 ) -> FeatureSet:
-    """`extract_feature_set`, read from / written to `cache_dir` when one is given (rank 0 writes).
+    """Features of every decodable sample, read from / written to `cache_dir` when one is given (rank 0
+    writes); with a multi-rank ctx each rank extracts 1/W and all get the union.
 
-    Features cached from a set that lost samples (extracted with `allow_lost`) are refused like
-    the set itself unless `allow_lost`."""
-    if cache_dir is None:
-        return extract_feature_set(encoder, source, spec, device=device, ctx=ctx, allow_lost=allow_lost)
-    path = cache_path(cache_dir, encoder, source, spec)
-    if path.is_file():
-        cached = _read_cache(path)
-        if cached is not None:
-            if cached.lost and not allow_lost:
-                raise LostSamplesError(
-                    f"shard set {source} lost samples when its cached features {path.name} were taken "
-                    f"({cached.lost[0].detail}): check it with `relicv2 shards verify {source}` and rebuild it")
-            return cached
-    result = extract_feature_set(encoder, source, spec, device=device, ctx=ctx, allow_lost=allow_lost)
-    if ctx is None or ctx.rank == 0:
+    A set that loses samples while read, or features cached from one, raise LostSamplesError unless
+    `allow_lost`."""
+    path = cache_path(cache_dir, encoder, source, spec) if cache_dir is not None else None
+    cached = _read_cache(path) if path is not None and path.is_file() else None
+    if cached is not None:
+        if cached.lost and not allow_lost:
+            raise LostSamplesError(
+                f"shard set {source} lost samples when its cached features {path.name} were taken "
+                f"({cached.lost[0].detail}): check it with `relicv2 shards verify {source}` and rebuild it")
+        return cached
+    rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
+    skipped: list[str] = []
+    lost: list[LostSamples] = []  # every rank reads the whole set: the same on every rank
+    features, labels = extract_features(encoder, source, crop_size=spec.crop_size, resize_size=spec.resize_size,
+                                        batch_size=spec.batch_size, device=device, skipped=skipped,
+                                        part=(rank, world), allow_lost=allow_lost, lost=lost)
+    if world > 1:
+        parts = all_gather_object((features, labels, skipped), ctx)
+        pairs, skipped = [(f, lab) for f, lab, _ in parts], [key for _, _, keys in parts for key in keys]
+        del parts, features, labels  # let go as they are copied into the joined features
+        features, labels = join_parts(pairs, source, torch.device("cpu"))
+    result = FeatureSet(features, labels, len(skipped), tuple(sorted(skipped)), tuple(lost))
+    if path is not None and rank == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_output(path) as tmp:
             torch.save({"format": CACHE_FORMAT, "features": result.features, "labels": result.labels,
                         "skipped": result.skipped, "skipped_keys": list(result.skipped_keys),
-                        "lost": [entry.as_json() for entry in result.lost], "source": str(source),
+                        "lost": [asdict(entry) for entry in result.lost], "source": str(source),
                         "spec": asdict(spec)}, tmp)
     return result

@@ -1,15 +1,10 @@
 """Semi-supervised fine-tuning on a labelled subset (paper appendix "Semi-supervised learning").
 
-The pretrained encoder plus a new randomly initialised linear head are trained together on the
-keys of a label split (`relicv2 shards subset`, 1% or 10% of each class): random-resized-crop +
-flip views, cross-entropy, SGD with Nesterov momentum 0.9, 20 epochs, both learning rates
-multiplied by 0.2 at epochs 12 and 16, a separate learning rate for the head and the encoder.
-Presets (`pretrain/eval/presets/finetune/`; the paper's values at the paper's batch, another batch
-scales both lrs linearly):
-    1pct:  batch 2048, head lr 10,  encoder lr 0.04,  no weight decay (the defaults)
-    10pct: batch 512,  head lr 0.3, encoder lr 0.004, weight decay 1e-5
-Scored on the test view (short side 256 bicubic, centre crop 224). The state (encoder, head,
-optimiser, epoch) is checkpointed each epoch to `finetune.pt` and a rerun resumes from it.
+The pretrained encoder plus a new linear head are trained together on the keys of a label split
+(`relicv2 shards subset`, 1% or 10% of each class) with SGD (Nesterov), both learning rates
+multiplied by `decay` at the milestone epochs; the presets (`pretrain/eval/presets/finetune/`) hold
+the paper's recipe for each split, and another batch scales both lrs linearly. Scored on the test
+view. The state is checkpointed each epoch to `finetune.pt` and a rerun resumes from it.
 """
 
 from __future__ import annotations
@@ -62,7 +57,6 @@ class FinetuneConfig:
         return f"finetune-{self.preset}"
 
 
-
 def learning_rates(config: FinetuneConfig, steps_per_epoch: int) -> Callable[[int], list[float]]:
     """(head lr, encoder lr) at a global step: scaled with the batch, times `decay` at each milestone epoch."""
     milestones = [math.ceil(epoch) * steps_per_epoch for epoch in config.milestones]
@@ -83,10 +77,8 @@ def finetune(
     check_same_classes(train_shards, val_shards)
     device = torch.device(device)
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
-    left_out: tuple[list[str], list[str]] = ([], [])
-    train_samples, _ = labelled_samples(train_shards, keys, left_out=left_out[0])
-    val_samples, _ = labelled_samples(val_shards, left_out=left_out[1])
-    train_skipped, val_skipped = set(left_out[0]), set(left_out[1])
+    train_samples, train_skipped = labelled_samples(train_shards, keys)
+    val_samples, val_skipped = labelled_samples(val_shards)
     train_set = LabelledViews(train_samples, train=True, crop_size=config.crop_size,
                               resize_size=config.resize_size, scale=config.crop_scale, seed=config.seed)
     val_set = LabelledViews(val_samples, train=False, crop_size=config.crop_size, resize_size=config.resize_size)

@@ -1,11 +1,9 @@
 """The `relicv2 eval` jobs (kNN, linear probe, fine-tuning) as one library function, `run_eval`.
 
-A job is an `EvalJob`: the backbone (a checkpoint, run folder or exported file, or a random
-initialisation), the labelled train and val shard sets, the protocol's frozen settings (resolved
-from a preset by `load_linear_config` / `load_finetune_config`, or `KnnConfig`), and where results go.
-`run_eval` loads the backbone, prints the settings (`jobs.config.settings_text`, the format every
-job uses) and saves them as `config.yaml` in the output folder, evaluates, writes the JSON records
-and returns what the command prints. Under torchrun every rank calls it; rank 0 gets the result.
+A job is an `EvalJob`: the backbone, the labelled train and val shard sets, the protocol's frozen
+settings and where results go. `run_eval` loads the backbone, prints the settings (the format every job
+uses) and saves them as `config.yaml` in the output folder, evaluates, writes the JSON records and
+returns what the command prints. Under torchrun every rank calls it; rank 0 gets the result.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from jobs.atomic import atomic_output, atomic_write_bytes
+from jobs.atomic import atomic_write_bytes
 from jobs.config import (
     SETTINGS_FILE,
     ConfigError,
@@ -29,13 +27,19 @@ from jobs.config import (
     to_dict,
 )
 from jobs.device import resolve_device
+from jobs.lock import folder_lock
 from jobs.version import package_version
+from pretrain import distributed
+from pretrain.checkpoint import random_encoder
 from pretrain.config import KnnConfig
-from pretrain.eval.finetune import FinetuneConfig
-from pretrain.eval.knn import at_trained_size, shared_tars
-from pretrain.eval.linear import LinearConfig
+from pretrain.eval.export import load_backbone
+from pretrain.eval.finetune import FinetuneConfig, finetune
+from pretrain.eval.knn import at_trained_size, evaluate_knn, shared_tars
+from pretrain.eval.linear import LinearConfig, evaluate_linear
+from pretrain.eval.outcome import NAMED_KEYS, lost_text, named
 from shards.outdir import check_output_file, check_output_folder, writing
 from shards.shardset import ShardSet, ShardSetError, resolve_shard_set
+from shards.subset import read_key_list
 
 LINEAR_PRESETS = Presets(job="relicv2 eval linear", package="pretrain.eval", folder="presets/linear")
 FINETUNE_PRESETS = Presets(job="relicv2 eval finetune", package="pretrain.eval", folder="presets/finetune")
@@ -80,18 +84,11 @@ class Backbone:
 
 
 def load_encoder(backbone: Backbone) -> tuple[Any, dict[str, Any]]:
-    """(encoder, record fields for the JSON) of a `Backbone`."""
-    from pretrain.checkpoint import random_encoder
-    from pretrain.eval.export import load_backbone
-
+    """(encoder, description: "checkpoint", "network", "step", "trained_protocol", ...) of a `Backbone`."""
     if backbone.checkpoint is not None:
-        encoder, info = load_backbone(backbone.checkpoint, network=backbone.network)
-        return encoder, {"checkpoint": info["checkpoint"], "random_init": None, "network": info["network"],
-                         "step": info["step"], "source_format": info["format"],
-                         "trained_protocol": info.get("trained_protocol") or {}}
+        return load_backbone(backbone.checkpoint, network=backbone.network)
     return random_encoder(backbone.random_depth, seed=backbone.seed), {
-        "checkpoint": None, "random_init": backbone.random_depth, "network": None, "step": None,
-        "source_format": None, "trained_protocol": {}}
+        "checkpoint": None, "network": None, "step": None, "trained_protocol": {}}
 
 
 @dataclass(frozen=True)
@@ -116,8 +113,7 @@ class EvalJob:
         return f"relicv2 eval {kind}"
 
     def settings(self, config: Any = None) -> str:
-        """The settings (`config`, default the job's) as printed at start and saved as config.yaml (the
-        format of every job)."""
+        """The settings (`config`, default the job's) as printed at start and saved as config.yaml."""
         inputs: dict[str, Any] = {"backbone": self.backbone.as_dict(), "train": str(self.train_shards), "val": str(self.val_shards)}
         if self.labels is not None:
             inputs["labels"] = str(self.labels)
@@ -126,10 +122,8 @@ class EvalJob:
 
 @dataclass(frozen=True)
 class EvalOutcome:
-    """What rank 0 got: the result object, its JSON record, and the lines the command prints."""
+    """What rank 0 got: the lines the command prints, and its warnings."""
 
-    result: Any
-    payload: dict[str, Any]
     lines: list[str]
     warnings: list[str]
 
@@ -149,9 +143,6 @@ def run_eval(job: EvalJob, log: Callable[[str], None] = print) -> EvalOutcome | 
 
 
 def _run_knn(job: EvalJob, log: Callable[[str], None]) -> EvalOutcome:
-    from pretrain.eval.knn import evaluate_knn
-    from pretrain.eval.outcome import lost_text
-
     device = resolve_device(job.device, "--device")
     train, val = _knn_sets(job)
     encoder, record = load_encoder(job.backbone)
@@ -178,7 +169,7 @@ def _run_knn(job: EvalJob, log: Callable[[str], None]) -> EvalOutcome:
     payload = result.as_json(checkpoint=record["checkpoint"], random_init=job.backbone.random_depth, extra={
         "network": record["network"]})
     _write_json(job.json_path, payload, "--json")
-    return EvalOutcome(result, payload, [line], warnings + _shortfalls(result))
+    return EvalOutcome([line], warnings + _shortfalls(result))
 
 
 def _knn_sets(job: EvalJob) -> tuple[ShardSet, ShardSet]:
@@ -192,11 +183,6 @@ def _knn_sets(job: EvalJob) -> tuple[ShardSet, ShardSet]:
 
 
 def _run_trained_head(job: EvalJob, log: Callable[[str], None]) -> EvalOutcome | None:
-    from jobs.lock import folder_lock
-    from pretrain import distributed
-    from pretrain.eval.outcome import lost_text
-    from shards.subset import read_key_list
-
     keys = read_key_list(job.labels) if job.labels is not None else None  # a bad list is refused first
     ctx = distributed.init(job.device, option="--device")
     try:
@@ -210,36 +196,26 @@ def _run_trained_head(job: EvalJob, log: Callable[[str], None]) -> EvalOutcome |
                 if job.output is not None:
                     job.output.mkdir(parents=True, exist_ok=True)
                     atomic_write_bytes(job.output / SETTINGS_FILE, text.encode())
-            result = _evaluate(job, config, encoder, ctx, keys)
+            if isinstance(config, LinearConfig):
+                result = evaluate_linear(encoder, job.train_shards, job.val_shards, config, device=ctx.device,
+                                         output_dir=job.output, ctx=ctx, allow_lost=job.allow_lost)
+            elif keys is None:
+                raise ValueError("fine-tuning needs the key list of the labelled subset (--labels)")
+            else:
+                result = finetune(encoder, job.train_shards, job.val_shards, keys, config, device=ctx.device,
+                                  output_dir=job.output, ctx=ctx)
     finally:
         distributed.teardown(ctx)
     if ctx.rank != 0:
         return None
-    extra: dict[str, Any] = {"network": record["network"], "step": record["step"], "world_size": ctx.world_size}
-    if job.labels is not None:
-        extra["labels"] = str(job.labels)
-    extra["config"] = to_dict(config)
-    payload = result.as_json(checkpoint=record["checkpoint"], random_init=record["random_init"], extra=extra)
+    extra = {"network": record["network"], "step": record["step"], "world_size": ctx.world_size,
+             **({"labels": str(job.labels)} if job.labels is not None else {}), "config": to_dict(config)}
+    payload = result.as_json(checkpoint=record["checkpoint"], random_init=job.backbone.random_depth, extra=extra)
     _write_json(job.json_path, payload, "--json")
     if job.output is not None:
         _write_json(job.output / "result.json", payload, "--output")
     title = f"{result.protocol} of {record['checkpoint'] or job.backbone.describe()}"
-    return EvalOutcome(result, payload, _table(title, payload, lost_text(result.lost), ctx.device),
-                       _shortfalls(result))
-
-
-def _evaluate(job: EvalJob, config: Any, encoder: Any, ctx: Any, keys: set[str] | None) -> Any:
-    if isinstance(config, LinearConfig):
-        from pretrain.eval.linear import evaluate_linear
-
-        return evaluate_linear(encoder, job.train_shards, job.val_shards, config, device=ctx.device,
-                               output_dir=job.output, ctx=ctx, allow_lost=job.allow_lost)
-    from pretrain.eval.finetune import finetune
-
-    if keys is None:
-        raise ValueError("fine-tuning needs the key list of the labelled subset (--labels)")
-    return finetune(encoder, job.train_shards, job.val_shards, keys, config, device=ctx.device,
-                    output_dir=job.output, ctx=ctx)
+    return EvalOutcome(_table(title, payload, lost_text(result.lost), ctx.device), _shortfalls(result))
 
 
 def _table(title: str, payload: dict[str, Any], lost: str, device: object) -> list[str]:
@@ -255,8 +231,6 @@ def _table(title: str, payload: dict[str, Any], lost: str, device: object) -> li
 
 def _shortfalls(result: Any) -> list[str]:
     """One line per kind of sample an evaluation left out: undecodable images by key, lost samples by set."""
-    from pretrain.eval.outcome import NAMED_KEYS, named
-
     lines = []
     if result.skipped_keys:
         more = " (all in --json)" if len(result.skipped_keys) > NAMED_KEYS else ""
@@ -271,5 +245,4 @@ def _write_json(path: Path | None, record: dict[str, Any], option: str) -> None:
         return
     with writing(path, option):  # the disk may have filled during the work
         path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_output(path) as tmp:
-            Path(tmp).write_text(json.dumps(record, indent=2) + "\n")
+        atomic_write_bytes(path, (json.dumps(record, indent=2) + "\n").encode())

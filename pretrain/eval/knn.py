@@ -2,13 +2,15 @@
 
 The classifier of Wu et al. 2018 as used by DINO and lightly's benchmarks: l2-normalised
 features, the k most similar bank items vote for their class with weight exp(cos / T);
-defaults (k = 20, T = 0.07, 224 px crops) from `pretrain.config.KnnConfig`. Images are decoded, the short side resized (bicubic), centre-cropped
-and normalised with the ImageNet mean/std, as in the linear-evaluation test transform.
+defaults (k = 20, T = 0.07, 224 px crops) from `pretrain.config.KnnConfig`. Images are decoded, the
+short side resized (bicubic), centre-cropped and normalised with the ImageNet mean/std, as in the
+linear-evaluation test transform.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import sys
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
@@ -21,9 +23,10 @@ import torchvision.transforms.v2.functional as TF
 from torch import Tensor, nn
 from torchvision.transforms import InterpolationMode
 
-# Re-exported: pretrain.checkpoint owns turning a file or run folder into an encoder.
 from jobs.progress import tracked
-from pretrain.checkpoint import encoder_from_checkpoint, random_encoder, resolve_checkpoint
+
+# Re-exported: pretrain.checkpoint owns turning a file or run folder into an encoder.
+from pretrain.checkpoint import encoder_from_checkpoint, random_encoder, resolve_checkpoint  # noqa: F401
 from pretrain.config import KnnConfig, PretrainConfig
 from pretrain.distributed import DistributedContext, all_gather_rows, gather_object, gather_tensor
 from pretrain.eval.classes import check_same_classes
@@ -33,10 +36,6 @@ from shards import ReadReport, ShardSet, iter_samples, resolve_shard_set
 from shards.images import ImageLoadError, load_image
 from shards.sample import missing_label
 from shards.shardset import Spec, shard_tars
-
-__all__ = ["KnnResult", "encoder_from_checkpoint", "evaluate_knn", "extract_features", "join_parts", "knn_predict",
-           "random_encoder", "resolve_checkpoint", "shared_tars", "trained_protocol", "at_trained_size"]
-
 
 
 @dataclass(frozen=True)
@@ -235,12 +234,6 @@ class _Rows:
         return None if self.buffer is None else self.buffer[: self.filled]
 
 
-def _part_size(total: int, part: tuple[int, int]) -> int:
-    """How many of a set's `total` positions p have p % parts == index."""
-    index, parts = part
-    return max(0, -(-(total - index) // parts))
-
-
 @torch.no_grad()
 def extract_features(
     encoder: nn.Module,
@@ -260,11 +253,10 @@ def extract_features(
     """(features [N, F] float32, labels [N]) of every decodable sample of a labelled shard set, both on
     `keep_on` (the CPU when they would take over half of a GPU's free memory).
 
-    part = (index, parts): only the samples at positions p (shard-set order) with p % parts ==
-    index, so `parts` ranks together extract each sample once. Only a split set's part may be empty.
-    The keys of undecodable images are appended to `skipped`. A set that loses samples while it is
-    read (truncated or missing tars, those its resolution lost among them; refused samples; `shards.ReadReport`)
-    raises LostSamplesError, or with `allow_lost` goes on and appends what it lost to `lost`.
+    part = (index, parts): only the samples at positions p with p % parts == index, so `parts` ranks
+    together extract each sample once; only a split set's part may be empty. The keys of undecodable
+    images are appended to `skipped`. A set that loses samples while read (`shards.ReadReport`) raises
+    LostSamplesError, or with `allow_lost` goes on and appends what it lost to `lost`.
     """
     if not 0 <= part[0] < part[1]:
         raise ValueError(f"part must be (index, parts) with 0 <= index < parts, got {part}")
@@ -272,29 +264,18 @@ def extract_features(
     device = torch.device(device)
     was_training = encoder.training
     encoder.eval()
-    labels, images, batch_labels = [], [], []
+    labels: list[int] = []
     skipped = [] if skipped is None else skipped
     report = ReadReport()
-    features = _Rows(_part_size(source.samples, part), torch.device(keep_on))
-
-    def flush() -> None:
-        batch = torch.stack(images).to(device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            features.add(encoder(batch).float())
-        labels.extend(batch_labels)
-        images.clear()
-        batch_labels.clear()
-
+    features = _Rows(len(range(part[0], source.samples, part[1])), torch.device(keep_on))  # this part's samples
+    pairs = _labelled_images(source, crop_size=crop_size, resize_size=resize_size, skipped=skipped, part=part,
+                             report=report, allow_lost=allow_lost, progress=progress)
     try:
-        for image, label in _labelled_images(source, crop_size=crop_size, resize_size=resize_size,
-                                             skipped=skipped, part=part, report=report, allow_lost=allow_lost,
-                                             progress=progress):
-            images.append(image)
-            batch_labels.append(label)
-            if len(images) == batch_size:
-                flush()
-        if images:
-            flush()
+        while batch := list(itertools.islice(pairs, batch_size)):
+            images, batch_labels = zip(*batch, strict=True)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                features.add(encoder(torch.stack(images).to(device)).float())
+            labels.extend(batch_labels)
     finally:
         encoder.train(was_training)
     if not allow_lost:
@@ -323,17 +304,13 @@ def evaluate_knn(
 ) -> KnnResult | None:
     """Top-1 accuracy on `val_shards` of the kNN classifier whose bank is `train_shards`' features.
 
-    The sets are passed down as the job resolved them; a spec is resolved here, once, with `allow_lost`
-    (the tars it cannot index are read for what remains, their loss refused or counted as below).
-    `settings` gives k, T, crop/resize sizes and the batch size (default: `KnnConfig()`; its shard
-    fields are not used here); keyword `overrides` (k=, temperature=, crop_size=, resize_size=,
-    batch_size=) replace single fields of it. `progress` shows a bar with the manifest's total on rank 0.
-    The bank is kept and searched on `device` (a GPU's matmul on a GPU). With a multi-rank `ctx` every
-    rank must call it: each extracts the features of 1/W of the samples and keeps its part of the bank,
-    every rank searches its part for every query (the queries' features are gathered to all), rank 0
-    merges the ranks' k nearest into the global k nearest, votes and returns the result; the others return None.
-    Sets whose recorded class names differ are refused first (ClassMismatchError); a set that loses
-    samples while read raises LostSamplesError unless `allow_lost` (then the result lists the loss).
+    A spec is resolved here, once, with `allow_lost`. `settings` (default `KnnConfig()`; its shard fields
+    unused) gives k, T, the sizes and the batch size; keyword `overrides` replace single fields of it.
+    The bank is kept and searched on `device`. With a multi-rank `ctx` every rank must call it: each
+    keeps the features of 1/W of the bank and searches them for every query, rank 0 merges the ranks'
+    k nearest, votes and returns the result; the others return None. Sets whose class names differ are
+    refused first (ClassMismatchError); a set that loses samples while read raises LostSamplesError
+    unless `allow_lost` (then the result lists the loss).
     """
     try:
         settings = dataclasses.replace(settings or KnnConfig(), **overrides)

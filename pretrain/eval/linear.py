@@ -1,19 +1,12 @@
-"""Linear evaluation of a frozen encoder (paper appendix "Linear evaluation").
+"""Linear evaluation of a frozen encoder (paper appendix "Linear evaluation"), two named protocols:
+- "linear-paper" (`pretrain.eval.paper`): a linear head on the frozen encoder (BN in eval mode) trained
+  on augmented views, checkpointed every epoch and resumed by a rerun;
+- "linear-fast": the same optimiser on features taken once on the test view and cached on disk
+  (`pretrain.eval.features`), standardised with the train set's mean/std first (a BN without affine
+  parameters folded into the head), so one learning rate suits any encoder. Seconds on a CPU.
 
-Two protocols, named in every output:
-- "linear-paper": the encoder frozen with BN in eval mode, a linear layer on its pooled features,
-  SGD with Nesterov momentum 0.9, no weight decay, 100 epochs, batch 1024, lr 0.3 * batch / 256 with
-  cosine decay; train views random-resized-crop + horizontal flip (`pretrain.eval.views`), test
-  views short side 256 bicubic + centre crop 224, ImageNet mean/std. The head is checkpointed every
-  epoch (atomically, read back with weights_only) and a rerun resumes from it.
-- "linear-fast": features taken once on the test view (no augmentation), cached on disk
-  (`pretrain.eval.features`), the same optimiser run on the cached features; the features are
-  standardised with the train set's mean/std first (a BN without affine parameters folded into
-  the head), so one learning rate suits any encoder. Seconds on a CPU.
-
-Under torchrun every rank extracts or augments 1/W of the images; the fast head is trained on the
-gathered features identically on every rank, the paper head with gradients averaged over ranks,
-and the correct-prediction counts are summed exactly over ranks.
+Under torchrun every rank extracts or augments 1/W of the images; the fast head is trained identically
+on every rank, the paper head with gradients averaged over ranks; correct predictions are summed exactly.
 """
 
 from __future__ import annotations
@@ -25,12 +18,12 @@ import torch
 from torch import nn
 
 from pretrain.distributed import DistributedContext, open_shard_sets
+from pretrain.eval import supervised
 from pretrain.eval.classes import check_same_classes
 from pretrain.eval.features import FeatureSet, FeatureSpec, cached_features
 from pretrain.eval.linear_config import LinearConfig
 from pretrain.eval.paper import train_linear_paper
 from pretrain.eval.supervised import Batches, LinearResult, accuracy_report, train_classifier
-from pretrain.schedules import learning_rate
 from shards.shardset import Spec
 
 
@@ -42,11 +35,8 @@ def train_linear_on_features(
     num_classes: int,
     device: str | torch.device = "cpu",
 ) -> LinearResult:
-    """The `fast` protocol's head: SGD (Nesterov) + cosine on standardised cached features, trained on
-    `device` (the features stay where they are; each batch goes to it as it is drawn).
-
-    Deterministic for a given seed, so every rank of a distributed run trains the same head.
-    """
+    """The `fast` protocol's head, trained on `device` (each batch goes there as it is drawn); deterministic
+    for a given seed, so every rank of a distributed run trains the same head."""
     if len(train) == 0 or len(val) == 0:
         raise ValueError("linear evaluation needs labelled train and val features")
     generator = torch.Generator().manual_seed(config.seed)
@@ -59,24 +49,19 @@ def train_linear_on_features(
         # 10 GiB temporaries at ImageNet's 1.28 M x 2048).
         return (rows.to(device) - mean) / std
 
-    head = nn.Linear(train.features.shape[1], num_classes)
-    with torch.no_grad():
-        head.weight.normal_(0, 0.01, generator=generator)
-        head.bias.zero_()
-    head.to(device)  # initialised on the CPU: the same draws on any device
+    # Initialised on the CPU: the same draws on any device.
+    head = supervised.new_head(train.features.shape[1], num_classes, generator).to(device)
     optimizer = torch.optim.SGD(head.parameters(), lr=config.peak_lr, momentum=config.momentum,
                                 nesterov=config.nesterov, weight_decay=config.weight_decay)
     batch = min(config.batch_size, len(train))
     steps_per_epoch = math.ceil(len(train) / batch)
-    total = steps_per_epoch * config.epochs
 
     def train_batches(epoch: int) -> Batches:
         order = torch.randperm(len(train), generator=generator)
         return ((standardised(train.features[index]), train.labels[index], []) for index in order.split(batch))
 
     train_classifier(head, head, optimizer, train_batches=train_batches, epochs=config.epochs,
-                     learning_rates=lambda step: [learning_rate(step, peak_lr=config.peak_lr, warmup_steps=0,
-                                                                total_steps=total)],
+                     learning_rates=config.learning_rates(steps_per_epoch * config.epochs),
                      steps_per_epoch=steps_per_epoch, skipped=set())
     with torch.no_grad():
         logits = torch.cat([head(standardised(rows)).cpu() for rows in val.features.split(65_536)])
@@ -99,12 +84,10 @@ def evaluate_linear(
 ) -> LinearResult:
     """Linear top-1/top-5 of a frozen `encoder` on `val_shards` after training a head on `train_shards`.
 
-    `output_dir` holds the feature cache (fast) or the head's checkpoints (paper); None keeps
-    nothing on disk (and the paper protocol then cannot resume). Sets whose recorded class names
-    differ are refused first (ClassMismatchError). Each set is resolved here, once (a resolved
-    `shards.ShardSet` is taken as it is). The fast protocol reads the tars itself: a set that loses
-    samples raises LostSamplesError unless `allow_lost`; the paper protocol resolves each set
-    through its index, which refuses a damaged set (ShardSetError).
+    `output_dir` holds the feature cache (fast) or the head's checkpoints (paper); None keeps nothing.
+    Sets whose class names differ are refused first (ClassMismatchError). The fast protocol reads the
+    tars itself (a set that loses samples raises LostSamplesError unless `allow_lost`); the paper
+    protocol resolves each set through its index, which refuses a damaged set (ShardSetError).
     """
     train_shards, val_shards = open_shard_sets(ctx, train_shards, val_shards, check_samples=False,
                                                allow_lost=config.protocol == "fast")

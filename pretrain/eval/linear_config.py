@@ -4,9 +4,10 @@ both read it, and neither imports the other for it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from pretrain.schedules import peak_learning_rate
+from pretrain.schedules import learning_rate, peak_learning_rate
 
 PROTOCOLS = ("paper", "fast")
 
@@ -50,3 +51,7 @@ class LinearConfig:
     @property
     def peak_lr(self) -> float:
         return peak_learning_rate(self.base_lr, self.batch_size)
+
+    def learning_rates(self, total_steps: int) -> Callable[[int], list[float]]:
+        """The head's lr at a global step: cosine from `peak_lr` over `total_steps`, no warm-up."""
+        return lambda step: [learning_rate(step, peak_lr=self.peak_lr, warmup_steps=0, total_steps=total_steps)]

@@ -89,17 +89,12 @@ def _array(value: Any, device_axis: bool, name: str, path: Path) -> np.ndarray:
     return array
 
 
-def _tensor(array: np.ndarray) -> torch.Tensor:
-    # A copy: `array` may be a read-only view of the file's bytes, in any byte order and numeric dtype.
-    return torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
-
-
 def haiku_to_state_dict(params: dict, state: dict, path: Path,
-                        max_values: int | None = None) -> tuple[dict[str, torch.Tensor], int, int]:
+                        max_values: int) -> tuple[dict[str, torch.Tensor], int, int]:
     """(torchvision-named state dict, depth, width) of the haiku ResNet torso in `params` / `state`.
 
-    With `max_values` (the file's size in bytes), more values than that are refused: every value of a
-    release takes a byte of the file or more, unless one array stands for many parameters (a pickle can
+    More values than `max_values` (the file's size in bytes) are refused: every value of a release
+    takes a byte of the file or more, unless one array stands for many parameters (a pickle can
     reference an object again for a few bytes), and each would become a float32 copy.
     """
     params, state = _haiku_dict(params, "params", path), _haiku_dict(state, "state", path)
@@ -123,12 +118,12 @@ def haiku_to_state_dict(params: dict, state: dict, path: Path,
 
     def tensor(array: np.ndarray) -> torch.Tensor:
         nonlocal values_left
-        if values_left is not None:
-            values_left -= array.size
-            if values_left < 0:
-                raise OfficialImportError(f"{path}: the parameters hold more values than the file has bytes (one "
-                                          "array stands for several parameters, which no release does)")
-        return _tensor(array)
+        values_left -= array.size
+        if values_left < 0:
+            raise OfficialImportError(f"{path}: the parameters hold more values than the file has bytes (one "
+                                      "array stands for several parameters, which no release does)")
+        # A copy: `array` may be a read-only view of the file's bytes, in any byte order and numeric dtype.
+        return torch.from_numpy(np.array(array, dtype=np.float32, order="C"))
 
     stem = entry(torso, "initial_conv", "w")
     device_axis = _array(stem, False, prefix + "initial_conv", path).ndim == 5  # params kept with a per-device axis

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import io
 import keyword
+import math
 import pickle
 import pickletools
 import re
@@ -125,9 +126,7 @@ def _array(raw: Any, dtype: Any, shape: Any, order: Any) -> np.ndarray:
     if not (isinstance(shape, tuple) and len(shape) <= MAX_ARRAY_DIMS and
             all(type(n) is int and n >= 0 for n in shape)):
         raise ReleasePickleError(f"refused an array shape that is not up to {MAX_ARRAY_DIMS} non-negative ints")
-    count = 1
-    for n in shape:
-        count *= n
+    count = math.prod(shape)
     if count * dtype.itemsize != len(raw):
         raise ReleasePickleError(f"refused an array of shape {_short(shape, 60)} and dtype {dtype.str}: it needs "
                                  f"{count * dtype.itemsize} bytes, the file holds {len(raw)}")
@@ -136,19 +135,12 @@ def _array(raw: Any, dtype: Any, shape: Any, order: Any) -> np.ndarray:
     return np.frombuffer(raw, dtype=dtype).reshape(shape, order=order)
 
 
-class _NdarrayType:
+def _ndarray(*_args: Any) -> None:
     """What `numpy.ndarray` resolves to: a name `_reconstruct` checks for. Calling it is refused: numpy's
     ndarray(shape, dtype, buffer, offset, strides) would trust the file's strides (a stride of 0 makes a
     one-byte buffer look like gigabytes)."""
-
-    __slots__ = ()
-
-    def __call__(self, *args: Any) -> None:
-        raise ReleasePickleError("refused a call of numpy.ndarray: arrays are read only in the form numpy "
-                                 "pickles them (_reconstruct, then their shape, dtype and bytes)")
-
-
-_NDARRAY = _NdarrayType()
+    raise ReleasePickleError("refused a call of numpy.ndarray: arrays are read only in the form numpy "
+                             "pickles them (_reconstruct, then their shape, dtype and bytes)")
 
 
 def _reconstruct(subtype: Any, shape: Any, typecode: Any) -> ReleaseArray:
@@ -208,6 +200,9 @@ class _StandIn:
         return self._function(*args)
 
 
+_NDARRAY = _StandIn(_ndarray)
+
+
 class _StateTuple(tuple):
     """Stand-in for a by-reference named tuple of the release (experiment / optimiser states)."""
 
@@ -242,7 +237,7 @@ class _ReleaseUnpickler(pickle.Unpickler):
             self._globals[module, "_reconstruct"] = self._reconstruct_global
             self._globals[module, "scalar"] = _StandIn(_scalar)
         for module in _FROMBUFFER_MODULES:
-            self._globals[module, "_frombuffer"] = _StandIn(self._frombuffer)
+            self._globals[module, "_frombuffer"] = _StandIn(_frombuffer)  # its arrays come with their data
 
     def find_class(self, module: str, name: str) -> Any:
         found = self._globals.get((module, name))
@@ -258,11 +253,6 @@ class _ReleaseUnpickler(pickle.Unpickler):
 
     def _reconstruct(self, *args: Any) -> ReleaseArray:
         array = _reconstruct(*args)
-        self.arrays.append(array)
-        return array
-
-    def _frombuffer(self, *args: Any) -> ReleaseArray:
-        array = _frombuffer(*args)
         self.arrays.append(array)
         return array
 

@@ -42,23 +42,11 @@ class LostSamples:
         return LostSamples(str(source), samples, len(report.lost_shards), report.summary(),
                            counted or not report.lost_shards)
 
-    def line(self) -> str:
-        return f"{self.source}: {self.detail}"
-
     def warning(self) -> str:
         """The one line a job that went on (allowed to) prints: the set, the loss, the fix."""
         return (f"warning: shard set {self.source} lost samples while being read ({self.detail}); the figures "
                 f"are computed without them (--allow-lost): check it with `relicv2 shards verify {self.source}` "
                 "and rebuild it")
-
-    def as_json(self) -> dict[str, Any]:
-        return {"source": self.source, "samples": self.samples, "shards": self.shards, "detail": self.detail,
-                "counted": self.counted}
-
-    @staticmethod
-    def from_json(record: dict[str, Any]) -> LostSamples:
-        return LostSamples(str(record["source"]), int(record["samples"]), int(record["shards"]), str(record["detail"]),
-                           bool(record["counted"]))
 
 
 class LostSamplesError(ValueError):
@@ -88,7 +76,7 @@ def lost_fields(lost: Sequence[LostSamples]) -> dict[str, Any]:
     manifest were lost too (their samples cannot be counted)."""
     return {"lost": sum(entry.samples for entry in lost), "lost_shards": sum(entry.shards for entry in lost),
             "lost_uncounted": not all(entry.counted for entry in lost),
-            "lost_detail": [entry.line() for entry in lost]}
+            "lost_detail": [f"{entry.source}: {entry.detail}" for entry in lost]}
 
 
 def lost_text(lost: Sequence[LostSamples]) -> str:

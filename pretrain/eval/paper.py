@@ -15,21 +15,12 @@ from torch import Tensor, nn
 from pretrain.distributed import DistributedContext, open_shard_sets
 from pretrain.eval import supervised
 from pretrain.eval.linear_config import LinearConfig
-from pretrain.eval.supervised import HeadCheckpointError
+from pretrain.eval.supervised import HeadCheckpointError  # noqa: F401  (the CLI catches it from here)
 from pretrain.eval.views import LabelledViews, class_count, labelled_samples, loader, rank_order
-from pretrain.schedules import learning_rate
 from shards.shardset import Spec
-
-__all__ = ["HEAD_FILE", "HeadCheckpointError", "train_linear_paper"]  # the CLI catches the error from here
 
 HEAD_FORMAT = "relicv2-linear-head"
 HEAD_FILE = "linear-head.pt"
-
-
-@torch.no_grad()
-def _features(encoder: nn.Module, images: Tensor, device: torch.device) -> Tensor:
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        return encoder(images.to(device, non_blocking=True)).float()
 
 
 def train_linear_paper(
@@ -52,10 +43,8 @@ def train_linear_paper(
         train_skipped, val_skipped = set(dali[True].sample_set.skipped_keys), set(dali[False].sample_set.skipped_keys)
     else:
         train_shards, val_shards = open_shard_sets(ctx, train_shards, val_shards)
-        left_out: tuple[list[str], list[str]] = ([], [])
-        train_samples, _ = labelled_samples(train_shards, left_out=left_out[0])
-        val_samples, _ = labelled_samples(val_shards, left_out=left_out[1])
-        train_skipped, val_skipped = set(left_out[0]), set(left_out[1])
+        train_samples, train_skipped = labelled_samples(train_shards)
+        val_samples, val_skipped = labelled_samples(val_shards)
     train_set = LabelledViews(train_samples, train=True, crop_size=config.crop_size,
                               resize_size=config.resize_size, scale=config.crop_scale, seed=config.seed)
     val_set = LabelledViews(val_samples, train=False, crop_size=config.crop_size, resize_size=config.resize_size)
@@ -73,16 +62,17 @@ def train_linear_paper(
     optimizer = torch.optim.SGD(head.parameters(), lr=config.peak_lr, momentum=config.momentum,
                                 nesterov=config.nesterov, weight_decay=config.weight_decay)
     steps_per_epoch = math.ceil(math.ceil(len(train_set) / world) / per_rank_batch)
-    total = steps_per_epoch * config.epochs
     state = (supervised.StateFile(output_dir / HEAD_FILE, HEAD_FORMAT, config, ("workers", "feature_batch"),
                                   what="linear", network="head") if output_dir is not None else None)
 
     def forward(images: Tensor) -> Tensor:
-        return head(_features(encoder, images, device))
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            features = encoder(images.to(device, non_blocking=True)).float()
+        return head(features)
 
     supervised.train_classifier(
         head, forward, optimizer, train_batches=lambda epoch: batches(train_set, epoch),
-        learning_rates=lambda step: [learning_rate(step, peak_lr=config.peak_lr, warmup_steps=0, total_steps=total)],
+        learning_rates=config.learning_rates(steps_per_epoch * config.epochs),
         epochs=config.epochs, steps_per_epoch=steps_per_epoch, skipped=train_skipped, state=state, ctx=ctx,
         desc="linear")
     return supervised.score(head, forward, batches(val_set, 0), protocol=config.name, num_classes=num_classes,

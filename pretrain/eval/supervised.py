@@ -1,9 +1,8 @@
 """The one supervised loop of the evaluation protocols that train (linear-fast, linear-paper, fine-tuning).
 
-`train_classifier` trains for whole epochs, each group's lr set at every step from a schedule of
-`pretrain.schedules`, gradients averaged over ranks; with a `StateFile` rank 0 saves the state after
-each epoch (atomically, read back with weights_only=True) and a rerun resumes at the next epoch.
-`score` classifies the validation batches, counted exactly over ranks.
+`train_classifier` trains for whole epochs, gradients averaged over ranks; with a `StateFile` rank 0
+saves the state after each epoch and a rerun resumes at the next. `score` classifies the validation
+batches, counted exactly over ranks.
 """
 
 from __future__ import annotations
@@ -71,10 +70,10 @@ def accuracy_report(logits: Tensor, labels: Tensor, num_classes: int) -> tuple[f
     return top1, top5, per_class
 
 
-def new_head(num_features: int, num_classes: int) -> nn.Linear:
+def new_head(num_features: int, num_classes: int, generator: torch.Generator | None = None) -> nn.Linear:
     """A linear classifier initialised as the paper's protocols do: weights N(0, 0.01), bias 0."""
     head = nn.Linear(num_features, num_classes)
-    nn.init.normal_(head.weight, 0, 0.01)
+    nn.init.normal_(head.weight, 0, 0.01, generator=generator)
     nn.init.zeros_(head.bias)
     return head
 

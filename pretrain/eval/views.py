@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Sequence
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -31,13 +32,12 @@ from shards.images import load_image
 CROP_RATIO = (3 / 4, 4 / 3)
 
 
-def labelled_samples(source: str | Path, keys: set[str] | None = None,
-                     left_out: list[str] | None = None) -> tuple[SampleTable, int]:
-    """(usable samples of a labelled shard set, optionally only `keys`, in reader order; how many were left out).
+def labelled_samples(source: str | Path, keys: set[str] | None = None) -> tuple[SampleTable, set[str]]:
+    """(usable samples of a labelled shard set, optionally only `keys`, in reader order; the keys left out).
 
     Structurally broken samples (truncated, missing members) are left out by `load_sample_set`,
-    which names them in a warning; they are counted here so outputs report them, and their keys
-    (of the listed ones, with `keys`) are appended to `left_out`.
+    which names them in a warning; their keys (of the listed ones, with `keys`) are returned so
+    outputs report them.
     """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the skipped keys are printed below instead
@@ -55,10 +55,7 @@ def labelled_samples(source: str | Path, keys: set[str] | None = None,
     if missing:
         raise ValueError(f"{len(missing)} listed keys are not in {source} (e.g. {missing[:3]}); "
                          "the key list belongs to another shard set")
-    lost_keys = [key for key in sample_set.skipped_keys if keys is None or key in keys]
-    if left_out is not None:
-        left_out.extend(lost_keys)
-    return samples, len(lost_keys)
+    return samples, {key for key in sample_set.skipped_keys if keys is None or key in keys}
 
 
 def train_view(jpeg: bytes, *, crop_size: int, scale: tuple[float, float], rng: np.random.Generator) -> Tensor:
@@ -78,14 +75,18 @@ def class_count(*labelled: tuple[Sequence[SampleRef], str | Path]) -> int:
     return 1 + max(max(require_class_labels(samples, source)) for samples, source in labelled)
 
 
+@dataclass(eq=False)
 class LabelledViews(Dataset):
     """(view, label) per sample; an undecodable image yields its key (reported, then dropped by `collate`)."""
 
-    def __init__(self, samples: Sequence[SampleRef], *, train: bool, crop_size: int, resize_size: int,
-                 scale: tuple[float, float] = (0.08, 1.0), seed: int = 0) -> None:
-        self.samples, self.train = samples, train
-        self.crop_size, self.resize_size, self.scale, self.seed = crop_size, resize_size, scale, seed
-        self.epoch = 0
+    samples: Sequence[SampleRef]
+    _: KW_ONLY
+    train: bool
+    crop_size: int
+    resize_size: int
+    scale: tuple[float, float] = (0.08, 1.0)
+    seed: int = 0
+    epoch: int = 0  # set before each epoch: train views are drawn from (seed, epoch, position)
 
     def __len__(self) -> int:
         return len(self.samples)

@@ -11,6 +11,7 @@ import datetime as dt
 import html
 import json
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,7 +72,6 @@ class _Page:
     """Collects sections and figures while the report is built."""
 
     def __init__(self, out: Path) -> None:
-        self.out = out
         self.figure_dir = out.parent / f"{out.stem}-figures"
         self.summary = ReportSummary(page=out)
         self.blocks: dict[str, str] = {}
@@ -180,8 +180,7 @@ def _saliency_training_section(page: _Page, inputs: ReportInputs) -> None:
         page.not_run("saliency-training", "no saliency train report.json")
         return
     report, problem = read_json(inputs.saliency_report)
-    rows = metric_rows(report) if problem is None else []
-    losses = _loss_rows(report) if problem is None else []
+    rows, losses = metric_rows(report), _loss_rows(report)  # none of either when unreadable (report None)
     if not rows and not losses:
         page.summary.problems.append(problem or f"{inputs.saliency_report}: no metrics in it")
         page.not_run("saliency-training", f"{inputs.saliency_report} holds no readable metrics")
@@ -286,20 +285,16 @@ def _summary_section(page: _Page, metrics_file: Path | None, metrics: RunMetrics
             ["data", str(data.get("train_shards") or data.get("source") or "not recorded")],
             ["steps", f"{steps[-1]['step']} (global batch {optim.get('global_batch', '?')})"],
             ["wall time of the logged steps", clock(times[-1] - times[0]) if len(times) > 1 else "-"],
-            ["images/s (median)", _fmt(_median(s.get("images_per_s") for s in steps))],
-            ["data wait a step, s (median)", _fmt(_median(s.get("data_wait_s") for s in steps))],
-            ["masked fraction of large views (mean)", _fmt(_mean(s.get("masked_fraction") for s in steps))]]
+            ["images/s (median)", _fmt(_stat(statistics.median, steps, "images_per_s"))],
+            ["data wait a step, s (median)", _fmt(_stat(statistics.median, steps, "data_wait_s"))],
+            ["masked fraction of large views (mean)", _fmt(_stat(statistics.fmean, steps, "masked_fraction"))]]
     page.ok("summary", _table(["", ""], rows, css="summary") + _deltas(results))
 
 
-def _median(values) -> float | None:
-    numbers = [v for v in values if isinstance(v, int | float)]
-    return statistics.median(numbers) if numbers else None
-
-
-def _mean(values) -> float | None:
-    numbers = [v for v in values if isinstance(v, int | float)]
-    return statistics.fmean(numbers) if numbers else None
+def _stat(function: Callable[[list[float]], float], steps: list[dict], key: str) -> float | None:
+    """`function` (median, mean) of the step records' numbers under `key`; None when none has one."""
+    numbers = [s[key] for s in steps if isinstance(s.get(key), int | float)]
+    return function(numbers) if numbers else None
 
 
 def _masking_fact(metrics: RunMetrics) -> str:
@@ -329,9 +324,12 @@ def _deltas(results: list[EvalResult]) -> str:
     """One line per protocol and data: the pretrained encoder's gain over random init, only between
     results on the same numbers of train and val images and the same protocol settings (counts that
     differ mean different data, another image size another figure: such a gain would mean nothing)."""
+    groups: dict[tuple, list[EvalResult]] = {}
+    for result in results:  # what two results must share to be compared: protocol, image counts and settings
+        groups.setdefault((result.protocol, result.num_train, result.num_val, protocol_text(result.settings)),
+                          []).append(result)
     lines = []
-    for protocol, num_train, num_val, settings in sorted({_same_figure(r) for r in results}, key=str):
-        same = [r for r in results if _same_figure(r) == (protocol, num_train, num_val, settings)]
+    for (protocol, num_train, num_val, settings), same in sorted(groups.items(), key=lambda item: str(item[0])):
         trained = [r for r in same if not r.random_init]
         baseline = [r for r in same if r.random_init]
         if trained and baseline:
@@ -340,11 +338,6 @@ def _deltas(results: list[EvalResult]) -> str:
             lines.append(f"{protocol} ({shown}{_fmt(num_train)} train / {_fmt(num_val)} val images): pretrained "
                          f"{trained[0].top1:.4f} vs random init {baseline[0].top1:.4f} ({gain:+.4f})")
     return _notes(lines)
-
-
-def _same_figure(result: EvalResult) -> tuple[str, int | None, int | None, str]:
-    """What two results must share to be compared: protocol, image counts and settings."""
-    return result.protocol, result.num_train, result.num_val, protocol_text(result.settings)
 
 
 def _fmt(value: object) -> str:
@@ -356,9 +349,7 @@ def _fmt(value: object) -> str:
 
 
 def _notes(lines: list[str]) -> str:
-    if not lines:
-        return ""
-    return "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + "</ul>"
+    return "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in lines) + "</ul>" if lines else ""
 
 
 def _table(header: list[str], rows: list[list[str]], css: str) -> str:

@@ -71,12 +71,10 @@ def read_run_metrics(run_dir: Path) -> RunMetrics:
             steps[step] = record
     result.steps = [steps[s] for s in sorted(steps)]
     result.config = _run_config(Path(run_dir))
-    steps_per_epoch = _steps_per_epoch(Path(run_dir), result.steps)
-    for step in sorted(knn):
-        record = dict(knn[step])
-        if "epoch" not in record and steps_per_epoch:
-            record["epoch"] = step / steps_per_epoch
-        result.knn.append(record)
+    steps_per_epoch = _steps_per_epoch(result.config, result.steps)
+    # A record's own epoch, when it has one, wins over the one computed here.
+    result.knn = [{"epoch": step / steps_per_epoch, **knn[step]} if steps_per_epoch else knn[step]
+                  for step in sorted(knn)]
     return result
 
 
@@ -89,18 +87,13 @@ def _run_config(run_dir: Path) -> dict[str, Any]:
     return config if isinstance(config, dict) else {}
 
 
-def _steps_per_epoch(run_dir: Path, steps: list[dict[str, Any]]) -> float | None:
+def _steps_per_epoch(config: dict[str, Any], steps: list[dict[str, Any]]) -> float | None:
     """From the derived values saved in config.yaml, else from the step records' epoch/step ratio."""
     try:
-        config = yaml.safe_load((run_dir / "config.yaml").read_text())
         return float(config["derived"]["steps_per_epoch"])
-    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError):
-        pass
-    for record in steps:
-        epoch = record.get("epoch")
-        if isinstance(epoch, int | float) and epoch > 0:
-            return record["step"] / epoch
-    return None
+    except (KeyError, TypeError, ValueError):
+        return next((record["step"] / record["epoch"] for record in steps
+                     if isinstance(record.get("epoch"), int | float) and record["epoch"] > 0), None)
 
 
 @dataclass(frozen=True)
@@ -222,12 +215,11 @@ def read_saliency_samples(shards: Path | None, maps_dir: Path | None, count: int
     from shards import iter_samples  # imported here: it pulls in the shard reader
     from shards.reader import ReadReport
 
-    problems: list[str] = []
     if shards is None:
-        return [], problems
+        return [], []
+    problems: list[str] = []
     with_maps: list[SaliencySample] = []
     without: list[SaliencySample] = []
-
     read = ReadReport()
     # Scan a bounded prefix: on an ImageNet-size set whose keys have no maps, never read it all.
     for scanned, raw in enumerate(iter_samples(shards, report=read)):

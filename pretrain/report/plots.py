@@ -38,9 +38,7 @@ def plot_losses(steps: Sequence[dict[str, Any]], path: Path) -> Path:
         xs, ys = _series(steps, "step", key)
         if xs:
             ax.plot(xs, ys, label=label, marker="." if len(xs) < 30 else None)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.set_title("ReLICv2 loss over steps")
+    ax.set(xlabel="step", ylabel="loss", title="ReLICv2 loss over steps")
     ax.grid(alpha=0.3)
     ax.legend()
     return _save(fig, path)
@@ -51,7 +49,7 @@ def plot_schedules(steps: Sequence[dict[str, Any]], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4))
     xs, ys = _series(steps, "step", "lr")
     ax.plot(xs, ys, color="tab:blue", label="learning rate")
-    ax.set_xlabel("step")
+    ax.set(xlabel="step", title="Schedules over steps")
     ax.set_ylabel("learning rate", color="tab:blue")
     ax.grid(alpha=0.3)
     xs, ys = _series(steps, "step", "ema")
@@ -59,7 +57,6 @@ def plot_schedules(steps: Sequence[dict[str, Any]], path: Path) -> Path:
         twin = ax.twinx()
         twin.plot(xs, ys, color="tab:orange", label="EMA coefficient")
         twin.set_ylabel("EMA coefficient", color="tab:orange")
-    ax.set_title("Schedules over steps")
     return _save(fig, path)
 
 
@@ -68,10 +65,8 @@ def plot_knn(knn: Sequence[dict[str, Any]], path: Path, protocol: str = "") -> P
     fig, ax = plt.subplots(figsize=(7, 4))
     xs, ys = _series(knn, "epoch", "knn_top1")
     ax.plot(xs, ys, marker="o")
-    ax.set_xlabel("epoch")
-    ax.set_ylabel("kNN top-1")
-    ax.set_ylim(0, 1)
-    ax.set_title(f"kNN monitor over epochs ({protocol})" if protocol else "kNN monitor over epochs")
+    ax.set(xlabel="epoch", ylabel="kNN top-1", ylim=(0, 1),
+           title=f"kNN monitor over epochs ({protocol})" if protocol else "kNN monitor over epochs")
     ax.grid(alpha=0.3)
     return _save(fig, path)
 
@@ -92,9 +87,7 @@ def plot_eval(results: Sequence[EvalResult], path: Path) -> Path:
         bars = ax.bar(np.arange(len(protocols)) + index * width, values, width, label=_short(encoder))
         ax.bar_label(bars, fmt="%.3f", fontsize=8)
     ax.set_xticks(np.arange(len(protocols)) + width * (len(encoders) - 1) / 2, protocols)
-    ax.set_ylim(0, 1.05)
-    ax.set_ylabel("top-1")
-    ax.set_title("Evaluation: pretrained vs random init")
+    ax.set(ylim=(0, 1.05), ylabel="top-1", title="Evaluation: pretrained vs random init")
     ax.legend(fontsize=8)
     return _save(fig, path)
 
@@ -125,8 +118,7 @@ def plot_saliency(samples: Sequence[SaliencySample], path: Path) -> Path:
             panels.append(None if sample.mask is None else _remove_background(sample.image, sample.mask))
         for col, panel in enumerate(panels):
             ax = axes[row][col]
-            ax.set_xticks([])
-            ax.set_yticks([])
+            ax.set(xticks=[], yticks=[])
             if panel is None:
                 ax.text(0.5, 0.5, "missing", ha="center", va="center", transform=ax.transAxes)
             elif panel.ndim == 2:
