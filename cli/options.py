@@ -1,7 +1,9 @@
-"""Option texts and decorators several commands share (one owner each)."""
+"""Option texts, decorators and the error policy several commands share (one owner each)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
@@ -14,3 +16,12 @@ index_cache_option = click.option(
     help="Folder for index files derived from shards that have none (plain WebDataset sets; default "
          "$RELICV2_INDEX_CACHE, else the user cache folder).",
 )
+
+
+@contextlib.contextmanager
+def user_errors(*kinds: type[Exception]) -> Iterator[None]:
+    """Errors of `kinds` (the ones a user can cause) end the command with their one-line message, exit 1."""
+    try:
+        yield
+    except kinds as error:
+        raise click.ClickException(str(error)) from None
