@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from cli.options import user_errors
 from jobs.version import package_version
 from pretrain.config import ConfigError, describe, load_config
 
@@ -37,10 +38,8 @@ def run(config_name: str, overrides: tuple[str, ...], output: Path | None, resum
         overrides = (*overrides, f"run.output_dir={output}")
     if fresh and resume is not None:
         raise click.UsageError("--fresh starts anew and --resume continues a run: give one of them")
-    try:
+    with user_errors(ConfigError):
         config = load_config(config_name, overrides)
-    except ConfigError as error:
-        raise click.ClickException(str(error)) from None
     if print_config:
         click.echo(describe(config, version=package_version()), nl=False)
         return

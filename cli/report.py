@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from cli.options import user_errors
+
 EXISTING = click.Path(exists=True, path_type=Path)
 
 
@@ -35,10 +37,8 @@ def report(out: Path, run_dir: Path | None, eval_json: tuple[Path, ...], salienc
     inputs = ReportInputs(run_dir=run_dir, eval_json=eval_json, saliency_report=saliency_report,
                           maps_dir=maps_dir, shards=shards,
                           views=views, count=count, title=title)
-    try:
+    with user_errors(ValueError, OSError):
         summary = build_report(inputs, out)
-    except (ValueError, OSError) as error:
-        raise click.ClickException(str(error)) from None
     for section, status in summary.sections.items():
         click.echo(f"  {section:18s} {status}")
     for problem in summary.problems:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from cli.options import user_errors
 from cli.saliency_network import register as register_network_commands
 from jobs.config import ConfigError
 from jobs.device import resolve_device
@@ -74,10 +75,8 @@ def handcrafted(
         progress=progress,
         max_failures=limit,
     )
-    try:
+    with user_errors(FileNotFoundError, ValueError, FolderLockedError, OutputWriteError):
         report = run_handcrafted(config)
-    except (FileNotFoundError, ValueError, FolderLockedError, OutputWriteError) as error:
-        raise click.ClickException(str(error)) from error
     if report.stale_removed:
         click.echo(f"removed {report.stale_removed} temporary file(s) left by an interrupted run", err=True)
     click.echo(f"{report.summary(config.methods)} -> {output}")
@@ -119,15 +118,13 @@ def evaluate_command(pred: Path | None, model_path: Path | None, images: Path | 
         raise click.UsageError("--images, --flip, --crf and --maps go with --model")
     if model_path is not None and images is None:
         raise click.UsageError("--model needs --images, the folder of images to predict")
-    try:
+    with user_errors(EvaluationError, ConfigError, ValueError):
         if model_path is None:
             results = evaluate(EvaluateConfig(pred=pred, gt=gt, allow_missing=allow_missing))
         else:
             job = ModelEvaluation(model=model_path, images=images, gt=gt, flip=flip, crf=crf, maps=maps,
                                   allow_missing=allow_missing, device=resolve_device(device, "--device"))
             results = {str(model_path): evaluate_model(job)}
-    except (EvaluationError, ConfigError, ValueError) as error:
-        raise click.ClickException(str(error)) from error
     click.echo(format_table(results))
     if json_path:
         write_json(results, json_path)
@@ -148,8 +145,6 @@ def preview(input_path: Path, output: Path, method: str, count: int, gt: Path | 
     config = PreviewConfig(
         input=input_path, output=output, methods=_methods(method), count=max(1, count), gt=gt, maps=maps
     )
-    try:
+    with user_errors(FileNotFoundError, ValueError):
         path = write_preview(config)
-    except (FileNotFoundError, ValueError) as error:
-        raise click.ClickException(str(error)) from error
     click.echo(f"wrote {path}")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from cli.options import SHARDS_HELP, index_cache_option
+from cli.options import SHARDS_HELP, index_cache_option, user_errors
 from jobs.config import ConfigError
 from jobs.lock import FolderLockedError
 from saliency.network.config import PRESETS, load_saliency_config
@@ -49,13 +49,11 @@ def train_command(shards: Path, out: Path, config_name: str | None, preset_name:
     from saliency.network.train import TrainJob, TrainStateError, run_train
     from saliency.network.weights import BackboneError
 
-    try:
+    with user_errors(ConfigError, BackboneError, CheckpointError, TrainStateError, FolderLockedError,
+                     FileNotFoundError, ValueError):
         config = load_saliency_config(config_name, overrides)
         run_train(TrainJob(shards=shards, out=out, config=config, backbone=backbone, gt=gt,
                            eval_shards=eval_shards, progress=progress, index_cache=index_cache), log=click.echo)
-    except (ConfigError, BackboneError, CheckpointError, TrainStateError, FolderLockedError,
-            FileNotFoundError, ValueError) as error:
-        raise click.ClickException(str(error)) from error
 
 
 @click.command("build-masks")
@@ -90,11 +88,10 @@ def build_masks_command(config_name: str | None, overrides: tuple[str, ...], **o
     from saliency.network import build_masks as job
     from saliency.network.model_file import ModelFileError
 
-    try:
+    with user_errors(ConfigError, ModelFileError, job.MasksError, FolderLockedError, FileNotFoundError,
+                     ValueError):
         config = job.load_masks_config(config_name, overrides, **options)
         summary = job.build_masks(config)
-    except (ConfigError, ModelFileError, job.MasksError, FolderLockedError, FileNotFoundError, ValueError) as error:
-        raise click.ClickException(str(error)) from error
     if summary is not None:
         click.echo(job.format_summary(summary))
         if summary["written"] == 0:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from cli.options import index_cache_option
+from cli.options import index_cache_option, user_errors
 from jobs.atomic import OutputError
 from jobs.config import settings_text
 from jobs.lock import folder_lock
@@ -81,12 +81,10 @@ def build(input_path: Path, out_arg: Path | None, out_opt: Path | None, max_byte
         else "",
         **options,
     )
-    try:
+    with user_errors(InputError, RanksError, OutputError, FileNotFoundError, RuntimeError):
         ranks = ranks_from_env()
         click.echo(settings_text(config, version=package_version()).rstrip(), err=True)
         report = build_shards(config, ranks)
-    except (InputError, RanksError, OutputError, FileNotFoundError, RuntimeError) as exc:
-        raise click.ClickException(str(exc)) from None
     repaired = f" ({len(report.repaired)} of them damaged since an earlier run: rebuilt)" if report.repaired else ""
     click.echo(
         f"rank {ranks.rank}/{ranks.world_size}: {report.shards_built} shard(s) built{repaired}, {report.shards_kept} "
@@ -137,11 +135,9 @@ def verify(directory: Path, workers: int, decode: bool, index_cache: Path | None
     sample has a decodable image and a valid label, and the index agrees with the tar."""
     if not directory.is_dir():
         raise click.ClickException(f"{directory} is not a folder; give the shard set's folder")
-    try:
+    with user_errors(FileNotFoundError, ValueError):
         report = verify_shard_set(directory, workers=workers, decode_images=decode,
                                   index_cache=index_cache, progress=progress)
-    except (FileNotFoundError, ValueError) as exc:
-        raise click.ClickException(str(exc)) from None
     for problem in report.problems:
         click.echo(problem)
     if not report.ok:
@@ -189,10 +185,8 @@ def index(spec: str, index_cache: Path | None, workers: int, progress: bool) -> 
     if derived.failed:
         raise click.ClickException(f"{len(derived.failed)} tar(s) could not be indexed (listed above); "
                                    "rebuild or remove them")
-    try:
+    with user_errors(ValueError):  # a hostile or inconsistent index: one line naming the file and the fix
         check = check_shard_set(spec, index_cache=cache, workers=workers, progress=progress)
-    except ValueError as exc:  # a hostile or inconsistent index: one line naming the file and the fix
-        raise click.ClickException(str(exc)) from None
     left_out = ", ".join(f"{n} {reason}" for reason, n in sorted(check.left_out.items())) or "none"
     click.echo(f"{spec}: samples of {check.fresh} tar(s) checked, {check.tars - check.fresh} checked before; "
                f"the loaders will leave out {sum(check.left_out.values())} sample(s) ({left_out})")

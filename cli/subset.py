@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from cli.options import index_cache_option
+from cli.options import index_cache_option, user_errors
 
 
 @click.command("subset")
@@ -29,15 +29,13 @@ def subset(shards_dir: str, fraction: float, out: Path, seed: int, min_per_class
     from shards.outdir import check_output_file
     from shards.subset import class_balanced_keys, write_key_list
 
-    try:
+    with user_errors(FileNotFoundError, ValueError):
         check_output_file(out, "--out")
         report = class_balanced_keys(shards_dir, fraction, seed=seed, min_per_class=min_per_class,
                                      index_cache=index_cache)
         write_key_list(out, report.keys, header=f"relicv2 shards subset {shards_dir} --fraction {fraction} "
                                                 f"--seed {seed}\n{len(report.keys)} of {report.total} keys, "
                                                 f"{len(report.per_class)} classes")
-    except (FileNotFoundError, ValueError) as error:
-        raise click.ClickException(str(error)) from None
     counts = sorted(report.per_class.values())
     click.echo(f"wrote {out}: {len(report.keys)} of {report.total} keys, {len(report.per_class)} classes "
                f"({counts[0]}-{counts[-1]} per class)")

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from cli.options import user_errors
+
 
 @click.command()
 @click.option("--shards", "shards", required=True, type=click.Path(path_type=Path),
@@ -24,11 +26,9 @@ def preview_views(shards: Path, output: Path, count: int, seed: int, mask_probab
     from pretrain.views.config import ViewConfig
     from pretrain.views.preview import write_view_grid
 
-    try:
+    with user_errors(ValueError, FileNotFoundError):
         views = ViewConfig(mask_probability=mask_probability, backend=backend, large_size=large_size,
                            small_size=small_size, num_threads=1)
         summary = write_view_grid(shards, output, views, count=count, seed=seed)
-    except (ValueError, FileNotFoundError) as exc:
-        raise click.ClickException(str(exc)) from exc
     click.echo(f"wrote {summary['output']}: {count} images x {summary['views']} views, {summary['masked_views']} masked "
                f"({summary['backend']}); keys: {', '.join(summary['keys'])}")
