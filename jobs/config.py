@@ -323,14 +323,16 @@ def _tuple(value: Any, element_types: tuple[Any, ...], *, key: str, source: str)
 # --- the one echo format -----------------------------------------------------------------------
 
 
-def to_dict(config: Any) -> dict[str, Any]:
-    """Plain nested dict of builtins, tuples as lists, paths as text (safe for YAML, JSON and
-    `weights_only` loading)."""
-    return dataclasses.asdict(config, dict_factory=lambda items: {k: _plain(v) for k, v in items})
-
-
-def _plain(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else str(value) if isinstance(value, Path) else value
+def to_dict(config: Any) -> Any:
+    """A dataclass (or mapping, list) as plain nested builtins, tuples as lists, paths as text (safe for YAML,
+    JSON and `weights_only` loading)."""
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return {f.name: to_dict(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    if isinstance(config, Mapping):
+        return {str(k): to_dict(v) for k, v in config.items()}
+    if isinstance(config, list | tuple):
+        return [to_dict(v) for v in config]
+    return str(config) if isinstance(config, Path) else config
 
 
 def settings_text(config: Any, *, extra: Mapping[str, Any] | None = None, version: str = "") -> str:
@@ -338,17 +340,6 @@ def settings_text(config: Any, *, extra: Mapping[str, Any] | None = None, versio
     `version` first (when given), then the config's keys, then `extra` sections (inputs, derived values)."""
     tree: dict[str, Any] = {"version": version} if version else {}
     tree.update(to_dict(config))
-    tree.update({key: _plain_tree(value) for key, value in (extra or {}).items()})
+    tree.update(to_dict(extra or {}))
     return yaml.safe_dump(tree, sort_keys=False)
 
-
-def _plain_tree(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return to_dict(value)
-    if isinstance(value, Mapping):
-        return {str(k): _plain_tree(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain_tree(v) for v in value]
-    if isinstance(value, Path):
-        return str(value)
-    return value

@@ -12,6 +12,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, Literal
 
@@ -197,35 +198,20 @@ def describe(config: PretrainConfig, derived: DerivedValues | None = None, versi
     return settings_text(config, extra={"derived": derived} if derived is not None else None, version=version)
 
 
+# Settings that must be positive / at least 0, by dotted name.
+POSITIVE = ("model.width", "model.hidden_dim", "model.out_dim", "data.synthetic_images", "data.synthetic_classes",
+            "loss.temperature", "loss.num_negatives", "optim.global_batch", "optim.epochs", "optim.base_lr",
+            "run.checkpoint_every", "run.keep_checkpoints", "run.log_every")
+NON_NEGATIVE = ("optim.warmup_epochs", "optim.weight_decay", "optim.clip_grad_norm", "loss.contrast_weight",
+                "loss.invariance_weight", "run.max_steps")
+
+
 def _validate(config: PretrainConfig) -> None:
     _validate_finite(config)
-    positive = {
-        "model.width": config.model.width,
-        "model.hidden_dim": config.model.hidden_dim,
-        "model.out_dim": config.model.out_dim,
-        "data.synthetic_images": config.data.synthetic_images,
-        "data.synthetic_classes": config.data.synthetic_classes,
-        "loss.temperature": config.loss.temperature,
-        "loss.num_negatives": config.loss.num_negatives,
-        "optim.global_batch": config.optim.global_batch,
-        "optim.epochs": config.optim.epochs,
-        "optim.base_lr": config.optim.base_lr,
-        "run.checkpoint_every": config.run.checkpoint_every,
-        "run.keep_checkpoints": config.run.keep_checkpoints,
-        "run.log_every": config.run.log_every,
-    }
-    for key, value in positive.items():
+    for key, value in zip(POSITIVE, attrgetter(*POSITIVE)(config), strict=True):
         if value <= 0:
             raise ConfigError(f"{key} must be positive, got {value}")
-    non_negative = {
-        "optim.warmup_epochs": config.optim.warmup_epochs,
-        "optim.weight_decay": config.optim.weight_decay,
-        "optim.clip_grad_norm": config.optim.clip_grad_norm,
-        "loss.contrast_weight": config.loss.contrast_weight,
-        "loss.invariance_weight": config.loss.invariance_weight,
-        "run.max_steps": config.run.max_steps,
-    }
-    for key, value in non_negative.items():
+    for key, value in zip(NON_NEGATIVE, attrgetter(*NON_NEGATIVE)(config), strict=True):
         if value < 0:
             raise ConfigError(f"{key} must be >= 0, got {value}")
     if config.model.width not in (1, 2, 4):
@@ -234,10 +220,9 @@ def _validate(config: PretrainConfig) -> None:
         raise ConfigError("run.output_dir is empty; set it to the run's folder (e.g. --output runs/my-run)")
     if config.model.depth not in (18, 34, 50, 101, 152, 200):
         raise ConfigError(f"model.depth must be one of 18, 34, 50, 101, 152, 200, got {config.model.depth}")
-    for key, value in {"optim.ema_base": config.optim.ema_base,
-                       "optim.momentum": config.optim.momentum}.items():
-        if not 0.0 <= value <= 1.0:
-            raise ConfigError(f"{key} must lie in [0, 1], got {value}")
+    for key in ("optim.ema_base", "optim.momentum"):
+        if not 0.0 <= attrgetter(key)(config) <= 1.0:
+            raise ConfigError(f"{key} must lie in [0, 1], got {attrgetter(key)(config)}")
     if config.optim.warmup_epochs > config.optim.epochs:
         raise ConfigError(
             f"optim.warmup_epochs={config.optim.warmup_epochs} exceeds optim.epochs={config.optim.epochs}"

@@ -15,7 +15,7 @@ import contextlib
 import signal
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -96,11 +96,9 @@ class OutOfMemory(RuntimeError):
 
 @dataclass(frozen=True)
 class PretrainResult:
-    output_dir: Path
     step: int  # global steps done
     skipped_steps: int
     last_checkpoint: Path | None
-    last_metrics: dict[str, float] = field(default_factory=dict)
 
 
 def run_pretraining(
@@ -307,7 +305,6 @@ def _train(config: PretrainConfig, ctx: DistributedContext, state: TrainState, s
     end_step = final_step(config, derived)
     logger = (MetricsLogger(config.run.output_dir, total_steps=end_step, initial_step=state.step,
                             progress_bar=config.run.progress_bar) if ctx.is_main else None)
-    metrics: dict[str, float] = {}
     window = _Window()
     first_steps: list[float] = []
     try:
@@ -344,7 +341,7 @@ def _train(config: PretrainConfig, ctx: DistributedContext, state: TrainState, s
     finally:
         if logger is not None:
             logger.close()
-    return PretrainResult(Path(config.run.output_dir), state.step, state.skipped_steps, last_saved, metrics)
+    return PretrainResult(state.step, state.skipped_steps, last_saved)
 
 
 def _step(state: TrainState, batch: dict[str, Any], online_forward: Any, target_forward: Any,
@@ -456,7 +453,7 @@ def _save(state: TrainState, source: ViewSource, config: PretrainConfig, ctx: Di
                 **training,
                 "rng": rng_states,
                 "data": data_states,
-                "data_position": {"epoch": position.epoch, "samples": position.samples},
+                "data_position": asdict(position),
             }, keep=config.run.keep_checkpoints)
         except (OSError, RuntimeError) as error:  # torch.save reports a full disk as RuntimeError
             raise ConfigError(f"cannot write checkpoint {path}: {str(error).strip().splitlines()[0]}; free "
