@@ -7,6 +7,7 @@ from typing import Any
 
 import click
 
+from cli.options import config_or_preset, preset_option
 from jobs.config import ConfigError, parse_overrides
 from pretrain.config import KnnConfig  # light (no torch): the one owner of the kNN defaults
 from shards.shardset import ShardSetError
@@ -54,8 +55,7 @@ _TRAINED_HEAD_OPTIONS = _encoder_options(
                  help="Folder for caches, head checkpoints (resumed on rerun), config.yaml and result.json."),
     click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
                  help="Override one setting of the preset, e.g. --set epochs=10 (repeatable)."),
-    click.option("--preset", "preset_name", metavar="NAME", default=None,
-                 help="Same as --config NAME (kept for existing commands)."),
+    preset_option,
 )
 
 
@@ -119,10 +119,8 @@ def _settings(load: Any, config_name: str | None, preset_name: str | None, defau
               overrides: tuple[str, ...]) -> Any:
     """The protocol's settings: preset or file (`--config`, or its old name `--preset`) with the --set
     overrides; a mistake is a usage error."""
-    if config_name is not None and preset_name is not None:
-        raise click.UsageError("--preset is another name for --config: give one of them")
     try:
-        return load(config_name or preset_name or default, overrides)
+        return load(config_or_preset(config_name, preset_name) or default, overrides)
     except ConfigError as error:
         raise click.BadParameter(str(error), param_hint="--config/--set") from None
 

@@ -84,7 +84,7 @@ def cli() -> None:
 
 @cli.group(cls=LazyGroup, default_command="run", lazy_commands={
     "run": ("cli.pretrain:run", "Pretrain with ReLICv2 (the default: `relicv2 pretrain --config ...`)."),
-    "preview-views": ("cli.views:preview_views", "Write a PNG grid of the augmented views of a few images."),
+    "preview-views": ("cli.pretrain:preview_views", "Write a PNG grid of the augmented views of a few images."),
 })
 def pretrain() -> None:
     """Pretrain a ResNet with ReLICv2, or preview its augmented views.

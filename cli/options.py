@@ -25,3 +25,14 @@ def user_errors(*kinds: type[Exception]) -> Iterator[None]:
         yield
     except kinds as error:
         raise click.ClickException(str(error)) from None
+
+
+preset_option = click.option("--preset", "preset_name", metavar="NAME", default=None,
+                             help="Same as --config NAME (kept for existing commands).")
+
+
+def config_or_preset(config_name: str | None, preset_name: str | None) -> str | None:
+    """The settings named by `--config` or by its old name `--preset` (not both)."""
+    if config_name is not None and preset_name is not None:
+        raise click.UsageError("--preset is another name for --config: give one of them")
+    return config_name or preset_name

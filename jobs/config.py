@@ -156,18 +156,13 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
             value = yaml.safe_load(text) if text.strip() else ""
         except yaml.YAMLError:
             value = text  # not YAML (e.g. an unbalanced bracket): the text itself, type-checked later
-        _set_path(tree, keys, value)
+        node = tree
+        for section in keys[:-1]:
+            node = node.setdefault(section, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"cannot set {'.'.join(keys)}: {section} is a value, not a section")
+        node[keys[-1]] = value
     return tree
-
-
-def _set_path(tree: dict[str, Any], keys: list[str], value: Any) -> None:
-    node = tree
-    for key in keys[:-1]:
-        child = node.setdefault(key, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"cannot set {'.'.join(keys)}: {key} is a value, not a section")
-        node = child
-    node[keys[-1]] = value
 
 
 def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:

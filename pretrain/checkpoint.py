@@ -82,11 +82,6 @@ def remove_stale_temporaries(output_dir: str | Path) -> int:
     return remove_stale_temps(Path(output_dir), lambda final: step_of(final) is not None or final in RUN_FILES)
 
 
-def earlier_config_path(folder: Path, step: int) -> Path:
-    """Where the config that trained a run's steps up to `step` is kept after a resume changed it."""
-    return Path(folder) / f"config-to-step-{step:09d}.yaml"
-
-
 def write_run_config(folder: Path, text: str, *, resumed_at: int | None) -> Path | None:
     """Write the run's `config.yaml`. On a resume (`resumed_at`: the checkpoint's step) with a config
     whose text differs, the one that trained the steps so far is first kept as
@@ -95,7 +90,7 @@ def write_run_config(folder: Path, text: str, *, resumed_at: int | None) -> Path
     path = Path(folder) / CONFIG_NAME
     kept = None
     if resumed_at is not None and path.is_file() and path.read_text(encoding="utf-8") != text:
-        earlier = earlier_config_path(folder, resumed_at)
+        earlier = Path(folder) / f"config-to-step-{resumed_at:09d}.yaml"
         if not earlier.exists():
             os.replace(path, earlier)
             kept = earlier
@@ -113,11 +108,11 @@ def move_run_aside(output_dir: str | Path) -> Path | None:
              *sorted(p for p in folder.glob("config-to-step-*.yaml") if _EARLIER_CONFIG.match(p.name))]
     if not found:
         return None
-    aside = folder / time.strftime("previous-%Y%m%d-%H%M%S")
-    suffix = 0
+    stamp = time.strftime("previous-%Y%m%d-%H%M%S")
+    aside, suffix = folder / stamp, 0
     while aside.exists():
         suffix += 1
-        aside = folder / f"{time.strftime('previous-%Y%m%d-%H%M%S')}-{suffix}"
+        aside = folder / f"{stamp}-{suffix}"
     aside.mkdir()
     for path in found:
         path.rename(aside / path.name)

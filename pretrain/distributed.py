@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from jobs.config import ConfigError
 from jobs.device import resolve_device
 from jobs.ranks import RanksError, ranks_from_env
+from pretrain.loss import gather_with_grad
 from shards.shardset import ShardSet, ShardSetError, Spec, derive_missing_indexes, resolve_shard_set
 
 
@@ -164,10 +165,9 @@ def gather_object(obj: Any, ctx: DistributedContext) -> list[Any] | None:
 
 def all_reduce_mean(tensor: Tensor, ctx: DistributedContext) -> Tensor:
     """Mean over ranks of `tensor` (a new tensor, no gradient)."""
-    if not ctx.is_distributed:
-        return tensor.detach().clone()
     out = tensor.detach().clone()
-    dist.all_reduce(out)
+    if ctx.is_distributed:
+        dist.all_reduce(out)
     return out / ctx.world_size
 
 
@@ -182,30 +182,10 @@ def convert_sync_batchnorm(module: nn.Module, ctx: DistributedContext) -> nn.Mod
     return _convert_cross_rank(module)
 
 
-class _AllReduceSum(torch.autograd.Function):
-    """Sum over ranks whose backward is again a sum over ranks (every rank's loss uses the total).
-
-    Written here because `torch.distributed.nn.functional.all_reduce` is deprecated.
-    """
-
-    @staticmethod
-    def forward(ctx, tensor: Tensor) -> Tensor:  # type: ignore[override]
-        out = tensor.clone()
-        dist.all_reduce(out)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[override]
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad)
-        return grad
-
-
 def all_reduce_sum_with_grad(tensor: Tensor) -> Tensor:
-    """Differentiable sum of `tensor` over all ranks (the identity in a world of one)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return tensor
-    return _AllReduceSum.apply(tensor)
+    """Differentiable sum of `tensor` over all ranks: every rank's copy gathered and summed, so the backward
+    (`gather_with_grad`'s) gives each rank the sum of every rank's gradient (`tensor` in a world of one)."""
+    return gather_with_grad(tensor[None]).sum(0)
 
 
 class CrossRankBatchNorm(nn.modules.batchnorm._BatchNorm):

@@ -28,27 +28,15 @@ _NORM_LAYERS = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)
 class LARS(torch.optim.Optimizer):
     """Layer-wise adaptive rate scaling with momentum; see the module docstring for the update."""
 
-    def __init__(
-        self,
-        param_groups: Iterable[Any],
-        lr: float,
-        momentum: float = 0.9,
-        weight_decay: float = 0.0,
-        trust_coefficient: float = 1e-3,
-    ) -> None:
+    def __init__(self, param_groups: Iterable[Any], lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
+                 trust_coefficient: float = 1e-3) -> None:
         if lr < 0 or not 0 <= momentum < 1 or weight_decay < 0 or trust_coefficient <= 0:
             raise ValueError(
                 f"invalid LARS settings: lr={lr}, momentum={momentum}, weight_decay={weight_decay}, "
                 f"trust_coefficient={trust_coefficient}"
             )
-        defaults = {
-            "lr": lr,
-            "momentum": momentum,
-            "weight_decay": weight_decay,
-            "trust_coefficient": trust_coefficient,
-            "lars_exclude": False,
-        }
-        super().__init__(param_groups, defaults)
+        super().__init__(param_groups, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
+                                            trust_coefficient=trust_coefficient, lars_exclude=False))
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
