@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 
 import click
 
 from cli.options import user_errors
+from cli.signals import EXIT_CODES
 from jobs.version import package_version
 from pretrain.config import ConfigError, describe, load_config
 
@@ -54,8 +56,7 @@ def run(config_name: str, overrides: tuple[str, ...], output: Path | None, resum
         raise click.ClickException(str(error)) from None
     except PretrainingInterrupted as stopped:
         click.echo(str(stopped), err=True)
-        # 128 + signal number, as a shell reports a process stopped by that signal
-        raise SystemExit(143 if stopped.signal_name == "SIGTERM" else 130) from None
+        raise SystemExit(EXIT_CODES[signal.Signals[stopped.signal_name]]) from None
     click.echo(f"done: {result.step} steps ({result.skipped_steps} skipped); last checkpoint {result.last_checkpoint}")
 
 

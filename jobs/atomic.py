@@ -14,8 +14,7 @@ from pathlib import Path
 
 
 class OutputError(ValueError):
-    """An output path a job cannot write (a file where a folder goes, or the reverse; no permission;
-    a full disk). Its message names the path and the option that gave it."""
+    """An output path a job cannot write; its message names the path and the option that gave it."""
 
 
 TEMP_MARK = ".tmp-"
@@ -37,10 +36,8 @@ def fsync_dir(directory: Path) -> None:
 
 @contextlib.contextmanager
 def atomic_output(path: Path) -> Iterator[Path]:
-    """Yield a temporary path to write; on success fsync it and rename it to `path`.
-
-    On an exception the temporary file is removed and `path` is left untouched.
-    """
+    """Yield a temporary path to write; on success fsync it and rename it to `path`, on an exception
+    remove it (`path` untouched)."""
     path = Path(path)
     tmp = temp_path_for(path)
     try:

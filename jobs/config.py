@@ -1,20 +1,14 @@
 """One configuration system for every job: presets by name, typed `--set`, strict building, one echo.
 
-A job's settings are one frozen dataclass tree. They are resolved in three layers:
-1. the dataclass defaults;
-2. `--config NAME_OR_FILE`: a preset shipped inside the job's package (`NAME.yaml` in a `presets`
-   folder of the package, found through importlib.resources, so a name works from any directory and
-   from an installed wheel), or a YAML file given by path (a value ending in `.yaml`/`.yml` or holding a `/`);
-3. `--set section.key=value` overrides, each value read as YAML (`true`, `0.2`, `[0.5, 2]`, `abc`).
-
-Sections are nested mappings (`optim: {base_lr: 0.3}`); a key of a section is written
-`optim.base_lr` on the command line. Unknown keys are refused with the valid keys listed, and a key
-an earlier version had (a dataclass's `REMOVED_KEYS`) with why it went; a value of the wrong type
-names the key, the expected type and the source. The resolved settings are
-printed at start and saved beside the job's outputs in one format, `settings_text` (YAML).
-
-Relative paths inside a preset (data folders) are read against the current directory, like any
-path on the command line; set them with `--set` when the data lives elsewhere.
+A job's settings are one frozen dataclass tree, resolved in three layers: the dataclass defaults;
+`--config NAME_OR_FILE`, a preset shipped in the job's package (`presets/NAME.yaml`, found through
+importlib.resources, so a name works from any directory and from an installed wheel) or a YAML file
+(a value ending in `.yaml`/`.yml` or holding a `/`); then `--set section.key=value` overrides, each
+value read as YAML (`true`, `0.2`, `[0.5, 2]`, `abc`). Unknown keys are refused with the valid keys
+listed, and a key an earlier version had (a dataclass's `REMOVED_KEYS`) with why it went; a value of
+the wrong type names the key, the expected type and the source. The resolved settings are printed at
+start and saved beside the job's outputs in one format, `settings_text` (YAML). Relative paths in a
+preset are read against the current directory, like any path on the command line.
 
 This module imports nothing of the project: every job package imports it.
 """
@@ -98,13 +92,8 @@ class Presets:
 
 
 def _first_comment(text: str) -> str:
-    for line in text.splitlines():
-        stripped = line.strip()
-        if stripped.startswith("#"):
-            return stripped.lstrip("#").strip().rstrip(".")
-        if stripped:
-            break
-    return ""
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return first.lstrip("#").strip().rstrip(".") if first.startswith("#") else ""
 
 
 def is_file_reference(value: str | Path) -> bool:
@@ -201,7 +190,7 @@ def build(cls: type, tree: Mapping[str, Any], *, source: str = "config", prefix:
     """
     if not isinstance(tree, Mapping):
         raise ConfigError(f"{source}: {prefix.rstrip('.') or 'the config'} must be a mapping of keys")
-    removed = _removed_keys(cls)
+    removed: Mapping[str, RemovedKey] = getattr(cls, "REMOVED_KEYS", {})
     gone = sorted(set(tree) & set(removed))
     if gone and not saved:
         raise ConfigError(f"{source}: {prefix}{gone[0]} was removed: {removed[gone[0]].why}; delete the key")
@@ -228,14 +217,10 @@ def build(cls: type, tree: Mapping[str, Any], *, source: str = "config", prefix:
         raise ConfigError(text if text.startswith(f"{source}:") else f"{source}: {prefix}{text}") from None
 
 
-def _removed_keys(cls: type) -> Mapping[str, RemovedKey]:
-    return getattr(cls, "REMOVED_KEYS", {})
-
-
 def removed_settings(cls: type, tree: Mapping[str, Any], prefix: str = "") -> dict[str, tuple[Any, RemovedKey]]:
     """{dotted key: (value, its RemovedKey)} of the removed keys that saved settings of `cls` hold with
     another value than the one that remains: behaviour this version no longer has."""
-    removed, hints, found = _removed_keys(cls), typing.get_type_hints(cls), {}
+    removed, hints, found = getattr(cls, "REMOVED_KEYS", {}), typing.get_type_hints(cls), {}
     for name, value in tree.items():
         if name in removed and value != removed[name].kept:
             found[f"{prefix}{name}"] = (value, removed[name])

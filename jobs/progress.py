@@ -16,11 +16,8 @@ LINE_EVERY_S = 60.0  # progress lines in a log file
 
 
 class Phase:
-    """A piece of work with a known total (None: unknown): `update(n)` as items finish, `close()` at the end.
-
-    `set_postfix(**fields)` adds figures (a loss, an epoch) to the bar and the lines; `write(text)` prints
-    a message without breaking the bar. `initial`: items already done by an earlier, resumed run.
-    """
+    """A piece of work with a known total (None: unknown), `initial` of its items done by an earlier, resumed
+    run; `set_postfix` adds figures (a loss, an epoch) to the bar and the lines."""
 
     def __init__(self, desc: str, total: int | None, *, unit: str = "it", enabled: bool = True, initial: int = 0):
         self.desc, self.total, self.unit, self.enabled = desc, total, unit, enabled

@@ -1,10 +1,6 @@
-"""The pretraining job's configuration: one frozen, typed dataclass tree, YAML presets, `--set` overrides.
-
-A config is built by `jobs.config` from defaults, then a preset (`pretrain/presets/NAME.yaml`, named
-on the command line) or a YAML file, then `key=value` overrides (`optim.base_lr=0.2`). Unknown keys
-and values of the wrong type are errors that name the key, the file and the fix. Values that depend on the run (world size, data-set size) are derived once by
-`derive()` and printed next to the config at start.
-"""
+"""The pretraining job's configuration: one frozen, typed dataclass tree built by `jobs.config` (defaults,
+a preset in `pretrain/presets/` or a YAML file, `--set` overrides). Values that depend on the run (world
+size, data-set size) are derived once by `derive()` and printed next to the config at start."""
 
 from __future__ import annotations
 
@@ -83,11 +79,8 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class KnnConfig:
-    """The kNN monitor's shard sets and the kNN classifier's settings.
-
-    The single owner of the kNN defaults: `pretrain.eval.knn.evaluate_knn` and `relicv2 eval knn`
-    take theirs from here.
-    """
+    """The kNN monitor's shard sets and the kNN classifier's settings: the single owner of the kNN defaults
+    (`pretrain.eval.knn.evaluate_knn` and `relicv2 eval knn` take theirs from here)."""
 
     train_shards: str = ""  # labelled shard set used as the kNN bank ("" : no kNN monitor)
     val_shards: str = ""
@@ -111,6 +104,14 @@ class KnnConfig:
             raise ConfigError("train_shards and val_shards must be given together (or neither)")
 
 
+# Settings that must be positive / at least 0, by dotted name.
+POSITIVE = ("model.width", "model.hidden_dim", "model.out_dim", "data.synthetic_images", "data.synthetic_classes",
+            "loss.temperature", "loss.num_negatives", "optim.global_batch", "optim.epochs", "optim.base_lr",
+            "run.checkpoint_every", "run.keep_checkpoints", "run.log_every")
+NON_NEGATIVE = ("optim.warmup_epochs", "optim.weight_decay", "optim.clip_grad_norm", "loss.contrast_weight",
+                "loss.invariance_weight", "run.max_steps")
+
+
 @dataclass(frozen=True)
 class PretrainConfig:
     """Everything a pretraining run needs; sections mirror the YAML presets."""
@@ -124,7 +125,26 @@ class PretrainConfig:
     knn: KnnConfig = field(default_factory=KnnConfig)
 
     def __post_init__(self) -> None:
-        _validate(self)
+        _validate_finite(self)
+        for key, value in zip(POSITIVE, attrgetter(*POSITIVE)(self), strict=True):
+            if value <= 0:
+                raise ConfigError(f"{key} must be positive, got {value}")
+        for key, value in zip(NON_NEGATIVE, attrgetter(*NON_NEGATIVE)(self), strict=True):
+            if value < 0:
+                raise ConfigError(f"{key} must be >= 0, got {value}")
+        if self.model.width not in (1, 2, 4):
+            raise ConfigError(f"model.width must be 1, 2 or 4 (the widths of the paper), got {self.model.width}")
+        if not self.run.output_dir.strip():
+            raise ConfigError("run.output_dir is empty; set it to the run's folder (e.g. --output runs/my-run)")
+        if self.model.depth not in (18, 34, 50, 101, 152, 200):
+            raise ConfigError(f"model.depth must be one of 18, 34, 50, 101, 152, 200, got {self.model.depth}")
+        for key in ("optim.ema_base", "optim.momentum"):
+            if not 0.0 <= attrgetter(key)(self) <= 1.0:
+                raise ConfigError(f"{key} must lie in [0, 1], got {attrgetter(key)(self)}")
+        if self.optim.warmup_epochs > self.optim.epochs:
+            raise ConfigError(
+                f"optim.warmup_epochs={self.optim.warmup_epochs} exceeds optim.epochs={self.optim.epochs}"
+            )
 
 
 @dataclass(frozen=True)
@@ -154,11 +174,8 @@ def per_rank_batch(config: PretrainConfig, world_size: int) -> int:
 def derive(
     config: PretrainConfig, *, world_size: int, dataset_size: int, steps_per_epoch: int | None = None
 ) -> DerivedValues:
-    """Per-rank batch, steps per epoch, total/warmup steps and peak lr, computed once per run.
-
-    steps_per_epoch defaults to dataset_size // global_batch (incomplete last batch dropped); a data
-    source that drops more (per-rank remainders) passes its own count.
-    """
+    """Per-rank batch, steps per epoch, total/warmup steps and peak lr, computed once per run. steps_per_epoch
+    defaults to dataset_size // global_batch; a data source that drops more (per-rank remainders) passes its own."""
     batch = config.optim.global_batch
     rank_batch = per_rank_batch(config, world_size)
     if steps_per_epoch is None:
@@ -196,37 +213,6 @@ def from_dict(tree: Mapping[str, Any], *, source: str = "config", saved: bool = 
 def describe(config: PretrainConfig, derived: DerivedValues | None = None, version: str = "") -> str:
     """The resolved config (and derived values) as printed at start and saved to config.yaml."""
     return settings_text(config, extra={"derived": derived} if derived is not None else None, version=version)
-
-
-# Settings that must be positive / at least 0, by dotted name.
-POSITIVE = ("model.width", "model.hidden_dim", "model.out_dim", "data.synthetic_images", "data.synthetic_classes",
-            "loss.temperature", "loss.num_negatives", "optim.global_batch", "optim.epochs", "optim.base_lr",
-            "run.checkpoint_every", "run.keep_checkpoints", "run.log_every")
-NON_NEGATIVE = ("optim.warmup_epochs", "optim.weight_decay", "optim.clip_grad_norm", "loss.contrast_weight",
-                "loss.invariance_weight", "run.max_steps")
-
-
-def _validate(config: PretrainConfig) -> None:
-    _validate_finite(config)
-    for key, value in zip(POSITIVE, attrgetter(*POSITIVE)(config), strict=True):
-        if value <= 0:
-            raise ConfigError(f"{key} must be positive, got {value}")
-    for key, value in zip(NON_NEGATIVE, attrgetter(*NON_NEGATIVE)(config), strict=True):
-        if value < 0:
-            raise ConfigError(f"{key} must be >= 0, got {value}")
-    if config.model.width not in (1, 2, 4):
-        raise ConfigError(f"model.width must be 1, 2 or 4 (the widths of the paper), got {config.model.width}")
-    if not config.run.output_dir.strip():
-        raise ConfigError("run.output_dir is empty; set it to the run's folder (e.g. --output runs/my-run)")
-    if config.model.depth not in (18, 34, 50, 101, 152, 200):
-        raise ConfigError(f"model.depth must be one of 18, 34, 50, 101, 152, 200, got {config.model.depth}")
-    for key in ("optim.ema_base", "optim.momentum"):
-        if not 0.0 <= attrgetter(key)(config) <= 1.0:
-            raise ConfigError(f"{key} must lie in [0, 1], got {attrgetter(key)(config)}")
-    if config.optim.warmup_epochs > config.optim.epochs:
-        raise ConfigError(
-            f"optim.warmup_epochs={config.optim.warmup_epochs} exceeds optim.epochs={config.optim.epochs}"
-        )
 
 
 def _validate_finite(config: Any, prefix: str = "") -> None:

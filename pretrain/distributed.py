@@ -43,10 +43,8 @@ class DistributedContext:
 
 def describe_environment(device: str = "auto", env: dict[str, str] | None = None, *,
                          option: str = "run.device") -> DistributedContext:
-    """The context implied by torchrun's variables in `env` (default: os.environ); pure, starts nothing.
-
-    device: as `jobs.device.resolve_device` reads it (`option` names the setting in its messages).
-    """
+    """The context implied by torchrun's variables in `env` (default: os.environ) and `device` (as
+    `jobs.device.resolve_device` reads it, `option` naming the setting); pure, starts nothing."""
     try:
         ranks = ranks_from_env(env)
         chosen = torch.device(resolve_device(device, option, local_rank=ranks.local_rank))
@@ -83,16 +81,13 @@ def barrier(ctx: DistributedContext) -> None:
 
 def open_shard_sets(ctx: DistributedContext | None, *specs: Spec, check_samples: bool = True,
                     allow_lost: bool = False, **check: Any) -> list[ShardSet]:
-    """The job's one resolution of each shard set (`shards.resolve_shard_set`: ShardSetError naming the
-    fix, or with `allow_lost` the tars it cannot index in `ShardSet.lost`), to be handed to everything that reads it.
+    """The job's one resolution of each shard set (`shards.resolve_shard_set`; with `allow_lost` the tars it
+    cannot index are in `ShardSet.lost`), to be handed to everything that reads it.
 
     In a multi-rank job the sets' missing index files are derived first, and with `check_samples` their
-    samples checked (`pretrain.views.sources.check_shard_set`, `check`: its decode options, as the job's
-    loaders will ask), split over the ranks with a barrier after each: each tar is read (or decoded) once
-    by one rank instead of once by every rank, given an index cache every rank sees (e.g.
-    `$RELICV2_INDEX_CACHE` on a shared filesystem). With node-local caches each rank derives and checks
-    what its node lacks when it opens a set.
-    """
+    samples checked (`check`: `pretrain.views.sources.check_shard_set`'s decode options), split over the
+    ranks with a barrier after each: each tar is read once by one rank instead of once by every rank, given
+    an index cache every rank sees (`$RELICV2_INDEX_CACHE` on a shared filesystem)."""
     distributed = ctx is not None and ctx.is_distributed
     part = (ctx.rank, ctx.world_size) if distributed else (0, 1)
     if distributed:
@@ -172,11 +167,8 @@ def all_reduce_mean(tensor: Tensor, ctx: DistributedContext) -> Tensor:
 
 
 def convert_sync_batchnorm(module: nn.Module, ctx: DistributedContext) -> nn.Module:
-    """Replace every BatchNorm so that batch statistics are computed over the global batch.
-
-    On GPU this is torch's `SyncBatchNorm`; torch's version refuses CPU tensors, so on CPU the
-    layers become `CrossRankBatchNorm` below (same maths, gloo collectives).
-    """
+    """Replace every BatchNorm so that batch statistics are computed over the global batch: torch's
+    `SyncBatchNorm` on GPU; it refuses CPU tensors, so on CPU `CrossRankBatchNorm` (same maths, gloo)."""
     if ctx.device.type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(module)
     return _convert_cross_rank(module)
@@ -228,17 +220,9 @@ class CrossRankBatchNorm(nn.modules.batchnorm._BatchNorm):
 def _convert_cross_rank(module: nn.Module) -> nn.Module:
     out = module
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, CrossRankBatchNorm):
-        out = CrossRankBatchNorm(
-            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
-        )
-        if module.affine:
-            with torch.no_grad():
-                out.weight.copy_(module.weight)
-                out.bias.copy_(module.bias)
-        if module.track_running_stats:
-            out.running_mean.copy_(module.running_mean)
-            out.running_var.copy_(module.running_var)
-            out.num_batches_tracked.copy_(module.num_batches_tracked)
+        out = CrossRankBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
+                                 module.track_running_stats)
+        out.load_state_dict(module.state_dict())  # the affine parameters and running statistics
         out.train(module.training)
     for name, child in module.named_children():
         out.add_module(name, _convert_cross_rank(child))

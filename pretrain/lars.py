@@ -15,7 +15,7 @@ weight decay and the trust ratio: m <- momentum * m + g.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -39,11 +39,7 @@ class LARS(torch.optim.Optimizer):
                                             trust_coefficient=trust_coefficient, lars_exclude=False))
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def step(self) -> None:  # type: ignore[override]  (no closure: the trainer computes the loss itself)
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
@@ -77,7 +73,6 @@ class LARS(torch.optim.Optimizer):
             torch._foreach_mul_(buffers, group["momentum"])
             torch._foreach_add_(buffers, updates)
             torch._foreach_add_(params, buffers, alpha=-group["lr"])
-        return loss
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:

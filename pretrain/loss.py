@@ -142,22 +142,22 @@ def relicv2_loss(
         target = F.normalize(torch.stack(list(target_large)).detach().float(), dim=-1)  # [L, N, D]
         anchors = torch.arange(anchor_offset, anchor_offset + batch, device=device)
         target_anchor = target[:, anchors]  # [L, B, D]
+        num_online, num_target = len(online_views), len(target_large)
+        anchor_columns = anchors.view(1, 1, batch, 1).expand(num_online, num_target, -1, -1)  # [V, L, B, 1]
         if num_negatives >= total - 1:
             # All candidates: column j of both [V, L, B, N] matrices is candidate image j.
             forward_logits = torch.einsum("abd,lnd->albn", online, target)
             reverse_logits = torch.einsum("lbd,and->albn", target_anchor, candidates_online)
-            positive = anchors.view(1, 1, batch, 1).expand(len(online_views), len(target_large), -1, -1)
+            positive = anchor_columns
         else:
-            candidates = _candidates(
-                total, num_negatives, len(online_views), len(target_large), anchors, generator
-            )  # [V, L, B, 1 + n_e], column 0 = positive
+            negatives = sample_negatives(total, num_negatives, num_online * num_target, generator=generator,
+                                         device=device).view(num_online, num_target, total, num_negatives)
+            candidates = torch.cat([anchor_columns, negatives[:, :, anchors]], dim=-1)  # [V, L, B, 1 + n_e]
             forward_logits, reverse_logits = _candidate_logits(
                 online, candidates_online, target, target_anchor, candidates
             )
-            positive = torch.zeros_like(candidates[..., :1])
-        contrastive, invariance = _relic_terms(
-            forward_logits / temperature, reverse_logits / temperature, positive
-        )
+            positive = torch.zeros_like(candidates[..., :1])  # column 0 is the anchor itself
+        contrastive, invariance = _relic_terms(forward_logits / temperature, reverse_logits / temperature, positive)
         loss = contrast_weight * contrastive + invariance_weight * invariance
     return loss, {"contrastive": contrastive, "invariance": invariance}
 
@@ -200,18 +200,6 @@ def _relic_terms(forward_logits: Tensor, reverse_logits: Tensor, positive: Tenso
     negative_entropy = (p * log_p).sum(dim=-1).detach()  # the paper's sg[.]
     invariance = negative_entropy - (p * log_q).sum(dim=-1)
     return contrastive.mean(), invariance.mean()
-
-
-def _candidates(
-    total: int, num_negatives: int, num_online: int, num_target: int, anchors: Tensor,
-    generator: torch.Generator | None,
-) -> Tensor:
-    """[V, L, B, 1 + n_e] candidate indices into the gathered batch; column 0 is the anchor itself."""
-    negatives = sample_negatives(
-        total, num_negatives, num_online * num_target, generator=generator, device=anchors.device
-    ).view(num_online, num_target, total, num_negatives)[:, :, anchors]
-    positives = anchors.view(1, 1, -1, 1).expand(num_online, num_target, -1, 1)
-    return torch.cat([positives, negatives], dim=-1)
 
 
 def _check_inputs(

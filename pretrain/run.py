@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
+from jobs.config import SETTINGS_FILE
 from jobs.device import resolve_device
 from jobs.lock import FolderLockedError, folder_lock
 from jobs.version import package_version
 from pretrain.checkpoint import (
-    CONFIG_NAME,
     CheckpointError,
     checkpoint_path,
     latest_checkpoint,
@@ -139,13 +139,9 @@ def check_before_starting(config: PretrainConfig, resume: str | Path | None) -> 
 
 def open_run_shard_sets(config: PretrainConfig, ctx: DistributedContext) -> dict[str, ShardSet]:
     """The run's shard sets by setting (`data.train_shards`, `knn.train_shards`, `knn.val_shards`), each
-    resolved once (`pretrain.distributed.open_shard_sets`: the work split over the ranks) for the views and
-    the kNN monitor, and checked before any work: the monitor's sets must be labelled, number their classes
-    alike, and its queries be neither in its bank (refused) nor trained on (a warning).
-
-    The kNN sets are resolved with `allow_lost` (a tar cut short under its index is in `ShardSet.lost`): the
-    monitor never stops a training, it reads what remains and logs the loss.
-    """
+    resolved once (`open_shard_sets`) and checked before any work: the monitor's sets must be labelled, number
+    their classes alike, and its queries be neither in its bank (refused) nor trained on (a warning). The kNN
+    sets allow lost tars: the monitor never stops a training, it reads what remains and logs the loss."""
     specs = {"knn.train_shards": config.knn.train_shards, "knn.val_shards": config.knn.val_shards,
              "data.train_shards": config.data.train_shards if config.data.source == "shards" else ""}
     sets: dict[str, ShardSet] = {}
@@ -191,10 +187,8 @@ def check_masking(config: PretrainConfig, source: ViewSource, ctx: DistributedCo
 
 @contextlib.contextmanager
 def _run_folder(config: PretrainConfig, ctx: DistributedContext, *, fresh: bool) -> Iterator[None]:
-    """Hold the run folder for the life of the run (rank 0 takes the lock), tidy it, then go on.
-
-    The lock outcome is shared with every rank, so a refused rank 0 never leaves the others waiting.
-    """
+    """Hold the run folder for the life of the run (rank 0 takes the lock) and tidy it; the lock outcome is
+    shared with every rank, so a refused rank 0 never leaves the others waiting."""
     out = Path(config.run.output_dir)
     error = None
     with contextlib.ExitStack() as stack:
@@ -225,11 +219,8 @@ def _tidy_folder(out: Path, *, fresh: bool) -> None:
 
 
 def build_view_source(config: PretrainConfig, ctx: DistributedContext, shards: ShardSet | None) -> ViewSource:
-    """This rank's multi-view batches: `pretrain.views.loader.ViewLoader` over `shards` (the run's training
-    set as `open_run_shard_sets` resolved it), or generated data.
-
-    Built once per run: the source lives across epochs (iterating it again starts the next epoch).
-    """
+    """This rank's multi-view batches, built once per run (iterating it again starts the next epoch): a
+    `ViewLoader` over `shards` (the training set as `open_run_shard_sets` resolved it), or generated data."""
     batch = per_rank_batch(config, ctx.world_size)
     views = config.views
     if config.data.source == "synthetic":
@@ -274,7 +265,7 @@ def _pretrain(config: PretrainConfig, ctx: DistributedContext, views: ViewsFacto
         print(text, flush=True)
         print(f"pretrain: {ctx.world_size} rank(s), each on {ctx.device.type}", flush=True)
         if start is not None and state.step >= final_step(config, derived):
-            print(f"the run is finished at step {state.step}: nothing to train, {out / CONFIG_NAME} kept as it was "
+            print(f"the run is finished at step {state.step}: nothing to train, {out / SETTINGS_FILE} kept as it was "
                   "(raise run.max_steps or optim.epochs to train on)", flush=True)
         else:
             kept = write_run_config(out, text, resumed_at=state.step if start is not None else None)

@@ -25,15 +25,14 @@ def learning_rate(step: int, *, peak_lr: float, warmup_steps: int, total_steps: 
         )
     if not math.isfinite(peak_lr):
         raise ValueError(f"peak lr must be finite, got {peak_lr}")
-    peak = peak_lr
     step = min(max(step, 0), total_steps)
     if step < warmup_steps:
-        return peak * step / warmup_steps
+        return peak_lr * step / warmup_steps
     decay_steps = total_steps - warmup_steps
     if decay_steps == 0:
         return 0.0
     progress = (step - warmup_steps) / decay_steps
-    return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return peak_lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def step_decay(step: int, *, peak_lr: float, milestones: Sequence[int], decay: float) -> float:
