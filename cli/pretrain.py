@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -71,15 +72,13 @@ def run(config_name: str, overrides: tuple[str, ...], output: Path | None, resum
 @click.option("--backend", default="dali", show_default=True, type=click.Choice(["dali", "reference"]))
 @click.option("--large-size", default=224, show_default=True, type=int)
 @click.option("--small-size", default=96, show_default=True, type=int)
-def preview_views(shards: Path, output: Path, count: int, seed: int, mask_probability: float, backend: str,
-                  large_size: int, small_size: int) -> None:
+def preview_views(shards: Path, output: Path, count: int, seed: int, **view_options: Any) -> None:
     """Write a PNG grid of the augmented views of a few images (rows: images; columns: views)."""
     from pretrain.views.config import ViewConfig
     from pretrain.views.preview import write_view_grid
 
     with user_errors(ValueError, FileNotFoundError):
-        views = ViewConfig(mask_probability=mask_probability, backend=backend, large_size=large_size,
-                           small_size=small_size, num_threads=1)
+        views = ViewConfig(num_threads=1, **view_options)  # mask_probability, backend, large_size, small_size
         summary = write_view_grid(shards, output, views, count=count, seed=seed)
     click.echo(f"wrote {summary['output']}: {count} images x {summary['views']} views, {summary['masked_views']} masked "
                f"({summary['backend']}); keys: {', '.join(summary['keys'])}")

@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
-from cli.options import (
-    SHARDS_HELP,
-    config_or_preset,
-    index_cache_option,
-    preset_option,
-    user_errors,
-)
+from cli.options import config_or_preset, index_cache_option, preset_option, user_errors
 from jobs.config import ConfigError
 from jobs.device import resolve_device
 from jobs.lock import FolderLockedError
@@ -35,6 +30,8 @@ from saliency.preview import PreviewConfig, write_preview
 # Modules that import torch are imported inside the commands: `relicv2 saliency --help` stays fast.
 
 METHOD_HELP = f"One of {', '.join(METHODS)}, a comma-separated list, or 'all'."
+SHARDS_HELP = ("a folder (from `relicv2 shards build`, or plain WebDataset tars such as train-0000.tar), "
+               "a brace pattern (train-{0000..0099}.tar) or a tar")
 
 
 def _methods(name: str) -> tuple[str, ...]:
@@ -51,7 +48,7 @@ def saliency_group() -> None:
 
 @saliency_group.command("handcrafted")
 @click.option("--method", "method", default="all", show_default=True, help=METHOD_HELP)
-@click.option("--input", "input_path", required=True, type=click.Path(path_type=Path),
+@click.option("--input", required=True, type=click.Path(path_type=Path),
               help="Image folder, shard folder (*-NNNN.tar), brace pattern ('train-{0000..0099}.tar') or one .tar.")
 @click.option("--output", required=True, type=click.Path(path_type=Path),
               help="Output folder; maps go to OUTPUT/<method>/<name>.png.")
@@ -61,9 +58,7 @@ def saliency_group() -> None:
 @click.option("--max-failures", default="0", show_default=True,
               help="Failed inputs accepted before the job counts as failed (exit 1): a count (10), a "
                    "fraction (0.05) or a percentage (5%). A job whose every input fails always fails.")
-def handcrafted(
-    method: str, input_path: Path, output: Path, workers: int, overwrite: bool, progress: bool, max_failures: str
-) -> None:
+def handcrafted(method: str, workers: int, max_failures: str, **options: Any) -> None:
     """Write 8-bit PNG saliency maps of RBD, MR, DSR and/or MC for every input image."""
     try:
         limit = FailureLimit.parse(max_failures)
@@ -71,20 +66,12 @@ def handcrafted(
         raise click.BadParameter(str(error), param_hint="--max-failures") from error
     if workers < 1:
         raise click.BadParameter(f"{workers}: give at least 1 worker", param_hint="--workers")
-    config = HandcraftedConfig(
-        methods=_methods(method),
-        input=input_path,
-        output=output,
-        workers=workers,
-        overwrite=overwrite,
-        progress=progress,
-        max_failures=limit,
-    )
+    config = HandcraftedConfig(methods=_methods(method), workers=workers, max_failures=limit, **options)
     with user_errors(FileNotFoundError, ValueError, FolderLockedError, OutputWriteError):
         report = run_handcrafted(config)
     if report.stale_removed:
         click.echo(f"removed {report.stale_removed} temporary file(s) left by an interrupted run", err=True)
-    click.echo(f"{report.summary(config.methods)} -> {output}")
+    click.echo(f"{report.summary(config.methods)} -> {config.output}")
     failure = report.failure(config.max_failures)
     if failure is not None:
         click.echo(f"error: {failure}; rerun the same command after fixing the inputs, or raise --max-failures",
@@ -138,20 +125,16 @@ def evaluate_command(pred: Path | None, model_path: Path | None, images: Path | 
 
 
 @saliency_group.command("preview")
-@click.option("--input", "input_path", required=True, type=click.Path(path_type=Path),
-              help="Image folder or shard set.")
+@click.option("--input", required=True, type=click.Path(path_type=Path), help="Image folder or shard set.")
 @click.option("--output", required=True, type=click.Path(path_type=Path), help="PNG file to write.")
 @click.option("--method", "method", default="all", show_default=True, help=METHOD_HELP)
 @click.option("--count", default=6, show_default=True, help="Number of images (the first ones).")
 @click.option("--gt", type=click.Path(path_type=Path), help="Folder of ground-truth masks to show too.")
 @click.option("--maps", type=click.Path(path_type=Path), help="Read maps written by `handcrafted` instead of computing them.")
-def preview(input_path: Path, output: Path, method: str, count: int, gt: Path | None, maps: Path | None) -> None:
+def preview(method: str, count: int, **options: Any) -> None:
     """Write a contact sheet: image | each method's map | GT, one row per image."""
-    config = PreviewConfig(
-        input=input_path, output=output, methods=_methods(method), count=max(1, count), gt=gt, maps=maps
-    )
     with user_errors(FileNotFoundError, ValueError):
-        path = write_preview(config)
+        path = write_preview(PreviewConfig(methods=_methods(method), count=max(1, count), **options))
     click.echo(f"wrote {path}")
 
 
@@ -173,9 +156,7 @@ def preview(input_path: Path, output: Path, method: str, count: int, gt: Path | 
               help="Override a setting (repeatable), e.g. --set epochs=5 --set thresholds.mr=0.3 --set crf.iterations=3")
 @index_cache_option
 @click.option("--progress/--no-progress", default=True, show_default=True)
-def train_command(shards: Path, out: Path, config_name: str | None, preset_name: str | None, backbone: str,
-                  gt: Path | None, eval_shards: Path | None, overrides: tuple[str, ...], index_cache: Path | None,
-                  progress: bool) -> None:
+def train_command(config_name: str | None, preset_name: str | None, overrides: tuple[str, ...], **job: Any) -> None:
     """Refine the handcrafted maps (phase I) and train the fused saliency network (phase II).
 
     \b
@@ -191,8 +172,7 @@ def train_command(shards: Path, out: Path, config_name: str | None, preset_name:
     with user_errors(ConfigError, BackboneError, CheckpointError, TrainStateError, FolderLockedError,
                      FileNotFoundError, ValueError):
         config = load_saliency_config(config_name, overrides)
-        run_train(TrainJob(shards=shards, out=out, config=config, backbone=backbone, gt=gt,
-                           eval_shards=eval_shards, progress=progress, index_cache=index_cache), log=click.echo)
+        run_train(TrainJob(config=config, **job), log=click.echo)
 
 
 @saliency_group.command("build-masks")

@@ -59,14 +59,11 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def remove_stale_temps(directory: Path, names: set[str] | Callable[[str], bool] | None = None, *,
                        recursive: bool = False, older_suffix: str | None = None) -> int:
-    """Delete temporary files left by killed writers for the final names in `names` (a set, or a test
-    of the final name; None: all); return the count.
-
-    `recursive`: in the folders below `directory` too (links are not followed). `older_suffix`: also
-    hidden files ending in it, the temporaries of an earlier writer whose names carry no final name.
-    Call it only while holding the folder's lock (jobs.lock), and under torchrun only for the
-    caller's own final names: other ranks may be writing other files in the same folder.
-    """
+    """Delete temporary files left by killed writers for the final names in `names` (a set, or a test of the
+    final name; None: all), in the folders below `directory` too when `recursive` (links not followed), and
+    hidden files ending in `older_suffix` (an earlier writer's temporaries); the count. Call it only while
+    holding the folder's lock (jobs.lock), and under torchrun only for the caller's own final names: other
+    ranks may be writing other files in the same folder."""
     removed = 0
     folders = (Path(d) for d, _, _ in os.walk(directory)) if recursive else [Path(directory)]
     for folder in folders:

@@ -15,6 +15,7 @@ This module imports nothing of the project: every job package imports it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import types
@@ -180,14 +181,10 @@ def resolve(cls: type, config: str | Path | None, overrides: Sequence[str], pres
 
 
 def build(cls: type, tree: Mapping[str, Any], *, source: str = "config", prefix: str = "", saved: bool = False) -> Any:
-    """An instance of the frozen dataclass `cls` from a nested mapping; strict keys and types.
-
-    Missing keys keep their defaults; ints are accepted for floats; nothing else is converted,
-    except a comma-separated string for a tuple (`methods=rbd,mc`). A `dict` field with a default
-    takes a partial mapping over that default, and only the default's keys. A removed key
-    (`RemovedKey`) is refused with the fix, unless the tree is a job's own `saved` settings (a
-    checkpoint's), where it records how that job ran and is left out.
-    """
+    """An instance of the frozen dataclass `cls` from a nested mapping, strict on keys and types: missing keys
+    keep their defaults, ints pass for floats, a comma-separated string for a tuple (`methods=rbd,mc`); a
+    `dict` field takes a partial mapping over its default's keys. A removed key is refused with the fix, except
+    in a job's own `saved` settings (a checkpoint's), where it records how that job ran and is left out."""
     if not isinstance(tree, Mapping):
         raise ConfigError(f"{source}: {prefix.rstrip('.') or 'the config'} must be a mapping of keys")
     removed: Mapping[str, RemovedKey] = getattr(cls, "REMOVED_KEYS", {})
@@ -268,10 +265,8 @@ def coerce(value: Any, hint: Any, *, key: str, source: str) -> Any:
         return Path(value)
     if hint is float and isinstance(value, str):
         # YAML 1.1 reads "1e-3" (no dot) as a string; a number written that way is still a number.
-        try:
+        with contextlib.suppress(ValueError):
             value = float(value)
-        except ValueError:
-            pass
     ok = (
         (hint is bool and isinstance(value, bool))
         or (hint is int and isinstance(value, int) and not isinstance(value, bool))
@@ -287,10 +282,8 @@ def coerce(value: Any, hint: Any, *, key: str, source: str) -> Any:
 def _tuple(value: Any, element_types: tuple[Any, ...], *, key: str, source: str) -> tuple[Any, ...]:
     if isinstance(value, str) and "," in value:  # --set methods=rbd,mc or crop_scale=0.2,1
         value = [yaml.safe_load(part) for part in value.split(",") if part.strip()]
-    variadic = len(element_types) == 2 and element_types[1] is Ellipsis
-    if variadic and isinstance(value, str):
-        value = [value]  # --set methods=rbd
-    if variadic:
+    if len(element_types) == 2 and element_types[1] is Ellipsis:  # variadic
+        value = [value] if isinstance(value, str) else value  # --set methods=rbd
         if not isinstance(value, list | tuple):
             raise ConfigError(f"{source}: {key} must be a list, got {value!r}")
         element_types = (element_types[0],) * len(value)

@@ -63,10 +63,8 @@ def _read_holder(path: Path) -> LockHolder | None:
 
 
 def acquire(folder: Path, job: str) -> Path:
-    """Take the lock of ``folder`` (created if missing) for ``job``; return the lock path.
-
-    Raises :class:`FolderLockedError` when a live job holds it.
-    """
+    """Take the lock of ``folder`` (created if missing) for ``job``; return the lock path. Raises
+    :class:`FolderLockedError` when a live job holds it."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_NAME

@@ -181,13 +181,10 @@ def all_reduce_sum_with_grad(tensor: Tensor) -> Tensor:
 
 
 class CrossRankBatchNorm(nn.modules.batchnorm._BatchNorm):
-    """BatchNorm whose training-mode statistics span all ranks, for CPU (gloo) process groups.
-
-    Hand-written because `nn.SyncBatchNorm` only accepts GPU inputs. The statistics are
-    differentiable all-reduces (`all_reduce_sum_with_grad`), so gradients flow through the global
-    mean and variance exactly as in `SyncBatchNorm`. Two passes (mean, then centred squares)
-    keep the variance as accurate as `F.batch_norm`'s.
-    """
+    """BatchNorm whose training-mode statistics span all ranks, for CPU (gloo) process groups, where
+    `nn.SyncBatchNorm` refuses the inputs. The statistics are differentiable all-reduces, so gradients flow
+    through the global mean and variance exactly as in `SyncBatchNorm`; two passes (mean, then centred
+    squares) keep the variance as accurate as `F.batch_norm`'s."""
 
     def forward(self, x: Tensor) -> Tensor:
         if not (self.training and dist.is_initialized() and dist.get_world_size() > 1):

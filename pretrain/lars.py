@@ -64,24 +64,19 @@ class LARS(torch.optim.Optimizer):
                     torch.ones_like(param_norms),
                 )
                 torch._foreach_mul_(updates, list(trust.unbind()))
-            buffers = []
-            for p in params:
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                buffers.append(state["momentum_buffer"])
+            for p in params:  # created at a parameter's first update
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+            buffers = [self.state[p]["momentum_buffer"] for p in params]
             torch._foreach_mul_(buffers, group["momentum"])
             torch._foreach_add_(buffers, updates)
             torch._foreach_add_(params, buffers, alpha=-group["lr"])
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Split the trainable parameters of `model` for LARS, by module type and tensor rank.
-
-    Group 0: weights of convolutions / linear layers (ndim >= 2), with `weight_decay`.
-    Group 1: biases (ndim <= 1) and all parameters of normalisation layers, with
-    "lars_exclude": True and no weight decay. Empty groups are left out.
-    """
+    """The trainable parameters of `model` in LARS groups: weights of convolutions / linear layers (ndim >= 2)
+    with `weight_decay`; biases (ndim <= 1) and all normalisation parameters with "lars_exclude" and no
+    weight decay. Empty groups are left out."""
     adapted, excluded, seen = [], [], set()
     for module in model.modules():
         for param in module.parameters(recurse=False):
@@ -92,9 +87,6 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
                 excluded.append(param)
             else:
                 adapted.append(param)
-    groups = []
-    if adapted:
-        groups.append({"params": adapted, "weight_decay": weight_decay, "lars_exclude": False})
-    if excluded:
-        groups.append({"params": excluded, "weight_decay": 0.0, "lars_exclude": True})
-    return groups
+    groups = [{"params": adapted, "weight_decay": weight_decay, "lars_exclude": False},
+              {"params": excluded, "weight_decay": 0.0, "lars_exclude": True}]
+    return [group for group in groups if group["params"]]

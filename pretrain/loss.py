@@ -54,10 +54,8 @@ class _GatherWithGrad(torch.autograd.Function):
 
 def gather_with_grad(tensor: Tensor) -> Tensor:
     """Concatenate `tensor` [B, ...] from all ranks in rank order ([world * B, ...]), keeping gradients.
-
-    Returns `tensor` itself when torch.distributed is not initialised or the world has one rank.
-    Every rank must call it with the same shape, in the same order.
-    """
+    Returns `tensor` itself when torch.distributed is not initialised or the world has one rank. Every rank
+    must call it with the same shape, in the same order."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return tensor
     return _GatherWithGrad.apply(tensor)
@@ -71,14 +69,11 @@ def sample_negatives(
     generator: torch.Generator | None = None,
     device: torch.device | str | None = None,
 ) -> Tensor:
-    """Indices [num_draws, batch_size, num_negatives]: for each draw and row i, `num_negatives`
-    distinct indices from {0..batch_size-1} \\ {i}, uniformly without replacement.
-
-    Draws come from `generator` (on its device) and are then moved to `device`. Cost is
-    O(num_draws * batch_size * num_negatives^2), never a [batch_size, batch_size] matrix:
-    Floyd's algorithm (Bentley & Floyd 1987), vectorised over rows and draws, picks a uniform
-    num_negatives-subset of {0..batch_size-2}; shifting values >= i up by one skips row i itself.
-    """
+    """Indices [num_draws, batch_size, num_negatives]: for each draw and row i, `num_negatives` distinct
+    indices from {0..batch_size-1} \\ {i}, uniformly without replacement, drawn from `generator` (on its
+    device), then moved to `device`. Cost O(num_draws * batch_size * num_negatives^2), never a [batch_size,
+    batch_size] matrix: Floyd's algorithm (Bentley & Floyd 1987), vectorised over rows and draws, picks a
+    uniform num_negatives-subset of {0..batch_size-2}; shifting values >= i up by one skips row i."""
     others = batch_size - 1
     if not 1 <= num_negatives <= others:
         raise ValueError(f"need 1 <= num_negatives <= batch_size - 1 = {others}, got {num_negatives}")
@@ -165,13 +160,10 @@ def relicv2_loss(
 def _candidate_logits(
     online: Tensor, candidates_online: Tensor, target: Tensor, target_anchor: Tensor, candidates: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """Forward <o_a[i], t_b[c]> and reverse <o_a[c], t_b[i]> similarities, both [V, L, B, K].
-
-    Each side gathers its candidate rows once with `index_select` on the flattened views (its
-    backward is a fast `index_add_`, unlike advanced indexing's `index_put_`) and lays them out so
-    that one `bmm` against the fixed vector (o_a[i] for all target views b, t_b[i] for all online
-    views a) computes every logit without broadcasting copies.
-    """
+    """Forward <o_a[i], t_b[c]> and reverse <o_a[c], t_b[i]> similarities, both [V, L, B, K]. Each side gathers
+    its candidate rows once with `index_select` on the flattened views (its backward is a fast `index_add_`,
+    unlike advanced indexing's `index_put_`) and lays them out so that one `bmm` against the fixed vector
+    (o_a[i] for all target views b, t_b[i] for all online views a) computes every logit without copies."""
     num_online, num_target, batch, count = candidates.shape
     total, dim = target.shape[1], target.shape[2]
     # forward: rows (a, i), candidates (b, k) index target row b * N + c

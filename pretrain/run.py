@@ -196,7 +196,12 @@ def _run_folder(config: PretrainConfig, ctx: DistributedContext, *, fresh: bool)
             try:
                 stack.enter_context(output_folder(out))  # a run refused at start leaves no empty folder
                 stack.enter_context(folder_lock(out, JOB_NAME))
-                _tidy_folder(out, fresh=fresh)
+                removed = remove_stale_temporaries(out)  # under the lock: what killed runs left half-written
+                if removed:
+                    print(f"removed {removed} temporary file(s) left by an interrupted run in {out}", flush=True)
+                aside = move_run_aside(out) if fresh else None
+                if aside is not None:
+                    print(f"--fresh: moved the earlier run's checkpoints and logs to {aside}", flush=True)
             except FolderLockedError as locked:
                 error = str(locked)
             except OSError as failed:
@@ -205,17 +210,6 @@ def _run_folder(config: PretrainConfig, ctx: DistributedContext, *, fresh: bool)
         if error is not None:
             raise ConfigError(error)
         yield
-
-
-def _tidy_folder(out: Path, *, fresh: bool) -> None:
-    """Under the lock: remove what killed runs left half-written; with --fresh move the old run aside."""
-    removed = remove_stale_temporaries(out)
-    if removed:
-        print(f"removed {removed} temporary file(s) left by an interrupted run in {out}", flush=True)
-    if fresh:
-        aside = move_run_aside(out)
-        if aside is not None:
-            print(f"--fresh: moved the earlier run's checkpoints and logs to {aside}", flush=True)
 
 
 def build_view_source(config: PretrainConfig, ctx: DistributedContext, shards: ShardSet | None) -> ViewSource:

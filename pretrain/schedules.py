@@ -14,10 +14,8 @@ def peak_learning_rate(base_lr: float, global_batch: int, reference_batch: int =
 
 
 def learning_rate(step: int, *, peak_lr: float, warmup_steps: int, total_steps: int) -> float:
-    """lr at `step`: linear warmup from 0 to `peak_lr` (see `peak_learning_rate`), then cosine to 0.
-
-    lr(0) = 0, lr(warmup_steps) = peak, lr(total_steps) = 0; steps past the end stay at 0.
-    """
+    """lr at `step`: linear warmup from 0 to `peak_lr` (see `peak_learning_rate`), then cosine to 0;
+    lr(0) = 0, lr(warmup_steps) = peak, lr(total_steps) = 0, steps past the end stay at 0."""
     if total_steps <= 0 or not 0 <= warmup_steps <= total_steps:
         raise ValueError(
             f"need 0 <= warmup_steps <= total_steps and total_steps > 0, got "

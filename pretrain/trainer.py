@@ -91,10 +91,8 @@ class StepSettings:
 
 
 class MultiViewForward(nn.Module):
-    """Online network applied to the large views (one call) and the small views (another call).
-
-    One module call per step, so DDP sees a single forward before each backward.
-    """
+    """Online network applied to the large views (one call) and the small views (another call). One module
+    call per step, so DDP sees a single forward before each backward."""
 
     def __init__(self, online: OnlineNetwork) -> None:
         super().__init__()
@@ -153,11 +151,9 @@ def train_step(
     settings: StepSettings,
     ctx: DistributedContext,
 ) -> dict[str, float]:
-    """One ReLICv2 update on this rank's views (L large then S small, each [B, 3, H, W]).
-
-    Returns the step's metrics averaged over ranks. Raises `NonFiniteLossError` on a NaN/inf loss
-    unless `run.on_nonfinite=skip`, in which case the update is skipped and counted.
-    """
+    """One ReLICv2 update on this rank's views (L large then S small, each [B, 3, H, W]). Returns the step's
+    metrics averaged over ranks. Raises `NonFiniteLossError` on a NaN/inf loss unless `run.on_nonfinite=skip`,
+    in which case the update is skipped and counted."""
     config, derived = settings.config, settings.derived
     step, num_large = state.step, config.views.large_views
     batch = views[0].shape[0]
