@@ -52,9 +52,8 @@ def run(config_name: str, overrides: tuple[str, ...], output: Path | None, resum
     from pretrain.trainer import NonFiniteLossError
 
     try:
-        result = run_pretraining(config, resume=resume, fresh=fresh)
-    except (ConfigError, CheckpointError, NonFiniteLossError, OutOfMemory) as error:
-        raise click.ClickException(str(error)) from None
+        with user_errors(ConfigError, CheckpointError, NonFiniteLossError, OutOfMemory):
+            result = run_pretraining(config, resume=resume, fresh=fresh)
     except PretrainingInterrupted as stopped:
         click.echo(str(stopped), err=True)
         raise SystemExit(EXIT_CODES[signal.Signals[stopped.signal_name]]) from None

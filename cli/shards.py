@@ -113,11 +113,9 @@ def merge(directory: Path, wait: float) -> None:
     if not directory.is_dir():
         raise click.ClickException(f"{directory} is not a folder; give the output folder of a shard build")
     try:
-        with folder_lock(directory, "relicv2 shards merge"):
+        with user_errors(FileNotFoundError, RuntimeError), folder_lock(directory, "relicv2 shards merge"):
             report = merge_shard_set(directory, wait_s=wait)
-    except (FileNotFoundError, RuntimeError) as exc:
-        raise click.ClickException(str(exc)) from None
-    except OSError as exc:
+    except OSError as exc:  # other than a missing file: one that cannot be written
         raise click.ClickException(str(output_error(exc, directory))) from None
     echo_merge(directory, report)
 
@@ -171,9 +169,8 @@ def index(spec: str, index_cache: Path | None, workers: int, progress: bool) -> 
 
     cache = default_index_cache(index_cache)
     try:
-        derived = derive_missing_indexes(spec, index_cache=cache, workers=workers, progress=progress)
-    except ShardSetError as exc:
-        raise click.ClickException(str(exc)) from None
+        with user_errors(ShardSetError):
+            derived = derive_missing_indexes(spec, index_cache=cache, workers=workers, progress=progress)
     except OSError as exc:
         raise click.ClickException(f"cannot write index files into {cache} ({exc.strerror or exc}); "
                                    "choose a writable --index-cache") from None

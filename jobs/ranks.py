@@ -23,11 +23,6 @@ class Ranks:
     world_size: int = 1
     local_rank: int = 0
 
-    @property
-    def is_main(self) -> bool:
-        """Rank 0: the process that takes folder locks, merges and prints summaries."""
-        return self.rank == 0
-
 
 def _int(env: Mapping[str, str], name: str, default: str) -> int:
     text = env.get(name, default)

@@ -134,10 +134,9 @@ def encoder_from_payload(payload: dict[str, Any], path: Path, *, network: str = 
     """The encoder of a checkpoint read by `load_checkpoint` from `path` (named in errors)."""
     config = checkpoint_config(payload, path)
     encoder = resnet(config.model.depth, config.model.width)
-    prefix = "encoder."
-    state = {name[len(prefix):]: value for name, value in payload[network].items() if name.startswith(prefix)}
     try:
-        encoder.load_state_dict(state)
+        encoder.load_state_dict({name.removeprefix("encoder."): value for name, value in payload[network].items()
+                                 if name.startswith("encoder.")})
     except RuntimeError as error:
         problem = next((line.strip() for line in str(error).splitlines()[1:] if line.strip()), load_failure(error))
         raise CheckpointError(

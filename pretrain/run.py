@@ -386,8 +386,7 @@ class _Window:
                   "data_wait_s": self.data_wait / max(self.steps, 1)}
         if self.large_views:
             record["masked_fraction"] = self.masked / self.large_views
-        self.start, self.steps, self.data_wait = time.perf_counter(), 0, 0.0
-        self.masked, self.large_views = 0, 0
+        self.__init__()  # the next window starts now
         return record
 
 

@@ -34,8 +34,7 @@ class NonFiniteLossError(RuntimeError):
     """The loss of step `step` (counted from 1, as logged) became NaN or infinite, with `run.on_nonfinite=stop`."""
 
     def __init__(self, step: int, value: float, message: str = "") -> None:
-        self.step = step
-        self.value = value
+        self.step, self.value = step, value
         super().__init__(message or f"loss is {value} at step {step}")
 
 
