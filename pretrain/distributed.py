@@ -112,11 +112,7 @@ def open_shard_sets(ctx: DistributedContext | None, *specs: Spec, check_samples:
 
 def all_gather_tensor(tensor: Tensor, ctx: DistributedContext) -> Tensor:
     """Concatenate every rank's `tensor` along dim 0 in rank order, without gradient."""
-    if not ctx.is_distributed:
-        return tensor
-    parts = [torch.empty_like(tensor) for _ in range(ctx.world_size)]
-    dist.all_gather(parts, tensor.contiguous())
-    return torch.cat(parts)
+    return gather_with_grad(tensor.detach()) if ctx.is_distributed else tensor
 
 
 def all_gather_rows(tensor: Tensor, ctx: DistributedContext) -> Tensor:
