@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -49,7 +48,7 @@ from pretrain.model.untrusted import load_failure
 # The files a run writes in its output folder besides its checkpoints (moved aside together by --fresh).
 RUN_FILES = (SETTINGS_FILE, METRICS_NAME, "tensorboard")
 # The config a run had up to a step, kept when a resume changed it (`write_run_config`).
-_EARLIER_CONFIG = re.compile(r"^config-to-step-(\d{9})\.yaml$")
+EARLIER_CONFIG = "config-to-step-{:09d}.yaml"
 
 
 def save_checkpoint(output_dir: str | Path, payload: dict[str, Any], *, keep: int) -> Path:
@@ -84,7 +83,7 @@ def write_run_config(folder: Path, text: str, *, resumed_at: int | None) -> Path
     path = Path(folder) / SETTINGS_FILE
     kept = None
     if resumed_at is not None and path.is_file() and path.read_text(encoding="utf-8") != text:
-        earlier = Path(folder) / f"config-to-step-{resumed_at:09d}.yaml"
+        earlier = Path(folder) / EARLIER_CONFIG.format(resumed_at)
         if not earlier.exists():
             os.replace(path, earlier)
             kept = earlier
@@ -97,7 +96,7 @@ def move_run_aside(output_dir: str | Path) -> Path | None:
     new folder, or None when there was nothing to move."""
     folder = Path(output_dir)
     found = [*list_checkpoints(folder), *(folder / name for name in RUN_FILES if (folder / name).exists()),
-             *sorted(p for p in folder.glob("config-to-step-*.yaml") if _EARLIER_CONFIG.match(p.name))]
+             *sorted(folder.glob(EARLIER_CONFIG.replace("{:09d}", "[0-9]" * 9)))]
     if not found:
         return None
     stamp = time.strftime("previous-%Y%m%d-%H%M%S")

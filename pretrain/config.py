@@ -93,8 +93,7 @@ class KnnConfig:
 
     def __post_init__(self) -> None:
         # Checked here, not only in PretrainConfig: `relicv2 eval knn` builds this section alone.
-        if not math.isfinite(self.temperature):
-            raise ConfigError(f"temperature must be a finite number, got {self.temperature}")
+        _validate_finite(self)
         for name in ("every_epochs", "k", "temperature", "crop_size", "batch_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")

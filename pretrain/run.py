@@ -248,7 +248,7 @@ def _pretrain(config: PretrainConfig, ctx: DistributedContext, views: ViewsFacto
                      steps_per_epoch=len(source))
     settings = StepSettings.from_config(config, derived, ctx)
     state = build_state(config, ctx, settings)
-    start = Path(resume) if resume is not None else (latest_checkpoint(out) if auto_resume else None)
+    start = Path(resume) if resume is not None else (own if auto_resume else None)
     if start is not None:  # before config.yaml is written: a refused resume leaves the folder as it was
         notes = restore(state, source, load_checkpoint(start), ctx, start, config,
                         steps_per_epoch=derived.steps_per_epoch)
