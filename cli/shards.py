@@ -71,16 +71,10 @@ def build(input_path: Path, out_arg: Path | None, out_opt: Path | None, max_byte
     if (out_arg is None) == (out_opt is None):
         raise click.UsageError("give the output folder once: as OUT or as --out")
     out_dir = out_arg or out_opt
-    config = BuildConfig(
-        input=input_path,
-        out_dir=out_dir,
-        max_bytes=parse_size(max_bytes),
-        merge_timeout_s=merge_timeout,
-        command=shlex.join(["relicv2", "shards", "build", *sys.argv[sys.argv.index("build") + 1 :]])
-        if "build" in sys.argv
-        else "",
-        **options,
-    )
+    command = (shlex.join(["relicv2", "shards", "build", *sys.argv[sys.argv.index("build") + 1 :]])
+               if "build" in sys.argv else "")
+    config = BuildConfig(input=input_path, out_dir=out_dir, max_bytes=parse_size(max_bytes),
+                         merge_timeout_s=merge_timeout, command=command, **options)
     with user_errors(InputError, RanksError, OutputError, FileNotFoundError, RuntimeError):
         ranks = ranks_from_env()
         click.echo(settings_text(config, version=package_version()).rstrip(), err=True)

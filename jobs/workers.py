@@ -119,22 +119,14 @@ def one_thread() -> None:
     threadpool_limits(1)
 
 
-def worker_pool(
-    workers: int,
-    *,
-    start_method: str | None = None,
-    initializer: Callable[..., object] | None = None,
-    initargs: tuple = (),
-) -> cf.ProcessPoolExecutor:
+def worker_pool(workers: int, *, start_method: str | None = None,
+                initializer: Callable[..., object] | None = None,
+                initargs: tuple = ()) -> cf.ProcessPoolExecutor:
     """A process pool of `workers` processes that exit with the calling process. Default start method: fork
     where available (workers start in milliseconds and do not re-import the CLI and torch); pass "spawn" when
     the parent runs thread pools (BLAS, OpenCV) that a fork could deadlock. `initializer(*initargs)` runs in
     each worker after the parent watch is set up."""
     if start_method is None:
         start_method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    return _Pool(
-        workers,
-        mp_context=multiprocessing.get_context(start_method),
-        initializer=_initialize,
-        initargs=(os.getpid(), initializer, initargs),
-    )
+    return _Pool(workers, mp_context=multiprocessing.get_context(start_method), initializer=_initialize,
+                 initargs=(os.getpid(), initializer, initargs))

@@ -163,10 +163,8 @@ def per_rank_batch(config: PretrainConfig, world_size: int) -> int:
     """optim.global_batch split over the ranks; an error when it does not divide evenly."""
     batch = config.optim.global_batch
     if batch % world_size:
-        raise ConfigError(
-            f"optim.global_batch={batch} is not divisible by the world size {world_size}; "
-            f"set optim.global_batch to a multiple of {world_size}"
-        )
+        raise ConfigError(f"optim.global_batch={batch} is not divisible by the world size {world_size}; "
+                          f"set optim.global_batch to a multiple of {world_size}")
     return batch // world_size
 
 
@@ -180,19 +178,12 @@ def derive(
     if steps_per_epoch is None:
         steps_per_epoch = dataset_size // batch
     if steps_per_epoch <= 0:
-        raise ConfigError(
-            f"the data set has {dataset_size} images, fewer than one global batch of {batch}; "
-            "lower optim.global_batch or use more data"
-        )
-    return DerivedValues(
-        world_size=world_size,
-        per_rank_batch=rank_batch,
-        dataset_size=dataset_size,
-        steps_per_epoch=steps_per_epoch,
-        total_steps=steps_per_epoch * config.optim.epochs,
-        warmup_steps=round(steps_per_epoch * config.optim.warmup_epochs),
-        peak_lr=peak_learning_rate(config.optim.base_lr, batch),
-    )
+        raise ConfigError(f"the data set has {dataset_size} images, fewer than one global batch of {batch}; "
+                          "lower optim.global_batch or use more data")
+    return DerivedValues(world_size=world_size, per_rank_batch=rank_batch, dataset_size=dataset_size,
+                         steps_per_epoch=steps_per_epoch, total_steps=steps_per_epoch * config.optim.epochs,
+                         warmup_steps=round(steps_per_epoch * config.optim.warmup_epochs),
+                         peak_lr=peak_learning_rate(config.optim.base_lr, batch))
 
 
 PRESETS = Presets(job="relicv2 pretrain", package="pretrain")

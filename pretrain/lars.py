@@ -31,10 +31,8 @@ class LARS(torch.optim.Optimizer):
     def __init__(self, param_groups: Iterable[Any], lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
                  trust_coefficient: float = 1e-3) -> None:
         if lr < 0 or not 0 <= momentum < 1 or weight_decay < 0 or trust_coefficient <= 0:
-            raise ValueError(
-                f"invalid LARS settings: lr={lr}, momentum={momentum}, weight_decay={weight_decay}, "
-                f"trust_coefficient={trust_coefficient}"
-            )
+            raise ValueError(f"invalid LARS settings: lr={lr}, momentum={momentum}, "
+                             f"weight_decay={weight_decay}, trust_coefficient={trust_coefficient}")
         super().__init__(param_groups, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
                                             trust_coefficient=trust_coefficient, lars_exclude=False))
 

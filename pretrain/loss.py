@@ -61,14 +61,9 @@ def gather_with_grad(tensor: Tensor) -> Tensor:
     return _GatherWithGrad.apply(tensor)
 
 
-def sample_negatives(
-    batch_size: int,
-    num_negatives: int,
-    num_draws: int,
-    *,
-    generator: torch.Generator | None = None,
-    device: torch.device | str | None = None,
-) -> Tensor:
+def sample_negatives(batch_size: int, num_negatives: int, num_draws: int, *,
+                     generator: torch.Generator | None = None,
+                     device: torch.device | str | None = None) -> Tensor:
     """Indices [num_draws, batch_size, num_negatives]: for each draw and row i, `num_negatives` distinct
     indices from {0..batch_size-1} \\ {i}, uniformly without replacement, drawn from `generator` (on its
     device), then moved to `device`. Cost O(num_draws * batch_size * num_negatives^2), never a [batch_size,
@@ -88,19 +83,11 @@ def sample_negatives(
     return (chosen + (chosen >= rows).long()).to(device if device is not None else draw_device)
 
 
-def relicv2_loss(
-    online_large: Sequence[Tensor],
-    online_small: Sequence[Tensor],
-    target_large: Sequence[Tensor],
-    *,
-    temperature: float,
-    num_negatives: int,
-    contrast_weight: float,
-    invariance_weight: float,
-    generator: torch.Generator | None = None,
-    anchor_offset: int = 0,
-    gathered_online: Sequence[Tensor] | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def relicv2_loss(online_large: Sequence[Tensor], online_small: Sequence[Tensor],
+                 target_large: Sequence[Tensor], *, temperature: float, num_negatives: int,
+                 contrast_weight: float, invariance_weight: float, generator: torch.Generator | None = None,
+                 anchor_offset: int = 0,
+                 gathered_online: Sequence[Tensor] | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """ReLICv2 loss over all large x large and small x large (online, target) view pairs.
 
     online_large: L tensors [B, D] (local batch), online_small: S tensors [B, D] (may be empty),
@@ -148,9 +135,8 @@ def relicv2_loss(
             negatives = sample_negatives(total, num_negatives, num_online * num_target, generator=generator,
                                          device=device).view(num_online, num_target, total, num_negatives)
             candidates = torch.cat([anchor_columns, negatives[:, :, anchors]], dim=-1)  # [V, L, B, 1 + n_e]
-            forward_logits, reverse_logits = _candidate_logits(
-                online, candidates_online, target, target_anchor, candidates
-            )
+            forward_logits, reverse_logits = _candidate_logits(online, candidates_online, target, target_anchor,
+                                                               candidates)
             positive = torch.zeros_like(candidates[..., :1])  # column 0 is the anchor itself
         contrastive, invariance = _relic_terms(forward_logits / temperature, reverse_logits / temperature, positive)
         loss = contrast_weight * contrastive + invariance_weight * invariance
@@ -194,19 +180,12 @@ def _relic_terms(forward_logits: Tensor, reverse_logits: Tensor, positive: Tenso
     return contrastive.mean(), invariance.mean()
 
 
-def _check_inputs(
-    online_large: Sequence[Tensor],
-    online_views: list[Tensor],
-    target_large: Sequence[Tensor],
-    gathered_online: Sequence[Tensor] | None,
-    anchor_offset: int,
-) -> None:
+def _check_inputs(online_large: Sequence[Tensor], online_views: list[Tensor], target_large: Sequence[Tensor],
+                  gathered_online: Sequence[Tensor] | None, anchor_offset: int) -> None:
     """Raise ValueError on inconsistent view counts or shapes."""
     if len(online_large) == 0 or len(target_large) != len(online_large):
-        raise ValueError(
-            f"need L >= 1 large views in both networks, got {len(online_large)} online and "
-            f"{len(target_large)} target"
-        )
+        raise ValueError(f"need L >= 1 large views in both networks, got {len(online_large)} online and "
+                         f"{len(target_large)} target")
     batch, dim = online_views[0].shape
     total = target_large[0].shape[0]
     if any(o.shape != (batch, dim) for o in online_views):
@@ -219,10 +198,8 @@ def _check_inputs(
         raise ValueError(f"anchor_offset {anchor_offset} does not fit {batch} anchors in {total} rows")
     if gathered_online is None:
         if total != batch:
-            raise ValueError(
-                f"target_large has {total} rows but the local batch is {batch}: pass the online "
-                "views gathered with gather_with_grad as gathered_online"
-            )
+            raise ValueError(f"target_large has {total} rows but the local batch is {batch}: pass the online "
+                             "views gathered with gather_with_grad as gathered_online")
     elif len(gathered_online) != len(online_views) or any(
         g.shape != (total, dim) for g in gathered_online
     ):

@@ -17,10 +17,8 @@ def learning_rate(step: int, *, peak_lr: float, warmup_steps: int, total_steps: 
     """lr at `step`: linear warmup from 0 to `peak_lr` (see `peak_learning_rate`), then cosine to 0;
     lr(0) = 0, lr(warmup_steps) = peak, lr(total_steps) = 0, steps past the end stay at 0."""
     if total_steps <= 0 or not 0 <= warmup_steps <= total_steps:
-        raise ValueError(
-            f"need 0 <= warmup_steps <= total_steps and total_steps > 0, got "
-            f"warmup_steps={warmup_steps}, total_steps={total_steps}"
-        )
+        raise ValueError(f"need 0 <= warmup_steps <= total_steps and total_steps > 0, got "
+                         f"warmup_steps={warmup_steps}, total_steps={total_steps}")
     if not math.isfinite(peak_lr):
         raise ValueError(f"peak lr must be finite, got {peak_lr}")
     step = min(max(step, 0), total_steps)

@@ -105,10 +105,9 @@ def build_state(config: PretrainConfig, ctx: DistributedContext, settings: StepS
     """Fresh networks, LARS optimizer and generator on `ctx.device`; identical weights on every rank."""
     torch.manual_seed(config.run.seed)  # every rank builds the same initial weights
     model = config.model
-    online, target = build_networks(
-        model.depth, model.width, hidden_dim=model.hidden_dim, out_dim=model.out_dim,
-        zero_init_residual=model.zero_init_residual, activation_checkpointing=model.activation_checkpointing,
-    )
+    online, target = build_networks(model.depth, model.width, hidden_dim=model.hidden_dim, out_dim=model.out_dim,
+                                    zero_init_residual=model.zero_init_residual,
+                                    activation_checkpointing=model.activation_checkpointing)
     if ctx.is_distributed and model.sync_batchnorm is not False:  # None: BN over the global batch (BYOL recipe)
         online = convert_sync_batchnorm(online, ctx)
         target = convert_sync_batchnorm(target, ctx)
@@ -116,13 +115,9 @@ def build_state(config: PretrainConfig, ctx: DistributedContext, settings: StepS
     online = online.to(ctx.device, memory_format=memory_format)
     target = target.to(ctx.device, memory_format=memory_format)
     target.train()  # the target normalises with batch statistics, as in BYOL
-    optimizer = LARS(
-        parameter_groups(online, config.optim.weight_decay),
-        lr=0.0,  # set from the schedule at every step
-        momentum=config.optim.momentum,
-        weight_decay=config.optim.weight_decay,
-        trust_coefficient=config.optim.trust_coefficient,
-    )
+    optimizer = LARS(parameter_groups(online, config.optim.weight_decay), lr=0.0,  # the schedule's, each step
+                     momentum=config.optim.momentum, weight_decay=config.optim.weight_decay,
+                     trust_coefficient=config.optim.trust_coefficient)
     return TrainState(online, target, optimizer, generator=torch.Generator(device=ctx.device))
 
 
@@ -141,15 +136,10 @@ def wrap_networks(
     return online_forward, target_forward
 
 
-def train_step(
-    state: TrainState,
-    views: Sequence[Tensor],
-    *,
-    online_forward: Callable[[Tensor, Tensor | None], tuple[Tensor, Tensor | None]],
-    target_forward: Callable[[Tensor], Tensor],
-    settings: StepSettings,
-    ctx: DistributedContext,
-) -> dict[str, float]:
+def train_step(state: TrainState, views: Sequence[Tensor], *,
+               online_forward: Callable[[Tensor, Tensor | None], tuple[Tensor, Tensor | None]],
+               target_forward: Callable[[Tensor], Tensor], settings: StepSettings,
+               ctx: DistributedContext) -> dict[str, float]:
     """One ReLICv2 update on this rank's views (L large then S small, each [B, 3, H, W]). Returns the step's
     metrics averaged over ranks. Raises `NonFiniteLossError` on a NaN/inf loss unless `run.on_nonfinite=skip`,
     in which case the update is skipped and counted."""
