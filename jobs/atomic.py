@@ -1,8 +1,6 @@
-"""Atomic file output: write to a hidden temporary name, fsync, rename over the final name.
-
-Every job in this project may be killed at any moment (docs/design.md), so a final name must only ever
-hold a complete file. A temporary name starts with "." so directory listings of shards ignore it.
-"""
+"""Atomic file output: write to a hidden temporary name, fsync, rename over the final name. Every job may be
+killed at any moment (docs/design.md), so a final name must only ever hold a complete file; a temporary name
+starts with "." so directory listings of shards ignore it."""
 
 from __future__ import annotations
 

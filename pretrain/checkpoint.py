@@ -1,8 +1,7 @@
 """Pretraining checkpoints: atomic files, keep-last-K rotation, strict loading.
 
-One file per save, `checkpoint-{step:09d}.pt` in the run's output folder, written to a hidden
-temporary name, fsynced and renamed (a killed job never leaves a half-written checkpoint under a
-final name). Contents (plain containers of tensors and builtins, so `torch.load(weights_only=True)`
+One file per save, `checkpoint-{step:09d}.pt` in the run's output folder, written atomically
+(`jobs.atomic`). Contents (plain containers of tensors and builtins, so `torch.load(weights_only=True)`
 reads them and nothing in the file can run code):
 
     format       "relicv2-pretrain-checkpoint"      version  1

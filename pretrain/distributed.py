@@ -1,9 +1,6 @@
-"""The distributed set-up in one place: read torchrun's environment, init/teardown, collectives.
-
-`torchrun` exports RANK, WORLD_SIZE and LOCAL_RANK (and the rendezvous address); a plain `python`
-run has none of them and is a world of one. NCCL is used on GPUs, gloo on CPU, so the same code
-runs 2 CPU processes in the tests and many GPUs on a cluster.
-"""
+"""The distributed set-up in one place: torchrun's environment (none: a world of one), init/teardown,
+collectives. NCCL on GPUs, gloo on CPU, so the same code runs 2 CPU processes in the tests and many GPUs on
+a cluster."""
 
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """Restoring a run from a checkpoint: what must match, what may change, and the data position.
 
-A checkpoint stores every rank's data-pipeline state (exact resume with the same ranks) and the
-global data position `{"epoch", "samples"}`: samples consumed in the epoch's global order, which
-is the same whatever the number of ranks. Resuming with another world size re-splits that position
-over the new ranks. With another global batch, progress is kept in images seen (see `restore`).
-
-Data-source state formats (what `ViewSource.load_state_dict` receives):
-- same world size and global batch: the rank's own `state_dict()` from the checkpoint (exact);
-- otherwise the global position, `pretrain.views.source.global_position_state` (every source
-  accepts it; what each keeps is in its `load_state_dict`).
+A checkpoint stores every rank's data-pipeline state and the global data position `{"epoch", "samples"}`
+(samples consumed in the epoch's global order, whatever the number of ranks). With the same world size and
+global batch each rank gets its own `state_dict()` back (exact); otherwise every source is given the global
+position (`pretrain.views.source.global_position_state`), re-split over the new ranks; with another global
+batch, progress is kept in images seen (see `restore`).
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
-"""The pretraining job: checks, the run folder, data source, state, resume, the step loop, checkpoints.
-
-`run_pretraining(config)` is what `relicv2 pretrain` calls, on every rank of a torchrun job (or
-in a plain process). The update itself is `pretrain.trainer.train_step`; restoring is
-`pretrain.resume`; this module only schedules them, in named steps:
-
-    check_before_starting -> open_run_shard_sets (each set resolved once, checked) -> hold the run
-    folder (lock, stale temporaries, --fresh) -> build the data source and state -> resume -> write
-    config.yaml -> train loop (log, checkpoint, kNN, SIGTERM/SIGINT) -> final checkpoint.
-"""
+"""The pretraining job, `run_pretraining`, on every rank of a torchrun job (or in a plain process). The update
+is `pretrain.trainer.train_step` and restoring `pretrain.resume`; this module schedules them: check the
+settings, open the shard sets, hold the run folder, build the data source and state, resume, write
+config.yaml, then the step loop (log, checkpoint, kNN, SIGTERM/SIGINT) and the final checkpoint."""
 
 from __future__ import annotations
 
@@ -432,13 +426,9 @@ def _save(state: TrainState, source: ViewSource, config: PretrainConfig, ctx: Di
     path = checkpoint_path(config.run.output_dir, state.step)
     if ctx.is_main:
         try:
-            path = save_checkpoint(config.run.output_dir, {
-                "config": to_dict(config),
-                **training,
-                "rng": rng_states,
-                "data": data_states,
-                "data_position": asdict(position),
-            }, keep=config.run.keep_checkpoints)
+            payload = {"config": to_dict(config), **training, "rng": rng_states, "data": data_states,
+                       "data_position": asdict(position)}
+            path = save_checkpoint(config.run.output_dir, payload, keep=config.run.keep_checkpoints)
         except (OSError, RuntimeError) as error:  # torch.save reports a full disk as RuntimeError
             raise ConfigError(f"cannot write checkpoint {path}: {str(error).strip().splitlines()[0]}; free "
                               "space or choose another run.output_dir, then rerun to resume") from None

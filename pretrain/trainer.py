@@ -1,9 +1,6 @@
-"""Training state and the single, visible ReLICv2 train step.
-
-The step reads top to bottom in the order of DINO's `train_one_epoch`: schedule -> forward of all
-views -> loss -> non-finite check -> backward -> clip -> optimizer step -> EMA -> metrics.
-Everything it changes lives in one `TrainState`, which is saved and restored as a unit.
-"""
+"""Training state and the single, visible ReLICv2 train step, top to bottom in the order of DINO's
+`train_one_epoch`: schedule -> forward of all views -> loss -> non-finite check -> backward -> clip ->
+optimizer step -> EMA -> metrics. All it changes lives in one `TrainState`, saved and restored as a unit."""
 
 from __future__ import annotations
 
