@@ -44,9 +44,6 @@ class RemovedKey:
     why: str
 
 
-# --- presets ---------------------------------------------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class Preset:
     """One shipped preset: its name, what it is for (its file's first comment line) and its settings."""
@@ -131,9 +128,6 @@ def read_tree(config: str | Path | None, presets: Presets) -> tuple[dict[str, An
     return tree or {}, source
 
 
-# --- --set overrides -------------------------------------------------------------------------------
-
-
 def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
     """`section.key=value` strings as a nested tree; each value read as YAML (empty: the empty string)."""
     tree: dict[str, Any] = {}
@@ -164,9 +158,6 @@ def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
         else:
             merged[key] = value
     return merged
-
-
-# --- building the frozen dataclasses -------------------------------------------------------------
 
 
 def resolve(cls: type, config: str | Path | None, overrides: Sequence[str], presets: Presets,
@@ -291,9 +282,6 @@ def _tuple(value: Any, element_types: tuple[Any, ...], *, key: str, source: str)
         raise ConfigError(f"{source}: {key} must be a list of {len(element_types)} values, got {value!r}")
     return tuple(coerce(v, t, key=f"{key}[{i}]", source=source)
                  for i, (v, t) in enumerate(zip(value, element_types, strict=True)))
-
-
-# --- the one echo format -----------------------------------------------------------------------
 
 
 def to_dict(config: Any) -> Any:

@@ -39,7 +39,8 @@ class Phase:
             print(self.line(now), file=sys.stderr, flush=True)
 
     def set_postfix(self, **fields: Any) -> None:
-        self.postfix = {name: _short(value) for name, value in fields.items()}
+        self.postfix = {name: f"{value:.4g}" if isinstance(value, float) else str(value)
+                        for name, value in fields.items()}
         if self.bar is not None:
             self.bar.set_postfix(self.postfix, refresh=False)
 
@@ -97,7 +98,3 @@ def clock(seconds: float) -> str:
     minutes, secs = divmod(int(round(seconds)), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}"
-
-
-def _short(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
