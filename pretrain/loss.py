@@ -118,9 +118,8 @@ def relicv2_loss(online_large: Sequence[Tensor], online_small: Sequence[Tensor],
     # Softmax over similarities at temperature 0.2 loses too much in bf16: always fp32.
     with torch.autocast(device_type=device.type, enabled=False):
         online = F.normalize(torch.stack(online_views).float(), dim=-1)  # [V, B, D]
-        candidates_online = online if gathered_online is None else (
-            F.normalize(torch.stack(list(gathered_online)).float(), dim=-1)  # [V, N, D]
-        )
+        candidates_online = online if gathered_online is None else F.normalize(  # [V, N, D]
+            torch.stack(list(gathered_online)).float(), dim=-1)
         target = F.normalize(torch.stack(list(target_large)).detach().float(), dim=-1)  # [L, N, D]
         anchors = torch.arange(anchor_offset, anchor_offset + batch, device=device)
         target_anchor = target[:, anchors]  # [L, B, D]
@@ -161,9 +160,8 @@ def _candidate_logits(
     # reverse: rows (b, i), candidates (a, k) index online row a * N + c
     rows = candidates + total * torch.arange(num_online, device=candidates.device).view(-1, 1, 1, 1)
     rows = rows.permute(1, 2, 0, 3).reshape(-1)  # [L, B, V, K]
-    gathered = candidates_online.reshape(-1, dim).index_select(0, rows).view(
-        num_target * batch, num_online * count, dim
-    )
+    gathered = candidates_online.reshape(-1, dim).index_select(0, rows).view(num_target * batch,
+                                                                              num_online * count, dim)
     reverse = torch.bmm(gathered, target_anchor.reshape(num_target * batch, dim, 1))
     reverse = reverse.view(num_target, batch, num_online, count).permute(2, 0, 1, 3)
     return forward, reverse
