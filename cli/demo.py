@@ -18,13 +18,12 @@ from shards.demo import MIN_SIZE, write_demo_images
 @click.option("--size", type=click.IntRange(min=MIN_SIZE), default=128, show_default=True,
               help=f"Side of each square crop in pixels (at least {MIN_SIZE}, the smallest side shards build accepts).")
 @click.option("--seed", default=0, show_default=True)
-def demo_data(output: Path, train_per_class: int, val_per_class: int, size: int, seed: int) -> None:
+def demo_data(output: Path, **options: int) -> None:
     """Write OUTPUT/{train,val}/<class>/*.jpg from photos bundled with scikit-image (no download)."""
     if output.exists() and not output.is_dir():
         raise click.ClickException(f"{output} is an existing file, not a folder; choose a folder path")
     try:
-        counts = write_demo_images(output, train_per_class=train_per_class, val_per_class=val_per_class,
-                                   size=size, seed=seed)
+        counts = write_demo_images(output, **options)  # train_per_class, val_per_class, size, seed
     except OSError as exc:
         raise click.ClickException(f"cannot write {exc.filename or output}: {exc.strerror or exc}; "
                                    "choose a writable folder") from None

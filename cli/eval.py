@@ -7,11 +7,13 @@ from typing import Any
 
 import click
 
+from cli.options import config_or_preset, preset_option
 from jobs.config import ConfigError, parse_overrides
 from pretrain.config import KnnConfig  # light (no torch): the one owner of the kNN defaults
 from shards.shardset import ShardSetError
 
 KNN = KnnConfig()
+KNN_OPTIONS = ("k", "temperature", "crop_size", "resize_size", "batch_size")
 ALLOW_LOST_OPTION = click.option(
     "--allow-lost", is_flag=True,
     help="Score a set that lost samples while read (truncated or missing tars) instead of refusing it; "
@@ -23,17 +25,55 @@ def eval_group() -> None:
     """Evaluate pretrained encoders (kNN, linear probe, semi-supervised fine-tuning)."""
 
 
-def _run(job_fields: dict[str, Any]) -> None:
+def _encoder_options(train_help: str, val_help: str, json_help: str, *more: Any):
+    """The options of every protocol (the encoder, the two labelled sets, the device, the JSON), then `more`."""
+    options = [
+        click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
+                     help="Pretraining checkpoint, run folder (newest checkpoint) or exported encoder file."),
+        click.option("--random-init", "random_depth", type=click.IntRange(min=18), default=None, metavar="DEPTH",
+                     help="Instead of a checkpoint, a randomly initialised ResNet-DEPTH (the baseline)."),
+        click.option("--network", type=click.Choice(["online", "target"]), default="online", show_default=True),
+        click.option("--train", "train_shards", type=click.Path(path_type=Path), required=True, help=train_help),
+        click.option("--val", "val_shards", type=click.Path(path_type=Path), required=True, help=val_help),
+        click.option("--json", "json_path", type=click.Path(path_type=Path), default=None, help=json_help),
+        *more,
+        click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True),
+        click.option("--seed", type=int, default=0, show_default=True, help="Seed of --random-init."),
+    ]
+
+    def decorate(function):
+        for option in reversed(options):
+            function = option(function)
+        return function
+    return decorate
+
+
+_TRAINED_HEAD_OPTIONS = _encoder_options(
+    "Labelled shard set to train the head on.", "Labelled shard set to score.",
+    "Also write the result as JSON to this file.",
+    click.option("--output", type=click.Path(path_type=Path), default=None,
+                 help="Folder for caches, head checkpoints (resumed on rerun), config.yaml and result.json."),
+    click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+                 help="Override one setting of the preset, e.g. --set epochs=10 (repeatable)."),
+    preset_option,
+)
+
+
+def _run(checkpoint: Path | None, random_depth: int | None, network: str, seed: int, **job_fields: Any) -> None:
     """Build the `EvalJob` and run it: the outcome on stdout, shortfalls on stderr, errors as one line."""
     from jobs.lock import FolderLockedError
     from pretrain.checkpoint import CheckpointError
-    from pretrain.eval.job import ALLOW_LOST_HINT, EvalJob, run_eval
+    from pretrain.eval.job import ALLOW_LOST_HINT, Backbone, EvalJob, run_eval
     from pretrain.eval.outcome import LostSamplesError
     from pretrain.eval.paper import HeadCheckpointError
     from pretrain.model.encoder_file import ExportError
 
     try:
-        outcome = run_eval(EvalJob(**job_fields), log=click.echo)
+        backbone = Backbone(checkpoint=checkpoint, random_depth=random_depth, network=network, seed=seed)
+    except ConfigError as error:
+        raise click.UsageError(str(error)) from None
+    try:
+        outcome = run_eval(EvalJob(backbone=backbone, **job_fields), log=click.echo)
     except LostSamplesError as error:
         raise click.ClickException(f"{error}{ALLOW_LOST_HINT}") from None
     except ShardSetError as error:  # --train or --val names no usable set
@@ -49,107 +89,49 @@ def _run(job_fields: dict[str, Any]) -> None:
         click.echo(line, err=True)
 
 
-def _backbone(checkpoint: Path | None, random_depth: int | None, network: str, seed: int):
-    from pretrain.eval.job import Backbone
-
-    try:
-        return Backbone(checkpoint=checkpoint, random_depth=random_depth, network=network, seed=seed)
-    except ConfigError as error:
-        raise click.UsageError(str(error)) from None
-
-
 @eval_group.command("knn")
-@click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
-              help="Pretraining checkpoint (checkpoint-*.pt), or a run folder (its newest checkpoint).")
-@click.option("--random-init", "random_depth", type=click.IntRange(min=18), default=None, metavar="DEPTH",
-              help="Instead of a checkpoint, a randomly initialised ResNet-DEPTH (the baseline).")
-@click.option("--network", type=click.Choice(["online", "target"]), default="online", show_default=True)
-@click.option("--train", "train_shards", type=click.Path(path_type=Path), required=True,
-              help="Labelled shard set whose features form the bank.")
-@click.option("--val", "val_shards", type=click.Path(path_type=Path), required=True,
-              help="Labelled shard set to classify.")
-@click.option("--k", type=click.IntRange(min=1), default=None, help=f"Neighbours that vote [default: {KNN.k}].")
-@click.option("--temperature", type=float, default=None,
-              help=f"Vote weight exp(cos / T) [default: {KNN.temperature}].")
-@click.option("--crop-size", type=click.IntRange(min=8), default=None, help=f"Centre crop [default: {KNN.crop_size}].")
-@click.option("--resize-size", type=click.IntRange(min=0), default=None,
-              help=f"Short side before the centre crop; 0 means crop-size / 0.875 [default: {KNN.resize_size}].")
-@click.option("--batch-size", type=click.IntRange(min=1), default=None, help=f"[default: {KNN.batch_size}]")
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of --random-init.")
-@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
-              help="Also write the result as JSON (protocol, checkpoint, top1, num_train, ...) to this file.")
+@_encoder_options(
+    "Labelled shard set whose features form the bank.", "Labelled shard set to classify.",
+    "Also write the result as JSON (protocol, checkpoint, top1, num_train, ...) to this file.",
+    click.option("--k", type=click.IntRange(min=1), default=None, help=f"Neighbours that vote [default: {KNN.k}]."),
+    click.option("--temperature", type=float, default=None,
+                 help=f"Vote weight exp(cos / T) [default: {KNN.temperature}]."),
+    click.option("--crop-size", type=click.IntRange(min=8), default=None,
+                 help=f"Centre crop [default: {KNN.crop_size}]."),
+    click.option("--resize-size", type=click.IntRange(min=0), default=None,
+                 help=f"Short side before the centre crop; 0 means crop-size / 0.875 [default: {KNN.resize_size}]."),
+    click.option("--batch-size", type=click.IntRange(min=1), default=None, help=f"[default: {KNN.batch_size}]"),
+)
 @ALLOW_LOST_OPTION
-def knn(checkpoint: Path | None, random_depth: int | None, network: str, train_shards: Path, val_shards: Path,
-        k: int | None, temperature: float | None, crop_size: int | None, resize_size: int | None,
-        batch_size: int | None, device: str, seed: int, json_path: Path | None, allow_lost: bool) -> None:
+def knn(**options: Any) -> None:
     """Weighted cosine kNN top-1 of an encoder: train features as the bank (defaults: pretrain.config.KnnConfig)."""
     from pretrain.eval.job import knn_settings
 
-    backbone = _backbone(checkpoint, random_depth, network, seed)
-    given = {"k": k, "temperature": temperature, "crop_size": crop_size, "resize_size": resize_size,
-             "batch_size": batch_size}
+    given = {name: options.pop(name) for name in KNN_OPTIONS}
     try:
         settings = knn_settings(given)
     except ConfigError as error:
         raise click.UsageError(str(error)) from None
-    _run({"backbone": backbone, "train_shards": train_shards, "val_shards": val_shards, "config": settings,
-          "json_path": json_path, "device": device, "allow_lost": allow_lost,
-          "given": frozenset(name for name, value in given.items() if value is not None)})
+    _run(config=settings, given=frozenset(name for name, value in given.items() if value is not None), **options)
 
 
-_BACKBONE_OPTIONS = [
-    click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
-                 help="Pretraining checkpoint, run folder (newest checkpoint) or exported encoder file."),
-    click.option("--random-init", "random_depth", type=click.IntRange(min=18), default=None, metavar="DEPTH",
-                 help="Instead of a checkpoint, a randomly initialised ResNet-DEPTH (the baseline)."),
-    click.option("--network", type=click.Choice(["online", "target"]), default="online", show_default=True),
-    click.option("--train", "train_shards", type=click.Path(path_type=Path), required=True,
-                 help="Labelled shard set to train the head on."),
-    click.option("--val", "val_shards", type=click.Path(path_type=Path), required=True,
-                 help="Labelled shard set to score."),
-    click.option("--output", type=click.Path(path_type=Path), default=None,
-                 help="Folder for caches, head checkpoints (resumed on rerun), config.yaml and result.json."),
-    click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
-                 help="Also write the result as JSON to this file."),
-    click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-                 help="Override one setting of the preset, e.g. --set epochs=10 (repeatable)."),
-    click.option("--preset", "preset_name", metavar="NAME", default=None,
-                 help="Same as --config NAME (kept for existing commands)."),
-    click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True),
-    click.option("--seed", type=int, default=0, show_default=True, help="Seed of --random-init."),
-]
-
-
-def _backbone_options(function):
-    for option in reversed(_BACKBONE_OPTIONS):
-        function = option(function)
-    return function
-
-
-def _settings(load: Any, name: str, overrides: tuple[str, ...]) -> Any:
-    """The protocol's settings: preset or file `name` with the --set overrides; a mistake is a usage error."""
+def _settings(load: Any, config_name: str | None, preset_name: str | None, default: str,
+              overrides: tuple[str, ...]) -> Any:
+    """The protocol's settings: preset or file (`--config`, or its old name `--preset`) with the --set
+    overrides; a mistake is a usage error."""
     try:
-        return load(name, overrides)
+        return load(config_or_preset(config_name, preset_name) or default, overrides)
     except ConfigError as error:
         raise click.BadParameter(str(error), param_hint="--config/--set") from None
 
 
-def _config_name(config_name: str | None, preset_name: str | None, default: str) -> str:
-    if config_name is not None and preset_name is not None:
-        raise click.UsageError("--preset is another name for --config: give one of them")
-    return config_name or preset_name or default
-
-
 @eval_group.command("linear")
-@_backbone_options
+@_TRAINED_HEAD_OPTIONS
 @click.option("--config", "config_name", metavar="NAME|FILE.yaml", default=None,
               help="paper (default): augmented views, 100 epochs; fast: cached centre-crop features (seconds on "
                    "CPU); or a YAML file of LinearConfig keys.")
 @ALLOW_LOST_OPTION
-def linear(checkpoint: Path | None, random_depth: int | None, network: str, train_shards: Path, val_shards: Path,
-           output: Path | None, json_path: Path | None, overrides: tuple[str, ...], preset_name: str | None,
-           device: str, seed: int, config_name: str | None, allow_lost: bool) -> None:
+def linear(config_name: str | None, preset_name: str | None, overrides: tuple[str, ...], **options: Any) -> None:
     """Linear probe of a frozen encoder: top-1 / top-5 (paper protocol or the fast cached one).
 
     \b
@@ -158,24 +140,19 @@ def linear(checkpoint: Path | None, random_depth: int | None, network: str, trai
     """
     from pretrain.eval.job import load_linear_config
 
-    backbone = _backbone(checkpoint, random_depth, network, seed)
-    config = _settings(load_linear_config, _config_name(config_name, preset_name, "paper"), overrides)
-    _run({"backbone": backbone, "train_shards": train_shards, "val_shards": val_shards, "config": config,
-          "output": output, "json_path": json_path, "device": device, "allow_lost": allow_lost,
-          "given": frozenset(parse_overrides(overrides))})
+    config = _settings(load_linear_config, config_name, preset_name, "paper", overrides)
+    _run(config=config, given=frozenset(parse_overrides(overrides)), **options)
 
 
 @eval_group.command("finetune")
-@_backbone_options
-@click.option("--labels", "labels_path", type=click.Path(path_type=Path), required=True,
+@_TRAINED_HEAD_OPTIONS
+@click.option("--labels", type=click.Path(path_type=Path), required=True,
               help="Key list of the labelled subset (relicv2 shards subset ... --out KEYS.txt).")
 @click.option("--config", "config_name", metavar="NAME|FILE.yaml", default=None,
               help="1pct (default) or 10pct: the paper's recipe for that label split (batch, head / encoder lr, "
                    "weight decay); or a YAML file of FinetuneConfig keys.")
-def finetune_command(checkpoint: Path | None, random_depth: int | None, network: str, train_shards: Path,
-                     val_shards: Path, output: Path | None, json_path: Path | None, overrides: tuple[str, ...],
-                     preset_name: str | None, device: str, seed: int, labels_path: Path,
-                     config_name: str | None) -> None:
+def finetune_command(config_name: str | None, preset_name: str | None, overrides: tuple[str, ...],
+                     **options: Any) -> None:
     """Semi-supervised fine-tuning: encoder + new linear head on a labelled key subset, 20 epochs.
 
     \b
@@ -184,8 +161,5 @@ def finetune_command(checkpoint: Path | None, random_depth: int | None, network:
     """
     from pretrain.eval.job import load_finetune_config
 
-    backbone = _backbone(checkpoint, random_depth, network, seed)
-    config = _settings(load_finetune_config, _config_name(config_name, preset_name, "1pct"), overrides)
-    _run({"backbone": backbone, "train_shards": train_shards, "val_shards": val_shards, "config": config,
-          "output": output, "json_path": json_path, "device": device, "labels": labels_path,
-          "given": frozenset(parse_overrides(overrides))})
+    config = _settings(load_finetune_config, config_name, preset_name, "1pct", overrides)
+    _run(config=config, given=frozenset(parse_overrides(overrides)), **options)

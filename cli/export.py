@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from cli.options import user_errors
+
 
 @click.command("export", context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--checkpoint", type=click.Path(path_type=Path), required=True,
@@ -26,9 +28,8 @@ def export(checkpoint: Path, out: Path, network: str) -> None:
     from pretrain.model.encoder_file import sidecar_path
 
     try:
-        sidecar = export_checkpoint(checkpoint, out, network=network)
-    except (CheckpointError, ValueError) as error:  # ExportError (a folder as --out) is a ValueError
-        raise click.ClickException(str(error)) from None
+        with user_errors(CheckpointError, ValueError):  # ExportError (a folder as --out) is a ValueError
+            sidecar = export_checkpoint(checkpoint, out, network=network)
     except OSError as error:  # a full disk, a read-only folder, a file where a folder should be
         raise click.ClickException(f"{error.filename or out}: {error.strerror or error}") from None
     click.echo(f"wrote {out} ({sidecar['format']} format, {sidecar['arch']}, {network} network, step "
@@ -54,10 +55,9 @@ def import_official(source: Path, out: Path, params: str) -> None:
     from pretrain.model.encoder_file import ExportError, check_output_file
 
     try:
-        check_output_file(out)  # before the (large) release file is read
-        sidecar = import_official_checkpoint(source, out, network=params)
-    except (OfficialImportError, ExportError) as error:
-        raise click.ClickException(str(error)) from None
+        with user_errors(OfficialImportError, ExportError):
+            check_output_file(out)  # before the (large) release file is read
+            sidecar = import_official_checkpoint(source, out, network=params)
     except OSError as error:
         raise click.ClickException(f"{error.filename or out}: {error.strerror or error}") from None
     click.echo(f"wrote {out} ({sidecar['arch']}, padding {sidecar['padding']}, {sidecar['format']} format) "

@@ -1,8 +1,5 @@
-"""The `relicv2` command: one click group per stage, each defined in its own module.
-
-Sub-command modules are imported only when their command runs (or its help is shown), so that
-`relicv2 shards build` does not pay for importing torch, DALI and the trainer.
-"""
+"""The `relicv2` command: one click group per stage, each defined in its own module and imported only when
+its command runs (or its help is shown), so that `relicv2 shards build` does not pay for torch and DALI."""
 
 from __future__ import annotations
 
@@ -15,12 +12,9 @@ from cli import signals
 
 
 class LazyGroup(click.Group):
-    """A click group whose sub-commands are named as "module:attribute" and imported on first use.
-
-    With `default_command`, arguments that do not start with a sub-command name go to that command:
-    `relicv2 pretrain --config X` trains, `relicv2 pretrain preview-views ...` previews. click has
-    neither lazy loading nor default sub-commands built in, hence this small class.
-    """
+    """A click group whose sub-commands are named as "module:attribute" and imported on first use; with
+    `default_command`, arguments that do not start with a sub-command name go to that command (`relicv2
+    pretrain --config X` trains). click has neither lazy loading nor default sub-commands built in."""
 
     def __init__(self, *args, lazy_commands: dict[str, tuple[str, str]] | None = None,
                  default_command: str | None = None, **kwargs):
@@ -84,7 +78,7 @@ def cli() -> None:
 
 @cli.group(cls=LazyGroup, default_command="run", lazy_commands={
     "run": ("cli.pretrain:run", "Pretrain with ReLICv2 (the default: `relicv2 pretrain --config ...`)."),
-    "preview-views": ("cli.views:preview_views", "Write a PNG grid of the augmented views of a few images."),
+    "preview-views": ("cli.pretrain:preview_views", "Write a PNG grid of the augmented views of a few images."),
 })
 def pretrain() -> None:
     """Pretrain a ResNet with ReLICv2, or preview its augmented views.

@@ -1,11 +1,15 @@
-"""`relicv2 pretrain run` (the default of `relicv2 pretrain`)."""
+"""`relicv2 pretrain run` (the default of `relicv2 pretrain`) and `relicv2 pretrain preview-views`."""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
+from typing import Any
 
 import click
 
+from cli.options import user_errors
+from cli.signals import EXIT_CODES
 from jobs.version import package_version
 from pretrain.config import ConfigError, describe, load_config
 
@@ -37,10 +41,8 @@ def run(config_name: str, overrides: tuple[str, ...], output: Path | None, resum
         overrides = (*overrides, f"run.output_dir={output}")
     if fresh and resume is not None:
         raise click.UsageError("--fresh starts anew and --resume continues a run: give one of them")
-    try:
+    with user_errors(ConfigError):
         config = load_config(config_name, overrides)
-    except ConfigError as error:
-        raise click.ClickException(str(error)) from None
     if print_config:
         click.echo(describe(config, version=package_version()), nl=False)
         return
@@ -50,11 +52,32 @@ def run(config_name: str, overrides: tuple[str, ...], output: Path | None, resum
     from pretrain.trainer import NonFiniteLossError
 
     try:
-        result = run_pretraining(config, resume=resume, fresh=fresh)
-    except (ConfigError, CheckpointError, NonFiniteLossError, OutOfMemory) as error:
-        raise click.ClickException(str(error)) from None
+        with user_errors(ConfigError, CheckpointError, NonFiniteLossError, OutOfMemory):
+            result = run_pretraining(config, resume=resume, fresh=fresh)
     except PretrainingInterrupted as stopped:
         click.echo(str(stopped), err=True)
-        # 128 + signal number, as a shell reports a process stopped by that signal
-        raise SystemExit(143 if stopped.signal_name == "SIGTERM" else 130) from None
+        raise SystemExit(EXIT_CODES[signal.Signals[stopped.signal_name]]) from None
     click.echo(f"done: {result.step} steps ({result.skipped_steps} skipped); last checkpoint {result.last_checkpoint}")
+
+
+@click.command()
+@click.option("--shards", "shards", required=True, type=click.Path(path_type=Path),
+              help="Shard set: a folder (ours, or plain WebDataset tars), a brace pattern or one .tar.")
+@click.option("--output", required=True, type=click.Path(dir_okay=False, path_type=Path), help="PNG file to write.")
+@click.option("--count", default=4, show_default=True, type=click.IntRange(1, 64), help="Images (grid rows).")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--mask-probability", default=0.5, show_default=True, type=click.FloatRange(0, 1),
+              help="p_m for the preview (the paper trains with 0.1); masked views get an orange frame.")
+@click.option("--backend", default="dali", show_default=True, type=click.Choice(["dali", "reference"]))
+@click.option("--large-size", default=224, show_default=True, type=int)
+@click.option("--small-size", default=96, show_default=True, type=int)
+def preview_views(shards: Path, output: Path, count: int, seed: int, **view_options: Any) -> None:
+    """Write a PNG grid of the augmented views of a few images (rows: images; columns: views)."""
+    from pretrain.views.config import ViewConfig
+    from pretrain.views.preview import write_view_grid
+
+    with user_errors(ValueError, FileNotFoundError):
+        views = ViewConfig(num_threads=1, **view_options)  # mask_probability, backend, large_size, small_size
+        summary = write_view_grid(shards, output, views, count=count, seed=seed)
+    click.echo(f"wrote {summary['output']}: {count} images x {summary['views']} views, {summary['masked_views']} masked "
+               f"({summary['backend']}); keys: {', '.join(summary['keys'])}")

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
+
+from cli.options import user_errors
 
 EXISTING = click.Path(exists=True, path_type=Path)
 
@@ -27,18 +30,12 @@ EXISTING = click.Path(exists=True, path_type=Path)
 @click.option("--count", type=click.IntRange(1, 32), default=4, show_default=True,
               help="Images in the saliency figure.")
 @click.option("--title", default="ReLICv2 run report", show_default=True)
-def report(out: Path, run_dir: Path | None, eval_json: tuple[Path, ...], saliency_report: Path | None,
-           maps_dir: Path | None, shards: Path | None, views: tuple[Path, ...], count: int, title: str) -> None:
+def report(out: Path, **inputs: Any) -> None:
     """Build OUT (static HTML, opens in any browser) from the files the jobs wrote; missing parts say "not run"."""
     from pretrain.report import ReportInputs, build_report
 
-    inputs = ReportInputs(run_dir=run_dir, eval_json=eval_json, saliency_report=saliency_report,
-                          maps_dir=maps_dir, shards=shards,
-                          views=views, count=count, title=title)
-    try:
-        summary = build_report(inputs, out)
-    except (ValueError, OSError) as error:
-        raise click.ClickException(str(error)) from None
+    with user_errors(ValueError, OSError):
+        summary = build_report(ReportInputs(**inputs), out)
     for section, status in summary.sections.items():
         click.echo(f"  {section:18s} {status}")
     for problem in summary.problems:

@@ -1,12 +1,13 @@
-"""`relicv2 saliency handcrafted | evaluate | preview`."""
+"""`relicv2 saliency handcrafted | evaluate | preview | train | build-masks`."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import click
 
-from cli.saliency_network import register as register_network_commands
+from cli.options import config_or_preset, index_cache_option, preset_option, user_errors
 from jobs.config import ConfigError
 from jobs.device import resolve_device
 from jobs.lock import FolderLockedError
@@ -23,9 +24,14 @@ from saliency.evaluate import (
 )
 from saliency.failures import FailureLimit
 from saliency.handcrafted.methods import METHODS, resolve_methods
+from saliency.network.config import PRESETS, load_saliency_config
 from saliency.preview import PreviewConfig, write_preview
 
+# Modules that import torch are imported inside the commands: `relicv2 saliency --help` stays fast.
+
 METHOD_HELP = f"One of {', '.join(METHODS)}, a comma-separated list, or 'all'."
+SHARDS_HELP = ("a folder (from `relicv2 shards build`, or plain WebDataset tars such as train-0000.tar), "
+               "a brace pattern (train-{0000..0099}.tar) or a tar")
 
 
 def _methods(name: str) -> tuple[str, ...]:
@@ -40,12 +46,9 @@ def saliency_group() -> None:
     """Saliency: handcrafted maps, the refined network (train, build-masks), scores, previews."""
 
 
-register_network_commands(saliency_group)  # train, build-masks (cli/saliency_network.py)
-
-
 @saliency_group.command("handcrafted")
 @click.option("--method", "method", default="all", show_default=True, help=METHOD_HELP)
-@click.option("--input", "input_path", required=True, type=click.Path(path_type=Path),
+@click.option("--input", required=True, type=click.Path(path_type=Path),
               help="Image folder, shard folder (*-NNNN.tar), brace pattern ('train-{0000..0099}.tar') or one .tar.")
 @click.option("--output", required=True, type=click.Path(path_type=Path),
               help="Output folder; maps go to OUTPUT/<method>/<name>.png.")
@@ -55,9 +58,7 @@ register_network_commands(saliency_group)  # train, build-masks (cli/saliency_ne
 @click.option("--max-failures", default="0", show_default=True,
               help="Failed inputs accepted before the job counts as failed (exit 1): a count (10), a "
                    "fraction (0.05) or a percentage (5%). A job whose every input fails always fails.")
-def handcrafted(
-    method: str, input_path: Path, output: Path, workers: int, overwrite: bool, progress: bool, max_failures: str
-) -> None:
+def handcrafted(method: str, workers: int, max_failures: str, **options: Any) -> None:
     """Write 8-bit PNG saliency maps of RBD, MR, DSR and/or MC for every input image."""
     try:
         limit = FailureLimit.parse(max_failures)
@@ -65,22 +66,12 @@ def handcrafted(
         raise click.BadParameter(str(error), param_hint="--max-failures") from error
     if workers < 1:
         raise click.BadParameter(f"{workers}: give at least 1 worker", param_hint="--workers")
-    config = HandcraftedConfig(
-        methods=_methods(method),
-        input=input_path,
-        output=output,
-        workers=workers,
-        overwrite=overwrite,
-        progress=progress,
-        max_failures=limit,
-    )
-    try:
+    config = HandcraftedConfig(methods=_methods(method), workers=workers, max_failures=limit, **options)
+    with user_errors(FileNotFoundError, ValueError, FolderLockedError, OutputWriteError):
         report = run_handcrafted(config)
-    except (FileNotFoundError, ValueError, FolderLockedError, OutputWriteError) as error:
-        raise click.ClickException(str(error)) from error
     if report.stale_removed:
         click.echo(f"removed {report.stale_removed} temporary file(s) left by an interrupted run", err=True)
-    click.echo(f"{report.summary(config.methods)} -> {output}")
+    click.echo(f"{report.summary(config.methods)} -> {config.output}")
     failure = report.failure(config.max_failures)
     if failure is not None:
         click.echo(f"error: {failure}; rerun the same command after fixing the inputs, or raise --max-failures",
@@ -119,15 +110,13 @@ def evaluate_command(pred: Path | None, model_path: Path | None, images: Path | 
         raise click.UsageError("--images, --flip, --crf and --maps go with --model")
     if model_path is not None and images is None:
         raise click.UsageError("--model needs --images, the folder of images to predict")
-    try:
+    with user_errors(EvaluationError, ConfigError, ValueError):
         if model_path is None:
             results = evaluate(EvaluateConfig(pred=pred, gt=gt, allow_missing=allow_missing))
         else:
             job = ModelEvaluation(model=model_path, images=images, gt=gt, flip=flip, crf=crf, maps=maps,
                                   allow_missing=allow_missing, device=resolve_device(device, "--device"))
             results = {str(model_path): evaluate_model(job)}
-    except (EvaluationError, ConfigError, ValueError) as error:
-        raise click.ClickException(str(error)) from error
     click.echo(format_table(results))
     if json_path:
         write_json(results, json_path)
@@ -136,20 +125,94 @@ def evaluate_command(pred: Path | None, model_path: Path | None, images: Path | 
 
 
 @saliency_group.command("preview")
-@click.option("--input", "input_path", required=True, type=click.Path(path_type=Path),
-              help="Image folder or shard set.")
+@click.option("--input", required=True, type=click.Path(path_type=Path), help="Image folder or shard set.")
 @click.option("--output", required=True, type=click.Path(path_type=Path), help="PNG file to write.")
 @click.option("--method", "method", default="all", show_default=True, help=METHOD_HELP)
 @click.option("--count", default=6, show_default=True, help="Number of images (the first ones).")
 @click.option("--gt", type=click.Path(path_type=Path), help="Folder of ground-truth masks to show too.")
 @click.option("--maps", type=click.Path(path_type=Path), help="Read maps written by `handcrafted` instead of computing them.")
-def preview(input_path: Path, output: Path, method: str, count: int, gt: Path | None, maps: Path | None) -> None:
+def preview(method: str, count: int, **options: Any) -> None:
     """Write a contact sheet: image | each method's map | GT, one row per image."""
-    config = PreviewConfig(
-        input=input_path, output=output, methods=_methods(method), count=max(1, count), gt=gt, maps=maps
-    )
-    try:
-        path = write_preview(config)
-    except (FileNotFoundError, ValueError) as error:
-        raise click.ClickException(str(error)) from error
+    with user_errors(FileNotFoundError, ValueError):
+        path = write_preview(PreviewConfig(methods=_methods(method), count=max(1, count), **options))
     click.echo(f"wrote {path}")
+
+
+@saliency_group.command("train")
+@click.option("--shards", required=True, type=click.Path(path_type=Path),
+              help=f"Shard set to sample images from: {SHARDS_HELP}.")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Output folder (model.pt, report.json, caches).")
+@click.option("--config", "config_name", metavar="NAME|FILE.yaml",
+              help="Settings: a preset (tiny, demo, cpu, paper; see the error without it for what each is for) or "
+                   "a YAML file of the same keys. Required: there is no default, since the paper's run takes hours.")
+@preset_option
+@click.option("--backbone", required=True,
+              help="Encoder weights: a relicv2 pretrain run folder or checkpoint, a torchvision/SwAV ResNet "
+                   "state dict, or 'random' (not recommended).")
+@click.option("--gt", type=click.Path(path_type=Path), help="Ground-truth masks named like the sample keys (report only).")
+@click.option("--eval-shards", type=click.Path(path_type=Path),
+              help="Held-back shard set to score the fused network on (needs --gt).")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a setting (repeatable), e.g. --set epochs=5 --set thresholds.mr=0.3 --set crf.iterations=3")
+@index_cache_option
+@click.option("--progress/--no-progress", default=True, show_default=True)
+def train_command(config_name: str | None, preset_name: str | None, overrides: tuple[str, ...], **job: Any) -> None:
+    """Refine the handcrafted maps (phase I) and train the fused saliency network (phase II).
+
+    \b
+    relicv2 saliency train --config cpu --shards shards/train --out runs/saliency --backbone runs/imagenette-r18-cpu
+    """
+    config_name = config_or_preset(config_name, preset_name)
+    if config_name is None:
+        raise click.UsageError(f"choose the settings with --config NAME; {PRESETS.listing()}")
+    from pretrain.checkpoint import CheckpointError
+    from saliency.network.train import TrainJob, TrainStateError, run_train
+    from saliency.network.weights import BackboneError
+
+    with user_errors(ConfigError, BackboneError, CheckpointError, TrainStateError, FolderLockedError,
+                     FileNotFoundError, ValueError):
+        config = load_saliency_config(config_name, overrides)
+        run_train(TrainJob(config=config, **job), log=click.echo)
+
+
+@saliency_group.command("build-masks")
+@click.option("--model", required=True, type=click.Path(path_type=Path), help="model.pt from `saliency train`.")
+@click.option("--shards", required=True, type=click.Path(path_type=Path), help=f"Input shard set: {SHARDS_HELP}.")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="Output folder for the masked shard set.")
+@click.option("--config", "config_name", metavar="NAME|FILE.yaml",
+              help="Settings: a preset (cpu, gpu; see the error for an unknown name) or a YAML file of the same keys. "
+                   "[default: the defaults, printed at start]")
+@click.option("--workers", type=click.IntRange(min=0), default=None,
+              help="Processes for decoding, resizing and mask encoding (0: all in this process). "
+                   "[default: this rank's CPU cores less one]")
+@click.option("--batch", "batch_size", type=click.IntRange(min=1), default=None, help="Images per forward pass.")
+@click.option("--device", default=None, help="auto (CUDA when a GPU is visible, else the CPU), cpu or cuda[:N].")
+@index_cache_option
+@click.option("--merge-timeout", "merge_timeout_s", type=float, default=None,
+              help="Under torchrun: seconds rank 0 waits for the other ranks before merging.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a setting (repeatable), e.g. --set batch_size=64 --set device=cuda:1")
+@click.option("--flip/--no-flip", default=None,
+              help="Average each mask with the mirrored image's (twice the forward pass). [default: off]")
+@click.option("--crf/--no-crf", default=None,
+              help="Refine each mask with the dense CRF the model was trained with (CPU work in the workers). "
+                   "[default: off]")
+@click.option("--progress/--no-progress", default=None, help="Show a progress bar. [default: on]")
+def build_masks_command(config_name: str | None, overrides: tuple[str, ...], **options) -> None:
+    """Write a masked shard set: every sample's original image plus an 8-bit soft mask (mask.png).
+
+    Settings: the defaults <- --config <- the options given <- --set; printed at start and saved as
+    OUT/config.yaml.
+    """
+    from saliency.network import build_masks as job
+    from saliency.network.model_file import ModelFileError
+
+    with user_errors(ConfigError, ModelFileError, job.MasksError, FolderLockedError, FileNotFoundError,
+                     ValueError):
+        config = job.load_masks_config(config_name, overrides, **options)
+        summary = job.build_masks(config)
+    if summary is not None:
+        click.echo(job.format_summary(summary))
+        if summary["written"] == 0:
+            raise click.ClickException("no sample could be masked: every input failed")
+

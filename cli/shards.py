@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from cli.options import index_cache_option
+from cli.options import index_cache_option, user_errors
 from jobs.atomic import OutputError
 from jobs.config import settings_text
 from jobs.lock import folder_lock
@@ -71,22 +71,14 @@ def build(input_path: Path, out_arg: Path | None, out_opt: Path | None, max_byte
     if (out_arg is None) == (out_opt is None):
         raise click.UsageError("give the output folder once: as OUT or as --out")
     out_dir = out_arg or out_opt
-    config = BuildConfig(
-        input=input_path,
-        out_dir=out_dir,
-        max_bytes=parse_size(max_bytes),
-        merge_timeout_s=merge_timeout,
-        command=shlex.join(["relicv2", "shards", "build", *sys.argv[sys.argv.index("build") + 1 :]])
-        if "build" in sys.argv
-        else "",
-        **options,
-    )
-    try:
+    command = (shlex.join(["relicv2", "shards", "build", *sys.argv[sys.argv.index("build") + 1 :]])
+               if "build" in sys.argv else "")
+    config = BuildConfig(input=input_path, out_dir=out_dir, max_bytes=parse_size(max_bytes),
+                         merge_timeout_s=merge_timeout, command=command, **options)
+    with user_errors(InputError, RanksError, OutputError, FileNotFoundError, RuntimeError):
         ranks = ranks_from_env()
         click.echo(settings_text(config, version=package_version()).rstrip(), err=True)
         report = build_shards(config, ranks)
-    except (InputError, RanksError, OutputError, FileNotFoundError, RuntimeError) as exc:
-        raise click.ClickException(str(exc)) from None
     repaired = f" ({len(report.repaired)} of them damaged since an earlier run: rebuilt)" if report.repaired else ""
     click.echo(
         f"rank {ranks.rank}/{ranks.world_size}: {report.shards_built} shard(s) built{repaired}, {report.shards_kept} "
@@ -115,11 +107,9 @@ def merge(directory: Path, wait: float) -> None:
     if not directory.is_dir():
         raise click.ClickException(f"{directory} is not a folder; give the output folder of a shard build")
     try:
-        with folder_lock(directory, "relicv2 shards merge"):
+        with user_errors(FileNotFoundError, RuntimeError), folder_lock(directory, "relicv2 shards merge"):
             report = merge_shard_set(directory, wait_s=wait)
-    except (FileNotFoundError, RuntimeError) as exc:
-        raise click.ClickException(str(exc)) from None
-    except OSError as exc:
+    except OSError as exc:  # other than a missing file: one that cannot be written
         raise click.ClickException(str(output_error(exc, directory))) from None
     echo_merge(directory, report)
 
@@ -137,11 +127,9 @@ def verify(directory: Path, workers: int, decode: bool, index_cache: Path | None
     sample has a decodable image and a valid label, and the index agrees with the tar."""
     if not directory.is_dir():
         raise click.ClickException(f"{directory} is not a folder; give the shard set's folder")
-    try:
+    with user_errors(FileNotFoundError, ValueError):
         report = verify_shard_set(directory, workers=workers, decode_images=decode,
                                   index_cache=index_cache, progress=progress)
-    except (FileNotFoundError, ValueError) as exc:
-        raise click.ClickException(str(exc)) from None
     for problem in report.problems:
         click.echo(problem)
     if not report.ok:
@@ -175,9 +163,8 @@ def index(spec: str, index_cache: Path | None, workers: int, progress: bool) -> 
 
     cache = default_index_cache(index_cache)
     try:
-        derived = derive_missing_indexes(spec, index_cache=cache, workers=workers, progress=progress)
-    except ShardSetError as exc:
-        raise click.ClickException(str(exc)) from None
+        with user_errors(ShardSetError):
+            derived = derive_missing_indexes(spec, index_cache=cache, workers=workers, progress=progress)
     except OSError as exc:
         raise click.ClickException(f"cannot write index files into {cache} ({exc.strerror or exc}); "
                                    "choose a writable --index-cache") from None
@@ -189,10 +176,8 @@ def index(spec: str, index_cache: Path | None, workers: int, progress: bool) -> 
     if derived.failed:
         raise click.ClickException(f"{len(derived.failed)} tar(s) could not be indexed (listed above); "
                                    "rebuild or remove them")
-    try:
+    with user_errors(ValueError):  # a hostile or inconsistent index: one line naming the file and the fix
         check = check_shard_set(spec, index_cache=cache, workers=workers, progress=progress)
-    except ValueError as exc:  # a hostile or inconsistent index: one line naming the file and the fix
-        raise click.ClickException(str(exc)) from None
     left_out = ", ".join(f"{n} {reason}" for reason, n in sorted(check.left_out.items())) or "none"
     click.echo(f"{spec}: samples of {check.fresh} tar(s) checked, {check.tars - check.fresh} checked before; "
                f"the loaders will leave out {sum(check.left_out.values())} sample(s) ({left_out})")
@@ -201,6 +186,33 @@ def index(spec: str, index_cache: Path | None, workers: int, progress: bool) -> 
                                    "choose a writable --index-cache")
 
 
-from cli.subset import subset  # noqa: E402  (defined with the evaluation tools)
+@shards_group.command("subset")
+@click.argument("shards_dir", metavar="SHARDS")
+@click.option("--fraction", type=float, required=True, help="Share of every class to keep, e.g. 0.01 or 0.1.")
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Key list to write (one key a line).")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--min-per-class", type=click.IntRange(min=1), default=1, show_default=True)
+@index_cache_option
+def subset(shards_dir: str, fraction: float, out: Path, seed: int, min_per_class: int, index_cache: Path | None) -> None:
+    """Write FRACTION of every class's keys of a labelled shard set, drawn with SEED.
 
-shards_group.add_command(subset)
+    SHARDS: a `relicv2 shards build` folder, or plain WebDataset tars (folder, brace pattern or tar)
+    whose `cls` members hold class indices.
+
+    \b
+    relicv2 shards subset shards/train --fraction 0.01 --out splits/1pct.txt
+    relicv2 eval finetune --checkpoint C --train shards/train --val shards/val --labels splits/1pct.txt
+    """
+    from shards.outdir import check_output_file
+    from shards.subset import class_balanced_keys, write_key_list
+
+    with user_errors(FileNotFoundError, ValueError):
+        check_output_file(out, "--out")
+        report = class_balanced_keys(shards_dir, fraction, seed=seed, min_per_class=min_per_class,
+                                     index_cache=index_cache)
+        write_key_list(out, report.keys, header=f"relicv2 shards subset {shards_dir} --fraction {fraction} "
+                                                f"--seed {seed}\n{len(report.keys)} of {report.total} keys, "
+                                                f"{len(report.per_class)} classes")
+    counts = sorted(report.per_class.values())
+    click.echo(f"wrote {out}: {len(report.keys)} of {report.total} keys, {len(report.per_class)} classes "
+               f"({counts[0]}-{counts[-1]} per class)")

@@ -68,7 +68,9 @@ def _handle(signum: int, frame: object) -> None:
     for other in EXIT_CODES:
         signal.signal(other, signal.SIG_IGN)
     _State.received = signal.Signals(signum)
-    _arm_watchdog(EXIT_CODES[_State.received])
+    watchdog = threading.Timer(GRACE_S, _expire, args=(EXIT_CODES[_State.received],))
+    watchdog.daemon = True
+    watchdog.start()
     end_workers()
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
@@ -88,12 +90,7 @@ def end_workers(grace_s: float = WORKER_GRACE_S) -> int:
     return len(children)
 
 
-def _arm_watchdog(code: int) -> None:
-    def expire() -> None:
-        print(f"the job did not stop within {GRACE_S:.0f} s of the signal; exiting now", file=sys.stderr, flush=True)
-        end_workers(0.5)
-        os._exit(code)
-
-    timer = threading.Timer(GRACE_S, expire)
-    timer.daemon = True
-    timer.start()
+def _expire(code: int) -> None:
+    print(f"the job did not stop within {GRACE_S:.0f} s of the signal; exiting now", file=sys.stderr, flush=True)
+    end_workers(0.5)
+    os._exit(code)

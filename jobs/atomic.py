@@ -1,8 +1,6 @@
-"""Atomic file output: write to a hidden temporary name, fsync, rename over the final name.
-
-Every job in this project may be killed at any moment (docs/design.md), so a final name must only ever
-hold a complete file. A temporary name starts with "." so directory listings of shards ignore it.
-"""
+"""Atomic file output: write to a hidden temporary name, fsync, rename over the final name. Every job may be
+killed at any moment (docs/design.md), so a final name must only ever hold a complete file; a temporary name
+starts with "." so directory listings of shards ignore it."""
 
 from __future__ import annotations
 
@@ -14,8 +12,7 @@ from pathlib import Path
 
 
 class OutputError(ValueError):
-    """An output path a job cannot write (a file where a folder goes, or the reverse; no permission;
-    a full disk). Its message names the path and the option that gave it."""
+    """An output path a job cannot write; its message names the path and the option that gave it."""
 
 
 TEMP_MARK = ".tmp-"
@@ -37,10 +34,8 @@ def fsync_dir(directory: Path) -> None:
 
 @contextlib.contextmanager
 def atomic_output(path: Path) -> Iterator[Path]:
-    """Yield a temporary path to write; on success fsync it and rename it to `path`.
-
-    On an exception the temporary file is removed and `path` is left untouched.
-    """
+    """Yield a temporary path to write; on success fsync it and rename it to `path`, on an exception
+    remove it (`path` untouched)."""
     path = Path(path)
     tmp = temp_path_for(path)
     try:
@@ -62,14 +57,11 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def remove_stale_temps(directory: Path, names: set[str] | Callable[[str], bool] | None = None, *,
                        recursive: bool = False, older_suffix: str | None = None) -> int:
-    """Delete temporary files left by killed writers for the final names in `names` (a set, or a test
-    of the final name; None: all); return the count.
-
-    `recursive`: in the folders below `directory` too (links are not followed). `older_suffix`: also
-    hidden files ending in it, the temporaries of an earlier writer whose names carry no final name.
-    Call it only while holding the folder's lock (jobs.lock), and under torchrun only for the
-    caller's own final names: other ranks may be writing other files in the same folder.
-    """
+    """Delete temporary files left by killed writers for the final names in `names` (a set, or a test of the
+    final name; None: all), in the folders below `directory` too when `recursive` (links not followed), and
+    hidden files ending in `older_suffix` (an earlier writer's temporaries); the count. Call it only while
+    holding the folder's lock (jobs.lock), and under torchrun only for the caller's own final names: other
+    ranks may be writing other files in the same folder."""
     removed = 0
     folders = (Path(d) for d, _, _ in os.walk(directory)) if recursive else [Path(directory)]
     for folder in folders:

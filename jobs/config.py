@@ -1,26 +1,21 @@
 """One configuration system for every job: presets by name, typed `--set`, strict building, one echo.
 
-A job's settings are one frozen dataclass tree. They are resolved in three layers:
-1. the dataclass defaults;
-2. `--config NAME_OR_FILE`: a preset shipped inside the job's package (`NAME.yaml` in a `presets`
-   folder of the package, found through importlib.resources, so a name works from any directory and
-   from an installed wheel), or a YAML file given by path (a value ending in `.yaml`/`.yml` or holding a `/`);
-3. `--set section.key=value` overrides, each value read as YAML (`true`, `0.2`, `[0.5, 2]`, `abc`).
-
-Sections are nested mappings (`optim: {base_lr: 0.3}`); a key of a section is written
-`optim.base_lr` on the command line. Unknown keys are refused with the valid keys listed, and a key
-an earlier version had (a dataclass's `REMOVED_KEYS`) with why it went; a value of the wrong type
-names the key, the expected type and the source. The resolved settings are
-printed at start and saved beside the job's outputs in one format, `settings_text` (YAML).
-
-Relative paths inside a preset (data folders) are read against the current directory, like any
-path on the command line; set them with `--set` when the data lives elsewhere.
+A job's settings are one frozen dataclass tree, resolved in three layers: the dataclass defaults;
+`--config NAME_OR_FILE`, a preset shipped in the job's package (`presets/NAME.yaml`, found through
+importlib.resources, so a name works from any directory and from an installed wheel) or a YAML file
+(a value ending in `.yaml`/`.yml` or holding a `/`); then `--set section.key=value` overrides, each
+value read as YAML (`true`, `0.2`, `[0.5, 2]`, `abc`). Unknown keys are refused with the valid keys
+listed, and a key an earlier version had (a dataclass's `REMOVED_KEYS`) with why it went; a value of
+the wrong type names the key, the expected type and the source. The resolved settings are printed at
+start and saved beside the job's outputs in one format, `settings_text` (YAML). Relative paths in a
+preset are read against the current directory, like any path on the command line.
 
 This module imports nothing of the project: every job package imports it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import types
@@ -47,9 +42,6 @@ class RemovedKey:
 
     kept: Any
     why: str
-
-
-# --- presets ---------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,13 +90,8 @@ class Presets:
 
 
 def _first_comment(text: str) -> str:
-    for line in text.splitlines():
-        stripped = line.strip()
-        if stripped.startswith("#"):
-            return stripped.lstrip("#").strip().rstrip(".")
-        if stripped:
-            break
-    return ""
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return first.lstrip("#").strip().rstrip(".") if first.startswith("#") else ""
 
 
 def is_file_reference(value: str | Path) -> bool:
@@ -141,9 +128,6 @@ def read_tree(config: str | Path | None, presets: Presets) -> tuple[dict[str, An
     return tree or {}, source
 
 
-# --- --set overrides -------------------------------------------------------------------------------
-
-
 def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
     """`section.key=value` strings as a nested tree; each value read as YAML (empty: the empty string)."""
     tree: dict[str, Any] = {}
@@ -156,18 +140,13 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
             value = yaml.safe_load(text) if text.strip() else ""
         except yaml.YAMLError:
             value = text  # not YAML (e.g. an unbalanced bracket): the text itself, type-checked later
-        _set_path(tree, keys, value)
+        node = tree
+        for section in keys[:-1]:
+            node = node.setdefault(section, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"cannot set {'.'.join(keys)}: {section} is a value, not a section")
+        node[keys[-1]] = value
     return tree
-
-
-def _set_path(tree: dict[str, Any], keys: list[str], value: Any) -> None:
-    node = tree
-    for key in keys[:-1]:
-        child = node.setdefault(key, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"cannot set {'.'.join(keys)}: {key} is a value, not a section")
-        node = child
-    node[keys[-1]] = value
 
 
 def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
@@ -179,9 +158,6 @@ def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
         else:
             merged[key] = value
     return merged
-
-
-# --- building the frozen dataclasses -------------------------------------------------------------
 
 
 def resolve(cls: type, config: str | Path | None, overrides: Sequence[str], presets: Presets,
@@ -196,17 +172,13 @@ def resolve(cls: type, config: str | Path | None, overrides: Sequence[str], pres
 
 
 def build(cls: type, tree: Mapping[str, Any], *, source: str = "config", prefix: str = "", saved: bool = False) -> Any:
-    """An instance of the frozen dataclass `cls` from a nested mapping; strict keys and types.
-
-    Missing keys keep their defaults; ints are accepted for floats; nothing else is converted,
-    except a comma-separated string for a tuple (`methods=rbd,mc`). A `dict` field with a default
-    takes a partial mapping over that default, and only the default's keys. A removed key
-    (`RemovedKey`) is refused with the fix, unless the tree is a job's own `saved` settings (a
-    checkpoint's), where it records how that job ran and is left out.
-    """
+    """An instance of the frozen dataclass `cls` from a nested mapping, strict on keys and types: missing keys
+    keep their defaults, ints pass for floats, a comma-separated string for a tuple (`methods=rbd,mc`); a
+    `dict` field takes a partial mapping over its default's keys. A removed key is refused with the fix, except
+    in a job's own `saved` settings (a checkpoint's), where it records how that job ran and is left out."""
     if not isinstance(tree, Mapping):
         raise ConfigError(f"{source}: {prefix.rstrip('.') or 'the config'} must be a mapping of keys")
-    removed = _removed_keys(cls)
+    removed: Mapping[str, RemovedKey] = getattr(cls, "REMOVED_KEYS", {})
     gone = sorted(set(tree) & set(removed))
     if gone and not saved:
         raise ConfigError(f"{source}: {prefix}{gone[0]} was removed: {removed[gone[0]].why}; delete the key")
@@ -233,14 +205,10 @@ def build(cls: type, tree: Mapping[str, Any], *, source: str = "config", prefix:
         raise ConfigError(text if text.startswith(f"{source}:") else f"{source}: {prefix}{text}") from None
 
 
-def _removed_keys(cls: type) -> Mapping[str, RemovedKey]:
-    return getattr(cls, "REMOVED_KEYS", {})
-
-
 def removed_settings(cls: type, tree: Mapping[str, Any], prefix: str = "") -> dict[str, tuple[Any, RemovedKey]]:
     """{dotted key: (value, its RemovedKey)} of the removed keys that saved settings of `cls` hold with
     another value than the one that remains: behaviour this version no longer has."""
-    removed, hints, found = _removed_keys(cls), typing.get_type_hints(cls), {}
+    removed, hints, found = getattr(cls, "REMOVED_KEYS", {}), typing.get_type_hints(cls), {}
     for name, value in tree.items():
         if name in removed and value != removed[name].kept:
             found[f"{prefix}{name}"] = (value, removed[name])
@@ -288,10 +256,8 @@ def coerce(value: Any, hint: Any, *, key: str, source: str) -> Any:
         return Path(value)
     if hint is float and isinstance(value, str):
         # YAML 1.1 reads "1e-3" (no dot) as a string; a number written that way is still a number.
-        try:
+        with contextlib.suppress(ValueError):
             value = float(value)
-        except ValueError:
-            pass
     ok = (
         (hint is bool and isinstance(value, bool))
         or (hint is int and isinstance(value, int) and not isinstance(value, bool))
@@ -307,10 +273,8 @@ def coerce(value: Any, hint: Any, *, key: str, source: str) -> Any:
 def _tuple(value: Any, element_types: tuple[Any, ...], *, key: str, source: str) -> tuple[Any, ...]:
     if isinstance(value, str) and "," in value:  # --set methods=rbd,mc or crop_scale=0.2,1
         value = [yaml.safe_load(part) for part in value.split(",") if part.strip()]
-    variadic = len(element_types) == 2 and element_types[1] is Ellipsis
-    if variadic and isinstance(value, str):
-        value = [value]  # --set methods=rbd
-    if variadic:
+    if len(element_types) == 2 and element_types[1] is Ellipsis:  # variadic
+        value = [value] if isinstance(value, str) else value  # --set methods=rbd
         if not isinstance(value, list | tuple):
             raise ConfigError(f"{source}: {key} must be a list, got {value!r}")
         element_types = (element_types[0],) * len(value)
@@ -320,17 +284,16 @@ def _tuple(value: Any, element_types: tuple[Any, ...], *, key: str, source: str)
                  for i, (v, t) in enumerate(zip(value, element_types, strict=True)))
 
 
-# --- the one echo format -----------------------------------------------------------------------
-
-
-def to_dict(config: Any) -> dict[str, Any]:
-    """Plain nested dict of builtins, tuples as lists, paths as text (safe for YAML, JSON and
-    `weights_only` loading)."""
-    return dataclasses.asdict(config, dict_factory=lambda items: {k: _plain(v) for k, v in items})
-
-
-def _plain(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else str(value) if isinstance(value, Path) else value
+def to_dict(config: Any) -> Any:
+    """A dataclass (or mapping, list) as plain nested builtins, tuples as lists, paths as text (safe for YAML,
+    JSON and `weights_only` loading)."""
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        return {f.name: to_dict(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    if isinstance(config, Mapping):
+        return {str(k): to_dict(v) for k, v in config.items()}
+    if isinstance(config, list | tuple):
+        return [to_dict(v) for v in config]
+    return str(config) if isinstance(config, Path) else config
 
 
 def settings_text(config: Any, *, extra: Mapping[str, Any] | None = None, version: str = "") -> str:
@@ -338,17 +301,6 @@ def settings_text(config: Any, *, extra: Mapping[str, Any] | None = None, versio
     `version` first (when given), then the config's keys, then `extra` sections (inputs, derived values)."""
     tree: dict[str, Any] = {"version": version} if version else {}
     tree.update(to_dict(config))
-    tree.update({key: _plain_tree(value) for key, value in (extra or {}).items()})
+    tree.update(to_dict(extra or {}))
     return yaml.safe_dump(tree, sort_keys=False)
 
-
-def _plain_tree(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return to_dict(value)
-    if isinstance(value, Mapping):
-        return {str(k): _plain_tree(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain_tree(v) for v in value]
-    if isinstance(value, Path):
-        return str(value)
-    return value

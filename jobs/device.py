@@ -11,12 +11,10 @@ CUDA = re.compile(r"cuda(?::(\d+))?")
 
 
 def resolve_device(device: str, option: str = "device", *, local_rank: int | None = None) -> str:
-    """The torch device for the setting `device`: "auto" is this rank's GPU when CUDA is visible, else
-    "cpu"; "cuda" is this rank's GPU (`local_rank`, default torchrun's LOCAL_RANK); "cuda:N" the N-th.
-
-    Anything else, or a GPU this machine lacks, is a ConfigError naming `option` (a flag such as
-    "--device" or a key such as "run.device") and the fix. Imports torch only when called.
-    """
+    """The torch device for the setting `device`: "auto" is this rank's GPU when CUDA is visible, else "cpu";
+    "cuda" is this rank's GPU (`local_rank`, default torchrun's LOCAL_RANK); "cuda:N" the N-th. Anything else,
+    or a GPU this machine lacks, is a ConfigError naming `option` (a flag such as "--device" or a key such as
+    "run.device") and the fix. Imports torch only when called."""
     import torch  # here: jobs stays importable without torch (`--help`, the shard tools)
 
     shown = f"{option} {device}" if option.startswith("--") else f"{option}={device}"

@@ -63,10 +63,8 @@ def _read_holder(path: Path) -> LockHolder | None:
 
 
 def acquire(folder: Path, job: str) -> Path:
-    """Take the lock of ``folder`` (created if missing) for ``job``; return the lock path.
-
-    Raises :class:`FolderLockedError` when a live job holds it.
-    """
+    """Take the lock of ``folder`` (created if missing) for ``job``; return the lock path. Raises
+    :class:`FolderLockedError` when a live job holds it."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / LOCK_NAME
@@ -106,11 +104,9 @@ def release(path: Path) -> None:
 @contextlib.contextmanager
 def folder_lock(folder: Path, job: str, *, enabled: bool = True) -> Iterator[None]:
     """Hold the lock of ``folder`` for the life of the block (``enabled=False``: a no-op, for ranks > 0)."""
-    if not enabled:
-        yield
-        return
-    path = acquire(folder, job)
+    path = acquire(folder, job) if enabled else None
     try:
         yield
     finally:
-        release(path)
+        if path is not None:
+            release(path)

@@ -16,11 +16,8 @@ LINE_EVERY_S = 60.0  # progress lines in a log file
 
 
 class Phase:
-    """A piece of work with a known total (None: unknown): `update(n)` as items finish, `close()` at the end.
-
-    `set_postfix(**fields)` adds figures (a loss, an epoch) to the bar and the lines; `write(text)` prints
-    a message without breaking the bar. `initial`: items already done by an earlier, resumed run.
-    """
+    """A piece of work with a known total (None: unknown), `initial` of its items done by an earlier, resumed
+    run; `set_postfix` adds figures (a loss, an epoch) to the bar and the lines."""
 
     def __init__(self, desc: str, total: int | None, *, unit: str = "it", enabled: bool = True, initial: int = 0):
         self.desc, self.total, self.unit, self.enabled = desc, total, unit, enabled
@@ -42,7 +39,8 @@ class Phase:
             print(self.line(now), file=sys.stderr, flush=True)
 
     def set_postfix(self, **fields: Any) -> None:
-        self.postfix = {name: _short(value) for name, value in fields.items()}
+        self.postfix = {name: f"{value:.4g}" if isinstance(value, float) else str(value)
+                        for name, value in fields.items()}
         if self.bar is not None:
             self.bar.set_postfix(self.postfix, refresh=False)
 
@@ -100,7 +98,3 @@ def clock(seconds: float) -> str:
     minutes, secs = divmod(int(round(seconds)), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}:{minutes:02d}:{secs:02d}"
-
-
-def _short(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)

@@ -1,8 +1,5 @@
-"""This process's place in a torchrun job: the one reader of RANK, WORLD_SIZE and LOCAL_RANK.
-
-`pretrain.distributed` and `shards build` both need it; the environment variables are torchrun's
-(and SLURM wrappers that mimic it). Unset means a single process.
-"""
+"""This process's place in a torchrun job: the one reader of RANK, WORLD_SIZE and LOCAL_RANK (torchrun's,
+or a SLURM wrapper's that mimics it); unset means a single process."""
 
 from __future__ import annotations
 
@@ -22,11 +19,6 @@ class Ranks:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
-
-    @property
-    def is_main(self) -> bool:
-        """Rank 0: the process that takes folder locks, merges and prints summaries."""
-        return self.rank == 0
 
 
 def _int(env: Mapping[str, str], name: str, default: str) -> int:

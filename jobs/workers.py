@@ -57,8 +57,8 @@ def rank_cores(env: Mapping[str, str] | None = None) -> int:
     return max(1, usable_cores() // local_ranks(env))
 
 
-def die_with_parent(parent: int) -> None:
-    """Worker initializer: exit when process `parent` (the job) dies."""
+def _initialize(parent: int, initializer: Callable[..., object] | None, initargs: tuple) -> None:
+    """In each worker: exit when process `parent` (the job) dies, leave Ctrl-C to the job, then `initializer`."""
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
@@ -68,10 +68,6 @@ def die_with_parent(parent: int) -> None:
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="parent-watch").start()
-
-
-def _initialize(parent: int, initializer: Callable[..., object] | None, initargs: tuple) -> None:
-    die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the job's to handle (see the module docstring)
     if initializer is not None:
         initializer(*initargs)
@@ -123,24 +119,14 @@ def one_thread() -> None:
     threadpool_limits(1)
 
 
-def worker_pool(
-    workers: int,
-    *,
-    start_method: str | None = None,
-    initializer: Callable[..., object] | None = None,
-    initargs: tuple = (),
-) -> cf.ProcessPoolExecutor:
-    """A process pool of `workers` processes that exit with the calling process.
-
-    Default start method: fork where available (workers start in milliseconds and do not re-import
-    the CLI and torch); pass "spawn" when the parent runs thread pools (BLAS, OpenCV) that a fork
-    could deadlock. `initializer(*initargs)` runs in each worker after the parent watch is set up.
-    """
+def worker_pool(workers: int, *, start_method: str | None = None,
+                initializer: Callable[..., object] | None = None,
+                initargs: tuple = ()) -> cf.ProcessPoolExecutor:
+    """A process pool of `workers` processes that exit with the calling process. Default start method: fork
+    where available (workers start in milliseconds and do not re-import the CLI and torch); pass "spawn" when
+    the parent runs thread pools (BLAS, OpenCV) that a fork could deadlock. `initializer(*initargs)` runs in
+    each worker after the parent watch is set up."""
     if start_method is None:
         start_method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    return _Pool(
-        workers,
-        mp_context=multiprocessing.get_context(start_method),
-        initializer=_initialize,
-        initargs=(os.getpid(), initializer, initargs),
-    )
+    return _Pool(workers, mp_context=multiprocessing.get_context(start_method), initializer=_initialize,
+                 initargs=(os.getpid(), initializer, initargs))

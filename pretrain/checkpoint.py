@@ -1,8 +1,7 @@
 """Pretraining checkpoints: atomic files, keep-last-K rotation, strict loading.
 
-One file per save, `checkpoint-{step:09d}.pt` in the run's output folder, written to a hidden
-temporary name, fsynced and renamed (a killed job never leaves a half-written checkpoint under a
-final name). Contents (plain containers of tensors and builtins, so `torch.load(weights_only=True)`
+One file per save, `checkpoint-{step:09d}.pt` in the run's output folder, written atomically
+(`jobs.atomic`). Contents (plain containers of tensors and builtins, so `torch.load(weights_only=True)`
 reads them and nothing in the file can run code):
 
     format       "relicv2-pretrain-checkpoint"      version  1
@@ -19,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,9 @@ from typing import Any
 import torch
 
 from jobs.atomic import atomic_output, atomic_write_bytes, remove_stale_temps
+from jobs.config import SETTINGS_FILE
 from pretrain.config import ConfigError, PretrainConfig, from_dict
+from pretrain.metrics_log import METRICS_NAME
 from pretrain.model.checkpoint_file import (  # noqa: F401 (the reading side lives in a leaf both stages use)
     FORMAT,
     REQUIRED_KEYS,
@@ -40,26 +40,20 @@ from pretrain.model.checkpoint_file import (  # noqa: F401 (the reading side liv
     resolve_checkpoint,
     step_of,
 )
-from pretrain.model.encoder_file import (
-    is_encoder_file,
-    load_encoder_file,
-)
+from pretrain.model.encoder_file import is_encoder_file, load_encoder_file
 from pretrain.model.resnet import ResNet, resnet
 from pretrain.model.untrusted import load_failure
 
-CONFIG_NAME = "config.yaml"  # the resolved config of the run in its folder
 # The files a run writes in its output folder besides its checkpoints (moved aside together by --fresh).
-RUN_FILES = (CONFIG_NAME, "metrics.jsonl", "tensorboard")
+RUN_FILES = (SETTINGS_FILE, METRICS_NAME, "tensorboard")
 # The config a run had up to a step, kept when a resume changed it (`write_run_config`).
-_EARLIER_CONFIG = re.compile(r"^config-to-step-(\d{9})\.yaml$")
+EARLIER_CONFIG = "config-to-step-{:09d}.yaml"
 
 
 def save_checkpoint(output_dir: str | Path, payload: dict[str, Any], *, keep: int) -> Path:
     """Write `payload` (see module docstring) atomically as this step's file; keep the newest `keep` files.
-
-    Rotation only removes checkpoints of steps before this one: files of a later step can only be
-    another run's (`--fresh` moves those aside first), and are never deleted here.
-    """
+    Rotation only removes checkpoints of steps before this one: files of a later step can only be another
+    run's (`--fresh` moves those aside first), and are never deleted here."""
     missing = [key for key in REQUIRED_KEYS if key not in payload]
     if missing:
         raise ValueError(f"checkpoint payload lacks {missing}")
@@ -75,16 +69,9 @@ def save_checkpoint(output_dir: str | Path, payload: dict[str, Any], *, keep: in
 
 
 def remove_stale_temporaries(output_dir: str | Path) -> int:
-    """Delete the temporary files a killed run left in its folder (partial checkpoints, config, metrics).
-
-    Call it only while holding the folder's lock: then no live writer owns them. Returns the count.
-    """
+    """Delete the temporary files a killed run left in its folder (partial checkpoints, config, metrics); the
+    count. Call it only while holding the folder's lock: then no live writer owns them."""
     return remove_stale_temps(Path(output_dir), lambda final: step_of(final) is not None or final in RUN_FILES)
-
-
-def earlier_config_path(folder: Path, step: int) -> Path:
-    """Where the config that trained a run's steps up to `step` is kept after a resume changed it."""
-    return Path(folder) / f"config-to-step-{step:09d}.yaml"
 
 
 def write_run_config(folder: Path, text: str, *, resumed_at: int | None) -> Path | None:
@@ -92,10 +79,10 @@ def write_run_config(folder: Path, text: str, *, resumed_at: int | None) -> Path
     whose text differs, the one that trained the steps so far is first kept as
     config-to-step-N.yaml (the first one for that step: a resume that trained nothing since does not
     replace it), so the folder always says which settings made which steps. Returns that file, if kept."""
-    path = Path(folder) / CONFIG_NAME
+    path = Path(folder) / SETTINGS_FILE
     kept = None
     if resumed_at is not None and path.is_file() and path.read_text(encoding="utf-8") != text:
-        earlier = earlier_config_path(folder, resumed_at)
+        earlier = Path(folder) / EARLIER_CONFIG.format(resumed_at)
         if not earlier.exists():
             os.replace(path, earlier)
             kept = earlier
@@ -104,20 +91,18 @@ def write_run_config(folder: Path, text: str, *, resumed_at: int | None) -> Path
 
 
 def move_run_aside(output_dir: str | Path) -> Path | None:
-    """Move an earlier run's checkpoints and logs into `<output_dir>/previous-<time>/` (for `--fresh`).
-
-    Returns the new folder, or None when there was nothing to move.
-    """
+    """Move an earlier run's checkpoints and logs into `<output_dir>/previous-<time>/` (for `--fresh`); the
+    new folder, or None when there was nothing to move."""
     folder = Path(output_dir)
     found = [*list_checkpoints(folder), *(folder / name for name in RUN_FILES if (folder / name).exists()),
-             *sorted(p for p in folder.glob("config-to-step-*.yaml") if _EARLIER_CONFIG.match(p.name))]
+             *sorted(folder.glob(EARLIER_CONFIG.replace("{:09d}", "[0-9]" * 9)))]
     if not found:
         return None
-    aside = folder / time.strftime("previous-%Y%m%d-%H%M%S")
-    suffix = 0
+    stamp = time.strftime("previous-%Y%m%d-%H%M%S")
+    aside, suffix = folder / stamp, 0
     while aside.exists():
         suffix += 1
-        aside = folder / f"{time.strftime('previous-%Y%m%d-%H%M%S')}-{suffix}"
+        aside = folder / f"{stamp}-{suffix}"
     aside.mkdir()
     for path in found:
         path.rename(aside / path.name)
@@ -125,11 +110,8 @@ def move_run_aside(output_dir: str | Path) -> Path | None:
 
 
 def encoder_from_checkpoint(path: str | Path, *, network: str = "online") -> ResNet:
-    """The ResNet encoder of a pretraining checkpoint ("online" or "target" network), on CPU.
-
-    `path` is a checkpoint file or a run's output folder (its newest checkpoint is used). Any file
-    that does not hold such an encoder raises one `CheckpointError`.
-    """
+    """The ResNet encoder ("online" or "target" network), on CPU, of a checkpoint file or a run's output
+    folder (its newest checkpoint); any file that does not hold such an encoder raises one `CheckpointError`."""
     if network not in ("online", "target"):
         raise ValueError(f"network must be 'online' or 'target', got {network!r}")
     if is_encoder_file(path):  # an exported encoder is accepted wherever a checkpoint is
@@ -150,10 +132,9 @@ def encoder_from_payload(payload: dict[str, Any], path: Path, *, network: str = 
     """The encoder of a checkpoint read by `load_checkpoint` from `path` (named in errors)."""
     config = checkpoint_config(payload, path)
     encoder = resnet(config.model.depth, config.model.width)
-    prefix = "encoder."
-    state = {name[len(prefix):]: value for name, value in payload[network].items() if name.startswith(prefix)}
     try:
-        encoder.load_state_dict(state)
+        encoder.load_state_dict({name.removeprefix("encoder."): value for name, value in payload[network].items()
+                                 if name.startswith("encoder.")})
     except RuntimeError as error:
         problem = next((line.strip() for line in str(error).splitlines()[1:] if line.strip()), load_failure(error))
         raise CheckpointError(

@@ -1,10 +1,6 @@
-"""The pretraining job's configuration: one frozen, typed dataclass tree, YAML presets, `--set` overrides.
-
-A config is built by `jobs.config` from defaults, then a preset (`pretrain/presets/NAME.yaml`, named
-on the command line) or a YAML file, then `key=value` overrides (`optim.base_lr=0.2`). Unknown keys
-and values of the wrong type are errors that name the key, the file and the fix. Values that depend on the run (world size, data-set size) are derived once by
-`derive()` and printed next to the config at start.
-"""
+"""The pretraining job's configuration: one frozen, typed dataclass tree built by `jobs.config` (defaults,
+a preset in `pretrain/presets/` or a YAML file, `--set` overrides). Values that depend on the run (world
+size, data-set size) are derived once by `derive()` and printed next to the config at start."""
 
 from __future__ import annotations
 
@@ -12,6 +8,7 @@ import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, Literal
 
@@ -99,8 +96,7 @@ class KnnConfig:
 
     def __post_init__(self) -> None:
         # Checked here, not only in PretrainConfig: `relicv2 eval knn` builds this section alone.
-        if not math.isfinite(self.temperature):
-            raise ConfigError(f"temperature must be a finite number, got {self.temperature}")
+        _validate_finite(self)
         for name in ("every_epochs", "k", "temperature", "crop_size", "batch_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
@@ -108,6 +104,14 @@ class KnnConfig:
             raise ConfigError(f"resize_size must be >= 0, got {self.resize_size}")
         if bool(self.train_shards) != bool(self.val_shards):
             raise ConfigError("train_shards and val_shards must be given together (or neither)")
+
+
+# Settings that must be positive / at least 0, by dotted name.
+POSITIVE = ("model.width", "model.hidden_dim", "model.out_dim", "data.synthetic_images", "data.synthetic_classes",
+            "loss.temperature", "loss.num_negatives", "optim.global_batch", "optim.epochs", "optim.base_lr",
+            "run.checkpoint_every", "run.keep_checkpoints", "run.log_every")
+NON_NEGATIVE = ("optim.warmup_epochs", "optim.weight_decay", "optim.clip_grad_norm", "loss.contrast_weight",
+                "loss.invariance_weight", "run.max_steps")
 
 
 @dataclass(frozen=True)
@@ -123,7 +127,26 @@ class PretrainConfig:
     knn: KnnConfig = field(default_factory=KnnConfig)
 
     def __post_init__(self) -> None:
-        _validate(self)
+        _validate_finite(self)
+        for key, value in zip(POSITIVE, attrgetter(*POSITIVE)(self), strict=True):
+            if value <= 0:
+                raise ConfigError(f"{key} must be positive, got {value}")
+        for key, value in zip(NON_NEGATIVE, attrgetter(*NON_NEGATIVE)(self), strict=True):
+            if value < 0:
+                raise ConfigError(f"{key} must be >= 0, got {value}")
+        if self.model.width not in (1, 2, 4):
+            raise ConfigError(f"model.width must be 1, 2 or 4 (the widths of the paper), got {self.model.width}")
+        if not self.run.output_dir.strip():
+            raise ConfigError("run.output_dir is empty; set it to the run's folder (e.g. --output runs/my-run)")
+        if self.model.depth not in (18, 34, 50, 101, 152, 200):
+            raise ConfigError(f"model.depth must be one of 18, 34, 50, 101, 152, 200, got {self.model.depth}")
+        for key in ("optim.ema_base", "optim.momentum"):
+            if not 0.0 <= attrgetter(key)(self) <= 1.0:
+                raise ConfigError(f"{key} must lie in [0, 1], got {attrgetter(key)(self)}")
+        if self.optim.warmup_epochs > self.optim.epochs:
+            raise ConfigError(
+                f"optim.warmup_epochs={self.optim.warmup_epochs} exceeds optim.epochs={self.optim.epochs}"
+            )
 
 
 @dataclass(frozen=True)
@@ -143,39 +166,27 @@ def per_rank_batch(config: PretrainConfig, world_size: int) -> int:
     """optim.global_batch split over the ranks; an error when it does not divide evenly."""
     batch = config.optim.global_batch
     if batch % world_size:
-        raise ConfigError(
-            f"optim.global_batch={batch} is not divisible by the world size {world_size}; "
-            f"set optim.global_batch to a multiple of {world_size}"
-        )
+        raise ConfigError(f"optim.global_batch={batch} is not divisible by the world size {world_size}; "
+                          f"set optim.global_batch to a multiple of {world_size}")
     return batch // world_size
 
 
 def derive(
     config: PretrainConfig, *, world_size: int, dataset_size: int, steps_per_epoch: int | None = None
 ) -> DerivedValues:
-    """Per-rank batch, steps per epoch, total/warmup steps and peak lr, computed once per run.
-
-    steps_per_epoch defaults to dataset_size // global_batch (incomplete last batch dropped); a data
-    source that drops more (per-rank remainders) passes its own count.
-    """
+    """Per-rank batch, steps per epoch, total/warmup steps and peak lr, computed once per run. steps_per_epoch
+    defaults to dataset_size // global_batch; a data source that drops more (per-rank remainders) passes its own."""
     batch = config.optim.global_batch
     rank_batch = per_rank_batch(config, world_size)
     if steps_per_epoch is None:
         steps_per_epoch = dataset_size // batch
     if steps_per_epoch <= 0:
-        raise ConfigError(
-            f"the data set has {dataset_size} images, fewer than one global batch of {batch}; "
-            "lower optim.global_batch or use more data"
-        )
-    return DerivedValues(
-        world_size=world_size,
-        per_rank_batch=rank_batch,
-        dataset_size=dataset_size,
-        steps_per_epoch=steps_per_epoch,
-        total_steps=steps_per_epoch * config.optim.epochs,
-        warmup_steps=round(steps_per_epoch * config.optim.warmup_epochs),
-        peak_lr=peak_learning_rate(config.optim.base_lr, batch),
-    )
+        raise ConfigError(f"the data set has {dataset_size} images, fewer than one global batch of {batch}; "
+                          "lower optim.global_batch or use more data")
+    return DerivedValues(world_size=world_size, per_rank_batch=rank_batch, dataset_size=dataset_size,
+                         steps_per_epoch=steps_per_epoch, total_steps=steps_per_epoch * config.optim.epochs,
+                         warmup_steps=round(steps_per_epoch * config.optim.warmup_epochs),
+                         peak_lr=peak_learning_rate(config.optim.base_lr, batch))
 
 
 PRESETS = Presets(job="relicv2 pretrain", package="pretrain")
@@ -195,53 +206,6 @@ def from_dict(tree: Mapping[str, Any], *, source: str = "config", saved: bool = 
 def describe(config: PretrainConfig, derived: DerivedValues | None = None, version: str = "") -> str:
     """The resolved config (and derived values) as printed at start and saved to config.yaml."""
     return settings_text(config, extra={"derived": derived} if derived is not None else None, version=version)
-
-
-def _validate(config: PretrainConfig) -> None:
-    _validate_finite(config)
-    positive = {
-        "model.width": config.model.width,
-        "model.hidden_dim": config.model.hidden_dim,
-        "model.out_dim": config.model.out_dim,
-        "data.synthetic_images": config.data.synthetic_images,
-        "data.synthetic_classes": config.data.synthetic_classes,
-        "loss.temperature": config.loss.temperature,
-        "loss.num_negatives": config.loss.num_negatives,
-        "optim.global_batch": config.optim.global_batch,
-        "optim.epochs": config.optim.epochs,
-        "optim.base_lr": config.optim.base_lr,
-        "run.checkpoint_every": config.run.checkpoint_every,
-        "run.keep_checkpoints": config.run.keep_checkpoints,
-        "run.log_every": config.run.log_every,
-    }
-    for key, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"{key} must be positive, got {value}")
-    non_negative = {
-        "optim.warmup_epochs": config.optim.warmup_epochs,
-        "optim.weight_decay": config.optim.weight_decay,
-        "optim.clip_grad_norm": config.optim.clip_grad_norm,
-        "loss.contrast_weight": config.loss.contrast_weight,
-        "loss.invariance_weight": config.loss.invariance_weight,
-        "run.max_steps": config.run.max_steps,
-    }
-    for key, value in non_negative.items():
-        if value < 0:
-            raise ConfigError(f"{key} must be >= 0, got {value}")
-    if config.model.width not in (1, 2, 4):
-        raise ConfigError(f"model.width must be 1, 2 or 4 (the widths of the paper), got {config.model.width}")
-    if not config.run.output_dir.strip():
-        raise ConfigError("run.output_dir is empty; set it to the run's folder (e.g. --output runs/my-run)")
-    if config.model.depth not in (18, 34, 50, 101, 152, 200):
-        raise ConfigError(f"model.depth must be one of 18, 34, 50, 101, 152, 200, got {config.model.depth}")
-    for key, value in {"optim.ema_base": config.optim.ema_base,
-                       "optim.momentum": config.optim.momentum}.items():
-        if not 0.0 <= value <= 1.0:
-            raise ConfigError(f"{key} must lie in [0, 1], got {value}")
-    if config.optim.warmup_epochs > config.optim.epochs:
-        raise ConfigError(
-            f"optim.warmup_epochs={config.optim.warmup_epochs} exceeds optim.epochs={config.optim.epochs}"
-        )
 
 
 def _validate_finite(config: Any, prefix: str = "") -> None:

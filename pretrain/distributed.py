@@ -1,9 +1,6 @@
-"""The distributed set-up in one place: read torchrun's environment, init/teardown, collectives.
-
-`torchrun` exports RANK, WORLD_SIZE and LOCAL_RANK (and the rendezvous address); a plain `python`
-run has none of them and is a world of one. NCCL is used on GPUs, gloo on CPU, so the same code
-runs 2 CPU processes in the tests and many GPUs on a cluster.
-"""
+"""The distributed set-up in one place: torchrun's environment (none: a world of one), init/teardown,
+collectives. NCCL on GPUs, gloo on CPU, so the same code runs 2 CPU processes in the tests and many GPUs on
+a cluster."""
 
 from __future__ import annotations
 
@@ -17,6 +14,7 @@ from torch import Tensor, nn
 from jobs.config import ConfigError
 from jobs.device import resolve_device
 from jobs.ranks import RanksError, ranks_from_env
+from pretrain.loss import gather_with_grad
 from shards.shardset import ShardSet, ShardSetError, Spec, derive_missing_indexes, resolve_shard_set
 
 
@@ -42,10 +40,8 @@ class DistributedContext:
 
 def describe_environment(device: str = "auto", env: dict[str, str] | None = None, *,
                          option: str = "run.device") -> DistributedContext:
-    """The context implied by torchrun's variables in `env` (default: os.environ); pure, starts nothing.
-
-    device: as `jobs.device.resolve_device` reads it (`option` names the setting in its messages).
-    """
+    """The context implied by torchrun's variables in `env` (default: os.environ) and `device` (as
+    `jobs.device.resolve_device` reads it, `option` naming the setting); pure, starts nothing."""
     try:
         ranks = ranks_from_env(env)
         chosen = torch.device(resolve_device(device, option, local_rank=ranks.local_rank))
@@ -82,16 +78,13 @@ def barrier(ctx: DistributedContext) -> None:
 
 def open_shard_sets(ctx: DistributedContext | None, *specs: Spec, check_samples: bool = True,
                     allow_lost: bool = False, **check: Any) -> list[ShardSet]:
-    """The job's one resolution of each shard set (`shards.resolve_shard_set`: ShardSetError naming the
-    fix, or with `allow_lost` the tars it cannot index in `ShardSet.lost`), to be handed to everything that reads it.
+    """The job's one resolution of each shard set (`shards.resolve_shard_set`; with `allow_lost` the tars it
+    cannot index are in `ShardSet.lost`), to be handed to everything that reads it.
 
     In a multi-rank job the sets' missing index files are derived first, and with `check_samples` their
-    samples checked (`pretrain.views.sources.check_shard_set`, `check`: its decode options, as the job's
-    loaders will ask), split over the ranks with a barrier after each: each tar is read (or decoded) once
-    by one rank instead of once by every rank, given an index cache every rank sees (e.g.
-    `$RELICV2_INDEX_CACHE` on a shared filesystem). With node-local caches each rank derives and checks
-    what its node lacks when it opens a set.
-    """
+    samples checked (`check`: `pretrain.views.sources.check_shard_set`'s decode options), split over the
+    ranks with a barrier after each: each tar is read once by one rank instead of once by every rank, given
+    an index cache every rank sees (`$RELICV2_INDEX_CACHE` on a shared filesystem)."""
     distributed = ctx is not None and ctx.is_distributed
     part = (ctx.rank, ctx.world_size) if distributed else (0, 1)
     if distributed:
@@ -116,11 +109,7 @@ def open_shard_sets(ctx: DistributedContext | None, *specs: Spec, check_samples:
 
 def all_gather_tensor(tensor: Tensor, ctx: DistributedContext) -> Tensor:
     """Concatenate every rank's `tensor` along dim 0 in rank order, without gradient."""
-    if not ctx.is_distributed:
-        return tensor
-    parts = [torch.empty_like(tensor) for _ in range(ctx.world_size)]
-    dist.all_gather(parts, tensor.contiguous())
-    return torch.cat(parts)
+    return gather_with_grad(tensor.detach()) if ctx.is_distributed else tensor
 
 
 def all_gather_rows(tensor: Tensor, ctx: DistributedContext) -> Tensor:
@@ -164,58 +153,31 @@ def gather_object(obj: Any, ctx: DistributedContext) -> list[Any] | None:
 
 def all_reduce_mean(tensor: Tensor, ctx: DistributedContext) -> Tensor:
     """Mean over ranks of `tensor` (a new tensor, no gradient)."""
-    if not ctx.is_distributed:
-        return tensor.detach().clone()
     out = tensor.detach().clone()
-    dist.all_reduce(out)
+    if ctx.is_distributed:
+        dist.all_reduce(out)
     return out / ctx.world_size
 
 
 def convert_sync_batchnorm(module: nn.Module, ctx: DistributedContext) -> nn.Module:
-    """Replace every BatchNorm so that batch statistics are computed over the global batch.
-
-    On GPU this is torch's `SyncBatchNorm`; torch's version refuses CPU tensors, so on CPU the
-    layers become `CrossRankBatchNorm` below (same maths, gloo collectives).
-    """
+    """Replace every BatchNorm so that batch statistics are computed over the global batch: torch's
+    `SyncBatchNorm` on GPU; it refuses CPU tensors, so on CPU `CrossRankBatchNorm` (same maths, gloo)."""
     if ctx.device.type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(module)
     return _convert_cross_rank(module)
 
 
-class _AllReduceSum(torch.autograd.Function):
-    """Sum over ranks whose backward is again a sum over ranks (every rank's loss uses the total).
-
-    Written here because `torch.distributed.nn.functional.all_reduce` is deprecated.
-    """
-
-    @staticmethod
-    def forward(ctx, tensor: Tensor) -> Tensor:  # type: ignore[override]
-        out = tensor.clone()
-        dist.all_reduce(out)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:  # type: ignore[override]
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad)
-        return grad
-
-
 def all_reduce_sum_with_grad(tensor: Tensor) -> Tensor:
-    """Differentiable sum of `tensor` over all ranks (the identity in a world of one)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return tensor
-    return _AllReduceSum.apply(tensor)
+    """Differentiable sum of `tensor` over all ranks: every rank's copy gathered and summed, so the backward
+    (`gather_with_grad`'s) gives each rank the sum of every rank's gradient (`tensor` in a world of one)."""
+    return gather_with_grad(tensor[None]).sum(0)
 
 
 class CrossRankBatchNorm(nn.modules.batchnorm._BatchNorm):
-    """BatchNorm whose training-mode statistics span all ranks, for CPU (gloo) process groups.
-
-    Hand-written because `nn.SyncBatchNorm` only accepts GPU inputs. The statistics are
-    differentiable all-reduces (`all_reduce_sum_with_grad`), so gradients flow through the global
-    mean and variance exactly as in `SyncBatchNorm`. Two passes (mean, then centred squares)
-    keep the variance as accurate as `F.batch_norm`'s.
-    """
+    """BatchNorm whose training-mode statistics span all ranks, for CPU (gloo) process groups, where
+    `nn.SyncBatchNorm` refuses the inputs. The statistics are differentiable all-reduces, so gradients flow
+    through the global mean and variance exactly as in `SyncBatchNorm`; two passes (mean, then centred
+    squares) keep the variance as accurate as `F.batch_norm`'s."""
 
     def forward(self, x: Tensor) -> Tensor:
         if not (self.training and dist.is_initialized() and dist.get_world_size() > 1):
@@ -248,17 +210,9 @@ class CrossRankBatchNorm(nn.modules.batchnorm._BatchNorm):
 def _convert_cross_rank(module: nn.Module) -> nn.Module:
     out = module
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, CrossRankBatchNorm):
-        out = CrossRankBatchNorm(
-            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
-        )
-        if module.affine:
-            with torch.no_grad():
-                out.weight.copy_(module.weight)
-                out.bias.copy_(module.bias)
-        if module.track_running_stats:
-            out.running_mean.copy_(module.running_mean)
-            out.running_var.copy_(module.running_var)
-            out.num_batches_tracked.copy_(module.num_batches_tracked)
+        out = CrossRankBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
+                                 module.track_running_stats)
+        out.load_state_dict(module.state_dict())  # the affine parameters and running statistics
         out.train(module.training)
     for name, child in module.named_children():
         out.add_module(name, _convert_cross_rank(child))

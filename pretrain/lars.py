@@ -15,7 +15,7 @@ weight decay and the trust ratio: m <- momentum * m + g.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -28,34 +28,16 @@ _NORM_LAYERS = (nn.modules.batchnorm._BatchNorm, nn.GroupNorm, nn.LayerNorm)
 class LARS(torch.optim.Optimizer):
     """Layer-wise adaptive rate scaling with momentum; see the module docstring for the update."""
 
-    def __init__(
-        self,
-        param_groups: Iterable[Any],
-        lr: float,
-        momentum: float = 0.9,
-        weight_decay: float = 0.0,
-        trust_coefficient: float = 1e-3,
-    ) -> None:
+    def __init__(self, param_groups: Iterable[Any], lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
+                 trust_coefficient: float = 1e-3) -> None:
         if lr < 0 or not 0 <= momentum < 1 or weight_decay < 0 or trust_coefficient <= 0:
-            raise ValueError(
-                f"invalid LARS settings: lr={lr}, momentum={momentum}, weight_decay={weight_decay}, "
-                f"trust_coefficient={trust_coefficient}"
-            )
-        defaults = {
-            "lr": lr,
-            "momentum": momentum,
-            "weight_decay": weight_decay,
-            "trust_coefficient": trust_coefficient,
-            "lars_exclude": False,
-        }
-        super().__init__(param_groups, defaults)
+            raise ValueError(f"invalid LARS settings: lr={lr}, momentum={momentum}, "
+                             f"weight_decay={weight_decay}, trust_coefficient={trust_coefficient}")
+        super().__init__(param_groups, dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
+                                            trust_coefficient=trust_coefficient, lars_exclude=False))
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def step(self) -> None:  # type: ignore[override]  (no closure: the trainer computes the loss itself)
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
@@ -80,25 +62,19 @@ class LARS(torch.optim.Optimizer):
                     torch.ones_like(param_norms),
                 )
                 torch._foreach_mul_(updates, list(trust.unbind()))
-            buffers = []
-            for p in params:
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                buffers.append(state["momentum_buffer"])
+            for p in params:  # created at a parameter's first update
+                if "momentum_buffer" not in self.state[p]:
+                    self.state[p]["momentum_buffer"] = torch.zeros_like(p)
+            buffers = [self.state[p]["momentum_buffer"] for p in params]
             torch._foreach_mul_(buffers, group["momentum"])
             torch._foreach_add_(buffers, updates)
             torch._foreach_add_(params, buffers, alpha=-group["lr"])
-        return loss
 
 
 def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Split the trainable parameters of `model` for LARS, by module type and tensor rank.
-
-    Group 0: weights of convolutions / linear layers (ndim >= 2), with `weight_decay`.
-    Group 1: biases (ndim <= 1) and all parameters of normalisation layers, with
-    "lars_exclude": True and no weight decay. Empty groups are left out.
-    """
+    """The trainable parameters of `model` in LARS groups: weights of convolutions / linear layers (ndim >= 2)
+    with `weight_decay`; biases (ndim <= 1) and all normalisation parameters with "lars_exclude" and no
+    weight decay. Empty groups are left out."""
     adapted, excluded, seen = [], [], set()
     for module in model.modules():
         for param in module.parameters(recurse=False):
@@ -109,9 +85,6 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
                 excluded.append(param)
             else:
                 adapted.append(param)
-    groups = []
-    if adapted:
-        groups.append({"params": adapted, "weight_decay": weight_decay, "lars_exclude": False})
-    if excluded:
-        groups.append({"params": excluded, "weight_decay": 0.0, "lars_exclude": True})
-    return groups
+    groups = [{"params": adapted, "weight_decay": weight_decay, "lars_exclude": False},
+              {"params": excluded, "weight_decay": 0.0, "lars_exclude": True}]
+    return [group for group in groups if group["params"]]

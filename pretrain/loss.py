@@ -54,31 +54,21 @@ class _GatherWithGrad(torch.autograd.Function):
 
 def gather_with_grad(tensor: Tensor) -> Tensor:
     """Concatenate `tensor` [B, ...] from all ranks in rank order ([world * B, ...]), keeping gradients.
-
-    Returns `tensor` itself when torch.distributed is not initialised or the world has one rank.
-    Every rank must call it with the same shape, in the same order.
-    """
+    Returns `tensor` itself when torch.distributed is not initialised or the world has one rank. Every rank
+    must call it with the same shape, in the same order."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return tensor
     return _GatherWithGrad.apply(tensor)
 
 
-def sample_negatives(
-    batch_size: int,
-    num_negatives: int,
-    num_draws: int,
-    *,
-    generator: torch.Generator | None = None,
-    device: torch.device | str | None = None,
-) -> Tensor:
-    """Indices [num_draws, batch_size, num_negatives]: for each draw and row i, `num_negatives`
-    distinct indices from {0..batch_size-1} \\ {i}, uniformly without replacement.
-
-    Draws come from `generator` (on its device) and are then moved to `device`. Cost is
-    O(num_draws * batch_size * num_negatives^2), never a [batch_size, batch_size] matrix:
-    Floyd's algorithm (Bentley & Floyd 1987), vectorised over rows and draws, picks a uniform
-    num_negatives-subset of {0..batch_size-2}; shifting values >= i up by one skips row i itself.
-    """
+def sample_negatives(batch_size: int, num_negatives: int, num_draws: int, *,
+                     generator: torch.Generator | None = None,
+                     device: torch.device | str | None = None) -> Tensor:
+    """Indices [num_draws, batch_size, num_negatives]: for each draw and row i, `num_negatives` distinct
+    indices from {0..batch_size-1} \\ {i}, uniformly without replacement, drawn from `generator` (on its
+    device), then moved to `device`. Cost O(num_draws * batch_size * num_negatives^2), never a [batch_size,
+    batch_size] matrix: Floyd's algorithm (Bentley & Floyd 1987), vectorised over rows and draws, picks a
+    uniform num_negatives-subset of {0..batch_size-2}; shifting values >= i up by one skips row i."""
     others = batch_size - 1
     if not 1 <= num_negatives <= others:
         raise ValueError(f"need 1 <= num_negatives <= batch_size - 1 = {others}, got {num_negatives}")
@@ -93,19 +83,11 @@ def sample_negatives(
     return (chosen + (chosen >= rows).long()).to(device if device is not None else draw_device)
 
 
-def relicv2_loss(
-    online_large: Sequence[Tensor],
-    online_small: Sequence[Tensor],
-    target_large: Sequence[Tensor],
-    *,
-    temperature: float,
-    num_negatives: int,
-    contrast_weight: float,
-    invariance_weight: float,
-    generator: torch.Generator | None = None,
-    anchor_offset: int = 0,
-    gathered_online: Sequence[Tensor] | None = None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+def relicv2_loss(online_large: Sequence[Tensor], online_small: Sequence[Tensor],
+                 target_large: Sequence[Tensor], *, temperature: float, num_negatives: int,
+                 contrast_weight: float, invariance_weight: float, generator: torch.Generator | None = None,
+                 anchor_offset: int = 0,
+                 gathered_online: Sequence[Tensor] | None = None) -> tuple[Tensor, dict[str, Tensor]]:
     """ReLICv2 loss over all large x large and small x large (online, target) view pairs.
 
     online_large: L tensors [B, D] (local batch), online_small: S tensors [B, D] (may be empty),
@@ -136,28 +118,26 @@ def relicv2_loss(
     # Softmax over similarities at temperature 0.2 loses too much in bf16: always fp32.
     with torch.autocast(device_type=device.type, enabled=False):
         online = F.normalize(torch.stack(online_views).float(), dim=-1)  # [V, B, D]
-        candidates_online = online if gathered_online is None else (
-            F.normalize(torch.stack(list(gathered_online)).float(), dim=-1)  # [V, N, D]
-        )
+        candidates_online = online if gathered_online is None else F.normalize(  # [V, N, D]
+            torch.stack(list(gathered_online)).float(), dim=-1)
         target = F.normalize(torch.stack(list(target_large)).detach().float(), dim=-1)  # [L, N, D]
         anchors = torch.arange(anchor_offset, anchor_offset + batch, device=device)
         target_anchor = target[:, anchors]  # [L, B, D]
+        num_online, num_target = len(online_views), len(target_large)
+        anchor_columns = anchors.view(1, 1, batch, 1).expand(num_online, num_target, -1, -1)  # [V, L, B, 1]
         if num_negatives >= total - 1:
             # All candidates: column j of both [V, L, B, N] matrices is candidate image j.
             forward_logits = torch.einsum("abd,lnd->albn", online, target)
             reverse_logits = torch.einsum("lbd,and->albn", target_anchor, candidates_online)
-            positive = anchors.view(1, 1, batch, 1).expand(len(online_views), len(target_large), -1, -1)
+            positive = anchor_columns
         else:
-            candidates = _candidates(
-                total, num_negatives, len(online_views), len(target_large), anchors, generator
-            )  # [V, L, B, 1 + n_e], column 0 = positive
-            forward_logits, reverse_logits = _candidate_logits(
-                online, candidates_online, target, target_anchor, candidates
-            )
-            positive = torch.zeros_like(candidates[..., :1])
-        contrastive, invariance = _relic_terms(
-            forward_logits / temperature, reverse_logits / temperature, positive
-        )
+            negatives = sample_negatives(total, num_negatives, num_online * num_target, generator=generator,
+                                         device=device).view(num_online, num_target, total, num_negatives)
+            candidates = torch.cat([anchor_columns, negatives[:, :, anchors]], dim=-1)  # [V, L, B, 1 + n_e]
+            forward_logits, reverse_logits = _candidate_logits(online, candidates_online, target, target_anchor,
+                                                               candidates)
+            positive = torch.zeros_like(candidates[..., :1])  # column 0 is the anchor itself
+        contrastive, invariance = _relic_terms(forward_logits / temperature, reverse_logits / temperature, positive)
         loss = contrast_weight * contrastive + invariance_weight * invariance
     return loss, {"contrastive": contrastive, "invariance": invariance}
 
@@ -165,13 +145,10 @@ def relicv2_loss(
 def _candidate_logits(
     online: Tensor, candidates_online: Tensor, target: Tensor, target_anchor: Tensor, candidates: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """Forward <o_a[i], t_b[c]> and reverse <o_a[c], t_b[i]> similarities, both [V, L, B, K].
-
-    Each side gathers its candidate rows once with `index_select` on the flattened views (its
-    backward is a fast `index_add_`, unlike advanced indexing's `index_put_`) and lays them out so
-    that one `bmm` against the fixed vector (o_a[i] for all target views b, t_b[i] for all online
-    views a) computes every logit without broadcasting copies.
-    """
+    """Forward <o_a[i], t_b[c]> and reverse <o_a[c], t_b[i]> similarities, both [V, L, B, K]. Each side gathers
+    its candidate rows once with `index_select` on the flattened views (its backward is a fast `index_add_`,
+    unlike advanced indexing's `index_put_`) and lays them out so that one `bmm` against the fixed vector
+    (o_a[i] for all target views b, t_b[i] for all online views a) computes every logit without copies."""
     num_online, num_target, batch, count = candidates.shape
     total, dim = target.shape[1], target.shape[2]
     # forward: rows (a, i), candidates (b, k) index target row b * N + c
@@ -183,9 +160,8 @@ def _candidate_logits(
     # reverse: rows (b, i), candidates (a, k) index online row a * N + c
     rows = candidates + total * torch.arange(num_online, device=candidates.device).view(-1, 1, 1, 1)
     rows = rows.permute(1, 2, 0, 3).reshape(-1)  # [L, B, V, K]
-    gathered = candidates_online.reshape(-1, dim).index_select(0, rows).view(
-        num_target * batch, num_online * count, dim
-    )
+    gathered = candidates_online.reshape(-1, dim).index_select(0, rows).view(num_target * batch,
+                                                                              num_online * count, dim)
     reverse = torch.bmm(gathered, target_anchor.reshape(num_target * batch, dim, 1))
     reverse = reverse.view(num_target, batch, num_online, count).permute(2, 0, 1, 3)
     return forward, reverse
@@ -202,31 +178,12 @@ def _relic_terms(forward_logits: Tensor, reverse_logits: Tensor, positive: Tenso
     return contrastive.mean(), invariance.mean()
 
 
-def _candidates(
-    total: int, num_negatives: int, num_online: int, num_target: int, anchors: Tensor,
-    generator: torch.Generator | None,
-) -> Tensor:
-    """[V, L, B, 1 + n_e] candidate indices into the gathered batch; column 0 is the anchor itself."""
-    negatives = sample_negatives(
-        total, num_negatives, num_online * num_target, generator=generator, device=anchors.device
-    ).view(num_online, num_target, total, num_negatives)[:, :, anchors]
-    positives = anchors.view(1, 1, -1, 1).expand(num_online, num_target, -1, 1)
-    return torch.cat([positives, negatives], dim=-1)
-
-
-def _check_inputs(
-    online_large: Sequence[Tensor],
-    online_views: list[Tensor],
-    target_large: Sequence[Tensor],
-    gathered_online: Sequence[Tensor] | None,
-    anchor_offset: int,
-) -> None:
+def _check_inputs(online_large: Sequence[Tensor], online_views: list[Tensor], target_large: Sequence[Tensor],
+                  gathered_online: Sequence[Tensor] | None, anchor_offset: int) -> None:
     """Raise ValueError on inconsistent view counts or shapes."""
     if len(online_large) == 0 or len(target_large) != len(online_large):
-        raise ValueError(
-            f"need L >= 1 large views in both networks, got {len(online_large)} online and "
-            f"{len(target_large)} target"
-        )
+        raise ValueError(f"need L >= 1 large views in both networks, got {len(online_large)} online and "
+                         f"{len(target_large)} target")
     batch, dim = online_views[0].shape
     total = target_large[0].shape[0]
     if any(o.shape != (batch, dim) for o in online_views):
@@ -239,10 +196,8 @@ def _check_inputs(
         raise ValueError(f"anchor_offset {anchor_offset} does not fit {batch} anchors in {total} rows")
     if gathered_online is None:
         if total != batch:
-            raise ValueError(
-                f"target_large has {total} rows but the local batch is {batch}: pass the online "
-                "views gathered with gather_with_grad as gathered_online"
-            )
+            raise ValueError(f"target_large has {total} rows but the local batch is {batch}: pass the online "
+                             "views gathered with gather_with_grad as gathered_online")
     elif len(gathered_online) != len(online_views) or any(
         g.shape != (total, dim) for g in gathered_online
     ):

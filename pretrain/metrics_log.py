@@ -16,12 +16,9 @@ BAR_FIELDS = ("loss", "contrastive", "invariance", "lr", "ema", "images_per_s", 
 
 
 def truncate_metrics(output_dir: str | Path, step: int) -> int:
-    """Drop the records after global step `step` from `metrics.jsonl` (atomically); returns how many.
-
-    Called when a run resumes from the checkpoint of `step`: the steps a killed run logged after
-    that checkpoint are trained again, so their old records would appear twice. A torn last line
-    (the kill hit a write) is dropped too.
-    """
+    """Drop the records after global step `step` (and a torn last line) from `metrics.jsonl`, atomically;
+    returns how many. On a resume from the checkpoint of `step` the steps a killed run logged after it are
+    trained again: their old records would appear twice."""
     path = Path(output_dir) / METRICS_NAME
     if not path.is_file():
         return 0
@@ -42,11 +39,9 @@ def truncate_metrics(output_dir: str | Path, step: int) -> int:
 
 
 class MetricsLogger:
-    """Appends one JSON object per logged step to `metrics.jsonl` and mirrors it to TensorBoard.
-
-    Create it on rank 0 only. On resume it appends, so the file holds the whole run; call
-    `truncate_metrics` first so the steps after the checkpoint are not logged twice.
-    """
+    """Appends one JSON object per logged step to `metrics.jsonl` and mirrors it to TensorBoard. Create it on
+    rank 0 only. On resume it appends, so the file holds the whole run; call `truncate_metrics` first so the
+    steps after the checkpoint are not logged twice."""
 
     def __init__(self, output_dir: str | Path, *, total_steps: int, initial_step: int, progress_bar: bool) -> None:
         from torch.utils.tensorboard import SummaryWriter  # imported late: it pulls in tensorboard

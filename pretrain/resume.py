@@ -1,14 +1,10 @@
 """Restoring a run from a checkpoint: what must match, what may change, and the data position.
 
-A checkpoint stores every rank's data-pipeline state (exact resume with the same ranks) and the
-global data position `{"epoch", "samples"}`: samples consumed in the epoch's global order, which
-is the same whatever the number of ranks. Resuming with another world size re-splits that position
-over the new ranks. With another global batch, progress is kept in images seen (see `restore`).
-
-Data-source state formats (what `ViewSource.load_state_dict` receives):
-- same world size and global batch: the rank's own `state_dict()` from the checkpoint (exact);
-- otherwise the global position, `pretrain.views.source.global_position_state` (every source
-  accepts it; what each keeps is in its `load_state_dict`).
+A checkpoint stores every rank's data-pipeline state and the global data position `{"epoch", "samples"}`
+(samples consumed in the epoch's global order, whatever the number of ranks). With the same world size and
+global batch each rank gets its own `state_dict()` back (exact); otherwise every source is given the global
+position (`pretrain.views.source.global_position_state`), re-split over the new ranks; with another global
+batch, progress is kept in images seen (see `restore`).
 """
 
 from __future__ import annotations
@@ -81,8 +77,8 @@ def restore(state: TrainState, source: ViewSource, payload: dict[str, Any], ctx:
     """Load networks, optimizer, step, RNG and data position from `payload`; returns notes to print."""
     check_compatible(payload["config"], config, path)
     notes = []
-    saved_batch = int(_lookup(payload["config"], "optim.global_batch") or config.optim.global_batch)
     global_batch = config.optim.global_batch
+    saved_batch = int(_lookup(payload["config"], "optim.global_batch") or global_batch)
     saved_ranks = len(payload["data"])
     step = int(payload["step"])
     gone = removed_settings(PretrainConfig, payload["config"])  # its data stream cannot be replayed exactly
@@ -96,28 +92,26 @@ def restore(state: TrainState, source: ViewSource, payload: dict[str, Any], ctx:
             "position restarts at that step's place in the epoch order, so up to one batch of images is "
             "seen again or skipped"
         )
+    position = DataPosition.at_step(step, steps_per_epoch, global_batch)
+    same_place = (f"the run continues at the same data position (epoch {position.epoch}, {position.samples} "
+                  "samples in) with this version's data stream")
     if saved_batch == global_batch and saved_ranks == ctx.world_size and not gone:
         try:
             source.load_state_dict(payload["data"][ctx.rank])  # exact: the rank's own reader state
         except StateVersionError as error:  # written by another relicv2: continue at the same place
-            position = DataPosition.at_step(step, steps_per_epoch, global_batch)
             _load_global_position(source, position, global_batch, ctx, path, saved_ranks)
-            notes.append(f"note: {error}; the run continues at the same data position (epoch {position.epoch}, "
-                         f"{position.samples} samples in) with this version's data stream")
+            notes.append(f"note: {error}; {same_place}")
         except (KeyError, ValueError, TypeError) as error:
             raise CheckpointError(
                 f"cannot resume from {path}: its data position does not fit this data source ({error}); "
                 "resume on the same shard set, or start a new run with --fresh"
             ) from None
     else:
-        position = DataPosition.at_step(step, steps_per_epoch, global_batch)
         _load_global_position(source, position, global_batch, ctx, path, saved_ranks)
         if gone:
             settings = ", ".join(f"{key}={value!r}" for key, (value, _) in gone.items())
             reasons = "; ".join(removed.why for _, removed in gone.values())
-            notes.append(f"note: {path} was trained with {settings}, removed since ({reasons}); the run continues at "
-                         f"the same data position (epoch {position.epoch}, {position.samples} samples in) with this "
-                         "version's data stream")
+            notes.append(f"note: {path} was trained with {settings}, removed since ({reasons}); {same_place}")
         if saved_ranks != ctx.world_size:
             notes.append(f"note: {path} was written by {saved_ranks} rank(s), this run has {ctx.world_size}; "
                          f"the data position (epoch {position.epoch}, {position.samples} samples in) is split "

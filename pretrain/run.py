@@ -1,13 +1,7 @@
-"""The pretraining job: checks, the run folder, data source, state, resume, the step loop, checkpoints.
-
-`run_pretraining(config)` is what `relicv2 pretrain` calls, on every rank of a torchrun job (or
-in a plain process). The update itself is `pretrain.trainer.train_step`; restoring is
-`pretrain.resume`; this module only schedules them, in named steps:
-
-    check_before_starting -> open_run_shard_sets (each set resolved once, checked) -> hold the run
-    folder (lock, stale temporaries, --fresh) -> build the data source and state -> resume -> write
-    config.yaml -> train loop (log, checkpoint, kNN, SIGTERM/SIGINT) -> final checkpoint.
-"""
+"""The pretraining job, `run_pretraining`, on every rank of a torchrun job (or in a plain process). The update
+is `pretrain.trainer.train_step` and restoring `pretrain.resume`; this module schedules them: check the
+settings, open the shard sets, hold the run folder, build the data source and state, resume, write
+config.yaml, then the step loop (log, checkpoint, kNN, SIGTERM/SIGINT) and the final checkpoint."""
 
 from __future__ import annotations
 
@@ -15,17 +9,17 @@ import contextlib
 import signal
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from jobs.config import SETTINGS_FILE
 from jobs.device import resolve_device
 from jobs.lock import FolderLockedError, folder_lock
 from jobs.version import package_version
 from pretrain.checkpoint import (
-    CONFIG_NAME,
     CheckpointError,
     checkpoint_path,
     latest_checkpoint,
@@ -96,11 +90,9 @@ class OutOfMemory(RuntimeError):
 
 @dataclass(frozen=True)
 class PretrainResult:
-    output_dir: Path
     step: int  # global steps done
     skipped_steps: int
     last_checkpoint: Path | None
-    last_metrics: dict[str, float] = field(default_factory=dict)
 
 
 def run_pretraining(
@@ -141,13 +133,9 @@ def check_before_starting(config: PretrainConfig, resume: str | Path | None) -> 
 
 def open_run_shard_sets(config: PretrainConfig, ctx: DistributedContext) -> dict[str, ShardSet]:
     """The run's shard sets by setting (`data.train_shards`, `knn.train_shards`, `knn.val_shards`), each
-    resolved once (`pretrain.distributed.open_shard_sets`: the work split over the ranks) for the views and
-    the kNN monitor, and checked before any work: the monitor's sets must be labelled, number their classes
-    alike, and its queries be neither in its bank (refused) nor trained on (a warning).
-
-    The kNN sets are resolved with `allow_lost` (a tar cut short under its index is in `ShardSet.lost`): the
-    monitor never stops a training, it reads what remains and logs the loss.
-    """
+    resolved once (`open_shard_sets`) and checked before any work: the monitor's sets must be labelled, number
+    their classes alike, and its queries be neither in its bank (refused) nor trained on (a warning). The kNN
+    sets allow lost tars: the monitor never stops a training, it reads what remains and logs the loss."""
     specs = {"knn.train_shards": config.knn.train_shards, "knn.val_shards": config.knn.val_shards,
              "data.train_shards": config.data.train_shards if config.data.source == "shards" else ""}
     sets: dict[str, ShardSet] = {}
@@ -193,10 +181,8 @@ def check_masking(config: PretrainConfig, source: ViewSource, ctx: DistributedCo
 
 @contextlib.contextmanager
 def _run_folder(config: PretrainConfig, ctx: DistributedContext, *, fresh: bool) -> Iterator[None]:
-    """Hold the run folder for the life of the run (rank 0 takes the lock), tidy it, then go on.
-
-    The lock outcome is shared with every rank, so a refused rank 0 never leaves the others waiting.
-    """
+    """Hold the run folder for the life of the run (rank 0 takes the lock) and tidy it; the lock outcome is
+    shared with every rank, so a refused rank 0 never leaves the others waiting."""
     out = Path(config.run.output_dir)
     error = None
     with contextlib.ExitStack() as stack:
@@ -204,7 +190,12 @@ def _run_folder(config: PretrainConfig, ctx: DistributedContext, *, fresh: bool)
             try:
                 stack.enter_context(output_folder(out))  # a run refused at start leaves no empty folder
                 stack.enter_context(folder_lock(out, JOB_NAME))
-                _tidy_folder(out, fresh=fresh)
+                removed = remove_stale_temporaries(out)  # under the lock: what killed runs left half-written
+                if removed:
+                    print(f"removed {removed} temporary file(s) left by an interrupted run in {out}", flush=True)
+                aside = move_run_aside(out) if fresh else None
+                if aside is not None:
+                    print(f"--fresh: moved the earlier run's checkpoints and logs to {aside}", flush=True)
             except FolderLockedError as locked:
                 error = str(locked)
             except OSError as failed:
@@ -215,23 +206,9 @@ def _run_folder(config: PretrainConfig, ctx: DistributedContext, *, fresh: bool)
         yield
 
 
-def _tidy_folder(out: Path, *, fresh: bool) -> None:
-    """Under the lock: remove what killed runs left half-written; with --fresh move the old run aside."""
-    removed = remove_stale_temporaries(out)
-    if removed:
-        print(f"removed {removed} temporary file(s) left by an interrupted run in {out}", flush=True)
-    if fresh:
-        aside = move_run_aside(out)
-        if aside is not None:
-            print(f"--fresh: moved the earlier run's checkpoints and logs to {aside}", flush=True)
-
-
 def build_view_source(config: PretrainConfig, ctx: DistributedContext, shards: ShardSet | None) -> ViewSource:
-    """This rank's multi-view batches: `pretrain.views.loader.ViewLoader` over `shards` (the run's training
-    set as `open_run_shard_sets` resolved it), or generated data.
-
-    Built once per run: the source lives across epochs (iterating it again starts the next epoch).
-    """
+    """This rank's multi-view batches, built once per run (iterating it again starts the next epoch): a
+    `ViewLoader` over `shards` (the training set as `open_run_shard_sets` resolved it), or generated data."""
     batch = per_rank_batch(config, ctx.world_size)
     views = config.views
     if config.data.source == "synthetic":
@@ -265,7 +242,7 @@ def _pretrain(config: PretrainConfig, ctx: DistributedContext, views: ViewsFacto
                      steps_per_epoch=len(source))
     settings = StepSettings.from_config(config, derived, ctx)
     state = build_state(config, ctx, settings)
-    start = Path(resume) if resume is not None else (latest_checkpoint(out) if auto_resume else None)
+    start = Path(resume) if resume is not None else (own if auto_resume else None)
     if start is not None:  # before config.yaml is written: a refused resume leaves the folder as it was
         notes = restore(state, source, load_checkpoint(start), ctx, start, config,
                         steps_per_epoch=derived.steps_per_epoch)
@@ -276,7 +253,7 @@ def _pretrain(config: PretrainConfig, ctx: DistributedContext, views: ViewsFacto
         print(text, flush=True)
         print(f"pretrain: {ctx.world_size} rank(s), each on {ctx.device.type}", flush=True)
         if start is not None and state.step >= final_step(config, derived):
-            print(f"the run is finished at step {state.step}: nothing to train, {out / CONFIG_NAME} kept as it was "
+            print(f"the run is finished at step {state.step}: nothing to train, {out / SETTINGS_FILE} kept as it was "
                   "(raise run.max_steps or optim.epochs to train on)", flush=True)
         else:
             kept = write_run_config(out, text, resumed_at=state.step if start is not None else None)
@@ -307,7 +284,6 @@ def _train(config: PretrainConfig, ctx: DistributedContext, state: TrainState, s
     end_step = final_step(config, derived)
     logger = (MetricsLogger(config.run.output_dir, total_steps=end_step, initial_step=state.step,
                             progress_bar=config.run.progress_bar) if ctx.is_main else None)
-    metrics: dict[str, float] = {}
     window = _Window()
     first_steps: list[float] = []
     try:
@@ -344,7 +320,7 @@ def _train(config: PretrainConfig, ctx: DistributedContext, state: TrainState, s
     finally:
         if logger is not None:
             logger.close()
-    return PretrainResult(Path(config.run.output_dir), state.step, state.skipped_steps, last_saved, metrics)
+    return PretrainResult(state.step, state.skipped_steps, last_saved)
 
 
 def _step(state: TrainState, batch: dict[str, Any], online_forward: Any, target_forward: Any,
@@ -404,8 +380,7 @@ class _Window:
                   "data_wait_s": self.data_wait / max(self.steps, 1)}
         if self.large_views:
             record["masked_fraction"] = self.masked / self.large_views
-        self.start, self.steps, self.data_wait = time.perf_counter(), 0, 0.0
-        self.masked, self.large_views = 0, 0
+        self.__init__()  # the next window starts now
         return record
 
 
@@ -451,13 +426,9 @@ def _save(state: TrainState, source: ViewSource, config: PretrainConfig, ctx: Di
     path = checkpoint_path(config.run.output_dir, state.step)
     if ctx.is_main:
         try:
-            path = save_checkpoint(config.run.output_dir, {
-                "config": to_dict(config),
-                **training,
-                "rng": rng_states,
-                "data": data_states,
-                "data_position": {"epoch": position.epoch, "samples": position.samples},
-            }, keep=config.run.keep_checkpoints)
+            payload = {"config": to_dict(config), **training, "rng": rng_states, "data": data_states,
+                       "data_position": asdict(position)}
+            path = save_checkpoint(config.run.output_dir, payload, keep=config.run.keep_checkpoints)
         except (OSError, RuntimeError) as error:  # torch.save reports a full disk as RuntimeError
             raise ConfigError(f"cannot write checkpoint {path}: {str(error).strip().splitlines()[0]}; free "
                               "space or choose another run.output_dir, then rerun to resume") from None

@@ -14,26 +14,21 @@ def peak_learning_rate(base_lr: float, global_batch: int, reference_batch: int =
 
 
 def learning_rate(step: int, *, peak_lr: float, warmup_steps: int, total_steps: int) -> float:
-    """lr at `step`: linear warmup from 0 to `peak_lr` (see `peak_learning_rate`), then cosine to 0.
-
-    lr(0) = 0, lr(warmup_steps) = peak, lr(total_steps) = 0; steps past the end stay at 0.
-    """
+    """lr at `step`: linear warmup from 0 to `peak_lr` (see `peak_learning_rate`), then cosine to 0;
+    lr(0) = 0, lr(warmup_steps) = peak, lr(total_steps) = 0, steps past the end stay at 0."""
     if total_steps <= 0 or not 0 <= warmup_steps <= total_steps:
-        raise ValueError(
-            f"need 0 <= warmup_steps <= total_steps and total_steps > 0, got "
-            f"warmup_steps={warmup_steps}, total_steps={total_steps}"
-        )
+        raise ValueError(f"need 0 <= warmup_steps <= total_steps and total_steps > 0, got "
+                         f"warmup_steps={warmup_steps}, total_steps={total_steps}")
     if not math.isfinite(peak_lr):
         raise ValueError(f"peak lr must be finite, got {peak_lr}")
-    peak = peak_lr
     step = min(max(step, 0), total_steps)
     if step < warmup_steps:
-        return peak * step / warmup_steps
+        return peak_lr * step / warmup_steps
     decay_steps = total_steps - warmup_steps
     if decay_steps == 0:
         return 0.0
     progress = (step - warmup_steps) / decay_steps
-    return peak * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return peak_lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def step_decay(step: int, *, peak_lr: float, milestones: Sequence[int], decay: float) -> float:

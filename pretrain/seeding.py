@@ -1,9 +1,6 @@
-"""Deterministic seeds for every random stream of a run, derived from (run seed, purpose, ...).
-
-Each stream has a named purpose, so two streams never share a seed by accident and a reader sees
-what a seed is for. The values of the purposes are part of the results' reproducibility: never
-renumber them, only add new ones.
-"""
+"""Deterministic seeds for every random stream of a run, derived from (run seed, purpose, ...): each stream
+has a named purpose, so two streams never share a seed by accident. The purposes' values are part of the
+results' reproducibility: never renumber them, only add new ones."""
 
 from __future__ import annotations
 

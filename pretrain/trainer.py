@@ -1,15 +1,12 @@
-"""Training state and the single, visible ReLICv2 train step.
-
-The step reads top to bottom in the order of DINO's `train_one_epoch`: schedule -> forward of all
-views -> loss -> non-finite check -> backward -> clip -> optimizer step -> EMA -> metrics.
-Everything it changes lives in one `TrainState`, which is saved and restored as a unit.
-"""
+"""Training state and the single, visible ReLICv2 train step, top to bottom in the order of DINO's
+`train_one_epoch`: schedule -> forward of all views -> loss -> non-finite check -> backward -> clip ->
+optimizer step -> EMA -> metrics. All it changes lives in one `TrainState`, saved and restored as a unit."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -34,8 +31,7 @@ class NonFiniteLossError(RuntimeError):
     """The loss of step `step` (counted from 1, as logged) became NaN or infinite, with `run.on_nonfinite=stop`."""
 
     def __init__(self, step: int, value: float, message: str = "") -> None:
-        self.step = step
-        self.value = value
+        self.step, self.value = step, value
         super().__init__(message or f"loss is {value} at step {step}")
 
 
@@ -75,49 +71,24 @@ class TrainState:
 
 @dataclass(frozen=True)
 class StepSettings:
-    """The constants one step needs, resolved once from the config and the derived values."""
+    """What one step reads: the config, the derived schedule lengths and peak lr, and the precision and
+    memory layout resolved once for the device."""
 
-    large_views: int
-    temperature: float
-    num_negatives: int
-    contrast_weight: float
-    invariance_weight: float
-    peak_lr: float  # derived.peak_lr, the value printed at start
-    warmup_steps: int
-    total_steps: int
-    ema_base: float
-    clip_grad_norm: float
-    skip_nonfinite: bool
-    seed: int
+    config: PretrainConfig
+    derived: DerivedValues
     bf16: bool
     channels_last: bool
 
     @classmethod
     def from_config(cls, config: PretrainConfig, derived: DerivedValues, ctx: DistributedContext) -> StepSettings:
         on_gpu = ctx.device.type == "cuda"
-        return cls(
-            large_views=config.views.large_views,
-            temperature=config.loss.temperature,
-            num_negatives=config.loss.num_negatives,
-            contrast_weight=config.loss.contrast_weight,
-            invariance_weight=config.loss.invariance_weight,
-            peak_lr=derived.peak_lr,
-            warmup_steps=derived.warmup_steps,
-            total_steps=derived.total_steps,
-            ema_base=config.optim.ema_base,
-            clip_grad_norm=config.optim.clip_grad_norm,
-            skip_nonfinite=config.run.on_nonfinite == "skip",
-            seed=config.run.seed,
-            bf16=on_gpu if config.run.bf16 is None else config.run.bf16,
-            channels_last=on_gpu if config.run.channels_last is None else config.run.channels_last,
-        )
+        return cls(config, derived, bf16=on_gpu if config.run.bf16 is None else config.run.bf16,
+                   channels_last=on_gpu if config.run.channels_last is None else config.run.channels_last)
 
 
 class MultiViewForward(nn.Module):
-    """Online network applied to the large views (one call) and the small views (another call).
-
-    One module call per step, so DDP sees a single forward before each backward.
-    """
+    """Online network applied to the large views (one call) and the small views (another call). One module
+    call per step, so DDP sees a single forward before each backward."""
 
     def __init__(self, online: OnlineNetwork) -> None:
         super().__init__()
@@ -127,33 +98,23 @@ class MultiViewForward(nn.Module):
         return self.online(large), (self.online(small) if small is not None else None)
 
 
-def use_sync_batchnorm(config: PretrainConfig, ctx: DistributedContext) -> bool:
-    """BN statistics over the global batch: on by default whenever there are several ranks (BYOL recipe)."""
-    return ctx.is_distributed if config.model.sync_batchnorm is None else config.model.sync_batchnorm
-
-
 def build_state(config: PretrainConfig, ctx: DistributedContext, settings: StepSettings) -> TrainState:
     """Fresh networks, LARS optimizer and generator on `ctx.device`; identical weights on every rank."""
     torch.manual_seed(config.run.seed)  # every rank builds the same initial weights
     model = config.model
-    online, target = build_networks(
-        model.depth, model.width, hidden_dim=model.hidden_dim, out_dim=model.out_dim,
-        zero_init_residual=model.zero_init_residual, activation_checkpointing=model.activation_checkpointing,
-    )
-    if use_sync_batchnorm(config, ctx) and ctx.is_distributed:
+    online, target = build_networks(model.depth, model.width, hidden_dim=model.hidden_dim, out_dim=model.out_dim,
+                                    zero_init_residual=model.zero_init_residual,
+                                    activation_checkpointing=model.activation_checkpointing)
+    if ctx.is_distributed and model.sync_batchnorm is not False:  # None: BN over the global batch (BYOL recipe)
         online = convert_sync_batchnorm(online, ctx)
         target = convert_sync_batchnorm(target, ctx)
     memory_format = torch.channels_last if settings.channels_last else torch.preserve_format
     online = online.to(ctx.device, memory_format=memory_format)
     target = target.to(ctx.device, memory_format=memory_format)
     target.train()  # the target normalises with batch statistics, as in BYOL
-    optimizer = LARS(
-        parameter_groups(online, config.optim.weight_decay),
-        lr=0.0,  # set from the schedule at every step
-        momentum=config.optim.momentum,
-        weight_decay=config.optim.weight_decay,
-        trust_coefficient=config.optim.trust_coefficient,
-    )
+    optimizer = LARS(parameter_groups(online, config.optim.weight_decay), lr=0.0,  # the schedule's, each step
+                     momentum=config.optim.momentum, weight_decay=config.optim.weight_decay,
+                     trust_coefficient=config.optim.trust_coefficient)
     return TrainState(online, target, optimizer, generator=torch.Generator(device=ctx.device))
 
 
@@ -172,27 +133,21 @@ def wrap_networks(
     return online_forward, target_forward
 
 
-def train_step(
-    state: TrainState,
-    views: Sequence[Tensor],
-    *,
-    online_forward: Callable[[Tensor, Tensor | None], tuple[Tensor, Tensor | None]],
-    target_forward: Callable[[Tensor], Tensor],
-    settings: StepSettings,
-    ctx: DistributedContext,
-) -> dict[str, float]:
-    """One ReLICv2 update on this rank's views (L large then S small, each [B, 3, H, W]).
-
-    Returns the step's metrics averaged over ranks. Raises `NonFiniteLossError` on a NaN/inf loss
-    unless `settings.skip_nonfinite`, in which case the update is skipped and counted.
-    """
-    step, num_large = state.step, settings.large_views
+def train_step(state: TrainState, views: Sequence[Tensor], *,
+               online_forward: Callable[[Tensor, Tensor | None], tuple[Tensor, Tensor | None]],
+               target_forward: Callable[[Tensor], Tensor], settings: StepSettings,
+               ctx: DistributedContext) -> dict[str, float]:
+    """One ReLICv2 update on this rank's views (L large then S small, each [B, 3, H, W]). Returns the step's
+    metrics averaged over ranks. Raises `NonFiniteLossError` on a NaN/inf loss unless `run.on_nonfinite=skip`,
+    in which case the update is skipped and counted."""
+    config, derived = settings.config, settings.derived
+    step, num_large = state.step, config.views.large_views
     batch = views[0].shape[0]
 
     # 1. schedules: pure functions of the global step
-    lr = learning_rate(step, peak_lr=settings.peak_lr, warmup_steps=settings.warmup_steps,
-                       total_steps=settings.total_steps)
-    ema = ema_coefficient(step, base=settings.ema_base, total_steps=settings.total_steps)
+    lr = learning_rate(step, peak_lr=derived.peak_lr, warmup_steps=derived.warmup_steps,
+                       total_steps=derived.total_steps)
+    ema = ema_coefficient(step, base=config.optim.ema_base, total_steps=derived.total_steps)
     for group in state.optimizer.param_groups:
         group["lr"] = lr
 
@@ -218,11 +173,9 @@ def train_step(
     if ctx.is_distributed:
         target_views = list(all_gather_tensor(torch.stack(target_views, dim=1), ctx).unbind(1))
         gathered_online = list(gather_with_grad(torch.stack(online_views, dim=1)).unbind(1))
-    state.generator.manual_seed(derive_seed(settings.seed, SeedPurpose.NEGATIVES, step))
-    loss, parts = relicv2_loss(
-        online_views[:num_large], online_views[num_large:], target_views,
-        temperature=settings.temperature, num_negatives=settings.num_negatives,
-        contrast_weight=settings.contrast_weight, invariance_weight=settings.invariance_weight,
+    state.generator.manual_seed(derive_seed(config.run.seed, SeedPurpose.NEGATIVES, step))
+    loss, parts = relicv2_loss(  # the loss section: temperature, num_negatives and the two weights
+        online_views[:num_large], online_views[num_large:], target_views, **asdict(config.loss),
         generator=state.generator, anchor_offset=ctx.rank * batch, gathered_online=gathered_online,
     )
 
@@ -234,7 +187,7 @@ def train_step(
     metrics = {"loss": reduced[0], "contrastive": reduced[1], "invariance": reduced[2], "lr": lr, "ema": ema}
     state.optimizer.zero_grad(set_to_none=True)
     if not all(math.isfinite(v) for v in reduced):
-        if not settings.skip_nonfinite:
+        if config.run.on_nonfinite == "stop":
             raise NonFiniteLossError(step + 1, reduced[0])  # counted from 1, as in the logs
         state.step += 1
         state.skipped_steps += 1
@@ -242,8 +195,9 @@ def train_step(
 
     # 5. backward, clip, step (DDP averages the gradients over ranks during backward)
     loss.backward()
-    if settings.clip_grad_norm > 0:
-        metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(state.online.parameters(), settings.clip_grad_norm))
+    if config.optim.clip_grad_norm > 0:
+        metrics["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(state.online.parameters(),
+                                                                    config.optim.clip_grad_norm))
     state.optimizer.step()
 
     # 6. EMA of the target network
