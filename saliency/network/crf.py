@@ -10,19 +10,27 @@ It needs a C++ compiler at install time (the set-up and the Docker image have on
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from jobs.config import build
-from saliency.network.config import CrfConfig
+
+if TYPE_CHECKING:  # build-masks' workers import this module: the config module pulls in every handcrafted method
+    from saliency.network.config import CrfConfig
 
 PROBABILITY_FLOOR = 1e-5  # -log(0) would be an infinite unary
 
 
-def dense_crf(rgb: np.ndarray, foreground: np.ndarray, config: CrfConfig = CrfConfig()) -> np.ndarray:
-    """CRF-refined foreground probability [H, W] float32 of `rgb` uint8 [H, W, 3] and `foreground` [H, W]."""
+def dense_crf(rgb: np.ndarray, foreground: np.ndarray, config: CrfConfig | None = None) -> np.ndarray:
+    """CRF-refined foreground probability [H, W] float32 of `rgb` uint8 [H, W, 3] and `foreground` [H, W]
+    (`config`: the CrfConfig defaults when None)."""
     import pydensecrf.densecrf as dcrf
+
+    if config is None:
+        from saliency.network.config import CrfConfig
+
+        config = CrfConfig()
 
     height, width = foreground.shape
     if rgb.shape[:2] != (height, width):
@@ -41,6 +49,8 @@ def model_crf(info: Mapping[str, Any], source: str) -> CrfConfig:
     """The CRF a saliency model was trained with (its file's `config.crf`; the defaults where the file
     records none), at the model's input size: what `--crf` applies to its predictions. ConfigError,
     naming `source`, for settings the file holds but no CrfConfig takes."""
+    from saliency.network.config import CrfConfig
+
     config = info.get("config")
     section = config.get("crf") if isinstance(config, Mapping) else None
     return build(CrfConfig, section or {}, source=source, prefix="crf.", saved=True).at_size(int(info["input_size"]))

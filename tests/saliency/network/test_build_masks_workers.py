@@ -207,3 +207,13 @@ def test_killed_job_leaves_no_worker_and_no_ring_and_resumes_byte_identical(tmp_
     assert run(tmp_path / "killed")["shards_kept"] >= 2
     run(tmp_path / "whole")
     assert _files(tmp_path / "killed") == _files(tmp_path / "whole")
+
+
+def test_a_worker_imports_neither_torch_nor_the_handcrafted_methods():
+    # Each spawned worker imports `mask_work` before its first task: what that pulls in is on the path to the
+    # job's first batch (the handcrafted methods and numba doubled it, torch would add seconds).
+    heavy = ("torch", "numba", "saliency.handcrafted.methods", "saliency.network.config")
+    code = f"import sys, saliency.network.mask_work; print([m for m in {heavy!r} if m in sys.modules])"
+    found = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONPATH": str(REPO)}).stdout.strip()
+    assert found == "[]", f"a build-masks worker imports {found}"
