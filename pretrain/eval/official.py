@@ -97,7 +97,6 @@ def haiku_to_state_dict(params: dict, state: dict, path: Path,
     takes a byte of the file or more, unless one array stands for many parameters (a pickle can
     reference an object again for a few bytes), and each would become a float32 copy.
     """
-    params, state = _haiku_dict(params, "params", path), _haiku_dict(state, "state", path)
     stems = [name for name in params if name.endswith("initial_conv")]
     if len(stems) != 1:
         raise OfficialImportError(f"{path}: expected one ResNet torso (one '.../initial_conv'), found {len(stems)}")

@@ -66,8 +66,8 @@ class ReleaseArray:
 
     __slots__ = ("array",)
 
-    def __init__(self) -> None:
-        self.array: np.ndarray | None = None
+    def __init__(self, array: np.ndarray | None = None) -> None:
+        self.array = array
 
     def __setstate__(self, state: Any) -> None:
         if self.array is not None:
@@ -152,9 +152,7 @@ def _reconstruct(subtype: Any, shape: Any, typecode: Any) -> ReleaseArray:
 
 def _frombuffer(buffer: Any, dtype: Any, shape: Any, order: Any) -> ReleaseArray:
     """numpy's pickle (protocol 5) of a contiguous array: _frombuffer(data, dtype, shape, order)."""
-    array = ReleaseArray()
-    array.array = _array(buffer, dtype, shape, order)
-    return array
+    return ReleaseArray(_array(buffer, dtype, shape, order))
 
 
 def _dtype(name: Any, align: Any = False, copy: Any = True) -> _Dtype:

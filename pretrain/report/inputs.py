@@ -209,14 +209,12 @@ class SaliencySample:
     mask: np.ndarray | None = None  # the network's soft mask from a masked shard set
 
 
-def read_saliency_samples(shards: Path | None, maps_dir: Path | None, count: int) -> tuple[list[SaliencySample], list[str]]:
+def read_saliency_samples(shards: Path, maps_dir: Path | None, count: int) -> tuple[list[SaliencySample], list[str]]:
     """Up to `count` samples of `shards` (a masked or plain shard set), preferring keys that have
     handcrafted maps in `maps_dir`; masks come from `mask.png` members when the set has them."""
     from shards import iter_samples  # imported here: it pulls in the shard reader
     from shards.reader import ReadReport
 
-    if shards is None:
-        return [], []
     problems: list[str] = []
     with_maps: list[SaliencySample] = []
     without: list[SaliencySample] = []
