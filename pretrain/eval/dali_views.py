@@ -77,12 +77,10 @@ class DaliViews:
         self.iterator = DALIGenericIterator(self.pipe, ["images", "cls"], reader_name=READER,
                                             last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True)
 
-    def __len__(self) -> int:
-        return len(self.sample_set)
-
-    def epoch(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
-        """One pass over this rank's share: (images, labels, 0) like the PIL loader's batches."""
+    def epoch(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[str]]]:
+        """One pass over this rank's share: (images, labels, []) like the PIL loader's batches (undecodable
+        images were left out before: no batch holds one)."""
         for batch in self.iterator:
             codes = batch[0]["cls"].cpu().numpy().astype(np.uint8)
             labels = torch.tensor([class_index(bytes(row)) for row in codes])
-            yield batch[0]["images"], labels, 0
+            yield batch[0]["images"], labels, []

@@ -61,8 +61,7 @@ def _known_figures(run_dir: Path, step: int) -> dict[str, Any]:
             except json.JSONDecodeError:
                 continue  # a line cut by a killed run
             if isinstance(record, dict) and "knn_top1" in record and record.get("step", 0) <= step:
-                figures["knn_top1"] = record["knn_top1"]
-                figures["knn_step"] = record.get("step")
+                figures.update(knn_top1=record["knn_top1"], knn_step=record.get("step"))
     for name in sorted(run_dir.glob("linear*.json")):
         try:
             record = json.loads(name.read_text())

@@ -76,7 +76,6 @@ def finetune(
     recorded class names differ are refused before any training (ClassMismatchError)."""
     train_shards, val_shards = open_shard_sets(ctx, train_shards, val_shards)
     check_same_classes(train_shards, val_shards)
-    device = torch.device(device)
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
     train_samples, train_skipped = labelled_samples(train_shards, keys)
     val_samples, val_skipped = labelled_samples(val_shards)

@@ -40,7 +40,6 @@ def train_linear_on_features(
     if len(train) == 0 or len(val) == 0:
         raise ValueError("linear evaluation needs labelled train and val features")
     generator = torch.Generator().manual_seed(config.seed)
-    device = torch.device(device)
     mean = train.features.mean(dim=0).to(device)
     std = train.features.std(dim=0).clamp_min(1e-6).to(device)
 

@@ -40,8 +40,7 @@ MAX_RECORD_TYPES = 64  # named-tuple types a file may define (each costs a class
 MAX_RECORD_FIELDS = 32
 MAX_ARRAY_DIMS = 32
 
-_RECONSTRUCT_MODULES = ("numpy.core.multiarray", "numpy._core.multiarray")
-_FROMBUFFER_MODULES = ("numpy.core.numeric", "numpy._core.numeric")
+_NUMPY_CORES = ("numpy.core", "numpy._core")  # numpy 1 and 2 name the module of their pickling helpers apart
 _JAX_ARRAYS = frozenset({"_reconstruct_array", "_reconstruct_device_array", "_device_array_reconstruct"})
 _STATE_NAME = re.compile(r"^_?[A-Za-z0-9]*State$")
 _STATE_MODULES = ("relicv2", "byol", "optax", "haiku", "jaxline", "__main__", "main_loop", "experiment")
@@ -222,7 +221,6 @@ class _ReleaseUnpickler(pickle.Unpickler):
         self._records: dict[tuple, type] = {}
         self.arrays: list[ReleaseArray] = []
         self._reconstruct_global = _StandIn(self._reconstruct)
-        self._skipped = _StandIn(_skipped)
         self._globals: dict[tuple[str, str], Any] = {
             ("numpy", "ndarray"): _NDARRAY,
             ("numpy", "dtype"): _StandIn(_dtype),
@@ -231,18 +229,17 @@ class _ReleaseUnpickler(pickle.Unpickler):
             ("dill._dill", "_create_array"): _StandIn(self._create_array),
             ("dill._dill", "_create_namedtuple"): _StandIn(self._create_namedtuple),
         }
-        for module in _RECONSTRUCT_MODULES:
-            self._globals[module, "_reconstruct"] = self._reconstruct_global
-            self._globals[module, "scalar"] = _StandIn(_scalar)
-        for module in _FROMBUFFER_MODULES:
-            self._globals[module, "_frombuffer"] = _StandIn(_frombuffer)  # its arrays come with their data
+        for core in _NUMPY_CORES:
+            self._globals[f"{core}.multiarray", "_reconstruct"] = self._reconstruct_global
+            self._globals[f"{core}.multiarray", "scalar"] = _StandIn(_scalar)
+            self._globals[f"{core}.numeric", "_frombuffer"] = _StandIn(_frombuffer)  # arrays with their data
 
     def find_class(self, module: str, name: str) -> Any:
         found = self._globals.get((module, name))
         if found is not None:
             return found
         if module.split(".")[0] == "jax" and name in _JAX_ARRAYS:
-            return self._skipped
+            return _StandIn(_skipped)
         if _STATE_NAME.match(name) and module.split(".")[0] in _STATE_MODULES:
             return self._record(("state", name), lambda: type(name, (_StateTuple,), {"__slots__": ()}))
         raise ReleasePickleError(

@@ -50,8 +50,8 @@ def train_linear_paper(
     val_set = LabelledViews(val_samples, train=False, crop_size=config.crop_size, resize_size=config.resize_size)
 
     def batches(views: LabelledViews, epoch: int) -> supervised.Batches:
-        if config.backend == "dali":  # undecodable images were left out before: no batch holds one
-            return ((images, labels, []) for images, labels, _ in dali[views.train].epoch())
+        if config.backend == "dali":
+            return dali[views.train].epoch()
         return epoch_batches(views, epoch, rank=rank, world=world, batch_size=per_rank_batch,
                              workers=config.workers)
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from jobs.atomic import atomic_write_bytes
 from jobs.progress import clock
+from pretrain.eval.outcome import named
 from pretrain.report import plots
 from pretrain.report.inputs import (
     EvalResult,
@@ -28,8 +29,8 @@ from pretrain.report.inputs import (
     read_run_metrics,
     read_saliency_samples,
 )
+from pretrain.views.sources import PNG_SIGNATURE
 
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # In the figures folder: the names of the figures the report wrote there, the only files a rebuild removes.
 FIGURES_RECORD = ".written-by-report.json"
 # (id, title) of every section, in page order; tests check that each is present.
@@ -136,9 +137,8 @@ def claim_figure_dir(folder: Path) -> None:
     entries = [p for p in folder.iterdir() if p.name != FIGURES_RECORD]
     foreign = sorted(p.name for p in entries if p.name not in recorded or p.is_symlink() or not p.is_file())
     if foreign:
-        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise ValueError(f"{folder} (the report's figures folder) holds files no report wrote ({shown}); move them "
-                         "away or choose another --out")
+        raise ValueError(f"{folder} (the report's figures folder) holds files no report wrote "
+                         f"({named(foreign, 3)}); move them away or choose another --out")
     for path in entries:  # only the recorded figures of an earlier build are left
         path.unlink()
 

@@ -60,13 +60,12 @@ def plot_schedules(steps: Sequence[dict[str, Any]], path: Path) -> Path:
     return _save(fig, path)
 
 
-def plot_knn(knn: Sequence[dict[str, Any]], path: Path, protocol: str = "") -> Path:
+def plot_knn(knn: Sequence[dict[str, Any]], path: Path, protocol: str) -> Path:
     """kNN top-1 of the online encoder after each monitored epoch; `protocol` (image size, k, ...) in the title."""
     fig, ax = plt.subplots(figsize=(7, 4))
     xs, ys = _series(knn, "epoch", "knn_top1")
     ax.plot(xs, ys, marker="o")
-    ax.set(xlabel="epoch", ylabel="kNN top-1", ylim=(0, 1),
-           title=f"kNN monitor over epochs ({protocol})" if protocol else "kNN monitor over epochs")
+    ax.set(xlabel="epoch", ylabel="kNN top-1", ylim=(0, 1), title=f"kNN monitor over epochs ({protocol})")
     ax.grid(alpha=0.3)
     return _save(fig, path)
 
