@@ -103,8 +103,7 @@ class _Dtype:
             raise ReleasePickleError(f"refused a dtype state for {self.name!r} other than a plain byte order "
                                      "(no fields, objects or subarrays)")
         byteorder = state[1]
-        itemsize = np.dtype(self.name).itemsize
-        if byteorder not in ("<", ">", "|", "=") or (byteorder == "|" and itemsize != 1):
+        if byteorder not in ("<", ">", "|", "=") or (byteorder == "|" and np.dtype(self.name).itemsize != 1):
             raise ReleasePickleError(f"refused byte order {_short(repr(byteorder), 8)} for dtype {self.name!r}")
         self.dtype = np.dtype(self.name).newbyteorder("=" if byteorder == "|" else byteorder)
 
@@ -169,16 +168,6 @@ def _scalar(dtype: Any, data: Any) -> Any:
     return np.frombuffer(data, dtype=dtype)[0].item()
 
 
-def _skipped(*_args: Any) -> None:
-    """A JAX device array (the release's rng): not needed, not rebuilt (jax is never imported)."""
-    return None
-
-
-def _ordered_dict() -> dict:
-    # OrderedDict pickles as OrderedDict() followed by SETITEMS; a plain dict keeps the order.
-    return {}
-
-
 def _refuse_state(self: Any, state: Any) -> None:
     raise ReleasePickleError(f"refused a BUILD on a {type(self).__name__}")
 
@@ -225,7 +214,8 @@ class _ReleaseUnpickler(pickle.Unpickler):
             ("numpy", "ndarray"): _NDARRAY,
             ("numpy", "dtype"): _StandIn(_dtype),
             ("_codecs", "encode"): _StandIn(self._codecs_encode),
-            ("collections", "OrderedDict"): _StandIn(_ordered_dict),
+            # OrderedDict pickles as OrderedDict() followed by SETITEMS; a plain dict keeps the order.
+            ("collections", "OrderedDict"): _StandIn(lambda: {}),
             ("dill._dill", "_create_array"): _StandIn(self._create_array),
             ("dill._dill", "_create_namedtuple"): _StandIn(self._create_namedtuple),
         }
@@ -239,7 +229,8 @@ class _ReleaseUnpickler(pickle.Unpickler):
         if found is not None:
             return found
         if module.split(".")[0] == "jax" and name in _JAX_ARRAYS:
-            return _StandIn(_skipped)
+            # A JAX device array (the release's rng): not needed, not rebuilt (jax is never imported).
+            return _StandIn(lambda *_args: None)
         if _STATE_NAME.match(name) and module.split(".")[0] in _STATE_MODULES:
             return self._record(("state", name), lambda: type(name, (_StateTuple,), {"__slots__": ()}))
         raise ReleasePickleError(

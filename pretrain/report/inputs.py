@@ -75,25 +75,20 @@ def read_run_metrics(run_dir: Path) -> RunMetrics:
     except (OSError, yaml.YAMLError):  # absent or unreadable: no settings
         config = {}
     result.config = config if isinstance(config, dict) else {}
-    steps_per_epoch = _steps_per_epoch(result.config, result.steps)
+    try:  # from the derived values saved in config.yaml, else from the step records' epoch/step ratio
+        steps_per_epoch = float(result.config["derived"]["steps_per_epoch"])
+    except (KeyError, TypeError, ValueError):
+        steps_per_epoch = next((r["step"] / r["epoch"] for r in result.steps
+                                if isinstance(r.get("epoch"), int | float) and r["epoch"] > 0), None)
     # A record's own epoch, when it has one, wins over the one computed here.
     result.knn = [{"epoch": step / steps_per_epoch, **knn[step]} if steps_per_epoch else knn[step]
                   for step in sorted(knn)]
     return result
 
 
-def _steps_per_epoch(config: dict[str, Any], steps: list[dict[str, Any]]) -> float | None:
-    """From the derived values saved in config.yaml, else from the step records' epoch/step ratio."""
-    try:
-        return float(config["derived"]["steps_per_epoch"])
-    except (KeyError, TypeError, ValueError):
-        return next((record["step"] / record["epoch"] for record in steps
-                     if isinstance(record.get("epoch"), int | float) and record["epoch"] > 0), None)
-
-
 @dataclass(frozen=True)
 class EvalResult:
-    """One `--json` file of an eval command (the contract's fields; the rest kept in `extra`)."""
+    """One `--json` file of an eval command (the contract's fields the report shows)."""
 
     path: Path
     protocol: str
@@ -198,8 +193,7 @@ class SaliencySample:
 def read_saliency_samples(shards: Path, maps_dir: Path | None, count: int) -> tuple[list[SaliencySample], list[str]]:
     """Up to `count` samples of `shards` (a masked or plain shard set), preferring keys that have
     handcrafted maps in `maps_dir`; masks come from `mask.png` members when the set has them."""
-    from shards import iter_samples  # imported here: it pulls in the shard reader
-    from shards.reader import ReadReport
+    from shards import ReadReport, iter_samples  # imported here: it pulls in the shard reader
 
     problems: list[str] = []
     with_maps: list[SaliencySample] = []

@@ -114,7 +114,8 @@ def plot_saliency(samples: Sequence[SaliencySample], path: Path) -> Path:
             panels.append(np.mean(present, axis=0) if present else None)
         if has_mask:
             panels.append(sample.mask)
-            panels.append(None if sample.mask is None else _remove_background(sample.image, sample.mask))
+            panels.append(None if sample.mask is None
+                          else np.where((sample.mask >= 0.5)[..., None], sample.image, np.uint8(128)))
         for col, panel in enumerate(panels):
             ax = axes[row][col]
             ax.set(xticks=[], yticks=[])
@@ -128,8 +129,3 @@ def plot_saliency(samples: Sequence[SaliencySample], path: Path) -> Path:
                 ax.set_title(columns[col], fontsize=9)
         axes[row][0].set_ylabel(_short(sample.key, 18), fontsize=8)
     return _save(fig, path)
-
-
-def _remove_background(image: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    foreground = (mask >= 0.5)[..., None]
-    return np.where(foreground, image, np.uint8(128))
