@@ -58,7 +58,7 @@ def _eval_pipeline(tars, index_files, *, train: bool, crop_size: int, resize_siz
 
 
 class DaliViews:
-    """Batches of one shard set's views for every epoch; undecodable samples are counted in `skipped`."""
+    """Batches of one shard set's views for every epoch; its `sample_set` lists the undecodable samples."""
 
     def __init__(self, source: str | Path, *, train: bool, crop_size: int, resize_size: int, batch_size: int,
                  scale: tuple[float, float] = (0.08, 1.0), seed: int = 0, rank: int = 0, world: int = 1,
@@ -66,7 +66,6 @@ class DaliViews:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # left-out samples are counted and reported by the caller
             self.sample_set = load_sample_set(source, **DECODE)
-        self.skipped = len(self.sample_set.skipped_keys)
         gpu = device is not None and device.type == "cuda"
         self.pipe = _eval_pipeline(
             [str(p) for p in self.sample_set.tars], [str(p) for p in self.sample_set.index_files],
@@ -77,12 +76,10 @@ class DaliViews:
         self.iterator = DALIGenericIterator(self.pipe, ["images", "cls"], reader_name=READER,
                                             last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=True)
 
-    def __len__(self) -> int:
-        return len(self.sample_set)
-
-    def epoch(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, int]]:
-        """One pass over this rank's share: (images, labels, 0) like the PIL loader's batches."""
+    def epoch(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[str]]]:
+        """One pass over this rank's share: (images, labels, []) like the PIL loader's batches (undecodable
+        images were left out before: no batch holds one)."""
         for batch in self.iterator:
             codes = batch[0]["cls"].cpu().numpy().astype(np.uint8)
             labels = torch.tensor([class_index(bytes(row)) for row in codes])
-            yield batch[0]["images"], labels, 0
+            yield batch[0]["images"], labels, []

@@ -54,15 +54,13 @@ def _known_figures(run_dir: Path, step: int) -> dict[str, Any]:
     """The last kNN top-1 logged at or before `step` in the run's metrics.jsonl, and linear results beside it."""
     figures: dict[str, Any] = {}
     metrics = run_dir / "metrics.jsonl"
-    if metrics.is_file():
-        for line in metrics.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by a killed run
-            if isinstance(record, dict) and "knn_top1" in record and record.get("step", 0) <= step:
-                figures["knn_top1"] = record["knn_top1"]
-                figures["knn_step"] = record.get("step")
+    for line in metrics.read_text().splitlines() if metrics.is_file() else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by a killed run
+        if isinstance(record, dict) and "knn_top1" in record and record.get("step", 0) <= step:
+            figures.update(knn_top1=record["knn_top1"], knn_step=record.get("step"))
     for name in sorted(run_dir.glob("linear*.json")):
         try:
             record = json.loads(name.read_text())

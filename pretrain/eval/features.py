@@ -116,8 +116,7 @@ def cached_features(
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
     skipped: list[str] = []
     lost: list[LostSamples] = []  # every rank reads the whole set: the same on every rank
-    features, labels = extract_features(encoder, source, crop_size=spec.crop_size, resize_size=spec.resize_size,
-                                        batch_size=spec.batch_size, device=device, skipped=skipped,
+    features, labels = extract_features(encoder, source, **asdict(spec), device=device, skipped=skipped,
                                         part=(rank, world), allow_lost=allow_lost, lost=lost)
     if world > 1:
         parts = all_gather_object((features, labels, skipped), ctx)

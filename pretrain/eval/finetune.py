@@ -13,6 +13,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ from torch import nn
 from pretrain.distributed import DistributedContext, open_shard_sets
 from pretrain.eval import supervised
 from pretrain.eval.classes import check_same_classes
-from pretrain.eval.views import LabelledViews, class_count, labelled_samples, loader, rank_order
+from pretrain.eval.views import LabelledViews, class_count, epoch_batches, labelled_samples
 from pretrain.schedules import peak_learning_rate, step_decay
 
 STATE_FORMAT = "relicv2-finetune"
@@ -75,7 +76,6 @@ def finetune(
     recorded class names differ are refused before any training (ClassMismatchError)."""
     train_shards, val_shards = open_shard_sets(ctx, train_shards, val_shards)
     check_same_classes(train_shards, val_shards)
-    device = torch.device(device)
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
     train_samples, train_skipped = labelled_samples(train_shards, keys)
     val_samples, val_skipped = labelled_samples(val_shards)
@@ -95,10 +95,7 @@ def finetune(
     state = (supervised.StateFile(Path(output_dir) / STATE_FILE, STATE_FORMAT, config, ("workers",),
                                   what="fine-tuning", network="model") if output_dir is not None else None)
 
-    def batches(views: LabelledViews, epoch: int) -> supervised.Batches:
-        views.epoch = epoch
-        order = rank_order(len(views), seed=config.seed, epoch=epoch, rank=rank, world=world, shuffle=views.train)
-        return loader(views, order, per_rank_batch, config.workers)
+    batches = partial(epoch_batches, rank=rank, world=world, batch_size=per_rank_batch, workers=config.workers)
 
     def forward(images: torch.Tensor) -> torch.Tensor:
         return model(images.to(device))

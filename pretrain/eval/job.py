@@ -38,7 +38,7 @@ from pretrain.eval.knn import at_trained_size, evaluate_knn, shared_tars
 from pretrain.eval.linear import LinearConfig, evaluate_linear
 from pretrain.eval.outcome import NAMED_KEYS, lost_text, named
 from shards.outdir import check_output_file, check_output_folder, writing
-from shards.shardset import ShardSet, ShardSetError, resolve_shard_set
+from shards.shardset import ShardSetError, resolve_shard_set
 from shards.subset import read_key_list
 
 LINEAR_PRESETS = Presets(job="relicv2 eval linear", package="pretrain.eval", folder="presets/linear")
@@ -144,7 +144,12 @@ def run_eval(job: EvalJob, log: Callable[[str], None] = print) -> EvalOutcome | 
 
 def _run_knn(job: EvalJob, log: Callable[[str], None]) -> EvalOutcome:
     device = resolve_device(job.device, "--device")
-    train, val = _knn_sets(job)
+    # The job's one resolution of --train and --val, with `allow_lost` (the reading refuses, or with
+    # --allow-lost counts, what their tars lost); a bank that holds its queries finds each in itself.
+    train, val = (resolve_shard_set(spec, allow_lost=True) for spec in (job.train_shards, job.val_shards))
+    if both := shared_tars(train, val):
+        raise ShardSetError(f"--train and --val share {len(both)} tar(s) ({both[0].name}, ...): each query would "
+                            "be found in the bank itself; pass a held-out labelled set as --val")
     encoder, record = load_encoder(job.backbone)
     trained = record["trained_protocol"]
     # Unset options follow the checkpoint's training (its run's kNN monitor, else its view size), so the
@@ -170,16 +175,6 @@ def _run_knn(job: EvalJob, log: Callable[[str], None]) -> EvalOutcome:
         "network": record["network"]})
     _write_json(job.json_path, payload, "--json")
     return EvalOutcome([line], warnings + _shortfalls(result))
-
-
-def _knn_sets(job: EvalJob) -> tuple[ShardSet, ShardSet]:
-    """The job's one resolution of --train and --val, with `allow_lost` (the reading refuses, or with --allow-lost
-    counts, what their tars lost); ShardSetError naming the file when one is unusable, or when they share tars."""
-    train, val = (resolve_shard_set(spec, allow_lost=True) for spec in (job.train_shards, job.val_shards))
-    if both := shared_tars(train, val):
-        raise ShardSetError(f"--train and --val share {len(both)} tar(s) ({both[0].name}, ...): each query would "
-                            "be found in the bank itself; pass a held-out labelled set as --val")
-    return train, val
 
 
 def _run_trained_head(job: EvalJob, log: Callable[[str], None]) -> EvalOutcome | None:

@@ -40,7 +40,6 @@ def train_linear_on_features(
     if len(train) == 0 or len(val) == 0:
         raise ValueError("linear evaluation needs labelled train and val features")
     generator = torch.Generator().manual_seed(config.seed)
-    device = torch.device(device)
     mean = train.features.mean(dim=0).to(device)
     std = train.features.std(dim=0).clamp_min(1e-6).to(device)
 
@@ -92,17 +91,13 @@ def evaluate_linear(
     train_shards, val_shards = open_shard_sets(ctx, train_shards, val_shards, check_samples=False,
                                                allow_lost=config.protocol == "fast")
     check_same_classes(train_shards, val_shards)
-    encoder = encoder.to(device).eval()
-    for parameter in encoder.parameters():
-        parameter.requires_grad_(False)
+    encoder = encoder.to(device).eval().requires_grad_(False)
     if config.protocol == "fast":
         spec = FeatureSpec(crop_size=config.crop_size, resize_size=config.resize_size,
                            batch_size=config.feature_batch)
         cache = Path(output_dir) / "features" if output_dir is not None else None
-        train = cached_features(encoder, train_shards, spec, cache_dir=cache, device=device, ctx=ctx,
-                                allow_lost=allow_lost)
-        val = cached_features(encoder, val_shards, spec, cache_dir=cache, device=device, ctx=ctx,
-                              allow_lost=allow_lost)
+        train, val = (cached_features(encoder, shards, spec, cache_dir=cache, device=device, ctx=ctx,
+                                      allow_lost=allow_lost) for shards in (train_shards, val_shards))
         num_classes = int(max(train.labels.max(), val.labels.max())) + 1
         return train_linear_on_features(train, val, config, num_classes=num_classes, device=device)
     return train_linear_paper(encoder, train_shards, val_shards, config, device=torch.device(device),

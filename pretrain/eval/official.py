@@ -51,14 +51,13 @@ def _params_and_state(experiment_state: Any, network: str, path: Path) -> tuple[
     (online_params, target_params, online_state, target_state, ...)."""
     fields = {"online": ("online_params", "online_state", 0, 2), "target": ("target_params", "target_state", 1, 3)}
     params_name, state_name, params_index, state_index = fields[network]
+    params = state = None
     if isinstance(experiment_state, dict):
         params, state = experiment_state.get(params_name), experiment_state.get(state_name)
     elif hasattr(experiment_state, params_name):
         params, state = getattr(experiment_state, params_name), getattr(experiment_state, state_name, None)
     elif isinstance(experiment_state, tuple) and len(experiment_state) >= 4:
         params, state = experiment_state[params_index], experiment_state[state_index]
-    else:
-        params = state = None
     if not isinstance(params, dict) or not isinstance(state, dict):
         raise OfficialImportError(f"{path}: experiment_state has no {params_name} / {state_name} dicts")
     return _haiku_dict(params, params_name, path), _haiku_dict(state, state_name, path)
@@ -97,7 +96,6 @@ def haiku_to_state_dict(params: dict, state: dict, path: Path,
     takes a byte of the file or more, unless one array stands for many parameters (a pickle can
     reference an object again for a few bytes), and each would become a float32 copy.
     """
-    params, state = _haiku_dict(params, "params", path), _haiku_dict(state, "state", path)
     stems = [name for name in params if name.endswith("initial_conv")]
     if len(stems) != 1:
         raise OfficialImportError(f"{path}: expected one ResNet torso (one '.../initial_conv'), found {len(stems)}")

@@ -40,8 +40,7 @@ MAX_RECORD_TYPES = 64  # named-tuple types a file may define (each costs a class
 MAX_RECORD_FIELDS = 32
 MAX_ARRAY_DIMS = 32
 
-_RECONSTRUCT_MODULES = ("numpy.core.multiarray", "numpy._core.multiarray")
-_FROMBUFFER_MODULES = ("numpy.core.numeric", "numpy._core.numeric")
+_NUMPY_CORES = ("numpy.core", "numpy._core")  # numpy 1 and 2 name the module of their pickling helpers apart
 _JAX_ARRAYS = frozenset({"_reconstruct_array", "_reconstruct_device_array", "_device_array_reconstruct"})
 _STATE_NAME = re.compile(r"^_?[A-Za-z0-9]*State$")
 _STATE_MODULES = ("relicv2", "byol", "optax", "haiku", "jaxline", "__main__", "main_loop", "experiment")
@@ -66,8 +65,8 @@ class ReleaseArray:
 
     __slots__ = ("array",)
 
-    def __init__(self) -> None:
-        self.array: np.ndarray | None = None
+    def __init__(self, array: np.ndarray | None = None) -> None:
+        self.array = array
 
     def __setstate__(self, state: Any) -> None:
         if self.array is not None:
@@ -104,8 +103,7 @@ class _Dtype:
             raise ReleasePickleError(f"refused a dtype state for {self.name!r} other than a plain byte order "
                                      "(no fields, objects or subarrays)")
         byteorder = state[1]
-        itemsize = np.dtype(self.name).itemsize
-        if byteorder not in ("<", ">", "|", "=") or (byteorder == "|" and itemsize != 1):
+        if byteorder not in ("<", ">", "|", "=") or (byteorder == "|" and np.dtype(self.name).itemsize != 1):
             raise ReleasePickleError(f"refused byte order {_short(repr(byteorder), 8)} for dtype {self.name!r}")
         self.dtype = np.dtype(self.name).newbyteorder("=" if byteorder == "|" else byteorder)
 
@@ -152,9 +150,7 @@ def _reconstruct(subtype: Any, shape: Any, typecode: Any) -> ReleaseArray:
 
 def _frombuffer(buffer: Any, dtype: Any, shape: Any, order: Any) -> ReleaseArray:
     """numpy's pickle (protocol 5) of a contiguous array: _frombuffer(data, dtype, shape, order)."""
-    array = ReleaseArray()
-    array.array = _array(buffer, dtype, shape, order)
-    return array
+    return ReleaseArray(_array(buffer, dtype, shape, order))
 
 
 def _dtype(name: Any, align: Any = False, copy: Any = True) -> _Dtype:
@@ -170,16 +166,6 @@ def _scalar(dtype: Any, data: Any) -> Any:
         raise ReleasePickleError(f"refused a numpy scalar of dtype {dtype.str} whose data is not {dtype.itemsize} bytes")
     # A Python number: numpy's scalars carry a __setstate__ of their own that a BUILD would reach.
     return np.frombuffer(data, dtype=dtype)[0].item()
-
-
-def _skipped(*_args: Any) -> None:
-    """A JAX device array (the release's rng): not needed, not rebuilt (jax is never imported)."""
-    return None
-
-
-def _ordered_dict() -> dict:
-    # OrderedDict pickles as OrderedDict() followed by SETITEMS; a plain dict keeps the order.
-    return {}
 
 
 def _refuse_state(self: Any, state: Any) -> None:
@@ -224,27 +210,27 @@ class _ReleaseUnpickler(pickle.Unpickler):
         self._records: dict[tuple, type] = {}
         self.arrays: list[ReleaseArray] = []
         self._reconstruct_global = _StandIn(self._reconstruct)
-        self._skipped = _StandIn(_skipped)
         self._globals: dict[tuple[str, str], Any] = {
             ("numpy", "ndarray"): _NDARRAY,
             ("numpy", "dtype"): _StandIn(_dtype),
             ("_codecs", "encode"): _StandIn(self._codecs_encode),
-            ("collections", "OrderedDict"): _StandIn(_ordered_dict),
+            # OrderedDict pickles as OrderedDict() followed by SETITEMS; a plain dict keeps the order.
+            ("collections", "OrderedDict"): _StandIn(lambda: {}),
             ("dill._dill", "_create_array"): _StandIn(self._create_array),
             ("dill._dill", "_create_namedtuple"): _StandIn(self._create_namedtuple),
         }
-        for module in _RECONSTRUCT_MODULES:
-            self._globals[module, "_reconstruct"] = self._reconstruct_global
-            self._globals[module, "scalar"] = _StandIn(_scalar)
-        for module in _FROMBUFFER_MODULES:
-            self._globals[module, "_frombuffer"] = _StandIn(_frombuffer)  # its arrays come with their data
+        for core in _NUMPY_CORES:
+            self._globals[f"{core}.multiarray", "_reconstruct"] = self._reconstruct_global
+            self._globals[f"{core}.multiarray", "scalar"] = _StandIn(_scalar)
+            self._globals[f"{core}.numeric", "_frombuffer"] = _StandIn(_frombuffer)  # arrays with their data
 
     def find_class(self, module: str, name: str) -> Any:
         found = self._globals.get((module, name))
         if found is not None:
             return found
         if module.split(".")[0] == "jax" and name in _JAX_ARRAYS:
-            return self._skipped
+            # A JAX device array (the release's rng): not needed, not rebuilt (jax is never imported).
+            return _StandIn(lambda *_args: None)
         if _STATE_NAME.match(name) and module.split(".")[0] in _STATE_MODULES:
             return self._record(("state", name), lambda: type(name, (_StateTuple,), {"__slots__": ()}))
         raise ReleasePickleError(

@@ -16,7 +16,7 @@ from pretrain.distributed import DistributedContext, open_shard_sets
 from pretrain.eval import supervised
 from pretrain.eval.linear_config import LinearConfig
 from pretrain.eval.supervised import HeadCheckpointError  # noqa: F401  (the CLI catches it from here)
-from pretrain.eval.views import LabelledViews, class_count, labelled_samples, loader, rank_order
+from pretrain.eval.views import LabelledViews, class_count, epoch_batches, labelled_samples
 from shards.shardset import Spec
 
 HEAD_FORMAT = "relicv2-linear-head"
@@ -50,11 +50,10 @@ def train_linear_paper(
     val_set = LabelledViews(val_samples, train=False, crop_size=config.crop_size, resize_size=config.resize_size)
 
     def batches(views: LabelledViews, epoch: int) -> supervised.Batches:
-        if config.backend == "dali":  # undecodable images were left out before: no batch holds one
-            return ((images, labels, []) for images, labels, _ in dali[views.train].epoch())
-        views.epoch = epoch
-        order = rank_order(len(views), seed=config.seed, epoch=epoch, rank=rank, world=world, shuffle=views.train)
-        return loader(views, order, per_rank_batch, config.workers)
+        if config.backend == "dali":
+            return dali[views.train].epoch()
+        return epoch_batches(views, epoch, rank=rank, world=world, batch_size=per_rank_batch,
+                             workers=config.workers)
 
     num_classes = class_count((train_samples, train_shards), (val_samples, val_shards))
     torch.manual_seed(config.seed)

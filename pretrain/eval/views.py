@@ -116,14 +116,12 @@ def collate(items: list[tuple[Tensor, int] | str]) -> tuple[Tensor, Tensor, list
     return torch.stack([image for image, _ in kept]), torch.tensor([label for _, label in kept]), bad
 
 
-def loader(dataset: LabelledViews, indices: Sequence[int], batch_size: int, workers: int) -> DataLoader:
-    """Batches of `dataset` at `indices` in that order (the caller shuffles and splits over ranks)."""
-    return DataLoader(torch.utils.data.Subset(dataset, list(indices)), batch_size=batch_size, shuffle=False,
-                      num_workers=workers, collate_fn=collate, persistent_workers=False)
-
-
-def rank_order(count: int, *, seed: int, epoch: int, rank: int, world: int, shuffle: bool) -> list[int]:
-    """This rank's sample positions for one epoch: a seeded permutation (or 0..N-1), every W-th from `rank`."""
-    order = (torch.randperm(count, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
-             if shuffle else torch.arange(count))
-    return order[rank::world].tolist()
+def epoch_batches(views: LabelledViews, epoch: int, *, rank: int, world: int, batch_size: int,
+                  workers: int) -> DataLoader:
+    """This rank's batches of `views` for one epoch: every W-th from `rank` of a permutation seeded by
+    (seed, epoch) for train views, of 0..N-1 for test views."""
+    views.epoch = epoch
+    order = (torch.randperm(len(views), generator=torch.Generator().manual_seed(views.seed * 100003 + epoch))
+             if views.train else torch.arange(len(views)))
+    return DataLoader(torch.utils.data.Subset(views, order[rank::world].tolist()), batch_size=batch_size,
+                      shuffle=False, num_workers=workers, collate_fn=collate, persistent_workers=False)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from jobs.atomic import atomic_write_bytes
 from jobs.progress import clock
+from pretrain.eval.outcome import named
 from pretrain.report import plots
 from pretrain.report.inputs import (
     EvalResult,
@@ -28,8 +29,8 @@ from pretrain.report.inputs import (
     read_run_metrics,
     read_saliency_samples,
 )
+from pretrain.views.sources import PNG_SIGNATURE
 
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # In the figures folder: the names of the figures the report wrote there, the only files a rebuild removes.
 FIGURES_RECORD = ".written-by-report.json"
 # (id, title) of every section, in page order; tests check that each is present.
@@ -136,9 +137,8 @@ def claim_figure_dir(folder: Path) -> None:
     entries = [p for p in folder.iterdir() if p.name != FIGURES_RECORD]
     foreign = sorted(p.name for p in entries if p.name not in recorded or p.is_symlink() or not p.is_file())
     if foreign:
-        shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise ValueError(f"{folder} (the report's figures folder) holds files no report wrote ({shown}); move them "
-                         "away or choose another --out")
+        raise ValueError(f"{folder} (the report's figures folder) holds files no report wrote "
+                         f"({named(foreign, 3)}); move them away or choose another --out")
     for path in entries:  # only the recorded figures of an earlier build are left
         path.unlink()
 
@@ -163,7 +163,7 @@ def _saliency_section(page: _Page, inputs: ReportInputs) -> None:
         return
     samples, problems = read_saliency_samples(inputs.shards, inputs.maps_dir, inputs.count)
     page.summary.problems += problems
-    if not samples or not any(s.maps or s.mask is not None for s in samples):
+    if not any(s.maps or s.mask is not None for s in samples):
         page.not_run("saliency", f"no handcrafted map or network mask found for the images of {inputs.shards}")
         return
     figure = plots.plot_saliency(samples, page.figure("saliency.png"))
@@ -205,12 +205,9 @@ def _loss_rows(report: object) -> list[list[str]]:
     losses = report.get("losses") if isinstance(report, dict) else None
     if not isinstance(losses, dict):
         return []
-    rows = []
-    for name, values in losses.items():
-        numbers = [v for v in values if isinstance(v, int | float)] if isinstance(values, list) else []
-        if numbers:
-            rows.append([str(name), str(len(numbers)), _fmt(numbers[0]), _fmt(numbers[-1])])
-    return rows
+    numbers = {name: [v for v in values if isinstance(v, int | float)] for name, values in losses.items()
+               if isinstance(values, list)}
+    return [[str(name), str(len(n)), _fmt(n[0]), _fmt(n[-1])] for name, n in numbers.items() if n]
 
 
 def _views_section(page: _Page, inputs: ReportInputs) -> None:
@@ -258,9 +255,8 @@ def _training_sections(page: _Page, metrics_file: Path | None, metrics: RunMetri
     if metrics.knn:
         last = metrics.knn[-1]
         knn = metrics.config.get("knn") or {}
-        protocol = protocol_text({"image_size": knn.get("crop_size"), "k": knn.get("k"),
-                                  "temperature": knn.get("temperature"), "bank": knn.get("train_shards"),
-                                  "split": knn.get("val_shards")})
+        protocol = protocol_text({**{key: knn.get(key) for key in ("crop_size", "k", "temperature")},
+                                  "bank": knn.get("train_shards"), "split": knn.get("val_shards")})
         page.ok("knn", page.img(plots.plot_knn(metrics.knn, page.figure("knn.png"), protocol=protocol),
                                 "kNN top-1 over epochs")
                 + _notes([f"last kNN top-1 {_fmt(last['knn_top1'])} at step {last['step']} ({protocol})"]))
@@ -330,13 +326,12 @@ def _deltas(results: list[EvalResult]) -> str:
                           []).append(result)
     lines = []
     for (protocol, num_train, num_val, settings), same in sorted(groups.items(), key=lambda item: str(item[0])):
-        trained = [r for r in same if not r.random_init]
-        baseline = [r for r in same if r.random_init]
-        if trained and baseline:
-            gain = trained[0].top1 - baseline[0].top1
+        trained = next((r.top1 for r in same if not r.random_init), None)
+        baseline = next((r.top1 for r in same if r.random_init), None)
+        if trained is not None and baseline is not None:
             shown = "" if settings == "-" else f"{settings}; "
             lines.append(f"{protocol} ({shown}{_fmt(num_train)} train / {_fmt(num_val)} val images): pretrained "
-                         f"{trained[0].top1:.4f} vs random init {baseline[0].top1:.4f} ({gain:+.4f})")
+                         f"{trained:.4f} vs random init {baseline:.4f} ({trained - baseline:+.4f})")
     return _notes(lines)
 
 
@@ -384,5 +379,4 @@ def _render(page: _Page, inputs: ReportInputs) -> str:
     if page.summary.problems:
         parts.append('<section id="problems"><h2>Inputs left out</h2><ul class="problems">'
                      + "".join(f"<li>{html.escape(p)}</li>" for p in page.summary.problems) + "</ul></section>")
-    parts.append("</body></html>\n")
-    return "\n".join(parts)
+    return "\n".join(parts) + "\n</body></html>\n"

@@ -70,35 +70,25 @@ def read_run_metrics(run_dir: Path) -> RunMetrics:
         if "loss" in record:
             steps[step] = record
     result.steps = [steps[s] for s in sorted(steps)]
-    result.config = _run_config(Path(run_dir))
-    steps_per_epoch = _steps_per_epoch(result.config, result.steps)
+    try:
+        config = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):  # absent or unreadable: no settings
+        config = {}
+    result.config = config if isinstance(config, dict) else {}
+    try:  # from the derived values saved in config.yaml, else from the step records' epoch/step ratio
+        steps_per_epoch = float(result.config["derived"]["steps_per_epoch"])
+    except (KeyError, TypeError, ValueError):
+        steps_per_epoch = next((r["step"] / r["epoch"] for r in result.steps
+                                if isinstance(r.get("epoch"), int | float) and r["epoch"] > 0), None)
     # A record's own epoch, when it has one, wins over the one computed here.
     result.knn = [{"epoch": step / steps_per_epoch, **knn[step]} if steps_per_epoch else knn[step]
                   for step in sorted(knn)]
     return result
 
 
-def _run_config(run_dir: Path) -> dict[str, Any]:
-    """The run's config.yaml as a mapping ({} when absent or unreadable)."""
-    try:
-        config = yaml.safe_load((run_dir / "config.yaml").read_text())
-    except (OSError, yaml.YAMLError):
-        return {}
-    return config if isinstance(config, dict) else {}
-
-
-def _steps_per_epoch(config: dict[str, Any], steps: list[dict[str, Any]]) -> float | None:
-    """From the derived values saved in config.yaml, else from the step records' epoch/step ratio."""
-    try:
-        return float(config["derived"]["steps_per_epoch"])
-    except (KeyError, TypeError, ValueError):
-        return next((record["step"] / record["epoch"] for record in steps
-                     if isinstance(record.get("epoch"), int | float) and record["epoch"] > 0), None)
-
-
 @dataclass(frozen=True)
 class EvalResult:
-    """One `--json` file of an eval command (the contract's fields; the rest kept in `extra`)."""
+    """One `--json` file of an eval command (the contract's fields the report shows)."""
 
     path: Path
     protocol: str
@@ -129,36 +119,27 @@ def read_eval_results(paths: list[Path]) -> tuple[list[EvalResult], list[str]]:
             problems.append(f"{path}: not an eval result ({error}), left out")
             continue
         random_depth = data.get("random_init")
+        # The protocol settings an eval JSON records: kNN's `settings`, the trained heads' `config`.
+        settings = data.get("settings") if isinstance(data.get("settings"), dict) else data.get("config")
         encoder = (f"random init ResNet-{random_depth}" if random_depth
                    else str(data.get("checkpoint") or "unknown checkpoint"))
         results.append(EvalResult(path=path, protocol=str(data["protocol"]), encoder=encoder,
                                   random_init=bool(random_depth), top1=top1, top5=top5,
                                   num_train=_int_or_none(data.get("num_train")),
                                   num_val=_int_or_none(data.get("num_val")),
-                                  settings=_settings_of(data)))
+                                  settings=settings if isinstance(settings, dict) else {}))
     # Protocols together, the trained encoder before its random-init baseline.
     results.sort(key=lambda r: (r.protocol, r.random_init, r.encoder))
     return results, problems
 
 
-def _settings_of(data: dict[str, Any]) -> dict[str, Any]:
-    """The protocol settings an eval JSON records: kNN's `settings`, the trained heads' `config`."""
-    settings = data.get("settings") if isinstance(data.get("settings"), dict) else data.get("config")
-    return settings if isinstance(settings, dict) else {}
-
-
 def protocol_text(settings: dict[str, Any]) -> str:
     """The settings that decide a figure, in a few words: "64 px, k=20, T=0.07, bank train, split val"."""
-    parts = []
     size = settings.get("image_size", settings.get("crop_size"))
-    if size is not None:
-        parts.append(f"{size} px")
-    for key, short in (("k", "k"), ("temperature", "T"), ("epochs", "epochs"), ("batch_size", "batch")):
-        if settings.get(key) is not None:
-            parts.append(f"{short}={settings[key]}")
-    for key in ("bank", "split"):
-        if settings.get(key):
-            parts.append(f"{key} {Path(str(settings[key])).name}")
+    parts = [f"{size} px"] if size is not None else []
+    shorts = (("k", "k"), ("temperature", "T"), ("epochs", "epochs"), ("batch_size", "batch"))
+    parts += [f"{short}={settings[key]}" for key, short in shorts if settings.get(key) is not None]
+    parts += [f"{key} {Path(str(settings[key])).name}" for key in ("bank", "split") if settings.get(key)]
     return ", ".join(parts) or "-"
 
 
@@ -209,14 +190,11 @@ class SaliencySample:
     mask: np.ndarray | None = None  # the network's soft mask from a masked shard set
 
 
-def read_saliency_samples(shards: Path | None, maps_dir: Path | None, count: int) -> tuple[list[SaliencySample], list[str]]:
+def read_saliency_samples(shards: Path, maps_dir: Path | None, count: int) -> tuple[list[SaliencySample], list[str]]:
     """Up to `count` samples of `shards` (a masked or plain shard set), preferring keys that have
     handcrafted maps in `maps_dir`; masks come from `mask.png` members when the set has them."""
-    from shards import iter_samples  # imported here: it pulls in the shard reader
-    from shards.reader import ReadReport
+    from shards import ReadReport, iter_samples  # imported here: it pulls in the shard reader
 
-    if shards is None:
-        return [], []
     problems: list[str] = []
     with_maps: list[SaliencySample] = []
     without: list[SaliencySample] = []

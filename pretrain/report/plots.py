@@ -60,13 +60,12 @@ def plot_schedules(steps: Sequence[dict[str, Any]], path: Path) -> Path:
     return _save(fig, path)
 
 
-def plot_knn(knn: Sequence[dict[str, Any]], path: Path, protocol: str = "") -> Path:
+def plot_knn(knn: Sequence[dict[str, Any]], path: Path, protocol: str) -> Path:
     """kNN top-1 of the online encoder after each monitored epoch; `protocol` (image size, k, ...) in the title."""
     fig, ax = plt.subplots(figsize=(7, 4))
     xs, ys = _series(knn, "epoch", "knn_top1")
     ax.plot(xs, ys, marker="o")
-    ax.set(xlabel="epoch", ylabel="kNN top-1", ylim=(0, 1),
-           title=f"kNN monitor over epochs ({protocol})" if protocol else "kNN monitor over epochs")
+    ax.set(xlabel="epoch", ylabel="kNN top-1", ylim=(0, 1), title=f"kNN monitor over epochs ({protocol})")
     ax.grid(alpha=0.3)
     return _save(fig, path)
 
@@ -115,7 +114,8 @@ def plot_saliency(samples: Sequence[SaliencySample], path: Path) -> Path:
             panels.append(np.mean(present, axis=0) if present else None)
         if has_mask:
             panels.append(sample.mask)
-            panels.append(None if sample.mask is None else _remove_background(sample.image, sample.mask))
+            panels.append(None if sample.mask is None
+                          else np.where((sample.mask >= 0.5)[..., None], sample.image, np.uint8(128)))
         for col, panel in enumerate(panels):
             ax = axes[row][col]
             ax.set(xticks=[], yticks=[])
@@ -129,8 +129,3 @@ def plot_saliency(samples: Sequence[SaliencySample], path: Path) -> Path:
                 ax.set_title(columns[col], fontsize=9)
         axes[row][0].set_ylabel(_short(sample.key, 18), fontsize=8)
     return _save(fig, path)
-
-
-def _remove_background(image: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    foreground = (mask >= 0.5)[..., None]
-    return np.where(foreground, image, np.uint8(128))

@@ -101,19 +101,19 @@ def test_finetune_trains_encoder_and_head_on_the_listed_keys_and_resumes(shape_s
     rates = ft.learning_rates(CONFIG, steps_per_epoch=3)  # (head, encoder) lr at a global step
     assert rates(11) == pytest.approx([0.3, 0.05]) and rates(12) == pytest.approx([0.06, 0.01])  # milestones: epochs 4 and 5
     assert rates(15) == pytest.approx([0.012, 0.002])
-    real_loader, calls = ft.loader, Counter()
+    real_loader, calls = ft.epoch_batches, Counter()
 
-    def dying_loader(dataset, indices, batch_size, workers):
+    def dying_loader(dataset, epoch, **options):
         calls["train"] += dataset.train
         if dataset.train and calls["train"] == 4:
             raise KeyboardInterrupt
-        return real_loader(dataset, indices, batch_size, workers)
+        return real_loader(dataset, epoch, **options)
 
-    monkeypatch.setattr(ft, "loader", dying_loader)
+    monkeypatch.setattr(ft, "epoch_batches", dying_loader)
     torch.manual_seed(0)
     with pytest.raises(KeyboardInterrupt):
         finetune(SmallNet(), train, val, keys, CONFIG, output_dir=tmp_path / "resumed")
-    monkeypatch.setattr(ft, "loader", real_loader)
+    monkeypatch.setattr(ft, "epoch_batches", real_loader)
     torch.manual_seed(0)
     resumed = finetune(SmallNet(), train, val, keys, CONFIG, output_dir=tmp_path / "resumed")
     assert resumed.top1 == result.top1 and resumed.per_class_top1 == result.per_class_top1

@@ -111,21 +111,21 @@ def test_paper_protocol_learns_and_resumes_to_the_same_head(shape_shards, tmp_pa
     whole = evaluate_linear(PooledPixels(), train, val, PAPER, output_dir=tmp_path / "whole")
     assert whole.protocol == "linear-paper" and whole.top1 >= 0.8
     assert (whole.num_train, whole.num_val) == (72, 36) and whole.skipped == 1
-    real_loader = paper.loader
+    real_loader = paper.epoch_batches
     calls = {"n": 0}
 
-    def dying_loader(dataset, indices, batch_size, workers):
+    def dying_loader(dataset, epoch, **options):
         calls["n"] += 1
         if dataset.train and calls["n"] == 3:  # killed at the start of the third epoch
             raise KeyboardInterrupt
-        return real_loader(dataset, indices, batch_size, workers)
+        return real_loader(dataset, epoch, **options)
 
-    monkeypatch.setattr(paper, "loader", dying_loader)
+    monkeypatch.setattr(paper, "epoch_batches", dying_loader)
     with pytest.raises(KeyboardInterrupt):
         evaluate_linear(PooledPixels(), train, val, PAPER, output_dir=tmp_path / "resumed")
     saved = torch.load(tmp_path / "resumed" / paper.HEAD_FILE, weights_only=True)
     assert saved["epoch"] == 2
-    monkeypatch.setattr(paper, "loader", real_loader)
+    monkeypatch.setattr(paper, "epoch_batches", real_loader)
     resumed = evaluate_linear(PooledPixels(), train, val, PAPER, output_dir=tmp_path / "resumed")
     assert resumed.top1 == whole.top1 and resumed.per_class_top1 == whole.per_class_top1
     final = torch.load(tmp_path / "resumed" / paper.HEAD_FILE, weights_only=True)

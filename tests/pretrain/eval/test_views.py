@@ -44,7 +44,7 @@ def test_pil_views_read_every_image_member(mixed_formats):
 
 def test_dali_views_read_every_image_member(mixed_formats):
     views = DaliViews(mixed_formats, train=False, crop_size=16, resize_size=16, batch_size=8, threads=1)
-    assert views.skipped == 0
+    assert not views.sample_set.skipped_keys
     images, labels, _ = next(iter(views.epoch()))
     assert sorted(labels.tolist()) == list(range(8))
     assert images.shape == (8, 3, 16, 16)  # CHW
