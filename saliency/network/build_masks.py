@@ -59,13 +59,11 @@ from saliency.network.mask_work import (
     SlotRing,
     check_shm_space,
     finish_chunk,
-    forget_ring,
     init_worker,
     prepare_chunk,
     record_semaphores,
     remove_dead_rings,
     ring_bytes,
-    use_ring,
 )
 from saliency.network.model_file import PASS_MODEL, resolve_model_path
 from saliency.network.predictor import MaskPredictor, launch_forward
@@ -186,12 +184,11 @@ def output_member(ext: str) -> str:
     return "jpg" if ext == "jpeg" else ext
 
 
-def read_input_shard(tar: Path, report: ReadReport, kept: Counter) -> Iterator[RawSample | dict]:
+def read_input_shard(tar: Path, kept: Counter) -> Iterator[RawSample | dict]:
     """Samples of one input tar through the shard reader (its policy for bad members), each refused one
     as a rejected-list row. Members no job reads are carried into the output unchanged, and an input
     `mask.png` is replaced by the new mask: both counted in `kept` by member name."""
-    done = len(report.rejected)
-    lost = len(report.lost_shards)
+    report, done = ReadReport(), 0
     for sample in read_samples(tar, report):  # from the tar's headers: they name every member refused
         yield from report.rows(done)
         done = len(report.rejected)
@@ -211,7 +208,7 @@ def read_input_shard(tar: Path, report: ReadReport, kept: Counter) -> Iterator[R
         yield RawSample(sample.key, sample.members[sample.image_ext], sample.label, meta,
                         output_member(sample.image_ext), carried)
     yield from report.rows(done)
-    for _, reason in report.lost_shards[lost:]:
+    for _, reason in report.lost_shards:
         yield {"source": f"{tar.name}:(rest of the tar)", "reason": "truncated", "detail": reason}
 
 
@@ -244,8 +241,8 @@ def _batches(items: Iterator, size: int) -> Iterator[list]:
 
 
 def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: Executor, ring: SlotRing, bar,
-               workers: int = 1, clock: MainThreadClock | None = None,
-               crf: CrfConfig | None = None) -> tuple[TarShard | None, list[dict], dict[str, int]]:
+               workers: int, clock: MainThreadClock,
+               crf: CrfConfig | None) -> tuple[TarShard | None, list[dict], dict[str, int]]:
     """Write the masked copy of one input shard; returns the closed tar (None when no sample could be
     written), the rejected samples and the input members carried or replaced, by name.
 
@@ -261,7 +258,6 @@ def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: Executo
     members: Counter = Counter()  # input members carried or replaced, by name
     shard = TarShard(out_tar)
     writing: list[Future] = []  # the finish chunks of the batch before, in sample order
-    clock = clock or MainThreadClock()
     began = time.perf_counter()
 
     def pool_result(future: Future) -> list:
@@ -278,14 +274,11 @@ def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: Executo
         writing.clear()
 
     def prepared_batches():
-        for number, raw_batch in enumerate(_batches(read_input_shard(tar, ReadReport(), members), spec.batch)):
-            samples = []
-            for item in raw_batch:
-                if isinstance(item, dict):
-                    rejected.append(item)
-                    bar.update(1)
-                else:
-                    samples.append(item)
+        for number, raw_batch in enumerate(_batches(read_input_shard(tar, members), spec.batch)):
+            samples = [item for item in raw_batch if isinstance(item, RawSample)]
+            if len(samples) < len(raw_batch):  # rows of samples the reader refused
+                rejected.extend(item for item in raw_batch if isinstance(item, dict))
+                bar.update(len(raw_batch) - len(samples))
             slot = number % spec.slots
             yield slot, samples, [pool.submit(prepare_chunk, spec, slot, part.start, samples[part])
                                   for part in _chunks(len(samples), parts)]
@@ -343,7 +336,6 @@ def _workers(count: int, batch: int, predictor, out: Path) -> Iterator[tuple[Exe
         register = getattr(predictor, "register_host_memory", None)
         ring.page_locked = register is not None and register(*ring.address())
         init_worker()  # OpenCV as in a worker: with --workers 0 this process runs the tasks
-        use_ring(ring)
         if count == 0:
             yield InlineExecutor(), ring
         else:
@@ -356,7 +348,6 @@ def _workers(count: int, batch: int, predictor, out: Path) -> Iterator[tuple[Exe
                 if record is not None:
                     record.unlink()
     finally:
-        forget_ring(ring)
         cv2.setNumThreads(opencv_threads)
         if ring.page_locked:
             predictor.unregister_host_memory()
@@ -456,45 +447,37 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
     check_input(tars, out)
     model = resolve_model_path(config.model)
     job, plan = masks_job(out, hashlib.sha256(model.read_bytes()).hexdigest(), tars, config.flip, config.crf)
-    try:
+    try:  # the refusals, each before --out exists: a refused job leaves no folder behind
         check_plan(job, plan, other="a masked set built from another model, input, flip or crf setting")
-    except PlanError as error:
-        raise MasksError(str(error)) from None
-    check_out_folder(job)
-    try:
+        check_out_folder(job)
         device = resolve_device(config.device, "--device")
-    except ConfigError as error:
-        raise MasksError(str(error)) from None
-    # The model is read before --out is created: a refused model leaves no folder behind.
-    if predictor is None:
-        predictor = MaskPredictor(model, device, flip=config.flip)
-        print(f"saliency build-masks: rank {ranks.rank} predicts on {device}", file=sys.stderr, flush=True)
-    if predictor.size < 1:
-        raise MasksError(f"{model} has input size {predictor.size}; {PASS_MODEL}")
-    try:
-        crf = model_crf(predictor.info, str(model)) if config.crf else None
-    except ConfigError as error:
-        raise MasksError(f"{error}; {PASS_MODEL}") from None
-    workers, workers_note = job_workers(config)
-    try:  # before --out exists, like the other refusals (the ring itself is made with the workers)
-        check_shm_space(ring_bytes(config.batch_size, predictor.size) * local_ranks())  # every rank of the node has one
-    except RingSpaceError as error:
+        if predictor is None:
+            predictor = MaskPredictor(model, device, flip=config.flip)
+            print(f"saliency build-masks: rank {ranks.rank} predicts on {device}", file=sys.stderr,
+                  flush=True)
+        if predictor.size < 1:
+            raise MasksError(f"{model} has input size {predictor.size}; {PASS_MODEL}")
+        try:
+            crf = model_crf(predictor.info, str(model)) if config.crf else None
+        except ConfigError as error:
+            raise MasksError(f"{error}; {PASS_MODEL}") from None
+        workers, workers_note = job_workers(config)
+        # The ring itself is made with the workers; every rank of the node has one.
+        check_shm_space(ring_bytes(config.batch_size, predictor.size) * local_ranks())
+    except (PlanError, ConfigError, RingSpaceError) as error:
         raise MasksError(str(error)) from None
     if ranks.rank == 0:  # after the refusals: a refused job says one line
         print(settings_text(config, version=package_version()).rstrip(), file=sys.stderr, flush=True)
     try:
         with output_folder(out), folder_lock(out, "relicv2 saliency build-masks", enabled=ranks.rank == 0):
             write_plan(job, plan)  # the first write: an unwritable --out is found before any work
-            summary = _run(job, plan, tars, config, ranks, predictor, workers, crf)
+            return _run(job, plan, tars, config, ranks, predictor, workers, workers_note, crf)
     except OSError as error:
         raise MasksError(str(output_error(error, out))) from None
-    if summary is not None:
-        summary["workers_note"] = workers_note
-    return summary
 
 
 def _run(job: ShardJob, plan: dict, tars: list[Path], config: BuildMasksConfig, ranks: Ranks, predictor,
-         workers: int, crf: CrfConfig | None) -> dict | None:
+         workers: int, workers_note: str | None, crf: CrfConfig | None) -> dict | None:
     """This rank's units (those whose record does not match their inputs and files), then rank 0's merge."""
     out = job.out
     cache = default_index_cache(config.index_cache)
@@ -517,7 +500,6 @@ def _run(job: ShardJob, plan: dict, tars: list[Path], config: BuildMasksConfig, 
     started, processed, clock = time.monotonic(), 0, MainThreadClock()
     bar = Phase("build-masks", total, unit="img", enabled=config.progress and bool(todo))
     with _workers(workers, config.batch_size, predictor, out) as (pool, ring):
-        page_locked = ring.page_locked
         for number in todo:
             unit = job.units[number]
             try:
@@ -549,12 +531,11 @@ def _run(job: ShardJob, plan: dict, tars: list[Path], config: BuildMasksConfig, 
     info = {"prefix": PREFIX, "source": str(config.shards), "model": plan["model_sha256"], "flip": config.flip,
             "crf": config.crf, "mask": mask, "version": package_version()}
     merge_records(out, records, info=info)
-    summary["shards_kept"], summary["shards_built"] = kept, len(tars) - kept
-    summary["rejected_file"] = str(out / REJECTED_NAME)
-    summary["workers"], summary["ring_page_locked"] = workers, page_locked
-    summary["images_per_s"] = round(processed / seconds, 2) if processed and seconds > 0 else None
-    summary.update(clock.report())  # this rank's
-    return summary
+    return {**summary, "shards_kept": kept, "shards_built": len(tars) - kept,
+            "rejected_file": str(out / REJECTED_NAME), "workers": workers, "workers_note": workers_note,
+            "ring_page_locked": ring.page_locked,
+            "images_per_s": round(processed / seconds, 2) if processed and seconds > 0 else None,
+            **clock.report()}  # the clock: this rank's
 
 
 def _index_file(tar: Path, cache: Path) -> Path:
