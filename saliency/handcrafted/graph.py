@@ -136,8 +136,7 @@ def boundary_ids(labels: np.ndarray, thickness: int = 1) -> np.ndarray:
 def border_ids(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Ids of superpixels on the top, bottom, left and right outermost pixel lines."""
     lines = (labels[0], labels[-1], labels[:, 0], labels[:, -1])
-    top, bottom, left, right = (np.unique(line).astype(np.int64) for line in lines)
-    return top, bottom, left, right
+    return tuple(np.unique(line).astype(np.int64) for line in lines)
 
 
 def pairwise_distances(features: np.ndarray) -> np.ndarray:

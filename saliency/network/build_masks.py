@@ -383,8 +383,7 @@ def check_input(tars: list[Path], out: Path) -> None:
         raise MasksError(f"--out {out} holds input shards; choose an output folder apart from --shards")
 
 
-def masks_job(out: Path, model_sha256: str, tars: list[Path], flip: bool = False,
-              crf: bool = False) -> tuple[ShardJob, dict]:
+def masks_job(out: Path, model_sha256: str, tars: list[Path], flip: bool, crf: bool) -> tuple[ShardJob, dict]:
     """The engine's job and plan: one unit per input tar, `masked-NNNNNN.tar` in the input's order. A
     unit's digest covers the model (and `flip` and `crf`, which make other masks), its output name and its input
     tar's name, size and modification time (a stat: any rank can check any unit's record); the SHA-256
@@ -497,9 +496,9 @@ def _run(job: ShardJob, plan: dict, tars: list[Path], config: BuildMasksConfig, 
     # Partial tars a killed run left under temporary names (only this rank's shards).
     remove_stale_temps(out, shard_files([job.units[n].shard for n in todo]))
     total = sum(len(read_index(index_files[n], tars[n])) for n in todo)
-    started, processed, clock = time.monotonic(), 0, MainThreadClock()
-    bar = Phase("build-masks", total, unit="img", enabled=config.progress and bool(todo))
-    with _workers(workers, config.batch_size, predictor, out) as (pool, ring):
+    started, clock = time.monotonic(), MainThreadClock()
+    with Phase("build-masks", total, unit="img", enabled=config.progress and bool(todo)) as bar, \
+            _workers(workers, config.batch_size, predictor, out) as (pool, ring):
         for number in todo:
             unit = job.units[number]
             try:
@@ -514,10 +513,8 @@ def _run(job: ShardJob, plan: dict, tars: list[Path], config: BuildMasksConfig, 
                 if error.filename is None:  # a write to the tar (a full disk) names no file: name it
                     error.filename = str(out / unit.shard)
                 raise
-            record = write_record(job, unit, shard, rejected, inputs=inputs[number], extra={"members": members})
-            processed += len(record["manifest"]) + len(rejected)
+            write_record(job, unit, shard, rejected, inputs=inputs[number], extra={"members": members})
     seconds = time.monotonic() - started
-    bar.close()
     if ranks.rank != 0:
         return None
     try:
@@ -534,7 +531,7 @@ def _run(job: ShardJob, plan: dict, tars: list[Path], config: BuildMasksConfig, 
     return {**summary, "shards_kept": kept, "shards_built": len(tars) - kept,
             "rejected_file": str(out / REJECTED_NAME), "workers": workers, "workers_note": workers_note,
             "ring_page_locked": ring.page_locked,
-            "images_per_s": round(processed / seconds, 2) if processed and seconds > 0 else None,
+            "images_per_s": round(bar.count / seconds, 2) if bar.count and seconds > 0 else None,
             **clock.report()}  # the clock: this rank's
 
 

@@ -35,16 +35,6 @@ class BackboneError(ValueError):
     """A backbone file that cannot initialise the encoder (missing, corrupt, foreign, wrong architecture)."""
 
 
-def _read(path: Path) -> object:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except TORCH_LOAD_ERRORS as error:
-        raise BackboneError(
-            f"{path} is not a readable weights file ({load_failure(error)}); pass a relicv2 pretrain "
-            "checkpoint or run folder, a torchvision/SwAV ResNet state dict, or --backbone random"
-        ) from None
-
-
 def _strip(state: dict[str, Tensor]) -> dict[str, Tensor]:
     """Trunk entries under torchvision's names: wrapper prefixes removed, heads dropped."""
     out = {}
@@ -90,7 +80,13 @@ def encoder_state_dict(source: str | Path, depth: int, width: int) -> tuple[dict
             path = resolve_checkpoint(path)
         except CheckpointError as error:
             raise BackboneError(str(error)) from None
-    payload = _read(path)
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except TORCH_LOAD_ERRORS as error:
+        raise BackboneError(
+            f"{path} is not a readable weights file ({load_failure(error)}); pass a relicv2 pretrain "
+            "checkpoint or run folder, a torchvision/SwAV ResNet state dict, or --backbone random"
+        ) from None
     if not isinstance(payload, dict):
         raise BackboneError(f"{path} holds a {type(payload).__name__}, not a state dict or checkpoint")
     if payload.get("format") == PRETRAIN_FORMAT:
