@@ -15,7 +15,6 @@ epoch into `OUT/work/`; rerunning the same command resumes at the epoch after th
 from __future__ import annotations
 
 import json
-import math
 import sys
 import zlib
 from collections.abc import Callable
@@ -130,17 +129,6 @@ def _check_config(out: Path, text: str) -> bool:
         f"{out} holds a saliency run with other settings ({path}: {'; '.join(differences)}); rerun with the "
         "same options to resume it, or choose another --out"
     )
-
-
-def _finite_or_null(tree: object) -> object:
-    """`tree` with every NaN or infinite float (a diverged epoch's loss) as None: JSON has no NaN."""
-    if isinstance(tree, dict):
-        return {k: _finite_or_null(v) for k, v in tree.items()}
-    if isinstance(tree, list | tuple):
-        return [_finite_or_null(v) for v in tree]
-    if isinstance(tree, float) and not math.isfinite(tree):
-        return None
-    return tree
 
 
 @dataclass(frozen=True)
@@ -310,7 +298,9 @@ def run_train(job: TrainJob, log: Callable[[str], None] = print) -> dict:
         if job.gt is not None:
             report.update(evaluate_report(job, data, trainer, model, progress=job.progress))
             log(format_report(report))
-        text = json.dumps(_finite_or_null(report), indent=2, sort_keys=True, allow_nan=False)  # strict JSON
+        # JSON has no NaN: every NaN or infinite float (a diverged epoch's loss) is written as null.
+        finite = json.loads(json.dumps(report), parse_constant=lambda _: None)
+        text = json.dumps(finite, indent=2, sort_keys=True, allow_nan=False)  # strict JSON
         with writing(out, "--out", errors=(OSError, RuntimeError)):  # torch.save fails with a RuntimeError
             atomic_write_bytes(out / "report.json", (text + "\n").encode())
             save_model(out / "model.pt", model, input_size=config.input_size, preset=config.preset,
