@@ -336,17 +336,15 @@ def _workers(count: int, batch: int, predictor, out: Path) -> Iterator[tuple[Exe
         register = getattr(predictor, "register_host_memory", None)
         ring.page_locked = register is not None and register(*ring.address())
         init_worker()  # OpenCV as in a worker: with --workers 0 this process runs the tasks
-        if count == 0:
-            yield InlineExecutor(), ring
-        else:
-            record = None
-            try:
-                with worker_pool(count, start_method="spawn", initializer=init_worker) as pool:
-                    record = record_semaphores(pool, out)
-                    yield pool, ring
-            finally:  # the pool has shut down and its semaphores are gone: so goes their record
-                if record is not None:
-                    record.unlink()
+        record = None
+        try:
+            with (InlineExecutor() if count == 0
+                  else worker_pool(count, start_method="spawn", initializer=init_worker)) as pool:
+                record = record_semaphores(pool, out)  # None for the job's own process: it has none
+                yield pool, ring
+        finally:  # the pool has shut down and its semaphores are gone: so goes their record
+            if record is not None:
+                record.unlink()
     finally:
         cv2.setNumThreads(opencv_threads)
         if ring.page_locked:
@@ -399,25 +397,6 @@ def masks_job(out: Path, model_sha256: str, tars: list[Path], flip: bool, crf: b
                             "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns})
         units.append(Unit(f"{number:06d}", shard, digest))
     return ShardJob(out, out / STATE_DIR, tuple(units)), plan
-
-
-def _summary(records: list[dict], seconds: float) -> dict:
-    coverage = np.concatenate([np.zeros(0), *(rec["manifest"].column("mask_coverage").to_numpy(zero_copy_only=False)
-                                              for rec in records if rec["manifest"].num_rows)]).astype(np.float64)
-    histogram = np.histogram(coverage, bins=10, range=(0.0, 1.0))[0].tolist()
-    members = sum((Counter(rec.get("members", {})) for rec in records), Counter())
-    replaced = members.pop(MASK_MEMBER, 0)
-    return {
-        "written": len(coverage),
-        "rejected": sum(len(rec["rejected"]) for rec in records),
-        "carried_members": dict(members),  # input members no job reads, written unchanged
-        "replaced_masks": replaced,
-        "below_min_coverage": int((coverage < MIN_COVERAGE).sum()),
-        "min_coverage": MIN_COVERAGE,
-        "coverage_histogram": histogram,
-        "mean_coverage": float(coverage.mean()) if len(coverage) else None,
-        "seconds": round(seconds, 2),
-    }
 
 
 def check_out_folder(job: ShardJob) -> None:
@@ -522,17 +501,31 @@ def _run(job: ShardJob, plan: dict, tars: list[Path], config: BuildMasksConfig, 
                                    progress=config.progress, rerun="rerun the same command on every rank")
     except UnfinishedError as error:
         raise MasksError(str(error)) from None
-    summary = _summary(records, time.monotonic() - started)
+    until_merge = time.monotonic() - started
+    coverage = np.concatenate([np.zeros(0), *(rec["manifest"].column("mask_coverage").to_numpy(zero_copy_only=False)
+                                              for rec in records if rec["manifest"].num_rows)]).astype(np.float64)
+    members = sum((Counter(rec.get("members", {})) for rec in records), Counter())
+    replaced = members.pop(MASK_MEMBER, 0)
+    mask = {"below_min_coverage": int((coverage < MIN_COVERAGE).sum()), "min_coverage": MIN_COVERAGE,
+            "coverage_histogram": np.histogram(coverage, bins=10, range=(0.0, 1.0))[0].tolist()}
     atomic_write_bytes(out / SETTINGS_FILE, settings_text(config, version=package_version()).encode())
-    mask = {k: summary[k] for k in ("below_min_coverage", "min_coverage", "coverage_histogram")}
     info = {"prefix": PREFIX, "source": str(config.shards), "model": plan["model_sha256"], "flip": config.flip,
             "crf": config.crf, "mask": mask, "version": package_version()}
     merge_records(out, records, info=info)
-    return {**summary, "shards_kept": kept, "shards_built": len(tars) - kept,
-            "rejected_file": str(out / REJECTED_NAME), "workers": workers, "workers_note": workers_note,
-            "ring_page_locked": ring.page_locked,
-            "images_per_s": round(bar.count / seconds, 2) if bar.count and seconds > 0 else None,
-            **clock.report()}  # the clock: this rank's
+    return {
+        "written": len(coverage),
+        "rejected": sum(len(rec["rejected"]) for rec in records),
+        "carried_members": dict(members),  # input members no job reads, written unchanged
+        "replaced_masks": replaced,
+        **mask,
+        "mean_coverage": float(coverage.mean()) if len(coverage) else None,
+        "seconds": round(until_merge, 2),
+        "shards_kept": kept, "shards_built": len(tars) - kept,
+        "rejected_file": str(out / REJECTED_NAME), "workers": workers, "workers_note": workers_note,
+        "ring_page_locked": ring.page_locked,
+        "images_per_s": round(bar.count / seconds, 2) if bar.count and seconds > 0 else None,
+        **clock.report(),  # the clock: this rank's
+    }
 
 
 def _index_file(tar: Path, cache: Path) -> Path:
