@@ -116,8 +116,7 @@ def weighted_contrast(colour_dist: np.ndarray, position_dist: np.ndarray, backgr
                       spatial_sigma: float) -> np.ndarray:
     """Background-weighted contrast, min-max normalised, values under Otsu's threshold zeroed."""
     spatial = distance_to_weight(position_dist, spatial_sigma)
-    contrast = (colour_dist * spatial) @ background
-    contrast = minmax_normalise(contrast)
+    contrast = minmax_normalise((colour_dist * spatial) @ background)
     contrast[contrast < otsu_threshold(contrast)] = 0.0
     return contrast
 

@@ -53,19 +53,17 @@ def train_epoch(model: SaliencyNet, optimizer: torch.optim.Optimizer, images: Te
     return predictions, float(np.mean(losses)) if losses else float("nan")
 
 
-_IMAGES: np.ndarray | None = None
-_CRF: CrfConfig | None = None
+_WORK: dict = {}  # a CRF worker's images and settings, sent to it once (`_init_crf_worker`)
 
 
 def _init_crf_worker(images: np.ndarray, config: CrfConfig) -> None:
-    global _IMAGES, _CRF
     os.environ["OMP_NUM_THREADS"] = "1"
-    _IMAGES, _CRF = images, config
+    _WORK.update(images=images, config=config)
 
 
 def _crf_chunk(indices: np.ndarray, probabilities: np.ndarray) -> np.ndarray:
-    assert _IMAGES is not None and _CRF is not None
-    return np.stack([dense_crf(_IMAGES[i], p, _CRF) for i, p in zip(indices, probabilities, strict=True)])
+    images, config = _WORK["images"], _WORK["config"]
+    return np.stack([dense_crf(images[i], p, config) for i, p in zip(indices, probabilities, strict=True)])
 
 
 class CrfPool:

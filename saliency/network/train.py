@@ -182,7 +182,6 @@ class Trainer:
         self.device = device or resolve_device(self.config.device)
         images_hwc = data.images.permute(0, 2, 3, 1).contiguous().numpy()
         self.crf = CrfPool(images_hwc, self.config.crf.at_size(self.config.input_size), self.config.workers)
-        self.history: dict[str, list[float]] = {}
 
     def fresh_network(self, unit: Unit) -> SaliencyNet:
         torch.manual_seed(self.config.seed * 1_000_003 + unit.seed_offset)

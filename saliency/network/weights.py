@@ -21,7 +21,7 @@ from torch import Tensor
 
 from pretrain.model.checkpoint_file import FORMAT as PRETRAIN_FORMAT
 from pretrain.model.checkpoint_file import CheckpointError, load_checkpoint, resolve_checkpoint
-from pretrain.model.encoder_file import architecture_of
+from pretrain.model.encoder_file import architecture_of, sidecar_path
 from pretrain.model.resnet import ResNet, load_torchvision_state_dict
 from pretrain.model.untrusted import TORCH_LOAD_ERRORS, load_failure
 
@@ -48,7 +48,7 @@ def _strip(state: dict[str, Tensor]) -> dict[str, Tensor]:
 
 def _check_sidecar(path: Path, depth: int, width: int) -> str:
     """Refuse a sidecar's other depth or width; return its padding ("torch" when it names none)."""
-    sidecar = path.with_name(path.name + ".json")
+    sidecar = sidecar_path(path)
     if not sidecar.is_file():
         return "torch"
     try:
