@@ -7,7 +7,6 @@ DeepUSPS keeps the train-mode predictions of the training pass itself (no extra 
 from __future__ import annotations
 
 import os
-from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 import torch
@@ -71,11 +70,9 @@ class CrfPool:
 
     def __init__(self, images_hwc: np.ndarray, config: CrfConfig, workers: int):
         self.images, self.config, self.workers = images_hwc, config, workers
-        self.pool: ProcessPoolExecutor | None = None
-        if workers > 1:
-            # spawn: forking a process with torch's thread pools running can deadlock the child.
-            self.pool = worker_pool(workers, start_method="spawn", initializer=_init_crf_worker,
-                                    initargs=(images_hwc, config))
+        # spawn: forking a process with torch's thread pools running can deadlock the child.
+        self.pool = worker_pool(workers, start_method="spawn", initializer=_init_crf_worker,
+                                initargs=(images_hwc, config)) if workers > 1 else None
 
     def refine(self, probabilities: np.ndarray) -> np.ndarray:
         """CRF-refined foreground probabilities [N, S, S] of `probabilities` [N, S, S]."""
