@@ -143,7 +143,8 @@ def _work(config: HandcraftedConfig, report: BatchReport, bar: Phase) -> Iterato
             bar.write(f"skipped {item.name!r}: rejected key: {error}", file=sys.stderr)
             bar.update(1)
             continue
-        methods = tuple(m for m, path in paths.items() if config.overwrite or not path.exists())  # still to write
+        # The methods whose map of the item is still to be written.
+        methods = tuple(m for m, path in paths.items() if config.overwrite or not path.exists())
         if methods:
             yield item, methods
         else:
