@@ -132,23 +132,19 @@ def process_item(item: Item, methods: tuple[str, ...], output: Path) -> Result:
     return Result(item.name, tuple(written))
 
 
-def _pending(config: HandcraftedConfig, item: Item) -> tuple[str, ...]:
-    """The methods whose map of ``item`` is still to be written (raises UnsafeKeyError)."""
-    paths = {m: map_path(config.output, m, item.name) for m in config.methods}
-    return tuple(m for m, path in paths.items() if config.overwrite or not path.exists())
-
-
 def _work(config: HandcraftedConfig, report: BatchReport, bar: Phase) -> Iterator[tuple[Item, tuple[str, ...]]]:
     """The inputs that still need maps; counts the others (complete, or with a bad key) on the way."""
     for item in iter_items(config.input, report.read):
         report.inputs += 1
         try:
-            methods = _pending(config, item)
+            paths = {m: map_path(config.output, m, item.name) for m in config.methods}
         except UnsafeKeyError as error:
             report.failed.append((repr(item.name), f"rejected key: {error}"))
             bar.write(f"skipped {item.name!r}: rejected key: {error}", file=sys.stderr)
             bar.update(1)
             continue
+        # The methods whose map of the item is still to be written.
+        methods = tuple(m for m, path in paths.items() if config.overwrite or not path.exists())
         if methods:
             yield item, methods
         else:
@@ -165,21 +161,18 @@ def _compute_serial(config: HandcraftedConfig, work: Iterator) -> Iterator[Resul
 def _compute_pooled(config: HandcraftedConfig, work: Iterator) -> Iterator[Result]:
     # spawn, not fork: forking a process whose BLAS/OpenCV thread pools are running can
     # leave the children deadlocked on a lock held by a thread that no longer exists.
+    # Stopped early (full disk, Ctrl-C), the pool drops the queued inputs as it exits (jobs.workers).
     in_flight: set[Future] = set()
     with worker_pool(config.workers, start_method="spawn", initializer=one_thread) as pool:
-        try:
-            for item, methods in work:
-                in_flight.add(pool.submit(process_item, item, methods, config.output))
-                # Bounded submission: a shard set can be far larger than memory.
-                if len(in_flight) >= 4 * config.workers:
-                    done, in_flight = wait(in_flight, return_when=FIRST_COMPLETED)
-                    for future in done:
-                        yield future.result()
-            for future in in_flight:
-                yield future.result()
-        finally:
-            for future in in_flight:  # stopped early (full disk, Ctrl-C): drop queued inputs
-                future.cancel()
+        for item, methods in work:
+            in_flight.add(pool.submit(process_item, item, methods, config.output))
+            # Bounded submission: a shard set can be far larger than memory.
+            if len(in_flight) >= 4 * config.workers:
+                done, in_flight = wait(in_flight, return_when=FIRST_COMPLETED)
+                for future in done:
+                    yield future.result()
+        for future in in_flight:
+            yield future.result()
 
 
 def run_handcrafted(config: HandcraftedConfig) -> BatchReport:

@@ -119,7 +119,11 @@ def evaluate_model(job: ModelEvaluation) -> DatasetScores:
     model, info = load_model(job.model, job.device)
     size = int(info["input_size"])
     crf = model_crf(info, str(job.model)) if job.crf else None
-    methods = _map_methods(job.maps) if job.maps is not None else ()
+    # The handcrafted methods with a map folder in --maps (a `saliency handcrafted` output).
+    methods = tuple(m for m in METHODS if job.maps is not None and (Path(job.maps) / m).is_dir())
+    if job.maps is not None and not methods:
+        raise EvaluationError(f"--maps {job.maps} holds no map folder ({', '.join(METHODS)}); "
+                              "give the --output folder of `relicv2 saliency handcrafted`")
 
     def read(path: Path) -> np.ndarray:
         prediction = predict_map(model, read_rgb(path), size, flip=job.flip, crf=crf)
@@ -128,15 +132,6 @@ def evaluate_model(job: ModelEvaluation) -> DatasetScores:
         return map_to_uint8(prediction)
 
     return _score_pairs(_by_stem(job.images), job.gt, read, str(job.images), job.allow_missing)
-
-
-def _map_methods(maps: Path) -> tuple[str, ...]:
-    """The handcrafted methods with a map folder in ``maps`` (a `saliency handcrafted` output)."""
-    found = tuple(m for m in METHODS if (Path(maps) / m).is_dir())
-    if not found:
-        raise EvaluationError(f"--maps {maps} holds no map folder ({', '.join(METHODS)}); "
-                              "give the --output folder of `relicv2 saliency handcrafted`")
-    return found
 
 
 def evaluate(config: EvaluateConfig) -> dict[str, DatasetScores]:

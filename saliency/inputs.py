@@ -10,9 +10,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from saliency.images import decode_rgb, list_images, read_rgb
-from shards.reader import ReadReport
+from shards.manifest import MANIFEST_NAME
+from shards.reader import ReadReport, iter_samples
 from shards.shardset import BRACE, list_shard_files, resolve_shard_set, shard_tars
 
 
@@ -48,8 +51,6 @@ def iter_items(source: Path, read: ReadReport) -> Iterator[Item]:
     if not is_shard_source(source) and not source.exists():
         raise FileNotFoundError(f"input {source} does not exist; pass an image folder or a shard set")
     if is_shard_source(source):
-        from shards import iter_samples
-
         for sample in iter_samples(source, report=read):
             yield Item(name=str(sample["key"]), data=sample["image"])
         return
@@ -74,8 +75,6 @@ def count_inputs(source: Path) -> int | None:
     source = Path(source)
     if not is_shard_source(source):
         return len(list_images(source)) if source.is_dir() else None
-    from shards.manifest import MANIFEST_NAME
-
     folder = source if source.is_dir() else source.parent
     if not (folder / MANIFEST_NAME).is_file():
         try:  # a plain set: its index files (derived once into the index cache)
@@ -83,9 +82,6 @@ def count_inputs(source: Path) -> int | None:
         except (OSError, ValueError):
             return None  # a broken set is the reader's (and `shards verify`'s) to report
     # With a manifest, its count is what the job must read (the reader compares the two).
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     try:
         shards = pq.read_table(folder / MANIFEST_NAME, columns=["shard"]).column("shard").to_pylist()
     except (OSError, pa.ArrowException):

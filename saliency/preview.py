@@ -111,11 +111,8 @@ def build_preview(config: PreviewConfig) -> np.ndarray:
         row = [(item.name, rgb)]
         for method in config.methods:
             stored = map_path(config.maps, method, item.name) if config.maps else None
-            if stored is not None and stored.exists():
-                saliency = read_gray(stored)
-            else:
-                saliency = map_to_uint8(METHODS[method](rgb))
-            row.append((method, saliency))
+            computed = stored is None or not stored.exists()
+            row.append((method, map_to_uint8(METHODS[method](rgb)) if computed else read_gray(stored)))
         if item.name in masks:
             row.append(("GT", read_gray(masks[item.name])))
         rows.append(row)

@@ -112,7 +112,6 @@ def ruzon_lab(rgb: np.ndarray) -> np.ndarray:
     ).astype(np.float32)
 
 
-
 # BT.709 RGB -> XYZ with the D65 white point divided out of X and Z (as RGB2Lab.m does)
 _RUZON_RGB_TO_XYZ = (RGB_TO_XYZ / D65_WHITE[:, None]).astype(np.float32)
 
@@ -178,4 +177,3 @@ def _bin_indices(values: np.ndarray, count: int) -> np.ndarray:
         return np.full(values.size, count - 1)
     bins = np.ceil(count * (values - lo) / (hi - lo)).astype(np.int64)
     return np.clip(bins, 1, count) - 1
-

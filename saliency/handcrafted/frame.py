@@ -59,9 +59,9 @@ def _sobel_edges(gray: np.ndarray) -> np.ndarray:
     return (mag > cutoff) & (along_x | along_y)
 
 
-def detect_frame(rgb: np.ndarray, edges: Literal["sobel", "canny"] = "sobel", min_sides: int = 1,
+def detect_frame(rgb: np.ndarray, edges: Literal["sobel", "canny", "none"] = "sobel", min_sides: int = 1,
                  max_width: int = 30, density: float = 0.6) -> Frame:
-    """Find an artificial frame (authors' ``removeframe``) and return the crop box without it.
+    """The crop box of ``rgb`` without its artificial frame (authors' ``removeframe``; edges "none": none).
 
     A frame side is the last of the first ``max_width`` pixel lines (from that side) whose edge
     density exceeds ``density``. RBD uses Sobel edges and accepts any one side; the MR C++ code
@@ -70,7 +70,7 @@ def detect_frame(rgb: np.ndarray, edges: Literal["sobel", "canny"] = "sobel", mi
     """
     height, width = rgb.shape[:2]
     none = Frame(height, width, 0, height, 0, width)
-    if height < 2 * max_width or width < 2 * max_width:
+    if edges == "none" or height < 2 * max_width or width < 2 * max_width:
         return none
     gray = cv2.cvtColor(rgb, cv2.COLOR_RGB2GRAY)
     edge_map = _sobel_edges(gray) if edges == "sobel" else cv2.Canny(gray, 60, 150) > 0
@@ -110,9 +110,7 @@ def prepare(image: np.ndarray, remove_frame: Literal["sobel", "canny", "none"] =
     """Convert to RGB, remove an artificial frame, and upscale tiny images keeping the aspect ratio, so
     that every side has at least ``min_side`` pixels, enough for a few superpixels."""
     rgb = as_rgb(image)
-    height, width = rgb.shape[:2]
-    frame = (Frame(height, width, 0, height, 0, width) if remove_frame == "none"
-             else detect_frame(rgb, edges=remove_frame, min_sides=min_frame_sides))
+    frame = detect_frame(rgb, edges=remove_frame, min_sides=min_frame_sides)
     work = frame.crop(rgb)
     short = min(work.shape[:2])
     if short < min_side:

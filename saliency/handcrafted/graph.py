@@ -82,13 +82,8 @@ def mean_positions(labels: np.ndarray, count: int, size: np.ndarray) -> np.ndarr
     """Mean ``[row / H, col / W]`` of each superpixel (RBD's ``GetNormedMeanPos``), ``(n, 2)``; 1-based
     pixel coordinates like the MATLAB original, so that values agree exactly."""
     height, width = labels.shape
-    flat = labels.ravel()
-    rows = np.repeat(np.arange(1, height + 1, dtype=np.float64), width)
-    cols = np.tile(np.arange(1, width + 1, dtype=np.float64), height)
-    denom = np.maximum(size, 1.0)
-    mean_row = np.bincount(flat, weights=rows, minlength=count) / denom / height
-    mean_col = np.bincount(flat, weights=cols, minlength=count) / denom / width
-    return np.stack([mean_row, mean_col], axis=1)
+    rows_cols = np.stack(np.mgrid[1 : height + 1, 1 : width + 1], axis=2).astype(np.float64)
+    return superpixel_means(labels, rows_cols, count, size) / np.array([height, width], dtype=np.float64)
 
 
 def adjacency(labels: np.ndarray, count: int, connectivity: Literal[4, 8] = 4) -> np.ndarray:
@@ -136,8 +131,7 @@ def boundary_ids(labels: np.ndarray, thickness: int = 1) -> np.ndarray:
 def border_ids(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Ids of superpixels on the top, bottom, left and right outermost pixel lines."""
     lines = (labels[0], labels[-1], labels[:, 0], labels[:, -1])
-    top, bottom, left, right = (np.unique(line).astype(np.int64) for line in lines)
-    return top, bottom, left, right
+    return tuple(np.unique(line).astype(np.int64) for line in lines)
 
 
 def pairwise_distances(features: np.ndarray) -> np.ndarray:

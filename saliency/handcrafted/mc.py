@@ -68,7 +68,6 @@ def mc_superpixel_lab(mean_rgb: np.ndarray) -> np.ndarray:
     )
 
 
-
 def mc_graph(labels: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
     """MC's graphs: the 1-ring 8-connected adjacency, and the 2-ring adjacency after linking the
     superpixels at the two ends of every image column and row (no diagonal: the affinity adds it)."""

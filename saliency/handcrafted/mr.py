@@ -56,8 +56,7 @@ def mr_saliency(rgb: np.ndarray, config: MRConfig = MRConfig()) -> np.ndarray:
 
 def mr_graph(labels: np.ndarray, count: int) -> np.ndarray:
     """Edges of the C++ code: 8-adjacency plus boundary clique, then closed under 2 hops."""
-    linked = link_clique(adjacency(labels, count, connectivity=8), boundary_ids(labels))
-    return two_ring(linked)
+    return two_ring(link_clique(adjacency(labels, count, connectivity=8), boundary_ids(labels)))
 
 
 def ranking_matrix(edges: np.ndarray, colour_dist: np.ndarray, config: MRConfig) -> np.ndarray:

@@ -83,8 +83,7 @@ def dynamic_parameters(adj: np.ndarray, colour_dist: np.ndarray) -> tuple[float,
     top = np.sort(edges)[::-1]
     n_top = max(1, round(0.01 * top.size))
     mean_top = float(top[:n_top].mean()) if top.size else 0.0
-    mean_min2 = _mean_neighbour_min(two_ring(adj), colour_dist)
-    clip_value = mean_min2
+    clip_value = _mean_neighbour_min(two_ring(adj), colour_dist)  # meanMin2
     geo_sigma = max(min(10.0, 3.0 * mean_min1, mean_top / 10.0), 5.0)
     neighbour_sigma = min(3.0 * mean_min1, 0.2 * mean_top, 20.0)
     # A (near) flat image has zero neighbour distances; keep the Gaussian defined.
@@ -117,8 +116,7 @@ def weighted_contrast(colour_dist: np.ndarray, position_dist: np.ndarray, backgr
                       spatial_sigma: float) -> np.ndarray:
     """Background-weighted contrast, min-max normalised, values under Otsu's threshold zeroed."""
     spatial = distance_to_weight(position_dist, spatial_sigma)
-    contrast = (colour_dist * spatial) @ background
-    contrast = minmax_normalise(contrast)
+    contrast = minmax_normalise((colour_dist * spatial) @ background)
     contrast[contrast < otsu_threshold(contrast)] = 0.0
     return contrast
 

@@ -230,4 +230,3 @@ def propagate_errors(features: np.ndarray, errors: np.ndarray, clusters: np.ndar
     result = np.empty_like(errors)
     result[order] = updated
     return minmax_normalise(result)
-

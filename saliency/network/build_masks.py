@@ -59,13 +59,11 @@ from saliency.network.mask_work import (
     SlotRing,
     check_shm_space,
     finish_chunk,
-    forget_ring,
     init_worker,
     prepare_chunk,
     record_semaphores,
     remove_dead_rings,
     ring_bytes,
-    use_ring,
 )
 from saliency.network.model_file import PASS_MODEL, resolve_model_path
 from saliency.network.predictor import MaskPredictor, launch_forward
@@ -186,12 +184,11 @@ def output_member(ext: str) -> str:
     return "jpg" if ext == "jpeg" else ext
 
 
-def read_input_shard(tar: Path, report: ReadReport, kept: Counter) -> Iterator[RawSample | dict]:
+def read_input_shard(tar: Path, kept: Counter) -> Iterator[RawSample | dict]:
     """Samples of one input tar through the shard reader (its policy for bad members), each refused one
     as a rejected-list row. Members no job reads are carried into the output unchanged, and an input
     `mask.png` is replaced by the new mask: both counted in `kept` by member name."""
-    done = len(report.rejected)
-    lost = len(report.lost_shards)
+    report, done = ReadReport(), 0
     for sample in read_samples(tar, report):  # from the tar's headers: they name every member refused
         yield from report.rows(done)
         done = len(report.rejected)
@@ -211,7 +208,7 @@ def read_input_shard(tar: Path, report: ReadReport, kept: Counter) -> Iterator[R
         yield RawSample(sample.key, sample.members[sample.image_ext], sample.label, meta,
                         output_member(sample.image_ext), carried)
     yield from report.rows(done)
-    for _, reason in report.lost_shards[lost:]:
+    for _, reason in report.lost_shards:
         yield {"source": f"{tar.name}:(rest of the tar)", "reason": "truncated", "detail": reason}
 
 
@@ -244,8 +241,8 @@ def _batches(items: Iterator, size: int) -> Iterator[list]:
 
 
 def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: Executor, ring: SlotRing, bar,
-               workers: int = 1, clock: MainThreadClock | None = None,
-               crf: CrfConfig | None = None) -> tuple[TarShard | None, list[dict], dict[str, int]]:
+               workers: int, clock: MainThreadClock,
+               crf: CrfConfig | None) -> tuple[TarShard | None, list[dict], dict[str, int]]:
     """Write the masked copy of one input shard; returns the closed tar (None when no sample could be
     written), the rejected samples and the input members carried or replaced, by name.
 
@@ -261,7 +258,6 @@ def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: Executo
     members: Counter = Counter()  # input members carried or replaced, by name
     shard = TarShard(out_tar)
     writing: list[Future] = []  # the finish chunks of the batch before, in sample order
-    clock = clock or MainThreadClock()
     began = time.perf_counter()
 
     def pool_result(future: Future) -> list:
@@ -278,14 +274,11 @@ def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: Executo
         writing.clear()
 
     def prepared_batches():
-        for number, raw_batch in enumerate(_batches(read_input_shard(tar, ReadReport(), members), spec.batch)):
-            samples = []
-            for item in raw_batch:
-                if isinstance(item, dict):
-                    rejected.append(item)
-                    bar.update(1)
-                else:
-                    samples.append(item)
+        for number, raw_batch in enumerate(_batches(read_input_shard(tar, members), spec.batch)):
+            samples = [item for item in raw_batch if isinstance(item, RawSample)]
+            if len(samples) < len(raw_batch):  # rows of samples the reader refused
+                rejected.extend(item for item in raw_batch if isinstance(item, dict))
+                bar.update(len(raw_batch) - len(samples))
             slot = number % spec.slots
             yield slot, samples, [pool.submit(prepare_chunk, spec, slot, part.start, samples[part])
                                   for part in _chunks(len(samples), parts)]
@@ -343,20 +336,16 @@ def _workers(count: int, batch: int, predictor, out: Path) -> Iterator[tuple[Exe
         register = getattr(predictor, "register_host_memory", None)
         ring.page_locked = register is not None and register(*ring.address())
         init_worker()  # OpenCV as in a worker: with --workers 0 this process runs the tasks
-        use_ring(ring)
-        if count == 0:
-            yield InlineExecutor(), ring
-        else:
-            record = None
-            try:
-                with worker_pool(count, start_method="spawn", initializer=init_worker) as pool:
-                    record = record_semaphores(pool, out)
-                    yield pool, ring
-            finally:  # the pool has shut down and its semaphores are gone: so goes their record
-                if record is not None:
-                    record.unlink()
+        record = None
+        try:
+            with (InlineExecutor() if count == 0
+                  else worker_pool(count, start_method="spawn", initializer=init_worker)) as pool:
+                record = record_semaphores(pool, out)  # None for the job's own process: it has none
+                yield pool, ring
+        finally:  # the pool has shut down and its semaphores are gone: so goes their record
+            if record is not None:
+                record.unlink()
     finally:
-        forget_ring(ring)
         cv2.setNumThreads(opencv_threads)
         if ring.page_locked:
             predictor.unregister_host_memory()
@@ -392,8 +381,7 @@ def check_input(tars: list[Path], out: Path) -> None:
         raise MasksError(f"--out {out} holds input shards; choose an output folder apart from --shards")
 
 
-def masks_job(out: Path, model_sha256: str, tars: list[Path], flip: bool = False,
-              crf: bool = False) -> tuple[ShardJob, dict]:
+def masks_job(out: Path, model_sha256: str, tars: list[Path], flip: bool, crf: bool) -> tuple[ShardJob, dict]:
     """The engine's job and plan: one unit per input tar, `masked-NNNNNN.tar` in the input's order. A
     unit's digest covers the model (and `flip` and `crf`, which make other masks), its output name and its input
     tar's name, size and modification time (a stat: any rank can check any unit's record); the SHA-256
@@ -409,25 +397,6 @@ def masks_job(out: Path, model_sha256: str, tars: list[Path], flip: bool = False
                             "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns})
         units.append(Unit(f"{number:06d}", shard, digest))
     return ShardJob(out, out / STATE_DIR, tuple(units)), plan
-
-
-def _summary(records: list[dict], seconds: float) -> dict:
-    coverage = np.concatenate([np.zeros(0), *(rec["manifest"].column("mask_coverage").to_numpy(zero_copy_only=False)
-                                              for rec in records if rec["manifest"].num_rows)]).astype(np.float64)
-    histogram = np.histogram(coverage, bins=10, range=(0.0, 1.0))[0].tolist()
-    members = sum((Counter(rec.get("members", {})) for rec in records), Counter())
-    replaced = members.pop(MASK_MEMBER, 0)
-    return {
-        "written": len(coverage),
-        "rejected": sum(len(rec["rejected"]) for rec in records),
-        "carried_members": dict(members),  # input members no job reads, written unchanged
-        "replaced_masks": replaced,
-        "below_min_coverage": int((coverage < MIN_COVERAGE).sum()),
-        "min_coverage": MIN_COVERAGE,
-        "coverage_histogram": histogram,
-        "mean_coverage": float(coverage.mean()) if len(coverage) else None,
-        "seconds": round(seconds, 2),
-    }
 
 
 def check_out_folder(job: ShardJob) -> None:
@@ -456,45 +425,37 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
     check_input(tars, out)
     model = resolve_model_path(config.model)
     job, plan = masks_job(out, hashlib.sha256(model.read_bytes()).hexdigest(), tars, config.flip, config.crf)
-    try:
+    try:  # the refusals, each before --out exists: a refused job leaves no folder behind
         check_plan(job, plan, other="a masked set built from another model, input, flip or crf setting")
-    except PlanError as error:
-        raise MasksError(str(error)) from None
-    check_out_folder(job)
-    try:
+        check_out_folder(job)
         device = resolve_device(config.device, "--device")
-    except ConfigError as error:
-        raise MasksError(str(error)) from None
-    # The model is read before --out is created: a refused model leaves no folder behind.
-    if predictor is None:
-        predictor = MaskPredictor(model, device, flip=config.flip)
-        print(f"saliency build-masks: rank {ranks.rank} predicts on {device}", file=sys.stderr, flush=True)
-    if predictor.size < 1:
-        raise MasksError(f"{model} has input size {predictor.size}; {PASS_MODEL}")
-    try:
-        crf = model_crf(predictor.info, str(model)) if config.crf else None
-    except ConfigError as error:
-        raise MasksError(f"{error}; {PASS_MODEL}") from None
-    workers, workers_note = job_workers(config)
-    try:  # before --out exists, like the other refusals (the ring itself is made with the workers)
-        check_shm_space(ring_bytes(config.batch_size, predictor.size) * local_ranks())  # every rank of the node has one
-    except RingSpaceError as error:
+        if predictor is None:
+            predictor = MaskPredictor(model, device, flip=config.flip)
+            print(f"saliency build-masks: rank {ranks.rank} predicts on {device}", file=sys.stderr,
+                  flush=True)
+        if predictor.size < 1:
+            raise MasksError(f"{model} has input size {predictor.size}; {PASS_MODEL}")
+        try:
+            crf = model_crf(predictor.info, str(model)) if config.crf else None
+        except ConfigError as error:
+            raise MasksError(f"{error}; {PASS_MODEL}") from None
+        workers, workers_note = job_workers(config)
+        # The ring itself is made with the workers; every rank of the node has one.
+        check_shm_space(ring_bytes(config.batch_size, predictor.size) * local_ranks())
+    except (PlanError, ConfigError, RingSpaceError) as error:
         raise MasksError(str(error)) from None
     if ranks.rank == 0:  # after the refusals: a refused job says one line
         print(settings_text(config, version=package_version()).rstrip(), file=sys.stderr, flush=True)
     try:
         with output_folder(out), folder_lock(out, "relicv2 saliency build-masks", enabled=ranks.rank == 0):
             write_plan(job, plan)  # the first write: an unwritable --out is found before any work
-            summary = _run(job, plan, tars, config, ranks, predictor, workers, crf)
+            return _run(job, plan, tars, config, ranks, predictor, workers, workers_note, crf)
     except OSError as error:
         raise MasksError(str(output_error(error, out))) from None
-    if summary is not None:
-        summary["workers_note"] = workers_note
-    return summary
 
 
 def _run(job: ShardJob, plan: dict, tars: list[Path], config: BuildMasksConfig, ranks: Ranks, predictor,
-         workers: int, crf: CrfConfig | None) -> dict | None:
+         workers: int, workers_note: str | None, crf: CrfConfig | None) -> dict | None:
     """This rank's units (those whose record does not match their inputs and files), then rank 0's merge."""
     out = job.out
     cache = default_index_cache(config.index_cache)
@@ -514,10 +475,9 @@ def _run(job: ShardJob, plan: dict, tars: list[Path], config: BuildMasksConfig, 
     # Partial tars a killed run left under temporary names (only this rank's shards).
     remove_stale_temps(out, shard_files([job.units[n].shard for n in todo]))
     total = sum(len(read_index(index_files[n], tars[n])) for n in todo)
-    started, processed, clock = time.monotonic(), 0, MainThreadClock()
-    bar = Phase("build-masks", total, unit="img", enabled=config.progress and bool(todo))
-    with _workers(workers, config.batch_size, predictor, out) as (pool, ring):
-        page_locked = ring.page_locked
+    started, clock = time.monotonic(), MainThreadClock()
+    with Phase("build-masks", total, unit="img", enabled=config.progress and bool(todo)) as bar, \
+            _workers(workers, config.batch_size, predictor, out) as (pool, ring):
         for number in todo:
             unit = job.units[number]
             try:
@@ -532,10 +492,8 @@ def _run(job: ShardJob, plan: dict, tars: list[Path], config: BuildMasksConfig, 
                 if error.filename is None:  # a write to the tar (a full disk) names no file: name it
                     error.filename = str(out / unit.shard)
                 raise
-            record = write_record(job, unit, shard, rejected, inputs=inputs[number], extra={"members": members})
-            processed += len(record["manifest"]) + len(rejected)
+            write_record(job, unit, shard, rejected, inputs=inputs[number], extra={"members": members})
     seconds = time.monotonic() - started
-    bar.close()
     if ranks.rank != 0:
         return None
     try:
@@ -543,18 +501,31 @@ def _run(job: ShardJob, plan: dict, tars: list[Path], config: BuildMasksConfig, 
                                    progress=config.progress, rerun="rerun the same command on every rank")
     except UnfinishedError as error:
         raise MasksError(str(error)) from None
-    summary = _summary(records, time.monotonic() - started)
+    until_merge = time.monotonic() - started
+    coverage = np.concatenate([np.zeros(0), *(rec["manifest"].column("mask_coverage").to_numpy(zero_copy_only=False)
+                                              for rec in records if rec["manifest"].num_rows)]).astype(np.float64)
+    members = sum((Counter(rec.get("members", {})) for rec in records), Counter())
+    replaced = members.pop(MASK_MEMBER, 0)
+    mask = {"below_min_coverage": int((coverage < MIN_COVERAGE).sum()), "min_coverage": MIN_COVERAGE,
+            "coverage_histogram": np.histogram(coverage, bins=10, range=(0.0, 1.0))[0].tolist()}
     atomic_write_bytes(out / SETTINGS_FILE, settings_text(config, version=package_version()).encode())
-    mask = {k: summary[k] for k in ("below_min_coverage", "min_coverage", "coverage_histogram")}
     info = {"prefix": PREFIX, "source": str(config.shards), "model": plan["model_sha256"], "flip": config.flip,
             "crf": config.crf, "mask": mask, "version": package_version()}
     merge_records(out, records, info=info)
-    summary["shards_kept"], summary["shards_built"] = kept, len(tars) - kept
-    summary["rejected_file"] = str(out / REJECTED_NAME)
-    summary["workers"], summary["ring_page_locked"] = workers, page_locked
-    summary["images_per_s"] = round(processed / seconds, 2) if processed and seconds > 0 else None
-    summary.update(clock.report())  # this rank's
-    return summary
+    return {
+        "written": len(coverage),
+        "rejected": sum(len(rec["rejected"]) for rec in records),
+        "carried_members": dict(members),  # input members no job reads, written unchanged
+        "replaced_masks": replaced,
+        **mask,
+        "mean_coverage": float(coverage.mean()) if len(coverage) else None,
+        "seconds": round(until_merge, 2),
+        "shards_kept": kept, "shards_built": len(tars) - kept,
+        "rejected_file": str(out / REJECTED_NAME), "workers": workers, "workers_note": workers_note,
+        "ring_page_locked": ring.page_locked,
+        "images_per_s": round(bar.count / seconds, 2) if bar.count and seconds > 0 else None,
+        **clock.report(),  # the clock: this rank's
+    }
 
 
 def _index_file(tar: Path, cache: Path) -> Path:

@@ -22,15 +22,9 @@ if TYPE_CHECKING:  # build-masks' workers import this module: the config module 
 PROBABILITY_FLOOR = 1e-5  # -log(0) would be an infinite unary
 
 
-def dense_crf(rgb: np.ndarray, foreground: np.ndarray, config: CrfConfig | None = None) -> np.ndarray:
-    """CRF-refined foreground probability [H, W] float32 of `rgb` uint8 [H, W, 3] and `foreground` [H, W]
-    (`config`: the CrfConfig defaults when None)."""
+def dense_crf(rgb: np.ndarray, foreground: np.ndarray, config: CrfConfig) -> np.ndarray:
+    """CRF-refined foreground probability [H, W] float32 of `rgb` uint8 [H, W, 3] and `foreground` [H, W]."""
     import pydensecrf.densecrf as dcrf
-
-    if config is None:
-        from saliency.network.config import CrfConfig
-
-        config = CrfConfig()
 
     height, width = foreground.shape
     if rgb.shape[:2] != (height, width):

@@ -7,7 +7,6 @@ DeepUSPS keeps the train-mode predictions of the training pass itself (no extra 
 from __future__ import annotations
 
 import os
-from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 import torch
@@ -53,19 +52,17 @@ def train_epoch(model: SaliencyNet, optimizer: torch.optim.Optimizer, images: Te
     return predictions, float(np.mean(losses)) if losses else float("nan")
 
 
-_IMAGES: np.ndarray | None = None
-_CRF: CrfConfig | None = None
+_WORK: dict = {}  # a CRF worker's images and settings, sent to it once (`_init_crf_worker`)
 
 
 def _init_crf_worker(images: np.ndarray, config: CrfConfig) -> None:
-    global _IMAGES, _CRF
     os.environ["OMP_NUM_THREADS"] = "1"
-    _IMAGES, _CRF = images, config
+    _WORK.update(images=images, config=config)
 
 
 def _crf_chunk(indices: np.ndarray, probabilities: np.ndarray) -> np.ndarray:
-    assert _IMAGES is not None and _CRF is not None
-    return np.stack([dense_crf(_IMAGES[i], p, _CRF) for i, p in zip(indices, probabilities, strict=True)])
+    images, config = _WORK["images"], _WORK["config"]
+    return np.stack([dense_crf(images[i], p, config) for i, p in zip(indices, probabilities, strict=True)])
 
 
 class CrfPool:
@@ -73,11 +70,9 @@ class CrfPool:
 
     def __init__(self, images_hwc: np.ndarray, config: CrfConfig, workers: int):
         self.images, self.config, self.workers = images_hwc, config, workers
-        self.pool: ProcessPoolExecutor | None = None
-        if workers > 1:
-            # spawn: forking a process with torch's thread pools running can deadlock the child.
-            self.pool = worker_pool(workers, start_method="spawn", initializer=_init_crf_worker,
-                                    initargs=(images_hwc, config))
+        # spawn: forking a process with torch's thread pools running can deadlock the child.
+        self.pool = worker_pool(workers, start_method="spawn", initializer=_init_crf_worker,
+                                initargs=(images_hwc, config)) if workers > 1 else None
 
     def refine(self, probabilities: np.ndarray) -> np.ndarray:
         """CRF-refined foreground probabilities [N, S, S] of `probabilities` [N, S, S]."""

@@ -210,9 +210,10 @@ class SlotRing:
     @classmethod
     def create(cls, batch: int, size: int, out: Path | None = None) -> SlotRing:
         """A new ring named after this process and the output folder `out` it serves (visible as such in
-        /dev/shm while the job runs; `remove_dead_rings` finds it after a kill). Its pages are reserved
-        here: RingSpaceError when /dev/shm is too full (the job's check of the room for every rank of
-        the node, `check_shm_space`, comes before it, but /dev/shm may have filled since)."""
+        /dev/shm while the job runs; `remove_dead_rings` finds it after a kill), and this process's ring
+        of that name until released (the tasks the job runs itself, with no workers, find it). Its pages
+        are reserved here: RingSpaceError when /dev/shm is too full (the job's check of the room for
+        every rank of the node, `check_shm_space`, comes before it, but /dev/shm may have filled since)."""
         spec = RingSpec(f"{RING_PREFIX}-{os.getpid()}-{folder_tag(out)}-{secrets.token_hex(4)}", batch, size)
         memory = SharedMemory(spec.name, create=True, size=ring_bytes(batch, size))
         try:
@@ -221,7 +222,8 @@ class SlotRing:
             memory.close()
             memory.unlink()
             raise
-        return cls(memory, spec)
+        _rings[spec.name] = cls(memory, spec)
+        return _rings[spec.name]
 
     @classmethod
     def attach(cls, spec: RingSpec) -> SlotRing:
@@ -240,6 +242,7 @@ class SlotRing:
     def release(self) -> None:
         """Remove the block (the job's ring, once its workers are gone). Its name goes at once; the
         memory goes with the last mapping."""
+        _rings.pop(self.spec.name, None)
         self.memory.unlink()
         del self._probabilities, self._squares
         with contextlib.suppress(BufferError):  # a view still held by the caller (a predictor's result): the GC unmaps it later
@@ -273,16 +276,6 @@ def check_shm_space(nbytes: int, folder: str = SHM_FOLDER) -> None:
 
 
 _rings: dict[str, SlotRing] = {}  # the rings this process uses, by name: a worker attaches once per job
-
-
-def use_ring(ring: SlotRing) -> None:
-    """Let this process's tasks find `ring` without attaching it again (the job's own ring, for work
-    done in the job's process when it has no workers)."""
-    _rings[ring.spec.name] = ring
-
-
-def forget_ring(ring: SlotRing) -> None:
-    _rings.pop(ring.spec.name, None)
 
 
 def _ring(spec: RingSpec) -> SlotRing:

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
 from pretrain.model.normalization import IMAGENET_MEAN, IMAGENET_STD
-from pretrain.model.resnet import ResNet, resnet
+from pretrain.model.resnet import resnet
 
 
 def _dilate_stage(stage: nn.Sequential, dilation: int, previous: int) -> None:
@@ -39,13 +39,6 @@ def _dilate_stage(stage: nn.Sequential, dilation: int, previous: int) -> None:
         block.stride = 1
 
 
-def dilate_last_stages(encoder: ResNet) -> ResNet:
-    """Turn layer3 / layer4 into dilated stages (output stride 8); in place, returns `encoder`."""
-    _dilate_stage(encoder.layer3, 2, 1)
-    _dilate_stage(encoder.layer4, 4, 2)
-    return encoder
-
-
 def _conv_bn_relu(cin: int, cout: int, kernel: int) -> nn.Sequential:
     return nn.Sequential(nn.Conv2d(cin, cout, kernel, padding=kernel // 2, bias=False), nn.BatchNorm2d(cout),
                          nn.ReLU(inplace=True))
@@ -57,7 +50,9 @@ class SaliencyNet(nn.Module):
     def __init__(self, depth: int = 50, width: int = 1):
         super().__init__()
         self.depth, self.width = depth, width
-        self.encoder = dilate_last_stages(resnet(depth, width))
+        self.encoder = resnet(depth, width)
+        _dilate_stage(self.encoder.layer3, 2, 1)  # layer3 and layer4 dilated: output stride 8
+        _dilate_stage(self.encoder.layer4, 4, 2)
         low_channels = self.encoder.layer1[-1].conv1.in_channels  # layer1's output channels
         self.head = nn.Sequential(_conv_bn_relu(self.encoder.num_features, 128, 1), _conv_bn_relu(128, 128, 3))
         self.low = _conv_bn_relu(low_channels, 32, 1)

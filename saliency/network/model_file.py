@@ -101,5 +101,4 @@ def load_model(path: Path | str, device: str = "cpu") -> tuple[SaliencyNet, dict
             "the file's depth or width setting does not match its weights (edited or written by another tool?); "
             f"{PASS_MODEL}")
     model.load_state_dict(state)
-    info = {k: v for k, v in payload.items() if k != "state_dict"}
-    return model.to(device).eval(), info
+    return model.to(device).eval(), {k: v for k, v in payload.items() if k != "state_dict"}

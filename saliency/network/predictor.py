@@ -27,7 +27,7 @@ class MaskPredictor:
 
     def __init__(self, model_path: Path, device: str, *, flip: bool = False):
         self.model, self.info = load_model(model_path, device)
-        self.device, self.size = device, int(self.info["input_size"])
+        self.size = int(self.info["input_size"])
         self.flip = flip  # average each image's prediction with its mirror's (twice the forward)
         self.cuda = device.startswith("cuda")
         if self.cuda:

@@ -57,10 +57,10 @@ def mask_problem(path: Path) -> str | None:
     return None
 
 
-def check_ground_truth(gt: Path, keys: Iterable[str]) -> int:
+def check_ground_truth(gt: Path, keys: Iterable[str]) -> None:
     """Refuse `gt` unless it is a folder holding, for at least one of `keys`, a mask `KEY.<image ext>`,
-    and every such mask is one (`mask_problem`). Returns how many keys have a mask. Reads each
-    matching mask once: seconds for thousands, before hours of training."""
+    and every such mask is one (`mask_problem`). Reads each matching mask once: seconds for
+    thousands, before hours of training."""
     gt = Path(gt)
     if not gt.is_dir():
         raise GroundTruthError(f"--gt {gt}: no such folder; give the folder of ground-truth masks (KEY.png)")
@@ -80,7 +80,6 @@ def check_ground_truth(gt: Path, keys: Iterable[str]) -> int:
             f"--gt {gt}: {len(problems)} of {len(matched)} matching files are not masks, e.g. {problems[0][1]}; "
             "a mask is a greyscale (or 1-bit, or grey-palette) image, foreground >= 128"
         )
-    return len(matched)
 
 
 def _nearest(label: np.ndarray, width: int, height: int) -> np.ndarray:
@@ -124,7 +123,6 @@ def evaluate_report(job, data, trainer, model: SaliencyNet, *, progress: bool = 
     """{"train": {row: scores}, "heldout": {row: scores} (with --eval-shards)}."""
     config, out = job.config, Path(job.out)
     maps = out / "maps"
-    size = config.input_size
     position = {key: i for i, key in enumerate(data.keys)}
     rows: dict[str, RowFn] = {}
     for m in config.methods:
@@ -140,7 +138,7 @@ def evaluate_report(job, data, trainer, model: SaliencyNet, *, progress: bool = 
     rows[LABELS_ROW] = lambda _k, i, rgb: resize_map(np.mean([lab[i] for lab in labels], axis=0, dtype=np.float32),
                                                      rgb.shape[1], rgb.shape[0])
     rows[MEAN_ROW] = _mean_of(maps, config.methods)
-    rows[FUSED_ROW] = lambda _k, _i, rgb: predict_map(model, rgb, size)
+    rows[FUSED_ROW] = lambda _k, _i, rgb: predict_map(model, rgb, config.input_size)
 
     train_images = _decoded(out / "sample", lambda key, _i: position.get(key))
     report = {"train": score_rows(train_images, job.gt, rows, len(position), "report (train)", progress)}

@@ -15,7 +15,6 @@ epoch into `OUT/work/`; rerunning the same command resumes at the epoch after th
 from __future__ import annotations
 
 import json
-import math
 import sys
 import zlib
 from collections.abc import Callable
@@ -132,17 +131,6 @@ def _check_config(out: Path, text: str) -> bool:
     )
 
 
-def _finite_or_null(tree: object) -> object:
-    """`tree` with every NaN or infinite float (a diverged epoch's loss) as None: JSON has no NaN."""
-    if isinstance(tree, dict):
-        return {k: _finite_or_null(v) for k, v in tree.items()}
-    if isinstance(tree, list | tuple):
-        return [_finite_or_null(v) for v in tree]
-    if isinstance(tree, float) and not math.isfinite(tree):
-        return None
-    return tree
-
-
 @dataclass(frozen=True)
 class CheckedInputs:
     """What `check_inputs` found usable: the seeded sample of --shards and the encoder weights."""
@@ -194,7 +182,6 @@ class Trainer:
         self.device = device or resolve_device(self.config.device)
         images_hwc = data.images.permute(0, 2, 3, 1).contiguous().numpy()
         self.crf = CrfPool(images_hwc, self.config.crf.at_size(self.config.input_size), self.config.workers)
-        self.history: dict[str, list[float]] = {}
 
     def fresh_network(self, unit: Unit) -> SaliencyNet:
         torch.manual_seed(self.config.seed * 1_000_003 + unit.seed_offset)
@@ -310,7 +297,9 @@ def run_train(job: TrainJob, log: Callable[[str], None] = print) -> dict:
         if job.gt is not None:
             report.update(evaluate_report(job, data, trainer, model, progress=job.progress))
             log(format_report(report))
-        text = json.dumps(_finite_or_null(report), indent=2, sort_keys=True, allow_nan=False)  # strict JSON
+        # JSON has no NaN: every NaN or infinite float (a diverged epoch's loss) is written as null.
+        finite = json.loads(json.dumps(report), parse_constant=lambda _: None)
+        text = json.dumps(finite, indent=2, sort_keys=True, allow_nan=False)  # strict JSON
         with writing(out, "--out", errors=(OSError, RuntimeError)):  # torch.save fails with a RuntimeError
             atomic_write_bytes(out / "report.json", (text + "\n").encode())
             save_model(out / "model.pt", model, input_size=config.input_size, preset=config.preset,

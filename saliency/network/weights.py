@@ -21,7 +21,7 @@ from torch import Tensor
 
 from pretrain.model.checkpoint_file import FORMAT as PRETRAIN_FORMAT
 from pretrain.model.checkpoint_file import CheckpointError, load_checkpoint, resolve_checkpoint
-from pretrain.model.encoder_file import architecture_of
+from pretrain.model.encoder_file import architecture_of, sidecar_path
 from pretrain.model.resnet import ResNet, load_torchvision_state_dict
 from pretrain.model.untrusted import TORCH_LOAD_ERRORS, load_failure
 
@@ -33,16 +33,6 @@ DROPPED_PREFIXES = ("projection_head.", "prototypes.", "fc.", "head.", "projecto
 
 class BackboneError(ValueError):
     """A backbone file that cannot initialise the encoder (missing, corrupt, foreign, wrong architecture)."""
-
-
-def _read(path: Path) -> object:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except TORCH_LOAD_ERRORS as error:
-        raise BackboneError(
-            f"{path} is not a readable weights file ({load_failure(error)}); pass a relicv2 pretrain "
-            "checkpoint or run folder, a torchvision/SwAV ResNet state dict, or --backbone random"
-        ) from None
 
 
 def _strip(state: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -58,7 +48,7 @@ def _strip(state: dict[str, Tensor]) -> dict[str, Tensor]:
 
 def _check_sidecar(path: Path, depth: int, width: int) -> str:
     """Refuse a sidecar's other depth or width; return its padding ("torch" when it names none)."""
-    sidecar = path.with_name(path.name + ".json")
+    sidecar = sidecar_path(path)
     if not sidecar.is_file():
         return "torch"
     try:
@@ -90,7 +80,13 @@ def encoder_state_dict(source: str | Path, depth: int, width: int) -> tuple[dict
             path = resolve_checkpoint(path)
         except CheckpointError as error:
             raise BackboneError(str(error)) from None
-    payload = _read(path)
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except TORCH_LOAD_ERRORS as error:
+        raise BackboneError(
+            f"{path} is not a readable weights file ({load_failure(error)}); pass a relicv2 pretrain "
+            "checkpoint or run folder, a torchvision/SwAV ResNet state dict, or --backbone random"
+        ) from None
     if not isinstance(payload, dict):
         raise BackboneError(f"{path} holds a {type(payload).__name__}, not a state dict or checkpoint")
     if payload.get("format") == PRETRAIN_FORMAT:

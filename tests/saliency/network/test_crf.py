@@ -29,4 +29,4 @@ def test_crf_widths_scale_with_the_input_size() -> None:
     assert scaled.bilateral_sxy == pytest.approx(40.0) and scaled.gaussian_sxy == pytest.approx(1.5)
     assert scaled.bilateral_srgb == 13.0 and scaled.bilateral_compat == 10.0
     with pytest.raises(ValueError, match="differ in size"):
-        dense_crf(np.zeros((8, 8, 3), np.uint8), np.zeros((8, 9), np.float32))
+        dense_crf(np.zeros((8, 8, 3), np.uint8), np.zeros((8, 9), np.float32), CrfConfig())
