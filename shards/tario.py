@@ -149,9 +149,6 @@ class MemberReader(io.RawIOBase):
         self.position = max(0, base + position)
         return self.position
 
-    def tell(self) -> int:
-        return self.position
-
 
 def member_file(handle, offset: int, size: int) -> io.BufferedReader:
     """A buffered :class:`MemberReader` (header reads cost one or two small reads)."""
