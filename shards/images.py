@@ -265,10 +265,11 @@ def decode(data: bytes, limits: ImageLimits = DEFAULT_LIMITS) -> Image.Image:
     return _open(data, "image", limits)[0]
 
 
-def prepare_image(data: bytes, *, min_side: int = 32, quality: int = 95,
-                  limits: ImageLimits = DEFAULT_LIMITS) -> PreparedImage | Rejection:
-    """Decode-verify image bytes; return the `.jpg` member (passed through or converted) or why not."""
+def prepare_file(path: str, *, min_side: int = 32, quality: int = 95,
+                 limits: ImageLimits = DEFAULT_LIMITS) -> PreparedImage | Rejection:
+    """Read and decode-verify one file: its `.jpg` member (passed through or converted), or why it is refused."""
     try:
+        data = read_bytes(path, limits)
         image, _ = _open(data, "image", limits)
     except ImageLoadError as exc:
         return Rejection(exc.reason, exc.detail)
@@ -286,13 +287,3 @@ def prepare_image(data: bytes, *, min_side: int = 32, quality: int = 95,
     except DECODE_ERRORS as exc:
         return Rejection("unconvertible", f"{fmt} image in mode {mode} cannot be converted to RGB ({exc})")
     return PreparedImage(out.getvalue(), width, height, True, fmt, orientation)
-
-
-def prepare_file(path: str, *, min_side: int = 32, quality: int = 95,
-                 limits: ImageLimits = DEFAULT_LIMITS) -> PreparedImage | Rejection:
-    """Read and prepare one file; unreadable and oversized files become rejections too."""
-    try:
-        data = read_bytes(path, limits)
-    except ImageLoadError as exc:
-        return Rejection(exc.reason, exc.detail)
-    return prepare_image(data, min_side=min_side, quality=quality, limits=limits)

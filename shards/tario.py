@@ -54,7 +54,6 @@ def iter_tar(path: Path, limits: ImageLimits = DEFAULT_LIMITS) -> Iterator[Membe
     """The members of a local tar in order, from their headers (no data is read); refused members and
     truncation come as :class:`Skipped`. Raises :class:`TarReadError` when the file is missing, empty,
     compressed or not a tar at all."""
-    path = Path(path)
     try:
         handle = open(path, "rb")  # noqa: SIM115 (closed below)
     except OSError as exc:
