@@ -83,9 +83,8 @@ def iter_tar(path: Path, limits: ImageLimits = DEFAULT_LIMITS) -> Iterator[Membe
                 while info.name.startswith("./"):  # what `tar -cf x.tar .` writes: same file, plain name
                     info.name = info.name[2:]
                 refusal = member_refusal(info)
-                if refusal is not None:
-                    unsafe_name = info.isreg() or info.isdir()  # else a link or a device, whatever its name
-                    yield Skipped(info.name, "unsafe_key" if unsafe_name else "unsafe_member", refusal)
+                if refusal is not None:  # a regular file refused for its name, else a link or a device
+                    yield Skipped(info.name, "unsafe_key" if info.isreg() else "unsafe_member", refusal)
                 elif info.size > limits.max_member_bytes:
                     yield Skipped(info.name, "too_large", f"member {info.name!r} is {info.size} bytes, over "
                                   f"the limit of {limits.max_member_bytes}")

@@ -95,10 +95,6 @@ class TarShard:
         self.keys: set[str] = set()
         self._index: list[list[IndexEntry]] = []
 
-    def add(self, sample: ShardSample) -> dict:
-        """Append a sample (its members adjacent, sorted by extension); return its manifest row."""
-        return self.add_record(sample_record(sample))
-
     def add_record(self, record: SampleRecord) -> dict:
         """Append a serialised sample; return its manifest row with shard and position filled in."""
         if record.key in self.keys:
@@ -139,11 +135,10 @@ class TarShard:
             self.tmp.unlink(missing_ok=True)
 
 
-def write_info(directory: Path, info: dict) -> Path:
+def write_info(directory: Path, info: dict) -> None:
     """Write `info.json` (sorted keys, so equal content gives equal bytes) atomically."""
     path = Path(directory) / "info.json"
     atomic_write_bytes(path, (json.dumps(info, indent=2, sort_keys=True) + "\n").encode("utf-8"))
-    return path
 
 
 def write_shard_set(
