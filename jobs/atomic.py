@@ -45,8 +45,7 @@ def atomic_output(path: Path) -> Iterator[Path]:
         os.replace(tmp, path)
         fsync_dir(path.parent)
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+        tmp.unlink(missing_ok=True)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

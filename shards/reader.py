@@ -43,12 +43,12 @@ from shards.manifest import MANIFEST_NAME, read_manifest
 from shards.sample import (
     IMAGE_MEMBERS,
     LABEL_MEMBER,
+    MAX_LABEL_BYTES,
     META_MEMBER,
     USED_MEMBERS,
     class_index,
     image_member_name,
     label_text,
-    read_class_index,
 )
 from shards.shardset import ShardSet, ShardSetError, Spec, list_shard_files, shard_tars
 from shards.tario import TarReadError, read_indexed_member
@@ -149,19 +149,15 @@ class SampleRef:
     @property
     def label(self) -> int | None:
         """The sample's class index, or None (no `cls` member, or one that is not a class index)."""
-        if LABEL_MEMBER not in self.members:
-            return None
-        offset, size, _ = self.members[LABEL_MEMBER]
-        with open(self.tar, "rb") as f:
-            return read_class_index(f, offset, size)  # no more than a class index can hold
+        return class_index(self.read(LABEL_MEMBER, MAX_LABEL_BYTES + 1))  # no more than a class index can hold
 
-    def read(self, ext: str | None) -> bytes | None:
-        """The bytes of member `ext`, or None when the sample has no such member."""
+    def read(self, ext: str | None, most: int | None = None) -> bytes | None:
+        """The bytes of member `ext` (its first `most` when given), or None when the sample has no such member."""
         if ext not in self.members:
             return None
         offset, size, _ = self.members[ext]
         with open(self.tar, "rb") as f:
-            return os.pread(f.fileno(), size, offset)
+            return os.pread(f.fileno(), size if most is None else min(size, most), offset)
 
     @property
     def entries(self) -> list[IndexEntry]:
