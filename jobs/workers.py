@@ -124,7 +124,6 @@ def worker_pool(workers: int, *, start_method: str | None = None,
     where available (workers start in milliseconds and do not re-import the CLI and torch); pass "spawn" when
     the parent runs thread pools (BLAS, OpenCV) that a fork could deadlock. `initializer(*initargs)` runs in
     each worker after the parent watch is set up."""
-    if start_method is None:
-        start_method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    start_method = start_method or ("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
     return _Pool(workers, mp_context=multiprocessing.get_context(start_method), initializer=_initialize,
                  initargs=(os.getpid(), initializer, initargs))

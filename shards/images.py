@@ -232,8 +232,7 @@ def load_scaled(data: bytes, name: str, min_side: int, limits: ImageLimits = DEF
     input) whose output must match the full image as displayed. ImageLoadError names `name`."""
     with _decoding(name):
         image, stored = _open(data, name, limits, min_side=min_side)
-        width, height = displayed_size(image, stored)
-        return ScaledImage(np.asarray(displayed(image), dtype=np.uint8), width, height)
+        return ScaledImage(np.asarray(displayed(image), dtype=np.uint8), *displayed_size(image, stored))
 
 
 def exif_orientation(data: bytes) -> int:

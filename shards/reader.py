@@ -50,7 +50,7 @@ from shards.sample import (
     image_member_name,
     label_text,
 )
-from shards.shardset import ShardSet, ShardSetError, Spec, list_shard_files, shard_tars
+from shards.shardset import ShardSet, ShardSetError, Spec, shard_tars
 from shards.tario import TarReadError, read_indexed_member
 
 UNUSED_LISTED = 20  # unused members named one by one in a report; the rest only counted
@@ -331,14 +331,12 @@ def read_samples(tar: Path, report: ReadReport, *, index: Path | None = None,
 
 def list_shards(directory: Path) -> list[Path]:
     """The shard tars of a folder (`*-NNNNNN.tar`, 4-6 digits), sorted by name."""
-    directory = Path(directory)
-    if not directory.is_dir():
+    if not Path(directory).is_dir():
         raise FileNotFoundError(f"shard folder {directory} does not exist; check the path")
-    tars = list_shard_files(directory)
-    if not tars:
-        raise FileNotFoundError(f"no shards (*-NNNNNN.tar) in {directory}; build them with relicv2 "
-                                "shards build")
-    return tars
+    try:
+        return shard_tars(directory)[0]
+    except ShardSetError as exc:  # a folder without shards
+        raise FileNotFoundError(str(exc)) from None
 
 
 def iter_samples(
