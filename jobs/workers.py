@@ -60,7 +60,7 @@ def rank_cores(env: Mapping[str, str] | None = None) -> int:
 def _initialize(parent: int, initializer: Callable[..., object] | None, initargs: tuple) -> None:
     """In each worker: exit when process `parent` (the job) dies, leave Ctrl-C to the job, then `initializer`."""
     if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):  # no usable libc: the polling thread still covers it
+        with contextlib.suppress(OSError, AttributeError):  # no usable libc: the polling thread covers it
             libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
             libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the parent died before prctl took effect

@@ -266,7 +266,7 @@ def decode(data: bytes, limits: ImageLimits = DEFAULT_LIMITS) -> Image.Image:
 
 def prepare_file(path: str, *, min_side: int = 32, quality: int = 95,
                  limits: ImageLimits = DEFAULT_LIMITS) -> PreparedImage | Rejection:
-    """Read and decode-verify one file: its `.jpg` member (passed through or converted), or why it is refused."""
+    """Read and decode-verify one file: its `.jpg` member (passed through or converted), or why not."""
     try:
         data = read_bytes(path, limits)
         image, _ = _open(data, "image", limits)

@@ -149,10 +149,10 @@ class SampleRef:
     @property
     def label(self) -> int | None:
         """The sample's class index, or None (no `cls` member, or one that is not a class index)."""
-        return class_index(self.read(LABEL_MEMBER, MAX_LABEL_BYTES + 1))  # no more than a class index can hold
+        return class_index(self.read(LABEL_MEMBER, MAX_LABEL_BYTES + 1))  # at most what a class index holds
 
     def read(self, ext: str | None, most: int | None = None) -> bytes | None:
-        """The bytes of member `ext` (its first `most` when given), or None when the sample has no such member."""
+        """The bytes of member `ext` (at most `most` of them), or None when the sample has no such member."""
         if ext not in self.members:
             return None
         offset, size, _ = self.members[ext]

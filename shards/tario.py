@@ -33,15 +33,6 @@ class TarReadError(ValueError):
 
 
 @dataclass(frozen=True)
-class Member:
-    """One regular-file member of a tar, from its header."""
-
-    name: str
-    offset: int  # of the data inside the tar
-    size: int
-
-
-@dataclass(frozen=True)
 class Skipped:
     """A member left out, or a problem with the rest of the tar (`name` None): with the reason."""
 
@@ -50,7 +41,7 @@ class Skipped:
     detail: str
 
 
-def iter_tar(path: Path, limits: ImageLimits = DEFAULT_LIMITS) -> Iterator[Member | Skipped]:
+def iter_tar(path: Path, limits: ImageLimits = DEFAULT_LIMITS) -> Iterator[tarfile.TarInfo | Skipped]:
     """The members of a local tar in order, from their headers (no data is read); refused members and
     truncation come as :class:`Skipped`. Raises :class:`TarReadError` when the file is missing, empty,
     compressed or not a tar at all."""
@@ -93,7 +84,7 @@ def iter_tar(path: Path, limits: ImageLimits = DEFAULT_LIMITS) -> Iterator[Membe
                                   f"member {info.name!r} is cut off: the tar ends inside it")
                     return
                 else:
-                    yield Member(info.name, info.offset_data, info.size)
+                    yield info
         except (tarfile.TarError, EOFError, OSError) as exc:
             yield Skipped(None, "truncated", f"the tar cannot be read past byte {end} ({exc})")
             return

@@ -186,7 +186,8 @@ def manifest_problems(directory: Path) -> tuple[pa.Table | None, list[str]]:
     except (OSError, pa.ArrowException) as exc:
         return None, [f"{MANIFEST_NAME}: cannot be read ({exc}); rebuild the shard set or remove the file"]
     types = dict(zip(table.column_names, table.schema.types, strict=True))
-    wrong = [f"{f.name} ({types.get(f.name, 'missing')})" for f in MANIFEST_SCHEMA if types.get(f.name) != f.type]
+    wrong = [f"{f.name} ({types.get(f.name, 'missing')})"
+             for f in MANIFEST_SCHEMA if types.get(f.name) != f.type]
     if wrong:
         return None, [f"{MANIFEST_NAME}: not a relicv2 manifest, columns {', '.join(wrong)} differ from the schema; rebuild"]
     missing = [name for name in ("key", "shard", "position") if table.column(name).null_count]

@@ -174,14 +174,13 @@ def write_shard_set(
                 or (max_count is not None and len(current.rows) >= max_count)
             ):
                 rows += current.close()
-                written.append(current.path)
                 current = None
             if current is None:
                 current = TarShard(out_dir / shard_name(prefix, len(written)))
+                written.append(current.path)
             current.add_record(record)
         if current is not None:
             rows += current.close()
-            written.append(current.path)
             current = None
     finally:
         if current is not None:
