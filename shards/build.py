@@ -98,12 +98,10 @@ def check_config(config: BuildConfig) -> None:
         raise InputError("--max-bytes and --max-count must be positive")
     if not 1 <= config.quality <= 100:
         raise InputError(f"--quality {config.quality} must be within 1..100")
-    if config.workers < 1:
-        raise InputError(f"--workers {config.workers} must be at least 1")
-    if config.max_pixels < 1:
-        raise InputError(f"--max-pixels {config.max_pixels} must be positive")
-    if config.min_side < 1:
-        raise InputError(f"--min-side {config.min_side} must be at least 1")
+    for option, value in (("--workers", config.workers), ("--max-pixels", config.max_pixels),
+                          ("--min-side", config.min_side)):
+        if value < 1:
+            raise InputError(f"{option} {value} must be at least 1")
     if not config.prefix or "." in config.prefix or "/" in config.prefix:
         raise InputError(f"--prefix {config.prefix!r} must be a plain name without dots or slashes")
     out = config.out_dir

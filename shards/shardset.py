@@ -271,7 +271,6 @@ def resolve_shard_set(spec: Spec, *, index_cache: Path | None = None, allow_lost
         return spec
     tars, directory = shard_tars(spec)
     manifest, lost = None, []
-    listed: dict[Path, int] = {}
     if directory is not None and (directory / MANIFEST_NAME).is_file():
         try:
             manifest = read_manifest(directory)

@@ -227,10 +227,7 @@ def verify_shard_set(directory: Path, *, workers: int = 1, decode_images: bool =
     """Verify a shard set folder; every problem is reported as one line, none raised (FileNotFoundError
     only when the folder holds neither a manifest nor any shard)."""
     directory = Path(directory)
-    problems: list[str] = []
-    manifest: pa.Table | None = None
-    if (directory / MANIFEST_NAME).is_file():
-        manifest, problems = manifest_problems(directory)
+    manifest, problems = manifest_problems(directory) if (directory / MANIFEST_NAME).is_file() else (None, [])
     if manifest is None:
         tars = list_shard_files(directory)
         if not tars:
