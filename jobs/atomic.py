@@ -49,7 +49,6 @@ def atomic_output(path: Path) -> Iterator[Path]:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to `path` atomically."""
     with atomic_output(path) as tmp:
         tmp.write_bytes(data)
 

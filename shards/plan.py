@@ -73,5 +73,4 @@ def plan_shards(images: list[SourceImage], settings: dict) -> list[ShardPlan]:
 
 
 def plan_digest(shards: list[ShardPlan]) -> str:
-    """One digest for the whole plan."""
     return hashlib.sha256("".join(s.digest for s in shards).encode()).hexdigest()

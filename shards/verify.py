@@ -84,8 +84,6 @@ def mask_problem(where: str, mask: bytes, size: tuple[int, int]) -> str | None:
 # The format an image member's name announces, for sets with a manifest: `shards build` writes RGB
 # JPEGs as `jpg`; `saliency build-masks` keeps a png or webp input image under its own name.
 MEMBER_FORMATS = {"jpg": JPEG_FORMATS, "jpeg": JPEG_FORMATS, "png": ("PNG",), "webp": ("WEBP",)}
-
-
 JPEG_MODES = ("RGB", "L")  # JPEG colour modes every decoder here (PIL, DALI) returns as RGB
 
 

@@ -95,18 +95,16 @@ class TarShard:
         self.keys: set[str] = set()
         self._index: list[list[IndexEntry]] = []
 
-    def add_record(self, record: SampleRecord) -> dict:
-        """Append a serialised sample; return its manifest row with shard and position filled in."""
+    def add_record(self, record: SampleRecord) -> None:
+        """Append a serialised sample; its manifest row gets its shard and position."""
         if record.key in self.keys:
             raise ValueError(f"duplicate key {record.key!r} in {self.path.name}; keys must be unique")
         self._index.append([(ext, self.size + off, size, f"{record.key}.{ext}") for ext, off, size in record.entries])
         self._file.write(record.blob)
         self._hash.update(record.blob)
         self.size += len(record.blob)
-        row = {**record.row, "shard": self.path.name, "position": len(self.rows)}
-        self.rows.append(row)
+        self.rows.append({**record.row, "shard": self.path.name, "position": len(self.rows)})
         self.keys.add(record.key)
-        return row
 
     def close(self) -> list[dict]:
         """Finish the tar, fsync, write its index, rename both into place; return the rows."""
