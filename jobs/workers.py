@@ -75,9 +75,8 @@ class _Pool(cf.ProcessPoolExecutor):
     """A pool that, left by an exception (Ctrl-C, a failed task), cancels the work not yet started
     instead of running all of it first; the workers finish the tasks in hand and exit."""
 
-    def __exit__(self, exc_type, exc_value, traceback) -> bool:
+    def __exit__(self, exc_type, exc_value, traceback) -> None:
         self.shutdown(wait=True, cancel_futures=exc_type is not None)
-        return False
 
     def _spawn_process(self) -> None:
         # A terminal's Ctrl-C goes to the whole process group: a worker still importing its modules, before

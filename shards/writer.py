@@ -34,9 +34,8 @@ def manifest_row(sample: ShardSample, members: list[tuple[str, bytes]]) -> dict:
         "content_hash": content_hash(members),
         "status": sample.meta.get("status", "ok"),
     }
-    for name, value in sample.meta.items():
-        if name not in CORE_COLUMNS and (value is None or isinstance(value, str | int | float | bool)):
-            row[name] = value
+    row.update((name, value) for name, value in sample.meta.items()
+               if name not in CORE_COLUMNS and (value is None or isinstance(value, str | int | float | bool)))
     return row
 
 
