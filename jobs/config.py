@@ -185,8 +185,7 @@ def build(cls: type, tree: Mapping[str, Any], *, source: str = "config", prefix:
     tree = {key: value for key, value in tree.items() if key not in removed}
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(tree) - set(fields))
-    if unknown:
+    if unknown := sorted(set(tree) - set(fields)):
         raise ConfigError(f"{source}: unknown key {prefix}{unknown[0]}; valid keys here are: "
                           f"{', '.join(sorted(fields))}")
     values: dict[str, Any] = {}
@@ -221,8 +220,7 @@ def _mapping(value: Any, hint: Any, allowed: dict[str, Any], *, key: str, source
     if not isinstance(value, Mapping):
         raise ConfigError(f"{source}: {key} must be a mapping, got {value!r}")
     _, value_type = typing.get_args(hint)
-    unknown = sorted(set(value) - set(allowed)) if allowed else []
-    if unknown:
+    if allowed and (unknown := sorted(set(value) - set(allowed))):
         raise ConfigError(f"{source}: unknown key {key}.{unknown[0]}; valid keys here are: "
                           f"{', '.join(sorted(allowed))}")
     return {**allowed, **{str(k): coerce(v, value_type, key=f"{key}.{k}", source=source) for k, v in value.items()}}

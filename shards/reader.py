@@ -195,8 +195,7 @@ def json_problem(data: bytes, limits: ImageLimits) -> tuple[str, str] | tuple[No
     """(reason code, detail) for a json member (of at most `max_json_bytes`: the policy checked its
     size from the index) that the policy refuses, else (None, its parsed value)."""
     if data.count(b"[") + data.count(b"{") > limits.max_json_depth:  # only then can it nest too deep
-        depth = deepest(data)
-        if depth > limits.max_json_depth:
+        if (depth := deepest(data)) > limits.max_json_depth:
             return "json_too_deep", f"json member nests {depth} levels deep, deeper than the limit of {limits.max_json_depth}"
     try:
         return None, json.loads(data)
