@@ -45,12 +45,10 @@ def atomic_output(path: Path) -> Iterator[Path]:
         os.replace(tmp, path)
         fsync_dir(path.parent)
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+        tmp.unlink(missing_ok=True)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to `path` atomically."""
     with atomic_output(path) as tmp:
         tmp.write_bytes(data)
 

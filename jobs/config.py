@@ -185,8 +185,7 @@ def build(cls: type, tree: Mapping[str, Any], *, source: str = "config", prefix:
     tree = {key: value for key, value in tree.items() if key not in removed}
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(tree) - set(fields))
-    if unknown:
+    if unknown := sorted(set(tree) - set(fields)):
         raise ConfigError(f"{source}: unknown key {prefix}{unknown[0]}; valid keys here are: "
                           f"{', '.join(sorted(fields))}")
     values: dict[str, Any] = {}
@@ -195,7 +194,7 @@ def build(cls: type, tree: Mapping[str, Any], *, source: str = "config", prefix:
         if dataclasses.is_dataclass(hint):
             values[name] = build(hint, value or {}, source=source, prefix=f"{key}.", saved=saved)
         elif typing.get_origin(hint) is dict:
-            values[name] = _mapping(value, hint, _default(fields[name]), key=key, source=source)
+            values[name] = _mapping(value, hint, fields[name].default_factory(), key=key, source=source)
         else:
             values[name] = coerce(value, hint, key=key, source=source)
     try:
@@ -217,21 +216,11 @@ def removed_settings(cls: type, tree: Mapping[str, Any], prefix: str = "") -> di
     return found
 
 
-def _default(field: dataclasses.Field) -> Any:
-    if field.default is not dataclasses.MISSING:
-        return field.default
-    if field.default_factory is not dataclasses.MISSING:
-        return field.default_factory()
-    return None
-
-
-def _mapping(value: Any, hint: Any, default: Any, *, key: str, source: str) -> dict[str, Any]:
+def _mapping(value: Any, hint: Any, allowed: dict[str, Any], *, key: str, source: str) -> dict[str, Any]:
     if not isinstance(value, Mapping):
         raise ConfigError(f"{source}: {key} must be a mapping, got {value!r}")
     _, value_type = typing.get_args(hint)
-    allowed = dict(default or {})
-    unknown = sorted(set(value) - set(allowed)) if allowed else []
-    if unknown:
+    if allowed and (unknown := sorted(set(value) - set(allowed))):
         raise ConfigError(f"{source}: unknown key {key}.{unknown[0]}; valid keys here are: "
                           f"{', '.join(sorted(allowed))}")
     return {**allowed, **{str(k): coerce(v, value_type, key=f"{key}.{k}", source=source) for k, v in value.items()}}
@@ -258,13 +247,9 @@ def coerce(value: Any, hint: Any, *, key: str, source: str) -> Any:
         # YAML 1.1 reads "1e-3" (no dot) as a string; a number written that way is still a number.
         with contextlib.suppress(ValueError):
             value = float(value)
-    ok = (
-        (hint is bool and isinstance(value, bool))
-        or (hint is int and isinstance(value, int) and not isinstance(value, bool))
-        or (hint is float and isinstance(value, int | float) and not isinstance(value, bool))
-        or (hint is str and isinstance(value, str))
-    )
-    if not ok:
+    # An int passes for a float; a bool, an int to Python, passes for nothing but a bool.
+    ok = hint in (bool, int, float, str) and isinstance(value, int | float if hint is float else hint)
+    if not ok or (isinstance(value, bool) and hint is not bool):
         name = getattr(hint, "__name__", str(hint))
         raise ConfigError(f"{source}: {key} must be of type {name}, got {value!r} ({type(value).__name__})")
     return float(value) if hint is float else value

@@ -80,8 +80,7 @@ def acquire(folder: Path, job: str) -> Path:
             if stale_unknown or (holder.host == me["host"] and not pid_alive(holder.pid)):
                 print(f"note: taking over the lock of {folder} left by {holder.describe()}, "
                       "which is no longer running", file=sys.stderr)
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
+                path.unlink(missing_ok=True)
                 continue
             raise FolderLockedError(
                 f"{folder} is in use by {holder.describe()}; wait for that job to finish or stop it, "
@@ -97,8 +96,7 @@ def release(path: Path) -> None:
     """Remove a lock this process holds (a lock another process holds is left alone)."""
     holder = _read_holder(path)
     if holder is not None and holder.pid == os.getpid() and holder.host == socket.gethostname():
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+        path.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

@@ -86,7 +86,6 @@ class Phase:
 
 
 def tracked(items: Iterable[T], desc: str, total: int | None, *, unit: str = "it", enabled: bool = True) -> Iterator[T]:
-    """Iterate `items` inside a :class:`Phase`."""
     with Phase(desc, total, unit=unit, enabled=enabled) as phase:
         for item in items:
             yield item

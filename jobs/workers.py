@@ -60,11 +60,9 @@ def rank_cores(env: Mapping[str, str] | None = None) -> int:
 def _initialize(parent: int, initializer: Callable[..., object] | None, initargs: tuple) -> None:
     """In each worker: exit when process `parent` (the job) dies, leave Ctrl-C to the job, then `initializer`."""
     if sys.platform.startswith("linux"):
-        try:
+        with contextlib.suppress(OSError, AttributeError):  # no usable libc: the polling thread covers it
             libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
             libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        except (OSError, AttributeError):  # no usable libc: the polling thread still covers it
-            pass
     if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="parent-watch").start()
@@ -77,9 +75,8 @@ class _Pool(cf.ProcessPoolExecutor):
     """A pool that, left by an exception (Ctrl-C, a failed task), cancels the work not yet started
     instead of running all of it first; the workers finish the tasks in hand and exit."""
 
-    def __exit__(self, exc_type, exc_value, traceback) -> bool:
+    def __exit__(self, exc_type, exc_value, traceback) -> None:
         self.shutdown(wait=True, cancel_futures=exc_type is not None)
-        return False
 
     def _spawn_process(self) -> None:
         # A terminal's Ctrl-C goes to the whole process group: a worker still importing its modules, before
@@ -126,7 +123,6 @@ def worker_pool(workers: int, *, start_method: str | None = None,
     where available (workers start in milliseconds and do not re-import the CLI and torch); pass "spawn" when
     the parent runs thread pools (BLAS, OpenCV) that a fork could deadlock. `initializer(*initargs)` runs in
     each worker after the parent watch is set up."""
-    if start_method is None:
-        start_method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    start_method = start_method or ("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
     return _Pool(workers, mp_context=multiprocessing.get_context(start_method), initializer=_initialize,
                  initargs=(os.getpid(), initializer, initargs))

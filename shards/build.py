@@ -26,7 +26,6 @@ from jobs.ranks import Ranks
 from jobs.version import package_version
 from jobs.workers import worker_pool
 from shards.images import PreparedImage, Rejection, prepare_file
-from shards.index import index_path
 from shards.job import (  # noqa: F401 (OutputError re-exported for callers of shards.build)
     NOT_DONE,
     MergeReport,
@@ -40,7 +39,7 @@ from shards.job import (  # noqa: F401 (OutputError re-exported for callers of s
 from shards.limits import DEFAULT_MAX_PIXELS, ImageLimits
 from shards.manifest import REJECTED_NAME, rejected_table, write_table
 from shards.merge import build_job, merge_shard_set, rejected_listing_command, work_dir
-from shards.outdir import claim_out_dir, output_folder
+from shards.outdir import claim_out_dir, output_folder, shard_files
 from shards.plan import ShardPlan, plan_digest, plan_shards
 from shards.sample import ShardSample
 from shards.sources import InputError, Listing, SourceImage, list_inputs
@@ -99,12 +98,10 @@ def check_config(config: BuildConfig) -> None:
         raise InputError("--max-bytes and --max-count must be positive")
     if not 1 <= config.quality <= 100:
         raise InputError(f"--quality {config.quality} must be within 1..100")
-    if config.workers < 1:
-        raise InputError(f"--workers {config.workers} must be at least 1")
-    if config.max_pixels < 1:
-        raise InputError(f"--max-pixels {config.max_pixels} must be positive")
-    if config.min_side < 1:
-        raise InputError(f"--min-side {config.min_side} must be at least 1")
+    for option, value in (("--workers", config.workers), ("--max-pixels", config.max_pixels),
+                          ("--min-side", config.min_side)):
+        if value < 1:
+            raise InputError(f"{option} {value} must be at least 1")
     if not config.prefix or "." in config.prefix or "/" in config.prefix:
         raise InputError(f"--prefix {config.prefix!r} must be a plain name without dots or slashes")
     out = config.out_dir
@@ -239,7 +236,7 @@ def _build_locked(config: BuildConfig, ranks: Ranks) -> BuildReport:
     if ranks.world_size == 1:  # alone in the folder (we hold its lock): every temporary is stale
         stale = remove_stale_temps(out) + remove_stale_temps(work_dir(out))
     else:  # other ranks write beside us: only our own shards' temporaries
-        stale = remove_stale_temps(out, {s.name for s in pending} | {index_path(Path(s.name)).name for s in pending})
+        stale = remove_stale_temps(out, shard_files([s.name for s in pending]))
     if stale:
         print(f"removed {stale} stale temporary file(s) left by an interrupted run in {out}", file=sys.stderr)
     images = [im for s in pending for im in s.images]

@@ -22,8 +22,6 @@ MIN_SIZE = 32  # shards build's default --min-side: smaller crops would all be r
 # Photos that ship inside scikit-image (no download), one class each.
 DEMO_PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "immunohistochemistry", "colorwheel",
                "hubble_deep_field", "retina")
-
-
 # The val crops' lighting: factors drawn uniformly in 1 +- the value (hue: a shift in +- the value of
 # the colour circle), and the chance of losing colour; near the pretraining's colour augmentation.
 VAL_LIGHTING = {"brightness": 0.4, "contrast": 0.4, "saturation": 0.4, "hue": 0.25, "grayscale": 0.1}

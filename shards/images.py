@@ -232,8 +232,7 @@ def load_scaled(data: bytes, name: str, min_side: int, limits: ImageLimits = DEF
     input) whose output must match the full image as displayed. ImageLoadError names `name`."""
     with _decoding(name):
         image, stored = _open(data, name, limits, min_side=min_side)
-        width, height = displayed_size(image, stored)
-        return ScaledImage(np.asarray(displayed(image), dtype=np.uint8), width, height)
+        return ScaledImage(np.asarray(displayed(image), dtype=np.uint8), *displayed_size(image, stored))
 
 
 def exif_orientation(data: bytes) -> int:
@@ -265,10 +264,11 @@ def decode(data: bytes, limits: ImageLimits = DEFAULT_LIMITS) -> Image.Image:
     return _open(data, "image", limits)[0]
 
 
-def prepare_image(data: bytes, *, min_side: int = 32, quality: int = 95,
-                  limits: ImageLimits = DEFAULT_LIMITS) -> PreparedImage | Rejection:
-    """Decode-verify image bytes; return the `.jpg` member (passed through or converted) or why not."""
+def prepare_file(path: str, *, min_side: int = 32, quality: int = 95,
+                 limits: ImageLimits = DEFAULT_LIMITS) -> PreparedImage | Rejection:
+    """Read and decode-verify one file: its `.jpg` member (passed through or converted), or why not."""
     try:
+        data = read_bytes(path, limits)
         image, _ = _open(data, "image", limits)
     except ImageLoadError as exc:
         return Rejection(exc.reason, exc.detail)
@@ -286,13 +286,3 @@ def prepare_image(data: bytes, *, min_side: int = 32, quality: int = 95,
     except DECODE_ERRORS as exc:
         return Rejection("unconvertible", f"{fmt} image in mode {mode} cannot be converted to RGB ({exc})")
     return PreparedImage(out.getvalue(), width, height, True, fmt, orientation)
-
-
-def prepare_file(path: str, *, min_side: int = 32, quality: int = 95,
-                 limits: ImageLimits = DEFAULT_LIMITS) -> PreparedImage | Rejection:
-    """Read and prepare one file; unreadable and oversized files become rejections too."""
-    try:
-        data = read_bytes(path, limits)
-    except ImageLoadError as exc:
-        return Rejection(exc.reason, exc.detail)
-    return prepare_image(data, min_side=min_side, quality=quality, limits=limits)

@@ -66,7 +66,7 @@ def scan_tar(tar: Path, limits: ImageLimits = DEFAULT_LIMITS) -> tuple[list[list
             continue
         key, ext = split_member_name(item.name)
         if key and not key.endswith("/"):  # hidden files are skipped, as DALI's own indexer does
-            members.append((key, (ext, item.offset, item.size, item.name)))
+            members.append((key, (ext, item.offset_data, item.size, item.name)))
     # A sample is a run of adjacent members with one key.
     samples = [[entry for _, entry in run] for _, run in itertools.groupby(members, key=lambda m: m[0])]
     return samples, skipped

@@ -74,7 +74,6 @@ class ShardJob:
         return self.work / PLAN_NAME
 
     def record_path(self, unit: Unit) -> Path:
-        """The done record of a unit."""
         return self.work / f"{unit.id}{RECORD_SUFFIX}"
 
 
@@ -107,7 +106,6 @@ def write_plan(job: ShardJob, plan: dict) -> None:
 
 
 def sha256_of(path: Path) -> str:
-    """Hex SHA-256 of a file's bytes."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 

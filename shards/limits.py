@@ -20,21 +20,18 @@ class ImageLimits:
     """Limits applied to every untrusted image.
 
     max_pixels: width x height above which an image is refused ("too_large"), checked from the header.
-    max_member_bytes: tar members (and image files) larger than this are refused before reading.
-    max_json_bytes, max_json_depth: a sample whose json member is larger, or nests arrays and objects
-      deeper, is refused before it is parsed.
     max_side: when set, decoded images whose longer side exceeds it are downscaled to it (JPEGs are
       decoded at a reduced scale directly); for saliency work, which does not need full resolution.
       `shards build` never downscales (the shards keep the original pixels).
     """
 
     max_pixels: int = DEFAULT_MAX_PIXELS
-    # A tar member larger than this is refused before reading: no image a pipeline should train on is
-    # this large, and reading a member means holding it in memory.
+    # A tar member (or image file) larger than this is refused before reading: no image a pipeline should
+    # train on is this large, and reading a member means holding it in memory.
     max_member_bytes: int = 256 << 20
     max_side: int | None = None
-    # A sample's json member holds a few scalars (source, size, class name, mask statistics): one of a
-    # megabyte or nested deeper than this is not metadata, and a deep one would exhaust the parser's stack.
+    # A sample's json member holds a few scalars (source, size, class name, mask statistics): one larger, or
+    # nesting arrays and objects deeper, is not metadata: refused unparsed (deep JSON exhausts a stack).
     max_json_bytes: int = 1 << 20
     max_json_depth: int = 32
 

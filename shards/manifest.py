@@ -76,18 +76,17 @@ def rejected_table(rows: Iterable[dict]) -> pa.Table:
     return pa.Table.from_pylist([{k: r.get(k) for k in REJECTED_SCHEMA.names} for r in rows], REJECTED_SCHEMA)
 
 
-def write_table(table: pa.Table, path: Path) -> Path:
+def write_table(table: pa.Table, path: Path) -> None:
     """Write a table as parquet atomically; the same table gives the same bytes (no timestamps are stored)."""
     sink = io.BytesIO()
     pq.write_table(table, sink, compression="zstd")
     atomic_write_bytes(Path(path), sink.getvalue())
-    return Path(path)
 
 
-def write_manifest(rows: Sequence[dict], directory: Path) -> Path:
+def write_manifest(rows: Sequence[dict], directory: Path) -> None:
     """Write `manifest.parquet` for the rows (sorted by shard, position) into `directory`."""
     ordered = sorted(rows, key=lambda r: (r["shard"], r["position"]))
-    return write_table(manifest_table(ordered), Path(directory) / MANIFEST_NAME)
+    write_table(manifest_table(ordered), Path(directory) / MANIFEST_NAME)
 
 
 def read_manifest(directory: Path) -> pa.Table:

@@ -25,7 +25,6 @@ def work_dir(out: Path) -> Path:
 
 
 def plan_file(out: Path) -> Path:
-    """The plan record of a build."""
     return work_dir(out) / PLAN_NAME
 
 

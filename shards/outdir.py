@@ -153,8 +153,7 @@ def claim_out_dir(out: Path, record: dict, *, overwrite: bool, multi_rank: bool)
         shutil.rmtree(work_dir(out), ignore_errors=True)
         others = other_entries(out, set())
     collides = re.compile(re.escape(record["settings"]["prefix"]) + r"-\d+\.(tar|idx)")
-    clash = [n for n in others if n in planned or collides.fullmatch(n)]
-    if clash:
+    if clash := [n for n in others if n in planned or collides.fullmatch(n)]:
         raise InputError(
             f"{out} holds {', '.join(clash[:3])}, which this build would overwrite and no build of this "
             "folder wrote; move them away or choose a new --out folder"

@@ -34,10 +34,6 @@ class ShardPlan:
     digest: str
 
 
-def _json_or_null(value: str | None) -> str:
-    return "null" if value is None else encode_basestring_ascii(value)
-
-
 def shard_digest(images: list[SourceImage], settings: dict) -> str:
     """SHA-256 over the settings and each input's key, source, label, class and size: the bytes of
     `json.dumps([key, source, label, class_name, size])` an input, written out with json's own string
@@ -45,7 +41,8 @@ def shard_digest(images: list[SourceImage], settings: dict) -> str:
     h = hashlib.sha256(json.dumps({"plan_version": PLAN_VERSION, **settings}, sort_keys=True).encode())
     h.update("".join(
         f"[{encode_basestring_ascii(im.key)}, {encode_basestring_ascii(im.source)}, "
-        f"{'null' if im.label is None else int(im.label)}, {_json_or_null(im.class_name)}, {int(im.size)}]"
+        f"{'null' if im.label is None else int(im.label)}, "
+        f"{'null' if im.class_name is None else encode_basestring_ascii(im.class_name)}, {int(im.size)}]"
         for im in images).encode("utf-8"))
     return h.hexdigest()
 
@@ -76,5 +73,4 @@ def plan_shards(images: list[SourceImage], settings: dict) -> list[ShardPlan]:
 
 
 def plan_digest(shards: list[ShardPlan]) -> str:
-    """One digest for the whole plan."""
     return hashlib.sha256("".join(s.digest for s in shards).encode()).hexdigest()

@@ -43,14 +43,14 @@ from shards.manifest import MANIFEST_NAME, read_manifest
 from shards.sample import (
     IMAGE_MEMBERS,
     LABEL_MEMBER,
+    MAX_LABEL_BYTES,
     META_MEMBER,
     USED_MEMBERS,
     class_index,
     image_member_name,
     label_text,
-    read_class_index,
 )
-from shards.shardset import ShardSet, ShardSetError, Spec, list_shard_files, shard_tars
+from shards.shardset import ShardSet, ShardSetError, Spec, shard_tars
 from shards.tario import TarReadError, read_indexed_member
 
 UNUSED_LISTED = 20  # unused members named one by one in a report; the rest only counted
@@ -149,19 +149,15 @@ class SampleRef:
     @property
     def label(self) -> int | None:
         """The sample's class index, or None (no `cls` member, or one that is not a class index)."""
-        if LABEL_MEMBER not in self.members:
-            return None
-        offset, size, _ = self.members[LABEL_MEMBER]
-        with open(self.tar, "rb") as f:
-            return read_class_index(f, offset, size)  # no more than a class index can hold
+        return class_index(self.read(LABEL_MEMBER, MAX_LABEL_BYTES + 1))  # at most what a class index holds
 
-    def read(self, ext: str | None) -> bytes | None:
-        """The bytes of member `ext`, or None when the sample has no such member."""
+    def read(self, ext: str | None, most: int | None = None) -> bytes | None:
+        """The bytes of member `ext` (at most `most` of them), or None when the sample has no such member."""
         if ext not in self.members:
             return None
         offset, size, _ = self.members[ext]
         with open(self.tar, "rb") as f:
-            return os.pread(f.fileno(), size, offset)
+            return os.pread(f.fileno(), size if most is None else min(size, most), offset)
 
     @property
     def entries(self) -> list[IndexEntry]:
@@ -199,8 +195,7 @@ def json_problem(data: bytes, limits: ImageLimits) -> tuple[str, str] | tuple[No
     """(reason code, detail) for a json member (of at most `max_json_bytes`: the policy checked its
     size from the index) that the policy refuses, else (None, its parsed value)."""
     if data.count(b"[") + data.count(b"{") > limits.max_json_depth:  # only then can it nest too deep
-        depth = deepest(data)
-        if depth > limits.max_json_depth:
+        if (depth := deepest(data)) > limits.max_json_depth:
             return "json_too_deep", f"json member nests {depth} levels deep, deeper than the limit of {limits.max_json_depth}"
     try:
         return None, json.loads(data)
@@ -335,14 +330,12 @@ def read_samples(tar: Path, report: ReadReport, *, index: Path | None = None,
 
 def list_shards(directory: Path) -> list[Path]:
     """The shard tars of a folder (`*-NNNNNN.tar`, 4-6 digits), sorted by name."""
-    directory = Path(directory)
-    if not directory.is_dir():
+    if not Path(directory).is_dir():
         raise FileNotFoundError(f"shard folder {directory} does not exist; check the path")
-    tars = list_shard_files(directory)
-    if not tars:
-        raise FileNotFoundError(f"no shards (*-NNNNNN.tar) in {directory}; build them with relicv2 "
-                                "shards build")
-    return tars
+    try:
+        return shard_tars(directory)[0]
+    except ShardSetError as exc:  # a folder without shards
+        raise FileNotFoundError(str(exc)) from None
 
 
 def iter_samples(

@@ -76,8 +76,7 @@ def expand_braces(pattern: str) -> list[str]:
         if i % 2 == 0:
             choices.append([part])
             continue
-        match = re.fullmatch(r"(\d+)\.\.(\d+)", part)
-        if match:
+        if match := re.fullmatch(r"(\d+)\.\.(\d+)", part):
             lo, hi = match.groups()
             if int(hi) < int(lo):
                 raise ShardSetError(f"brace range {{{part}}} in {pattern!r} runs backwards")
@@ -122,8 +121,7 @@ def shard_tars(spec: Spec) -> tuple[list[Path], Path | None]:
         if not names:
             raise ShardSetError("the list of shards is empty; give a folder, a brace pattern or tar files")
     tars = [Path(n) for n in names]
-    missing = [t for t in tars if not t.is_file()]
-    if missing:
+    if missing := [t for t in tars if not t.is_file()]:
         shown = ", ".join(str(m) for m in missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
         raise ShardSetError(f"shard file(s) not found: {shown}; check the path or pattern")
     return tars, None
@@ -133,8 +131,7 @@ def default_index_cache(given: str | Path | None = None) -> Path:
     """Where derived index files (and the view loaders' sample checks) go: `given`, else the default."""
     if given is not None:
         return Path(given)
-    env = os.environ.get(INDEX_CACHE_ENV)
-    if env:
+    if env := os.environ.get(INDEX_CACHE_ENV):
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "relicv2" / "index"
@@ -271,7 +268,6 @@ def resolve_shard_set(spec: Spec, *, index_cache: Path | None = None, allow_lost
         return spec
     tars, directory = shard_tars(spec)
     manifest, lost = None, []
-    listed: dict[Path, int] = {}
     if directory is not None and (directory / MANIFEST_NAME).is_file():
         try:
             manifest = read_manifest(directory)

@@ -90,7 +90,6 @@ def assign_keys(images: list[SourceImage]) -> list[SourceImage]:
 
 
 def reject(source: str, reason: str, detail: str) -> dict:
-    """A rejection row."""
     return {"source": source, "reason": reason, "detail": detail}
 
 

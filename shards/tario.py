@@ -33,15 +33,6 @@ class TarReadError(ValueError):
 
 
 @dataclass(frozen=True)
-class Member:
-    """One regular-file member of a tar, from its header."""
-
-    name: str
-    offset: int  # of the data inside the tar
-    size: int
-
-
-@dataclass(frozen=True)
 class Skipped:
     """A member left out, or a problem with the rest of the tar (`name` None): with the reason."""
 
@@ -50,11 +41,10 @@ class Skipped:
     detail: str
 
 
-def iter_tar(path: Path, limits: ImageLimits = DEFAULT_LIMITS) -> Iterator[Member | Skipped]:
+def iter_tar(path: Path, limits: ImageLimits = DEFAULT_LIMITS) -> Iterator[tarfile.TarInfo | Skipped]:
     """The members of a local tar in order, from their headers (no data is read); refused members and
     truncation come as :class:`Skipped`. Raises :class:`TarReadError` when the file is missing, empty,
     compressed or not a tar at all."""
-    path = Path(path)
     try:
         handle = open(path, "rb")  # noqa: SIM115 (closed below)
     except OSError as exc:
@@ -84,9 +74,8 @@ def iter_tar(path: Path, limits: ImageLimits = DEFAULT_LIMITS) -> Iterator[Membe
                 while info.name.startswith("./"):  # what `tar -cf x.tar .` writes: same file, plain name
                     info.name = info.name[2:]
                 refusal = member_refusal(info)
-                if refusal is not None:
-                    unsafe_name = info.isreg() or info.isdir()  # else a link or a device, whatever its name
-                    yield Skipped(info.name, "unsafe_key" if unsafe_name else "unsafe_member", refusal)
+                if refusal is not None:  # a regular file refused for its name, else a link or a device
+                    yield Skipped(info.name, "unsafe_key" if info.isreg() else "unsafe_member", refusal)
                 elif info.size > limits.max_member_bytes:
                     yield Skipped(info.name, "too_large", f"member {info.name!r} is {info.size} bytes, over "
                                   f"the limit of {limits.max_member_bytes}")
@@ -95,7 +84,7 @@ def iter_tar(path: Path, limits: ImageLimits = DEFAULT_LIMITS) -> Iterator[Membe
                                   f"member {info.name!r} is cut off: the tar ends inside it")
                     return
                 else:
-                    yield Member(info.name, info.offset_data, info.size)
+                    yield info
         except (tarfile.TarError, EOFError, OSError) as exc:
             yield Skipped(None, "truncated", f"the tar cannot be read past byte {end} ({exc})")
             return
@@ -147,9 +136,6 @@ class MemberReader(io.RawIOBase):
     def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.size}[whence]
         self.position = max(0, base + position)
-        return self.position
-
-    def tell(self) -> int:
         return self.position
 
 

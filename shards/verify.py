@@ -84,8 +84,6 @@ def mask_problem(where: str, mask: bytes, size: tuple[int, int]) -> str | None:
 # The format an image member's name announces, for sets with a manifest: `shards build` writes RGB
 # JPEGs as `jpg`; `saliency build-masks` keeps a png or webp input image under its own name.
 MEMBER_FORMATS = {"jpg": JPEG_FORMATS, "jpeg": JPEG_FORMATS, "png": ("PNG",), "webp": ("WEBP",)}
-
-
 JPEG_MODES = ("RGB", "L")  # JPEG colour modes every decoder here (PIL, DALI) returns as RGB
 
 
@@ -164,15 +162,10 @@ def verify_shard(tar: Path, table: pa.Table, decode_images: bool = True) -> list
 
 def verify_plain_shard(tar: Path, index_cache: Path, decode_images: bool = True) -> tuple[int, list[str]]:
     """(samples, problems) of a shard without a manifest: readable, images decode, index agrees."""
-    beside = index_path(tar)
-    if beside.is_file():
-        problems = index_problems(tar, beside)
-    else:
-        try:
-            tar_index(tar, index_cache)
-            problems = []
-        except (ValueError, OSError) as exc:
-            problems = [f"{tar.name}: no index can be derived ({exc})"]
+    try:  # the index beside the tar, else the one derived into the cache (and then checked like any)
+        problems = index_problems(tar, tar_index(tar, index_cache))
+    except (ValueError, OSError) as exc:
+        problems = [f"{tar.name}: no index can be derived ({exc})"]
     report = ReadReport()
     for sample in read_samples(tar, report):
         if decode_images:
@@ -190,15 +183,12 @@ def manifest_problems(directory: Path) -> tuple[pa.Table | None, list[str]]:
         table = read_manifest(directory)
     except (OSError, pa.ArrowException) as exc:
         return None, [f"{MANIFEST_NAME}: cannot be read ({exc}); rebuild the shard set or remove the file"]
-    wrong = [
-        f"{f.name} ({'missing' if f.name not in table.column_names else table.schema.field(f.name).type})"
-        for f in MANIFEST_SCHEMA
-        if f.name not in table.column_names or not table.schema.field(f.name).type.equals(f.type)
-    ]
+    types = dict(zip(table.column_names, table.schema.types, strict=True))
+    wrong = [f"{f.name} ({types.get(f.name, 'missing')})"
+             for f in MANIFEST_SCHEMA if types.get(f.name) != f.type]
     if wrong:
         return None, [f"{MANIFEST_NAME}: not a relicv2 manifest, columns {', '.join(wrong)} differ from the schema; rebuild"]
-    missing = [name for name in ("key", "shard", "position") if table.column(name).null_count]
-    if missing:
+    if missing := [name for name in ("key", "shard", "position") if table.column(name).null_count]:
         return None, [f"{MANIFEST_NAME}: column(s) {', '.join(missing)} have empty values; rebuild the shard set"]
     # Only the columns a sample is checked against, as columns: one dict a row held 1.5 GB at 1.28 M rows.
     return table.select(VERIFIED_COLUMNS), []
@@ -234,10 +224,7 @@ def verify_shard_set(directory: Path, *, workers: int = 1, decode_images: bool =
     """Verify a shard set folder; every problem is reported as one line, none raised (FileNotFoundError
     only when the folder holds neither a manifest nor any shard)."""
     directory = Path(directory)
-    problems: list[str] = []
-    manifest: pa.Table | None = None
-    if (directory / MANIFEST_NAME).is_file():
-        manifest, problems = manifest_problems(directory)
+    manifest, problems = manifest_problems(directory) if (directory / MANIFEST_NAME).is_file() else (None, [])
     if manifest is None:
         tars = list_shard_files(directory)
         if not tars:

@@ -34,9 +34,8 @@ def manifest_row(sample: ShardSample, members: list[tuple[str, bytes]]) -> dict:
         "content_hash": content_hash(members),
         "status": sample.meta.get("status", "ok"),
     }
-    for name, value in sample.meta.items():
-        if name not in CORE_COLUMNS and (value is None or isinstance(value, str | int | float | bool)):
-            row[name] = value
+    row.update((name, value) for name, value in sample.meta.items()
+               if name not in CORE_COLUMNS and (value is None or isinstance(value, str | int | float | bool)))
     return row
 
 
@@ -95,22 +94,16 @@ class TarShard:
         self.keys: set[str] = set()
         self._index: list[list[IndexEntry]] = []
 
-    def add(self, sample: ShardSample) -> dict:
-        """Append a sample (its members adjacent, sorted by extension); return its manifest row."""
-        return self.add_record(sample_record(sample))
-
-    def add_record(self, record: SampleRecord) -> dict:
-        """Append a serialised sample; return its manifest row with shard and position filled in."""
+    def add_record(self, record: SampleRecord) -> None:
+        """Append a serialised sample; its manifest row gets its shard and position."""
         if record.key in self.keys:
             raise ValueError(f"duplicate key {record.key!r} in {self.path.name}; keys must be unique")
         self._index.append([(ext, self.size + off, size, f"{record.key}.{ext}") for ext, off, size in record.entries])
         self._file.write(record.blob)
         self._hash.update(record.blob)
         self.size += len(record.blob)
-        row = {**record.row, "shard": self.path.name, "position": len(self.rows)}
-        self.rows.append(row)
+        self.rows.append({**record.row, "shard": self.path.name, "position": len(self.rows)})
         self.keys.add(record.key)
-        return row
 
     def close(self) -> list[dict]:
         """Finish the tar, fsync, write its index, rename both into place; return the rows."""
@@ -139,11 +132,10 @@ class TarShard:
             self.tmp.unlink(missing_ok=True)
 
 
-def write_info(directory: Path, info: dict) -> Path:
+def write_info(directory: Path, info: dict) -> None:
     """Write `info.json` (sorted keys, so equal content gives equal bytes) atomically."""
     path = Path(directory) / "info.json"
     atomic_write_bytes(path, (json.dumps(info, indent=2, sort_keys=True) + "\n").encode("utf-8"))
-    return path
 
 
 def write_shard_set(
@@ -179,14 +171,13 @@ def write_shard_set(
                 or (max_count is not None and len(current.rows) >= max_count)
             ):
                 rows += current.close()
-                written.append(current.path)
                 current = None
             if current is None:
                 current = TarShard(out_dir / shard_name(prefix, len(written)))
+                written.append(current.path)
             current.add_record(record)
         if current is not None:
             rows += current.close()
-            written.append(current.path)
             current = None
     finally:
         if current is not None:

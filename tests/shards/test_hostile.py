@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 import shards
-from shards.images import prepare_image
+from shards.images import prepare_file
 from shards.index import write_index
 from tests.exif_images import orientation6_jpeg
 
@@ -76,12 +76,13 @@ def test_pipe_paths_are_files_not_commands(tmp_path, monkeypatch):
     assert not (tmp_path / "marker").exists() and not (tmp_path / "marker2").exists()
 
 
-def test_bomb_png_is_refused_from_its_header():
+def test_bomb_png_is_refused_from_its_header(tmp_path):
     data = bomb_png()
     with pytest.raises(shards.ImageLoadError, match="over the limit") as info:
         shards.load_rgb(data, "bomb.png")
     assert info.value.reason == "too_large" and "bomb.png" in str(info.value)
-    rejection = prepare_image(data)
+    (tmp_path / "bomb.png").write_bytes(data)
+    rejection = prepare_file(str(tmp_path / "bomb.png"))
     assert rejection.reason == "too_large"
     # the limit is configurable, and applies to small images too
     with pytest.raises(shards.ImageLoadError, match="over the limit"):
