@@ -110,10 +110,21 @@ class ViewLoader:
         epochs; breaking off an iteration loses nothing (the next one continues after the last
         batch delivered).
         """
-        made = self._ensure_made()
+        if self._made is None:  # the stream of made batches from the loader's position, started on first use
+            backend = self._ensure_backend()
+            # The stream gets the backend and the sample set, never the loader: a thread that made
+            # batches ahead must not keep its loader alive (dropping the loader stops the thread).
+            finish = functools.partial(_finish, device=self.device, config=self.config)
+            items = _made_batches(backend, self.samples, self._position, self.batch_size, self.world_size,
+                                  finish)
+            self._made = ahead(items, self.config.ready_batches, self.device)
+        made = self._made
         while True:
             item = next(made)
-            self._deliver(item)
+            self._position = item.position  # the loader's state now describes the position after `item`
+            self.epoch, self.batch_in_epoch = item.position.epoch, item.position.batch_in_epoch
+            self.excluded = dict(item.position.excluded)
+            self.unreadable += item.unreadable
             if item.batch is None:  # the epoch ended; the position is the next epoch's start
                 return
             yield item.batch
@@ -181,31 +192,11 @@ class ViewLoader:
             self._position = Position(self.epoch, self.batch_in_epoch, self._backend.state(), dict(self.excluded))
         return self._backend
 
-    def _ensure_made(self) -> Iterator[Made]:
-        """The stream of made batches from the loader's position, started on first use."""
-        if self._made is None:
-            backend = self._ensure_backend()
-            # The stream gets the backend and the sample set, never the loader: a thread that made
-            # batches ahead must not keep its loader alive (dropping the loader stops the thread).
-            finish = functools.partial(_finish, device=self.device, config=self.config)
-            items = _made_batches(backend, self.samples, self._position, self.batch_size, self.world_size,
-                                  finish)
-            self._made = ahead(items, self.config.ready_batches, self.device)
-        return self._made
-
     def _drop_backend(self) -> None:
         if self._made is not None:
             stop(self._made)
         self._made = None
         self._backend = None
-
-    def _deliver(self, item: Made) -> None:
-        """Take over the position after `item`: the loader's state now describes it."""
-        position = item.position
-        self.epoch, self.batch_in_epoch = position.epoch, position.batch_in_epoch
-        self.excluded = dict(position.excluded)
-        self.unreadable += item.unreadable
-        self._position = position
 
 
 def _finish(batch: BackendBatch, device: str, config: ViewConfig) -> dict[str, Any]:
