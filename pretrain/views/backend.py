@@ -87,13 +87,10 @@ class ViewBackend(Protocol):
 
     def next_batch(self) -> BackendBatch:
         """The next full batch of the current epoch."""
-        ...
 
     def end_epoch(self) -> None:
         """Called after the epoch's last delivered batch: skip what is left so the next batch
         is the first of the next epoch."""
-        ...
 
     def state(self) -> dict[str, Any]:
         """What a new backend needs (as `BackendSetup.restore`) to continue after the last batch."""
-        ...
