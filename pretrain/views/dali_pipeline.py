@@ -167,9 +167,13 @@ def _views_pipeline(sample_set: SampleSet, cfg: ViewConfig, gpu: bool, rank: int
     shape = fn.peek_image_shape(image_bytes)
     image_hw = fn.cast(shape[0:2], dtype=types.FLOAT)
     mask = _sample_mask(mask_bytes, sample_set, cfg, gpu)
-    drawn = [_view(image, mask, shape, image_hw, spec, cfg, gpu) for spec in view_specs(cfg)]
-    views, params, masked, softs = (list(column) for column in zip(*drawn, strict=True))
-    softs = [soft for soft in softs if soft is not None]
+    views, params, masked, softs = [], [], [], []
+    for spec in view_specs(cfg):
+        v, p, m, soft = _view(image, mask, shape, image_hw, spec, cfg, gpu)
+        views.append(v)
+        params.append(p)
+        masked.append(m)
+        softs += [soft] if soft is not None else []
     # The image's first byte carries the reader's source info (tar:offset:member), i.e. the key, to
     # the batch (sets without a json member have keys too).
     key_carrier = image_bytes[0:1]
