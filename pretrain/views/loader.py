@@ -9,10 +9,9 @@ rank's share, `sources.samples_per_rank`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -114,9 +113,8 @@ class ViewLoader:
             backend = self._ensure_backend()
             # The stream gets the backend and the sample set, never the loader: a thread that made
             # batches ahead must not keep its loader alive (dropping the loader stops the thread).
-            finish = functools.partial(_finish, device=self.device, config=self.config)
             items = _made_batches(backend, self.samples, self._position, self.batch_size, self.world_size,
-                                  finish)
+                                  self.device, self.config)
             self._made = ahead(items, self.config.ready_batches, self.device)
         made = self._made
         while True:
@@ -180,21 +178,17 @@ class ViewLoader:
                 device=self.device, rank=self.rank, world_size=self.world_size, seed=self.seed, epoch=self.epoch,
                 batch_in_epoch=self.batch_in_epoch, restore=self._restore,
             )
-            if self.config.backend == "dali":
-                from pretrain.views.dali import DaliBackend  # imported here: it loads DALI
-
-                self._backend = DaliBackend(setup)
+            if self.config.backend == "dali":  # imported here: the DALI backend loads DALI
+                from pretrain.views.dali import DaliBackend as Backend
             else:
-                from pretrain.views.reference import ReferenceBackend
-
-                self._backend = ReferenceBackend(setup)
+                from pretrain.views.reference import ReferenceBackend as Backend
+            self._backend = Backend(setup)
             self._restore = None
             self._position = Position(self.epoch, self.batch_in_epoch, self._backend.state(), dict(self.excluded))
         return self._backend
 
     def _drop_backend(self) -> None:
-        if self._made is not None:
-            stop(self._made)
+        stop(self._made)
         self._made = None
         self._backend = None
 
@@ -216,8 +210,8 @@ def batches_per_epoch(samples: SampleSet, world_size: int, batch_size: int) -> i
 
 
 def _made_batches(backend: ViewBackend, samples: SampleSet, start: Position, batch_size: int, world_size: int,
-                  finish: Callable[[BackendBatch], dict[str, Any]]) -> Iterator[Made]:
-    """Every batch from `start` on, epoch after epoch, each with the loader position after it.
+                  device: str, config: ViewConfig) -> Iterator[Made]:
+    """Every batch from `start` on, epoch after epoch (`_finish`ed), each with the loader position after it.
 
     Samples the backend leaves out shrink the epoch from then on (`len(ViewLoader)` follows them).
     """
@@ -229,8 +223,8 @@ def _made_batches(backend: ViewBackend, samples: SampleSet, start: Position, bat
                 exclude_samples(samples, batch.excluded)
                 excluded.update(batch.excluded)
             batch_in_epoch += 1
-            yield Made(finish(batch), Position(epoch, batch_in_epoch, backend.state(), dict(excluded)),
-                       unreadable=batch.unreadable)
+            position = Position(epoch, batch_in_epoch, backend.state(), dict(excluded))
+            yield Made(_finish(batch, device, config), position, unreadable=batch.unreadable)
         backend.end_epoch()
         epoch, batch_in_epoch = epoch + 1, 0
         yield Made(None, Position(epoch, batch_in_epoch, backend.state(), dict(excluded)))
