@@ -159,13 +159,11 @@ class ViewSpec:
 def view_specs(cfg: ViewConfig) -> tuple[ViewSpec, ...]:
     """One spec per output view, large views first, following the paper's odd/even table."""
     specs = []
-    for large, count in ((True, cfg.large_views), (False, cfg.small_views)):
+    for large, count, odd_scale in ((True, cfg.large_views, cfg.crop_scale_odd_large),
+                                    (False, cfg.small_views, cfg.crop_scale_odd_small)):
         for number in range(1, count + 1):
             odd = number % 2 == 1
-            if not odd:
-                scale = cfg.crop_scale_even
-            else:
-                scale = cfg.crop_scale_odd_large if large else cfg.crop_scale_odd_small
+            scale = odd_scale if odd else cfg.crop_scale_even
             specs.append(ViewSpec(
                 index=len(specs), large=large, odd=odd, size=cfg.large_size if large else cfg.small_size,
                 crop_scale=scale, mask_probability=cfg.mask_probability if large else 0.0,
