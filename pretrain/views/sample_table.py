@@ -152,9 +152,7 @@ class SampleTableBuilder:
             self._starts.append(len(self._offsets))
 
     def build(self) -> SampleTable:
-        def column(values: array, dtype) -> np.ndarray:
-            return np.frombuffer(values, dtype=values.typecode).astype(dtype) if len(values) else np.zeros(0, dtype)
-
-        return SampleTable(list(self._tars), column(self._tar_ids, np.int32), column(self._starts, np.int64),
-                           list(self._exts), column(self._ext_ids, np.uint16), column(self._offsets, np.int64),
-                           column(self._sizes, np.int64), bytes(self._names), column(self._name_ends, np.int64))
+        return SampleTable(
+            list(self._tars), np.array(self._tar_ids, np.int32), np.array(self._starts, np.int64),
+            list(self._exts), np.array(self._ext_ids, np.uint16), np.array(self._offsets, np.int64),
+            np.array(self._sizes, np.int64), bytes(self._names), np.array(self._name_ends, np.int64))
