@@ -132,13 +132,10 @@ def _use_same_tf_padding(model: nn.Module) -> None:
 
 
 def _initialise(model: nn.Module, zero_init_residual: bool) -> None:
-    """torchvision's initialisation: He-normal (fan-out) convolutions, BN scale 1 and shift 0."""
+    """torchvision's initialisation: He-normal (fan-out) convolutions; BN keeps torch's scale 1, shift 0."""
     for module in model.modules():
         if isinstance(module, nn.Conv2d):
             nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
-        elif isinstance(module, nn.BatchNorm2d):
-            nn.init.ones_(module.weight)
-            nn.init.zeros_(module.bias)
     if zero_init_residual:
         # Each residual branch then starts as zero, so every block starts as the identity
         # (Goyal et al. 2017, "Accurate, Large Minibatch SGD").
