@@ -88,15 +88,14 @@ class _Ahead(Iterator[Made]):
     """The consumer's end of the thread; the thread stops when this object is collected."""
 
     def __init__(self, items: Iterator[Made], depth: int, device: str) -> None:
-        target = torch.device(device)
-        if target.type == "cuda" and target.index is None:
-            target = torch.device("cuda", torch.cuda.current_device())
-        self._device = target
+        self._device = torch.device(device)
+        if self._device.type == "cuda" and self._device.index is None:
+            self._device = torch.device("cuda", torch.cuda.current_device())
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._failure: BaseException | None = None
         # The thread gets no reference to this object, so dropping the loader stops it.
-        self._thread = threading.Thread(target=_fill, args=(items, self._queue, self._stop, target),
+        self._thread = threading.Thread(target=_fill, args=(items, self._queue, self._stop, self._device),
                                         name="relicv2-views-ahead", daemon=True)
         self._thread.start()
         self._finalizer = weakref.finalize(self, _stop_thread, self._stop, self._queue, self._thread)
