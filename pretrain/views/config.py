@@ -146,9 +146,6 @@ def mask_mismatch(cfg: ViewConfig, has_masks: bool) -> str | None:
 class ViewSpec:
     """The parameters of one output view, resolved from its size class and table column."""
 
-    index: int  # position in the output list (large views first)
-    large: bool
-    odd: bool  # the paper's "odd" column (view numbers 1, 3, ... counted from 1)
     size: int
     crop_scale: tuple[float, float]
     blur_probability: float
@@ -165,7 +162,7 @@ def view_specs(cfg: ViewConfig) -> tuple[ViewSpec, ...]:
             odd = number % 2 == 1
             scale = odd_scale if odd else cfg.crop_scale_even
             specs.append(ViewSpec(
-                index=len(specs), large=large, odd=odd, size=cfg.large_size if large else cfg.small_size,
+                size=cfg.large_size if large else cfg.small_size,
                 crop_scale=scale, mask_probability=cfg.mask_probability if large else 0.0,
                 blur_probability=cfg.blur_probability_odd if odd else cfg.blur_probability_even,
                 solarize_probability=cfg.solarize_probability_odd if odd else cfg.solarize_probability_even,
