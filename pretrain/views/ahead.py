@@ -135,8 +135,7 @@ def _fill(items: Iterator[Made], out: queue.Queue, stop: threading.Event, device
             with torch.cuda.stream(stream):  # a no-op for None (a CPU)
                 item = next(items)
                 if stream is not None:
-                    item.ready = torch.cuda.Event()
-                    item.ready.record(stream)
+                    item.ready = stream.record_event()
             _put(out, item, stop)
     except BaseException as error:  # not handled here: forwarded, and raised in the consumer's thread
         _put(out, error, stop)
