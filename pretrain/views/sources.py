@@ -190,7 +190,7 @@ def _cached_verdicts(path: Path, count: int, identity: dict, check: str) -> dict
     return dict(data["left_out"])
 
 
-def check_tar(tar: Path, idx: Path, headers: bool, cache: Path, decode_check: DecodeCheck | None = None) -> TarCheck:
+def check_tar(tar: Path, idx: Path, *, headers: bool, cache: Path, decode_check: DecodeCheck | None = None) -> TarCheck:
     """Check every sample of one tar with `structural_problem` (then `decode_check` on the sound
     ones when given), or read the verdicts a previous check kept in `cache` (any rank's or job's,
     on a shared folder); keep new verdicts there.
@@ -224,7 +224,8 @@ def check_tar(tar: Path, idx: Path, headers: bool, cache: Path, decode_check: De
 
 
 def _check_tar_args(args: tuple[Path, Path, bool, Path, DecodeCheck | None]) -> tuple[bool, bool, Counter]:
-    check = check_tar(*args)
+    tar, idx, headers, cache, decode_check = args
+    check = check_tar(tar, idx, headers=headers, cache=cache, decode_check=decode_check)
     return check.fresh, check.stored, Counter([*check.left_out.values(), *(code for _, code in check.refused)])
 
 
