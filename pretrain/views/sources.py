@@ -231,8 +231,8 @@ def _check_tar_args(args: tuple[Path, Path, bool, Path, DecodeCheck | None]) -> 
 
 def _resolve(spec: Spec, index_cache: Path | None, decode_check: DecodeCheck | None,
              decode_foreign_only: bool) -> tuple[Path, ShardSet, DecodeCheck | None]:
-    """The index cache, the resolved set and the decode check to run on it: none for a set from `shards
-    build` or `saliency build-masks` with `decode_foreign_only` (they decoded every image when they wrote it)."""
+    """The index cache, the resolved set and the decode check to run: none for a set from `shards build`
+    or `saliency build-masks` with `decode_foreign_only` (they decoded every image when they wrote it)."""
     cache = default_index_cache(index_cache)
     shard_set = resolve_shard_set(spec, index_cache=cache)  # ShardSetError: one line naming the fix
     return cache, shard_set, None if decode_foreign_only and shard_set.manifest is not None else decode_check
