@@ -151,7 +151,6 @@ class ViewLoader:
             position = batch_from_global_position(state, self.batch_size, self.world_size, len(self))
             self.epoch, self.batch_in_epoch = position
             self._drop_backend()
-            self._restore = None
             return
         if state.get("version") != STATE_VERSION:
             raise StateVersionError(  # pretrain.resume falls back to the global position
@@ -167,8 +166,7 @@ class ViewLoader:
                 raise ValueError(f"loader state was saved with {name}={state.get(name)!r} but this loader "
                                  f"has {value!r}; resume with the same shards, seed, backend and ranks")
         self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
-        self._drop_backend()
-        self._restore = state["backend_state"]
+        self._drop_backend(restore=state["backend_state"])
 
     def _ensure_backend(self) -> ViewBackend:
         """The backend, built at the loader's position (the position's snapshot taken with it)."""
@@ -187,10 +185,11 @@ class ViewLoader:
             self._position = Position(self.epoch, self.batch_in_epoch, self._backend.state(), dict(self.excluded))
         return self._backend
 
-    def _drop_backend(self) -> None:
+    def _drop_backend(self, restore: dict | None = None) -> None:
         stop(self._made)
         self._made = None
         self._backend = None
+        self._restore = restore  # what the next backend restores at the loader's position
 
 
 def _finish(batch: BackendBatch, device: str, config: ViewConfig) -> dict[str, Any]:
