@@ -121,14 +121,13 @@ def _use_same_tf_padding(model: nn.Module) -> None:
     Stride-1 layers keep torch's symmetric padding, which equals "SAME" for odd kernels. Names
     and parameters do not change, so state dicts move between both modes.
     """
-    for module in list(model.modules()):
-        for child in module.children():
-            if isinstance(child, nn.Conv2d) and child.stride != (1, 1):
-                child.__class__ = SameTFConv2d
-                child.padding = (0, 0)
-            elif isinstance(child, nn.MaxPool2d):
-                child.__class__ = SameTFMaxPool2d
-                child.padding = 0
+    for module in model.modules():
+        if isinstance(module, nn.Conv2d) and module.stride != (1, 1):
+            module.__class__ = SameTFConv2d
+            module.padding = (0, 0)
+        elif isinstance(module, nn.MaxPool2d):
+            module.__class__ = SameTFMaxPool2d
+            module.padding = 0
 
 
 def _initialise(model: nn.Module, zero_init_residual: bool) -> None:
