@@ -132,17 +132,15 @@ def _use_same_tf_padding(model: nn.Module) -> None:
 
 def _initialise(model: nn.Module, zero_init_residual: bool) -> None:
     """torchvision's initialisation: He-normal (fan-out) convolutions; BN keeps torch's scale 1, shift 0."""
+    # With zero_init_residual each residual branch starts as zero, so every block starts as the identity
+    # (Goyal et al. 2017, "Accurate, Large Minibatch SGD").
     for module in model.modules():
         if isinstance(module, nn.Conv2d):
             nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
-    if zero_init_residual:
-        # Each residual branch then starts as zero, so every block starts as the identity
-        # (Goyal et al. 2017, "Accurate, Large Minibatch SGD").
-        for module in model.modules():
-            if isinstance(module, Bottleneck):
-                nn.init.zeros_(module.bn3.weight)
-            elif isinstance(module, BasicBlock):
-                nn.init.zeros_(module.bn2.weight)
+        elif zero_init_residual and isinstance(module, Bottleneck):
+            nn.init.zeros_(module.bn3.weight)
+        elif zero_init_residual and isinstance(module, BasicBlock):
+            nn.init.zeros_(module.bn2.weight)
 
 
 def resnet(depth: int, width: int = 1, *, zero_init_residual: bool = False, padding: str = "torch") -> ResNet:
