@@ -86,12 +86,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
     missing = [key for key in REQUIRED_KEYS if key not in payload]
     if missing:
         raise CheckpointError(f"{path} lacks {missing}; the file is incomplete, delete it and resume from an older one")
-    _check_types(path, payload)
-    return payload
-
-
-def _check_types(path: Path, payload: dict[str, Any]) -> None:
-    """Hand-made or damaged files: every field has the type the loaders rely on, checked up front."""
+    # Hand-made or damaged files: every field has the type the loaders rely on, checked up front.
     for key, kind in FIELD_TYPES.items():
         value = payload[key]
         if not isinstance(value, kind) or isinstance(value, bool):
@@ -104,6 +99,7 @@ def _check_types(path: Path, payload: dict[str, Any]) -> None:
         bad = [name for name, value in payload[network].items() if not isinstance(value, torch.Tensor)]
         if bad:
             raise CheckpointError(f"{path}: {network}[{bad[0]!r}] is not a tensor; the file is damaged or hand-made")
+    return payload
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

@@ -74,8 +74,7 @@ def save_encoder_file(encoder: ResNet, path: str | Path, *, depth: int, width: i
     path = Path(path)
     check_output_file(path)
     fmt = "torchvision" if width == 1 else "relicv2"
-    state = to_torchvision_state_dict(encoder) if fmt == "torchvision" else {
-        name: tensor.detach().clone().cpu() for name, tensor in encoder.state_dict().items()}
+    state = to_torchvision_state_dict(encoder) if fmt == "torchvision" else encoder.state_dict()
     sidecar = {"format": fmt, "arch": f"resnet{depth}" + ("" if width == 1 else f"_{width}x"), "depth": depth,
                "width": width, "padding": encoder.padding, "num_features": encoder.num_features,
                "fc": "not included: the file holds the encoder only (add your own classifier)"}

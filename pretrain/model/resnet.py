@@ -121,32 +121,26 @@ def _use_same_tf_padding(model: nn.Module) -> None:
     Stride-1 layers keep torch's symmetric padding, which equals "SAME" for odd kernels. Names
     and parameters do not change, so state dicts move between both modes.
     """
-    for module in list(model.modules()):
-        for child in module.children():
-            if isinstance(child, nn.Conv2d) and child.stride != (1, 1):
-                child.__class__ = SameTFConv2d
-                child.padding = (0, 0)
-            elif isinstance(child, nn.MaxPool2d):
-                child.__class__ = SameTFMaxPool2d
-                child.padding = 0
+    for module in model.modules():
+        if isinstance(module, nn.Conv2d) and module.stride != (1, 1):
+            module.__class__ = SameTFConv2d
+            module.padding = (0, 0)
+        elif isinstance(module, nn.MaxPool2d):
+            module.__class__ = SameTFMaxPool2d
+            module.padding = 0
 
 
 def _initialise(model: nn.Module, zero_init_residual: bool) -> None:
-    """torchvision's initialisation: He-normal (fan-out) convolutions, BN scale 1 and shift 0."""
+    """torchvision's initialisation: He-normal (fan-out) convolutions; BN keeps torch's scale 1, shift 0."""
+    # With zero_init_residual each residual branch starts as zero, so every block starts as the identity
+    # (Goyal et al. 2017, "Accurate, Large Minibatch SGD").
     for module in model.modules():
         if isinstance(module, nn.Conv2d):
             nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
-        elif isinstance(module, nn.BatchNorm2d):
-            nn.init.ones_(module.weight)
-            nn.init.zeros_(module.bias)
-    if zero_init_residual:
-        # Each residual branch then starts as zero, so every block starts as the identity
-        # (Goyal et al. 2017, "Accurate, Large Minibatch SGD").
-        for module in model.modules():
-            if isinstance(module, Bottleneck):
-                nn.init.zeros_(module.bn3.weight)
-            elif isinstance(module, BasicBlock):
-                nn.init.zeros_(module.bn2.weight)
+        elif zero_init_residual and isinstance(module, Bottleneck):
+            nn.init.zeros_(module.bn3.weight)
+        elif zero_init_residual and isinstance(module, BasicBlock):
+            nn.init.zeros_(module.bn2.weight)
 
 
 def resnet(depth: int, width: int = 1, *, zero_init_residual: bool = False, padding: str = "torch") -> ResNet:

@@ -52,11 +52,6 @@ class Made:
     ready: torch.cuda.Event | None = None  # recorded on the producer's stream after the batch's work
 
 
-@dataclass(frozen=True)
-class _Failed:
-    error: BaseException
-
-
 def ahead(items: Iterator[Made], depth: int, device: str) -> Iterator[Made]:
     """`items` made `depth` ahead in a background thread; with depth 0, made on demand in the caller's.
 
@@ -66,21 +61,18 @@ def ahead(items: Iterator[Made], depth: int, device: str) -> Iterator[Made]:
     return _Ahead(items, depth, device) if depth > 0 else _OnDemand(items)
 
 
-def stop(items: Iterator[Made]) -> None:
+def stop(items: Iterator[Made] | None) -> None:
     """Stop the thread making `items` (when `ahead` gave them one) and drop what it made."""
     if isinstance(items, _Ahead):
-        items.close()
+        items._finalizer()  # also run when the stream is collected
 
 
-class _OnDemand:
+class _OnDemand(Iterator[Made]):
     """`items` made in the consumer's thread when asked for."""
 
     def __init__(self, items: Iterator[Made]) -> None:
         self._items = items
         self._failure: BaseException | None = None
-
-    def __iter__(self) -> _OnDemand:
-        return self
 
     def __next__(self) -> Made:
         if self._failure is not None:
@@ -92,25 +84,21 @@ class _OnDemand:
             raise
 
 
-class _Ahead:
+class _Ahead(Iterator[Made]):
     """The consumer's end of the thread; the thread stops when this object is collected."""
 
     def __init__(self, items: Iterator[Made], depth: int, device: str) -> None:
-        target = torch.device(device)
-        if target.type == "cuda" and target.index is None:
-            target = torch.device("cuda", torch.cuda.current_device())
-        self._device = target
+        self._device = torch.device(device)
+        if self._device.type == "cuda" and self._device.index is None:
+            self._device = torch.device("cuda", torch.cuda.current_device())
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._failure: BaseException | None = None
         # The thread gets no reference to this object, so dropping the loader stops it.
-        self._thread = threading.Thread(target=_fill, args=(items, self._queue, self._stop, target),
+        self._thread = threading.Thread(target=_fill, args=(items, self._queue, self._stop, self._device),
                                         name="relicv2-views-ahead", daemon=True)
         self._thread.start()
         self._finalizer = weakref.finalize(self, _stop_thread, self._stop, self._queue, self._thread)
-
-    def __iter__(self) -> _Ahead:
-        return self
 
     def __next__(self) -> Made:
         if self._failure is not None:
@@ -122,19 +110,15 @@ class _Ahead:
             except queue.Empty:
                 if not self._thread.is_alive():
                     raise RuntimeError("the view loader's background thread stopped without a batch") from None
-        if isinstance(item, _Failed):
-            self._failure = item.error
-            raise item.error
+        if isinstance(item, BaseException):  # the producer's failure
+            self._failure = item
+            raise item
         if item.ready is not None:
             stream = torch.cuda.current_stream(self._device)
             stream.wait_event(item.ready)
             for view in item.batch["views"] if item.batch is not None else []:
                 view.record_stream(stream)
         return item
-
-    def close(self) -> None:
-        """Stop the thread and drop the batches it made (also done when this object is collected)."""
-        self._finalizer()
 
 
 def _fill(items: Iterator[Made], out: queue.Queue, stop: threading.Event, device: torch.device) -> None:
@@ -151,14 +135,13 @@ def _fill(items: Iterator[Made], out: queue.Queue, stop: threading.Event, device
             with torch.cuda.stream(stream):  # a no-op for None (a CPU)
                 item = next(items)
                 if stream is not None:
-                    item.ready = torch.cuda.Event()
-                    item.ready.record(stream)
+                    item.ready = stream.record_event()
             _put(out, item, stop)
     except BaseException as error:  # not handled here: forwarded, and raised in the consumer's thread
-        _put(out, _Failed(error), stop)
+        _put(out, error, stop)
 
 
-def _put(out: queue.Queue, item: Made | _Failed, stop: threading.Event) -> None:
+def _put(out: queue.Queue, item: Made | BaseException, stop: threading.Event) -> None:
     while not stop.is_set():
         with contextlib.suppress(queue.Full):
             out.put(item, timeout=POLL_S)

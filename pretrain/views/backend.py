@@ -62,12 +62,11 @@ class BackendBatch:
 def assemble_params(per_view: list[np.ndarray], masked: list[np.ndarray], coverage: np.ndarray,
                     grey: np.ndarray) -> torch.Tensor:
     """B x V x len(PARAM_NAMES) tensor (backend-neutral layout) from per-view B x DRAWN_PARAM_NAMES draws."""
-    b, v = len(coverage), len(per_view)
-    out = np.zeros((b, v, len(PARAM_NAMES)), np.float32)
+    out = np.zeros((len(coverage), len(per_view), len(PARAM_NAMES)), np.float32)
     col = {n: i for i, n in enumerate(PARAM_NAMES)}
     rest = [col[n] for n in DRAWN_PARAM_NAMES]
-    for j in range(v):
-        out[:, j, rest] = per_view[j]
+    for j, drawn in enumerate(per_view):
+        out[:, j, rest] = drawn
         out[:, j, col["masked"]] = masked[j]
         out[:, j, col["coverage"]] = coverage
         out[:, j, col["grey"]] = grey
@@ -87,13 +86,10 @@ class ViewBackend(Protocol):
 
     def next_batch(self) -> BackendBatch:
         """The next full batch of the current epoch."""
-        ...
 
     def end_epoch(self) -> None:
         """Called after the epoch's last delivered batch: skip what is left so the next batch
         is the first of the next epoch."""
-        ...
 
     def state(self) -> dict[str, Any]:
         """What a new backend needs (as `BackendSetup.restore`) to continue after the last batch."""
-        ...

@@ -90,7 +90,8 @@ def colour_params(pipeline_params: np.ndarray, spec: ViewSpec, cfg: ViewConfig) 
     def coin(probability: float) -> np.ndarray:
         return rng.random(rows) < probability
 
-    colour = np.column_stack([
+    return np.column_stack([
+        geometry,
         coin(cfg.jitter_probability),
         rng.integers(0, len(JITTER_ORDERS), rows),
         *(rng.uniform(lo, hi, rows) for lo, hi in cfg.jitter_ranges),
@@ -98,8 +99,7 @@ def colour_params(pipeline_params: np.ndarray, spec: ViewSpec, cfg: ViewConfig) 
         coin(spec.blur_probability),
         rng.uniform(*cfg.blur_sigma, rows),
         coin(spec.solarize_probability),
-    ])
-    return np.column_stack([geometry, colour]).astype(np.float32)
+    ]).astype(np.float32)
 
 
 def _grey(x: torch.Tensor) -> torch.Tensor:

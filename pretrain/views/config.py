@@ -146,9 +146,6 @@ def mask_mismatch(cfg: ViewConfig, has_masks: bool) -> str | None:
 class ViewSpec:
     """The parameters of one output view, resolved from its size class and table column."""
 
-    index: int  # position in the output list (large views first)
-    large: bool
-    odd: bool  # the paper's "odd" column (view numbers 1, 3, ... counted from 1)
     size: int
     crop_scale: tuple[float, float]
     blur_probability: float
@@ -159,15 +156,13 @@ class ViewSpec:
 def view_specs(cfg: ViewConfig) -> tuple[ViewSpec, ...]:
     """One spec per output view, large views first, following the paper's odd/even table."""
     specs = []
-    for large, count in ((True, cfg.large_views), (False, cfg.small_views)):
+    for large, count, odd_scale in ((True, cfg.large_views, cfg.crop_scale_odd_large),
+                                    (False, cfg.small_views, cfg.crop_scale_odd_small)):
         for number in range(1, count + 1):
             odd = number % 2 == 1
-            if not odd:
-                scale = cfg.crop_scale_even
-            else:
-                scale = cfg.crop_scale_odd_large if large else cfg.crop_scale_odd_small
+            scale = odd_scale if odd else cfg.crop_scale_even
             specs.append(ViewSpec(
-                index=len(specs), large=large, odd=odd, size=cfg.large_size if large else cfg.small_size,
+                size=cfg.large_size if large else cfg.small_size,
                 crop_scale=scale, mask_probability=cfg.mask_probability if large else 0.0,
                 blur_probability=cfg.blur_probability_odd if odd else cfg.blur_probability_even,
                 solarize_probability=cfg.solarize_probability_odd if odd else cfg.solarize_probability_even,

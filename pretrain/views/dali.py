@@ -133,7 +133,6 @@ class DaliBackend:
         self.samples = setup.samples
         self.specs = view_specs(setup.config)
         self.gpu = setup.device != "cpu"
-        self.recoveries = 0
         # Pipeline runs in the current reader epoch: restored with the reader (same ranks), or a new
         # reader at the start of its order (first start, or a position re-split over other ranks: then
         # the reader's epoch runs behind the loader's batch count until the loader's epoch ends).
@@ -170,7 +169,6 @@ class DaliBackend:
         warnings.warn(f"{self.samples.directory}: DALI could not decode {sorted(bad)}; left out, "
                       "replaying the epoch up to the current batch", stacklevel=3)
         exclude_samples(self.samples, bad)  # writes the filtered index files the rebuild reads
-        self.recoveries += 1
         self._build(None)
         for _ in range(self.runs):
             self.pipe.run()

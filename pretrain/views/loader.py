@@ -9,10 +9,9 @@ rank's share, `sources.samples_per_rank`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -110,10 +109,20 @@ class ViewLoader:
         epochs; breaking off an iteration loses nothing (the next one continues after the last
         batch delivered).
         """
-        made = self._ensure_made()
+        if self._made is None:  # the stream of made batches from the loader's position, started on first use
+            backend = self._ensure_backend()
+            # The stream gets the backend and the sample set, never the loader: a thread that made
+            # batches ahead must not keep its loader alive (dropping the loader stops the thread).
+            items = _made_batches(backend, self.samples, self._position, self.batch_size, self.world_size,
+                                  self.device, self.config)
+            self._made = ahead(items, self.config.ready_batches, self.device)
+        made = self._made
         while True:
             item = next(made)
-            self._deliver(item)
+            self._position = item.position  # the loader's state now describes the position after `item`
+            self.epoch, self.batch_in_epoch = item.position.epoch, item.position.batch_in_epoch
+            self.excluded = dict(item.position.excluded)
+            self.unreadable += item.unreadable
             if item.batch is None:  # the epoch ended; the position is the next epoch's start
                 return
             yield item.batch
@@ -142,7 +151,6 @@ class ViewLoader:
             position = batch_from_global_position(state, self.batch_size, self.world_size, len(self))
             self.epoch, self.batch_in_epoch = position
             self._drop_backend()
-            self._restore = None
             return
         if state.get("version") != STATE_VERSION:
             raise StateVersionError(  # pretrain.resume falls back to the global position
@@ -158,8 +166,7 @@ class ViewLoader:
                 raise ValueError(f"loader state was saved with {name}={state.get(name)!r} but this loader "
                                  f"has {value!r}; resume with the same shards, seed, backend and ranks")
         self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
-        self._drop_backend()
-        self._restore = state["backend_state"]
+        self._drop_backend(restore=state["backend_state"])
 
     def _ensure_backend(self) -> ViewBackend:
         """The backend, built at the loader's position (the position's snapshot taken with it)."""
@@ -169,43 +176,20 @@ class ViewLoader:
                 device=self.device, rank=self.rank, world_size=self.world_size, seed=self.seed, epoch=self.epoch,
                 batch_in_epoch=self.batch_in_epoch, restore=self._restore,
             )
-            if self.config.backend == "dali":
-                from pretrain.views.dali import DaliBackend  # imported here: it loads DALI
-
-                self._backend = DaliBackend(setup)
+            if self.config.backend == "dali":  # imported here: the DALI backend loads DALI
+                from pretrain.views.dali import DaliBackend as Backend
             else:
-                from pretrain.views.reference import ReferenceBackend
-
-                self._backend = ReferenceBackend(setup)
+                from pretrain.views.reference import ReferenceBackend as Backend
+            self._backend = Backend(setup)
             self._restore = None
             self._position = Position(self.epoch, self.batch_in_epoch, self._backend.state(), dict(self.excluded))
         return self._backend
 
-    def _ensure_made(self) -> Iterator[Made]:
-        """The stream of made batches from the loader's position, started on first use."""
-        if self._made is None:
-            backend = self._ensure_backend()
-            # The stream gets the backend and the sample set, never the loader: a thread that made
-            # batches ahead must not keep its loader alive (dropping the loader stops the thread).
-            finish = functools.partial(_finish, device=self.device, config=self.config)
-            items = _made_batches(backend, self.samples, self._position, self.batch_size, self.world_size,
-                                  finish)
-            self._made = ahead(items, self.config.ready_batches, self.device)
-        return self._made
-
-    def _drop_backend(self) -> None:
-        if self._made is not None:
-            stop(self._made)
+    def _drop_backend(self, restore: dict | None = None) -> None:
+        stop(self._made)
         self._made = None
         self._backend = None
-
-    def _deliver(self, item: Made) -> None:
-        """Take over the position after `item`: the loader's state now describes it."""
-        position = item.position
-        self.epoch, self.batch_in_epoch = position.epoch, position.batch_in_epoch
-        self.excluded = dict(position.excluded)
-        self.unreadable += item.unreadable
-        self._position = position
+        self._restore = restore  # what the next backend restores at the loader's position
 
 
 def _finish(batch: BackendBatch, device: str, config: ViewConfig) -> dict[str, Any]:
@@ -225,8 +209,8 @@ def batches_per_epoch(samples: SampleSet, world_size: int, batch_size: int) -> i
 
 
 def _made_batches(backend: ViewBackend, samples: SampleSet, start: Position, batch_size: int, world_size: int,
-                  finish: Callable[[BackendBatch], dict[str, Any]]) -> Iterator[Made]:
-    """Every batch from `start` on, epoch after epoch, each with the loader position after it.
+                  device: str, config: ViewConfig) -> Iterator[Made]:
+    """Every batch from `start` on, epoch after epoch (`_finish`ed), each with the loader position after it.
 
     Samples the backend leaves out shrink the epoch from then on (`len(ViewLoader)` follows them).
     """
@@ -238,8 +222,8 @@ def _made_batches(backend: ViewBackend, samples: SampleSet, start: Position, bat
                 exclude_samples(samples, batch.excluded)
                 excluded.update(batch.excluded)
             batch_in_epoch += 1
-            yield Made(finish(batch), Position(epoch, batch_in_epoch, backend.state(), dict(excluded)),
-                       unreadable=batch.unreadable)
+            position = Position(epoch, batch_in_epoch, backend.state(), dict(excluded))
+            yield Made(_finish(batch, device, config), position, unreadable=batch.unreadable)
         backend.end_epoch()
         epoch, batch_in_epoch = epoch + 1, 0
         yield Made(None, Position(epoch, batch_in_epoch, backend.state(), dict(excluded)))

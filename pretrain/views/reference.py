@@ -9,13 +9,13 @@ continues with the same batches.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
 import torchvision.transforms.functional as F
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset
 
 from pretrain.seeding import SeedPurpose, derive_seed
 from pretrain.views.backend import BackendBatch, BackendSetup, assemble_params, labels_tensor
@@ -158,34 +158,27 @@ class ViewDataset(Dataset):
         return out
 
 
-class RankBatches(Sampler):
-    """This rank's batches from (`epoch`, batch `start`) on, epoch after epoch.
+def rank_batches(st: BackendSetup) -> Iterator[list[tuple[int, int]]]:
+    """This rank's batches of (epoch, sample position) pairs from (`st.epoch`, `st.batch_in_epoch`) on,
+    epoch after epoch.
 
     One permutation per epoch shared by all ranks; global batch i is its slice
     [i * G, (i + 1) * G) with G = batch_size * world_size, and rank r takes the r-th `batch_size`
     of it. The ranks' batches put together are therefore the same global batches whatever the
     number of ranks, which is what lets a run resume on another number of ranks and continue the
     same stream. (DALI's reader instead gives each rank a contiguous share; the loader's epoch
-    length, `num_batches` = samples // G, is the same for both.) Endless, so one DataLoader and
+    length, `batches_per_epoch` = samples // G, is the same for both.) Endless, so one DataLoader and
     its workers live across epochs and prefetch the next epoch's first batches."""
-
-    def __init__(self, count: int, batch_size: int, num_batches: int, rank: int, world_size: int, seed: int,
-                 epoch: int, start: int):
-        self.global_batch = batch_size * world_size
-        if num_batches * self.global_batch > count:
-            raise ValueError(f"{count} samples hold fewer than {num_batches} global batches of {self.global_batch}")
-        self.count, self.batch_size, self.num_batches, self.rank, self.seed = count, batch_size, num_batches, rank, seed
-        self.epoch, self.start = epoch, start
-
-    def __iter__(self):
-        """Batches of (epoch, sample position) pairs."""
-        epoch, start, offset = self.epoch, self.start, self.rank * self.batch_size
-        while True:
-            rng = np.random.default_rng(derive_seed(self.seed, SeedPurpose.EPOCH_ORDER, epoch))
-            order = rng.permutation(self.count)
-            for i in range(start, self.num_batches):
-                yield [(epoch, int(p)) for p in order[i * self.global_batch + offset:][: self.batch_size]]
-            epoch, start = epoch + 1, 0
+    count, num_batches, global_batch = len(st.samples), st.batches_per_epoch, st.batch_size * st.world_size
+    if num_batches * global_batch > count:
+        raise ValueError(f"{count} samples hold fewer than {num_batches} global batches of {global_batch}")
+    epoch, start, offset = st.epoch, st.batch_in_epoch, st.rank * st.batch_size
+    while True:
+        rng = np.random.default_rng(derive_seed(st.seed, SeedPurpose.EPOCH_ORDER, epoch))
+        order = rng.permutation(count)
+        for i in range(start, num_batches):
+            yield [(epoch, int(p)) for p in order[i * global_batch + offset:][: st.batch_size]]
+        epoch, start = epoch + 1, 0
 
 
 def collate(items: list[dict | None]) -> BackendBatch:
@@ -222,11 +215,9 @@ class ReferenceBackend:
     def next_batch(self) -> BackendBatch:
         if self.iterator is None:
             st = self.setup
-            sampler = RankBatches(len(st.samples), st.batch_size, st.batches_per_epoch, st.rank, st.world_size, st.seed,
-                                  st.epoch, st.batch_in_epoch)
             workers = dataloader_workers(st.config)
-            loader = DataLoader(self.dataset, batch_sampler=sampler, collate_fn=collate, num_workers=workers,
-                                prefetch_factor=st.config.prefetch if workers else None)
+            loader = DataLoader(self.dataset, batch_sampler=rank_batches(st), collate_fn=collate,
+                                num_workers=workers, prefetch_factor=st.config.prefetch if workers else None)
             self.iterator = iter(loader)
         return next(self.iterator)
 

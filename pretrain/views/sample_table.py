@@ -111,13 +111,12 @@ class SampleTable(Sequence[SampleRef]):
         counts = np.diff(self._starts)[positions]
         starts = np.zeros(len(positions) + 1, np.int64)
         np.cumsum(counts, out=starts[1:])
-        members = (np.repeat(self._starts[:-1][positions] - starts[:-1], counts) + np.arange(starts[-1])
-                   if len(positions) else np.zeros(0, np.int64))
+        members = np.repeat(self._starts[:-1][positions] - starts[:-1], counts) + np.arange(starts[-1])
         name_starts = self._name_begins(members)
         # One slice per member: at most a few million, each a short name (a numpy gather of every
         # byte would need 8 bytes of index per byte of name).
         pieces = [self._names[a:b] for a, b in zip(name_starts.tolist(), self._name_ends[members].tolist(), strict=True)]
-        name_ends = np.cumsum([len(p) for p in pieces], dtype=np.int64) if pieces else np.zeros(0, np.int64)
+        name_ends = np.cumsum([len(p) for p in pieces], dtype=np.int64)
         return SampleTable(self.tars, self._tar_ids[positions], starts, self._exts, self._ext_ids[members],
                            self._offsets[members], self._sizes[members], b"".join(pieces), name_ends)
 
@@ -153,9 +152,7 @@ class SampleTableBuilder:
             self._starts.append(len(self._offsets))
 
     def build(self) -> SampleTable:
-        def column(values: array, dtype) -> np.ndarray:
-            return np.frombuffer(values, dtype=values.typecode).astype(dtype) if len(values) else np.zeros(0, dtype)
-
-        return SampleTable(list(self._tars), column(self._tar_ids, np.int32), column(self._starts, np.int64),
-                           list(self._exts), column(self._ext_ids, np.uint16), column(self._offsets, np.int64),
-                           column(self._sizes, np.int64), bytes(self._names), column(self._name_ends, np.int64))
+        return SampleTable(
+            list(self._tars), np.array(self._tar_ids, np.int32), np.array(self._starts, np.int64),
+            list(self._exts), np.array(self._ext_ids, np.uint16), np.array(self._offsets, np.int64),
+            np.array(self._sizes, np.int64), bytes(self._names), np.array(self._name_ends, np.int64))

@@ -99,11 +99,15 @@ def structural_problem(sample: SampleRef, handle, headers: bool = False) -> str 
         return "empty_image"
     head = os.pread(handle.fileno(), 12, offset)
     tail = os.pread(handle.fileno(), 8, offset + size - 8)
-    kind = image_format(head)
-    if kind is None:
+    if head.startswith(JPEG_SOI):  # the format from the image's content, not its member name
+        truncated = not tail.endswith(JPEG_EOI)
+    elif head.startswith(PNG_SIGNATURE):
+        truncated = tail != PNG_IEND
+    elif head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        truncated = int.from_bytes(head[4:8], "little") + 8 > size
+    else:
         return "not_an_image"
-    if ((kind == "jpeg" and not tail.endswith(JPEG_EOI)) or (kind == "png" and tail != PNG_IEND)
-            or (kind == "webp" and int.from_bytes(head[4:8], "little") + 8 > size)):
+    if truncated:
         return "truncated_image"
     if MASK_MEMBER in sample.members:
         offset, size, _ = sample.members[MASK_MEMBER]
@@ -115,17 +119,6 @@ def structural_problem(sample: SampleRef, handle, headers: bool = False) -> str 
                 rejection = header_problem(member_file(handle, *sample.members[ext][:2]))
                 if rejection is not None:
                     return rejection.reason if ext != MASK_MEMBER else "bad_mask"
-    return None
-
-
-def image_format(head: bytes) -> str | None:
-    """"jpeg", "png" or "webp" from an image's first 12 bytes (its content, not its member name)."""
-    if head.startswith(JPEG_SOI):
-        return "jpeg"
-    if head.startswith(PNG_SIGNATURE):
-        return "png"
-    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
-        return "webp"
     return None
 
 
@@ -236,10 +229,13 @@ def _check_tar_args(args: tuple[Path, Path, bool, Path, DecodeCheck | None]) -> 
     return check.fresh, check.stored, Counter([*check.left_out.values(), *(code for _, code in check.refused)])
 
 
-def _decoding(shard_set: ShardSet, decode_check: DecodeCheck | None, decode_foreign_only: bool) -> DecodeCheck | None:
-    """The decode check to run on a set: none for a set from `shards build` or `saliency build-masks`
-    with `decode_foreign_only` (they decoded every image when they wrote it)."""
-    return None if decode_foreign_only and shard_set.manifest is not None else decode_check
+def _resolve(spec: Spec, index_cache: Path | None, decode_check: DecodeCheck | None,
+             decode_foreign_only: bool) -> tuple[Path, ShardSet, DecodeCheck | None]:
+    """The index cache, the resolved set and the decode check to run: none for a set from `shards build`
+    or `saliency build-masks` with `decode_foreign_only` (they decoded every image when they wrote it)."""
+    cache = default_index_cache(index_cache)
+    shard_set = resolve_shard_set(spec, index_cache=cache)  # ShardSetError: one line naming the fix
+    return cache, shard_set, None if decode_foreign_only and shard_set.manifest is not None else decode_check
 
 
 def check_shard_set(
@@ -255,10 +251,8 @@ def check_shard_set(
     only have their index parsed and their verdicts read.
     """
     index, parts = part
-    cache = default_index_cache(index_cache)
-    shard_set = resolve_shard_set(spec, index_cache=cache)
+    cache, shard_set, decode_check = _resolve(spec, index_cache, decode_check, decode_foreign_only)
     headers = shard_set.manifest is None
-    decode_check = _decoding(shard_set, decode_check, decode_foreign_only)
     todo = [(tar, idx, headers, cache, decode_check)
             for i, (tar, idx) in enumerate(zip(shard_set.tars, shard_set.index_files, strict=True)) if i % parts == index]
     desc = f"checking the samples of {len(shard_set.tars)} tars" + (f" (part {index + 1}/{parts})" if parts > 1 else "")
@@ -285,15 +279,13 @@ def load_sample_set(spec: Spec, *, decode_check: DecodeCheck | None = None, deco
     The verdicts are kept per tar in the index cache (`check_tar`), so a restart, another rank
     or another job does not read or decode the samples again.
     """
-    cache = default_index_cache(index_cache)
-    shard_set = resolve_shard_set(spec, index_cache=cache)  # ShardSetError: one line naming the fix
+    cache, shard_set, decode_check = _resolve(spec, index_cache, decode_check, decode_foreign_only)
     directory = shard_set.directory or shard_set.tars[0].parent
     tars = list(shard_set.tars)
     table = SampleTableBuilder()
     skipped: Counter = Counter()
     skipped_keys: list[str] = []
     headers = shard_set.manifest is None
-    decode_check = _decoding(shard_set, decode_check, decode_foreign_only)
     progress_from = PROGRESS_FROM if decode_check is None else DECODE_PROGRESS_FROM
     unstored = 0
     for tar, idx in tracked(zip(tars, shard_set.index_files, strict=True), f"checking the samples of {directory}",
