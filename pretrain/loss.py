@@ -39,7 +39,7 @@ class _GatherWithGrad(torch.autograd.Function):
     def forward(ctx, tensor: Tensor) -> Tensor:  # type: ignore[override]
         parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, tensor.contiguous())
-        ctx.rows = (dist.get_rank() * tensor.shape[0], (dist.get_rank() + 1) * tensor.shape[0])
+        ctx.rows = slice(dist.get_rank() * tensor.shape[0], (dist.get_rank() + 1) * tensor.shape[0])
         return torch.cat(parts)
 
     @staticmethod
@@ -48,8 +48,7 @@ class _GatherWithGrad(torch.autograd.Function):
         # summed rank losses w.r.t. this rank's rows is the sum over ranks of their gradients.
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, op=dist.ReduceOp.SUM)
-        start, stop = ctx.rows
-        return grad[start:stop]
+        return grad[ctx.rows]
 
 
 def gather_with_grad(tensor: Tensor) -> Tensor:

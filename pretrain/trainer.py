@@ -16,7 +16,6 @@ from torch.nn.parallel import DistributedDataParallel
 from pretrain.config import DerivedValues, PretrainConfig
 from pretrain.distributed import (
     DistributedContext,
-    all_gather_tensor,
     all_reduce_mean,
     convert_sync_batchnorm,
 )
@@ -171,7 +170,7 @@ def train_step(state: TrainState, views: Sequence[Tensor], *,
     #    embeddings (with gradient) the reverse distribution p(b; a)
     gathered_online = None
     if ctx.is_distributed:
-        target_views = list(all_gather_tensor(torch.stack(target_views, dim=1), ctx).unbind(1))
+        target_views = list(gather_with_grad(torch.stack(target_views, dim=1).detach()).unbind(1))
         gathered_online = list(gather_with_grad(torch.stack(online_views, dim=1)).unbind(1))
     state.generator.manual_seed(derive_seed(config.run.seed, SeedPurpose.NEGATIVES, step))
     loss, parts = relicv2_loss(  # the loss section: temperature, num_negatives and the two weights
