@@ -171,7 +171,6 @@ def _relic_terms(forward_logits: Tensor, reverse_logits: Tensor, positive: Tenso
 
 def _check_inputs(online_large: Sequence[Tensor], online_views: list[Tensor], target_large: Sequence[Tensor],
                   gathered_online: Sequence[Tensor] | None, anchor_offset: int) -> None:
-    """Raise ValueError on inconsistent view counts or shapes."""
     if len(online_large) == 0 or len(target_large) != len(online_large):
         raise ValueError(f"need L >= 1 large views in both networks, got {len(online_large)} online and "
                          f"{len(target_large)} target")

@@ -105,11 +105,9 @@ def build_state(config: PretrainConfig, ctx: DistributedContext, settings: StepS
                                     zero_init_residual=model.zero_init_residual,
                                     activation_checkpointing=model.activation_checkpointing)
     if ctx.is_distributed and model.sync_batchnorm is not False:  # None: BN over the global batch (BYOL recipe)
-        online = convert_sync_batchnorm(online, ctx)
-        target = convert_sync_batchnorm(target, ctx)
+        online, target = (convert_sync_batchnorm(network, ctx) for network in (online, target))
     memory_format = torch.channels_last if settings.channels_last else torch.preserve_format
-    online = online.to(ctx.device, memory_format=memory_format)
-    target = target.to(ctx.device, memory_format=memory_format)
+    online, target = (network.to(ctx.device, memory_format=memory_format) for network in (online, target))
     target.train()  # the target normalises with batch statistics, as in BYOL
     optimizer = LARS(parameter_groups(online, config.optim.weight_decay), lr=0.0,  # the schedule's, each step
                      momentum=config.optim.momentum, weight_decay=config.optim.weight_decay,
