@@ -46,7 +46,6 @@ def install() -> None:
 
 
 def received() -> signal.Signals | None:
-    """The stop signal this process received, if any."""
     return _State.received
 
 
@@ -77,8 +76,8 @@ def _handle(signum: int, frame: object) -> None:
     raise Terminated
 
 
-def end_workers(grace_s: float = WORKER_GRACE_S) -> int:
-    """Terminate this process's worker processes, kill those still alive after `grace_s`; return how many."""
+def end_workers(grace_s: float = WORKER_GRACE_S) -> None:
+    """Terminate this process's worker processes, kill those still alive after `grace_s`."""
     children = multiprocessing.active_children()
     for child in children:
         child.terminate()
@@ -87,7 +86,6 @@ def end_workers(grace_s: float = WORKER_GRACE_S) -> int:
         if child.is_alive():
             child.kill()
             child.join(1.0)
-    return len(children)
 
 
 def _expire(code: int) -> None:
