@@ -13,7 +13,6 @@ from pretrain.config import KnnConfig  # light (no torch): the one owner of the 
 from shards.shardset import ShardSetError
 
 KNN = KnnConfig()
-KNN_OPTIONS = ("k", "temperature", "crop_size", "resize_size", "batch_size")
 ALLOW_LOST_OPTION = click.option(
     "--allow-lost", is_flag=True,
     help="Score a set that lost samples while read (truncated or missing tars) instead of refusing it; "
@@ -107,7 +106,7 @@ def knn(**options: Any) -> None:
     """Weighted cosine kNN top-1 of an encoder: train features as the bank (defaults: pretrain.config.KnnConfig)."""
     from pretrain.eval.job import knn_settings
 
-    given = {name: options.pop(name) for name in KNN_OPTIONS}
+    given = {name: options.pop(name) for name in ("k", "temperature", "crop_size", "resize_size", "batch_size")}
     try:
         settings = knn_settings(given)
     except ConfigError as error:

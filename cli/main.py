@@ -66,7 +66,6 @@ class RootGroup(LazyGroup):
     "eval": ("cli.eval:eval_group", "Evaluate pretrained encoders (kNN, linear, fine-tuning)."),
     "demo-data": ("cli.demo:demo_data", "Write the built-in demo image tree (no download)."),
     "report": ("cli.report:report", "Write a static HTML report (PNG figures) of a run's outputs."),
-
     "export": ("cli.export:export", "Write a checkpoint's encoder as a plain (torchvision) state dict + JSON."),
     "import-official": ("cli.export:import_official", "Convert the authors' released JAX ReLICv2 weights."),
 })

@@ -21,7 +21,6 @@ EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal's num
 GRACE_S = 10.0  # after the signal, the longest the job's own cleanup may take
 WORKER_GRACE_S = 2.0  # a terminated worker that is still alive after this is killed
 
-
 LINES = {
     signal.SIGINT: "interrupted (Ctrl-C): finished work is kept; rerun the same command to continue",
     signal.SIGTERM: "terminated (SIGTERM): finished work is kept; rerun the same command to continue",

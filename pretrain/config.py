@@ -79,8 +79,11 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class KnnConfig:
-    """The kNN monitor's shard sets and the kNN classifier's settings: the one owner of the kNN defaults
-    (`pretrain.eval.knn.evaluate_knn` and `relicv2 eval knn` take theirs from here)."""
+    """The kNN monitor's shard sets and the kNN classifier's settings.
+
+    The single owner of the kNN defaults: `pretrain.eval.knn.evaluate_knn` and `relicv2 eval knn`
+    take theirs from here.
+    """
 
     train_shards: str = ""  # labelled shard set used as the kNN bank ("" : no kNN monitor)
     val_shards: str = ""

@@ -26,7 +26,6 @@ FIXED_ON_RESUME = ("run.seed", "data.source", "data.train_shards", "data.synthet
                    "data.synthetic_classes", "views.backend")
 PATH_SETTINGS = ("data.train_shards",)  # compared as the places they name
 
-
 DALI_RESPLIT = ("; DALI's reader draws the rest of this epoch from a new order over the new shares, so in this "
                 "epoch some images are seen twice and others not at all (the reference backend continues exactly)")
 

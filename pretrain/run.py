@@ -421,12 +421,11 @@ def _save(state: TrainState, source: ViewSource, config: PretrainConfig, ctx: Di
     data_states = all_gather_object(source.state_dict(), ctx)
     training = state.state_dict()
     rng_states = all_gather_object(training["rng"], ctx)
-    position = data_position(state.step, steps_per_epoch, config.optim.global_batch)
     path = checkpoint_path(config.run.output_dir, state.step)
     if ctx.is_main:
         try:
             payload = {"config": to_dict(config), **training, "rng": rng_states, "data": data_states,
-                       "data_position": position}
+                       "data_position": data_position(state.step, steps_per_epoch, config.optim.global_batch)}
             path = save_checkpoint(config.run.output_dir, payload, keep=config.run.keep_checkpoints)
         except (OSError, RuntimeError) as error:  # torch.save reports a full disk as RuntimeError
             raise ConfigError(f"cannot write checkpoint {path}: {str(error).strip().splitlines()[0]}; free "

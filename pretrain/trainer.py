@@ -123,11 +123,9 @@ def wrap_networks(
     if ctx.is_distributed:
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         online_forward = DistributedDataParallel(online_forward, device_ids=device_ids)
-    target_forward: nn.Module = state.target
     if compile:
-        online_forward = torch.compile(online_forward, backend=backend)
-        target_forward = torch.compile(target_forward, backend=backend)
-    return online_forward, target_forward
+        return torch.compile(online_forward, backend=backend), torch.compile(state.target, backend=backend)
+    return online_forward, state.target
 
 
 def train_step(state: TrainState, views: Sequence[Tensor], *,
