@@ -7,13 +7,12 @@ from typing import Any
 
 import click
 
-from cli.options import config_or_preset, preset_option
+from cli.options import config_or_preset, preset_option, user_errors
 from jobs.config import ConfigError, parse_overrides
 from pretrain.config import KnnConfig  # light (no torch): the one owner of the kNN defaults
 from shards.shardset import ShardSetError
 
 KNN = KnnConfig()
-KNN_OPTIONS = ("k", "temperature", "crop_size", "resize_size", "batch_size")
 ALLOW_LOST_OPTION = click.option(
     "--allow-lost", is_flag=True,
     help="Score a set that lost samples while read (truncated or missing tars) instead of refusing it; "
@@ -107,7 +106,7 @@ def knn(**options: Any) -> None:
     """Weighted cosine kNN top-1 of an encoder: train features as the bank (defaults: pretrain.config.KnnConfig)."""
     from pretrain.eval.job import knn_settings
 
-    given = {name: options.pop(name) for name in KNN_OPTIONS}
+    given = {name: options.pop(name) for name in ("k", "temperature", "crop_size", "resize_size", "batch_size")}
     try:
         settings = knn_settings(given)
     except ConfigError as error:
@@ -115,14 +114,13 @@ def knn(**options: Any) -> None:
     _run(config=settings, given=frozenset(name for name, value in given.items() if value is not None), **options)
 
 
-def _settings(load: Any, config_name: str | None, preset_name: str | None, default: str,
-              overrides: tuple[str, ...]) -> Any:
-    """The protocol's settings: preset or file (`--config`, or its old name `--preset`) with the --set
-    overrides; a mistake is a usage error."""
-    try:
-        return load(config_or_preset(config_name, preset_name) or default, overrides)
-    except ConfigError as error:
-        raise click.BadParameter(str(error), param_hint="--config/--set") from None
+def _run_configured(load: Any, default: str, config_name: str | None, preset_name: str | None,
+                    overrides: tuple[str, ...], **options: Any) -> None:
+    """`_run` a protocol that trains a head on its settings: preset or file (`--config`, or its old name
+    `--preset`) with the --set overrides; a mistake is a usage error."""
+    with user_errors(ConfigError, option="--config/--set"):
+        config = load(config_or_preset(config_name, preset_name) or default, overrides)
+    _run(config=config, given=frozenset(parse_overrides(overrides)), **options)
 
 
 @eval_group.command("linear")
@@ -131,7 +129,7 @@ def _settings(load: Any, config_name: str | None, preset_name: str | None, defau
               help="paper (default): augmented views, 100 epochs; fast: cached centre-crop features (seconds on "
                    "CPU); or a YAML file of LinearConfig keys.")
 @ALLOW_LOST_OPTION
-def linear(config_name: str | None, preset_name: str | None, overrides: tuple[str, ...], **options: Any) -> None:
+def linear(**options: Any) -> None:
     """Linear probe of a frozen encoder: top-1 / top-5 (paper protocol or the fast cached one).
 
     \b
@@ -140,8 +138,7 @@ def linear(config_name: str | None, preset_name: str | None, overrides: tuple[st
     """
     from pretrain.eval.job import load_linear_config
 
-    config = _settings(load_linear_config, config_name, preset_name, "paper", overrides)
-    _run(config=config, given=frozenset(parse_overrides(overrides)), **options)
+    _run_configured(load_linear_config, "paper", **options)
 
 
 @eval_group.command("finetune")
@@ -151,8 +148,7 @@ def linear(config_name: str | None, preset_name: str | None, overrides: tuple[st
 @click.option("--config", "config_name", metavar="NAME|FILE.yaml", default=None,
               help="1pct (default) or 10pct: the paper's recipe for that label split (batch, head / encoder lr, "
                    "weight decay); or a YAML file of FinetuneConfig keys.")
-def finetune_command(config_name: str | None, preset_name: str | None, overrides: tuple[str, ...],
-                     **options: Any) -> None:
+def finetune_command(**options: Any) -> None:
     """Semi-supervised fine-tuning: encoder + new linear head on a labelled key subset, 20 epochs.
 
     \b
@@ -161,5 +157,4 @@ def finetune_command(config_name: str | None, preset_name: str | None, overrides
     """
     from pretrain.eval.job import load_finetune_config
 
-    config = _settings(load_finetune_config, config_name, preset_name, "1pct", overrides)
-    _run(config=config, given=frozenset(parse_overrides(overrides)), **options)
+    _run_configured(load_finetune_config, "1pct", **options)

@@ -36,9 +36,8 @@ class LazyGroup(click.Group):
         rows = [(name, self.lazy_commands[name][1] if name in self.lazy_commands
                  else self.commands[name].get_short_help_str(limit=formatter.width))
                 for name in self.list_commands(ctx)]
-        if rows:
-            with formatter.section("Commands"):
-                formatter.write_dl(rows)
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         if self.default_command and args and args[0] not in self.list_commands(ctx) \
@@ -67,7 +66,6 @@ class RootGroup(LazyGroup):
     "eval": ("cli.eval:eval_group", "Evaluate pretrained encoders (kNN, linear, fine-tuning)."),
     "demo-data": ("cli.demo:demo_data", "Write the built-in demo image tree (no download)."),
     "report": ("cli.report:report", "Write a static HTML report (PNG figures) of a run's outputs."),
-
     "export": ("cli.export:export", "Write a checkpoint's encoder as a plain (torchvision) state dict + JSON."),
     "import-official": ("cli.export:import_official", "Convert the authors' released JAX ReLICv2 weights."),
 })

@@ -16,11 +16,14 @@ index_cache_option = click.option(
 
 
 @contextlib.contextmanager
-def user_errors(*kinds: type[Exception]) -> Iterator[None]:
-    """Errors of `kinds` (the ones a user can cause) end the command with their one-line message, exit 1."""
+def user_errors(*kinds: type[Exception], option: str | None = None) -> Iterator[None]:
+    """Errors of `kinds` (the ones a user can cause) end the command with their one-line message, exit 1; with
+    `option`, as a bad value of that option (a usage error, exit 2)."""
     try:
         yield
     except kinds as error:
+        if option is not None:
+            raise click.BadParameter(str(error), param_hint=option) from None
         raise click.ClickException(str(error)) from None
 
 

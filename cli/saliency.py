@@ -35,10 +35,8 @@ SHARDS_HELP = ("a folder (from `relicv2 shards build`, or plain WebDataset tars 
 
 
 def _methods(name: str) -> tuple[str, ...]:
-    try:
+    with user_errors(ValueError, option="--method"):
         return tuple(resolve_methods(name))
-    except ValueError as error:
-        raise click.BadParameter(str(error), param_hint="--method") from error
 
 
 @click.group()
@@ -60,10 +58,8 @@ def saliency_group() -> None:
                    "fraction (0.05) or a percentage (5%). A job whose every input fails always fails.")
 def handcrafted(method: str, workers: int, max_failures: str, **options: Any) -> None:
     """Write 8-bit PNG saliency maps of RBD, MR, DSR and/or MC for every input image."""
-    try:
+    with user_errors(ValueError, option="--max-failures"):
         limit = FailureLimit.parse(max_failures)
-    except ValueError as error:
-        raise click.BadParameter(str(error), param_hint="--max-failures") from error
     if workers < 1:
         raise click.BadParameter(f"{workers}: give at least 1 worker", param_hint="--workers")
     config = HandcraftedConfig(methods=_methods(method), workers=workers, max_failures=limit, **options)

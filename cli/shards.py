@@ -89,7 +89,6 @@ def build(input_path: Path, out_arg: Path | None, out_opt: Path | None, max_byte
 
 
 def echo_merge(out_dir: Path, merge) -> None:
-    """Print the merged totals."""
     reasons = ", ".join(f"{k} {v}" for k, v in merge.rejected_by_reason.items()) or "none"
     click.echo(f"{out_dir}: {merge.shards} shards, {merge.written} samples, {merge.rejected} rejected ({reasons})")
     if merge.empty_shards:
@@ -210,9 +209,8 @@ def subset(shards_dir: str, fraction: float, out: Path, seed: int, min_per_class
         check_output_file(out, "--out")
         report = class_balanced_keys(shards_dir, fraction, seed=seed, min_per_class=min_per_class,
                                      index_cache=index_cache)
+        summary = f"{len(report.keys)} of {report.total} keys, {len(report.per_class)} classes"
         write_key_list(out, report.keys, header=f"relicv2 shards subset {shards_dir} --fraction {fraction} "
-                                                f"--seed {seed}\n{len(report.keys)} of {report.total} keys, "
-                                                f"{len(report.per_class)} classes")
+                                                f"--seed {seed}\n{summary}")
     counts = sorted(report.per_class.values())
-    click.echo(f"wrote {out}: {len(report.keys)} of {report.total} keys, {len(report.per_class)} classes "
-               f"({counts[0]}-{counts[-1]} per class)")
+    click.echo(f"wrote {out}: {summary} ({counts[0]}-{counts[-1]} per class)")

@@ -21,7 +21,6 @@ EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal's num
 GRACE_S = 10.0  # after the signal, the longest the job's own cleanup may take
 WORKER_GRACE_S = 2.0  # a terminated worker that is still alive after this is killed
 
-
 LINES = {
     signal.SIGINT: "interrupted (Ctrl-C): finished work is kept; rerun the same command to continue",
     signal.SIGTERM: "terminated (SIGTERM): finished work is kept; rerun the same command to continue",
@@ -46,7 +45,6 @@ def install() -> None:
 
 
 def received() -> signal.Signals | None:
-    """The stop signal this process received, if any."""
     return _State.received
 
 
@@ -77,8 +75,8 @@ def _handle(signum: int, frame: object) -> None:
     raise Terminated
 
 
-def end_workers(grace_s: float = WORKER_GRACE_S) -> int:
-    """Terminate this process's worker processes, kill those still alive after `grace_s`; return how many."""
+def end_workers(grace_s: float = WORKER_GRACE_S) -> None:
+    """Terminate this process's worker processes, kill those still alive after `grace_s`."""
     children = multiprocessing.active_children()
     for child in children:
         child.terminate()
@@ -87,7 +85,6 @@ def end_workers(grace_s: float = WORKER_GRACE_S) -> int:
         if child.is_alive():
             child.kill()
             child.join(1.0)
-    return len(children)
 
 
 def _expire(code: int) -> None:

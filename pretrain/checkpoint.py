@@ -16,7 +16,6 @@ reads them and nothing in the file can run code):
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from pathlib import Path
@@ -63,8 +62,7 @@ def save_checkpoint(output_dir: str | Path, payload: dict[str, Any], *, keep: in
         torch.save({"format": FORMAT, "version": VERSION, **payload}, tmp)
     older = [p for p in list_checkpoints(output_dir) if (step_of(p) or 0) <= int(payload["step"])]
     for old in older[:-keep]:
-        with contextlib.suppress(FileNotFoundError):
-            old.unlink()
+        old.unlink(missing_ok=True)
     return path
 
 

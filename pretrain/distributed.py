@@ -107,20 +107,15 @@ def open_shard_sets(ctx: DistributedContext | None, *specs: Spec, check_samples:
     return sets
 
 
-def all_gather_tensor(tensor: Tensor, ctx: DistributedContext) -> Tensor:
-    """Concatenate every rank's `tensor` along dim 0 in rank order, without gradient."""
-    return gather_with_grad(tensor.detach()) if ctx.is_distributed else tensor
-
-
 def all_gather_rows(tensor: Tensor, ctx: DistributedContext) -> Tensor:
-    """`all_gather_tensor` of tensors whose number of rows differs between the ranks (an empty one's other
-    sizes are ignored): each is padded to the largest shape for the collective, then trimmed."""
+    """Every rank's `tensor` concatenated along dim 0 in rank order, without gradient, when their numbers of
+    rows differ (an empty one's other sizes are ignored): each padded to the largest shape, then trimmed."""
     if not ctx.is_distributed:
         return tensor
-    shapes = all_gather_tensor(torch.tensor([tensor.shape], device=tensor.device), ctx)
+    shapes = gather_with_grad(torch.tensor([tensor.shape], device=tensor.device))
     padded = tensor.new_zeros(shapes.amax(dim=0).tolist())
-    padded[tuple(slice(0, size) for size in tensor.shape)] = tensor
-    parts = all_gather_tensor(padded[None], ctx)
+    padded[tuple(slice(0, size) for size in tensor.shape)] = tensor.detach()
+    parts = gather_with_grad(padded[None])
     return torch.cat([part[:rows] for part, rows in zip(parts, shapes[:, 0].tolist(), strict=True)])
 
 
@@ -164,13 +159,15 @@ def convert_sync_batchnorm(module: nn.Module, ctx: DistributedContext) -> nn.Mod
     `SyncBatchNorm` on GPU; it refuses CPU tensors, so on CPU `CrossRankBatchNorm` (same maths, gloo)."""
     if ctx.device.type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(module)
-    return _convert_cross_rank(module)
-
-
-def all_reduce_sum_with_grad(tensor: Tensor) -> Tensor:
-    """Differentiable sum of `tensor` over all ranks: every rank's copy gathered and summed, so the backward
-    (`gather_with_grad`'s) gives each rank the sum of every rank's gradient (`tensor` in a world of one)."""
-    return gather_with_grad(tensor[None]).sum(0)
+    out = module
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, CrossRankBatchNorm):
+        out = CrossRankBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
+                                 module.track_running_stats)
+        out.load_state_dict(module.state_dict())  # the affine parameters and running statistics
+        out.train(module.training)
+    for name, child in module.named_children():
+        out.add_module(name, convert_sync_batchnorm(child, ctx))
+    return out
 
 
 class CrossRankBatchNorm(nn.modules.batchnorm._BatchNorm):
@@ -185,11 +182,13 @@ class CrossRankBatchNorm(nn.modules.batchnorm._BatchNorm):
         dims = [0, *range(2, x.dim())]
         shape = [1, -1, *([1] * (x.dim() - 2))]
         count = torch.tensor([x.numel() / x.shape[1]], dtype=x.dtype, device=x.device)
-        total = all_reduce_sum_with_grad(torch.cat([x.sum(dims), count]))
+        # Sums over ranks: every rank's copy gathered and summed, so the backward (`gather_with_grad`'s) gives
+        # each rank the sum of every rank's gradient.
+        total = gather_with_grad(torch.cat([x.sum(dims), count])[None]).sum(0)
         count = total[-1]
         mean = total[:-1] / count
         centred = x - mean.view(shape)
-        var = all_reduce_sum_with_grad((centred * centred).sum(dims)) / count
+        var = gather_with_grad((centred * centred).sum(dims)[None]).sum(0) / count
         if self.track_running_stats:
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
@@ -205,15 +204,3 @@ class CrossRankBatchNorm(nn.modules.batchnorm._BatchNorm):
     def _check_input_dim(self, x: Tensor) -> None:
         if x.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {x.dim()}D input)")
-
-
-def _convert_cross_rank(module: nn.Module) -> nn.Module:
-    out = module
-    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, CrossRankBatchNorm):
-        out = CrossRankBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
-                                 module.track_running_stats)
-        out.load_state_dict(module.state_dict())  # the affine parameters and running statistics
-        out.train(module.training)
-    for name, child in module.named_children():
-        out.add_module(name, _convert_cross_rank(child))
-    return out

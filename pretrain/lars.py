@@ -48,11 +48,8 @@ class LARS(torch.optim.Optimizer):
             if group["lars_exclude"]:
                 updates = grads
             else:
-                updates = (
-                    torch._foreach_add(grads, params, alpha=group["weight_decay"])
-                    if group["weight_decay"] != 0
-                    else [g.clone() for g in grads]
-                )
+                # u = g + weight_decay * w: new tensors, so scaling them in place leaves the gradients as they are
+                updates = torch._foreach_add(grads, params, alpha=group["weight_decay"])
                 param_norms = torch.stack(torch._foreach_norm(params))
                 update_norms = torch.stack(torch._foreach_norm(updates))
                 # Norms stay on the device: no host sync per parameter.

@@ -39,7 +39,7 @@ class _GatherWithGrad(torch.autograd.Function):
     def forward(ctx, tensor: Tensor) -> Tensor:  # type: ignore[override]
         parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, tensor.contiguous())
-        ctx.rows = (dist.get_rank() * tensor.shape[0], (dist.get_rank() + 1) * tensor.shape[0])
+        ctx.rows = slice(dist.get_rank() * tensor.shape[0], (dist.get_rank() + 1) * tensor.shape[0])
         return torch.cat(parts)
 
     @staticmethod
@@ -48,8 +48,7 @@ class _GatherWithGrad(torch.autograd.Function):
         # summed rank losses w.r.t. this rank's rows is the sum over ranks of their gradients.
         grad = grad.contiguous().clone()
         dist.all_reduce(grad, op=dist.ReduceOp.SUM)
-        start, stop = ctx.rows
-        return grad[start:stop]
+        return grad[ctx.rows]
 
 
 def gather_with_grad(tensor: Tensor) -> Tensor:
@@ -134,37 +133,29 @@ def relicv2_loss(online_large: Sequence[Tensor], online_small: Sequence[Tensor],
             negatives = sample_negatives(total, num_negatives, num_online * num_target, generator=generator,
                                          device=device).view(num_online, num_target, total, num_negatives)
             candidates = torch.cat([anchor_columns, negatives[:, :, anchors]], dim=-1)  # [V, L, B, 1 + n_e]
-            forward_logits, reverse_logits = _candidate_logits(online, candidates_online, target, target_anchor,
-                                                               candidates)
+            # forward <o_a[i], t_b[c]> and reverse <o_a[c], t_b[i]> (the candidates' views first, then back)
+            forward_logits = _candidate_dots(target, online, candidates)
+            reverse_logits = _candidate_dots(candidates_online, target_anchor,
+                                             candidates.transpose(0, 1)).transpose(0, 1)
             positive = torch.zeros_like(candidates[..., :1])  # column 0 is the anchor itself
         contrastive, invariance = _relic_terms(forward_logits / temperature, reverse_logits / temperature, positive)
         loss = contrast_weight * contrastive + invariance_weight * invariance
     return loss, {"contrastive": contrastive, "invariance": invariance}
 
 
-def _candidate_logits(
-    online: Tensor, candidates_online: Tensor, target: Tensor, target_anchor: Tensor, candidates: Tensor
-) -> tuple[Tensor, Tensor]:
-    """Forward <o_a[i], t_b[c]> and reverse <o_a[c], t_b[i]> similarities, both [V, L, B, K]. Each side gathers
-    its candidate rows once with `index_select` on the flattened views (its backward is a fast `index_add_`,
-    unlike advanced indexing's `index_put_`) and lays them out so that one `bmm` against the fixed vector
-    (o_a[i] for all target views b, t_b[i] for all online views a) computes every logit without copies."""
-    num_online, num_target, batch, count = candidates.shape
-    total, dim = target.shape[1], target.shape[2]
-    # forward: rows (a, i), candidates (b, k) index target row b * N + c
-    rows = candidates + total * torch.arange(num_target, device=candidates.device).view(1, -1, 1, 1)
-    rows = rows.permute(0, 2, 1, 3).reshape(-1)  # [V, B, L, K]
-    gathered = target.reshape(-1, dim).index_select(0, rows).view(num_online * batch, num_target * count, dim)
-    forward = torch.bmm(gathered, online.reshape(num_online * batch, dim, 1))
-    forward = forward.view(num_online, batch, num_target, count).permute(0, 2, 1, 3)
-    # reverse: rows (b, i), candidates (a, k) index online row a * N + c
-    rows = candidates + total * torch.arange(num_online, device=candidates.device).view(-1, 1, 1, 1)
-    rows = rows.permute(1, 2, 0, 3).reshape(-1)  # [L, B, V, K]
-    gathered = candidates_online.reshape(-1, dim).index_select(0, rows).view(num_target * batch,
-                                                                              num_online * count, dim)
-    reverse = torch.bmm(gathered, target_anchor.reshape(num_target * batch, dim, 1))
-    reverse = reverse.view(num_target, batch, num_online, count).permute(2, 0, 1, 3)
-    return forward, reverse
+def _candidate_dots(table: Tensor, fixed: Tensor, candidates: Tensor) -> Tensor:
+    """<fixed[f, i], table[t, candidates[f, t, i, k]]> for all f, t, i, k: [F, T, B, K] from table [T, N, D]
+    and fixed [F, B, D]. The candidate rows are gathered once with `index_select` on the flattened views (its
+    backward is a fast `index_add_`, unlike advanced indexing's `index_put_`) and laid out so that one `bmm`
+    against the fixed vectors computes every logit without copies."""
+    num_fixed, num_table, batch, count = candidates.shape
+    total, dim = table.shape[1], table.shape[2]
+    # row (f, i), candidate (t, k) indexes table row t * N + c
+    rows = candidates + total * torch.arange(num_table, device=candidates.device).view(1, -1, 1, 1)
+    rows = rows.permute(0, 2, 1, 3).reshape(-1)  # [F, B, T, K]
+    gathered = table.reshape(-1, dim).index_select(0, rows).view(num_fixed * batch, num_table * count, dim)
+    dots = torch.bmm(gathered, fixed.reshape(num_fixed * batch, dim, 1))
+    return dots.view(num_fixed, batch, num_table, count).permute(0, 2, 1, 3)
 
 
 def _relic_terms(forward_logits: Tensor, reverse_logits: Tensor, positive: Tensor) -> tuple[Tensor, Tensor]:
@@ -180,7 +171,6 @@ def _relic_terms(forward_logits: Tensor, reverse_logits: Tensor, positive: Tenso
 
 def _check_inputs(online_large: Sequence[Tensor], online_views: list[Tensor], target_large: Sequence[Tensor],
                   gathered_online: Sequence[Tensor] | None, anchor_offset: int) -> None:
-    """Raise ValueError on inconsistent view counts or shapes."""
     if len(online_large) == 0 or len(target_large) != len(online_large):
         raise ValueError(f"need L >= 1 large views in both networks, got {len(online_large)} online and "
                          f"{len(target_large)} target")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -22,20 +23,15 @@ def truncate_metrics(output_dir: str | Path, step: int) -> int:
     path = Path(output_dir) / METRICS_NAME
     if not path.is_file():
         return 0
-    kept, dropped = [], 0
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-            keep = int(record["step"]) <= step
-        except (ValueError, KeyError, TypeError):
-            keep = False
-        if keep:
-            kept.append(line)
-        else:
-            dropped += 1
-    if dropped:
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    kept = []
+    for line in lines:
+        with contextlib.suppress(ValueError, KeyError, TypeError):  # a torn or foreign line is dropped
+            if int(json.loads(line)["step"]) <= step:
+                kept.append(line)
+    if len(kept) < len(lines):
         atomic_write_bytes(path, "".join(f"{line}\n" for line in kept).encode())
-    return dropped
+    return len(lines) - len(kept)
 
 
 class MetricsLogger:
@@ -54,7 +50,6 @@ class MetricsLogger:
         self._progress = Phase("pretrain", total_steps, unit="step", enabled=progress_bar, initial=initial_step)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        """Record `metrics` (numbers) for global step `step`."""
         record = {"step": step, "time": round(time.time(), 3), **metrics}
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()

@@ -10,7 +10,6 @@ batch, progress is kept in images seen (see `restore`).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,22 +26,14 @@ FIXED_ON_RESUME = ("run.seed", "data.source", "data.train_shards", "data.synthet
                    "data.synthetic_classes", "views.backend")
 PATH_SETTINGS = ("data.train_shards",)  # compared as the places they name
 
-
 DALI_RESPLIT = ("; DALI's reader draws the rest of this epoch from a new order over the new shares, so in this "
                 "epoch some images are seen twice and others not at all (the reference backend continues exactly)")
 
 
-@dataclass(frozen=True)
-class DataPosition:
-    """Where a run stands in its data: epoch and samples consumed in that epoch's global order."""
-
-    epoch: int
-    samples: int
-
-    @classmethod
-    def at_step(cls, step: int, steps_per_epoch: int, global_batch: int) -> DataPosition:
-        epoch, batches = divmod(step, steps_per_epoch)
-        return cls(epoch, batches * global_batch)
+def data_position(step: int, steps_per_epoch: int, global_batch: int) -> dict[str, int]:
+    """Where a run stands in its data at `step`: epoch and samples consumed in that epoch's global order."""
+    epoch, batches = divmod(step, steps_per_epoch)
+    return {"epoch": epoch, "samples": batches * global_batch}
 
 
 def _lookup(tree: dict[str, Any], dotted: str) -> Any:
@@ -92,9 +83,9 @@ def restore(state: TrainState, source: ViewSource, payload: dict[str, Any], ctx:
             "position restarts at that step's place in the epoch order, so up to one batch of images is "
             "seen again or skipped"
         )
-    position = DataPosition.at_step(step, steps_per_epoch, global_batch)
-    same_place = (f"the run continues at the same data position (epoch {position.epoch}, {position.samples} "
-                  "samples in) with this version's data stream")
+    position = data_position(step, steps_per_epoch, global_batch)
+    same_place = (f"the run continues at the same data position (epoch {position['epoch']}, "
+                  f"{position['samples']} samples in) with this version's data stream")
     if saved_batch == global_batch and saved_ranks == ctx.world_size and not gone:
         try:
             source.load_state_dict(payload["data"][ctx.rank])  # exact: the rank's own reader state
@@ -114,8 +105,8 @@ def restore(state: TrainState, source: ViewSource, payload: dict[str, Any], ctx:
             notes.append(f"note: {path} was trained with {settings}, removed since ({reasons}); {same_place}")
         if saved_ranks != ctx.world_size:
             notes.append(f"note: {path} was written by {saved_ranks} rank(s), this run has {ctx.world_size}; "
-                         f"the data position (epoch {position.epoch}, {position.samples} samples in) is split "
-                         "over the new ranks"
+                         f"the data position (epoch {position['epoch']}, {position['samples']} samples in) "
+                         "is split over the new ranks"
                          + (DALI_RESPLIT if config.data.source == "shards" and config.views.backend == "dali" else ""))
     rngs = payload["rng"]
     rng = rngs[ctx.rank if ctx.rank < len(rngs) else 0] if rngs else None
@@ -134,10 +125,10 @@ def restore(state: TrainState, source: ViewSource, payload: dict[str, Any], ctx:
     return notes
 
 
-def _load_global_position(source: ViewSource, position: DataPosition, global_batch: int,
+def _load_global_position(source: ViewSource, position: dict[str, int], global_batch: int,
                           ctx: DistributedContext, path: Path, saved_ranks: int) -> None:
     try:
-        source.load_state_dict(global_position_state(position.epoch, position.samples, global_batch))
+        source.load_state_dict(global_position_state(**position, global_batch=global_batch))
     except (KeyError, ValueError, TypeError) as error:
         raise CheckpointError(
             f"cannot resume from {path} with {ctx.world_size} rank(s) (it was written by {saved_ranks}) "

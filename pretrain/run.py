@@ -9,7 +9,7 @@ import contextlib
 import signal
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,7 @@ from pretrain.eval.classes import ClassMismatchError, check_same_classes
 from pretrain.eval.knn import evaluate_knn, shared_tars
 from pretrain.eval.outcome import lost_fields
 from pretrain.metrics_log import MetricsLogger, truncate_metrics
-from pretrain.resume import DataPosition, restore
+from pretrain.resume import data_position, restore
 from pretrain.trainer import (
     NonFiniteLossError,
     StepSettings,
@@ -286,8 +286,9 @@ def _train(config: PretrainConfig, ctx: DistributedContext, state: TrainState, s
                             progress_bar=config.run.progress_bar) if ctx.is_main else None)
     window = _Window()
     first_steps: list[float] = []
+    signal_name = None
     try:
-        while state.step < end_step:
+        while state.step < end_step and signal_name is None:
             for batch in window.timed(source):
                 step_start = time.perf_counter()
                 metrics = _step(state, batch, online_forward, target_forward, settings, ctx, last_saved)
@@ -309,17 +310,15 @@ def _train(config: PretrainConfig, ctx: DistributedContext, state: TrainState, s
                 if knn is not None and at_epoch_end == 0 and epoch % config.knn.every_epochs == 0:
                     _knn_monitor(state, config, ctx, logger, *knn)
                 signal_name = stop.agreed(ctx)
-                if signal_name is not None:
-                    if last_saved is None or step_of(last_saved) != state.step:
-                        last_saved = _save(state, source, config, ctx, steps_per_epoch)
-                    raise PretrainingInterrupted(signal_name, state.step, last_saved)
-                if state.step >= end_step:
+                if signal_name is not None or state.step >= end_step:
                     break
         if last_saved is None or step_of(last_saved) != state.step:
             last_saved = _save(state, source, config, ctx, steps_per_epoch)
     finally:
         if logger is not None:
             logger.close()
+    if signal_name is not None:
+        raise PretrainingInterrupted(signal_name, state.step, last_saved)
     return PretrainResult(state.step, state.skipped_steps, last_saved)
 
 
@@ -422,12 +421,11 @@ def _save(state: TrainState, source: ViewSource, config: PretrainConfig, ctx: Di
     data_states = all_gather_object(source.state_dict(), ctx)
     training = state.state_dict()
     rng_states = all_gather_object(training["rng"], ctx)
-    position = DataPosition.at_step(state.step, steps_per_epoch, config.optim.global_batch)
     path = checkpoint_path(config.run.output_dir, state.step)
     if ctx.is_main:
         try:
             payload = {"config": to_dict(config), **training, "rng": rng_states, "data": data_states,
-                       "data_position": asdict(position)}
+                       "data_position": data_position(state.step, steps_per_epoch, config.optim.global_batch)}
             path = save_checkpoint(config.run.output_dir, payload, keep=config.run.keep_checkpoints)
         except (OSError, RuntimeError) as error:  # torch.save reports a full disk as RuntimeError
             raise ConfigError(f"cannot write checkpoint {path}: {str(error).strip().splitlines()[0]}; free "

@@ -24,10 +24,9 @@ def learning_rate(step: int, *, peak_lr: float, warmup_steps: int, total_steps: 
     step = min(max(step, 0), total_steps)
     if step < warmup_steps:
         return peak_lr * step / warmup_steps
-    decay_steps = total_steps - warmup_steps
-    if decay_steps == 0:
+    if step == total_steps:  # also where the warmup takes the whole schedule
         return 0.0
-    progress = (step - warmup_steps) / decay_steps
+    progress = (step - warmup_steps) / (total_steps - warmup_steps)
     return peak_lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 

@@ -16,7 +16,6 @@ from torch.nn.parallel import DistributedDataParallel
 from pretrain.config import DerivedValues, PretrainConfig
 from pretrain.distributed import (
     DistributedContext,
-    all_gather_tensor,
     all_reduce_mean,
     convert_sync_batchnorm,
 )
@@ -106,11 +105,9 @@ def build_state(config: PretrainConfig, ctx: DistributedContext, settings: StepS
                                     zero_init_residual=model.zero_init_residual,
                                     activation_checkpointing=model.activation_checkpointing)
     if ctx.is_distributed and model.sync_batchnorm is not False:  # None: BN over the global batch (BYOL recipe)
-        online = convert_sync_batchnorm(online, ctx)
-        target = convert_sync_batchnorm(target, ctx)
+        online, target = (convert_sync_batchnorm(network, ctx) for network in (online, target))
     memory_format = torch.channels_last if settings.channels_last else torch.preserve_format
-    online = online.to(ctx.device, memory_format=memory_format)
-    target = target.to(ctx.device, memory_format=memory_format)
+    online, target = (network.to(ctx.device, memory_format=memory_format) for network in (online, target))
     target.train()  # the target normalises with batch statistics, as in BYOL
     optimizer = LARS(parameter_groups(online, config.optim.weight_decay), lr=0.0,  # the schedule's, each step
                      momentum=config.optim.momentum, weight_decay=config.optim.weight_decay,
@@ -126,11 +123,9 @@ def wrap_networks(
     if ctx.is_distributed:
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         online_forward = DistributedDataParallel(online_forward, device_ids=device_ids)
-    target_forward: nn.Module = state.target
     if compile:
-        online_forward = torch.compile(online_forward, backend=backend)
-        target_forward = torch.compile(target_forward, backend=backend)
-    return online_forward, target_forward
+        return torch.compile(online_forward, backend=backend), torch.compile(state.target, backend=backend)
+    return online_forward, state.target
 
 
 def train_step(state: TrainState, views: Sequence[Tensor], *,
@@ -171,7 +166,7 @@ def train_step(state: TrainState, views: Sequence[Tensor], *,
     #    embeddings (with gradient) the reverse distribution p(b; a)
     gathered_online = None
     if ctx.is_distributed:
-        target_views = list(all_gather_tensor(torch.stack(target_views, dim=1), ctx).unbind(1))
+        target_views = list(gather_with_grad(torch.stack(target_views, dim=1).detach()).unbind(1))
         gathered_online = list(gather_with_grad(torch.stack(online_views, dim=1)).unbind(1))
     state.generator.manual_seed(derive_seed(config.run.seed, SeedPurpose.NEGATIVES, step))
     loss, parts = relicv2_loss(  # the loss section: temperature, num_negatives and the two weights
