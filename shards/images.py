@@ -144,6 +144,10 @@ def header_problem(file: BinaryIO, limits: ImageLimits = DEFAULT_LIMITS) -> Reje
             width, height = image.size
     except DECODE_ERRORS as exc:
         return classify_error(exc)
+    return _pixels_problem(width, height, limits)
+
+
+def _pixels_problem(width: int, height: int, limits: ImageLimits) -> Rejection | None:
     if width * height > limits.max_pixels:
         return Rejection("too_large", f"image is {width}x{height} = {width * height} pixels, over the limit of "
                                       f"{limits.max_pixels} (raise max_pixels to accept it)")
@@ -160,11 +164,11 @@ def _open(data: bytes, name: str, limits: ImageLimits, *, max_side: int | None =
     if len(data) > limits.max_member_bytes:
         raise ImageLoadError(name, Rejection(
             "too_large", f"{len(data)} bytes exceed the limit of {limits.max_member_bytes}"))
-    if (rejection := header_problem(io.BytesIO(data), limits)) is not None:
-        raise ImageLoadError(name, rejection)
     with _decoding(name), _own_pixel_limit():
-        image = Image.open(io.BytesIO(data))
+        image = Image.open(io.BytesIO(data))  # the header only: checked before any pixel is decoded
         width, height = image.size
+        if (rejection := _pixels_problem(width, height, limits)) is not None:
+            raise ImageLoadError(name, rejection)
         if max_side is not None and max(width, height) > max_side:
             scale = max_side / max(width, height)
             image.draft("RGB", (math.ceil(width * scale), math.ceil(height * scale)))

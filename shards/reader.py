@@ -298,13 +298,14 @@ def read_samples(tar: Path, report: ReadReport, *, index: Path | None = None,
     """The samples of one tar read whole (`locate_samples`, then each member's bytes and the json
     policy), in order. A tar that cannot be read, or whose index does not fit it, is a lost shard in
     `report`; nothing raises."""
+    scanned = index is None  # the members' places come from the tar's own headers, read just now
     try:
         try:
             refs = _located(tar, index, limits, report)
         except IndexFileError:
             # An index that does not fit its tar (a tar cut short, an index of another tar): the tar's
             # own headers give every complete sample, and name the loss.
-            refs = _located(tar, None, limits, report)
+            refs, scanned = _located(tar, None, limits, report), True
         handle = open(tar, "rb")  # noqa: SIM115 (closed below)
     except (TarReadError, IndexFileError, OSError) as exc:
         report.lose_shard(tar, str(exc))
@@ -313,10 +314,11 @@ def read_samples(tar: Path, report: ReadReport, *, index: Path | None = None,
         for position, ref in refs:
             members = {}
             for ext, (offset, size, name) in ref.members.items():
-                data = read_indexed_member(handle.fileno(), offset, size)
+                data = read_indexed_member(handle.fileno(), offset, size, header_read=scanned)
                 if data is None:
-                    report.lose_shard(tar, f"its index {index} does not describe it at member {name!r}; rewrite "
-                                           f"the index with shards.write_index({tar.name}) (or rebuild the shard set)")
+                    report.lose_shard(tar, f"changed while it was read, at member {name!r}; rerun" if scanned else
+                                      f"its index {index} does not describe it at member {name!r}; rewrite the "
+                                      f"index with shards.write_index({tar.name}) (or rebuild the shard set)")
                     return
                 members[ext] = data
             key = split_member_name(name)[0]  # folders kept: they name outputs

@@ -95,10 +95,15 @@ def iter_tar(path: Path, limits: ImageLimits = DEFAULT_LIMITS) -> Iterator[tarfi
                           "(cut short?)")
 
 
-def read_indexed_member(fd: int, offset: int, size: int) -> bytes | None:
+def read_indexed_member(fd: int, offset: int, size: int, *, header_read: bool = False) -> bytes | None:
     """The `size` data bytes at `offset` of an open tar, read with the member's header in one call;
     None unless that header is a valid regular-file header of exactly that size (an index that
-    does not describe this tar: stale, foreign or forged)."""
+    does not describe this tar: stale, foreign or forged). With `header_read` (the caller took the
+    place from this tar's own headers) the data alone: parsing each header twice cost a reading job
+    ~5% of its CPU."""
+    if header_read:
+        data = os.pread(fd, size, offset)
+        return data if len(data) == size else None
     if offset < BLOCK:
         return None
     raw = os.pread(fd, BLOCK + size, offset - BLOCK)

@@ -14,6 +14,7 @@ import pytest
 from PIL import Image
 
 import shards
+from shards.reader import read_samples
 from shards.verify import verify_shard_set
 
 
@@ -169,6 +170,22 @@ def test_truncated_tar_is_counted_and_named(shard_set):
     assert "masked-000001.tar" in report.summary()
     with pytest.raises(TypeError):  # without a report: never silent, so never without one
         list(shards.iter_samples(paths))
+
+
+def test_a_tar_cut_short_after_its_headers_were_read_is_a_lost_shard_not_wrong_bytes(shard_set):
+    # Without an index the reader takes the members' places from the tar's headers, then reads the data
+    # alone: a tar that shrinks in between must not yield short members.
+    _, samples, paths = shard_set
+    report = shards.ReadReport()
+    reading = read_samples(paths[0], report)
+    first = next(reading)
+    assert first.members["jpg"] == samples[0].members["jpg"]
+    with open(paths[0], "r+b") as tar:
+        tar.truncate(paths[0].stat().st_size // 2)
+    rest = list(reading)
+    assert 0 < len(rest) < 9 and all(s.members["jpg"] == samples[s.position].members["jpg"] for s in rest)
+    assert [(Path(t).name, "changed while it was read" in why) for t, why in report.lost_shards] == [
+        ("masked-000000.tar", True)]
 
 
 def test_verify_accepts_a_good_set_and_reports_problems(shard_set):
