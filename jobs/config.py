@@ -161,14 +161,14 @@ def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def resolve(cls: type, config: str | Path | None, overrides: Sequence[str], presets: Presets,
-            *, defaults: Mapping[str, Any] | None = None, given: Mapping[str, Any] | None = None) -> tuple[Any, str]:
-    """(config of type `cls`, source label): `defaults`, then the preset or file, then `given` (a command's
-    own options), then the overrides."""
+            *, defaults: Mapping[str, Any] | None = None, given: Mapping[str, Any] | None = None) -> Any:
+    """The config of type `cls`: `defaults`, then the preset or file, then `given` (a command's own options),
+    then the overrides; errors name where the value came from."""
     tree, source = read_tree(config, presets)
     if overrides:
         source = f"{source} with --set overrides" if config is not None else "--set overrides"
     tree = merge(merge(merge(defaults or {}, tree), given or {}), parse_overrides(overrides))
-    return build(cls, tree, source=source), source
+    return build(cls, tree, source=source)
 
 
 def build(cls: type, tree: Mapping[str, Any], *, source: str = "config", prefix: str = "", saved: bool = False) -> Any:

@@ -194,7 +194,7 @@ PRESETS = Presets(job="relicv2 pretrain", package="pretrain")
 
 def load_config(config: str | Path | None = None, overrides: Sequence[str] = ()) -> PretrainConfig:
     """Defaults <- preset NAME or YAML file (if given) <- `section.key=value` overrides, type-checked."""
-    return resolve(PretrainConfig, config, overrides, PRESETS)[0]
+    return resolve(PretrainConfig, config, overrides, PRESETS)
 
 
 def from_dict(tree: Mapping[str, Any], *, source: str = "config", saved: bool = False) -> PretrainConfig:

@@ -48,13 +48,13 @@ ALLOW_LOST_HINT = ", or pass --allow-lost to score the samples that remain (the 
 
 def load_linear_config(config: str | Path = "paper", overrides: Sequence[str] = ()) -> LinearConfig:
     """A linear-probe preset (`paper`, `fast`) or YAML file, with `key=value` overrides."""
-    return resolve(LinearConfig, config, overrides, LINEAR_PRESETS)[0]
+    return resolve(LinearConfig, config, overrides, LINEAR_PRESETS)
 
 
 def load_finetune_config(config: str | Path = "1pct", overrides: Sequence[str] = ()) -> FinetuneConfig:
     """A fine-tuning preset (`1pct`, `10pct`) or YAML file, with `key=value` overrides; `preset` names it."""
     label = Path(config).stem if is_file_reference(config) else str(config)
-    return resolve(FinetuneConfig, config, overrides, FINETUNE_PRESETS, defaults={"preset": label})[0]
+    return resolve(FinetuneConfig, config, overrides, FINETUNE_PRESETS, defaults={"preset": label})
 
 
 def knn_settings(given: dict[str, Any]) -> KnnConfig:

@@ -144,7 +144,7 @@ PRESETS = Presets(job="relicv2 saliency build-masks", package="saliency", folder
 def load_masks_config(config: str | Path | None = None, overrides: Sequence[str] = (), **given: Any) -> BuildMasksConfig:
     """Defaults <- preset NAME or YAML file <- the command's options in `given` (None: not given) <- `key=value`."""
     return resolve(BuildMasksConfig, config, overrides, PRESETS,
-                   given={key: value for key, value in given.items() if value is not None})[0]
+                   given={key: value for key, value in given.items() if value is not None})
 
 
 def default_workers() -> int:

@@ -101,4 +101,4 @@ def load_saliency_config(config: str | Path | None = None, overrides: Sequence[s
     `preset` records the preset's name or the file's stem."""
     label = None if config is None else (Path(config).stem if is_file_reference(config) else str(config))
     return resolve(SaliencyTrainConfig, config, overrides, PRESETS,
-                   defaults={"preset": label} if label else None)[0]
+                   defaults={"preset": label} if label else None)
