@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import collections
 import json
+import multiprocessing
 import os
 import pickle
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 import pytest
@@ -101,6 +103,14 @@ def _release(tmp_path, blocks, bottleneck, width, size, name, projection=(True, 
     return path, images, np.asarray(features)
 
 
+@pytest.fixture(scope="module")
+def jax_process():
+    """A spawned process for the JAX side: JAX's threads never start in the test process, which forks worker
+    processes in later tests (a fork of a process running JAX's threads can deadlock)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        yield pool
+
+
 def _compare(path, images, expected, tmp_path):
     encoder, info = encoder_from_release(path)
     encoder.eval()
@@ -111,8 +121,8 @@ def _compare(path, images, expected, tmp_path):
     return encoder, info
 
 
-def test_resnet50_release_gives_the_jax_features(tmp_path):
-    path, images, expected = _release(tmp_path, (3, 4, 6, 3), True, 1, 224, "res_net50")
+def test_resnet50_release_gives_the_jax_features(tmp_path, jax_process):
+    path, images, expected = jax_process.submit(_release, tmp_path, (3, 4, 6, 3), True, 1, 224, "res_net50").result()
     _, info = _compare(path, images, expected, tmp_path)
     assert (info["depth"], info["width"], info["step"]) == (50, 1, 1000)
     out = tmp_path / "r50.pt"
@@ -132,12 +142,13 @@ def test_resnet50_release_gives_the_jax_features(tmp_path):
     assert np.abs(again - expected).max() / np.abs(expected).max() < 1e-4
 
 
-def test_wide_and_resnet18_shaped_releases_with_a_device_axis(tmp_path):
-    path, images, expected = _release(tmp_path, (3, 4, 6, 3), True, 2, 64, "res_net50", device_axis=True)
+def test_wide_and_resnet18_shaped_releases_with_a_device_axis(tmp_path, jax_process):
+    path, images, expected = jax_process.submit(_release, tmp_path, (3, 4, 6, 3), True, 2, 64, "res_net50",
+                                                device_axis=True).result()
     _, info = _compare(path, images, expected, tmp_path)
     assert (info["depth"], info["width"]) == (50, 2)
-    path, images, expected = _release(tmp_path, (2, 2, 2, 2), False, 1, 57, "res_net18",
-                                      projection=(False, True, True, True))
+    path, images, expected = jax_process.submit(_release, tmp_path, (2, 2, 2, 2), False, 1, 57, "res_net18",
+                                                projection=(False, True, True, True)).result()
     _, info = _compare(path, images, expected, tmp_path)
     assert (info["depth"], info["width"]) == (18, 1)
 
