@@ -44,6 +44,7 @@ from pretrain.distributed import (
     all_gather_object,
     all_reduce_mean,
     barrier,
+    gather_object,
     init,
     open_shard_sets,
     teardown,
@@ -418,11 +419,11 @@ class _StopSignals:
 def _save(state: TrainState, source: ViewSource, config: PretrainConfig, ctx: DistributedContext,
           steps_per_epoch: int) -> Path:
     """Checkpoint on rank 0 with every rank's data-pipeline and RNG state (a collective call)."""
-    data_states = all_gather_object(source.state_dict(), ctx)
     training = state.state_dict()
-    rng_states = all_gather_object(training["rng"], ctx)
+    states = gather_object((source.state_dict(), training["rng"]), ctx)  # on rank 0 only: it alone writes
     path = checkpoint_path(config.run.output_dir, state.step)
-    if ctx.is_main:
+    if states is not None:
+        data_states, rng_states = ([data for data, _ in states], [rng for _, rng in states])
         try:
             payload = {"config": to_dict(config), **training, "rng": rng_states, "data": data_states,
                        "data_position": data_position(state.step, steps_per_epoch, config.optim.global_batch)}
