@@ -15,6 +15,7 @@ epoch into `OUT/work/`; rerunning the same command resumes at the epoch after th
 from __future__ import annotations
 
 import json
+import math
 import sys
 import zlib
 from collections.abc import Callable
@@ -46,6 +47,18 @@ from shards.reader import SampleRef
 RANDOM_BACKBONE_NOTE = ("saliency train: note: the encoder starts from random weights (--backbone random); "
                         "the paper starts it from a self-supervised backbone (a relicv2 pretrain run folder); "
                         "benchmarks/RESULTS.md measures what that buys at small scale")
+
+
+def few_images_note(config: SaliencyTrainConfig, count: int) -> str | None:
+    """A note when the shard set holds fewer images than `num_images`: every network then takes fewer steps
+    than the preset's epochs were chosen for (the levers of RESULTS.md are steps as much as images)."""
+    if count >= config.num_images:
+        return None
+    scale = config.num_images / count
+    return (f"saliency train: note: {count} images, fewer than num_images={config.num_images} that the preset's "
+            f"epochs were chosen for, so each network takes {count / config.num_images:.0%} of those steps; for "
+            f"as many steps: --set epochs={math.ceil(config.epochs * scale)} "
+            f"--set fuse_epochs={math.ceil(config.fuse_epochs * scale)}")
 
 
 class TrainStateError(RuntimeError):
@@ -279,6 +292,9 @@ def run_train(job: TrainJob, log: Callable[[str], None] = print) -> dict:
             print(RANDOM_BACKBONE_NOTE, file=sys.stderr)
         log(f"saliency train: preset {config.preset}, ResNet-{config.depth} x{config.width}, "
             f"{config.input_size} px, encoder from {checked.backbone}, on {device}")
+        note = few_images_note(config, len(checked.locations))
+        if note:
+            print(note, file=sys.stderr)
         data = load_training_images(job.shards, out, count=config.num_images, seed=config.seed,
                                     size=config.input_size, methods=config.methods, workers=config.workers,
                                     progress=job.progress, index_cache=job.index_cache, locations=checked.locations)

@@ -15,7 +15,9 @@ from PIL import Image
 
 from cli.main import cli
 from saliency.maps import write_png
+from saliency.network.config import load_saliency_config
 from saliency.network.report import mask_problem
+from saliency.network.train import few_images_note
 from saliency.synthetic import synthetic_scene
 from shards import write_shard_set
 from tests.saliency.network.conftest import scene_samples
@@ -108,3 +110,15 @@ def test_a_stale_config_is_replaced_the_note_is_one_line_and_an_unscored_part_is
     assert all(row["count"] == 0 and row["mae"] is None for row in report["heldout"].values())
     assert yaml.safe_load((out / "config.yaml").read_text())["inputs"]["shards"] == str(shards)
     assert (out / "model.pt").is_file()
+
+
+def test_fewer_images_than_num_images_is_one_note_with_the_epochs_for_as_many_steps(
+        tmp_path: Path, scene_shards) -> None:
+    shards, _ = scene_shards  # 12 images
+    result = _train(shards, tmp_path / "out", "--set", "num_images=30", "--set", "epochs=2")
+    assert result.exit_code == 0, result.output
+    notes = [line for line in result.stderr.splitlines() if "fewer than num_images" in line]
+    assert notes == ["saliency train: note: 12 images, fewer than num_images=30 that the preset's epochs were "
+                     "chosen for, so each network takes 40% of those steps; for as many steps: --set epochs=5 "
+                     "--set fuse_epochs=3"]
+    assert few_images_note(load_saliency_config("cpu"), 240) is None  # enough images: no note
