@@ -121,4 +121,5 @@ def test_fewer_images_than_num_images_is_one_note_with_the_epochs_for_as_many_st
     assert notes == ["saliency train: note: 12 images, fewer than num_images=30 that the preset's epochs were "
                      "chosen for, so each network takes 40% of those steps; for as many steps: --set epochs=5 "
                      "--set fuse_epochs=3"]
-    assert few_images_note(load_saliency_config("cpu"), 240) is None  # enough images: no note
+    cpu = load_saliency_config("cpu")
+    assert few_images_note(cpu, cpu.num_images) is None  # enough images: no note
