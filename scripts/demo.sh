@@ -113,18 +113,24 @@ fi
 
 # ---- 4. the saliency network (DeepUSPS-style refinement of the handcrafted maps): the demo preset
 # (the reduced demo: tiny); one folder per preset, so a changed preset never meets another's state
+# (the stamp holds the preset's checksum too: a changed preset trains again, and the masks follow)
 network=$out/saliency/network-$saliency_preset
-if stage saliency-train "$saliency_preset ${saliency_sets[*]}" "saliency network (saliency train --config $saliency_preset, random backbone)"; then
+masked=$out/shards/masked-train-$saliency_preset
+network_key="$saliency_preset $(sha256sum "saliency/presets/$saliency_preset.yaml" | cut -c1-12) ${saliency_sets[*]}"
+if [[ "$(cat "$out/.done/saliency-input" 2>/dev/null)" != "$network_key" ]]; then
+  rm -rf "$network" "$masked"  # another network's state and masks: start over (a stopped one resumes)
+fi
+if stage saliency-train "$network_key" "saliency network (saliency train --config $saliency_preset, random backbone)"; then
+  echo "$network_key" > "$out/.done/saliency-input"
   relicv2 saliency train --shards "$train" --out "$network" --config "$saliency_preset" --backbone random \
       "${saliency_sets[@]}"
-  finished saliency-train "$saliency_preset ${saliency_sets[*]}"
+  finished saliency-train "$network_key"
 fi
 
 # ---- 5. mask shards: every training image with the network's mask
-masked=$out/shards/masked-train-$saliency_preset
-if stage build-masks "$max_count $saliency_preset" "mask shards (saliency build-masks)"; then
+if stage build-masks "$max_count $network_key" "mask shards (saliency build-masks)"; then
   relicv2 saliency build-masks --model "$network/model.pt" --shards "$train" --out "$masked" --workers 2 --device cpu
-  finished build-masks "$max_count $saliency_preset"
+  finished build-masks "$max_count $network_key"
 fi
 pretrain_shards=$masked; mask_probability=0.1  # the paper's p_m
 
@@ -151,7 +157,7 @@ if [[ "$labelled" == "1" ]]; then
 else
   knn_sets=(--set knn.train_shards= --set knn.val_shards=)
 fi
-key="$pretrain_shards p_m=$mask_probability"
+key="$pretrain_shards p_m=$mask_probability $network_key"
 if [[ "$(cat "$out/.done/pretrain-input" 2>/dev/null)" != "$key" ]]; then
   rm -rf "$run"  # other input shards than the run in the folder (e.g. masks became available): start over
 fi

@@ -56,7 +56,7 @@ class SaliencyTrainConfig:
     input_size: int = 432  # images resized to input_size x input_size (bicubic; labels nearest)
     num_images: int = 2500  # images sampled from the shard set (seeded)
     methods: tuple[str, ...] = METHOD_NAMES
-    iterations: int = 3  # K self-supervised iterations per method (phase I)
+    iterations: int = 3  # K self-supervised iterations per method (phase I; 0: none, phase II fits the maps)
     epochs: int = 25  # E epochs per iteration
     batch_size: int = 10
     lr: float = 1e-5  # phase I, first iteration; doubles each iteration
@@ -82,9 +82,12 @@ class SaliencyTrainConfig:
         missing = [m for m in self.methods if m not in self.thresholds]
         if missing:
             raise ConfigError(f"no first-iteration threshold for {missing}; set thresholds.<method>=VALUE")
-        for name in ("input_size", "num_images", "iterations", "epochs", "batch_size", "workers"):
+        for name in ("input_size", "num_images", "epochs", "batch_size", "workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.iterations < 0:
+            raise ConfigError(f"iterations must be >= 0 (0: the fused network on the handcrafted labels), "
+                              f"got {self.iterations}")
         if self.input_size % 8:
             raise ConfigError(f"input_size must be a multiple of 8 (output stride), got {self.input_size}")
         if self.fuse_epochs < 0:

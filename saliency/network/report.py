@@ -27,6 +27,7 @@ from shards import ReadReport, iter_samples
 
 MEAN_ROW = "mean of handcrafted"
 LABELS_ROW = "mean of refined labels"
+MAP_LABELS_ROW = "mean of binarised maps"  # the same with no phase I (iterations 0): what phase II fits
 FUSED_ROW = "fused network"
 
 RowFn = Callable[[str, int, np.ndarray], np.ndarray]
@@ -133,10 +134,9 @@ def evaluate_report(job, data, trainer, model: SaliencyNet, *, progress: bool = 
         for k in range(1, config.iterations + 1):
             average = trainer.result(f"{m}-it{k}").float().numpy()
             rows[f"{m} refined it{k}"] = lambda _k, i, rgb, a=average: _nearest(a[i] >= 0.5, rgb.shape[1], rgb.shape[0])
-    # What phase II fits: the per-pixel mean of the methods' last binarised labels.
-    labels = [trainer.result(f"{m}-it{config.iterations}").float().numpy() >= 0.5 for m in config.methods]
-    rows[LABELS_ROW] = lambda _k, i, rgb: resize_map(np.mean([lab[i] for lab in labels], axis=0, dtype=np.float32),
-                                                     rgb.shape[1], rgb.shape[0])
+    # What phase II fits: the per-pixel mean of the methods' binarised labels (the last round's, or the maps').
+    fitted = trainer.fused_labels().float().mean(1).numpy()
+    rows[LABELS_ROW if config.iterations else MAP_LABELS_ROW] = lambda _k, i, rgb: resize_map(fitted[i], rgb.shape[1], rgb.shape[0])
     rows[MEAN_ROW] = _mean_of(maps, config.methods)
     rows[FUSED_ROW] = lambda _k, _i, rgb: predict_map(model, rgb, config.input_size)
 

@@ -4,8 +4,10 @@ Steps (docs/design.md "Refinement (DeepUSPS-style) and the saliency network"):
 1. sample N images, compute the handcrafted maps (cached; `data.py`);
 2. phase I, per method, K iterations: a fresh network trained E epochs on the current binary
    labels; after each epoch its train-mode predictions are CRF-refined and folded into a moving
-   average (0.7 old + 0.3 new, from 0); the last average binarised at 0.5 is the next labels;
-3. phase II: a fresh network trained on all methods' refined labels at once;
+   average (`average_keep` old + the rest new, from 0); the last average binarised at 0.5 is the
+   next labels;
+3. phase II: a fresh network trained on all methods' refined labels at once (K = 0: on the
+   handcrafted maps' labels, with no phase I);
 4. optional report against ground truth (`--gt`), and on held-back shards (`--eval-shards`);
 5. `OUT/model.pt` (self-describing) and `OUT/report.json`.
 Every unit of work (one iteration of one method, or the fused network) checkpoints after each
@@ -55,10 +57,10 @@ def few_images_note(config: SaliencyTrainConfig, count: int) -> str | None:
     if count >= config.num_images:
         return None
     scale = config.num_images / count
+    epochs = f"--set epochs={math.ceil(config.epochs * scale)} " if config.iterations else ""  # phase I's
     return (f"saliency train: note: {count} images, fewer than num_images={config.num_images} that the preset's "
             f"epochs were chosen for, so each network takes {count / config.num_images:.0%} of those steps; for "
-            f"as many steps: --set epochs={math.ceil(config.epochs * scale)} "
-            f"--set fuse_epochs={math.ceil(config.fuse_epochs * scale)}")
+            f"as many steps: {epochs}--set fuse_epochs={math.ceil(config.fuse_epochs * scale)}")
 
 
 class TrainStateError(RuntimeError):
@@ -207,15 +209,19 @@ class Trainer:
         """(binary labels [N, M, S, S], the soft maps they were binarised from [N, M, S, S])."""
         methods = [unit.method] if unit.method else list(self.config.methods)
         labels, soft = [], []
+        k = unit.iteration if unit.method else self.config.iterations  # the labels' round (0: handcrafted)
         for m in methods:
-            if unit.method is not None and unit.iteration == 0:  # the handcrafted map
+            if k == 0:  # the handcrafted map (phase II too when there is no phase I)
                 soft_map, threshold = self.data.maps[m].float(), self.config.thresholds[m]
-            else:  # the refined labels of the iteration before (phase II: the last)
-                k = unit.iteration if unit.method else self.config.iterations
+            else:  # the refined labels of the round before (phase II: the last)
                 soft_map, threshold = self.result(f"{m}-it{k}").float(), 0.5
             labels.append((soft_map >= threshold).half())
             soft.append(soft_map.half())
         return torch.stack(labels, 1), torch.stack(soft, 1)
+
+    def fused_labels(self) -> torch.Tensor:
+        """What phase II fits: binary labels [N, M, S, S], one set per method."""
+        return self.labels_of(plan_units(self.config)[-1])[0]
 
     def result(self, name: str) -> torch.Tensor:
         """The refined soft labels (moving average) a finished phase I unit left."""

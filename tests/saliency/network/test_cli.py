@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 from PIL import Image
 
@@ -31,6 +32,12 @@ def test_unknown_setting_is_refused(tmp_path: Path, scene_shards) -> None:
         assert "epochs must be of type int" in str(error)
     else:
         raise AssertionError("a string for an int setting must be refused")
+
+
+def test_negative_rounds_are_refused_and_zero_is_taken() -> None:
+    with pytest.raises(ConfigError, match=r"iterations must be >= 0 \(0: the fused network on the handcrafted labels\)"):
+        load_saliency_config("tiny", ["iterations=-1"])
+    assert load_saliency_config("tiny", ["iterations=0"]).iterations == 0
 
 
 def test_build_masks_and_preview_from_the_command_line(tmp_path: Path, scene_shards, tiny_model) -> None:

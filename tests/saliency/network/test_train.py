@@ -15,7 +15,7 @@ import yaml
 import saliency.network.train as train_module
 from saliency.maps import write_png
 from saliency.network.config import load_saliency_config
-from saliency.network.data import TrainingImages
+from saliency.network.data import TrainingImages, load_training_images
 from saliency.network.model_file import load_model
 from saliency.network.train import Trainer, TrainJob, TrainStateError, run_train
 from saliency.synthetic import synthetic_scene
@@ -59,6 +59,26 @@ def test_one_refinement_iteration_moves_labels_towards_the_masks(tmp_path: Path)
     before = np.mean([_iou(r, m) for r, m in zip(raw, masks, strict=True)])
     after = np.mean([_iou(r, m) for r, m in zip(refined, masks, strict=True)])
     assert after > before + 0.05, (before, after)
+
+
+def test_no_phase_one_fits_the_fused_network_to_the_maps_labels(tmp_path: Path, scene_shards, gt_folder) -> None:
+    shards, _ = scene_shards
+    config = load_saliency_config("tiny", ["methods=mc,rbd", "num_images=4", "iterations=0", "fuse_epochs=2"])
+    assert [u.name for u in train_module.plan_units(config)] == ["fused"]
+    job = TrainJob(shards=shards, out=tmp_path / "out", config=config, backbone="random", gt=gt_folder,
+                   progress=False)
+    report = run_train(job, log=lambda _: None)
+    assert set(report["losses"]) == {"fused"} and len(report["losses"]["fused"]) == 2
+    assert sorted(p.name for p in (tmp_path / "out" / "work").iterdir()) == ["fused.done.pt"]
+    rows = report["train"]
+    assert {"mean of binarised maps", "fused network"} <= set(rows) and not any("refined" in r for r in rows)
+    # What it fitted: each method's map at that method's first-round threshold.
+    trainer = Trainer(job, load_training_images(
+        shards, tmp_path / "out", count=4, seed=config.seed, size=config.input_size, methods=config.methods,
+        workers=0, progress=False), None)
+    labels = trainer.fused_labels()
+    for j, m in enumerate(config.methods):
+        assert torch.equal(labels[:, j].bool(), trainer.data.maps[m].float() >= config.thresholds[m]), m
 
 
 @pytest.fixture

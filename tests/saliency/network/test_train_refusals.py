@@ -123,3 +123,6 @@ def test_fewer_images_than_num_images_is_one_note_with_the_epochs_for_as_many_st
                      "--set fuse_epochs=3"]
     cpu = load_saliency_config("cpu")
     assert few_images_note(cpu, cpu.num_images) is None  # enough images: no note
+    no_phase_one = load_saliency_config("cpu", ["iterations=0"])  # only the fused network's epochs count
+    assert few_images_note(no_phase_one, cpu.num_images // 2).endswith(
+        f"for as many steps: --set fuse_epochs={2 * cpu.fuse_epochs}")
