@@ -54,7 +54,7 @@ if [[ "$reduced" == "1" ]]; then
                  --set views.blur_kernel=3 --set model.hidden_dim=64 --set model.out_dim=32
                  --set knn.every_epochs=1 --set knn.crop_size=32 --set knn.resize_size=32 --set run.progress_bar=false)
 else
-  per_class=(); max_count=64; sample_images=6; view_size=64
+  per_class=(); max_count=64; sample_images=8; view_size=64
   saliency_preset=demo; saliency_sets=()
   pretrain_sets=()
 fi
@@ -101,8 +101,9 @@ if stage handcrafted "$sample_images" "handcrafted saliency (RBD, MR, DSR, MC) o
   sample=$out/saliency/sample
   rm -rf "$sample" && mkdir -p "$sample"
   # Links named like the files, so the maps are named like the shard keys of the same images. The first
-  # image of each folder (class) comes first, then the rest, so the report shows several classes. (The
-  # list is read in full: `| head` would end `sort` with SIGPIPE, which pipefail turns into a failure.)
+  # image of each folder (class) comes first, then the rest, so the report shows several classes (all
+  # eight of the built-in demo's). (The list is read in full: `| head` would end `sort` with SIGPIPE,
+  # which pipefail turns into a failure.)
   mapfile -t images < <(find -L "$train_images" -type f \( -iname '*.jpg' -o -iname '*.jpeg' \) -size +0 | LC_ALL=C sort \
       | awk '{ folder = $0; sub("/[^/]*$", "", folder); print (seen[folder]++ ? 1 : 0) "\t" $0 }' \
       | LC_ALL=C sort -s -t "$(printf '\t')" -k1,1n | cut -f2-)
@@ -111,8 +112,8 @@ if stage handcrafted "$sample_images" "handcrafted saliency (RBD, MR, DSR, MC) o
   finished handcrafted "$sample_images"
 fi
 
-# ---- 4. the saliency network (DeepUSPS-style refinement of the handcrafted maps): the demo preset
-# (the reduced demo: tiny); one folder per preset, so a changed preset never meets another's state
+# ---- 4. the saliency network trained on the handcrafted maps: the demo preset (no phase I; the reduced
+# demo: tiny); one folder per preset, so a changed preset never meets another's state
 # (the stamp holds the preset's checksum too: a changed preset trains again, and the masks follow)
 network=$out/saliency/network-$saliency_preset
 masked=$out/shards/masked-train-$saliency_preset
@@ -136,14 +137,14 @@ pretrain_shards=$masked; mask_probability=0.1  # the paper's p_m
 
 # ---- 6. a look at the augmented views (4 large + 2 small per image), with and without masking
 views=()
-if stage views "$pretrain_shards" "augmented views of a few images"; then
+if stage views "$pretrain_shards $network_key" "augmented views of a few images"; then
   relicv2 pretrain preview-views --shards "$pretrain_shards" --output "$out/views-unmasked.png" --count 3 \
       --mask-probability 0 --large-size "$view_size" --small-size $((view_size / 2))
   if [[ "$pretrain_shards" == "$masked" ]]; then
     relicv2 pretrain preview-views --shards "$masked" --output "$out/views-masked.png" --count 3 \
         --mask-probability 1 --large-size "$view_size" --small-size $((view_size / 2))
   fi
-  finished views "$pretrain_shards"
+  finished views "$pretrain_shards $network_key"
 fi
 for png in "$out/views-masked.png" "$out/views-unmasked.png"; do
   if [[ -f "$png" ]]; then views+=(--views "$png"); fi
@@ -197,7 +198,7 @@ fi
 step=$((step + 1)); echo "== $step. report"
 report_shards=$masked
 relicv2 report --out "$out/report.html" --run "$run" --eval "$evals" --saliency-report "$network/report.json" \
-    --maps "$maps" --shards "$report_shards" "${views[@]}" --count "$((sample_images < 4 ? sample_images : 4))" \
+    --maps "$maps" --shards "$report_shards" "${views[@]}" --count "$sample_images" \
     --title "relicv2 demo$([[ "$reduced" == "1" ]] && echo " (reduced)")"
 
 cat <<EOF
