@@ -10,6 +10,10 @@ file, members checked and capped, losses counted) vs iterating `webdataset.WebDa
 same tars (what iter_samples used before), in samples/s and as a ratio.
 
     .venv/bin/python benchmarks/bench_shards.py [--workers 2] [--repeats 3] [--data DIR]
+
+--digest measures the plan's per-shard digest instead (no images needed): CPU seconds of
+`shards.plan.shard_digest` against `reference_digest` (one json.dumps an input, the same bytes) over
+200,000 ImageNet-like inputs; every rank of a build digests every shard of the plan.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from pathlib import Path
 from PIL import Image
 
 from shards.build import BuildConfig, build_shards
+from shards.plan import reference_digest, shard_digest
+from shards.sources import SourceImage
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "msra-unlabeled"
 
@@ -87,12 +93,31 @@ def timed(run, out: Path) -> tuple[float, int]:
     return time.perf_counter() - start, count
 
 
+def digest_ratio(repeats: int, count: int = 200_000) -> int:
+    """CPU seconds of shard_digest and reference_digest (interleaved; the best of `repeats` each)."""
+    images = [SourceImage(f"n{i % 1000:08d}/n{i % 1000:08d}_{i}.JPEG", f"/data/{i}", i % 1000, f"n{i % 1000:08d}",
+                          100_000 + i, f"n{i % 1000:08d}_{i}") for i in range(count)]
+    spent: dict[str, list[float]] = {"shard_digest": [], "reference_digest": []}
+    for _ in range(repeats):
+        for name, digest in (("shard_digest", shard_digest), ("reference_digest", reference_digest)):
+            start = time.process_time()
+            digest(images, {"quality": 95})
+            spent[name].append(time.process_time() - start)
+    for name, seconds in spent.items():
+        print(f"{name:<17} {count:,} inputs: best {min(seconds):.3f} CPU s")
+    print(f"shard_digest / reference_digest (best): {min(spent['shard_digest']) / min(spent['reference_digest']):.2f}x")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=DATA)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--digest", action="store_true", help="measure the plan's shard digest instead")
     args = parser.parse_args()
+    if args.digest:
+        return digest_ratio(args.repeats)
     images = sorted(args.data.glob("*.jpg"))
     if not images:
         print(f"no JPEGs in {args.data}; the benchmark needs ../shared/data/msra-unlabeled", file=sys.stderr)

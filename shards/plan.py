@@ -34,11 +34,25 @@ class ShardPlan:
     digest: str
 
 
+def _settings_hash(settings: dict):
+    return hashlib.sha256(json.dumps({"plan_version": PLAN_VERSION, **settings}, sort_keys=True).encode())
+
+
+def reference_digest(images: list[SourceImage], settings: dict) -> str:
+    """The digest as the plan format defines it (what existing sets' done records hold): the settings, then
+    `json.dumps([key, source, label, class_name, size])` of each input. `shard_digest` writes the same bytes
+    faster; the tests and `benchmarks/bench_shards.py` compare the two."""
+    h = _settings_hash(settings)
+    for im in images:
+        h.update(json.dumps([im.key, im.source, im.label, im.class_name, im.size]).encode("utf-8"))
+    return h.hexdigest()
+
+
 def shard_digest(images: list[SourceImage], settings: dict) -> str:
     """SHA-256 over the settings and each input's key, source, label, class and size: the bytes of
-    `json.dumps([key, source, label, class_name, size])` an input, written out with json's own string
-    encoder (a json.dumps call an input cost ~30 us: ~40 s of every rank's planning at ImageNet's size)."""
-    h = hashlib.sha256(json.dumps({"plan_version": PLAN_VERSION, **settings}, sort_keys=True).encode())
+    `reference_digest`, written out with json's own string encoder and no json.dumps call an input
+    (~30 us each: ~40 s of every rank's planning at ImageNet's size)."""
+    h = _settings_hash(settings)
     h.update("".join(
         f"[{encode_basestring_ascii(im.key)}, {encode_basestring_ascii(im.source)}, "
         f"{'null' if im.label is None else int(im.label)}, "
