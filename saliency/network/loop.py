@@ -1,4 +1,4 @@
-"""One training epoch of the saliency network, and the CRF worker pool that refines its predictions.
+"""One training epoch of the saliency network (the CRF worker pool that refines its predictions: `crf.CrfPool`).
 
 DeepUSPS keeps the train-mode predictions of the training pass itself (no extra forward pass):
 `train_epoch` returns them, one probability map per image, for the CRF and the moving average.
@@ -6,15 +6,10 @@ DeepUSPS keeps the train-mode predictions of the training pass itself (no extra 
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 from torch import Tensor
 
-from jobs.workers import worker_pool
-from saliency.network.config import CrfConfig
-from saliency.network.crf import dense_crf
 from saliency.network.loss import refinement_loss
 from saliency.network.model import SaliencyNet
 
@@ -50,39 +45,3 @@ def train_epoch(model: SaliencyNet, optimizer: torch.optim.Optimizer, images: Te
         if progress is not None:
             progress.update(len(index))
     return predictions, float(np.mean(losses)) if losses else float("nan")
-
-
-_WORK: dict = {}  # a CRF worker's images and settings, sent to it once (`_init_crf_worker`)
-
-
-def _init_crf_worker(images: np.ndarray, config: CrfConfig) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    _WORK.update(images=images, config=config)
-
-
-def _crf_chunk(indices: np.ndarray, probabilities: np.ndarray) -> np.ndarray:
-    images, config = _WORK["images"], _WORK["config"]
-    return np.stack([dense_crf(images[i], p, config) for i, p in zip(indices, probabilities, strict=True)])
-
-
-class CrfPool:
-    """Dense CRF over many images in worker processes; the images are sent to each worker once."""
-
-    def __init__(self, images_hwc: np.ndarray, config: CrfConfig, workers: int):
-        self.images, self.config, self.workers = images_hwc, config, workers
-        # spawn: forking a process with torch's thread pools running can deadlock the child.
-        self.pool = worker_pool(workers, start_method="spawn", initializer=_init_crf_worker,
-                                initargs=(images_hwc, config)) if workers > 1 else None
-
-    def refine(self, probabilities: np.ndarray) -> np.ndarray:
-        """CRF-refined foreground probabilities [N, S, S] of `probabilities` [N, S, S]."""
-        if self.pool is None:
-            return np.stack([dense_crf(self.images[i], p, self.config) for i, p in enumerate(probabilities)])
-        chunks = np.array_split(np.arange(len(probabilities)), self.workers * 4)
-        futures = [self.pool.submit(_crf_chunk, c, probabilities[c]) for c in chunks if len(c)]
-        return np.concatenate([f.result() for f in futures])
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown()
-            self.pool = None

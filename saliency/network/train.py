@@ -36,9 +36,10 @@ from jobs.progress import Phase
 from jobs.version import package_version
 from pretrain.model.resnet import load_torchvision_state_dict
 from saliency.network.config import SaliencyTrainConfig
+from saliency.network.crf import CrfPool
 from saliency.network.data import TrainingImages, load_training_images
 from saliency.network.images import sample_locations
-from saliency.network.loop import CrfPool, train_epoch
+from saliency.network.loop import train_epoch
 from saliency.network.model import SaliencyNet
 from saliency.network.model_file import save_model
 from saliency.network.report import check_ground_truth, evaluate_report, format_report

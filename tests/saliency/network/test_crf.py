@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from saliency.network.config import CrfConfig
-from saliency.network.crf import dense_crf
+from saliency.network.crf import CrfPool, dense_crf
 from saliency.synthetic import synthetic_scene
 
 
@@ -30,3 +30,23 @@ def test_crf_widths_scale_with_the_input_size() -> None:
     assert scaled.bilateral_srgb == 13.0 and scaled.bilateral_compat == 10.0
     with pytest.raises(ValueError, match="differ in size"):
         dense_crf(np.zeros((8, 8, 3), np.uint8), np.zeros((8, 9), np.float32), CrfConfig())
+
+
+def test_the_crf_pool_matches_one_process_and_its_workers_load_no_torch() -> None:
+    # A spawned worker imports the module of the functions it runs: with torch and the network that was
+    # ~4.6 CPU-s and ~900 MB a worker before its first image, on every core of the machine.
+    scenes = [synthetic_scene(32, 32, seed=i) for i in range(4)]
+    images = np.stack([rgb for rgb, _ in scenes])
+    guesses = np.stack([cv2.GaussianBlur(mask.astype(np.float32) / 255.0, (0, 0), 3.0) for _, mask in scenes])
+    config = CrfConfig().at_size(32)
+    pool = CrfPool(images, config, workers=2)
+    try:
+        refined = pool.refine(guesses)
+        workers = list(pool.pool._processes)  # the executor's worker pids
+        mapped = {pid: open(f"/proc/{pid}/maps").read() for pid in workers}
+    finally:
+        pool.close()
+    assert len(workers) == 2 and not [pid for pid, maps in mapped.items() if "libtorch" in maps]
+    alone = CrfPool(images, config, workers=1)  # in this process
+    assert np.array_equal(refined, alone.refine(guesses))
+
