@@ -18,8 +18,8 @@ import numpy as np
 from jobs.config import build
 from jobs.workers import worker_pool
 
-# Workers import this module (build-masks' and `CrfPool`'s): it imports neither torch nor the network, ~0.9 CPU-s
-# and ~135 MB a spawned worker against ~4.6 CPU-s and ~900 MB with them.
+# Workers import this module (build-masks' and `CrfPool`'s), so it imports neither torch nor the network: with
+# them a spawned worker's start cost several times the CPU and memory (RESULTS.md, "A CRF worker's start").
 if TYPE_CHECKING:  # the config module pulls in every handcrafted method
     from saliency.network.config import CrfConfig
 

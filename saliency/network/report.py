@@ -136,7 +136,8 @@ def evaluate_report(job, data, trainer, model: SaliencyNet, *, progress: bool = 
             rows[f"{m} refined it{k}"] = lambda _k, i, rgb, a=average: _nearest(a[i] >= 0.5, rgb.shape[1], rgb.shape[0])
     # What phase II fits: the per-pixel mean of the methods' binarised labels (the last round's, or the maps').
     fitted = trainer.fused_labels().float().mean(1).numpy()
-    rows[LABELS_ROW if config.iterations else MAP_LABELS_ROW] = lambda _k, i, rgb: resize_map(fitted[i], rgb.shape[1], rgb.shape[0])
+    labels_row = LABELS_ROW if config.iterations else MAP_LABELS_ROW
+    rows[labels_row] = lambda _k, i, rgb: resize_map(fitted[i], rgb.shape[1], rgb.shape[0])
     rows[MEAN_ROW] = _mean_of(maps, config.methods)
     rows[FUSED_ROW] = lambda _k, _i, rgb: predict_map(model, rgb, config.input_size)
 

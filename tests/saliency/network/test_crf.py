@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import cv2
 import numpy as np
 import pytest
@@ -33,8 +35,8 @@ def test_crf_widths_scale_with_the_input_size() -> None:
 
 
 def test_the_crf_pool_matches_one_process_and_its_workers_load_no_torch() -> None:
-    # A spawned worker imports the module of the functions it runs: with torch and the network that was
-    # ~4.6 CPU-s and ~900 MB a worker before its first image, on every core of the machine.
+    # A spawned worker imports the module of the functions it runs: with torch and the network, several
+    # times the CPU and memory before its first image (RESULTS.md, "A CRF worker's start").
     scenes = [synthetic_scene(32, 32, seed=i) for i in range(4)]
     images = np.stack([rgb for rgb, _ in scenes])
     guesses = np.stack([cv2.GaussianBlur(mask.astype(np.float32) / 255.0, (0, 0), 3.0) for _, mask in scenes])
@@ -43,7 +45,7 @@ def test_the_crf_pool_matches_one_process_and_its_workers_load_no_torch() -> Non
     try:
         refined = pool.refine(guesses)
         workers = list(pool.pool._processes)  # the executor's worker pids
-        mapped = {pid: open(f"/proc/{pid}/maps").read() for pid in workers}
+        mapped = {pid: Path(f"/proc/{pid}/maps").read_text() for pid in workers}
     finally:
         pool.close()
     assert len(workers) == 2 and not [pid for pid, maps in mapped.items() if "libtorch" in maps]
