@@ -40,7 +40,7 @@ def forward_images_per_s(predictor, count: int, batch: int) -> float:
     best: from and into a block page-locked for the GPU's DMA, as the job's ring is (no host copies)."""
     import torch
 
-    from saliency.network.mask_work import SlotRing
+    from relicv2.saliency.network.mask_work import SlotRing
 
     ring = SlotRing.create(batch, predictor.size)
     locked = predictor.register_host_memory(*ring.address())
@@ -98,12 +98,12 @@ def cpu_seconds() -> tuple[float, float]:
 def main() -> None:
     import torch
 
-    from saliency.network.build_masks import BuildMasksConfig, build_masks, default_workers
-    from saliency.network.model import SaliencyNet
-    from saliency.network.model_file import save_model
-    from saliency.network.predictor import MaskPredictor
-    from shards.build import Ranks
-    from shards.shardset import resolve_shard_set
+    from relicv2.saliency.network.build_masks import BuildMasksConfig, build_masks, default_workers
+    from relicv2.saliency.network.model import SaliencyNet
+    from relicv2.saliency.network.model_file import save_model
+    from relicv2.saliency.network.predictor import MaskPredictor
+    from relicv2.shards.build import Ranks
+    from relicv2.shards.shardset import resolve_shard_set
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shards", type=Path, required=True)

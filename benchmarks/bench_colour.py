@@ -29,8 +29,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from pretrain.views.colour import Background, ColourDraws, colour_views  # noqa: E402
-from pretrain.views.config import JITTER_ORDERS, ViewConfig, ViewSpec, view_specs  # noqa: E402
+from relicv2.pretrain.views.colour import Background, ColourDraws, colour_views  # noqa: E402
+from relicv2.pretrain.views.config import JITTER_ORDERS, ViewConfig, ViewSpec, view_specs  # noqa: E402
 
 
 class OperatorCount(TorchDispatchMode):

@@ -23,7 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pretrain.loss import relicv2_loss, sample_negatives
+from relicv2.pretrain.loss import relicv2_loss, sample_negatives
 
 SETTINGS = {"temperature": 0.2, "contrast_weight": 0.3, "invariance_weight": 2.0}
 

@@ -29,9 +29,9 @@ from pathlib import Path
 
 from PIL import Image
 
-from shards.build import BuildConfig, build_shards
-from shards.plan import reference_digest, shard_digest
-from shards.sources import SourceImage
+from relicv2.shards.build import BuildConfig, build_shards
+from relicv2.shards.plan import reference_digest, shard_digest
+from relicv2.shards.sources import SourceImage
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "msra-unlabeled"
 
@@ -61,7 +61,7 @@ def ours(source: Path, out: Path, workers: int) -> int:
 
 def read_ours(out: Path) -> int:
     """Samples delivered by shards.iter_samples over a built set (with a ReadReport)."""
-    from shards import ReadReport, iter_samples
+    from relicv2.shards import ReadReport, iter_samples
 
     report = ReadReport()
     count = sum(1 for _ in iter_samples(out, report=report))

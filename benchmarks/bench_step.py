@@ -27,9 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pretrain.config import derive, load_config  # noqa: E402
-from pretrain.distributed import describe_environment  # noqa: E402
-from pretrain.trainer import StepSettings, build_state, train_step, wrap_networks  # noqa: E402
+from relicv2.pretrain.config import derive, load_config  # noqa: E402
+from relicv2.pretrain.distributed import describe_environment  # noqa: E402
+from relicv2.pretrain.trainer import StepSettings, build_state, train_step, wrap_networks  # noqa: E402
 
 
 def main() -> None:

@@ -42,12 +42,12 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from pretrain.views.config import ViewConfig, ready_batches  # noqa: E402
-from pretrain.views.dali import PROFILE_RANGES  # noqa: E402
-from pretrain.views.loader import ViewLoader  # noqa: E402
-from pretrain.views.reference import dataloader_workers  # noqa: E402
-from shards import ShardSample, write_shard_set  # noqa: E402
-from shards.images import displayed_size  # noqa: E402
+from relicv2.pretrain.views.config import ViewConfig, ready_batches  # noqa: E402
+from relicv2.pretrain.views.dali import PROFILE_RANGES  # noqa: E402
+from relicv2.pretrain.views.loader import ViewLoader  # noqa: E402
+from relicv2.pretrain.views.reference import dataloader_workers  # noqa: E402
+from relicv2.shards import ShardSample, write_shard_set  # noqa: E402
+from relicv2.shards.images import displayed_size  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # The team's shared folder beside the checkout (or inside it, where a copy of the tree carries it).
@@ -174,8 +174,8 @@ def profiled(shards: Path, views: ViewConfig, device: str, args) -> None:
 
 def gpu_graph_size(shards: Path, views: ViewConfig, batch: int) -> str:
     """Operators of the view pipeline's GPU graph by device, traced without building (no GPU needed)."""
-    from pretrain.views.dali_pipeline import _views_pipeline
-    from pretrain.views.sources import load_sample_set
+    from relicv2.pretrain.views.dali_pipeline import _views_pipeline
+    from relicv2.pretrain.views.sources import load_sample_set
 
     pipe = _views_pipeline(load_sample_set(shards), views, True, 0, 1, 0, batch_size=batch, num_threads=1, device_id=0,
                            seed=1)

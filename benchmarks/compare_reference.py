@@ -22,9 +22,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from saliency.handcrafted.methods import METHODS, resolve_methods  # noqa: E402
-from saliency.images import read_gray, read_rgb  # noqa: E402
-from saliency.metrics import aggregate, normalise_prediction, score_image  # noqa: E402
+from relicv2.saliency.handcrafted.methods import METHODS, resolve_methods  # noqa: E402
+from relicv2.saliency.images import read_gray, read_rgb  # noqa: E402
+from relicv2.saliency.metrics import aggregate, normalise_prediction, score_image  # noqa: E402
 from tests.paths import SHARED_DATA  # noqa: E402
 
 DATA = SHARED_DATA / "pascal-s-dev"

@@ -113,13 +113,13 @@ fi
 
 demo_images() {  # the demo images in WORK (made once, reused by the parts below)
   local per_class=$(( IMAGES / 6 ))
-  [[ -d "$WORK/images" ]] || "$PYTHON" -m cli demo-data "$WORK/images" --train-per-class "$per_class" \
+  [[ -d "$WORK/images" ]] || "$PYTHON" -m relicv2 demo-data "$WORK/images" --train-per-class "$per_class" \
       --val-per-class 2 --size 256 > /dev/null
 }
 
 demo_shards() {  # the demo images as a shard set (what build-masks reads)
   demo_images
-  [[ -f "$WORK/shards/manifest.parquet" ]] || "$PYTHON" -m cli shards build "$WORK/images/train" "$WORK/shards" \
+  [[ -f "$WORK/shards/manifest.parquet" ]] || "$PYTHON" -m relicv2 shards build "$WORK/images/train" "$WORK/shards" \
       --workers "$THREADS" --no-progress > /dev/null
 }
 
@@ -143,7 +143,7 @@ pretrain() {  # pretrain NAME ARGS...: one short `relicv2 pretrain`, its steady 
   local name="$1"; shift
   echo "== relicv2 pretrain ($name) on $IMAGES masked demo images (imagenet-r50-1000ep preset: p_m 0.1, batch $BATCH, $DEVICE defaults) $* ${PRETRAIN_ARGS:-}"
   rm -rf "$WORK/run"
-  "$PYTHON" -m cli pretrain --config imagenet-r50-1000ep --output "$WORK/run" \
+  "$PYTHON" -m relicv2 pretrain --config imagenet-r50-1000ep --output "$WORK/run" \
       --set data.train_shards="$WORK/masked" --set optim.global_batch="$BATCH" --set run.device="$DEVICE" \
       --set knn.train_shards= --set knn.val_shards= --set run.log_every=1 \
       --set run.max_steps=$(( 3 * IMAGES / BATCH )) --set run.checkpoint_every=100000 --set run.progress_bar=false \

@@ -6,7 +6,7 @@ epochs, the time it took (process start to final checkpoint) becomes the peer's 
 peer's cosine learning-rate schedule runs over that time. The default clock is CPU seconds: on a
 machine shared with other jobs wall clock measures the neighbours' load as much as the method
 (`--clock wall` for a quiet machine); both are recorded. Both encoders
-are exported (`pretrain.model.encoder_file`) and scored with this project's kNN (k 20, T 0.07) and linear
+are exported (`models.encoder_file`) and scored with this project's kNN (k 20, T 0.07) and linear
 `fast` protocol at 64 px, beside a randomly initialised ResNet-18.
 
     python benchmarks/peer_ssl.py train --train-shards S/train --out OUT [--relic-epochs 2]
@@ -37,9 +37,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pretrain.model.encoder_file import load_encoder_file, save_encoder_file  # noqa: E402
-from pretrain.model.resnet import resnet  # noqa: E402
-from shards import ReadReport, iter_samples, resolve_shard_set  # noqa: E402
+from relicv2.models.encoder_file import load_encoder_file, save_encoder_file  # noqa: E402
+from relicv2.models.resnet import resnet  # noqa: E402
+from relicv2.shards import ReadReport, iter_samples, resolve_shard_set  # noqa: E402
 
 VIEW_SIZE = 64
 BATCH = 128
@@ -55,7 +55,7 @@ def train_relicv2(train_shards: Path, out: Path, epochs: int, overrides: tuple[s
     """Run the project's Imagenette preset for `epochs` epochs (no kNN monitor), with `--set` overrides;
     return wall/CPU seconds."""
     run_dir = out / "relicv2-run"
-    command = [sys.executable, "-m", "cli", "pretrain", "--config", "imagenette-r18-cpu",
+    command = [sys.executable, "-m", "relicv2", "pretrain", "--config", "imagenette-r18-cpu",
                "--set", f"optim.epochs={epochs}", "--set", f"data.train_shards={train_shards}",
                "--set", "knn.train_shards=", "--set", "knn.val_shards=", "--set", "run.checkpoint_every=100000",
                "--output", str(run_dir), "--fresh"]
@@ -65,7 +65,7 @@ def train_relicv2(train_shards: Path, out: Path, epochs: int, overrides: tuple[s
     subprocess.run(command, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     wall = time.perf_counter() - start
     cpu = _cpu_seconds(resource.RUSAGE_CHILDREN) - cpu_start
-    from pretrain.checkpoint import encoder_from_checkpoint, resolve_checkpoint
+    from relicv2.pretrain.checkpoint import encoder_from_checkpoint, resolve_checkpoint
 
     checkpoint = resolve_checkpoint(run_dir)
     save_encoder_file(encoder_from_checkpoint(checkpoint), out / "relicv2.pt", depth=DEPTH, width=1,
@@ -187,9 +187,9 @@ def train(train_shards: Path, out: Path, relic_epochs: int, relic_sets: tuple[st
               help="Score these exported encoders instead of OUT/relicv2.pt and OUT/simclr.pt (repeatable).")
 def score(train_shards: Path, val_shards: Path, out: Path, encoders: tuple[str, ...]) -> None:
     """kNN and linear-fast (64 px) of the exported encoders and of a random-init ResNet-18."""
-    from pretrain.eval.features import FeatureSpec, cached_features
-    from pretrain.eval.knn import knn_predict, random_encoder
-    from pretrain.eval.linear import LinearConfig, train_linear_on_features
+    from relicv2.evaluation.features import FeatureSpec, cached_features
+    from relicv2.evaluation.linear import LinearConfig, train_linear_on_features
+    from relicv2.pretrain.knn.knn import knn_predict, random_encoder
 
     spec = FeatureSpec(crop_size=VIEW_SIZE, resize_size=VIEW_SIZE)
     train_shards, val_shards = resolve_shard_set(train_shards), resolve_shard_set(val_shards)  # once for every encoder

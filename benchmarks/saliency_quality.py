@@ -28,19 +28,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jobs.lock import FolderLockedError  # noqa: E402
-from pretrain.checkpoint import CheckpointError  # noqa: E402
-from saliency.batch import HandcraftedConfig, run_handcrafted  # noqa: E402
-from saliency.evaluate import ModelEvaluation, evaluate_folder, evaluate_model  # noqa: E402
-from saliency.images import list_images  # noqa: E402
-from saliency.maps import write_map  # noqa: E402
-from saliency.metrics import DatasetScores  # noqa: E402
-from saliency.network.config import SaliencyTrainConfig, load_saliency_config  # noqa: E402
-from saliency.network.model_file import MODEL_NAME  # noqa: E402
-from saliency.network.predict import mean_of_maps  # noqa: E402
-from saliency.network.report import FUSED_ROW, MEAN_ROW, format_report  # noqa: E402
-from saliency.network.train import TrainJob, TrainStateError, run_train  # noqa: E402
-from shards.build import BuildConfig, build_shards  # noqa: E402
+from relicv2.jobs.lock import FolderLockedError  # noqa: E402
+from relicv2.pretrain.checkpoint import CheckpointError  # noqa: E402
+from relicv2.saliency.batch import HandcraftedConfig, run_handcrafted  # noqa: E402
+from relicv2.saliency.evaluate import ModelEvaluation, evaluate_folder, evaluate_model  # noqa: E402
+from relicv2.saliency.images import list_images  # noqa: E402
+from relicv2.saliency.maps import write_map  # noqa: E402
+from relicv2.saliency.metrics import DatasetScores  # noqa: E402
+from relicv2.saliency.network.config import SaliencyTrainConfig, load_saliency_config  # noqa: E402
+from relicv2.saliency.network.model_file import MODEL_NAME  # noqa: E402
+from relicv2.saliency.network.predict import mean_of_maps  # noqa: E402
+from relicv2.saliency.network.report import FUSED_ROW, MEAN_ROW, format_report  # noqa: E402
+from relicv2.saliency.network.train import TrainJob, TrainStateError, run_train  # noqa: E402
+from relicv2.shards.build import BuildConfig, build_shards  # noqa: E402
 
 
 def training_shards(folders: list[Path], out: Path, workers: int, progress: bool) -> Path:

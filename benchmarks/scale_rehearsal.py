@@ -69,7 +69,7 @@ try:
         sys.argv = [sys.argv[3], "stage", *sys.argv[4:]]
         runpy.run_path(sys.argv[0], run_name="__main__")
     else:
-        from cli.main import cli
+        from relicv2.cli.main import cli
         cli(sys.argv[2:], prog_name="relicv2")
 except SystemExit as exc:
     code = exc.code if isinstance(exc.code, int) else 1
@@ -259,10 +259,10 @@ def stage_masks(shards: Path, out: Path, ranks: list[int], workers: int | None, 
                       f"{since_process_start():.1f} s after the process started", flush=True)
             return super().launch(squares, out)
 
-    from jobs.ranks import Ranks
-    from saliency.network.build_masks import BuildMasksConfig, build_masks
-    from saliency.network.model import SaliencyNet
-    from saliency.network.model_file import save_model
+    from relicv2.jobs.ranks import Ranks
+    from relicv2.saliency.network.build_masks import BuildMasksConfig, build_masks
+    from relicv2.saliency.network.model import SaliencyNet
+    from relicv2.saliency.network.model_file import save_model
 
     model = out.with_name("saliency-model.pt")  # beside --out: the job refuses files it did not write
     if not model.exists():
@@ -285,7 +285,7 @@ def stage_knn_bank(bank_size: int, queries: int, dim: int) -> None:
 
     import torch
 
-    from pretrain.eval.knn import knn_predict
+    from relicv2.pretrain.knn.knn import knn_predict
 
     generator = torch.Generator().manual_seed(0)
     start = time.perf_counter()
@@ -330,7 +330,7 @@ def head_epoch(train, val, config) -> None:
     """One epoch of the fast protocol's head on `train`, scored on `val`; prints it and the preset's whole."""
     import dataclasses
 
-    from pretrain.eval.linear import train_linear_on_features
+    from relicv2.evaluation.linear import train_linear_on_features
 
     start = time.perf_counter()
     result = train_linear_on_features(train, val, dataclasses.replace(config, epochs=1), num_classes=IMAGENET_CLASSES)
@@ -343,9 +343,9 @@ def head_epoch(train, val, config) -> None:
 def stage_linear(shards: Path, val: Path, out: Path, dim: int) -> None:
     """`eval linear --config fast`'s steps on a shard set with the encoder's stand-in (16 px views): the
     features of both sets extracted and cached, the cache read back, one epoch of the head."""
-    from pretrain.eval.features import FeatureSpec, cached_features
-    from pretrain.eval.job import load_linear_config
-    from shards import resolve_shard_set
+    from relicv2.evaluation.features import FeatureSpec, cached_features
+    from relicv2.evaluation.job import load_linear_config
+    from relicv2.shards import resolve_shard_set
 
     config = load_linear_config("fast", ["crop_size=16", "resize_size=16"])
     spec = FeatureSpec(crop_size=config.crop_size, resize_size=config.resize_size, batch_size=config.feature_batch)
@@ -369,8 +369,8 @@ def stage_linear_bank(bank_size: int, dim: int, out: Path) -> None:
     fast` holds for ImageNet): the bank written and read back as the feature cache holds it, one epoch."""
     import torch
 
-    from pretrain.eval.features import FeatureSet
-    from pretrain.eval.job import load_linear_config
+    from relicv2.evaluation.features import FeatureSet
+    from relicv2.evaluation.job import load_linear_config
 
     generator = torch.Generator().manual_seed(0)
 
@@ -406,7 +406,7 @@ def stage(argv: list[str]) -> None:
                     None if workers == "default" else int(workers), float(merge_timeout), int(world))
     elif name == "torchrun":  # ranks as processes on this box: relicv2 ARGS under torchrun, gloo on the CPU
         done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args[0]}",
-                               "-m", "cli.main", *args[1:]], env=job_env())
+                               "-m", "relicv2", *args[1:]], env=job_env())
         raise SystemExit(done.returncode)
     elif name == "knn-bank":
         stage_knn_bank(*(int(a) for a in args))
@@ -432,7 +432,7 @@ def val_set(out: Path, samples: int) -> Path:
     images, val = out / "val-images", out / "val-shards"
     make_image_folder(images, max(IMAGENET_CLASSES, samples // 25), seed=1)
     if not (val / "info.json").exists():
-        subprocess.run([sys.executable, "-m", "cli.main", "shards", "build", str(images), str(val), "--no-progress"],
+        subprocess.run([sys.executable, "-m", "relicv2", "shards", "build", str(images), str(val), "--no-progress"],
                        check=True, env=job_env(), stdout=subprocess.DEVNULL, cwd=out / "work")
     return val
 

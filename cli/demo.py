@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from shards.demo import MIN_SIZE, write_demo_images
+from relicv2.shards.demo import MIN_SIZE, write_demo_images
 
 
 @click.command()

@@ -1,4 +1,4 @@
-"""`relicv2 eval ...` commands: parse the options, build the job, call `pretrain.eval.job.run_eval`."""
+"""`relicv2 eval ...` commands: parse the options, build the job, call `evaluation.job.run_eval`."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from typing import Any
 
 import click
 
-from cli.options import config_or_preset, preset_option, user_errors
-from jobs.config import ConfigError, parse_overrides
-from pretrain.config import KnnConfig  # light (no torch): the one owner of the kNN defaults
-from shards.shardset import ShardSetError
+from relicv2.cli.options import config_or_preset, preset_option, user_errors
+from relicv2.jobs.config import ConfigError, parse_overrides
+from relicv2.pretrain.config import KnnConfig  # light (no torch): the one owner of the kNN defaults
+from relicv2.shards.shardset import ShardSetError
 
 KNN = KnnConfig()
 ALLOW_LOST_OPTION = click.option(
@@ -60,12 +60,12 @@ _TRAINED_HEAD_OPTIONS = _encoder_options(
 
 def _run(checkpoint: Path | None, random_depth: int | None, network: str, seed: int, **job_fields: Any) -> None:
     """Build the `EvalJob` and run it: the outcome on stdout, shortfalls on stderr, errors as one line."""
-    from jobs.lock import FolderLockedError
-    from pretrain.checkpoint import CheckpointError
-    from pretrain.eval.job import ALLOW_LOST_HINT, Backbone, EvalJob, run_eval
-    from pretrain.eval.outcome import LostSamplesError
-    from pretrain.eval.paper import HeadCheckpointError
-    from pretrain.model.encoder_file import ExportError
+    from relicv2.evaluation.job import ALLOW_LOST_HINT, Backbone, EvalJob, run_eval
+    from relicv2.evaluation.paper import HeadCheckpointError
+    from relicv2.jobs.lock import FolderLockedError
+    from relicv2.models.encoder_file import ExportError
+    from relicv2.pretrain.checkpoint import CheckpointError
+    from relicv2.pretrain.knn.outcome import LostSamplesError
 
     try:
         backbone = Backbone(checkpoint=checkpoint, random_depth=random_depth, network=network, seed=seed)
@@ -104,7 +104,7 @@ def _run(checkpoint: Path | None, random_depth: int | None, network: str, seed: 
 @ALLOW_LOST_OPTION
 def knn(**options: Any) -> None:
     """Weighted cosine kNN top-1 of an encoder: train features as the bank (defaults: pretrain.config.KnnConfig)."""
-    from pretrain.eval.job import knn_settings
+    from relicv2.evaluation.job import knn_settings
 
     given = {name: options.pop(name) for name in ("k", "temperature", "crop_size", "resize_size", "batch_size")}
     try:
@@ -134,9 +134,9 @@ def linear(**options: Any) -> None:
 
     \b
     relicv2 eval linear --checkpoint runs/r50 --train shards/train --val shards/val --config fast
-    torchrun --nproc_per_node 8 -m cli eval linear --checkpoint C --train T --val V --output out/linear
+    torchrun --nproc_per_node 8 -m relicv2 eval linear --checkpoint C --train T --val V --output out/linear
     """
-    from pretrain.eval.job import load_linear_config
+    from relicv2.evaluation.job import load_linear_config
 
     _run_configured(load_linear_config, "paper", **options)
 
@@ -155,6 +155,6 @@ def finetune_command(**options: Any) -> None:
     relicv2 shards subset shards/train --fraction 0.01 --out 1pct.txt
     relicv2 eval finetune --checkpoint runs/r50 --train shards/train --val shards/val --labels 1pct.txt
     """
-    from pretrain.eval.job import load_finetune_config
+    from relicv2.evaluation.job import load_finetune_config
 
     _run_configured(load_finetune_config, "1pct", **options)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from cli.options import user_errors
+from relicv2.cli.options import user_errors
 
 
 @click.command("export", context_settings={"help_option_names": ["-h", "--help"]})
@@ -23,9 +23,9 @@ def export(checkpoint: Path, out: Path, network: str) -> None:
     python -c "import torch, torchvision; m = torchvision.models.resnet18(); \\
                print(m.load_state_dict(torch.load('r18.pt'), strict=False))"   # only fc.* missing
     """
-    from pretrain.checkpoint import CheckpointError
-    from pretrain.eval.export import export_checkpoint
-    from pretrain.model.encoder_file import sidecar_path
+    from relicv2.evaluation.export import export_checkpoint
+    from relicv2.models.encoder_file import sidecar_path
+    from relicv2.pretrain.checkpoint import CheckpointError
 
     try:
         with user_errors(CheckpointError, ValueError):  # ExportError (a folder as --out) is a ValueError
@@ -49,10 +49,10 @@ def import_official(source: Path, out: Path, params: str) -> None:
     plain containers only; anything else is refused without running it. The encoder runs with
     TensorFlow "SAME" padding so its features equal the JAX model's; torchvision's ResNet pads
     otherwise, so the file holds a 'padding.same_tf' entry (a torchvision load names it) and the
-    sidecar says "padding": "same_tf" (load it with pretrain.model.encoder_file.load_encoder_file).
+    sidecar says "padding": "same_tf" (load it with models.encoder_file.load_encoder_file).
     """
-    from pretrain.eval.official import OfficialImportError, import_official_checkpoint
-    from pretrain.model.encoder_file import ExportError, check_output_file
+    from relicv2.models.encoder_file import ExportError, check_output_file
+    from relicv2.models.official import OfficialImportError, import_official_checkpoint
 
     try:
         with user_errors(OfficialImportError, ExportError):

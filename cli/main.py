@@ -8,7 +8,7 @@ import signal
 
 import click
 
-from cli import signals
+from relicv2.cli import signals
 
 
 class LazyGroup(click.Group):
@@ -61,13 +61,13 @@ class RootGroup(LazyGroup):
 
 
 @click.group(cls=RootGroup, context_settings={"help_option_names": ["-h", "--help"]}, lazy_commands={
-    "shards": ("cli.shards:shards_group", "Build, verify, index and subset WebDataset shard sets (and merge a multi-rank build)."),
-    "saliency": ("cli.saliency:saliency_group", "Saliency: handcrafted maps, the refined network (train, build-masks), scores, previews."),
-    "eval": ("cli.eval:eval_group", "Evaluate pretrained encoders (kNN, linear, fine-tuning)."),
-    "demo-data": ("cli.demo:demo_data", "Write the built-in demo image tree (no download)."),
-    "report": ("cli.report:report", "Write a static HTML report (PNG figures) of a run's outputs."),
-    "export": ("cli.export:export", "Write a checkpoint's encoder as a plain (torchvision) state dict + JSON."),
-    "import-official": ("cli.export:import_official", "Convert the authors' released JAX ReLICv2 weights."),
+    "shards": ("relicv2.cli.shards:shards_group", "Build, verify, index and subset WebDataset shard sets (and merge a multi-rank build)."),
+    "saliency": ("relicv2.cli.saliency:saliency_group", "Saliency: handcrafted maps, the refined network (train, build-masks), scores, previews."),
+    "eval": ("relicv2.cli.eval:eval_group", "Evaluate pretrained encoders (kNN, linear, fine-tuning)."),
+    "demo-data": ("relicv2.cli.demo:demo_data", "Write the built-in demo image tree (no download)."),
+    "report": ("relicv2.cli.report:report", "Write a static HTML report (PNG figures) of a run's outputs."),
+    "export": ("relicv2.cli.export:export", "Write a checkpoint's encoder as a plain (torchvision) state dict + JSON."),
+    "import-official": ("relicv2.cli.export:import_official", "Convert the authors' released JAX ReLICv2 weights."),
 })
 @click.version_option(package_name="relicv2")
 def cli() -> None:
@@ -75,8 +75,8 @@ def cli() -> None:
 
 
 @cli.group(cls=LazyGroup, default_command="run", lazy_commands={
-    "run": ("cli.pretrain:run", "Pretrain with ReLICv2 (the default: `relicv2 pretrain --config ...`)."),
-    "preview-views": ("cli.pretrain:preview_views", "Write a PNG grid of the augmented views of a few images."),
+    "run": ("relicv2.cli.pretrain:run", "Pretrain with ReLICv2 (the default: `relicv2 pretrain --config ...`)."),
+    "preview-views": ("relicv2.cli.pretrain:preview_views", "Write a PNG grid of the augmented views of a few images."),
 })
 def pretrain() -> None:
     """Pretrain a ResNet with ReLICv2, or preview its augmented views.

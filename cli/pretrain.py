@@ -8,10 +8,10 @@ from typing import Any
 
 import click
 
-from cli.options import user_errors
-from cli.signals import EXIT_CODES
-from jobs.version import package_version
-from pretrain.config import ConfigError, describe, load_config
+from relicv2.cli.options import user_errors
+from relicv2.cli.signals import EXIT_CODES
+from relicv2.jobs.version import package_version
+from relicv2.pretrain.config import ConfigError, describe, load_config
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -34,7 +34,7 @@ def run(config_name: str, overrides: tuple[str, ...], output: Path | None, resum
     \b
     relicv2 pretrain --config demo-cpu
     relicv2 pretrain --config imagenette-r18-cpu --print-config
-    torchrun --nproc_per_node 8 -m cli pretrain --config imagenet-r50-1000ep \\
+    torchrun --nproc_per_node 8 -m relicv2 pretrain --config imagenet-r50-1000ep \\
         --set data.train_shards=/data/shards/masked-train
     """
     if output is not None:
@@ -47,9 +47,9 @@ def run(config_name: str, overrides: tuple[str, ...], output: Path | None, resum
         click.echo(describe(config, version=package_version()), nl=False)
         return
     # late: `--help` and `--print-config` stay fast (no torch)
-    from pretrain.checkpoint import CheckpointError
-    from pretrain.run import OutOfMemory, PretrainingInterrupted, run_pretraining
-    from pretrain.trainer import NonFiniteLossError
+    from relicv2.pretrain.checkpoint import CheckpointError
+    from relicv2.pretrain.run import OutOfMemory, PretrainingInterrupted, run_pretraining
+    from relicv2.pretrain.trainer import NonFiniteLossError
 
     try:
         with user_errors(ConfigError, CheckpointError, NonFiniteLossError, OutOfMemory):
@@ -73,8 +73,8 @@ def run(config_name: str, overrides: tuple[str, ...], output: Path | None, resum
 @click.option("--small-size", default=96, show_default=True, type=int)
 def preview_views(shards: Path, output: Path, count: int, seed: int, **view_options: Any) -> None:
     """Write a PNG grid of the augmented views of a few images (rows: images; columns: views)."""
-    from pretrain.views.config import ViewConfig
-    from pretrain.views.preview import write_view_grid
+    from relicv2.pretrain.views.config import ViewConfig
+    from relicv2.pretrain.views.preview import write_view_grid
 
     with user_errors(ValueError, FileNotFoundError):
         views = ViewConfig(num_threads=1, **view_options)  # mask_probability, backend, large_size, small_size

@@ -7,12 +7,12 @@ from typing import Any
 
 import click
 
-from cli.options import config_or_preset, index_cache_option, preset_option, user_errors
-from jobs.config import ConfigError
-from jobs.device import resolve_device
-from jobs.lock import FolderLockedError
-from saliency.batch import HandcraftedConfig, OutputWriteError, run_handcrafted
-from saliency.evaluate import (
+from relicv2.cli.options import config_or_preset, index_cache_option, preset_option, user_errors
+from relicv2.jobs.config import ConfigError
+from relicv2.jobs.device import resolve_device
+from relicv2.jobs.lock import FolderLockedError
+from relicv2.saliency.batch import HandcraftedConfig, OutputWriteError, run_handcrafted
+from relicv2.saliency.evaluate import (
     EvaluateConfig,
     EvaluationError,
     ModelEvaluation,
@@ -22,10 +22,10 @@ from saliency.evaluate import (
     write_csv,
     write_json,
 )
-from saliency.failures import FailureLimit
-from saliency.handcrafted.methods import METHODS, resolve_methods
-from saliency.network.config import PRESETS, load_saliency_config
-from saliency.preview import PreviewConfig, write_preview
+from relicv2.saliency.failures import FailureLimit
+from relicv2.saliency.handcrafted.methods import METHODS, resolve_methods
+from relicv2.saliency.network.config import PRESETS, load_saliency_config
+from relicv2.saliency.preview import PreviewConfig, write_preview
 
 # Modules that import torch are imported inside the commands: `relicv2 saliency --help` stays fast.
 
@@ -161,9 +161,9 @@ def train_command(config_name: str | None, preset_name: str | None, overrides: t
     config_name = config_or_preset(config_name, preset_name)
     if config_name is None:
         raise click.UsageError(f"choose the settings with --config NAME; {PRESETS.listing()}")
-    from pretrain.checkpoint import CheckpointError
-    from saliency.network.train import TrainJob, TrainStateError, run_train
-    from saliency.network.weights import BackboneError
+    from relicv2.pretrain.checkpoint import CheckpointError
+    from relicv2.saliency.network.train import TrainJob, TrainStateError, run_train
+    from relicv2.saliency.network.weights import BackboneError
 
     with user_errors(ConfigError, BackboneError, CheckpointError, TrainStateError, FolderLockedError,
                      FileNotFoundError, ValueError):
@@ -200,8 +200,8 @@ def build_masks_command(config_name: str | None, overrides: tuple[str, ...], **o
     Settings: the defaults <- --config <- the options given <- --set; printed at start and saved as
     OUT/config.yaml.
     """
-    from saliency.network import build_masks as job
-    from saliency.network.model_file import ModelFileError
+    from relicv2.saliency.network import build_masks as job
+    from relicv2.saliency.network.model_file import ModelFileError
 
     with user_errors(ConfigError, ModelFileError, job.MasksError, FolderLockedError, FileNotFoundError,
                      ValueError):

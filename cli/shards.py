@@ -9,19 +9,19 @@ from pathlib import Path
 
 import click
 
-from cli.options import index_cache_option, user_errors
-from jobs.atomic import OutputError
-from jobs.config import settings_text
-from jobs.lock import folder_lock
-from jobs.ranks import RanksError, ranks_from_env
-from jobs.version import package_version
-from jobs.workers import usable_cores
-from shards.build import BuildConfig, build_shards, output_error
-from shards.limits import DEFAULT_MAX_PIXELS
-from shards.manifest import REJECTED_NAME
-from shards.merge import merge_shard_set, rejected_listing_command
-from shards.sources import LAYOUTS, InputError
-from shards.verify import verify_shard_set
+from relicv2.cli.options import index_cache_option, user_errors
+from relicv2.jobs.atomic import OutputError
+from relicv2.jobs.config import settings_text
+from relicv2.jobs.lock import folder_lock
+from relicv2.jobs.ranks import RanksError, ranks_from_env
+from relicv2.jobs.version import package_version
+from relicv2.jobs.workers import usable_cores
+from relicv2.shards.build import BuildConfig, build_shards, output_error
+from relicv2.shards.limits import DEFAULT_MAX_PIXELS
+from relicv2.shards.manifest import REJECTED_NAME
+from relicv2.shards.merge import merge_shard_set, rejected_listing_command
+from relicv2.shards.sources import LAYOUTS, InputError
+from relicv2.shards.verify import verify_shard_set
 
 SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -157,8 +157,8 @@ def index(spec: str, index_cache: Path | None, workers: int, progress: bool) -> 
     header), and the verdicts are kept in the same cache. Tars done before are skipped. Point every
     job at the same cache (a shared folder on a cluster): no rank then reads the set at start.
     """
-    from pretrain.views.sources import CHECKS_FOLDER, check_shard_set
-    from shards.shardset import ShardSetError, default_index_cache, derive_missing_indexes
+    from relicv2.pretrain.views.sources import CHECKS_FOLDER, check_shard_set
+    from relicv2.shards.shardset import ShardSetError, default_index_cache, derive_missing_indexes
 
     cache = default_index_cache(index_cache)
     try:
@@ -202,8 +202,8 @@ def subset(shards_dir: str, fraction: float, out: Path, seed: int, min_per_class
     relicv2 shards subset shards/train --fraction 0.01 --out splits/1pct.txt
     relicv2 eval finetune --checkpoint C --train shards/train --val shards/val --labels splits/1pct.txt
     """
-    from shards.outdir import check_output_file
-    from shards.subset import class_balanced_keys, write_key_list
+    from relicv2.shards.outdir import check_output_file
+    from relicv2.shards.subset import class_balanced_keys, write_key_list
 
     with user_errors(FileNotFoundError, ValueError):
         check_output_file(out, "--out")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Launch one relicv2 job under torchrun: every process runs `python -m cli JOB ARGS...` as one rank.
+# Launch one relicv2 job under torchrun: every process runs `python -m relicv2 JOB ARGS...` as one rank.
 # Jobs that use the ranks: `pretrain` (DDP), `saliency build-masks` (disjoint input shards per rank),
 # `eval knn|linear`, `shards build`. The same command runs on one machine or on every node of many.
 #
@@ -51,7 +51,7 @@ else
   fi
   cmd+=(--rdzv-backend=c10d --rdzv-endpoint="$RDZV_ENDPOINT" --rdzv-id="${RDZV_ID:-relicv2}")
 fi
-cmd+=(-m cli "$@")
+cmd+=(-m relicv2 "$@")
 
 if [[ "${DRY_RUN:-0}" == "1" ]]; then
   printf '%q ' "${cmd[@]}"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import re
 
-from jobs.config import ConfigError
-from jobs.ranks import ranks_from_env
+from relicv2.jobs.config import ConfigError
+from relicv2.jobs.ranks import ranks_from_env
 
 CUDA = re.compile(r"cuda(?::(\d+))?")
 

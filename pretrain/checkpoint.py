@@ -23,11 +23,9 @@ from typing import Any
 
 import torch
 
-from jobs.atomic import atomic_output, atomic_write_bytes, remove_stale_temps
-from jobs.config import SETTINGS_FILE
-from pretrain.config import ConfigError, PretrainConfig, from_dict
-from pretrain.metrics_log import METRICS_NAME
-from pretrain.model.checkpoint_file import (  # noqa: F401 (the reading side lives in a leaf both stages use)
+from relicv2.jobs.atomic import atomic_output, atomic_write_bytes, remove_stale_temps
+from relicv2.jobs.config import SETTINGS_FILE
+from relicv2.models.checkpoint_file import (  # noqa: F401 (the reading side lives in a leaf both stages use)
     FORMAT,
     REQUIRED_KEYS,
     VERSION,
@@ -39,9 +37,11 @@ from pretrain.model.checkpoint_file import (  # noqa: F401 (the reading side liv
     resolve_checkpoint,
     step_of,
 )
-from pretrain.model.encoder_file import is_encoder_file, load_encoder_file
-from pretrain.model.resnet import ResNet, resnet
-from pretrain.model.untrusted import load_failure
+from relicv2.models.encoder_file import is_encoder_file, load_encoder_file
+from relicv2.models.resnet import ResNet, resnet
+from relicv2.models.untrusted import load_failure
+from relicv2.pretrain.config import ConfigError, PretrainConfig, from_dict
+from relicv2.pretrain.metrics_log import METRICS_NAME
 
 # The files a run writes in its output folder besides its checkpoints (moved aside together by --fresh).
 RUN_FILES = (SETTINGS_FILE, METRICS_NAME, "tensorboard")

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 # to_dict is re-exported: checkpoints and resumes compare plain trees through pretrain.config
-from jobs.config import ConfigError, Presets, build, resolve, settings_text, to_dict  # noqa: F401
-from pretrain.schedules import peak_learning_rate
-from pretrain.views.config import ViewConfig
+from relicv2.jobs.config import ConfigError, Presets, build, resolve, settings_text, to_dict  # noqa: F401
+from relicv2.pretrain.schedules import peak_learning_rate
+from relicv2.pretrain.views.config import ViewConfig
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ class RunConfig:
 class KnnConfig:
     """The kNN monitor's shard sets and the kNN classifier's settings.
 
-    The single owner of the kNN defaults: `pretrain.eval.knn.evaluate_knn` and `relicv2 eval knn`
+    The single owner of the kNN defaults: `pretrain.knn.knn.evaluate_knn` and `relicv2 eval knn`
     take theirs from here.
     """
 
@@ -189,7 +189,7 @@ def derive(
                          peak_lr=peak_learning_rate(config.optim.base_lr, batch))
 
 
-PRESETS = Presets(job="relicv2 pretrain", package="pretrain")
+PRESETS = Presets(job="relicv2 pretrain", package="relicv2.pretrain")
 
 
 def load_config(config: str | Path | None = None, overrides: Sequence[str] = ()) -> PretrainConfig:

@@ -11,11 +11,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from jobs.config import ConfigError
-from jobs.device import resolve_device
-from jobs.ranks import RanksError, ranks_from_env
-from pretrain.loss import gather_with_grad
-from shards.shardset import ShardSet, ShardSetError, Spec, derive_missing_indexes, resolve_shard_set
+from relicv2.jobs.config import ConfigError
+from relicv2.jobs.device import resolve_device
+from relicv2.jobs.ranks import RanksError, ranks_from_env
+from relicv2.pretrain.loss import gather_with_grad
+from relicv2.shards.shardset import (
+    ShardSet,
+    ShardSetError,
+    Spec,
+    derive_missing_indexes,
+    resolve_shard_set,
+)
 
 
 @dataclass(frozen=True)
@@ -96,7 +102,7 @@ def open_shard_sets(ctx: DistributedContext | None, *specs: Spec, check_samples:
         barrier(ctx)  # every index exists before any rank resolves or checks a set
     sets = [resolve_shard_set(spec, allow_lost=allow_lost) for spec in specs]
     if distributed and check_samples:
-        from pretrain.views.sources import check_shard_set
+        from relicv2.pretrain.views.sources import check_shard_set
 
         for shard_set in sets:
             try:

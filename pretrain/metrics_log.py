@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from jobs.atomic import atomic_write_bytes
-from jobs.progress import Phase
+from relicv2.jobs.atomic import atomic_write_bytes
+from relicv2.jobs.progress import Phase
 
 METRICS_NAME = "metrics.jsonl"
 # Shown in the progress bar, in this order (the JSONL and TensorBoard get every metric).

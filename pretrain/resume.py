@@ -13,12 +13,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from jobs.config import removed_settings
-from pretrain.checkpoint import CheckpointError
-from pretrain.config import PretrainConfig, to_dict
-from pretrain.distributed import DistributedContext
-from pretrain.trainer import TrainState
-from pretrain.views.source import StateVersionError, ViewSource, global_position_state
+from relicv2.jobs.config import removed_settings
+from relicv2.pretrain.checkpoint import CheckpointError
+from relicv2.pretrain.config import PretrainConfig, to_dict
+from relicv2.pretrain.distributed import DistributedContext
+from relicv2.pretrain.trainer import TrainState
+from relicv2.pretrain.views.source import StateVersionError, ViewSource, global_position_state
 
 # Settings a run cannot change on resume: the data order, the augmentations and the data set
 # itself depend on them, so the resumed run would silently train on another stream.

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from jobs.config import SETTINGS_FILE
-from jobs.device import resolve_device
-from jobs.lock import FolderLockedError, folder_lock
-from jobs.version import package_version
-from pretrain.checkpoint import (
+from relicv2.jobs.config import SETTINGS_FILE
+from relicv2.jobs.device import resolve_device
+from relicv2.jobs.lock import FolderLockedError, folder_lock
+from relicv2.jobs.version import package_version
+from relicv2.pretrain.checkpoint import (
     CheckpointError,
     checkpoint_path,
     latest_checkpoint,
@@ -30,7 +30,7 @@ from pretrain.checkpoint import (
     step_of,
     write_run_config,
 )
-from pretrain.config import (
+from relicv2.pretrain.config import (
     ConfigError,
     DerivedValues,
     PretrainConfig,
@@ -39,7 +39,7 @@ from pretrain.config import (
     per_rank_batch,
     to_dict,
 )
-from pretrain.distributed import (
+from relicv2.pretrain.distributed import (
     DistributedContext,
     all_gather_object,
     all_reduce_mean,
@@ -49,12 +49,12 @@ from pretrain.distributed import (
     open_shard_sets,
     teardown,
 )
-from pretrain.eval.classes import ClassMismatchError, check_same_classes
-from pretrain.eval.knn import evaluate_knn, shared_tars
-from pretrain.eval.outcome import lost_fields
-from pretrain.metrics_log import MetricsLogger, truncate_metrics
-from pretrain.resume import data_position, restore
-from pretrain.trainer import (
+from relicv2.pretrain.knn.classes import ClassMismatchError, check_same_classes
+from relicv2.pretrain.knn.knn import evaluate_knn, shared_tars
+from relicv2.pretrain.knn.outcome import lost_fields
+from relicv2.pretrain.metrics_log import MetricsLogger, truncate_metrics
+from relicv2.pretrain.resume import data_position, restore
+from relicv2.pretrain.trainer import (
     NonFiniteLossError,
     StepSettings,
     TrainState,
@@ -62,13 +62,13 @@ from pretrain.trainer import (
     train_step,
     wrap_networks,
 )
-from pretrain.views.config import mask_mismatch
-from pretrain.views.source import ViewSource
-from pretrain.views.synthetic import SyntheticViews
-from shards.outdir import output_folder
-from shards.reader import ReadReport, iter_samples
-from shards.sample import missing_label
-from shards.shardset import ShardSet, ShardSetError
+from relicv2.pretrain.views.config import mask_mismatch
+from relicv2.pretrain.views.source import ViewSource
+from relicv2.pretrain.views.synthetic import SyntheticViews
+from relicv2.shards.outdir import output_folder
+from relicv2.shards.reader import ReadReport, iter_samples
+from relicv2.shards.sample import missing_label
+from relicv2.shards.shardset import ShardSet, ShardSetError
 
 JOB_NAME = "relicv2 pretrain"
 # Builds this rank's data source once the process group is up (it needs the rank and the device) from the
@@ -219,7 +219,7 @@ def build_view_source(config: PretrainConfig, ctx: DistributedContext, shards: S
             large_size=views.large_size, small_size=views.small_size,
             num_classes=config.data.synthetic_classes, device=ctx.device,
         )
-    from pretrain.views.loader import ViewLoader  # imported here: it loads DALI
+    from relicv2.pretrain.views.loader import ViewLoader  # imported here: it loads DALI
 
     try:
         return ViewLoader(shards, batch, views, device=str(ctx.device), rank=ctx.rank,

@@ -13,17 +13,17 @@ import torch
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from pretrain.config import DerivedValues, PretrainConfig
-from pretrain.distributed import (
+from relicv2.models.heads import OnlineNetwork, TargetNetwork, build_networks, ema_update
+from relicv2.pretrain.config import DerivedValues, PretrainConfig
+from relicv2.pretrain.distributed import (
     DistributedContext,
     all_reduce_mean,
     convert_sync_batchnorm,
 )
-from pretrain.lars import LARS, parameter_groups
-from pretrain.loss import gather_with_grad, relicv2_loss
-from pretrain.model.heads import OnlineNetwork, TargetNetwork, build_networks, ema_update
-from pretrain.schedules import ema_coefficient, learning_rate
-from pretrain.seeding import SeedPurpose, derive_seed
+from relicv2.pretrain.lars import LARS, parameter_groups
+from relicv2.pretrain.loss import gather_with_grad, relicv2_loss
+from relicv2.pretrain.schedules import ema_coefficient, learning_rate
+from relicv2.pretrain.seeding import SeedPurpose, derive_seed
 
 
 class NonFiniteLossError(RuntimeError):

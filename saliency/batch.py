@@ -22,17 +22,17 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jobs.atomic import remove_stale_temps
-from jobs.lock import folder_lock
-from jobs.progress import Phase
-from jobs.workers import one_thread, single_threaded, worker_pool
-from saliency.failures import FailureLimit
-from saliency.handcrafted.methods import METHODS
-from saliency.images import ImageReadError
-from saliency.inputs import Item, count_inputs, is_shard_source, iter_items
-from saliency.maps import write_map
-from shards.keys import UnsafeKeyError, safe_relative_path
-from shards.reader import ReadReport
+from relicv2.jobs.atomic import remove_stale_temps
+from relicv2.jobs.lock import folder_lock
+from relicv2.jobs.progress import Phase
+from relicv2.jobs.workers import one_thread, single_threaded, worker_pool
+from relicv2.saliency.failures import FailureLimit
+from relicv2.saliency.handcrafted.methods import METHODS
+from relicv2.saliency.images import ImageReadError
+from relicv2.saliency.inputs import Item, count_inputs, is_shard_source, iter_items
+from relicv2.saliency.maps import write_map
+from relicv2.shards.keys import UnsafeKeyError, safe_relative_path
+from relicv2.shards.reader import ReadReport
 
 JOB_NAME = "saliency handcrafted"
 OUTPUT_FULL = (errno.ENOSPC, errno.EROFS, errno.EDQUOT)

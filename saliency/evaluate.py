@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from saliency.handcrafted.methods import METHODS
-from saliency.images import list_images, read_gray, read_rgb
-from saliency.maps import map_to_uint8
-from saliency.metrics import DatasetScores, aggregate, score_image
+from relicv2.saliency.handcrafted.methods import METHODS
+from relicv2.saliency.images import list_images, read_gray, read_rgb
+from relicv2.saliency.maps import map_to_uint8
+from relicv2.saliency.metrics import DatasetScores, aggregate, score_image
 
 
 class EvaluationError(ValueError):
@@ -109,9 +109,9 @@ class ModelEvaluation:
 def evaluate_model(job: ModelEvaluation) -> DatasetScores:
     """Predict every image of ``job.images`` with the model and score the maps against ``job.gt``, each
     through an 8-bit map, so that a model scores what its written maps score."""
-    from saliency.network.crf import model_crf
-    from saliency.network.model_file import load_model
-    from saliency.network.predict import mean_of_maps, predict_map, with_maps
+    from relicv2.saliency.network.crf import model_crf
+    from relicv2.saliency.network.model_file import load_model
+    from relicv2.saliency.network.predict import mean_of_maps, predict_map, with_maps
 
     for option, folder in (("--images", job.images), ("--gt", job.gt)):
         if not Path(folder).is_dir():

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
-from shards.images import ImageLoadError, load_gray, load_rgb, read_bytes
-from shards.sources import IMAGE_EXTENSIONS
+from relicv2.shards.images import ImageLoadError, load_gray, load_rgb, read_bytes
+from relicv2.shards.sources import IMAGE_EXTENSIONS
 
 # Reading goes through the project's one image loader (shards.images): pixel limits checked from
 # the header, EXIF orientation applied, 16-bit scaled, transparency over white, GIF/palette/CMYK to RGB.

@@ -13,10 +13,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from saliency.images import decode_rgb, list_images, read_rgb
-from shards.manifest import MANIFEST_NAME
-from shards.reader import ReadReport, iter_samples
-from shards.shardset import BRACE, list_shard_files, resolve_shard_set, shard_tars
+from relicv2.saliency.images import decode_rgb, list_images, read_rgb
+from relicv2.shards.manifest import MANIFEST_NAME
+from relicv2.shards.reader import ReadReport, iter_samples
+from relicv2.shards.shardset import BRACE, list_shard_files, resolve_shard_set, shard_tars
 
 
 @dataclass(frozen=True)

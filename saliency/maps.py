@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from jobs.atomic import atomic_output
+from relicv2.jobs.atomic import atomic_output
 
 
 def map_to_uint8(saliency: np.ndarray) -> np.ndarray:

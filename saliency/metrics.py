@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from saliency.handcrafted.graph import minmax_normalise
+from relicv2.saliency.handcrafted.graph import minmax_normalise
 
 BETA2 = 0.3
 THRESHOLDS = 256

@@ -10,12 +10,12 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from saliency.batch import iter_items, map_path
-from saliency.handcrafted.methods import METHODS
-from saliency.images import ImageReadError, decode_rgb, list_images, read_gray
-from saliency.maps import map_to_uint8, write_png
-from shards import ReadReport, iter_samples
-from shards.sample import MASK_MEMBER
+from relicv2.saliency.batch import iter_items, map_path
+from relicv2.saliency.handcrafted.methods import METHODS
+from relicv2.saliency.images import ImageReadError, decode_rgb, list_images, read_gray
+from relicv2.saliency.maps import map_to_uint8, write_png
+from relicv2.shards import ReadReport, iter_samples
+from relicv2.shards.sample import MASK_MEMBER
 
 HEADER = 22
 

@@ -24,7 +24,7 @@ cd "$(dirname "$0")/.."  # demo-out/ and the package are found from the reposito
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 start=$SECONDS
 
-relicv2() { "$py" -m cli "$@"; }
+relicv2() { "$py" -m relicv2 "$@"; }
 
 # Stage bookkeeping: a stage is done when its stamp holds the same settings it would run with now.
 settings="data=${data:-builtin} reduced=$reduced"

@@ -31,18 +31,18 @@ OUTPUT = REPO / "docs" / "config.md"
 
 # (title, module, root dataclass, the module's `jobs.config.Presets` attribute, how users set the keys).
 JOBS: tuple[tuple[str, str, str, str, str], ...] = (
-    ("Pretraining (`relicv2 pretrain`)", "pretrain.config", "PretrainConfig", "PRESETS",
+    ("Pretraining (`relicv2 pretrain`)", "relicv2.pretrain.config", "PretrainConfig", "PRESETS",
      "a preset (`--config NAME`) or a YAML file (`--config FILE.yaml`) with one mapping per section, and "
      "`--set section.key=value` on the command line"),
-    ("Saliency network (`relicv2 saliency train`)", "saliency.network.config", "SaliencyTrainConfig", "PRESETS",
+    ("Saliency network (`relicv2 saliency train`)", "relicv2.saliency.network.config", "SaliencyTrainConfig", "PRESETS",
      "a preset (`--config NAME`; `--preset NAME` is the same) or a YAML file of flat keys (`crf:` and "
      "`thresholds:` are mappings), and `--set key=value` (`--set crf.iterations=3`). `--config` is "
      "required: there is no default preset"),
-    ("Linear evaluation (`relicv2 eval linear`)", "pretrain.eval.job", "LinearConfig", "LINEAR_PRESETS",
+    ("Linear evaluation (`relicv2 eval linear`)", "relicv2.evaluation.job", "LinearConfig", "LINEAR_PRESETS",
      "a preset (`--config NAME`, default `paper`; `--preset NAME` is the same) or a YAML file, and "
      "`--set key=value`. `relicv2 eval knn` takes the `knn` section of the pretraining config above "
      "(`--k`, `--temperature`, `--crop-size`, `--resize-size`, `--batch-size`)"),
-    ("Fine-tuning (`relicv2 eval finetune`)", "pretrain.eval.job", "FinetuneConfig", "FINETUNE_PRESETS",
+    ("Fine-tuning (`relicv2 eval finetune`)", "relicv2.evaluation.job", "FinetuneConfig", "FINETUNE_PRESETS",
      "a preset (`--config NAME`, default `1pct`; `--preset NAME` is the same) or a YAML file, and "
      "`--set key=value`"),
 )

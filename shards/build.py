@@ -19,14 +19,14 @@ from pathlib import Path
 
 from PIL import Image
 
-from jobs.atomic import remove_stale_temps
-from jobs.lock import folder_lock
-from jobs.progress import Phase
-from jobs.ranks import Ranks
-from jobs.version import package_version
-from jobs.workers import worker_pool
-from shards.images import PreparedImage, Rejection, prepare_file
-from shards.job import (  # noqa: F401 (OutputError re-exported for callers of shards.build)
+from relicv2.jobs.atomic import remove_stale_temps
+from relicv2.jobs.lock import folder_lock
+from relicv2.jobs.progress import Phase
+from relicv2.jobs.ranks import Ranks
+from relicv2.jobs.version import package_version
+from relicv2.jobs.workers import worker_pool
+from relicv2.shards.images import PreparedImage, Rejection, prepare_file
+from relicv2.shards.job import (  # noqa: F401 (OutputError re-exported for callers of shards.build)
     NOT_DONE,
     MergeReport,
     OutputError,
@@ -36,14 +36,14 @@ from shards.job import (  # noqa: F401 (OutputError re-exported for callers of s
     rank_units,
     write_record,
 )
-from shards.limits import DEFAULT_MAX_PIXELS, ImageLimits
-from shards.manifest import REJECTED_NAME, rejected_table, write_table
-from shards.merge import build_job, merge_shard_set, rejected_listing_command, work_dir
-from shards.outdir import claim_out_dir, output_folder, shard_files
-from shards.plan import ShardPlan, plan_digest, plan_shards
-from shards.sample import ShardSample
-from shards.sources import InputError, Listing, SourceImage, list_inputs
-from shards.writer import SampleRecord, TarShard, sample_record
+from relicv2.shards.limits import DEFAULT_MAX_PIXELS, ImageLimits
+from relicv2.shards.manifest import REJECTED_NAME, rejected_table, write_table
+from relicv2.shards.merge import build_job, merge_shard_set, rejected_listing_command, work_dir
+from relicv2.shards.outdir import claim_out_dir, output_folder, shard_files
+from relicv2.shards.plan import ShardPlan, plan_digest, plan_shards
+from relicv2.shards.sample import ShardSample
+from relicv2.shards.sources import InputError, Listing, SourceImage, list_inputs
+from relicv2.shards.writer import SampleRecord, TarShard, sample_record
 
 CHUNK = 16  # images per worker task: amortises inter-process overhead, keeps order cheap
 

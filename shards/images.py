@@ -25,7 +25,7 @@ from typing import BinaryIO
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from shards.limits import DEFAULT_LIMITS, ImageLimits
+from relicv2.shards.limits import DEFAULT_LIMITS, ImageLimits
 
 # JPEG-coded formats PIL may report for a valid JPEG file (MPO: camera multi-picture JPEG,
 # whose first frame is what every JPEG decoder reads).

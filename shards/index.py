@@ -14,10 +14,10 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from jobs.atomic import atomic_write_bytes
-from shards.keys import UnsafeKeyError, check_key
-from shards.limits import DEFAULT_LIMITS, ImageLimits
-from shards.tario import Skipped, TarReadError, iter_tar
+from relicv2.jobs.atomic import atomic_write_bytes
+from relicv2.shards.keys import UnsafeKeyError, check_key
+from relicv2.shards.limits import DEFAULT_LIMITS, ImageLimits
+from relicv2.shards.tario import Skipped, TarReadError, iter_tar
 
 INDEX_VERSION = "v1.2"
 

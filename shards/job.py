@@ -22,10 +22,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobs.atomic import OutputError, atomic_write_bytes
-from jobs.progress import Phase
-from shards.index import index_path
-from shards.manifest import (
+from relicv2.jobs.atomic import OutputError, atomic_write_bytes
+from relicv2.jobs.progress import Phase
+from relicv2.shards.index import index_path
+from relicv2.shards.manifest import (
     MANIFEST_NAME,
     REJECTED_NAME,
     concat_manifests,
@@ -33,7 +33,7 @@ from shards.manifest import (
     rejected_table,
     write_table,
 )
-from shards.writer import TarShard, write_info
+from relicv2.shards.writer import TarShard, write_info
 
 POLL_S = 2.0
 PLAN_NAME = "plan.json"  # in the work folder: what the job's outputs are made from (the folder's claim)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs.atomic import atomic_write_bytes
+from relicv2.jobs.atomic import atomic_write_bytes
 
 MANIFEST_NAME = "manifest.parquet"
 REJECTED_NAME = "rejected.parquet"

@@ -12,8 +12,15 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from shards.job import PLAN_NAME, MergeReport, ShardJob, Unit, merge_records, wait_for_records
-from shards.manifest import is_plain_tar_name
+from relicv2.shards.job import (
+    PLAN_NAME,
+    MergeReport,
+    ShardJob,
+    Unit,
+    merge_records,
+    wait_for_records,
+)
+from relicv2.shards.manifest import is_plain_tar_name
 
 WORK_DIR = ".build"
 PLAN_FIELDS = {"digest", "shards", "settings", "inputs", "classes"}  # what merging a build needs

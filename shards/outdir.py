@@ -16,12 +16,12 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from jobs.atomic import OutputError
-from shards.index import index_path
-from shards.job import ShardJob, write_plan
-from shards.manifest import MANIFEST_NAME, REJECTED_NAME, manifest_shards
-from shards.merge import plan_file, read_plan, work_dir
-from shards.sources import InputError
+from relicv2.jobs.atomic import OutputError
+from relicv2.shards.index import index_path
+from relicv2.shards.job import ShardJob, write_plan
+from relicv2.shards.manifest import MANIFEST_NAME, REJECTED_NAME, manifest_shards
+from relicv2.shards.merge import plan_file, read_plan, work_dir
+from relicv2.shards.sources import InputError
 
 INFO_NAME = "info.json"
 SET_FILES = (MANIFEST_NAME, REJECTED_NAME, INFO_NAME)

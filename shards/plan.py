@@ -15,9 +15,9 @@ from json.encoder import encode_basestring_ascii
 
 import numpy as np
 
-from shards.sources import SourceImage
-from shards.tario import BLOCK
-from shards.writer import shard_name
+from relicv2.shards.sources import SourceImage
+from relicv2.shards.tario import BLOCK
+from relicv2.shards.writer import shard_name
 
 PLAN_VERSION = 1
 # Per-sample tar overhead besides the image: headers of jpg/cls/json plus the json payload block.

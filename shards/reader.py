@@ -28,7 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shards.index import (
+from relicv2.shards.index import (
     IndexEntry,
     IndexFileError,
     index_path,
@@ -37,10 +37,10 @@ from shards.index import (
     scan_tar,
     split_member_name,
 )
-from shards.keys import UnsafeKeyError, check_key
-from shards.limits import DEFAULT_LIMITS, ImageLimits
-from shards.manifest import MANIFEST_NAME, read_manifest
-from shards.sample import (
+from relicv2.shards.keys import UnsafeKeyError, check_key
+from relicv2.shards.limits import DEFAULT_LIMITS, ImageLimits
+from relicv2.shards.manifest import MANIFEST_NAME, read_manifest
+from relicv2.shards.sample import (
     IMAGE_MEMBERS,
     LABEL_MEMBER,
     MAX_LABEL_BYTES,
@@ -50,8 +50,8 @@ from shards.sample import (
     image_member_name,
     label_text,
 )
-from shards.shardset import ShardSet, ShardSetError, Spec, shard_tars
-from shards.tario import TarReadError, read_indexed_member
+from relicv2.shards.shardset import ShardSet, ShardSetError, Spec, shard_tars
+from relicv2.shards.tario import TarReadError, read_indexed_member
 
 UNUSED_LISTED = 20  # unused members named one by one in a report; the rest only counted
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')  # a JSON string literal: brackets inside it do not nest

@@ -22,12 +22,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from jobs.atomic import atomic_write_bytes
-from jobs.progress import Phase, tracked
-from jobs.workers import worker_pool
-from shards.index import index_path, index_text, read_index
-from shards.manifest import MANIFEST_NAME, is_plain_tar_name, read_manifest
-from shards.sample import LABEL_MEMBER, MASK_MEMBER
+from relicv2.jobs.atomic import atomic_write_bytes
+from relicv2.jobs.progress import Phase, tracked
+from relicv2.jobs.workers import worker_pool
+from relicv2.shards.index import index_path, index_text, read_index
+from relicv2.shards.manifest import MANIFEST_NAME, is_plain_tar_name, read_manifest
+from relicv2.shards.sample import LABEL_MEMBER, MASK_MEMBER
 
 # Shard file names: ours are `{prefix}-NNNNNN.tar`; other tools write 4 or 5 digits too.
 SHARD_PATTERN = re.compile(r"[^.].*-\d{4,6}\.tar")

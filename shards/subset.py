@@ -15,12 +15,12 @@ from pathlib import Path
 
 import numpy as np
 
-from jobs.atomic import atomic_write_bytes
-from shards.index import name_key, read_index
-from shards.keys import check_key
-from shards.outdir import writing
-from shards.sample import LABEL_MEMBER, read_class_index
-from shards.shardset import resolve_shard_set
+from relicv2.jobs.atomic import atomic_write_bytes
+from relicv2.shards.index import name_key, read_index
+from relicv2.shards.keys import check_key
+from relicv2.shards.outdir import writing
+from relicv2.shards.sample import LABEL_MEMBER, read_class_index
+from relicv2.shards.shardset import resolve_shard_set
 
 
 @dataclass(frozen=True)

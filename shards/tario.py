@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from shards.keys import member_refusal
-from shards.limits import DEFAULT_LIMITS, ImageLimits
+from relicv2.shards.keys import member_refusal
+from relicv2.shards.limits import DEFAULT_LIMITS, ImageLimits
 
 # Magic numbers of the compressions tarfile (or webdataset's `r|*`) would silently undo.
 COMPRESSED_MAGIC = (

@@ -22,19 +22,19 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from shards.images import JPEG_FORMATS, ImageLoadError, decode, displayed_size
-from shards.index import index_path, index_text
-from shards.manifest import (
+from relicv2.shards.images import JPEG_FORMATS, ImageLoadError, decode, displayed_size
+from relicv2.shards.index import index_path, index_text
+from relicv2.shards.manifest import (
     MANIFEST_NAME,
     MANIFEST_SCHEMA,
     REJECTED_NAME,
     is_plain_tar_name,
     read_manifest,
 )
-from shards.merge import plan_file
-from shards.reader import ReadReport, Sample, read_samples
-from shards.sample import MASK_MEMBER, content_hash
-from shards.shardset import (
+from relicv2.shards.merge import plan_file
+from relicv2.shards.reader import ReadReport, Sample, read_samples
+from relicv2.shards.sample import MASK_MEMBER, content_hash
+from relicv2.shards.shardset import (
     SHARD_PATTERN,
     default_index_cache,
     in_workers,

@@ -10,11 +10,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobs.atomic import atomic_write_bytes, fsync_dir, remove_stale_temps, temp_path_for
-from jobs.version import package_version
-from shards.index import IndexEntry, format_index, index_path
-from shards.manifest import CORE_COLUMNS, manifest_shards, write_manifest
-from shards.sample import ShardSample, check_sample, content_hash, sample_members
+from relicv2.jobs.atomic import atomic_write_bytes, fsync_dir, remove_stale_temps, temp_path_for
+from relicv2.jobs.version import package_version
+from relicv2.shards.index import IndexEntry, format_index, index_path
+from relicv2.shards.manifest import CORE_COLUMNS, manifest_shards, write_manifest
+from relicv2.shards.sample import ShardSample, check_sample, content_hash, sample_members
 
 
 def shard_name(prefix: str, number: int) -> str:

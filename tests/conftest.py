@@ -21,7 +21,7 @@ from tests.threads import one_torch_thread
 def index_cache(tmp_path_factory: pytest.TempPathFactory):
     """Indexes derived for plain WebDataset sets go to a folder of the test session, never the user's
     ~/.cache (tests that need their own folder set RELICV2_INDEX_CACHE themselves)."""
-    from shards.shardset import INDEX_CACHE_ENV
+    from relicv2.shards.shardset import INDEX_CACHE_ENV
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(INDEX_CACHE_ENV, str(tmp_path_factory.mktemp("index-cache")))

@@ -9,3 +9,11 @@ REPO = Path(__file__).resolve().parents[1]
 # RELICV2_SHARED_DATA points elsewhere (e.g. from a git worktree that is not beside shared/).
 SHARED_DATA = Path(os.environ.get("RELICV2_SHARED_DATA", REPO.parent / "shared" / "data"))
 CONFIGS = REPO / "pretrain" / "presets"  # the pretraining presets shipped in the package
+
+
+def package_dirs() -> dict[str, Path]:
+    """The installed packages' folders: `pyproject.toml`'s package-dir mapping (the one owner of the layout)."""
+    import tomllib
+
+    mapping = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    return {name: REPO / folder for name, folder in mapping.items()}

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.config import PRESETS as PRETRAIN_PRESETS
-from pretrain.eval.job import FINETUNE_PRESETS, LINEAR_PRESETS
-from saliency.network.config import PRESETS as SALIENCY_PRESETS
+from relicv2.evaluation.job import FINETUNE_PRESETS, LINEAR_PRESETS
+from relicv2.pretrain.config import PRESETS as PRETRAIN_PRESETS
+from relicv2.saliency.network.config import PRESETS as SALIENCY_PRESETS
 from tests.paths import CONFIGS, REPO
 
 RESULTS = REPO / "benchmarks" / "RESULTS.md"

@@ -19,11 +19,11 @@ import torch
 from click.testing import CliRunner
 from PIL import Image
 
-from pretrain.eval.knn import preprocess
-from pretrain.model.normalization import IMAGENET_MEAN, IMAGENET_STD
-from pretrain.views.config import PARAM_NAMES, ViewConfig
-from pretrain.views.loader import ViewLoader, dali_available
-from shards import (
+from relicv2.models.normalization import IMAGENET_MEAN, IMAGENET_STD
+from relicv2.pretrain.knn.knn import preprocess
+from relicv2.pretrain.views.config import PARAM_NAMES, ViewConfig
+from relicv2.pretrain.views.loader import ViewLoader, dali_available
+from relicv2.shards import (
     ReadReport,
     iter_samples,
     read_manifest,
@@ -87,10 +87,10 @@ class RedPredictor:
 @pytest.fixture(scope="module")
 def masked(foreign, tmp_path_factory) -> Path:
     """`saliency build-masks` output of the foreign set (a tiny model file, a red-finding predictor)."""
-    from saliency.network.build_masks import BuildMasksConfig, build_masks
-    from saliency.network.model import SaliencyNet
-    from saliency.network.model_file import save_model
-    from shards.build import Ranks
+    from relicv2.saliency.network.build_masks import BuildMasksConfig, build_masks
+    from relicv2.saliency.network.model import SaliencyNet
+    from relicv2.saliency.network.model_file import save_model
+    from relicv2.shards.build import Ranks
 
     base = tmp_path_factory.mktemp("masks")
     torch.manual_seed(0)
@@ -103,7 +103,7 @@ def masked(foreign, tmp_path_factory) -> Path:
 
 
 def _run(args: list[str]):
-    from cli.main import cli
+    from relicv2.cli.main import cli
 
     return CliRunner().invoke(cli, args, catch_exceptions=False)
 
@@ -185,10 +185,10 @@ def test_every_reader_applies_the_pixel_limit():
     """One loader, one pixel-limit policy: a decompression bomb is refused from its header by the
     reference views, kNN preprocessing and the saliency network's decoder alike (ImageLoadError,
     a ValueError: the samples are reported and skipped by their callers)."""
-    from pretrain.views.reference import augment_sample
-    from saliency.images import ImageReadError, decode_rgb
-    from saliency.network.mask_work import RawSample, prepare
-    from shards import ImageLoadError
+    from relicv2.pretrain.views.reference import augment_sample
+    from relicv2.saliency.images import ImageReadError, decode_rgb
+    from relicv2.saliency.network.mask_work import RawSample, prepare
+    from relicv2.shards import ImageLoadError
     from tests.shards.test_hostile import bomb_png
 
     bomb = bomb_png()

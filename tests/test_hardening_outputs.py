@@ -7,7 +7,7 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
-from cli.main import cli
+from relicv2.cli.main import cli
 
 
 def _run_folder(tmp_path: Path) -> Path:

@@ -1,8 +1,9 @@
-"""The module boundaries of docs/design.md, read from the code: who may import whom, and no import cycle.
+"""The floors of docs/design.md, read from the code: who may import whom, and no import cycle.
 
-`jobs` imports no other package of the project; `shards` imports `jobs` only; `pretrain` imports `shards`
-and `jobs`; `saliency` imports those and, of `pretrain`, only its model package (the ResNet and the leaf that
-reads untrusted weight and checkpoint files); nothing imports `cli`. Imports inside functions count too.
+`relicv2.jobs` imports no other package of the project; `shards` imports `jobs`; `models` (the networks and
+their files) imports `jobs`; `saliency` and `pretrain` stand side by side on those three and never import
+each other; `evaluation` may import `pretrain`, which never imports it; `cli` imports all and nothing
+imports `cli` (but the namespace's `python -m relicv2`). Imports inside functions count too.
 """
 
 from __future__ import annotations
@@ -10,25 +11,30 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from tests.paths import REPO
+from tests.paths import package_dirs
 
-PACKAGES = ("jobs", "shards", "pretrain", "saliency", "cli")
-ALLOWED = {
+FLOORS = {
     "jobs": set(),
     "shards": {"jobs"},
-    "pretrain": {"jobs", "shards"},
-    "saliency": {"jobs", "shards", "pretrain.model"},
-    "cli": {"jobs", "shards", "pretrain", "saliency"},
+    "models": {"jobs"},
+    "saliency": {"jobs", "shards", "models"},
+    "pretrain": {"jobs", "shards", "models"},
+    "evaluation": {"jobs", "shards", "models", "pretrain"},
+    "cli": {"jobs", "shards", "models", "saliency", "pretrain", "evaluation"},
 }
+ROOTS = {name.split(".")[1]: folder for name, folder in package_dirs().items() if name != "relicv2"}
 
 
-def _module(path: Path) -> str:
-    parts = path.relative_to(REPO).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+def _module(package: str, path: Path) -> str:
+    parts = path.relative_to(ROOTS[package]).with_suffix("").parts
+    return ".".join(["relicv2", package, *(parts[:-1] if parts[-1] == "__init__" else parts)])
 
 
 def _is_module(name: str) -> bool:
-    path = REPO.joinpath(*name.split("."))
+    parts = name.split(".")
+    if len(parts) < 2 or parts[0] != "relicv2" or parts[1] not in ROOTS:
+        return False
+    path = ROOTS[parts[1]].joinpath(*parts[2:])
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
@@ -42,18 +48,20 @@ def _imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             submodules = {f"{node.module}.{alias.name}" for alias in node.names}
             found |= {name for name in submodules if _is_module(name)} or {node.module}
-    return {name for name in found if name.split(".")[0] in PACKAGES}
+    return {name for name in found if name == "relicv2" or name.startswith("relicv2.")}
 
 
 def _graph() -> dict[str, set[str]]:
-    return {_module(path): _imports(path) for package in PACKAGES for path in (REPO / package).rglob("*.py")}
+    return {_module(package, path): _imports(path) for package, root in ROOTS.items() for path in root.rglob("*.py")}
 
 
 def _allowed(importer: str, imported: str) -> bool:
-    package = importer.split(".")[0]
-    if imported.split(".")[0] == package:
-        return True
-    return any(imported == target or imported.startswith(target + ".") for target in ALLOWED[package])
+    package, target = importer.split(".")[1], imported.split(".")
+    return len(target) > 1 and (target[1] == package or target[1] in FLOORS[package])
+
+
+def test_every_package_has_its_floor():
+    assert set(ROOTS) == set(FLOORS)
 
 
 def test_every_import_follows_the_design():
@@ -87,7 +95,17 @@ def test_no_import_cycle_between_modules():
             assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
 
+def test_the_namespace_root_imports_only_the_command():
+    root = Path(package_dirs()["relicv2"])
+    imported = {name for path in root.glob("*.py") for name in _imports(path)}
+    assert imported <= {"relicv2.cli.main"}, imported
+
+
 def test_the_checker_sees_a_forbidden_import():
-    assert not _allowed("saliency.network.weights", "pretrain.checkpoint")
-    assert not _allowed("shards.reader", "pretrain.views.sources")
-    assert _allowed("saliency.network.weights", "pretrain.model.checkpoint_file")
+    assert not _allowed("relicv2.saliency.network.weights", "relicv2.pretrain.checkpoint")
+    assert not _allowed("relicv2.shards.reader", "relicv2.pretrain.views.sources")
+    assert _allowed("relicv2.saliency.network.weights", "relicv2.models.checkpoint_file")
+    assert not _allowed("relicv2.pretrain.run", "relicv2.evaluation.linear")
+    assert not _allowed("relicv2.pretrain.run", "relicv2.saliency.batch")
+    assert not _allowed("relicv2.models.resnet", "relicv2.pretrain.config")
+    assert _allowed("relicv2.evaluation.linear", "relicv2.pretrain.distributed")

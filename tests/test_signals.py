@@ -1,6 +1,6 @@
 """SIGINT / SIGTERM sent to the main process of a job with workers: the job and its workers end within seconds.
 
-Each job runs as `python -m cli ...` in its own session on tiny data. The signal goes to the main pid
+Each job runs as `python -m relicv2 ...` in its own session on tiny data. The signal goes to the main pid
 only (what `timeout`, `kill` and schedulers do), the workers never see it. The job must exit with
 130 (SIGINT) or 143 (SIGTERM), print one line saying so, and leave no process of its session alive.
 """
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from shards import ShardSample, write_shard_set
+from relicv2.shards import ShardSample, write_shard_set
 from tests.paths import CONFIGS, REPO
 
 STOP_WITHIN_S = 12.0  # the job's own grace period (cli.signals.GRACE_S) and a little more
@@ -60,7 +60,7 @@ def stop_job(args: list[str], signum: int, *, ready: str, workers: int = 2) -> t
     """Run `relicv2 ARGS` until its output shows `ready` and it has `workers` child processes, send
     `signum` to its main pid, and return (exit code, output); no process of its session may survive."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    job = subprocess.Popen([sys.executable, "-m", "cli", *args], cwd=REPO, env=env, start_new_session=True,
+    job = subprocess.Popen([sys.executable, "-m", "relicv2", *args], cwd=REPO, env=env, start_new_session=True,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = io.StringIO()
     reader = threading.Thread(target=lambda: [output.write(line) for line in job.stdout], daemon=True)
@@ -100,7 +100,7 @@ def _noise_jpeg(path: Path, side: int, seed: int) -> None:
 
 
 def _scene_shards(folder: Path, count: int, side: int = 64) -> Path:
-    from saliency.synthetic import synthetic_scene
+    from relicv2.saliency.synthetic import synthetic_scene
 
     samples = []
     for i in range(count):
@@ -144,8 +144,8 @@ def test_saliency_train_in_the_crf_phase(tmp_path, signum=signal.SIGINT):
 def test_build_masks(tmp_path, signum=signal.SIGTERM):
     import torch
 
-    from saliency.network.model import SaliencyNet
-    from saliency.network.model_file import save_model
+    from relicv2.saliency.network.model import SaliencyNet
+    from relicv2.saliency.network.model_file import save_model
 
     torch.manual_seed(0)
     model = save_model(tmp_path / "model.pt", SaliencyNet(18).eval(), input_size=224, preset="tiny",

@@ -15,8 +15,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from pretrain.views.config import DRAWN_PARAM_NAMES, PARAM_NAMES, ViewConfig
-from pretrain.views.sources import SampleSet
+from relicv2.pretrain.views.config import DRAWN_PARAM_NAMES, PARAM_NAMES, ViewConfig
+from relicv2.pretrain.views.sources import SampleSet
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pretrain.views.config import (
+from relicv2.pretrain.views.config import (
     DRAWN_PARAM_NAMES,
     GRAYSCALE_WEIGHTS,
     JITTER_ORDERS,

@@ -11,10 +11,10 @@ import itertools
 from dataclasses import dataclass
 from typing import ClassVar
 
-from jobs.config import RemovedKey
-from jobs.workers import rank_cores
-from pretrain.model.normalization import IMAGENET_MEAN, IMAGENET_STD
-from shards.sample import MIN_MASK_COVERAGE
+from relicv2.jobs.config import RemovedKey
+from relicv2.jobs.workers import rank_cores
+from relicv2.models.normalization import IMAGENET_MEAN, IMAGENET_STD
+from relicv2.shards.sample import MIN_MASK_COVERAGE
 
 GRAYSCALE_WEIGHTS = (0.2989, 0.5870, 0.1140)  # paper and torchvision's rgb_to_grayscale
 BACKENDS = ("dali", "reference")

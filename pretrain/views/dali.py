@@ -19,15 +19,20 @@ from nvidia.dali.plugin.pytorch import feed_ndarray
 from nvidia.dali.tensors import TensorListGPU
 from torch.profiler import record_function
 
-from jobs.progress import tracked
-from jobs.workers import rank_cores
-from pretrain.views.backend import BackendBatch, BackendSetup, assemble_params, labels_tensor
-from pretrain.views.colour import Background, ColourDraws, colour_params, colour_views
-from pretrain.views.config import view_specs
-from pretrain.views.dali_pipeline import READER_NAME, build_view_pipeline, soft_mask_views
-from pretrain.views.sample_table import SampleRef
-from pretrain.views.sources import MASK_MEMBER, exclude_samples
-from shards.sample import class_index
+from relicv2.jobs.progress import tracked
+from relicv2.jobs.workers import rank_cores
+from relicv2.pretrain.views.backend import (
+    BackendBatch,
+    BackendSetup,
+    assemble_params,
+    labels_tensor,
+)
+from relicv2.pretrain.views.colour import Background, ColourDraws, colour_params, colour_views
+from relicv2.pretrain.views.config import view_specs
+from relicv2.pretrain.views.dali_pipeline import READER_NAME, build_view_pipeline, soft_mask_views
+from relicv2.pretrain.views.sample_table import SampleRef
+from relicv2.pretrain.views.sources import MASK_MEMBER, exclude_samples
+from relicv2.shards.sample import class_index
 
 __all__ = ["DaliBackend", "find_undecodable", "is_decode_error"]
 

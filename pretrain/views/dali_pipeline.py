@@ -24,9 +24,9 @@ import nvidia.dali.types as types
 from nvidia.dali import pipeline_def
 from nvidia.dali.pipeline import DataNode, Pipeline
 
-from pretrain.views.config import ViewConfig, ViewSpec, view_specs
-from pretrain.views.sources import MASK_MEMBER, SampleSet
-from shards.sample import IMAGE_MEMBERS, LABEL_MEMBER
+from relicv2.pretrain.views.config import ViewConfig, ViewSpec, view_specs
+from relicv2.pretrain.views.sources import MASK_MEMBER, SampleSet
+from relicv2.shards.sample import IMAGE_MEMBERS, LABEL_MEMBER
 
 READER_NAME = "shards"
 # The `mixed` decoder's settings: nvJPEG buffers sized once for ImageNet's largest photos (NVIDIA's

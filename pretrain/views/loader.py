@@ -16,13 +16,22 @@ from typing import Any
 
 import torch
 
-from jobs.device import resolve_device
-from pretrain.views.ahead import Made, Position, ahead, stop
-from pretrain.views.backend import BackendBatch, BackendSetup, ViewBackend
-from pretrain.views.config import ViewConfig, loader_threads, ready_batches
-from pretrain.views.source import GLOBAL_POSITION, StateVersionError, batch_from_global_position
-from pretrain.views.sources import SampleSet, exclude_samples, load_sample_set, samples_per_rank
-from shards.shardset import Spec
+from relicv2.jobs.device import resolve_device
+from relicv2.pretrain.views.ahead import Made, Position, ahead, stop
+from relicv2.pretrain.views.backend import BackendBatch, BackendSetup, ViewBackend
+from relicv2.pretrain.views.config import ViewConfig, loader_threads, ready_batches
+from relicv2.pretrain.views.source import (
+    GLOBAL_POSITION,
+    StateVersionError,
+    batch_from_global_position,
+)
+from relicv2.pretrain.views.sources import (
+    SampleSet,
+    exclude_samples,
+    load_sample_set,
+    samples_per_rank,
+)
+from relicv2.shards.shardset import Spec
 
 # 3: the reference backend's order and views no longer depend on the number of ranks
 STATE_VERSION = 3
@@ -71,7 +80,7 @@ class ViewLoader:
         self.batch_size, self.device, self.rank, self.world_size, self.seed = batch_size, device, rank, world_size, seed
         decode_check = None
         if verify == "decode":
-            from pretrain.views.dali import find_undecodable
+            from relicv2.pretrain.views.dali import find_undecodable
 
             decode_check = find_undecodable
         self.samples: SampleSet = load_sample_set(shards, decode_check=decode_check)
@@ -177,9 +186,9 @@ class ViewLoader:
                 batch_in_epoch=self.batch_in_epoch, restore=self._restore,
             )
             if self.config.backend == "dali":  # imported here: the DALI backend loads DALI
-                from pretrain.views.dali import DaliBackend as Backend
+                from relicv2.pretrain.views.dali import DaliBackend as Backend
             else:
-                from pretrain.views.reference import ReferenceBackend as Backend
+                from relicv2.pretrain.views.reference import ReferenceBackend as Backend
             self._backend = Backend(setup)
             self._restore = None
             self._position = Position(self.epoch, self.batch_in_epoch, self._backend.state(), dict(self.excluded))

@@ -9,8 +9,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from pretrain.views.config import PARAM_NAMES, ViewConfig
-from pretrain.views.loader import ViewLoader
+from relicv2.pretrain.views.config import PARAM_NAMES, ViewConfig
+from relicv2.pretrain.views.loader import ViewLoader
 
 MASKED_BORDER = (255, 140, 0)  # orange frame around views whose background was masked
 GAP = 4

@@ -17,12 +17,17 @@ import torchvision.transforms.functional as F
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from pretrain.seeding import SeedPurpose, derive_seed
-from pretrain.views.backend import BackendBatch, BackendSetup, assemble_params, labels_tensor
-from pretrain.views.config import JITTER_ORDERS, ViewConfig, ViewSpec, view_specs
-from pretrain.views.sample_table import SampleRef
-from pretrain.views.sources import MASK_MEMBER
-from shards.images import load_gray, load_image
+from relicv2.pretrain.seeding import SeedPurpose, derive_seed
+from relicv2.pretrain.views.backend import (
+    BackendBatch,
+    BackendSetup,
+    assemble_params,
+    labels_tensor,
+)
+from relicv2.pretrain.views.config import JITTER_ORDERS, ViewConfig, ViewSpec, view_specs
+from relicv2.pretrain.views.sample_table import SampleRef
+from relicv2.pretrain.views.sources import MASK_MEMBER
+from relicv2.shards.images import load_gray, load_image
 
 # The jitter operations in JITTER_ORDERS' numbering, each taking its own factor.
 JITTER_STEPS = (F.adjust_brightness, F.adjust_contrast, F.adjust_saturation, F.adjust_hue)

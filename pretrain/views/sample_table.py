@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-from shards.index import name_key
-from shards.reader import SampleRef
+from relicv2.shards.index import name_key
+from relicv2.shards.reader import SampleRef
 
 __all__ = ["CHUNK", "SampleRef", "SampleTable", "SampleTableBuilder"]
 

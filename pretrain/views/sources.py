@@ -39,18 +39,30 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jobs.atomic import atomic_write_bytes
-from jobs.progress import tracked
-from jobs.workers import worker_pool
-from pretrain.views.sample_table import SampleRef, SampleTable, SampleTableBuilder
-from shards import ShardSet, index_path, resolve_shard_set
-from shards.images import header_problem
-from shards.index import format_index
-from shards.limits import DEFAULT_LIMITS
-from shards.reader import ReadReport, locate_samples
-from shards.sample import IMAGE_MEMBERS, LABEL_MEMBER, MASK_MEMBER, label_text, missing_label
-from shards.shardset import INDEX_CACHE_ENV, Spec, cache_name, default_index_cache, file_identity
-from shards.tario import member_file
+from relicv2.jobs.atomic import atomic_write_bytes
+from relicv2.jobs.progress import tracked
+from relicv2.jobs.workers import worker_pool
+from relicv2.pretrain.views.sample_table import SampleRef, SampleTable, SampleTableBuilder
+from relicv2.shards import ShardSet, index_path, resolve_shard_set
+from relicv2.shards.images import header_problem
+from relicv2.shards.index import format_index
+from relicv2.shards.limits import DEFAULT_LIMITS
+from relicv2.shards.reader import ReadReport, locate_samples
+from relicv2.shards.sample import (
+    IMAGE_MEMBERS,
+    LABEL_MEMBER,
+    MASK_MEMBER,
+    label_text,
+    missing_label,
+)
+from relicv2.shards.shardset import (
+    INDEX_CACHE_ENV,
+    Spec,
+    cache_name,
+    default_index_cache,
+    file_identity,
+)
+from relicv2.shards.tario import member_file
 
 PROGRESS_FROM = 100_000  # samples: a set this large takes seconds to check (a minute with headers)
 DECODE_PROGRESS_FROM = 2_000  # samples: decoding them takes seconds

@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pretrain.seeding import SeedPurpose, derive_seed
-from pretrain.views.source import GLOBAL_POSITION, batch_from_global_position
+from relicv2.pretrain.seeding import SeedPurpose, derive_seed
+from relicv2.pretrain.views.source import GLOBAL_POSITION, batch_from_global_position
 
 
 def _smooth_noise(seed: int, size: int, cells: int) -> Tensor:

@@ -21,10 +21,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from saliency.handcrafted.colour import D65_WHITE, RGB_TO_XYZ, rgb_to_lab
-from saliency.handcrafted.frame import guarded_map
-from saliency.handcrafted.graph import boundary_ids, minmax_normalise, segment, superpixel_means
-from saliency.handcrafted.reconstruction import (
+from relicv2.saliency.handcrafted.colour import D65_WHITE, RGB_TO_XYZ, rgb_to_lab
+from relicv2.saliency.handcrafted.frame import guarded_map
+from relicv2.saliency.handcrafted.graph import (
+    boundary_ids,
+    minmax_normalise,
+    segment,
+    superpixel_means,
+)
+from relicv2.saliency.handcrafted.reconstruction import (
     KMEANS_MAX_ITER,
     LASSO_LAMBDA,
     NUM_CLUSTERS,

@@ -11,7 +11,7 @@ from typing import Literal
 import cv2
 import numpy as np
 
-from saliency.handcrafted.colour import as_rgb
+from relicv2.saliency.handcrafted.colour import as_rgb
 
 MIN_SIDE = 32
 """Images with a shorter side are upscaled before segmentation (and the map scaled back)."""

@@ -14,8 +14,8 @@ from typing import Literal
 
 import numpy as np
 
-from saliency.handcrafted.colour import as_rgb, rgb_to_lab, rgb_values_to_lab
-from saliency.handcrafted.slic import slic_reference
+from relicv2.saliency.handcrafted.colour import as_rgb, rgb_to_lab, rgb_values_to_lab
+from relicv2.saliency.handcrafted.slic import slic_reference
 
 
 def slic_labels(rgb: np.ndarray, n_segments: int, compactness: float = 20.0, *,

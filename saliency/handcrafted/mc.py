@@ -19,9 +19,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from saliency.handcrafted.colour import REFERENCE_RGB_TO_XYZ
-from saliency.handcrafted.frame import guarded_map
-from saliency.handcrafted.graph import adjacency, boundary_ids, minmax_normalise, segment, to_pixels
+from relicv2.saliency.handcrafted.colour import REFERENCE_RGB_TO_XYZ
+from relicv2.saliency.handcrafted.frame import guarded_map
+from relicv2.saliency.handcrafted.graph import (
+    adjacency,
+    boundary_ids,
+    minmax_normalise,
+    segment,
+    to_pixels,
+)
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from saliency.handcrafted.dsr import DSRConfig, dsr_saliency
-from saliency.handcrafted.mc import MCConfig, mc_saliency
-from saliency.handcrafted.mr import MRConfig, mr_saliency
-from saliency.handcrafted.rbd import RBDConfig, rbd_saliency
+from relicv2.saliency.handcrafted.dsr import DSRConfig, dsr_saliency
+from relicv2.saliency.handcrafted.mc import MCConfig, mc_saliency
+from relicv2.saliency.handcrafted.mr import MRConfig, mr_saliency
+from relicv2.saliency.handcrafted.rbd import RBDConfig, rbd_saliency
 
 SaliencyMethod = Callable[[np.ndarray], np.ndarray]
 

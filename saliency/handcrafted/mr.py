@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from saliency.handcrafted.frame import guarded_map
-from saliency.handcrafted.graph import (
+from relicv2.saliency.handcrafted.frame import guarded_map
+from relicv2.saliency.handcrafted.graph import (
     adjacency,
     border_ids,
     boundary_ids,

@@ -16,8 +16,8 @@ import numpy as np
 from scipy.sparse import csr_matrix
 from scipy.sparse.csgraph import shortest_path
 
-from saliency.handcrafted.frame import guarded_map
-from saliency.handcrafted.graph import (
+from relicv2.saliency.handcrafted.frame import guarded_map
+from relicv2.saliency.handcrafted.graph import (
     adjacency,
     boundary_ids,
     distance_to_weight,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from scipy.linalg import solve_triangular
 
-from saliency.handcrafted.graph import minmax_normalise
+from relicv2.saliency.handcrafted.graph import minmax_normalise
 
 # The authors' values; saliency.handcrafted.dsr.DSRConfig takes its defaults from here.
 PCA_ENERGY = 0.95

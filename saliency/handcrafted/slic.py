@@ -24,7 +24,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from saliency.handcrafted.colour import REFERENCE_RGB_TO_XYZ, srgb_to_linear
+from relicv2.saliency.handcrafted.colour import REFERENCE_RGB_TO_XYZ, srgb_to_linear
 
 _LINEAR = srgb_to_linear(np.arange(256, dtype=np.float64) / 255.0)  # sRGB 0..255 -> linear RGB
 

@@ -42,17 +42,17 @@ from typing import Any
 import cv2
 import numpy as np
 
-from jobs.atomic import atomic_write_bytes, remove_stale_temps
-from jobs.config import SETTINGS_FILE, ConfigError, Presets, resolve, settings_text
-from jobs.device import resolve_device
-from jobs.lock import folder_lock
-from jobs.progress import Phase
-from jobs.ranks import Ranks, ranks_from_env
-from jobs.version import package_version
-from jobs.workers import local_ranks, rank_cores, usable_cores, worker_pool
-from saliency.network.config import CrfConfig
-from saliency.network.crf import model_crf
-from saliency.network.mask_work import (
+from relicv2.jobs.atomic import atomic_write_bytes, remove_stale_temps
+from relicv2.jobs.config import SETTINGS_FILE, ConfigError, Presets, resolve, settings_text
+from relicv2.jobs.device import resolve_device
+from relicv2.jobs.lock import folder_lock
+from relicv2.jobs.progress import Phase
+from relicv2.jobs.ranks import Ranks, ranks_from_env
+from relicv2.jobs.version import package_version
+from relicv2.jobs.workers import local_ranks, rank_cores, usable_cores, worker_pool
+from relicv2.saliency.network.config import CrfConfig
+from relicv2.saliency.network.crf import model_crf
+from relicv2.saliency.network.mask_work import (
     MIN_COVERAGE,
     RawSample,
     RingSpaceError,
@@ -65,11 +65,11 @@ from saliency.network.mask_work import (
     remove_dead_rings,
     ring_bytes,
 )
-from saliency.network.model_file import PASS_MODEL, resolve_model_path
-from saliency.network.predictor import MaskPredictor, launch_forward
-from shards.images import Rejection
-from shards.index import read_index
-from shards.job import (
+from relicv2.saliency.network.model_file import PASS_MODEL, resolve_model_path
+from relicv2.saliency.network.predictor import MaskPredictor, launch_forward
+from relicv2.shards.images import Rejection
+from relicv2.shards.index import read_index
+from relicv2.shards.job import (
     NOT_DONE,
     PlanError,
     ShardJob,
@@ -86,10 +86,10 @@ from shards.job import (
     write_plan,
     write_record,
 )
-from shards.manifest import MANIFEST_NAME, REJECTED_NAME
-from shards.outdir import SET_FILES, other_entries, output_folder, shard_files
-from shards.reader import ReadReport, read_samples
-from shards.sample import (
+from relicv2.shards.manifest import MANIFEST_NAME, REJECTED_NAME
+from relicv2.shards.outdir import SET_FILES, other_entries, output_folder, shard_files
+from relicv2.shards.reader import ReadReport, read_samples
+from relicv2.shards.sample import (
     EXT_PATTERN,
     LABEL_MEMBER,
     MASK_MEMBER,
@@ -97,7 +97,7 @@ from shards.sample import (
     label_text,
     unwritable_key,
 )
-from shards.shardset import (
+from relicv2.shards.shardset import (
     INDEX_CACHE_ENV,
     check_count,
     default_index_cache,
@@ -105,7 +105,7 @@ from shards.shardset import (
     shard_tars,
     tar_index,
 )
-from shards.writer import TarShard, shard_name
+from relicv2.shards.writer import TarShard, shard_name
 
 PREFIX = "masked"
 STATE_DIR = ".build-masks"
@@ -138,7 +138,7 @@ class BuildMasksConfig:
     index_cache: Path | None = None
 
 
-PRESETS = Presets(job="relicv2 saliency build-masks", package="saliency", folder="presets/build-masks")
+PRESETS = Presets(job="relicv2 saliency build-masks", package="relicv2.saliency", folder="presets/build-masks")
 
 
 def load_masks_config(config: str | Path | None = None, overrides: Sequence[str] = (), **given: Any) -> BuildMasksConfig:

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from jobs.config import ConfigError, Presets, is_file_reference, resolve
-from saliency.handcrafted.methods import METHODS
+from relicv2.jobs.config import ConfigError, Presets, is_file_reference, resolve
+from relicv2.saliency.handcrafted.methods import METHODS
 
 METHOD_NAMES = tuple(METHODS)  # the handcrafted methods refinement learns from: all of them by default
 
@@ -96,7 +96,7 @@ class SaliencyTrainConfig:
             raise ConfigError(f"average_keep must be in [0, 1), got {self.average_keep}")
 
 
-PRESETS = Presets(job="relicv2 saliency train", package="saliency")
+PRESETS = Presets(job="relicv2 saliency train", package="relicv2.saliency")
 
 
 def load_saliency_config(config: str | Path | None = None, overrides: Sequence[str] = ()) -> SaliencyTrainConfig:

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from jobs.config import build
-from jobs.workers import worker_pool
+from relicv2.jobs.config import build
+from relicv2.jobs.workers import worker_pool
 
 # Workers import this module (build-masks' and `CrfPool`'s), so it imports neither torch nor the network: with
 # them a spawned worker's start cost several times the CPU and memory (RESULTS.md, "A CRF worker's start").
 if TYPE_CHECKING:  # the config module pulls in every handcrafted method
-    from saliency.network.config import CrfConfig
+    from relicv2.saliency.network.config import CrfConfig
 
 PROBABILITY_FLOOR = 1e-5  # -log(0) would be an infinite unary
 
@@ -47,7 +47,7 @@ def model_crf(info: Mapping[str, Any], source: str) -> CrfConfig:
     """The CRF a saliency model was trained with (its file's `config.crf`; the defaults where the file
     records none), at the model's input size: what `--crf` applies to its predictions. ConfigError,
     naming `source`, for settings the file holds but no CrfConfig takes."""
-    from saliency.network.config import CrfConfig
+    from relicv2.saliency.network.config import CrfConfig
 
     config = info.get("config")
     section = config.get("crf") if isinstance(config, Mapping) else None

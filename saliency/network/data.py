@@ -17,13 +17,13 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from saliency.batch import HandcraftedConfig, map_path, run_handcrafted
-from saliency.images import ImageReadError, decode_rgb, read_gray
-from saliency.network.build_masks import output_member
-from saliency.network.images import resize_map, resize_square, sample_locations
-from shards import ReadReport, ShardSample, iter_samples, write_shard_set
-from shards.images import exif_orientation
-from shards.reader import SampleRef
+from relicv2.saliency.batch import HandcraftedConfig, map_path, run_handcrafted
+from relicv2.saliency.images import ImageReadError, decode_rgb, read_gray
+from relicv2.saliency.network.build_masks import output_member
+from relicv2.saliency.network.images import resize_map, resize_square, sample_locations
+from relicv2.shards import ReadReport, ShardSample, iter_samples, write_shard_set
+from relicv2.shards.images import exif_orientation
+from relicv2.shards.reader import SampleRef
 
 SAMPLE_PREFIX = "sample"
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from shards.index import split_member_name
-from shards.reader import ReadReport, SampleRef, locate_samples
-from shards.sample import IMAGE_MEMBERS, unwritable_key
-from shards.shardset import resolve_shard_set
+from relicv2.shards.index import split_member_name
+from relicv2.shards.reader import ReadReport, SampleRef, locate_samples
+from relicv2.shards.sample import IMAGE_MEMBERS, unwritable_key
+from relicv2.shards.shardset import resolve_shard_set
 
 
 def resize_square(rgb: np.ndarray, size: int) -> np.ndarray:

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from saliency.network.loss import refinement_loss
-from saliency.network.model import SaliencyNet
+from relicv2.saliency.network.loss import refinement_loss
+from relicv2.saliency.network.model import SaliencyNet
 
 
 def batches(order: Tensor, batch_size: int) -> list[Tensor]:

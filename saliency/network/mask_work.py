@@ -28,15 +28,15 @@ from typing import TYPE_CHECKING
 import cv2
 import numpy as np
 
-from jobs.lock import pid_alive
-from saliency.network.crf import dense_crf
-from saliency.network.images import resize_map, resize_square
-from shards.images import ImageLoadError, Rejection, load_scaled
-from shards.sample import MASK_MEMBER, MIN_MASK_COVERAGE, ShardSample
-from shards.writer import SampleRecord, sample_record
+from relicv2.jobs.lock import pid_alive
+from relicv2.saliency.network.crf import dense_crf
+from relicv2.saliency.network.images import resize_map, resize_square
+from relicv2.shards.images import ImageLoadError, Rejection, load_scaled
+from relicv2.shards.sample import MASK_MEMBER, MIN_MASK_COVERAGE, ShardSample
+from relicv2.shards.writer import SampleRecord, sample_record
 
 if TYPE_CHECKING:  # the workers import this module; the config module pulls in every handcrafted method
-    from saliency.network.config import CrfConfig
+    from relicv2.saliency.network.config import CrfConfig
 
 MIN_COVERAGE = MIN_MASK_COVERAGE  # masks below it are never applied (the views' default mask_min_coverage)
 # zlib level 3 with run-length matching (Z_RLE): masks are smooth, so after PNG's row filters they are

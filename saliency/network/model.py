@@ -1,6 +1,6 @@
 """The saliency network: a dilated ResNet encoder (output stride 8) and a light decoder to one logit map.
 
-The encoder is `pretrain.model.resnet` (so its weights are this project's, torchvision's or SwAV's
+The encoder is `models.resnet` (so its weights are this project's, torchvision's or SwAV's
 names); its last two stages are turned into dilated stages here, the way torchvision's
 `replace_stride_with_dilation=[False, True, True]` builds them (DeepLab): the stride-2 convolution
 of a stage's first block becomes stride 1, and every 3x3 convolution of the stage gets dilation d
@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchvision.models.resnet import BasicBlock, Bottleneck
 
-from pretrain.model.normalization import IMAGENET_MEAN, IMAGENET_STD
-from pretrain.model.resnet import resnet
+from relicv2.models.normalization import IMAGENET_MEAN, IMAGENET_STD
+from relicv2.models.resnet import resnet
 
 
 def _dilate_stage(stage: nn.Sequential, dilation: int, previous: int) -> None:

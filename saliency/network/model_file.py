@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from jobs.atomic import atomic_output
-from pretrain.model.checkpoint_file import FORMAT as PRETRAIN_FORMAT
-from pretrain.model.resnet import state_dict_differences
-from pretrain.model.untrusted import TORCH_LOAD_ERRORS, load_failure
-from saliency.network.model import SaliencyNet
+from relicv2.jobs.atomic import atomic_output
+from relicv2.models.checkpoint_file import FORMAT as PRETRAIN_FORMAT
+from relicv2.models.resnet import state_dict_differences
+from relicv2.models.untrusted import TORCH_LOAD_ERRORS, load_failure
+from relicv2.saliency.network.model import SaliencyNet
 
 FORMAT = "relicv2-saliency-model"
 VERSION = 1

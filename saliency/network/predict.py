@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from saliency.batch import map_path
-from saliency.images import read_gray
-from saliency.network.config import CrfConfig
-from saliency.network.crf import dense_crf
-from saliency.network.images import resize_map, resize_square
-from saliency.network.model import SaliencyNet
+from relicv2.saliency.batch import map_path
+from relicv2.saliency.images import read_gray
+from relicv2.saliency.network.config import CrfConfig
+from relicv2.saliency.network.crf import dense_crf
+from relicv2.saliency.network.images import resize_map, resize_square
+from relicv2.saliency.network.model import SaliencyNet
 
 
 def with_mirrors(batch: torch.Tensor) -> torch.Tensor:

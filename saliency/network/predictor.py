@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from saliency.network.model_file import load_model
-from saliency.network.predict import mirror_mean, with_mirrors
+from relicv2.saliency.network.model_file import load_model
+from relicv2.saliency.network.predict import mirror_mean, with_mirrors
 
 CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every CUDA context, as torch's own staging does
 

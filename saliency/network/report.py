@@ -15,15 +15,15 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from jobs.progress import tracked
-from saliency.batch import map_path
-from saliency.images import ImageReadError, decode_rgb, list_images, read_gray, read_rgb
-from saliency.metrics import aggregate, score_image
-from saliency.network.data import handcrafted_maps
-from saliency.network.images import resize_map
-from saliency.network.model import SaliencyNet
-from saliency.network.predict import mean_of_maps, predict_map
-from shards import ReadReport, iter_samples
+from relicv2.jobs.progress import tracked
+from relicv2.saliency.batch import map_path
+from relicv2.saliency.images import ImageReadError, decode_rgb, list_images, read_gray, read_rgb
+from relicv2.saliency.metrics import aggregate, score_image
+from relicv2.saliency.network.data import handcrafted_maps
+from relicv2.saliency.network.images import resize_map
+from relicv2.saliency.network.model import SaliencyNet
+from relicv2.saliency.network.predict import mean_of_maps, predict_map
+from relicv2.shards import ReadReport, iter_samples
 
 MEAN_ROW = "mean of handcrafted"
 LABELS_ROW = "mean of refined labels"

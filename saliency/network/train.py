@@ -28,24 +28,24 @@ import numpy as np
 import torch
 import yaml
 
-from jobs.atomic import atomic_output, atomic_write_bytes
-from jobs.config import SETTINGS_FILE, settings_text, to_dict
-from jobs.device import resolve_device
-from jobs.lock import folder_lock
-from jobs.progress import Phase
-from jobs.version import package_version
-from pretrain.model.resnet import load_torchvision_state_dict
-from saliency.network.config import SaliencyTrainConfig
-from saliency.network.crf import CrfPool
-from saliency.network.data import TrainingImages, load_training_images
-from saliency.network.images import sample_locations
-from saliency.network.loop import train_epoch
-from saliency.network.model import SaliencyNet
-from saliency.network.model_file import save_model
-from saliency.network.report import check_ground_truth, evaluate_report, format_report
-from saliency.network.weights import encoder_state_dict, load_fitting
-from shards.outdir import check_output_folder, writing
-from shards.reader import SampleRef
+from relicv2.jobs.atomic import atomic_output, atomic_write_bytes
+from relicv2.jobs.config import SETTINGS_FILE, settings_text, to_dict
+from relicv2.jobs.device import resolve_device
+from relicv2.jobs.lock import folder_lock
+from relicv2.jobs.progress import Phase
+from relicv2.jobs.version import package_version
+from relicv2.models.resnet import load_torchvision_state_dict
+from relicv2.saliency.network.config import SaliencyTrainConfig
+from relicv2.saliency.network.crf import CrfPool
+from relicv2.saliency.network.data import TrainingImages, load_training_images
+from relicv2.saliency.network.images import sample_locations
+from relicv2.saliency.network.loop import train_epoch
+from relicv2.saliency.network.model import SaliencyNet
+from relicv2.saliency.network.model_file import save_model
+from relicv2.saliency.network.report import check_ground_truth, evaluate_report, format_report
+from relicv2.saliency.network.weights import encoder_state_dict, load_fitting
+from relicv2.shards.outdir import check_output_folder, writing
+from relicv2.shards.reader import SampleRef
 
 RANDOM_BACKBONE_NOTE = ("saliency train: note: the encoder starts from random weights (--backbone random); "
                         "the paper starts it from a self-supervised backbone (a relicv2 pretrain run folder); "

@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from pretrain.model.checkpoint_file import FORMAT as PRETRAIN_FORMAT
-from pretrain.model.checkpoint_file import CheckpointError, load_checkpoint, resolve_checkpoint
-from pretrain.model.encoder_file import architecture_of, sidecar_path
-from pretrain.model.resnet import ResNet, load_torchvision_state_dict
-from pretrain.model.untrusted import TORCH_LOAD_ERRORS, load_failure
+from relicv2.models.checkpoint_file import FORMAT as PRETRAIN_FORMAT
+from relicv2.models.checkpoint_file import CheckpointError, load_checkpoint, resolve_checkpoint
+from relicv2.models.encoder_file import architecture_of, sidecar_path
+from relicv2.models.resnet import ResNet, load_torchvision_state_dict
+from relicv2.models.untrusted import TORCH_LOAD_ERRORS, load_failure
 
 # Prefixes stripped from names, in order: DDP's `module.`, then an `encoder.` / `backbone.` wrapper.
 WRAPPER_PREFIXES = ("module.", "encoder.", "backbone.", "trunk.")

@@ -1,4 +1,4 @@
-"""The `relicv2` entry points: console script, `python -m cli`, the default `pretrain` sub-command."""
+"""The `relicv2` entry points: console script, `python -m relicv2`, the default `pretrain` sub-command."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import sys
 
 from click.testing import CliRunner
 
-from cli.main import cli
+from relicv2.cli.main import cli
 
 
 def test_python_dash_m_cli_lists_every_stage():
-    result = subprocess.run([sys.executable, "-m", "cli", "--help"], capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "relicv2", "--help"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     for group in ("shards", "saliency", "pretrain", "eval", "demo-data"):
         assert group in result.stdout
@@ -43,7 +43,7 @@ def test_ctrl_c_outside_training_ends_with_one_line_and_exit_130(tmp_path, monke
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("cli.shards.build_shards", interrupted)
+    monkeypatch.setattr("relicv2.cli.shards.build_shards", interrupted)
     (tmp_path / "images").mkdir()
     result = CliRunner().invoke(cli, ["shards", "build", str(tmp_path / "images"), str(tmp_path / "out")])
     assert result.exit_code == 130 and "Aborted" not in result.output

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.paths import REPO
+from tests.paths import REPO, package_dirs
 
 DOCKERFILES = [REPO / "docker" / "Dockerfile", REPO / "docker" / "Dockerfile.cpu"]
 SHELL_SCRIPTS = [REPO / "docker" / "torchrun.sh", REPO / "docker" / "slurm.sbatch",
@@ -73,8 +73,8 @@ def test_image_copies_existing_paths_runs_as_non_root_with_relicv2_entrypoint(do
     for sources in re.findall(r"^COPY (?!--from)(.+) \S+$", text, re.M):
         for source in sources.split():
             assert (REPO / source).exists(), f"{dockerfile.name} copies missing path {source}"
-    for package in ("jobs", "shards", "saliency", "pretrain", "cli"):
-        assert f"COPY {package} " in text, f"{dockerfile.name} does not install the {package} package"
+    for folder in {path.relative_to(REPO).parts[0] for path in package_dirs().values()}:
+        assert f"COPY {folder} " in text, f"{dockerfile.name} does not install the {folder} folder"
     users = re.findall(r"^USER (\S+)", text, re.M)
     assert users and users[-1].split(":")[0] not in ("root", "0")
     entry = re.search(r'^ENTRYPOINT \["([^"]+)"\]', text, re.M)

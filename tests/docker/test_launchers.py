@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.config import PretrainConfig
+from relicv2.pretrain.config import PretrainConfig
 from tests.paths import CONFIGS, REPO
 from tests.slurm import fake_scontrol
 
@@ -37,7 +37,7 @@ def test_torchrun_dry_run_single_node_is_standalone_with_restarts():
     line = result.stdout.strip()
     assert line.startswith(f"{sys.executable} -m torch.distributed.run ")
     assert "--standalone" in line and "--max-restarts=3" in line and "--nproc-per-node=gpu" in line
-    assert line.endswith("-m cli pretrain --config demo-cpu")
+    assert line.endswith("-m relicv2 pretrain --config demo-cpu")
 
 
 def test_torchrun_default_one_process_per_gpu_without_a_gpu_is_one_line_naming_the_fix():
@@ -57,7 +57,7 @@ def test_torchrun_dry_run_multi_node_uses_c10d_rendezvous_and_needs_an_endpoint(
     assert result.returncode == 0, result.stderr
     line = result.stdout
     for part in ("--nnodes=4", "--nproc-per-node=8", "--max-restarts=5", "--rdzv-backend=c10d",
-                 "--rdzv-endpoint=node01:29500", "--rdzv-id=77", "-m cli saliency build-masks --model m.pt"):
+                 "--rdzv-endpoint=node01:29500", "--rdzv-id=77", "-m relicv2 saliency build-masks --model m.pt"):
         assert part in line
     assert "--standalone" not in line
     missing = _run(args, _env(DRY_RUN="1", NNODES="2"))
@@ -122,9 +122,9 @@ def test_usage_lines_name_valid_pretrain_keys():
 def demo_shards(tmp_path_factory) -> Path:
     """The demo images as shards, made once for the launcher runs of this module."""
     root = tmp_path_factory.mktemp("launch")
-    subprocess.run([sys.executable, "-m", "cli", "demo-data", str(root / "images"), "--train-per-class", "4",
+    subprocess.run([sys.executable, "-m", "relicv2", "demo-data", str(root / "images"), "--train-per-class", "4",
                     "--val-per-class", "1", "--size", "64"], cwd=REPO, env=_env(), check=True, capture_output=True)
-    subprocess.run([sys.executable, "-m", "cli", "shards", "build", str(root / "images" / "train"),
+    subprocess.run([sys.executable, "-m", "relicv2", "shards", "build", str(root / "images" / "train"),
                     str(root / "shards"), "--max-count", "9", "--workers", "1", "--no-progress"],
                    cwd=REPO, env=_env(), check=True, capture_output=True)
     return root / "shards"
@@ -154,8 +154,8 @@ def test_launcher_runs_pretrain_on_two_cpu_processes(tmp_path: Path, demo_shards
 def test_launcher_runs_build_masks_on_two_cpu_processes(tmp_path: Path, demo_shards: Path):
     # A random tiny model file is enough here: the launcher and the rank split are under test, and
     # `saliency train` itself is tested in tests/saliency/network.
-    from saliency.network.model import SaliencyNet
-    from saliency.network.model_file import save_model
+    from relicv2.saliency.network.model import SaliencyNet
+    from relicv2.saliency.network.model_file import save_model
 
     shards = demo_shards
     torch.manual_seed(0)

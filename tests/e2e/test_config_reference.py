@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pretrain.config import PretrainConfig
+from relicv2.pretrain.config import PretrainConfig
 from tests.paths import REPO
 
 GENERATOR = REPO / "scripts" / "gen_config_reference.py"

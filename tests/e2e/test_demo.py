@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.report.html import SECTIONS
+from relicv2.evaluation.report.html import SECTIONS
 from tests.e2e.background_demo import DEMO, run_demo
 from tests.e2e.conftest import open_page
 

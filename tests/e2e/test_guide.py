@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from pretrain.config import load_config
+from relicv2.pretrain.config import load_config
 from tests.paths import CONFIGS, REPO
 
 GUIDE = REPO / "docs" / "guide.md"

@@ -37,7 +37,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from cli.main import cli
+from relicv2.cli.main import cli
 from tests.paths import REPO
 from tests.slurm import fake_scontrol
 
@@ -156,7 +156,7 @@ def classify(command: GuideCommand) -> Step:
     head = words[0] if words else ""
     if head in ("relicv2", ".venv/bin/relicv2") and not env:
         return Step(command, args=words[1:])
-    if words[:3] == ["python", "-m", "cli"] and not env:
+    if words[:3] == ["python", "-m", "relicv2"] and not env:
         return Step(command, args=words[3:])
     if words[:2] == ["docker", "run"]:
         rest, mounts = words[2:], []
@@ -244,11 +244,11 @@ def validate(step: Step, tmp_path: Path) -> None:
     if path == ("pretrain", "run"):
         assert "model:" in _invoke([*args, "--print-config"])
     elif path == ("saliency", "train"):
-        from saliency.network.config import load_saliency_config
+        from relicv2.saliency.network.config import load_saliency_config
 
         load_saliency_config(_preset(ctx), ctx.params["overrides"])
     elif path == ("eval", "linear") and _preset(ctx) is not None:
-        from pretrain.eval.job import load_linear_config
+        from relicv2.evaluation.job import load_linear_config
 
         load_linear_config(_preset(ctx), ctx.params["overrides"])
     if step.launcher in ("docker", "docker+torchrun"):
@@ -272,7 +272,7 @@ def _dry_run(step: Step, tmp_path: Path) -> None:
                             text=True, timeout=60)
     assert result.returncode == 0, f"docs/guide.md:{step.command.line}: {result.stderr}"
     launched = next(line for line in result.stdout.splitlines() if "torch.distributed.run" in line)
-    assert shlex.split(launched)[-len(step.args) - 2:] == ["-m", "cli", *step.args]
+    assert shlex.split(launched)[-len(step.args) - 2:] == ["-m", "relicv2", *step.args]
 
 
 def _steps() -> list[Step]:

@@ -11,11 +11,15 @@ import pytest
 from click.testing import CliRunner
 from PIL import Image
 
-from cli.main import cli
-from pretrain.report import ReportInputs, build_report
-from pretrain.report.html import SECTIONS
-from pretrain.report.inputs import read_eval_results, read_run_metrics, read_saliency_samples
-from shards import ShardSample, write_shard_set
+from relicv2.cli.main import cli
+from relicv2.evaluation.report import ReportInputs, build_report
+from relicv2.evaluation.report.html import SECTIONS
+from relicv2.evaluation.report.inputs import (
+    read_eval_results,
+    read_run_metrics,
+    read_saliency_samples,
+)
+from relicv2.shards import ShardSample, write_shard_set
 from tests.e2e.conftest import open_page
 
 

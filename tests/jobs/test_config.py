@@ -13,8 +13,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from cli.main import cli
-from jobs.config import (
+from relicv2.cli.main import cli
+from relicv2.jobs.config import (
     ConfigError,
     Presets,
     RemovedKey,
@@ -23,10 +23,10 @@ from jobs.config import (
     removed_settings,
     settings_text,
 )
-from pretrain.config import PRESETS as PRETRAIN_PRESETS
-from pretrain.config import load_config
-from saliency.network.config import PRESETS as SALIENCY_PRESETS
-from saliency.network.config import load_saliency_config
+from relicv2.pretrain.config import PRESETS as PRETRAIN_PRESETS
+from relicv2.pretrain.config import load_config
+from relicv2.saliency.network.config import PRESETS as SALIENCY_PRESETS
+from relicv2.saliency.network.config import load_saliency_config
 from tests.paths import REPO
 
 
@@ -156,7 +156,7 @@ def test_a_preset_file_path_still_works(tmp_path):
 def test_a_preset_by_name_works_from_another_directory(tmp_path):
     """`--config NAME` reads the preset from the package, not from the current directory."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    result = subprocess.run([sys.executable, "-m", "cli", "pretrain", "--config", "imagenette-r18-cpu",
+    result = subprocess.run([sys.executable, "-m", "relicv2", "pretrain", "--config", "imagenette-r18-cpu",
                              "--print-config", "--set", "optim.epochs=2"], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

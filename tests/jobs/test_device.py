@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jobs.config import ConfigError
-from jobs.device import resolve_device
-from pretrain.distributed import describe_environment
+from relicv2.jobs.config import ConfigError
+from relicv2.jobs.device import resolve_device
+from relicv2.pretrain.distributed import describe_environment
 
 BAD = "is not a device; use auto, cpu, cuda or cuda:N"
 

@@ -9,14 +9,14 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from cli.main import cli
-from jobs.config import SETTINGS_FILE, to_dict
-from jobs.version import package_version
-from pretrain.config import load_config
-from pretrain.eval.job import load_linear_config
-from saliency.network.config import load_saliency_config
-from shards import write_shard_set
-from tests.pretrain.eval.conftest import write_labelled_set
+from relicv2.cli.main import cli
+from relicv2.evaluation.job import load_linear_config
+from relicv2.jobs.config import SETTINGS_FILE, to_dict
+from relicv2.jobs.version import package_version
+from relicv2.pretrain.config import load_config
+from relicv2.saliency.network.config import load_saliency_config
+from relicv2.shards import write_shard_set
+from tests.evaluation.conftest import write_labelled_set
 from tests.saliency.network.conftest import scene_samples
 
 TINY_PRETRAIN = ["data.source=synthetic", "data.synthetic_images=16", "model.depth=18", "model.hidden_dim=16",

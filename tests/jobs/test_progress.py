@@ -3,12 +3,12 @@ carriage return."""
 
 from __future__ import annotations
 
-import jobs.progress
-from jobs.progress import Phase, tracked
+import relicv2.jobs.progress
+from relicv2.jobs.progress import Phase, tracked
 
 
 def test_in_a_log_file_progress_is_plain_lines_with_total_rate_and_eta(capsys, monkeypatch):
-    monkeypatch.setattr(jobs.progress, "LINE_EVERY_S", 0.0)
+    monkeypatch.setattr(relicv2.jobs.progress, "LINE_EVERY_S", 0.0)
     with Phase("saliency fused", 4, unit="img", initial=1) as phase:  # resumed: 1 of 4 done before
         for loss in (0.5, 0.25, 0.125):
             phase.set_postfix(loss=loss)
@@ -22,7 +22,7 @@ def test_in_a_log_file_progress_is_plain_lines_with_total_rate_and_eta(capsys, m
 
 
 def test_lines_are_spaced_by_the_interval(capsys, monkeypatch):
-    monkeypatch.setattr(jobs.progress, "LINE_EVERY_S", 3600.0)
+    monkeypatch.setattr(relicv2.jobs.progress, "LINE_EVERY_S", 3600.0)
     assert list(tracked(range(5), "kNN features val", 10, unit="img")) == [0, 1, 2, 3, 4]
     lines = capsys.readouterr().err.splitlines()
     assert lines == [lines[-1]] and lines[0].startswith("kNN features val: 5/10 img(s) in ")  # only the closing line

@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from jobs.workers import worker_pool
+from relicv2.jobs.workers import worker_pool
 
 
 def _blocked_signals() -> set[int]:

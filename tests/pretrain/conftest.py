@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pretrain.config import PretrainConfig, load_config
-from pretrain.run import run_pretraining
+from relicv2.pretrain.config import PretrainConfig, load_config
+from relicv2.pretrain.run import run_pretraining
 from tests.threads import one_torch_thread
 
 RESUME_OPTIONS = ("optim.epochs=2", "run.checkpoint_every=2", "run.keep_checkpoints=2")

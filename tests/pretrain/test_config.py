@@ -7,8 +7,8 @@ import re
 import pytest
 import yaml
 
-from pretrain.checkpoint import checkpoint_config
-from pretrain.config import (
+from relicv2.pretrain.checkpoint import checkpoint_config
+from relicv2.pretrain.config import (
     ConfigError,
     PretrainConfig,
     derive,

@@ -12,9 +12,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from cli.main import cli
-from pretrain.checkpoint import list_checkpoints
-from pretrain.views.loader import dali_available
+from relicv2.cli.main import cli
+from relicv2.pretrain.checkpoint import list_checkpoints
+from relicv2.pretrain.views.loader import dali_available
 
 TINY = ["model.depth=18", "model.hidden_dim=32", "model.out_dim=16", "views.large_views=2", "views.small_views=1",
         "views.large_size=32", "views.small_size=16", "views.mask_probability=0.0", "optim.global_batch=8",

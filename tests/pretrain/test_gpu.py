@@ -43,7 +43,7 @@ def _command(out: Path, *extra: str) -> list[str]:
                "model.out_dim=32", "views.large_views=2", "views.small_views=1", "optim.epochs=3",
                "run.checkpoint_every=2", "run.log_every=1", "run.progress_bar=false", "run.compile=false",
                "knn.train_shards=", "knn.val_shards=", *extra]
-    return [sys.executable, "-m", "cli", "pretrain", "--config", "demo-cpu",
+    return [sys.executable, "-m", "relicv2", "pretrain", "--config", "demo-cpu",
             "--output", str(out), *[a for o in options for a in ("--set", o)]]
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pretrain.loss import gather_with_grad, relicv2_loss, sample_negatives
+from relicv2.pretrain.loss import gather_with_grad, relicv2_loss, sample_negatives
 
 SETTINGS = {"temperature": 0.2, "contrast_weight": 0.3, "invariance_weight": 2.0}
 

@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from pretrain.config import ConfigError
-from shards import ShardSample, write_shard_set
+from relicv2.pretrain.config import ConfigError
+from relicv2.shards import ShardSample, write_shard_set
 from tests.pretrain.conftest import quiet_run, tiny_config
 from tests.pretrain.views.test_loader import jpeg, png
 from tests.threads import one_torch_thread
@@ -44,7 +44,7 @@ def test_masking_that_disagrees_with_the_data_is_refused_before_any_step(tmp_pat
 def test_the_override_trains_as_configured_and_says_so(tmp_path, capsys):
     shards = _shard_set(tmp_path / "shards", masks=False)
     with one_torch_thread():
-        from pretrain.run import run_pretraining
+        from relicv2.pretrain.run import run_pretraining
 
         run_pretraining(tiny_config(tmp_path / "run", *SHARDS, f"data.train_shards={shards}",
                                     "views.mask_probability=0.1", "views.allow_mask_mismatch=true"))
@@ -66,7 +66,7 @@ def test_the_masked_fraction_applied_is_logged(tmp_path, p_m, applied):
 
 
 def test_the_report_shows_the_masking_applied_and_each_figures_protocol(tmp_path):
-    from pretrain.report import ReportInputs, build_report
+    from relicv2.evaluation.report import ReportInputs, build_report
 
     run = tmp_path / "run"
     run.mkdir()
@@ -101,7 +101,7 @@ def test_a_knn_monitor_whose_queries_are_in_its_bank_is_refused(tmp_path):
 def test_eval_knn_refuses_a_bank_that_holds_its_queries(tmp_path):
     from click.testing import CliRunner
 
-    from cli.eval import eval_group
+    from relicv2.cli.eval import eval_group
 
     shards = _shard_set(tmp_path / "shards", masks=False)
     result = CliRunner().invoke(eval_group, ["knn", "--random-init", "18", "--train", str(shards),
@@ -110,7 +110,7 @@ def test_eval_knn_refuses_a_bank_that_holds_its_queries(tmp_path):
 
 
 def test_a_knn_monitor_at_another_size_than_the_views_is_said(tmp_path, capsys):
-    from pretrain.run import check_before_starting
+    from relicv2.pretrain.run import check_before_starting
 
     train, val = _shard_set(tmp_path / "train", masks=False), _shard_set(tmp_path / "val", masks=False)
     config = tiny_config(tmp_path / "run", f"knn.train_shards={train}", f"knn.val_shards={val}", "knn.crop_size=32")

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from pretrain.config import derive, load_config
-from pretrain.lars import LARS, parameter_groups
-from pretrain.model.heads import MLP, OnlineNetwork, TargetNetwork, build_networks, ema_update
-from pretrain.schedules import ema_coefficient, learning_rate, peak_learning_rate
+from relicv2.models.heads import MLP, OnlineNetwork, TargetNetwork, build_networks, ema_update
+from relicv2.pretrain.config import derive, load_config
+from relicv2.pretrain.lars import LARS, parameter_groups
+from relicv2.pretrain.schedules import ema_coefficient, learning_rate, peak_learning_rate
 
 LR = {"peak_lr": peak_learning_rate(0.3, 4096), "warmup_steps": 100, "total_steps": 1000}
 

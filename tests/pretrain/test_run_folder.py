@@ -11,11 +11,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from cli.pretrain import run as pretrain_command
-from jobs.lock import acquire, release
-from pretrain.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
-from pretrain.config import ConfigError
-from pretrain.run import PretrainingInterrupted, run_pretraining
+from relicv2.cli.pretrain import run as pretrain_command
+from relicv2.jobs.lock import acquire, release
+from relicv2.pretrain.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
+from relicv2.pretrain.config import ConfigError
+from relicv2.pretrain.run import PretrainingInterrupted, run_pretraining
 from tests.pretrain.conftest import RESUME_OPTIONS, quiet_run, tiny_config
 from tests.pretrain.test_trainer import logged, tapped
 
@@ -104,7 +104,7 @@ def _signalled(signum: int):
 
 def _cli_with_views(monkeypatch, views) -> None:
     """`relicv2 pretrain` calling the library with the data source `views` (the CLI's one library call)."""
-    monkeypatch.setattr("pretrain.run.run_pretraining", functools.partial(run_pretraining, views=views))
+    monkeypatch.setattr("relicv2.pretrain.run.run_pretraining", functools.partial(run_pretraining, views=views))
 
 
 def test_sigterm_saves_the_current_step_and_the_rerun_continues_exactly(tmp_path, finished_run):
@@ -209,7 +209,7 @@ def test_views_out_of_gpu_memory_say_what_to_change(tmp_path, monkeypatch):
 
 
 def test_metrics_truncation_keeps_the_records_up_to_the_resumed_step(tmp_path):
-    from pretrain.metrics_log import truncate_metrics
+    from relicv2.pretrain.metrics_log import truncate_metrics
 
     lines = [json.dumps({"step": s, "loss": 1.0 / s}) for s in (1, 2, 3, 4)]
     lines.insert(2, json.dumps({"step": 2, "knn_top1": 0.5}))
@@ -228,9 +228,9 @@ def test_fresh_and_resume_together_are_refused(tmp_path):
 
 def test_a_run_logged_to_a_file_prints_progress_lines_with_total_and_eta(tmp_path, capfd, monkeypatch):
     # Not a terminal (a SLURM or nohup log): plain lines instead of a redrawn bar, the last at the end.
-    import jobs.progress
+    import relicv2.jobs.progress
 
-    monkeypatch.setattr(jobs.progress, "LINE_EVERY_S", 0.0)
+    monkeypatch.setattr(relicv2.jobs.progress, "LINE_EVERY_S", 0.0)
     quiet_run(tiny_config(tmp_path / "run", "run.progress_bar=true", "optim.epochs=1"), auto_resume=False)
     lines = [line for line in capfd.readouterr().err.splitlines() if line.startswith("pretrain: step")]
     assert len(lines) == 4 and "\r" not in "".join(lines)
@@ -239,8 +239,8 @@ def test_a_run_logged_to_a_file_prints_progress_lines_with_total_and_eta(tmp_pat
 
 
 def test_a_resume_compares_shard_sets_as_places_not_as_text(tmp_path, monkeypatch):
-    from pretrain.config import load_config, to_dict
-    from pretrain.resume import check_compatible
+    from relicv2.pretrain.config import load_config, to_dict
+    from relicv2.pretrain.resume import check_compatible
 
     monkeypatch.chdir(tmp_path)
     saved = to_dict(load_config(None, ["data.train_shards=sh/train"]))
@@ -264,7 +264,7 @@ def test_resuming_another_runs_checkpoint_into_a_folder_holding_a_run_is_refused
 
 
 def test_the_folder_keeps_the_config_that_trained_each_stretch_of_steps(tmp_path, capsys):
-    from pretrain.run import run_pretraining
+    from relicv2.pretrain.run import run_pretraining
 
     out = tmp_path / "run"
     run_pretraining(tiny_config(out, *RESUME_OPTIONS, "run.max_steps=2", "optim.base_lr=4.0"))
@@ -283,7 +283,7 @@ def test_the_folder_keeps_the_config_that_trained_each_stretch_of_steps(tmp_path
 
 
 def test_a_run_refused_at_start_leaves_no_empty_folder(tmp_path):
-    from shards import ShardSample, write_shard_set
+    from relicv2.shards import ShardSample, write_shard_set
     from tests.pretrain.views.test_sources import encoded
 
     write_shard_set([ShardSample(f"k{i}", {"jpg": encoded(i, "JPEG")}, None, {}) for i in range(3)], tmp_path / "few")

@@ -7,8 +7,8 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-from pretrain.run import build_view_source
-from shards import ShardSet
+from relicv2.pretrain.run import build_view_source
+from relicv2.shards import ShardSet
 from tests.pretrain.conftest import quiet_run, tiny_config
 from tests.pretrain.test_misconfig import SHARDS, _shard_set
 from tests.threads import one_torch_thread

@@ -12,20 +12,25 @@ import torch
 import yaml
 from click.testing import CliRunner
 
-from cli.pretrain import run as pretrain_command
-from pretrain.checkpoint import CheckpointError, list_checkpoints, load_checkpoint, save_checkpoint
-from pretrain.config import derive
-from pretrain.distributed import describe_environment
-from pretrain.run import build_view_source
-from pretrain.trainer import (
+from relicv2.cli.pretrain import run as pretrain_command
+from relicv2.pretrain.checkpoint import (
+    CheckpointError,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
+from relicv2.pretrain.config import derive
+from relicv2.pretrain.distributed import describe_environment
+from relicv2.pretrain.run import build_view_source
+from relicv2.pretrain.trainer import (
     NonFiniteLossError,
     StepSettings,
     build_state,
     train_step,
     wrap_networks,
 )
-from pretrain.views.source import ViewSource
-from pretrain.views.synthetic import SyntheticViews
+from relicv2.pretrain.views.source import ViewSource
+from relicv2.pretrain.views.synthetic import SyntheticViews
 from tests.paths import CONFIGS
 from tests.pretrain.conftest import RESUME_OPTIONS, quiet_run, tiny_config
 

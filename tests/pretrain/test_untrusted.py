@@ -8,7 +8,7 @@ import pickle
 import pytest
 import torch
 
-from pretrain.model.untrusted import TORCH_LOAD_ERRORS, load_failure
+from relicv2.models.untrusted import TORCH_LOAD_ERRORS, load_failure
 
 
 class _Payload:

@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from jobs.workers import single_threaded
+from relicv2.jobs.workers import single_threaded
 
 
 @pytest.fixture(scope="package", autouse=True)

@@ -18,13 +18,13 @@ import pytest
 from click.testing import CliRunner
 from PIL import Image
 
-import saliency.batch as batch
-from cli.saliency import saliency_group
-from jobs.lock import folder_lock
-from saliency.maps import write_map
-from saliency.synthetic import synthetic_scene
-from shards.keys import UnsafeKeyError
-from shards.manifest import write_manifest
+import relicv2.saliency.batch as batch
+from relicv2.cli.saliency import saliency_group
+from relicv2.jobs.lock import folder_lock
+from relicv2.saliency.maps import write_map
+from relicv2.saliency.synthetic import synthetic_scene
+from relicv2.shards.keys import UnsafeKeyError
+from relicv2.shards.manifest import write_manifest
 from tests.paths import REPO
 
 
@@ -192,7 +192,7 @@ def test_progress_total_and_lost_samples_come_from_the_manifest(tmp_path):
 
 _ORPHAN_SCRIPT = """
 import os, sys, time
-from jobs.workers import one_thread, worker_pool
+from relicv2.jobs.workers import one_thread, worker_pool
 
 if __name__ == "__main__":
     pool = worker_pool(1, start_method="spawn", initializer=one_thread)

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from saliency.evaluate import evaluate_folder
-from saliency.images import ImageReadError
-from saliency.synthetic import synthetic_scene
+from relicv2.saliency.evaluate import evaluate_folder
+from relicv2.saliency.images import ImageReadError
+from relicv2.saliency.synthetic import synthetic_scene
 
 
 @pytest.fixture

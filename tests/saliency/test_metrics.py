@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from saliency.metrics import (
+from relicv2.saliency.metrics import (
     adaptive_f_measure,
     aggregate,
     binarise_ground_truth,
@@ -98,7 +98,7 @@ def test_s_measure_by_hand_matlab_rounding():
 
 def test_reference_maps_reproduce_the_published_dev_scores(shared_data):
     # README of the data: RBD reference maps on 0001-0100 score .202 / .560 / .542.
-    from saliency.images import read_gray
+    from relicv2.saliency.images import read_gray
 
     root = shared_data / "pascal-s-dev"
     stems = sorted(p.stem for p in (root / "reference-maps" / "rbd").glob("*.png"))[:100]

@@ -17,13 +17,13 @@ import pytest
 from click.testing import CliRunner
 from PIL import Image
 
-import shards
-from cli.shards import shards_group
-from jobs.ranks import Ranks, ranks_from_env
-from shards.build import BuildConfig, build_shards
-from shards.job import rank_units as rank_shards
-from shards.merge import merge_shard_set, work_dir
-from shards.verify import verify_shard_set
+from relicv2 import shards
+from relicv2.cli.shards import shards_group
+from relicv2.jobs.ranks import Ranks, ranks_from_env
+from relicv2.shards.build import BuildConfig, build_shards
+from relicv2.shards.job import rank_units as rank_shards
+from relicv2.shards.merge import merge_shard_set, work_dir
+from relicv2.shards.verify import verify_shard_set
 from tests.paths import REPO
 
 REPO = REPO

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from cli.shards import shards_group
-from shards.build import build_shards
-from shards.merge import work_dir
-from shards.sources import InputError
-from shards.verify import verify_shard_set
+from relicv2.cli.shards import shards_group
+from relicv2.shards.build import build_shards
+from relicv2.shards.merge import work_dir
+from relicv2.shards.sources import InputError
+from relicv2.shards.verify import verify_shard_set
 from tests.shards.test_build import config, encoded, flat_folder, image, set_bytes
 
 

@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-import shards
-from cli.demo import demo_data
-from cli.shards import shards_group
-from jobs.lock import LOCK_NAME, acquire, release
-from jobs.ranks import Ranks
-from shards.build import BuildConfig, OutputError, build_shards
-from shards.merge import plan_file
-from shards.sources import InputError
+from relicv2 import shards
+from relicv2.cli.demo import demo_data
+from relicv2.cli.shards import shards_group
+from relicv2.jobs.lock import LOCK_NAME, acquire, release
+from relicv2.jobs.ranks import Ranks
+from relicv2.shards.build import BuildConfig, OutputError, build_shards
+from relicv2.shards.merge import plan_file
+from relicv2.shards.sources import InputError
 from tests.paths import REPO
 from tests.shards.test_build import encoded, image
 
@@ -269,7 +269,7 @@ def test_verify_checks_plain_webdataset_sets(tmp_path):
 @pytest.mark.parametrize(("code", "hint"), [(errno.EROFS, "read-only"), (errno.EACCES, "may not write"),
                                             (errno.ENOSPC, "free space")])
 def test_output_errors_name_path_cause_and_way_out(tmp_path, code, hint):
-    from shards.build import output_error
+    from relicv2.shards.build import output_error
 
     message = str(output_error(OSError(code, os.strerror(code), str(tmp_path / "x.tar")), tmp_path))
     assert message.startswith(f"cannot write {tmp_path / 'x.tar'}: {os.strerror(code)}") and hint in message
@@ -277,7 +277,7 @@ def test_output_errors_name_path_cause_and_way_out(tmp_path, code, hint):
 
 
 def test_ranks_come_from_torchrun_variables_once():
-    from jobs.ranks import RanksError, ranks_from_env
+    from relicv2.jobs.ranks import RanksError, ranks_from_env
 
     assert ranks_from_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == Ranks(3, 4, 1)
     assert ranks_from_env({}) == Ranks(0, 1, 0)

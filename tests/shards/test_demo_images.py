@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from PIL import Image
 
-from shards.demo import DEMO_PHOTOS, write_demo_images
+from relicv2.shards.demo import DEMO_PHOTOS, write_demo_images
 
 
 def _colour_statistics(root, split):

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import shards
-from shards.images import prepare_file
-from shards.index import write_index
+from relicv2 import shards
+from relicv2.shards.images import prepare_file
+from relicv2.shards.index import write_index
 from tests.exif_images import orientation6_jpeg
 
 
@@ -165,7 +165,7 @@ def test_one_loader_handles_16_bit_alpha_gif_and_exif():
 
 
 def test_scaled_load_decodes_small_and_reports_the_displayed_full_size():
-    from shards.images import exif_orientation, load_scaled
+    from relicv2.shards.images import exif_orientation, load_scaled
 
     scaled = load_scaled(orientation6_jpeg(), "x", 32)
     assert (scaled.width, scaled.height) == (100, 200)  # the full image as displayed
@@ -185,7 +185,7 @@ def test_scaled_load_decodes_small_and_reports_the_displayed_full_size():
 
 
 def test_exif_orientation_is_applied_once_by_build(tmp_path):
-    from shards.build import BuildConfig, build_shards
+    from relicv2.shards.build import BuildConfig, build_shards
 
     src = tmp_path / "in"
     src.mkdir()
@@ -209,7 +209,7 @@ def _png(shape: tuple[int, int]) -> bytes:
 
 
 def test_verify_checks_sizes_and_masks_in_the_displayed_orientation(tmp_path):
-    from shards.verify import verify_shard_set
+    from relicv2.shards.verify import verify_shard_set
 
     displayed = {"width": 100, "height": 200}  # orientation6_jpeg is stored 200 x 100
     good = [shards.ShardSample("full", {"jpg": orientation6_jpeg(), "mask.png": _png((200, 100))}, 0, displayed),
@@ -235,7 +235,7 @@ def test_verify_checks_sizes_and_masks_in_the_displayed_orientation(tmp_path):
 
 def test_verify_accepts_greyscale_jpegs_and_reports_cmyk(tmp_path):
     # build-masks copies a foreign set's JPEG bytes: greyscale JPEGs decode to RGB everywhere.
-    from shards.verify import verify_shard_set
+    from relicv2.shards.verify import verify_shard_set
 
     def jpeg(mode: str) -> bytes:
         out = io.BytesIO()
@@ -278,7 +278,7 @@ def test_shards_index_derives_a_plain_sets_indexes_once_in_worker_processes(tmp_
     import webdataset as wds
     from click.testing import CliRunner
 
-    from cli.shards import shards_group
+    from relicv2.cli.shards import shards_group
 
     folder = tmp_path / "wds"
     folder.mkdir()

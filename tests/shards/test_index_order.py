@@ -8,8 +8,8 @@ import tarfile
 import pytest
 from click.testing import CliRunner
 
-from cli.shards import shards_group
-from shards.index import index_text
+from relicv2.cli.shards import shards_group
+from relicv2.shards.index import index_text
 from tests.shards.test_hostile import jpeg
 
 

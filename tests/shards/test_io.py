@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-import shards
-from shards.reader import read_samples
-from shards.verify import verify_shard_set
+from relicv2 import shards
+from relicv2.shards.reader import read_samples
+from relicv2.shards.verify import verify_shard_set
 
 
 def jpeg_bytes(seed: int, size: tuple[int, int] = (40, 48)) -> bytes:
@@ -226,7 +226,7 @@ def test_tar_bytes_equal_what_tarfile_writes(shard_set, tmp_path):
 def test_a_meta_key_with_mixed_types_becomes_json_text_in_the_manifest():
     # Foreign json members (build-masks copies them) may disagree on a key's type; the manifest
     # must still be written at the end of a long job.
-    from shards.manifest import manifest_table
+    from relicv2.shards.manifest import manifest_table
 
     rows = [{"shard": "a-000000.tar", "position": i, "key": f"k{i}", "source": "x", "label": None, "width": 1,
              "height": 1, "byte_size": 1, "content_hash": "h", "tag": value} for i, value in enumerate([3, "three", None])]

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs.lock import LOCK_NAME, FolderLockedError, acquire, folder_lock, release
-from shards.keys import UnsafeKeyError, check_key, member_refusal, safe_relative_path
+from relicv2.jobs.lock import LOCK_NAME, FolderLockedError, acquire, folder_lock, release
+from relicv2.shards.keys import UnsafeKeyError, check_key, member_refusal, safe_relative_path
 
 
 @pytest.mark.parametrize("key", ["/etc/x", "../x", "a/../../x", "a//b", "./a", "", "a\0b", "a\\b", "a\nb"])

@@ -12,8 +12,8 @@ import tracemalloc
 
 import pyarrow.parquet as pq
 
-from shards.job import RECORD_SUFFIX, ShardJob, Unit, merge_records, wait_for_records
-from shards.manifest import MANIFEST_NAME
+from relicv2.shards.job import RECORD_SUFFIX, ShardJob, Unit, merge_records, wait_for_records
+from relicv2.shards.manifest import MANIFEST_NAME
 
 SHARDS, ROWS = 40, 1_000
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import os
 
-import shards.plan as plan_module
-from shards.plan import reference_digest, shard_digest
-from shards.sources import SourceImage, suffix_of
+import relicv2.shards.plan as plan_module
+from relicv2.shards.plan import reference_digest, shard_digest
+from relicv2.shards.sources import SourceImage, suffix_of
 
 
 def test_a_shards_digest_is_the_formats_byte_for_byte():

@@ -12,9 +12,9 @@ import torch
 from click.testing import CliRunner
 from PIL import Image
 
-import shards
-from cli.saliency import saliency_group
-from saliency.synthetic import synthetic_scene
+from relicv2 import shards
+from relicv2.cli.saliency import saliency_group
+from relicv2.saliency.synthetic import synthetic_scene
 from tests.tars import write_tar
 
 DEEP = b"[" * 100_000  # a json member nested far past any recursion limit
@@ -79,8 +79,8 @@ def test_saliency_handcrafted_rejects_a_deep_json_member(tmp_path):
 
 
 def test_eval_knn_features_reject_a_deep_json_member(tmp_path):
-    from pretrain.eval.knn import extract_features
-    from pretrain.eval.outcome import LostSamplesError
+    from relicv2.pretrain.knn.knn import extract_features
+    from relicv2.pretrain.knn.outcome import LostSamplesError
 
     folder = hostile_set(tmp_path / "set")
     encoder = torch.nn.Sequential(torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten())
@@ -93,7 +93,7 @@ def test_eval_knn_features_reject_a_deep_json_member(tmp_path):
 
 
 def test_the_report_rejects_a_deep_json_member(tmp_path):
-    from pretrain.report.inputs import read_saliency_samples
+    from relicv2.evaluation.report.inputs import read_saliency_samples
 
     folder = hostile_set(tmp_path / "set")
     samples, problems = read_saliency_samples(folder, None, count=4)

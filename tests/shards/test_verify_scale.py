@@ -8,8 +8,8 @@ import tracemalloc
 
 import pyarrow as pa
 
-from shards.manifest import MANIFEST_NAME, MANIFEST_SCHEMA, write_table
-from shards.verify import VERIFIED_COLUMNS, manifest_problems, verify_shard_set
+from relicv2.shards.manifest import MANIFEST_NAME, MANIFEST_SCHEMA, write_table
+from relicv2.shards.verify import VERIFIED_COLUMNS, manifest_problems, verify_shard_set
 
 ROWS, PER_SHARD = 40_000, 1_000
 

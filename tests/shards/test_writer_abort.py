@@ -10,8 +10,8 @@ import pytest
 _FULL_DISK = """
 import resource, signal, sys
 from pathlib import Path
-from shards.sample import ShardSample
-from shards.writer import TarShard, sample_record
+from relicv2.shards.sample import ShardSample
+from relicv2.shards.writer import TarShard, sample_record
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
 resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
 shard = TarShard(Path(sys.argv[1]) / "images-000000.tar")

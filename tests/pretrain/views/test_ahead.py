@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from pretrain.views.config import ViewConfig, ready_batches
-from pretrain.views.loader import ViewLoader
-from pretrain.views.reference import ReferenceBackend
+from relicv2.pretrain.views.config import ViewConfig, ready_batches
+from relicv2.pretrain.views.loader import ViewLoader
+from relicv2.pretrain.views.reference import ReferenceBackend
 from tests.pretrain.views.test_loader import TINY, plain_set
 
 

@@ -10,15 +10,15 @@ import torch
 from PIL import Image
 from scipy.ndimage import gaussian_filter
 
-from pretrain.views.config import (
+from relicv2.pretrain.views.config import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     JITTER_ORDERS,
     PARAM_NAMES,
     ViewConfig,
 )
-from pretrain.views.loader import ViewLoader
-from shards import ShardSample, write_shard_set
+from relicv2.pretrain.views.loader import ViewLoader
+from relicv2.shards import ShardSample, write_shard_set
 
 COL = {name: i for i, name in enumerate(PARAM_NAMES)}
 RED = np.array([220, 30, 30]) / 255

@@ -17,11 +17,11 @@ import torchvision.transforms.functional as F
 from PIL import Image
 from scipy.ndimage import gaussian_filter
 
-from pretrain.model.normalization import IMAGENET_MEAN, IMAGENET_STD
-from pretrain.views.config import PARAM_NAMES, ViewConfig
-from pretrain.views.loader import ViewLoader
-from pretrain.views.reference import colour_steps, crop_view, mask_view
-from shards import ReadReport, ShardSample, iter_samples, write_shard_set
+from relicv2.models.normalization import IMAGENET_MEAN, IMAGENET_STD
+from relicv2.pretrain.views.config import PARAM_NAMES, ViewConfig
+from relicv2.pretrain.views.loader import ViewLoader
+from relicv2.pretrain.views.reference import colour_steps, crop_view, mask_view
+from relicv2.shards import ReadReport, ShardSample, iter_samples, write_shard_set
 
 COL = {name: i for i, name in enumerate(PARAM_NAMES)}
 SIZE = 40

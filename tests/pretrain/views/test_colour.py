@@ -14,7 +14,7 @@ import torch
 import torchvision.transforms.functional as F
 from PIL import Image
 
-from pretrain.views.colour import (
+from relicv2.pretrain.views.colour import (
     Background,
     ColourDraws,
     adjust_brightness,
@@ -25,7 +25,7 @@ from pretrain.views.colour import (
     colour_views,
     gaussian_blur,
 )
-from pretrain.views.config import (
+from relicv2.pretrain.views.config import (
     DRAWN_PARAM_NAMES,
     IMAGENET_MEAN,
     IMAGENET_STD,
@@ -214,7 +214,7 @@ def test_colour_params_follow_the_config_and_replay_from_the_pipelines_draw():
     """The torch stage's colour draws, made on the host from one pipeline draw per sample: each column
     where DRAWN_PARAM_NAMES puts it, each in its configured range or at its probability, the same draws
     for the same pipeline output (a resumed pipeline replays them) and others for another."""
-    from pretrain.views.colour import colour_params
+    from relicv2.pretrain.views.colour import colour_params
 
     rows = 4000
     cfg = ViewConfig(jitter_probability=0.8, grayscale_probability=0.0, blur_sigma=(0.5, 1.5))

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from pretrain.model.normalization import IMAGENET_STD
-from pretrain.views.config import PARAM_NAMES, ViewConfig
-from pretrain.views.dali_pipeline import _views_pipeline, soft_mask_views
-from pretrain.views.loader import ViewLoader
-from pretrain.views.sources import load_sample_set
-from shards import ShardSample, write_shard_set
+from relicv2.models.normalization import IMAGENET_STD
+from relicv2.pretrain.views.config import PARAM_NAMES, ViewConfig
+from relicv2.pretrain.views.dali_pipeline import _views_pipeline, soft_mask_views
+from relicv2.pretrain.views.loader import ViewLoader
+from relicv2.pretrain.views.sources import load_sample_set
+from relicv2.shards import ShardSample, write_shard_set
 from tests.pretrain.views.test_augment import object_samples
 from tests.pretrain.views.test_backends_agree import FIXED_GEOMETRY, masked_squares  # noqa: F401 (fixture)
 
@@ -148,8 +148,8 @@ def test_the_colour_stage_never_waits_for_the_gpu(fused):
     10-bit mantissa, ~5e-4 relative). With TF32 off the views are the CPU's to float rounding; with it on
     (what training runs) a blurred view may differ by up to ~3e-3 in normalised units (an emulation of
     TF32's rounding on the CPU gives 3.2e-3 on these draws), still far under one 8-bit grey level (0.017)."""
-    from pretrain.views.colour import colour_view, colour_views
-    from pretrain.views.config import view_specs
+    from relicv2.pretrain.views.colour import colour_view, colour_views
+    from relicv2.pretrain.views.config import view_specs
     from tests.pretrain.views.test_colour import batch_of_views
 
     cfg = ViewConfig(large_size=40, small_size=24, blur_probability_even=1.0, solarize_probability_odd=1.0)
@@ -179,8 +179,8 @@ def test_the_fused_colour_stage_gives_the_rows_selected_views_on_a_batch_of_256(
     row through compiled kernels against each step on the rows that drew it. With whole 8-bit grey levels
     (as the pipeline draws them) the masking blend's 8-bit rounding agrees, so they differ by float
     rounding alone; TF32 off, since cuDNN may pick another convolution for another shape."""
-    from pretrain.views.colour import Background, colour_views
-    from pretrain.views.config import view_specs
+    from relicv2.pretrain.views.colour import Background, colour_views
+    from relicv2.pretrain.views.config import view_specs
     from tests.pretrain.views.test_colour import batch_of_views
 
     cfg = ViewConfig(large_size=64, small_size=32, mask_probability=0.5)

@@ -11,10 +11,10 @@ import pytest
 import torch
 from PIL import Image
 
-from pretrain.views.config import CPU_THREADS, GPU_THREADS_MAX, ViewConfig, loader_threads
-from pretrain.views.loader import ViewLoader
-from pretrain.views.source import global_position_state
-from shards import ShardSample, write_shard_set
+from relicv2.pretrain.views.config import CPU_THREADS, GPU_THREADS_MAX, ViewConfig, loader_threads
+from relicv2.pretrain.views.loader import ViewLoader
+from relicv2.pretrain.views.source import global_position_state
+from relicv2.shards import ShardSample, write_shard_set
 
 TINY = dict(large_views=2, small_views=1, large_size=24, small_size=16, num_threads=1)
 BACKENDS = ["dali", "reference"]
@@ -232,7 +232,7 @@ def test_a_pipeline_error_that_is_not_a_bad_sample_surfaces(forty, monkeypatch):
     """Only the decoder's error means a bad sample; any other DALI failure is a bug and is raised as is."""
     from nvidia.dali.pipeline import Pipeline
 
-    from pretrain.views import dali
+    from relicv2.pretrain.views import dali
 
     def broken_run(self):
         raise RuntimeError("Critical error in pipeline: Error in CPU operator `nvidia.dali.fn.resize`")
@@ -252,7 +252,7 @@ def test_a_profile_of_training_shows_each_stage_of_a_dali_batch(forty):
     torch colour stage, once a batch each (bench_views.py --profile sums them)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from pretrain.views.dali import PROFILE_RANGES, RANGE_COLOUR
+    from relicv2.pretrain.views.dali import PROFILE_RANGES, RANGE_COLOUR
 
     iterator = iter(ViewLoader(forty, 4, ViewConfig(**TINY, ready_batches=0), backend="dali"))
     next(iterator)
@@ -300,7 +300,7 @@ def test_auto_threads_are_two_on_a_cpu_and_a_ranks_share_of_the_cores_on_a_gpu(f
 def test_preview_views_command_writes_a_grid(tmp_path):
     from click.testing import CliRunner
 
-    from cli.main import cli
+    from relicv2.cli.main import cli
 
     mask = np.zeros((40, 48), np.uint8)
     mask[5:35, 5:40] = 255

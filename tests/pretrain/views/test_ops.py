@@ -16,15 +16,15 @@ import torchvision.transforms.functional as F
 from PIL import Image
 from scipy.ndimage import gaussian_filter
 
-from pretrain.views.config import (
+from relicv2.pretrain.views.config import (
     IMAGENET_MEAN,
     IMAGENET_STD,
     JITTER_ORDERS,
     PARAM_NAMES,
     ViewConfig,
 )
-from pretrain.views.loader import ViewLoader
-from shards import ShardSample, write_shard_set
+from relicv2.pretrain.views.loader import ViewLoader
+from relicv2.shards import ShardSample, write_shard_set
 
 COL = {name: i for i, name in enumerate(PARAM_NAMES)}
 SIZE = 40
@@ -52,7 +52,7 @@ def square_shards(tmp_path_factory):
 
 
 def decoded(shards, keys: list[str]) -> dict[str, torch.Tensor]:
-    from shards import ReadReport, iter_samples
+    from relicv2.shards import ReadReport, iter_samples
 
     return {s["key"]: F.to_tensor(Image.open(io.BytesIO(s["jpg"])).convert("RGB")) for s in iter_samples(shards, report=ReadReport())
             if s["key"] in keys}

@@ -6,8 +6,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pretrain.views.sample_table import CHUNK, SampleRef, SampleTable
-from shards.sample import MASK_MEMBER
+from relicv2.pretrain.views.sample_table import CHUNK, SampleRef, SampleTable
+from relicv2.shards.sample import MASK_MEMBER
 
 
 def make_refs(count: int, tars: int = 3) -> list[SampleRef]:

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pretrain.views.backend import ViewBackend
-from pretrain.views.config import ViewConfig
-from pretrain.views.loader import ViewLoader
-from pretrain.views.source import ViewSource
-from pretrain.views.sources import load_sample_set, require_class_labels
-from pretrain.views.synthetic import SyntheticViews
-from shards import ShardSample, index_path, list_shards, write_shard_set
-from shards.sample import IMAGE_MEMBERS
+from relicv2.pretrain.views.backend import ViewBackend
+from relicv2.pretrain.views.config import ViewConfig
+from relicv2.pretrain.views.loader import ViewLoader
+from relicv2.pretrain.views.source import ViewSource
+from relicv2.pretrain.views.sources import load_sample_set, require_class_labels
+from relicv2.pretrain.views.synthetic import SyntheticViews
+from relicv2.shards import ShardSample, index_path, list_shards, write_shard_set
+from relicv2.shards.sample import IMAGE_MEMBERS
 
 TINY = ViewConfig(large_views=2, small_views=1, large_size=24, small_size=16, num_threads=1)
 BACKENDS = ["dali", "reference"]
@@ -118,7 +118,7 @@ def test_checking_a_large_set_shows_progress_over_its_tars(tmp_path, monkeypatch
     foreign_set(tmp_path / "plain", 14)  # 3 tars
     load_sample_set(tmp_path / "plain")
     assert "checking the samples" not in capsys.readouterr().err  # small sets stay quiet
-    monkeypatch.setattr("pretrain.views.sources.PROGRESS_FROM", 10)
+    monkeypatch.setattr("relicv2.pretrain.views.sources.PROGRESS_FROM", 10)
     load_sample_set(tmp_path / "plain")
     assert "checking the samples of " in capsys.readouterr().err  # a line off a terminal, a bar with ETA on one
 
@@ -126,7 +126,7 @@ def test_checking_a_large_set_shows_progress_over_its_tars(tmp_path, monkeypatch
 def test_sample_checks_are_kept_in_the_cache_and_redone_when_a_tar_changes(tmp_path, monkeypatch):
     import shutil
 
-    import pretrain.views.sources as sources
+    import relicv2.pretrain.views.sources as sources
 
     foreign_set(tmp_path / "plain", 14)  # 3 tars of 5, 5, 4
     tar = tmp_path / "plain" / "train-0001.tar"
@@ -166,10 +166,10 @@ def test_sample_checks_are_kept_in_the_cache_and_redone_when_a_tar_changes(tmp_p
 
 
 def test_decoding_is_cached_per_tar_and_spared_to_sets_decoded_when_written(tmp_path):
-    """What `eval linear` asks (pretrain.eval.dali_views.DECODE): decode every image of a foreign set once."""
+    """What `eval linear` asks (evaluation.dali_views.DECODE): decode every image of a foreign set once."""
     import webdataset as wds
 
-    from pretrain.views.dali import find_undecodable
+    from relicv2.pretrain.views.dali import find_undecodable
 
     calls = []
 
@@ -203,7 +203,7 @@ def test_decoding_is_cached_per_tar_and_spared_to_sets_decoded_when_written(tmp_
 
 
 def test_a_ranks_share_of_the_cores_under_torchrun():
-    from jobs.workers import rank_cores, usable_cores
+    from relicv2.jobs.workers import rank_cores, usable_cores
 
     assert rank_cores({}) == usable_cores()
     assert rank_cores({"LOCAL_WORLD_SIZE": "4"}) == max(1, usable_cores() // 4)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from skimage.color import rgb2lab
 
-from saliency.handcrafted.colour import as_rgb, rgb_to_lab, rgb_values_to_lab
+from relicv2.saliency.handcrafted.colour import as_rgb, rgb_to_lab, rgb_values_to_lab
 
 
 def test_as_rgb_converts_grey_rgba_and_floats():

@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from saliency.handcrafted.methods import METHODS
-from saliency.images import read_gray, read_rgb
-from saliency.metrics import normalise_prediction
+from relicv2.saliency.handcrafted.methods import METHODS
+from relicv2.saliency.images import read_gray, read_rgb
+from relicv2.saliency.metrics import normalise_prediction
 
 # method: (images, minimum correlation, maximum mean absolute difference, aggregate)
 FIDELITY = {

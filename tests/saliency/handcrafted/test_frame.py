@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from saliency.handcrafted import frame
-from saliency.synthetic import synthetic_scene
+from relicv2.saliency.handcrafted import frame
+from relicv2.saliency.synthetic import synthetic_scene
 
 
 def _framed(width: int = 12) -> np.ndarray:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from saliency.handcrafted import graph
-from saliency.synthetic import synthetic_scene
+from relicv2.saliency.handcrafted import graph
+from relicv2.saliency.synthetic import synthetic_scene
 
 LABELS = np.array(
     [

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from scipy.stats import rankdata
 
-from saliency.handcrafted.methods import CONFIGS, METHODS, resolve_methods
-from saliency.synthetic import striped_scene, synthetic_scene
+from relicv2.saliency.handcrafted.methods import CONFIGS, METHODS, resolve_methods
+from relicv2.saliency.synthetic import striped_scene, synthetic_scene
 
 NAMES = list(METHODS)
 SCENES = {

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 from sklearn.linear_model import Lasso
 
-from saliency.handcrafted.dsr import bayes_posterior, object_biased_gaussian
-from saliency.handcrafted.mc import _histogram_spread, mc_saliency
-from saliency.handcrafted.reconstruction import (
+from relicv2.saliency.handcrafted.dsr import bayes_posterior, object_biased_gaussian
+from relicv2.saliency.handcrafted.mc import _histogram_spread, mc_saliency
+from relicv2.saliency.handcrafted.reconstruction import (
     dense_reconstruction_error,
     lasso_lars,
     propagate_errors,
     sparse_reconstruction_error,
 )
-from saliency.synthetic import striped_scene
+from relicv2.saliency.synthetic import striped_scene
 
 
 def object_on_texture(height: int = 96, width: int = 128, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

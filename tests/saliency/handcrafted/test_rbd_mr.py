@@ -9,14 +9,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from saliency.handcrafted.mr import MRConfig, mr_saliency, ranking_matrix, two_stage_ranking
-from saliency.handcrafted.rbd import (
+from relicv2.saliency.handcrafted.mr import MRConfig, mr_saliency, ranking_matrix, two_stage_ranking
+from relicv2.saliency.handcrafted.rbd import (
     boundary_connectivity,
     optimise_saliency,
     otsu_threshold,
     rbd_saliency,
 )
-from saliency.synthetic import synthetic_scene
+from relicv2.saliency.synthetic import synthetic_scene
 
 METHODS = {"rbd": rbd_saliency, "mr": mr_saliency}
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from scipy import ndimage
 
-from saliency.handcrafted.graph import slic_labels
-from saliency.handcrafted.slic import reference_lab, slic_reference
+from relicv2.saliency.handcrafted.graph import slic_labels
+from relicv2.saliency.handcrafted.slic import reference_lab, slic_reference
 from tests.paths import SHARED_DATA
 
 DATA = SHARED_DATA / "pascal-s-dev" / "images"
@@ -142,7 +142,7 @@ def test_equals_reference_transliteration_on_real_images(stem: str) -> None:
     path = DATA / f"{stem}.jpg"
     if not path.exists():
         pytest.skip(f"needs the shared dev images ({path})")
-    from saliency.images import read_rgb
+    from relicv2.saliency.images import read_rgb
 
     labels = slic_reference(read_rgb(path), 250, 20.0)
     count, digest = TRANSLITERATION[stem]

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from saliency.network.model import SaliencyNet
-from saliency.network.model_file import save_model
-from saliency.synthetic import synthetic_scene
-from shards import ShardSample, write_shard_set
+from relicv2.saliency.network.model import SaliencyNet
+from relicv2.saliency.network.model_file import save_model
+from relicv2.saliency.synthetic import synthetic_scene
+from relicv2.shards import ShardSample, write_shard_set
 
 
 def jpeg_bytes(rgb: np.ndarray, exif=None) -> bytes:

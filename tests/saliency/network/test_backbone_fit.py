@@ -9,12 +9,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from cli.main import cli
-from jobs.config import ConfigError
-from jobs.device import resolve_device
-from pretrain.model.encoder_file import architecture_of
-from pretrain.model.resnet import resnet
-from saliency.network.config import SaliencyTrainConfig
+from relicv2.cli.main import cli
+from relicv2.jobs.config import ConfigError
+from relicv2.jobs.device import resolve_device
+from relicv2.models.encoder_file import architecture_of
+from relicv2.models.resnet import resnet
+from relicv2.saliency.network.config import SaliencyTrainConfig
 
 FAST = ["--preset", "tiny", "--no-progress", "--set", "methods=mc", "--set", "num_images=4",
         "--set", "epochs=1", "--set", "fuse_epochs=1"]
@@ -76,7 +76,7 @@ def test_an_unknown_or_missing_device_is_refused():
 def test_a_backbone_made_for_another_padding_is_said(tmp_path):
     import json
 
-    from saliency.network.weights import encoder_state_dict
+    from relicv2.saliency.network.weights import encoder_state_dict
 
     path = tmp_path / "relicv2_r18.pt"
     torch.save(resnet(18, 1).state_dict(), path)

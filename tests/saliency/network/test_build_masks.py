@@ -12,9 +12,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from saliency.network.build_masks import STATE_DIR, BuildMasksConfig, MasksError, build_masks
-from saliency.synthetic import synthetic_scene
-from shards import (
+from relicv2.saliency.network.build_masks import (
+    STATE_DIR,
+    BuildMasksConfig,
+    MasksError,
+    build_masks,
+)
+from relicv2.saliency.synthetic import synthetic_scene
+from relicv2.shards import (
     ReadReport,
     ShardSample,
     iter_samples,
@@ -23,9 +28,9 @@ from shards import (
     write_index,
     write_shard_set,
 )
-from shards.build import Ranks
-from shards.index import index_path
-from shards.job import PLAN_NAME
+from relicv2.shards.build import Ranks
+from relicv2.shards.index import index_path
+from relicv2.shards.job import PLAN_NAME
 from tests.exif_images import orientation6_jpeg
 from tests.saliency.network.conftest import SquarePredictor, jpeg_bytes, scene_samples
 
@@ -136,7 +141,7 @@ def test_corrupt_and_hostile_samples_are_rejected(tmp_path, tiny_model) -> None:
 
 def test_exif_rotated_image_gets_mask_in_displayed_orientation(tmp_path, tiny_model) -> None:
     data = orientation6_jpeg()  # stored 200 wide x 100 high, displayed 100 wide x 200 high
-    from shards import ShardSample
+    from relicv2.shards import ShardSample
 
     write_shard_set([ShardSample("rotated", {"jpg": data}, None, {})], tmp_path / "in")
     build_masks(_config(tiny_model, tmp_path / "in", tmp_path / "out"), Ranks(), predictor=SquarePredictor())
@@ -156,8 +161,8 @@ def test_other_model_in_same_output_is_refused(tmp_path, scene_shards, tiny_mode
 
 
 def test_masked_set_feeds_the_view_loader_with_masks_applied(tmp_path, scene_shards, tiny_model) -> None:
-    from pretrain.views.config import PARAM_NAMES, ViewConfig
-    from pretrain.views.loader import ViewLoader
+    from relicv2.pretrain.views.config import PARAM_NAMES, ViewConfig
+    from relicv2.pretrain.views.loader import ViewLoader
 
     shards, _ = scene_shards
     build_masks(_config(tiny_model, shards, tmp_path / "out"), Ranks(), predictor=SquarePredictor())
@@ -206,8 +211,8 @@ def test_flip_makes_the_mask_of_a_mirrored_image_the_mirrored_mask(tmp_path, fli
     resizes); without `flip` they differ."""
     import torch
 
-    from saliency.network.model import SaliencyNet
-    from saliency.network.model_file import save_model
+    from relicv2.saliency.network.model import SaliencyNet
+    from relicv2.saliency.network.model_file import save_model
 
     torch.manual_seed(0)
     net = SaliencyNet(18).eval()

@@ -9,9 +9,9 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from cli.main import cli
-from jobs.config import ConfigError
-from saliency.network.build_masks import PRESETS, load_masks_config
+from relicv2.cli.main import cli
+from relicv2.jobs.config import ConfigError
+from relicv2.saliency.network.build_masks import PRESETS, load_masks_config
 
 
 def _build_masks(tiny_model: Path, shards: Path, out: Path, *options: str):

@@ -13,18 +13,23 @@ import torch
 from click.testing import CliRunner
 from PIL import Image
 
-from cli.main import cli
-from jobs.config import ConfigError
-from saliency.network.build_masks import STATE_DIR, BuildMasksConfig, MasksError, build_masks
-from saliency.network.config import CrfConfig
-from saliency.network.crf import model_crf
-from saliency.network.model import SaliencyNet
-from saliency.network.model_file import load_model, save_model
-from saliency.network.predict import predict_map
-from saliency.synthetic import synthetic_scene
-from shards import ReadReport, ShardSample, iter_samples, write_shard_set
-from shards.build import Ranks
-from shards.job import PLAN_NAME
+from relicv2.cli.main import cli
+from relicv2.jobs.config import ConfigError
+from relicv2.saliency.network.build_masks import (
+    STATE_DIR,
+    BuildMasksConfig,
+    MasksError,
+    build_masks,
+)
+from relicv2.saliency.network.config import CrfConfig
+from relicv2.saliency.network.crf import model_crf
+from relicv2.saliency.network.model import SaliencyNet
+from relicv2.saliency.network.model_file import load_model, save_model
+from relicv2.saliency.network.predict import predict_map
+from relicv2.saliency.synthetic import synthetic_scene
+from relicv2.shards import ReadReport, ShardSample, iter_samples, write_shard_set
+from relicv2.shards.build import Ranks
+from relicv2.shards.job import PLAN_NAME
 from tests.saliency.network.conftest import SquarePredictor
 
 pytest.importorskip("pydensecrf.densecrf", reason="the CRF needs pydensecrf2 (requirements.lock)")

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from saliency.network.build_masks import BuildMasksConfig, MasksError, build_masks
-from saliency.network.model import SaliencyNet
-from saliency.network.model_file import save_model
-from shards import read_manifest, write_shard_set
-from shards.build import Ranks
-from shards.index import index_path
-from shards.verify import verify_shard_set
+from relicv2.saliency.network.build_masks import BuildMasksConfig, MasksError, build_masks
+from relicv2.saliency.network.model import SaliencyNet
+from relicv2.saliency.network.model_file import save_model
+from relicv2.shards import read_manifest, write_shard_set
+from relicv2.shards.build import Ranks
+from relicv2.shards.index import index_path
+from relicv2.shards.verify import verify_shard_set
 from tests.saliency.network.conftest import SquarePredictor, scene_samples
 
 REPO = Path(__file__).resolve().parents[3]
@@ -124,7 +124,7 @@ import resource, signal, sys
 from pathlib import Path
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG, as on a full disk
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))  # room for the ring of batches, not for the tar
-from cli.main import main
+from relicv2.cli.main import main
 sys.argv = ["relicv2", *sys.argv[1:]]
 main()
 """

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from saliency.network.build_masks import BuildMasksConfig, _chunks, build_masks
-from saliency.network.images import resize_map
-from saliency.network.mask_work import RawSample, finish
-from shards import read_rejected, write_index, write_shard_set
-from shards.build import Ranks
+from relicv2.saliency.network.build_masks import BuildMasksConfig, _chunks, build_masks
+from relicv2.saliency.network.images import resize_map
+from relicv2.saliency.network.mask_work import RawSample, finish
+from relicv2.shards import read_rejected, write_index, write_shard_set
+from relicv2.shards.build import Ranks
 from tests.saliency.network.conftest import SquarePredictor, scene_samples
 
 

@@ -9,11 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.checkpoint import FORMAT as PRETRAIN_FORMAT
-from saliency.network.build_masks import BuildMasksConfig, MasksError, build_masks, format_summary
-from saliency.network.model_file import ModelFileError, load_model
-from saliency.network.weights import BackboneError, encoder_state_dict
-from shards.build import Ranks
+from relicv2.pretrain.checkpoint import FORMAT as PRETRAIN_FORMAT
+from relicv2.saliency.network.build_masks import (
+    BuildMasksConfig,
+    MasksError,
+    build_masks,
+    format_summary,
+)
+from relicv2.saliency.network.model_file import ModelFileError, load_model
+from relicv2.saliency.network.weights import BackboneError, encoder_state_dict
+from relicv2.shards.build import Ranks
 from tests.saliency.network.conftest import SquarePredictor
 
 

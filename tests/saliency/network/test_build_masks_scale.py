@@ -8,11 +8,16 @@ from pathlib import Path, PurePath
 
 import pytest
 
-from saliency.network.build_masks import BuildMasksConfig, MasksError, build_masks, check_input
-from shards import write_shard_set
-from shards.build import Ranks
-from shards.index import index_path
-from shards.shardset import ShardSetError
+from relicv2.saliency.network.build_masks import (
+    BuildMasksConfig,
+    MasksError,
+    build_masks,
+    check_input,
+)
+from relicv2.shards import write_shard_set
+from relicv2.shards.build import Ranks
+from relicv2.shards.index import index_path
+from relicv2.shards.shardset import ShardSetError
 from tests.saliency.network.conftest import SquarePredictor, scene_samples
 
 

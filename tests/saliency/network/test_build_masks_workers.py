@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from saliency.network import mask_work
-from saliency.network.build_masks import BuildMasksConfig, MasksError, build_masks
-from saliency.network.mask_work import RING_SLOTS, SlotRing, ring_bytes
-from shards import write_shard_set
-from shards.build import Ranks
+from relicv2.saliency.network import mask_work
+from relicv2.saliency.network.build_masks import BuildMasksConfig, MasksError, build_masks
+from relicv2.saliency.network.mask_work import RING_SLOTS, SlotRing, ring_bytes
+from relicv2.shards import write_shard_set
+from relicv2.shards.build import Ranks
 from tests.paths import REPO
 from tests.saliency.network.conftest import SquarePredictor, scene_samples
 
@@ -171,7 +171,7 @@ def _gone(pid: int) -> bool:
 
 
 def _masks_command(model: Path, shards: Path, out: Path) -> list[str]:
-    return [sys.executable, "-m", "cli", "saliency", "build-masks", "--model", str(model), "--shards", str(shards),
+    return [sys.executable, "-m", "relicv2", "saliency", "build-masks", "--model", str(model), "--shards", str(shards),
             "--out", str(out), "--workers", "2", "--batch", "1", "--no-progress"]
 
 
@@ -212,7 +212,7 @@ def test_killed_job_leaves_no_worker_and_no_ring_and_resumes_byte_identical(tmp_
 def test_a_worker_imports_neither_torch_nor_the_handcrafted_methods():
     # Each spawned worker imports `mask_work` before its first task: what that pulls in is on the path to the
     # job's first batch (the handcrafted methods and numba doubled it, torch would add seconds).
-    heavy = ("torch", "numba", "saliency.handcrafted.methods", "saliency.network.config")
+    heavy = ("torch", "numba", "relicv2.saliency.handcrafted.methods", "relicv2.saliency.network.config")
     code = f"import sys, saliency.network.mask_work; print([m for m in {heavy!r} if m in sys.modules])"
     found = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONPATH": str(REPO)}).stdout.strip()

@@ -8,9 +8,9 @@ import pytest
 from click.testing import CliRunner
 from PIL import Image
 
-from cli.main import cli
-from jobs.config import ConfigError
-from saliency.network.config import load_saliency_config
+from relicv2.cli.main import cli
+from relicv2.jobs.config import ConfigError
+from relicv2.saliency.network.config import load_saliency_config
 
 
 def test_train_with_a_missing_backbone_is_one_clear_error(tmp_path: Path, scene_shards) -> None:

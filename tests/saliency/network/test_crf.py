@@ -8,9 +8,9 @@ import cv2
 import numpy as np
 import pytest
 
-from saliency.network.config import CrfConfig
-from saliency.network.crf import CrfPool, dense_crf
-from saliency.synthetic import synthetic_scene
+from relicv2.saliency.network.config import CrfConfig
+from relicv2.saliency.network.crf import CrfPool, dense_crf
+from relicv2.saliency.synthetic import synthetic_scene
 
 
 def _iou(a: np.ndarray, b: np.ndarray) -> float:

@@ -7,12 +7,17 @@ import pytest
 from click.testing import CliRunner
 from PIL import Image
 
-from cli.saliency import saliency_group
-from saliency.evaluate import EvaluationError, ModelEvaluation, evaluate_folder, evaluate_model
-from saliency.maps import write_map
-from saliency.network.model_file import load_model
-from saliency.network.predict import predict_map, with_maps
-from saliency.synthetic import synthetic_scene
+from relicv2.cli.saliency import saliency_group
+from relicv2.saliency.evaluate import (
+    EvaluationError,
+    ModelEvaluation,
+    evaluate_folder,
+    evaluate_model,
+)
+from relicv2.saliency.maps import write_map
+from relicv2.saliency.network.model_file import load_model
+from relicv2.saliency.network.predict import predict_map, with_maps
+from relicv2.saliency.synthetic import synthetic_scene
 
 
 @pytest.fixture

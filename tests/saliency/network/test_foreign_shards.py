@@ -12,13 +12,13 @@ import pytest
 from click.testing import CliRunner
 from PIL import Image
 
-from cli.main import cli
-from saliency.network.build_masks import BuildMasksConfig, MasksError, build_masks
-from saliency.network.data import write_sample_set
-from saliency.synthetic import synthetic_scene
-from shards import ReadReport, iter_samples, read_manifest
-from shards.build import Ranks
-from shards.sample import MASK_MEMBER
+from relicv2.cli.main import cli
+from relicv2.saliency.network.build_masks import BuildMasksConfig, MasksError, build_masks
+from relicv2.saliency.network.data import write_sample_set
+from relicv2.saliency.synthetic import synthetic_scene
+from relicv2.shards import ReadReport, iter_samples, read_manifest
+from relicv2.shards.build import Ranks
+from relicv2.shards.sample import MASK_MEMBER
 from tests.saliency.network.conftest import SquarePredictor
 
 FORMATS = {"jpg": "JPEG", "jpeg": "JPEG", "png": "PNG", "webp": "WEBP"}
@@ -99,8 +99,8 @@ def test_build_masks_on_a_plain_webdataset_set(tmp_path, foreign, tiny_model) ->
 
 @pytest.mark.parametrize("backend", ["reference", "dali"])
 def test_masked_foreign_set_feeds_the_view_loader(tmp_path, foreign, tiny_model, backend) -> None:
-    from pretrain.views.config import PARAM_NAMES, ViewConfig
-    from pretrain.views.loader import ViewLoader, dali_available
+    from relicv2.pretrain.views.config import PARAM_NAMES, ViewConfig
+    from relicv2.pretrain.views.loader import ViewLoader, dali_available
 
     if backend == "dali" and not dali_available():
         pytest.skip("NVIDIA DALI is not installed")
@@ -223,7 +223,7 @@ def test_train_samples_a_plain_webdataset_set_from_a_folder_and_a_pattern(tmp_pa
 
 
 def test_verify_flags_an_image_stored_under_another_formats_name(tmp_path) -> None:
-    from shards import ShardSample, verify_shard_set, write_shard_set
+    from relicv2.shards import ShardSample, verify_shard_set, write_shard_set
 
     rgb, _ = synthetic_scene(48, 64, seed=1)
     write_shard_set([ShardSample("honest", {"png": _encoded(rgb, "PNG")}, None, {"width": 64, "height": 48}),

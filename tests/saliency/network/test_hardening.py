@@ -13,15 +13,15 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from cli.main import cli
-from saliency.network import mask_work
-from saliency.network.build_masks import STATE_DIR, BuildMasksConfig, build_masks
-from saliency.network.mask_work import RingSpaceError, check_shm_space
-from saliency.network.model import SaliencyNet
-from saliency.network.model_file import ModelFileError, load_model, save_model
-from shards import write_shard_set
-from shards.build import Ranks
-from shards.job import RECORD_SUFFIX
+from relicv2.cli.main import cli
+from relicv2.saliency.network import mask_work
+from relicv2.saliency.network.build_masks import STATE_DIR, BuildMasksConfig, build_masks
+from relicv2.saliency.network.mask_work import RingSpaceError, check_shm_space
+from relicv2.saliency.network.model import SaliencyNet
+from relicv2.saliency.network.model_file import ModelFileError, load_model, save_model
+from relicv2.shards import write_shard_set
+from relicv2.shards.build import Ranks
+from relicv2.shards.job import RECORD_SUFFIX
 from tests.paths import REPO
 from tests.saliency.network.conftest import scene_samples
 from tests.unwritable import immutable
@@ -119,7 +119,7 @@ def test_a_rerun_removes_the_ring_of_a_job_killed_with_its_process_group(tmp_pat
     samples, _ = scene_samples(48, height=120, width=160)
     shards, out = tmp_path / "in", tmp_path / "out"
     write_shard_set(samples, shards, max_count=4)  # 12 shards
-    command = [sys.executable, "-m", "cli", "saliency", "build-masks", "--model", str(tiny_model), "--shards",
+    command = [sys.executable, "-m", "relicv2", "saliency", "build-masks", "--model", str(tiny_model), "--shards",
                str(shards), "--out", str(out), "--workers", "2", "--batch", "1", "--no-progress"]
     # Its own session: the kill takes the job, its workers and multiprocessing's resource tracker at once
     # (as scancel, docker kill or an OOM kill of the cgroup do).
@@ -149,7 +149,7 @@ def test_a_rerun_removes_the_ring_of_a_job_killed_with_its_process_group(tmp_pat
 
 _FULL_SHM = """
 import os
-from saliency.network.mask_work import RingSpaceError, SlotRing
+from relicv2.saliency.network.mask_work import RingSpaceError, SlotRing
 try:
     SlotRing.create(batch=64, size=128)  # 22 MiB, in a 4 MiB /dev/shm
     print("created")
@@ -177,7 +177,7 @@ def test_ctrl_c_is_one_line_and_exit_130_without_a_traceback_from_any_worker(tmp
     samples, _ = scene_samples(96, height=120, width=160)  # 24 shards: the job is far from done when it is stopped
     shards, out = tmp_path / "in", tmp_path / "out"
     write_shard_set(samples, shards, max_count=4)
-    command = [sys.executable, "-m", "cli", "saliency", "build-masks", "--model", str(tiny_model), "--shards",
+    command = [sys.executable, "-m", "relicv2", "saliency", "build-masks", "--model", str(tiny_model), "--shards",
                str(shards), "--out", str(out), "--workers", "2", "--batch", "1", "--no-progress"]
     job = subprocess.Popen(command, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True,
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -216,8 +216,8 @@ def test_more_workers_than_can_be_busy_are_lowered_and_said(tmp_path: Path, tiny
 
 
 def test_a_backbone_sidecar_with_a_depth_that_is_not_a_number_is_one_clear_error(tmp_path: Path) -> None:
-    from pretrain.model.resnet import resnet
-    from saliency.network.weights import BackboneError, encoder_state_dict
+    from relicv2.models.resnet import resnet
+    from relicv2.saliency.network.weights import BackboneError, encoder_state_dict
 
     weights = tmp_path / "r18.pt"
     torch.save(resnet(18).state_dict(), weights)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from saliency.network.loss import f_measure, refinement_loss, soft_threshold
-from saliency.network.model import SaliencyNet
+from relicv2.saliency.network.loss import f_measure, refinement_loss, soft_threshold
+from relicv2.saliency.network.model import SaliencyNet
 
 
 @pytest.mark.parametrize("depth", [18, 50])

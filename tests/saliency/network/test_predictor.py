@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from saliency.network.build_masks import BuildMasksConfig, build_masks
-from saliency.network.mask_work import SlotRing
-from saliency.network.predictor import MaskPredictor, launch_forward
-from shards.build import Ranks
+from relicv2.saliency.network.build_masks import BuildMasksConfig, build_masks
+from relicv2.saliency.network.mask_work import SlotRing
+from relicv2.saliency.network.predictor import MaskPredictor, launch_forward
+from relicv2.shards.build import Ranks
 from tests.saliency.network.conftest import SquarePredictor
 
 

@@ -8,7 +8,7 @@ import json
 import pytest
 from PIL import Image
 
-from saliency.synthetic import synthetic_scene
+from relicv2.saliency.synthetic import synthetic_scene
 from tests.paths import REPO
 
 
@@ -57,7 +57,7 @@ def test_trains_on_joined_folders_and_prints_every_row(tmp_path, capsys):
     # The handcrafted rows find the generated objects; each row is what `saliency evaluate` gives.
     rbd_max_f = float(rows["rbd"].split("|")[3])
     assert rbd_max_f > 0.8
-    from saliency.evaluate import evaluate_folder
+    from relicv2.saliency.evaluate import evaluate_folder
     scored = evaluate_folder(out / "heldout" / "maps" / "rbd", tmp_path / "masks", allow_missing=True)
     assert round(scored.max_f, 3) == rbd_max_f
     # A rerun resumes: nothing is trained or computed again.

@@ -12,14 +12,14 @@ import pytest
 import torch
 import yaml
 
-import saliency.network.train as train_module
-from saliency.maps import write_png
-from saliency.network.config import load_saliency_config
-from saliency.network.data import TrainingImages, load_training_images
-from saliency.network.model_file import load_model
-from saliency.network.train import Trainer, TrainJob, TrainStateError, run_train
-from saliency.synthetic import synthetic_scene
-from shards import write_shard_set
+import relicv2.saliency.network.train as train_module
+from relicv2.saliency.maps import write_png
+from relicv2.saliency.network.config import load_saliency_config
+from relicv2.saliency.network.data import TrainingImages, load_training_images
+from relicv2.saliency.network.model_file import load_model
+from relicv2.saliency.network.train import Trainer, TrainJob, TrainStateError, run_train
+from relicv2.saliency.synthetic import synthetic_scene
+from relicv2.shards import write_shard_set
 from tests.saliency.network.conftest import scene_samples
 
 

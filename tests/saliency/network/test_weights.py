@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.checkpoint import save_checkpoint
-from pretrain.model.resnet import resnet
-from saliency.network.model import SaliencyNet
-from saliency.network.weights import BackboneError, encoder_state_dict, load_fitting
+from relicv2.models.resnet import resnet
+from relicv2.pretrain.checkpoint import save_checkpoint
+from relicv2.saliency.network.model import SaliencyNet
+from relicv2.saliency.network.weights import BackboneError, encoder_state_dict, load_fitting
 
 
 def _same(a: dict, b: dict) -> bool:

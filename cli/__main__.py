@@ -1,3 +1,0 @@
-from cli.main import main
-
-main()

@@ -1,0 +1,134 @@
+"""Frozen-encoder features of a labelled shard set, with an on-disk cache.
+
+Extraction is the kNN monitor's (`pretrain.knn.knn.extract_features`: decode, resize the short
+side bicubic, centre crop, ImageNet mean/std), so kNN and the linear `fast` protocol see the same
+test views. The cache file name is a digest of the encoder's weights, the shard set's files (name,
+size, mtime) and the view spec: a changed checkpoint or a rebuilt shard set never reuses stale
+features. Cache files are written atomically and read with `weights_only=True`; they keep the
+keys of the undecodable images and what the set lost while read, so a cached result reports them too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from relicv2.jobs.atomic import atomic_output
+from relicv2.models.untrusted import TORCH_LOAD_ERRORS
+from relicv2.pretrain.distributed import DistributedContext, all_gather_object
+from relicv2.pretrain.knn.knn import extract_features, join_parts
+from relicv2.pretrain.knn.outcome import LostSamples, LostSamplesError
+from relicv2.shards.shardset import ShardSet, shard_tars
+
+CACHE_FORMAT = "relicv2-feature-cache"
+# Part of the cache file name: version 2 records the skipped keys and the samples lost while reading,
+# so files of version 1 (which may hide a loss) are never read again.
+CACHE_VERSION = 2
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """The test view the features are taken on (the linear protocol's: 256 bicubic -> centre 224)."""
+
+    crop_size: int = 224
+    resize_size: int = 0  # 0: crop_size / 0.875
+    batch_size: int = 256
+
+
+@dataclass(frozen=True)
+class FeatureSet:
+    features: Tensor  # [N, F] float32
+    labels: Tensor  # [N] int64
+    skipped: int = 0  # undecodable samples left out (named on stderr when extracted)
+    skipped_keys: tuple[str, ...] = ()  # their keys, sorted
+    lost: tuple[LostSamples, ...] = ()  # samples the set lost while read (only when allowed)
+
+    def __len__(self) -> int:
+        return int(self.labels.numel())
+
+
+def encoder_digest(encoder: nn.Module) -> str:
+    """sha256 of the encoder's parameters and buffers (names, shapes, bytes)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(encoder.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(str(tuple(tensor.shape)).encode())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    digest.update(f"{type(encoder).__qualname__} {getattr(encoder, 'padding', 'torch')}".encode())
+    return digest.hexdigest()
+
+
+def shard_set_fingerprint(source: ShardSet) -> list[tuple[str, int, int]]:
+    """(name, size, mtime_ns) of every tar of a shard set: changes whenever the set is rebuilt."""
+    return [(tar.name, tar.stat().st_size, tar.stat().st_mtime_ns) for tar in shard_tars(source)[0]]
+
+
+def cache_path(cache_dir: str | Path, encoder: nn.Module, source: ShardSet, spec: FeatureSpec) -> Path:
+    key = json.dumps({"version": CACHE_VERSION, "encoder": encoder_digest(encoder),
+                      "shards": str(Path(str(source)).resolve()),
+                      "files": shard_set_fingerprint(source), "spec": asdict(spec)}, sort_keys=True)
+    return Path(cache_dir) / f"features-{hashlib.sha256(key.encode()).hexdigest()[:24]}.pt"
+
+
+def _read_cache(path: Path) -> FeatureSet | None:
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except TORCH_LOAD_ERRORS as error:
+        print(f"feature cache {path} is unreadable ({type(error).__name__}); extracting again", file=sys.stderr)
+        return None
+    if not isinstance(payload, dict) or payload.get("format") != CACHE_FORMAT:
+        print(f"feature cache {path} is not a relicv2 feature cache; extracting again", file=sys.stderr)
+        return None
+    return FeatureSet(payload["features"], payload["labels"], int(payload["skipped"]),
+                      tuple(payload.get("skipped_keys", ())),
+                      tuple(LostSamples(**entry) for entry in payload.get("lost", ())))
+
+
+def cached_features(
+    encoder: nn.Module,
+    source: ShardSet,
+    spec: FeatureSpec,
+    *,
+    cache_dir: str | Path | None,
+    device: str | torch.device = "cpu",
+    ctx: DistributedContext | None = None,
+    allow_lost: bool = False,
+) -> FeatureSet:
+    """Features of every decodable sample, read from / written to `cache_dir` when one is given (rank 0
+    writes); with a multi-rank ctx each rank extracts 1/W and all get the union.
+
+    A set that loses samples while read, or features cached from one, raise LostSamplesError unless
+    `allow_lost`."""
+    path = cache_path(cache_dir, encoder, source, spec) if cache_dir is not None else None
+    cached = _read_cache(path) if path is not None and path.is_file() else None
+    if cached is not None:
+        if cached.lost and not allow_lost:
+            raise LostSamplesError(
+                f"shard set {source} lost samples when its cached features {path.name} were taken "
+                f"({cached.lost[0].detail}): check it with `relicv2 shards verify {source}` and rebuild it")
+        return cached
+    rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
+    skipped: list[str] = []
+    lost: list[LostSamples] = []  # every rank reads the whole set: the same on every rank
+    features, labels = extract_features(encoder, source, **asdict(spec), device=device, skipped=skipped,
+                                        part=(rank, world), allow_lost=allow_lost, lost=lost)
+    if world > 1:
+        parts = all_gather_object((features, labels, skipped), ctx)
+        pairs, skipped = [(f, lab) for f, lab, _ in parts], [key for _, _, keys in parts for key in keys]
+        del parts, features, labels  # let go as they are copied into the joined features
+        features, labels = join_parts(pairs, source, torch.device("cpu"))
+    result = FeatureSet(features, labels, len(skipped), tuple(sorted(skipped)), tuple(lost))
+    if path is not None and rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_output(path) as tmp:
+            torch.save({"format": CACHE_FORMAT, "features": result.features, "labels": result.labels,
+                        "skipped": result.skipped, "skipped_keys": list(result.skipped_keys),
+                        "lost": [asdict(entry) for entry in result.lost], "source": str(source),
+                        "spec": asdict(spec)}, tmp)
+    return result

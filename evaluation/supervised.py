@@ -1,0 +1,192 @@
+"""The one supervised loop of the evaluation protocols that train (linear-fast, linear-paper, fine-tuning).
+
+`train_classifier` trains for whole epochs, gradients averaged over ranks; with a `StateFile` rank 0
+saves the state after each epoch and a rerun resumes at the next. `score` classifies the validation
+batches, counted exactly over ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from relicv2.jobs.atomic import atomic_output
+from relicv2.jobs.progress import Phase
+from relicv2.models.untrusted import TORCH_LOAD_ERRORS
+from relicv2.pretrain.distributed import DistributedContext, all_gather_object
+from relicv2.pretrain.knn.outcome import LostSamples, figure, lost_fields
+
+Batches = Iterable[tuple[Tensor, Tensor, list[str]]]  # images, labels, keys of the undecodable images
+
+
+class HeadCheckpointError(RuntimeError):
+    """A state file that cannot be resumed (corrupt, foreign, or from other options)."""
+
+
+@dataclass(frozen=True)
+class LinearResult:
+    protocol: str
+    top1: float
+    top5: float | None  # None with fewer than 5 classes
+    num_train: int
+    num_val: int
+    skipped: int  # undecodable images and structurally broken samples left out
+    per_class_top1: dict[int, float] = field(default_factory=dict)
+    epochs: int = 0
+    skipped_keys: list[str] = field(default_factory=list)  # their keys, sorted
+    lost: list[LostSamples] = field(default_factory=list)  # samples lost while reading (only when allowed)
+
+    def as_json(self, *, checkpoint: str | None, random_init: int | None, extra: dict | None = None) -> dict:
+        return {"protocol": self.protocol, "checkpoint": checkpoint, "random_init": random_init,
+                "top1": figure(self.top1), "top5": figure(self.top5), "num_train": self.num_train,
+                "num_val": self.num_val, "skipped": self.skipped, "skipped_keys": self.skipped_keys,
+                **lost_fields(self.lost), "epochs": self.epochs,
+                "per_class_top1": {str(k): figure(v) for k, v in sorted(self.per_class_top1.items())},
+                **(extra or {})}
+
+
+def topk_correct(logits: Tensor, labels: Tensor, k: int) -> int:
+    """How many rows have their label among the k highest logits."""
+    k = min(k, logits.shape[1])
+    return int((logits.topk(k, dim=1).indices == labels[:, None]).any(dim=1).sum())
+
+
+def accuracy_report(logits: Tensor, labels: Tensor, num_classes: int) -> tuple[float, float | None, dict[int, float]]:
+    """(top-1, top-5 or None when there are fewer than 5 classes, per-class top-1)."""
+    if labels.numel() == 0:
+        raise ValueError("no validation samples to score")
+    top1 = topk_correct(logits, labels, 1) / labels.numel()
+    top5 = topk_correct(logits, labels, 5) / labels.numel() if num_classes >= 5 else None
+    predicted = logits.argmax(dim=1)
+    per_class = {int(c): int((predicted[labels == c] == c).sum()) / int((labels == c).sum()) for c in labels.unique()}
+    return top1, top5, per_class
+
+
+def new_head(num_features: int, num_classes: int, generator: torch.Generator | None = None) -> nn.Linear:
+    """A linear classifier initialised as the paper's protocols do: weights N(0, 0.01), bias 0."""
+    head = nn.Linear(num_features, num_classes)
+    nn.init.normal_(head.weight, 0, 0.01, generator=generator)
+    nn.init.zeros_(head.bias)
+    return head
+
+
+def _plain(options: dict[str, Any]) -> dict[str, Any]:
+    # Tuples come back from older files as tuples and are written as lists: compare them alike.
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()}
+
+
+@dataclass(frozen=True)
+class StateFile:
+    """Where a protocol keeps its training state between epochs, and the settings it was trained with."""
+
+    path: Path
+    format: str
+    config: Any  # the protocol's frozen config: a file written with other settings is refused
+    ignored: tuple[str, ...]  # settings that do not change the result, free to differ on resume
+    what: str  # the protocol, named in messages ("linear", "fine-tuning")
+    network: str  # the key the classifier's weights are saved under
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return _plain({k: v for k, v in dataclasses.asdict(self.config).items() if k not in self.ignored})
+
+    def restore(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+        """Load the saved state into `model` and `optimizer`; the epoch to start at (0 without a file)."""
+        if not self.path.is_file():
+            return 0
+        try:
+            payload = torch.load(self.path, map_location="cpu", weights_only=True)
+        except TORCH_LOAD_ERRORS as error:
+            raise HeadCheckpointError(f"{self.path} is unreadable ({type(error).__name__}); delete it to start the "
+                                      f"{self.what} evaluation over") from None
+        if not isinstance(payload, dict) or payload.get("format") != self.format:
+            raise HeadCheckpointError(f"{self.path} is not a {self.what} checkpoint; use another --output folder")
+        saved = _plain(payload.get("config") or {})
+        if saved != self.options:
+            changed = sorted(k for k in set(saved) | set(self.options) if saved.get(k) != self.options.get(k))
+            raise HeadCheckpointError(f"{self.path} was written with other {self.what} options ({', '.join(changed)}); "
+                                      "use another --output folder or the same options")
+        model.load_state_dict(payload[self.network])
+        optimizer.load_state_dict(payload["optimizer"])
+        return int(payload["epoch"])
+
+    def save(self, epoch: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_output(self.path) as tmp:
+            torch.save({"format": self.format, "epoch": epoch, "config": self.options,
+                        self.network: model.state_dict(), "optimizer": optimizer.state_dict()}, tmp)
+
+
+def train_classifier(
+    model: nn.Module, forward: Callable[[Tensor], Tensor], optimizer: torch.optim.Optimizer, *,
+    learning_rates: Callable[[int], Sequence[float]], train_batches: Callable[[int], Batches], epochs: int,
+    steps_per_epoch: int, skipped: set[str], min_batch: int = 1, state: StateFile | None = None,
+    ctx: DistributedContext | None = None, desc: str | None = None,
+) -> None:
+    """Train `model` (its parameters are what `optimizer` updates) with cross-entropy on `forward(images)`.
+
+    `learning_rates(step)` gives each optimiser group's lr at the global step; `train_batches(epoch)`
+    the epoch's batches on this rank. A batch with fewer than `min_batch` decodable images still takes
+    part in the gradient average, with a zero loss. Undecodable keys are added to `skipped` (a set: an
+    image met once per epoch is counted once). `desc` names the progress bar (None: no bar).
+    """
+    rank = ctx.rank if ctx is not None else 0
+    device = next(model.parameters()).device
+    start_epoch = state.restore(model, optimizer) if state is not None else 0
+    progress = Phase(desc or "", steps_per_epoch * epochs, unit="step", enabled=desc is not None and rank == 0,
+                     initial=start_epoch * steps_per_epoch)
+    for epoch in range(start_epoch, epochs):
+        model.train()
+        for step_in_epoch, (images, labels, bad) in enumerate(train_batches(epoch)):
+            skipped.update(bad)
+            for group, lr in zip(optimizer.param_groups, learning_rates(epoch * steps_per_epoch + step_in_epoch),
+                                 strict=True):
+                group["lr"] = lr
+            if labels.numel() >= min_batch:
+                loss = F.cross_entropy(forward(images), labels.to(device))
+            else:  # too few decodable images (BatchNorm in train mode needs two): a zero update, still averaged
+                loss = sum(p.sum() for p in model.parameters()) * 0.0
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if ctx is not None and ctx.is_distributed:  # every rank steps with the mean gradient
+                for parameter in model.parameters():
+                    dist.all_reduce(parameter.grad)
+                    parameter.grad /= ctx.world_size
+            optimizer.step()
+            progress.update(1)
+            if progress.enabled:
+                progress.set_postfix(epoch=epoch + 1, loss=loss.item())
+        if state is not None and rank == 0:
+            state.save(epoch + 1, model, optimizer)
+    progress.close()
+
+
+def score(
+    model: nn.Module, forward: Callable[[Tensor], Tensor], val_batches: Batches, *, protocol: str, num_classes: int,
+    num_train: int, epochs: int, train_skipped: set[str], val_skipped: set[str], ctx: DistributedContext | None = None,
+) -> LinearResult:
+    """Top-1/top-5 of `forward` on the validation batches, gathered over ranks with every rank's skipped keys."""
+    model.eval()
+    logits, labels = [], []
+    with torch.no_grad():
+        for images, batch_labels, bad in val_batches:
+            val_skipped.update(bad)
+            if batch_labels.numel():
+                logits.append(forward(images).float().cpu())
+                labels.append(batch_labels)
+    part = (torch.cat(logits) if logits else torch.empty(0, num_classes),
+            torch.cat(labels) if labels else torch.empty(0, dtype=torch.long), train_skipped, val_skipped)
+    parts = all_gather_object(part, ctx) if ctx is not None else [part]
+    all_logits, all_labels = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    top1, top5, per_class = accuracy_report(all_logits, all_labels, num_classes)
+    skipped_keys = sorted([*train_skipped.union(*(p[2] for p in parts)), *val_skipped.union(*(p[3] for p in parts))])
+    return LinearResult(protocol, top1, top5, num_train, len(all_labels), len(skipped_keys), per_class, epochs,
+                        skipped_keys)

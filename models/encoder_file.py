@@ -1,0 +1,192 @@
+"""The exported-encoder file format: a plain state dict FILE plus a JSON sidecar FILE + ".json".
+
+Two formats, named in the sidecar's "format":
+- "torchvision" (width 1): torchvision's parameter names without `fc.*`, so
+  `torchvision.models.resnetNN().load_state_dict(sd, strict=False)` takes it with only `fc.weight`
+  and `fc.bias` missing (or strictly, after adding an fc of your own);
+- "relicv2" (width 2 or 4): this project's `models.resnet.ResNet` names, which torchvision
+  cannot express (it does not widen the stem).
+
+An encoder that pads like TensorFlow ("same_tf", the authors' imported weights) cannot be
+expressed by torchvision: its strided layers pad asymmetrically, which moves every sample of the
+stem by a pixel, so torchvision's network would take the weights and give other features. Such
+a file carries one more entry, `PADDING_MARKER` (an empty tensor), which a torchvision load
+names (an unexpected key, an error under strict=True), and its sidecar says so under "padding".
+
+The sidecar carries what a reader needs to rebuild the network without the training code
+(arch, depth, width, padding, num_features) and what it came from (source checkpoint, network,
+step, a config summary, kNN / linear figures when known). `load_encoder_file` is the one loader
+that every command taking a backbone uses. A leaf of the model package: checkpoints, evaluation
+and export all build on it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from relicv2.jobs.atomic import atomic_output
+from relicv2.models.resnet import (
+    PADDINGS,
+    STAGE_BLOCKS,
+    STAGE_PLANES,
+    Bottleneck,
+    ResNet,
+    load_torchvision_state_dict,
+    resnet,
+    to_torchvision_state_dict,
+)
+from relicv2.models.untrusted import TORCH_LOAD_ERRORS, load_failure
+
+FORMATS = ("torchvision", "relicv2")
+SIDECAR_SUFFIX = ".json"
+PADDING_MARKER = "padding.same_tf"  # in the state dict of an encoder that pads like TensorFlow
+
+
+class ExportError(ValueError):
+    """An exported encoder file (or its sidecar) that cannot be used; the message names the file and the fix."""
+
+
+def sidecar_path(path: str | Path) -> Path:
+    """FILE + ".json" (appended, not replacing the suffix): `encoder.pt` -> `encoder.pt.json`."""
+    path = Path(path)
+    return path.with_name(path.name + SIDECAR_SUFFIX)
+
+
+def check_output_file(path: str | Path) -> None:
+    """Refuse an output path that cannot become the encoder file (call it before any work)."""
+    path = Path(path)
+    if path.is_dir():
+        raise ExportError(f"--out {path} is a folder; give the encoder file's path, e.g. {path / 'encoder.pt'} "
+                          f"(its sidecar is written beside it as encoder.pt{SIDECAR_SUFFIX})")
+    if sidecar_path(path).is_dir():
+        raise ExportError(f"the sidecar of --out {path} would be {sidecar_path(path)}, which is a folder; "
+                          "choose another --out")
+
+
+def save_encoder_file(encoder: ResNet, path: str | Path, *, depth: int, width: int,
+                      metadata: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write `encoder` to `path` (state dict, in the format its width allows) and its sidecar atomically;
+    return the sidecar dict."""
+    path = Path(path)
+    check_output_file(path)
+    fmt = "torchvision" if width == 1 else "relicv2"
+    state = to_torchvision_state_dict(encoder) if fmt == "torchvision" else encoder.state_dict()
+    sidecar = {"format": fmt, "arch": f"resnet{depth}" + ("" if width == 1 else f"_{width}x"), "depth": depth,
+               "width": width, "padding": encoder.padding, "num_features": encoder.num_features,
+               "fc": "not included: the file holds the encoder only (add your own classifier)"}
+    if encoder.padding == "same_tf":
+        state[PADDING_MARKER] = torch.zeros(0)
+        sidecar["padding_note"] = (f"pads like TensorFlow 'SAME': a torchvision ResNet takes these weights "
+                                   f"(less the {PADDING_MARKER!r} entry) but gives other features; load the "
+                                   "file with models.encoder_file.load_encoder_file")
+    sidecar.update(metadata or {})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # The sidecar is written (and renamed) while the weights wait under their temporary name: a failed
+    # write of either (a full disk) leaves the pair as it was, never new weights without their sidecar.
+    with atomic_output(path) as weights_tmp:
+        torch.save({name: tensor.cpu() for name, tensor in state.items()}, weights_tmp)
+        with atomic_output(sidecar_path(path)) as tmp:
+            Path(tmp).write_text(json.dumps(sidecar, indent=2, sort_keys=True) + "\n")
+    return sidecar
+
+
+def read_sidecar(path: str | Path) -> dict[str, Any]:
+    """The sidecar of an exported file; ExportError when it is missing or malformed."""
+    side = sidecar_path(path)
+    if not side.is_file():
+        raise ExportError(f"{path} has no sidecar {side.name}; export the encoder with `relicv2 export` "
+                          "(or write the sidecar with depth, width and format beside it)")
+    try:
+        info = json.loads(side.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ExportError(f"sidecar {side} is not valid JSON ({error}); re-export the encoder") from None
+    if not isinstance(info, dict):
+        raise ExportError(f"sidecar {side} must hold a JSON object; re-export the encoder")
+    for key, kind in (("depth", int), ("width", int), ("format", str)):
+        if not isinstance(info.get(key), kind):
+            raise ExportError(f"sidecar {side} lacks a valid {key!r}; re-export the encoder")
+    if info["format"] not in FORMATS:
+        raise ExportError(f"sidecar {side}: unknown format {info['format']!r} (expected one of {list(FORMATS)})")
+    if info.get("padding", "torch") not in PADDINGS:
+        raise ExportError(f"sidecar {side}: unknown padding {info.get('padding')!r} (expected one of {list(PADDINGS)})")
+    return info
+
+
+def is_encoder_file(path: str | Path) -> bool:
+    """True when `path` is a file with an export sidecar beside it."""
+    return Path(path).is_file() and sidecar_path(path).is_file()
+
+
+def is_state_dict(payload: Any) -> bool:
+    """A dict of tensors: what `relicv2 export` writes (with its sidecar beside it)."""
+    return isinstance(payload, dict) and all(isinstance(value, torch.Tensor) for value in payload.values())
+
+
+def exported_network(info: dict[str, Any]) -> str:
+    """The network ("online" or "target") an exported file holds, per its sidecar (online when unsaid)."""
+    return "target" if info.get("network") == "target" else "online"
+
+
+def architecture_of(state: dict[str, Any]) -> tuple[int, int] | None:
+    """(depth, width) of a ResNet trunk under torchvision's names, read from its tensors' shapes (blocks
+    per stage, bottleneck or not, the stem's channels); None when the names are not a ResNet's."""
+    stem = state.get("conv1.weight")
+    if not isinstance(stem, torch.Tensor) or stem.ndim != 4 or stem.shape[0] % STAGE_PLANES[0]:
+        return None
+    counts = tuple(len({name.split(".")[1] for name in state if name.startswith(f"layer{stage}.")})
+                   for stage in range(1, 5))
+    bottleneck = "layer1.0.conv3.weight" in state
+    depth = next((d for d, (block, blocks) in STAGE_BLOCKS.items()
+                  if blocks == counts and (block is Bottleneck) == bottleneck), None)
+    return None if depth is None else (depth, stem.shape[0] // STAGE_PLANES[0])
+
+
+def load_encoder_file(path: str | Path, *, network: str | None = None) -> ResNet:
+    """Rebuild the ResNet of an exported file (`relicv2 export` or `relicv2 import-official`), on CPU.
+
+    Loaded with `weights_only=True`; a file that does not fit the sidecar's depth/width gives one
+    ExportError naming the file. An exported file holds one network: asking for the target
+    (`network="target"`) of a file that holds the online one is an ExportError, not a silent swap.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ExportError(f"encoder file {path} does not exist; check the path")
+    info = read_sidecar(path)
+    if network == "target" and exported_network(info) != "target":
+        raise ExportError(f"{path} is an exported encoder holding the {exported_network(info)} network only "
+                          f"(per {sidecar_path(path).name}); --network target needs a pretraining checkpoint: "
+                          "pass the run folder or its checkpoint-*.pt, or export the target with "
+                          "`relicv2 export --network target`")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except TORCH_LOAD_ERRORS as error:
+        raise ExportError(f"{path} is not a readable state dict ({load_failure(error)}); "
+                          "re-export it with `relicv2 export`") from None
+    if not is_state_dict(state):
+        raise ExportError(f"{path} does not hold a state dict of tensors; re-export it with `relicv2 export`")
+    padding = info.get("padding", "torch")
+    # The sidecar decides; a file written before the marker existed may lack it, but a marked file
+    # built for "same_tf" read with torch's padding would give other features without any error.
+    if state.pop(PADDING_MARKER, None) is not None and padding != "same_tf":
+        raise ExportError(f"{path} holds weights that pad like TensorFlow (its {PADDING_MARKER!r} entry), but its "
+                          f"sidecar {sidecar_path(path).name} says padding {padding!r}; set \"padding\": \"same_tf\" "
+                          "there (or re-import the file)")
+    try:
+        encoder = resnet(info["depth"], info["width"], padding=padding)
+        if info["format"] == "torchvision":
+            load_torchvision_state_dict(encoder, state)
+        else:
+            encoder.load_state_dict(state, strict=True)
+    except (ValueError, RuntimeError) as error:
+        found = architecture_of(state)
+        if found is not None and found != (info["depth"], info["width"]):
+            raise ExportError(f"{path} does not fit a ResNet-{info['depth']} {info['width']}x as its sidecar says: it "
+                              f"holds a ResNet-{found[0]} at width {found[1]} (read from its tensors); correct the "
+                              f"depth and width in {sidecar_path(path).name}, or re-export") from None
+        raise ExportError(f"{path} does not fit a ResNet-{info['depth']} {info['width']}x as its sidecar says: "
+                          f"{error}") from None
+    return encoder

@@ -1,1 +1,0 @@
-"""pretrain.eval."""

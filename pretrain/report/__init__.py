@@ -1,5 +1,0 @@
-"""The run report: one static HTML page plus PNG figures, built from the files the jobs wrote."""
-
-from pretrain.report.html import ReportInputs, ReportSummary, build_report
-
-__all__ = ["ReportInputs", "ReportSummary", "build_report"]
