@@ -5,8 +5,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 LOCK := requirements.lock
 DEV_LOCK := requirements-dev.lock
-STAMP := $(VENV)/.lock-$(shell cat $(LOCK) pyproject.toml | sha256sum | cut -c1-16)
-DEV_STAMP := $(VENV)/.dev-$(shell cat $(LOCK) $(DEV_LOCK) pyproject.toml | sha256sum | cut -c1-16)
+NODEPS_LOCK := requirements-nodeps.lock
+STAMP := $(VENV)/.lock-$(shell cat $(LOCK) $(NODEPS_LOCK) pyproject.toml | sha256sum | cut -c1-16)
+DEV_STAMP := $(VENV)/.dev-$(shell cat $(LOCK) $(NODEPS_LOCK) $(DEV_LOCK) pyproject.toml | sha256sum | cut -c1-16)
 # `make demo DATA=/path/to/images` runs the demo on your own folder (class sub-folders, or train/ and val/).
 DATA ?=
 
@@ -17,10 +18,11 @@ setup: $(STAMP)
 
 setup-dev: setup $(DEV_STAMP)
 
-$(STAMP): $(LOCK) pyproject.toml
+$(STAMP): $(LOCK) $(NODEPS_LOCK) pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip setuptools wheel
 	$(PY) -m pip install -q -r $(LOCK)
+	$(PY) -m pip install -q --no-deps -r $(NODEPS_LOCK)
 	rm -f $(VENV)/.lock-* && touch $(STAMP)
 
 $(DEV_STAMP): $(STAMP) $(DEV_LOCK)
