@@ -263,8 +263,8 @@ def main() -> None:
             if name == "reference":
                 # DataLoader workers are other processes: the CPU cost per image is timed in-process, where
                 # all of the reference's work runs in this thread. The process's CPU time also counts any
-                # other thread still running (a suspect for the H100 host's unexplained 180.7 ms an image,
-                # RESULTS.md), so the ratios use this thread's, the smaller, and both are printed.
+                # other thread still running, so the ratios use this thread's, the smaller, and both are
+                # printed.
                 torch.set_num_threads(1)
                 # One batch after one: at ~0.2 s an image on a GPU host, the whole window would take minutes.
                 short = argparse.Namespace(**{**vars(args), "batches": 1, "warmup": 1})

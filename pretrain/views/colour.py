@@ -9,7 +9,7 @@ between steps).
 
 Why not DALI operators: DALI has no fused element-wise operator (its arithmetic runs one operator
 per `+`/`*`), so torchvision's exact HSV hue and the mean-centred contrast cost ~100 operators a
-view: the all-DALI GPU graph held 2,066 operators against 128 (benchmarks/RESULTS.md), and each
+view: the all-DALI GPU graph held many times this one's (benchmarks/RESULTS.md, "View pipeline, CPU"), and each
 operator costs CPU time per sample. Here a step is a handful of batched kernels, applied only to
 the samples that draw it (their rows are known on the host, where the parameters are drawn, so
 selecting them needs no device synchronisation; the masked flags, GPU data when the masks are
@@ -241,11 +241,11 @@ def colour_views(views: Sequence[torch.Tensor], draws: Sequence[ColourDraws], sp
 
     Every step works row by row with each row's own draws, so stacking the views of one size (the
     4 large, then the 2 small) gives each view the same pixels as colouring it alone, with a third
-    of the operators. That is what a GPU needs: there the stage is launch-bound (110 CPU ms against
-    25.5 GPU ms a batch of 256 on an H100, benchmarks/RESULTS.md), and torch's caching allocator
-    reuses the larger blocks. A CPU is not launch-bound, and glibc maps fresh pages for each large
-    allocation: stacked was 1.6-2x slower on the CPU box (`benchmarks/bench_colour.py`), 1.09x with
-    malloc's mmap threshold raised. `stack` defaults to "on a GPU"; `fused` (every row through the
+    of the operators. That is what a GPU needs: there the stage is launch-bound (benchmarks/RESULTS.md,
+    "GPU, one H100"), and torch's caching allocator reuses the larger blocks. A CPU is not
+    launch-bound, and glibc maps fresh pages for each large allocation: stacked was slower on the CPU
+    box unless malloc's mmap threshold is raised (benchmarks/RESULTS.md, "Colour stage: the views of
+    one size as one batch"). `stack` defaults to "on a GPU"; `fused` (every row through the
     steps' compiled kernels, see `fused_steps`) to `cfg.colour_kernels`.
     """
     on_gpu = views[0].device.type != "cpu"
@@ -311,7 +311,7 @@ def _colour(view: torch.Tensor, draws: ColourDraws, cfg: ViewConfig, background:
 def _mean_std(cfg: ViewConfig, device: torch.device) -> torch.Tensor:
     """The normalisation's mean and std on `device`, 2 x 1 x 3 x 1 x 1. One copy to the device, and
     non-blocking like every copy here: a blocking one waits until the stream's queued kernels have run (two
-    such waits a view cost the H100 12 waits a batch, RESULTS.md)."""
+    such copies a view would be 12 waits a batch)."""
     return torch.tensor([cfg.mean, cfg.std]).to(device, non_blocking=True).view(2, 1, 3, 1, 1)
 
 

@@ -127,12 +127,12 @@ class BuildMasksConfig:
     device: str = "auto"  # CUDA when a GPU is visible (this rank's under torchrun), else the CPU
     progress: bool = True
     merge_timeout_s: float = 3600.0  # rank 0 waits this long for the other ranks' shards
-    # Average each mask with the prediction of the mirrored image, mirrored back: twice the forward, +.003 to
-    # +.007 max-F on held-back PASCAL-S (benchmarks/RESULTS.md, "Saliency network quality").
+    # Average each mask with the prediction of the mirrored image, mirrored back: twice the forward, a small
+    # max-F gain on held-back PASCAL-S (benchmarks/RESULTS.md, "Levers at small scale").
     flip: bool = False
-    # Refine each mask with the dense CRF the model was trained with, at its input size, in the workers: ~10
-    # CPU ms an image at 112 px, ~150 at 432; on held-back PASCAL-S -.03 to -.06 MAE and +.04 to +.07 max-F
-    # for every one-round model measured (benchmarks/RESULTS.md, "Dense CRF cost" and "CRF at inference").
+    # Refine each mask with the dense CRF the model was trained with, at its input size, in the workers: CPU
+    # time an image, and on held-back PASCAL-S a lower MAE and a higher max-F for every one-round model
+    # measured (benchmarks/RESULTS.md, "Dense CRF cost" and "CRF at inference").
     crf: bool = False
     # Where indexes of input tars without one are derived; None: shards.shardset.default_index_cache.
     index_cache: Path | None = None

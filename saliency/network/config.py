@@ -19,7 +19,7 @@ METHOD_NAMES = tuple(METHODS)  # the handcrafted methods refinement learns from:
 # maps are a ranking score whose second stage already thresholds at the map mean, so its
 # foreground is bright and its background spread low. 0.33 gives MR the same median foreground
 # fraction on the PASCAL-S dev images as the other three methods at their thresholds (measured on
-# images 0001-0240: see benchmarks/RESULTS.md, "Saliency network").
+# images 0001-0240).
 DEFAULT_THRESHOLDS = {"mc": 0.31, "dsr": 0.23, "rbd": 0.25, "mr": 0.33}
 
 
