@@ -24,7 +24,7 @@ from relicv2.jobs.progress import Phase
 from relicv2.jobs.ranks import Ranks
 from relicv2.jobs.version import package_version
 from relicv2.jobs.workers import worker_pool
-from relicv2.shards.driver import UnitOutput, run_shard_job
+from relicv2.shards.driver import JobReport, UnitOutput, run_shard_job
 from relicv2.shards.images import PreparedImage, Rejection, prepare_file
 from relicv2.shards.job import MergeReport, ShardJob
 from relicv2.shards.limits import DEFAULT_MAX_PIXELS, ImageLimits
@@ -64,18 +64,6 @@ class BuildConfig:
     merge_timeout_s: float = 3600.0
     max_pixels: int = DEFAULT_MAX_PIXELS
     command: str = ""
-
-
-@dataclass(frozen=True)
-class BuildReport:
-    """What one rank did, and the merged totals when this rank merged."""
-
-    shards_built: int
-    shards_kept: int
-    written: int
-    rejected: int
-    merge: MergeReport | None
-    repaired: tuple[str, ...] = ()  # finished shards whose files had changed since, rebuilt (part of shards_built)
 
 
 def settings_of(config: BuildConfig) -> dict:
@@ -196,12 +184,14 @@ def write_shard(path: Path, shard: ShardPlan, results: Iterator[SampleRecord | R
     return UnitOutput(tar, rejected)
 
 
+@dataclass(frozen=True)
 class BuildWork:
     """`shards build`'s part of the shard-job engine (`shards.driver.UnitWork`): a unit is a planned shard."""
 
-    def __init__(self, config: BuildConfig, listing: Listing, shards: list[ShardPlan]):
-        self.config, self.listing, self.shards = config, listing, shards
-        self.plan = plan_record(config, listing, shards)
+    config: BuildConfig
+    listing: Listing
+    shards: list[ShardPlan]
+    plan: dict  # plan_record's
 
     def claim(self, job: ShardJob, ranks: Ranks) -> None:
         removed = claim_out_dir(job.out, self.plan, overwrite=self.config.overwrite, multi_rank=ranks.world_size > 1)
@@ -211,17 +201,17 @@ class BuildWork:
             write_table(rejected_table(self.listing.rejected), job.work / PLAN_REJECTED)
 
     def inputs(self, number: int) -> None:
-        return None  # the shard's digest covers its images (their names, sizes and times) and the settings
+        return None  # the shard's digest covers its images (sources, keys, labels, sizes) and the settings
 
     def items(self, number: int) -> int:
         return len(self.shards[number].images)
 
-    def run(self, numbers: list[int], bar: Phase) -> Iterator[tuple[int, UnitOutput]]:
+    def run(self, numbers: list[int], bar: Phase) -> Iterator[UnitOutput]:
         shards = [self.shards[n] for n in numbers]
         results = prepared_stream([im for s in shards for im in s.images], self.config)
         try:
             for shard in shards:
-                yield shard.number, write_shard(self.config.out_dir / shard.name, shard, results, bar)
+                yield write_shard(self.config.out_dir / shard.name, shard, results, bar)
         finally:
             results.close()  # shuts the worker pool down now, not at garbage collection
 
@@ -229,7 +219,7 @@ class BuildWork:
         return merge_build(job.out, self.plan, records)
 
 
-def build_shards(config: BuildConfig, ranks: Ranks = Ranks()) -> BuildReport:
+def build_shards(config: BuildConfig, ranks: Ranks = Ranks()) -> JobReport:
     """Build this rank's shards of the planned set, resuming finished ones; rank 0 holds the output folder's
     lock for the whole job (the other ranks write into it), then merges. Raises InputError for bad settings
     or inputs, OutputError when the output cannot be written."""
@@ -240,12 +230,13 @@ def build_shards(config: BuildConfig, ranks: Ranks = Ranks()) -> BuildReport:
         phase.update(len(listing.images) + len(listing.rejected))
     shards = plan_shards(listing.images, settings_of(config))
     job = build_job(out, [(s.name, s.digest) for s in shards])
-    run = run_shard_job(job, BuildWork(config, listing, shards), ranks, name="shards build",
-                        progress=config.progress, merge_timeout_s=config.merge_timeout_s, rerun=unfinished_hint(out))
-    if run.merge is not None and run.merge.written == 0:
-        reasons = ", ".join(f"{k} {v}" for k, v in run.merge.rejected_by_reason.items())
+    work = BuildWork(config, listing, shards, plan_record(config, listing, shards))
+    report = run_shard_job(job, work, ranks, name="shards build", progress=config.progress,
+                           merge_timeout_s=config.merge_timeout_s, rerun=unfinished_hint(out))
+    if report.merge is not None and report.merge.written == 0:
+        reasons = ", ".join(f"{k} {v}" for k, v in report.merge.rejected_by_reason.items())
         raise InputError(
-            f"none of the {run.merge.rejected} input file(s) could be written ({reasons}); each file and "
+            f"none of the {report.merge.rejected} input file(s) could be written ({reasons}); each file and "
             f"why is in {out / REJECTED_NAME}; list them with: {rejected_listing_command(out / REJECTED_NAME)}"
         )
-    return BuildReport(len(run.built), run.kept, run.written, run.rejected, run.merge, run.repaired)
+    return report

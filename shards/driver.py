@@ -1,13 +1,11 @@
-"""The shard-job engine's driver: the one sequence every job that writes a shard set runs (`shards build`,
-`saliency build-masks`, any later one). A job brings its planned units (`shards.job.ShardJob`) and its
-own part (`UnitWork`): claiming the output folder, the work of one unit, and the merge's information.
+"""The shard-job engine's driver: the one sequence of every job that writes a shard set (`shards build`,
+`saliency build-masks`, any later one), which brings its planned units (`shards.job.ShardJob`) and its own
+part (`UnitWork`): claiming the output folder, the work of a unit, the merge's information.
 
-Under the output folder's lock (rank 0 holds it; under torchrun the other ranks write beside it), the job
-claims the folder, then each rank takes its units (`rank_units`) and redoes those whose done record does not
-match their inputs and files (`pending_reason`; a finished unit redone is said, with why), after removing the
-temporaries an interrupted run left. The units run under one progress bar (total, rate, ETA), each ended by
-its done record. Rank 0 then waits for every unit's record (`wait_for_records`) and the job merges them
-(manifest, rejected list, info.json). A failed write becomes one OutputError line naming the path.
+Under the output folder's lock (rank 0 holds it; under torchrun the other ranks write beside it) the job
+claims the folder; each rank takes its units (`rank_units`), redoes those whose done record does not match
+their inputs and files (`pending_reason`; a finished unit redone is said, with why) under one progress bar,
+each ended by its done record; rank 0 waits for every unit's record (`wait_for_records`) and merges them.
 """
 
 from __future__ import annotations
@@ -60,9 +58,9 @@ class UnitWork(Protocol):
     def items(self, number: int) -> int:
         """The items (images) of unit `number`: the progress bar counts them."""
 
-    def run(self, numbers: list[int], bar: Phase) -> Iterator[tuple[int, UnitOutput]]:
-        """Do the units `numbers` in order, counting every item on `bar`; yield each one's number and output
-        once its tar is closed."""
+    def run(self, numbers: list[int], bar: Phase) -> Iterator[UnitOutput]:
+        """Do the units `numbers` in order, counting every item on `bar`; yield each one's output once its
+        tar is closed."""
 
     def merge(self, job: ShardJob, records: list[dict]) -> MergeReport:
         """Write the set's manifest, rejected list and info.json from every unit's done record (as
@@ -73,15 +71,15 @@ class UnitWork(Protocol):
 class JobReport:
     """What one rank of a shard job did, and (rank 0) the merged set."""
 
-    built: tuple[str, ...]  # the tars of this rank's units done by this run
-    repaired: tuple[str, ...]  # of them, those an earlier run finished whose inputs or files changed since
-    kept: int  # this rank's units an earlier run finished, left as they are
-    kept_elsewhere: int  # the other ranks' units with a done record when this rank began
+    shards_built: int  # this rank's units done by this run
+    shards_kept: int  # this rank's units an earlier run finished, left as they are
     written: int  # samples this rank wrote
     rejected: int  # samples this rank rejected
+    merge: MergeReport | None  # rank 0's
+    repaired: tuple[str, ...]  # the tars of the units built that an earlier run finished, changed since
+    kept_elsewhere: int  # the other ranks' units with a done record when this rank began
     items: int  # items counted on the progress bar
     seconds: float  # this rank's units
-    merge: MergeReport | None = None  # rank 0's
     records: list[dict] | None = None  # rank 0's: every unit's done record
     seconds_to_merge: float | None = None  # rank 0's: from its first unit until every record was there
 
@@ -95,46 +93,42 @@ def run_shard_job(job: ShardJob, work: UnitWork, ranks: Ranks, *, name: str, pro
     try:
         # The lock is released (its file removed) before an empty folder is removed.
         with output_folder(job.out), folder_lock(job.out, f"relicv2 {name}", enabled=ranks.rank == 0):
-            return _run_locked(job, work, ranks, name, progress, merge_timeout_s, rerun)
+            work.claim(job, ranks)
+            mine = rank_units(len(job.units), ranks.rank, ranks.world_size)
+            inputs = {n: work.inputs(n) for n in mine}
+            reasons = {n: pending_reason(job, job.units[n], inputs[n]) for n in mine}
+            todo = [n for n in mine if reasons[n] is not None]
+            repaired = tuple(job.units[n].shard for n in todo if reasons[n] != NOT_DONE)
+            for n in todo:
+                if reasons[n] != NOT_DONE:
+                    print(f"rebuilding {job.units[n].shard}, finished by an earlier run: {reasons[n]}", file=sys.stderr)
+            # The other ranks' units with a record now were finished by an earlier run (a record one of
+            # them writes in the moments since it began counts as kept: a report, not a decision).
+            kept_elsewhere = sum(n not in mine and job.record_path(u).is_file() for n, u in enumerate(job.units))
+            if ranks.world_size == 1:  # alone in the folder (we hold its lock): every temporary is stale
+                stale = remove_stale_temps(job.out) + remove_stale_temps(job.work)
+            else:  # other ranks write beside us: only our own units' temporaries
+                stale = remove_stale_temps(job.out, shard_files([job.units[n].shard for n in todo]))
+            if stale:
+                print(f"removed {stale} stale temporary file(s) left by an interrupted run in {job.out}",
+                      file=sys.stderr)
+            total, written, rejected = sum(work.items(n) for n in todo), 0, 0
+            started = time.monotonic()
+            label = name if ranks.world_size == 1 else f"{name}, rank {ranks.rank}/{ranks.world_size}"
+            with Phase(label, total, unit="img", enabled=progress and bool(todo)) as bar, \
+                    contextlib.closing(work.run(todo, bar)) as outputs:  # closed now: a pool in it shuts down now
+                for n, output in zip(todo, outputs, strict=True):
+                    record = write_record(job, job.units[n], output.shard, output.rejected, inputs=inputs[n],
+                                          extra=output.extra)
+                    written, rejected = written + len(record["manifest"]), rejected + len(record["rejected"])
+            report = JobReport(len(todo), len(mine) - len(todo), written, rejected, None, repaired, kept_elsewhere,
+                               bar.count, time.monotonic() - started)
+            if ranks.rank != 0:
+                return report
+            records = wait_for_records(job, merge_timeout_s if ranks.world_size > 1 else 0, progress=progress,
+                                       rerun=rerun)
+            until_merge = time.monotonic() - started
+            return dataclasses.replace(report, merge=work.merge(job, records), records=records,
+                                       seconds_to_merge=until_merge)
     except OSError as exc:
         raise output_error(exc, job.out) from exc
-
-
-def _run_locked(job: ShardJob, work: UnitWork, ranks: Ranks, name: str, progress: bool, merge_timeout_s: float,
-                rerun: str) -> JobReport:
-    work.claim(job, ranks)
-    mine = rank_units(len(job.units), ranks.rank, ranks.world_size)
-    inputs = {n: work.inputs(n) for n in mine}
-    reasons = {n: pending_reason(job, job.units[n], inputs[n]) for n in mine}
-    todo = [n for n in mine if reasons[n] is not None]
-    repaired = tuple(job.units[n].shard for n in todo if reasons[n] != NOT_DONE)
-    for n in todo:
-        if reasons[n] != NOT_DONE:
-            print(f"rebuilding {job.units[n].shard}, finished by an earlier run: {reasons[n]}", file=sys.stderr)
-    # The other ranks' units with a record now were finished by an earlier run (a record one of them
-    # writes in the moments since it began counts as kept: a report, not a decision).
-    kept_elsewhere = sum(n not in mine and job.record_path(u).is_file() for n, u in enumerate(job.units))
-    if ranks.world_size == 1:  # alone in the folder (we hold its lock): every temporary is stale
-        stale = remove_stale_temps(job.out) + remove_stale_temps(job.work)
-    else:  # other ranks write beside us: only our own units' temporaries
-        stale = remove_stale_temps(job.out, shard_files([job.units[n].shard for n in todo]))
-    if stale:
-        print(f"removed {stale} stale temporary file(s) left by an interrupted run in {job.out}", file=sys.stderr)
-    total = sum(work.items(n) for n in todo)
-    written = rejected = 0
-    started = time.monotonic()
-    label = name if ranks.world_size == 1 else f"{name}, rank {ranks.rank}/{ranks.world_size}"
-    with Phase(label, total, unit="img", enabled=progress and bool(todo)) as bar, \
-            contextlib.closing(work.run(todo, bar)) as outputs:  # closed now: a pool inside shuts down now
-        for number, output in outputs:
-            record = write_record(job, job.units[number], output.shard, output.rejected, inputs=inputs[number],
-                                  extra=output.extra)
-            written, rejected = written + len(record["manifest"]), rejected + len(record["rejected"])
-    report = JobReport(tuple(job.units[n].shard for n in todo), repaired, len(mine) - len(todo), kept_elsewhere,
-                       written, rejected, bar.count, time.monotonic() - started)
-    if ranks.rank != 0:
-        return report
-    records = wait_for_records(job, merge_timeout_s if ranks.world_size > 1 else 0, progress=progress, rerun=rerun)
-    seconds_to_merge = time.monotonic() - started
-    return dataclasses.replace(report, merge=work.merge(job, records), records=records,
-                               seconds_to_merge=seconds_to_merge)

@@ -11,20 +11,16 @@ DALI's decoder applies it). Then `manifest.parquet`, `rejected.parquet`, `info.j
 - Streaming: one batch being decoded (worker processes), one in the network, one being encoded and
   written; memory is a few batches whatever the data set size (the batches in flight live in a
   shared-memory ring, `mask_work.SlotRing`: 3 x batch x size^2 x 7 bytes, 250 MiB at 64 x 432 px).
-- Resumable: the shard-job engine runs the job (`shards.driver`): one unit per input shard, its done
-  record `OUT/.build-masks/NNNNNN.done.json` holding the digests of its input (the model, the input
-  tar's size, time and index) and of its output tar and index; a rerun keeps the shards whose record
-  matches both and redoes the rest (an input rebuilt under the same names, a damaged output).
-  Batches never span input shards and inference is deterministic, so the result is byte-identical
-  to an uninterrupted run.
+- Resumable and multi-node: the shard-job engine runs the job (`shards.driver`), one unit per input
+  shard (`mask_shard`), its done record `OUT/.build-masks/NNNNNN.done.json` holding the digests of its
+  input (the model, the input tar's size, time and index) and of its output tar and index. Batches never
+  span input shards and inference is deterministic, so a resumed result is byte-identical to an
+  uninterrupted run.
 - Refusals: an --out holding files this job did not write (a user's, another tool's) is refused,
   naming them, before anything is written; so are a --device this machine lacks and a model without a
   usable input size. A refused job leaves no --out; an unwritable one is one line naming the path.
-- Multi-node: under torchrun each rank takes a contiguous range of input shards; rank 0 writes the
-  manifest once every shard's record is there.
 
-The settings are `masks_config`'s, the work on one shard `mask_shard`'s; this module plans the job,
-refuses what it can before writing, hands the job to the engine and sums it up.
+Settings: `masks_config`.
 """
 
 from __future__ import annotations
@@ -34,7 +30,9 @@ import sys
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -151,18 +149,22 @@ def check_out_folder(job: ShardJob) -> None:
         raise MasksError(f"--out {out} holds files this job did not write ({shown}); choose an empty or new folder")
 
 
+@dataclass
 class MaskWork:
     """build-masks' part of the shard-job engine (`shards.driver.UnitWork`): a unit is one input tar."""
 
-    def __init__(self, config: BuildMasksConfig, job: ShardJob, plan: dict, tars: list[Path], predictor,
-                 workers: int, crf: CrfConfig | None):
-        self.config, self.job, self.plan, self.tars = config, job, plan, tars
-        self.predictor, self.workers, self.crf = predictor, workers, crf
-        # Only the tars this rank reads are indexed: a plain set's missing index is derived by the one
-        # rank that masks the tar, not by every rank of the job.
-        self.index_files: dict[int, Path] = {}
-        self.clock = MainThreadClock()
-        self.page_locked = False
+    config: BuildMasksConfig
+    job: ShardJob
+    plan: dict
+    tars: list[Path]
+    predictor: Any
+    workers: int
+    crf: CrfConfig | None
+    clock: MainThreadClock = field(default_factory=MainThreadClock)
+    page_locked: bool = False  # the ring, for the predictor's DMA
+    # Only the tars this rank reads are indexed: a plain set's missing index is derived by the one rank
+    # that masks the tar, not by every rank of the job.
+    index_files: dict[int, Path] = field(default_factory=dict)
 
     def index_file(self, number: int) -> Path:
         if number not in self.index_files:
@@ -178,7 +180,7 @@ class MaskWork:
     def items(self, number: int) -> int:
         return len(read_index(self.index_file(number), self.tars[number]))
 
-    def run(self, numbers: list[int], bar: Phase) -> Iterator[tuple[int, UnitOutput]]:
+    def run(self, numbers: list[int], bar: Phase) -> Iterator[UnitOutput]:
         self.clock = MainThreadClock()  # from here: the first batch's time includes the workers' start
         with mask_workers(self.workers, self.config.batch_size, self.predictor, self.job.out) as (pool, ring):
             self.page_locked = ring.page_locked
@@ -196,7 +198,7 @@ class MaskWork:
                     if error.filename is None:  # a write to the tar (a full disk) names no file: name it
                         error.filename = str(out_tar)
                     raise
-                yield number, output
+                yield output
 
     def merge(self, job: ShardJob, records: list[dict]) -> MergeReport:
         atomic_write_bytes(job.out / SETTINGS_FILE, settings_text(self.config, version=package_version()).encode())
@@ -263,7 +265,7 @@ def summary_of(report: JobReport, work: MaskWork, shards: int, workers_note: str
     coverage = coverage_of(records)
     members = sum((Counter(rec.get("members", {})) for rec in records), Counter())
     replaced = members.pop(MASK_MEMBER, 0)
-    kept = report.kept + report.kept_elsewhere
+    kept = report.shards_kept + report.kept_elsewhere
     return {
         "written": len(coverage),
         "rejected": sum(len(rec["rejected"]) for rec in records),

@@ -38,7 +38,7 @@ class LinesWork:
                 tar.add_record(sample_record(ShardSample(f"u{number}_{i}", {"txt": line.encode()})))
                 bar.update(1)
             tar.close()
-            yield number, UnitOutput(tar, [])
+            yield UnitOutput(tar, [])
 
     def merge(self, job: ShardJob, records: list[dict]):
         return merge_records(job.out, records, info={"job": "lines"})
@@ -86,11 +86,11 @@ def test_a_rerun_skips_finished_units_and_redoes_one_whose_input_changed(tmp_pat
     assert work.ran == [0, 1, 2, 3]
     job, work = toy_job(tmp_path)
     report = run(job, work)
-    assert work.ran == [] and report.built == () and report.kept == 4 and report.merge.written == 10
+    assert work.ran == [] and report.shards_built == 0 and report.shards_kept == 4 and report.merge.written == 10
     (tmp_path / "in" / "unit-2.txt").write_text("changed\n")
     job, work = toy_job(tmp_path)
     report = run(job, work)
-    assert work.ran == [2] and report.repaired == ("lines-000002.tar",) and report.kept == 3
+    assert work.ran == [2] and report.repaired == ("lines-000002.tar",) and report.shards_kept == 3
     assert "u2_0" in read_manifest(job.out).column("key").to_pylist()
     assert report.merge.written == 1 + 2 + 1 + 4
 
