@@ -200,15 +200,15 @@ def build_masks_command(config_name: str | None, overrides: tuple[str, ...], **o
     Settings: the defaults <- --config <- the options given <- --set; printed at start and saved as
     OUT/config.yaml.
     """
-    from relicv2.saliency.network import build_masks as job
+    from relicv2.saliency.network.build_masks import build_masks, format_summary
+    from relicv2.saliency.network.masks_config import MasksError, load_masks_config
     from relicv2.saliency.network.model_file import ModelFileError
 
-    with user_errors(ConfigError, ModelFileError, job.MasksError, FolderLockedError, FileNotFoundError,
-                     ValueError):
-        config = job.load_masks_config(config_name, overrides, **options)
-        summary = job.build_masks(config)
+    with user_errors(ConfigError, ModelFileError, MasksError, FolderLockedError, FileNotFoundError, ValueError):
+        config = load_masks_config(config_name, overrides, **options)
+        summary = build_masks(config)
     if summary is not None:
-        click.echo(job.format_summary(summary))
+        click.echo(format_summary(summary))
         if summary["written"] == 0:
             raise click.ClickException("no sample could be masked: every input failed")
 

@@ -16,7 +16,8 @@ from relicv2.jobs.lock import folder_lock
 from relicv2.jobs.ranks import RanksError, ranks_from_env
 from relicv2.jobs.version import package_version
 from relicv2.jobs.workers import usable_cores
-from relicv2.shards.build import BuildConfig, build_shards, output_error
+from relicv2.shards.build import BuildConfig, build_shards
+from relicv2.shards.job import output_error
 from relicv2.shards.limits import DEFAULT_MAX_PIXELS
 from relicv2.shards.manifest import REJECTED_NAME
 from relicv2.shards.merge import merge_shard_set, rejected_listing_command

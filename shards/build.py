@@ -1,10 +1,11 @@
 """`relicv2 shards build`: input images -> shuffled, decode-verified, resumable WebDataset shards.
 
-The job plans everything up front (shards.plan); each unfinished shard of this rank is a unit of the
-shard-job engine (shards.job) whose images are decode-verified (and converted when needed) in a process
-pool and written in plan order, its done record last. Rerunning the same command after a kill skips
-finished shards and redoes the rest (and any finished shard whose files changed since, truncated, edited
-or deleted), giving the same bytes. Rank 0 then merges the records (shards.merge).
+The job plans everything up front (shards.plan); each planned shard is a unit of the shard-job engine
+(shards.driver runs the job): this rank's unfinished shards have their images decode-verified (and
+converted when needed) in a process pool and written in plan order, each with its done record last.
+Rerunning the same command after a kill skips finished shards and redoes the rest (and any finished shard
+whose files changed since, truncated, edited or deleted), giving the same bytes. Rank 0 then merges the
+records (shards.merge).
 """
 
 from __future__ import annotations
@@ -19,27 +20,23 @@ from pathlib import Path
 
 from PIL import Image
 
-from relicv2.jobs.atomic import remove_stale_temps
-from relicv2.jobs.lock import folder_lock
 from relicv2.jobs.progress import Phase
 from relicv2.jobs.ranks import Ranks
 from relicv2.jobs.version import package_version
 from relicv2.jobs.workers import worker_pool
+from relicv2.shards.driver import JobReport, UnitOutput, run_shard_job
 from relicv2.shards.images import PreparedImage, Rejection, prepare_file
-from relicv2.shards.job import (  # noqa: F401 (OutputError re-exported for callers of shards.build)
-    NOT_DONE,
-    MergeReport,
-    OutputError,
-    ShardJob,
-    output_error,
-    pending_reason,
-    rank_units,
-    write_record,
-)
+from relicv2.shards.job import MergeReport, ShardJob
 from relicv2.shards.limits import DEFAULT_MAX_PIXELS, ImageLimits
 from relicv2.shards.manifest import REJECTED_NAME, rejected_table, write_table
-from relicv2.shards.merge import build_job, merge_shard_set, rejected_listing_command, work_dir
-from relicv2.shards.outdir import claim_out_dir, output_folder, shard_files
+from relicv2.shards.merge import (
+    PLAN_REJECTED,
+    build_job,
+    merge_build,
+    rejected_listing_command,
+    unfinished_hint,
+)
+from relicv2.shards.outdir import claim_out_dir
 from relicv2.shards.plan import ShardPlan, plan_digest, plan_shards
 from relicv2.shards.sample import ShardSample
 from relicv2.shards.sources import InputError, Listing, SourceImage, list_inputs
@@ -67,18 +64,6 @@ class BuildConfig:
     merge_timeout_s: float = 3600.0
     max_pixels: int = DEFAULT_MAX_PIXELS
     command: str = ""
-
-
-@dataclass(frozen=True)
-class BuildReport:
-    """What one rank did, and the merged totals when this rank merged."""
-
-    shards_built: int
-    shards_kept: int
-    written: int
-    rejected: int
-    merge: MergeReport | None
-    repaired: tuple[str, ...] = ()  # finished shards whose files had changed since, rebuilt (part of shards_built)
 
 
 def settings_of(config: BuildConfig) -> dict:
@@ -175,10 +160,9 @@ def sample_of(image: SourceImage, prepared: PreparedImage) -> ShardSample:
     return ShardSample(image.key, {"jpg": prepared.jpg}, image.label, meta)
 
 
-def build_one(job: ShardJob, shard: ShardPlan, results: Iterator[SampleRecord | Rejection],
-              bar: Phase) -> tuple[int, int]:
-    """Write one shard from its images' results (counted on `bar`), then its done record; return
-    (written, rejected)."""
+def write_shard(path: Path, shard: ShardPlan, results: Iterator[SampleRecord | Rejection], bar: Phase) -> UnitOutput:
+    """Write one shard from its images' results (counted on `bar`): its closed tar (None when every
+    image was rejected) and its rejections."""
     tar: TarShard | None = None
     rejected = []
     try:
@@ -189,76 +173,70 @@ def build_one(job: ShardJob, shard: ShardPlan, results: Iterator[SampleRecord | 
                 rejected.append({"source": image.source, "reason": result.reason, "detail": result.detail})
                 continue
             if tar is None:  # opened lazily: a shard whose every input is rejected gets no file
-                tar = TarShard(job.out / shard.name)
+                tar = TarShard(path)
             tar.add_record(result)
     except BaseException:
         if tar is not None:
             tar.abort()
         raise
-    rows = tar.close() if tar is not None else []
-    write_record(job, job.units[shard.number], tar, rejected)
-    return len(rows), len(rejected)
+    if tar is not None:
+        tar.close()
+    return UnitOutput(tar, rejected)
 
 
-def build_shards(config: BuildConfig, ranks: Ranks = Ranks()) -> BuildReport:
+@dataclass(frozen=True)
+class BuildWork:
+    """`shards build`'s part of the shard-job engine (`shards.driver.UnitWork`): a unit is a planned shard."""
+
+    config: BuildConfig
+    listing: Listing
+    shards: list[ShardPlan]
+    plan: dict  # plan_record's
+
+    def claim(self, job: ShardJob, ranks: Ranks) -> None:
+        removed = claim_out_dir(job.out, self.plan, overwrite=self.config.overwrite, multi_rank=ranks.world_size > 1)
+        if removed:
+            print(f"--overwrite: removed {removed} file(s) of the previous build in {job.out}", file=sys.stderr)
+        if ranks.rank == 0:
+            write_table(rejected_table(self.listing.rejected), job.work / PLAN_REJECTED)
+
+    def inputs(self, number: int) -> None:
+        return None  # the shard's digest covers its images (sources, keys, labels, sizes) and the settings
+
+    def items(self, number: int) -> int:
+        return len(self.shards[number].images)
+
+    def run(self, numbers: list[int], bar: Phase) -> Iterator[UnitOutput]:
+        shards = [self.shards[n] for n in numbers]
+        results = prepared_stream([im for s in shards for im in s.images], self.config)
+        try:
+            for shard in shards:
+                yield write_shard(self.config.out_dir / shard.name, shard, results, bar)
+        finally:
+            results.close()  # shuts the worker pool down now, not at garbage collection
+
+    def merge(self, job: ShardJob, records: list[dict]) -> MergeReport:
+        return merge_build(job.out, self.plan, records)
+
+
+def build_shards(config: BuildConfig, ranks: Ranks = Ranks()) -> JobReport:
     """Build this rank's shards of the planned set, resuming finished ones; rank 0 holds the output folder's
     lock for the whole job (the other ranks write into it), then merges. Raises InputError for bad settings
     or inputs, OutputError when the output cannot be written."""
     check_config(config)
-    try:
-        # The lock is released (its file removed) before an empty folder is removed.
-        with output_folder(config.out_dir), \
-                folder_lock(config.out_dir, "relicv2 shards build", enabled=ranks.rank == 0):
-            return _build_locked(config, ranks)
-    except OSError as exc:
-        raise output_error(exc, config.out_dir) from exc
-
-
-def _build_locked(config: BuildConfig, ranks: Ranks) -> BuildReport:
     out = config.out_dir
     with Phase("shards build: listing inputs", None, unit="file", enabled=config.progress) as phase:
         listing = list_inputs(config.input, config.layout, exclude=out)
         phase.update(len(listing.images) + len(listing.rejected))
     shards = plan_shards(listing.images, settings_of(config))
-    removed = claim_out_dir(out, plan_record(config, listing, shards), overwrite=config.overwrite,
-                            multi_rank=ranks.world_size > 1)
-    if removed:
-        print(f"--overwrite: removed {removed} file(s) of the previous build in {out}", file=sys.stderr)
-    if ranks.rank == 0:
-        write_table(rejected_table(listing.rejected), work_dir(out) / "plan-rejected.parquet")
     job = build_job(out, [(s.name, s.digest) for s in shards])
-    mine = [shards[n] for n in rank_units(len(shards), ranks.rank, ranks.world_size)]
-    reasons = {s.name: pending_reason(job, job.units[s.number]) for s in mine}
-    pending = [s for s in mine if reasons[s.name] is not None]
-    repaired = tuple(s.name for s in pending if reasons[s.name] != NOT_DONE)
-    for name in repaired:
-        print(f"rebuilding {name}, finished by an earlier run: {reasons[name]}", file=sys.stderr)
-    if ranks.world_size == 1:  # alone in the folder (we hold its lock): every temporary is stale
-        stale = remove_stale_temps(out) + remove_stale_temps(work_dir(out))
-    else:  # other ranks write beside us: only our own shards' temporaries
-        stale = remove_stale_temps(out, shard_files([s.name for s in pending]))
-    if stale:
-        print(f"removed {stale} stale temporary file(s) left by an interrupted run in {out}", file=sys.stderr)
-    images = [im for s in pending for im in s.images]
-    written = rejected = 0
-    desc = f"rank {ranks.rank}/{ranks.world_size}" if ranks.world_size > 1 else "shards build"
-    with Phase(desc, len(images), unit="img", enabled=config.progress) as bar:
-        results = prepared_stream(images, config)
-        try:
-            for shard in pending:
-                w, r = build_one(job, shard, results, bar)
-                written, rejected = written + w, rejected + r
-        finally:
-            results.close()  # shuts the worker pool down now, not at garbage collection
-    merge = None
-    if ranks.rank == 0:
-        merge = merge_shard_set(out, wait_s=config.merge_timeout_s if ranks.world_size > 1 else 0,
-                                progress=config.progress)
-        if merge.written == 0:
-            reasons = ", ".join(f"{k} {v}" for k, v in merge.rejected_by_reason.items())
-            raise InputError(
-                f"none of the {merge.rejected} input file(s) could be written ({reasons}); each file and "
-                f"why is in {out / REJECTED_NAME}; list them with: {rejected_listing_command(out / REJECTED_NAME)}"
-            )
-    return BuildReport(len(pending), len(mine) - len(pending), written, rejected, merge, repaired)
-
+    work = BuildWork(config, listing, shards, plan_record(config, listing, shards))
+    report = run_shard_job(job, work, ranks, name="shards build", progress=config.progress,
+                           merge_timeout_s=config.merge_timeout_s, rerun=unfinished_hint(out))
+    if report.merge is not None and report.merge.written == 0:
+        reasons = ", ".join(f"{k} {v}" for k, v in report.merge.rejected_by_reason.items())
+        raise InputError(
+            f"none of the {report.merge.rejected} input file(s) could be written ({reasons}); each file and "
+            f"why is in {out / REJECTED_NAME}; list them with: {rejected_listing_command(out / REJECTED_NAME)}"
+        )
+    return report

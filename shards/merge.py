@@ -1,7 +1,7 @@
 """`shards build`'s side of the job engine: its work folder, plan file and units, and its merge.
 
-Rank 0 merges at the end of `relicv2 shards build` (it waits for the other ranks' done records), or
-`relicv2 shards merge DIR` does once every rank has finished (shards.job does the waiting and merging).
+Rank 0 merges at the end of `relicv2 shards build` (the engine's driver waits for the other ranks' done
+records), or `relicv2 shards merge DIR` does once every rank has finished.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from relicv2.shards.job import (
 from relicv2.shards.manifest import is_plain_tar_name
 
 WORK_DIR = ".build"
+PLAN_REJECTED = "plan-rejected.parquet"  # in the work folder: the inputs rejected while listing
 PLAN_FIELDS = {"digest", "shards", "settings", "inputs", "classes"}  # what merging a build needs
 
 
@@ -66,9 +67,28 @@ def rejected_listing_command(path: Path) -> str:
     return shlex.join(["python", "-c", code])
 
 
+def unfinished_hint(out: Path) -> str:
+    """The way out when a build's units are unfinished at its merge."""
+    return f"rerun the build for the ranks that own them, then run: relicv2 shards merge {out}"
+
+
+def merge_build(out: Path, plan: dict, records: list[dict]) -> MergeReport:
+    """Write a build's manifest, rejections (the plan's and the shards') and info from its plan and every
+    shard's done record (as `wait_for_records` gives them)."""
+    plan_rejected = pq.read_table(work_dir(out) / PLAN_REJECTED).to_pylist()
+    converted = sum(r["manifest"].column("status").to_pylist().count("converted") for r in records)
+    return merge_records(out, records, rejected=plan_rejected, info={
+        **{name: plan[name] for name in ("inputs", "classes", "layout", "settings", "command", "version")},
+        "prefix": plan["settings"]["prefix"],
+        "converted": converted,
+        "num_classes": len(plan["classes"]),
+        "plan_digest": plan["digest"],
+    })
+
+
 def merge_shard_set(out: Path, *, wait_s: float = 0.0, progress: bool = True) -> MergeReport:
     """Merge the done records of a planned build into the shard set's manifest, rejections and info;
-    the caller holds the folder's lock (`shards build` rank 0, or the `shards merge` command)."""
+    the caller holds the folder's lock (the `shards merge` command)."""
     out = Path(out)
     try:
         plan = read_plan(out)
@@ -79,14 +99,4 @@ def merge_shard_set(out: Path, *, wait_s: float = 0.0, progress: bool = True) ->
     if plan is None:
         raise FileNotFoundError(f"{out} holds no build plan ({plan_file(out)}); run relicv2 shards build first")
     job = build_job(out, [(s["name"], s["digest"]) for s in plan["shards"]])
-    records = wait_for_records(job, wait_s, progress=progress,
-                               rerun=f"rerun the build for the ranks that own them, then run: relicv2 shards merge {out}")
-    plan_rejected = pq.read_table(work_dir(out) / "plan-rejected.parquet").to_pylist()
-    converted = sum(r["manifest"].column("status").to_pylist().count("converted") for r in records)
-    return merge_records(out, records, rejected=plan_rejected, info={
-        **{name: plan[name] for name in ("inputs", "classes", "layout", "settings", "command", "version")},
-        "prefix": plan["settings"]["prefix"],
-        "converted": converted,
-        "num_classes": len(plan["classes"]),
-        "plan_digest": plan["digest"],
-    })
+    return merge_build(out, plan, wait_for_records(job, wait_s, progress=progress, rerun=unfinished_hint(out)))

@@ -19,8 +19,8 @@ from PIL import Image
 
 from relicv2.saliency.batch import HandcraftedConfig, map_path, run_handcrafted
 from relicv2.saliency.images import ImageReadError, decode_rgb, read_gray
-from relicv2.saliency.network.build_masks import output_member
 from relicv2.saliency.network.images import resize_map, resize_square, sample_locations
+from relicv2.saliency.network.mask_shard import output_member
 from relicv2.shards import ReadReport, ShardSample, iter_samples, write_shard_set
 from relicv2.shards.images import exif_orientation
 from relicv2.shards.reader import SampleRef

@@ -17,9 +17,10 @@ from click.testing import CliRunner
 from relicv2 import shards
 from relicv2.cli.demo import demo_data
 from relicv2.cli.shards import shards_group
+from relicv2.jobs.atomic import OutputError
 from relicv2.jobs.lock import LOCK_NAME, acquire, release
 from relicv2.jobs.ranks import Ranks
-from relicv2.shards.build import BuildConfig, OutputError, build_shards
+from relicv2.shards.build import BuildConfig, build_shards
 from relicv2.shards.merge import plan_file
 from relicv2.shards.sources import InputError
 from tests.paths import REPO
@@ -269,7 +270,7 @@ def test_verify_checks_plain_webdataset_sets(tmp_path):
 @pytest.mark.parametrize(("code", "hint"), [(errno.EROFS, "read-only"), (errno.EACCES, "may not write"),
                                             (errno.ENOSPC, "free space")])
 def test_output_errors_name_path_cause_and_way_out(tmp_path, code, hint):
-    from relicv2.shards.build import output_error
+    from relicv2.shards.job import output_error
 
     message = str(output_error(OSError(code, os.strerror(code), str(tmp_path / "x.tar")), tmp_path))
     assert message.startswith(f"cannot write {tmp_path / 'x.tar'}: {os.strerror(code)}") and hint in message

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from relicv2.cli.main import cli
 from relicv2.jobs.config import ConfigError
-from relicv2.saliency.network.build_masks import PRESETS, load_masks_config
+from relicv2.saliency.network.masks_config import PRESETS, load_masks_config
 
 
 def _build_masks(tiny_model: Path, shards: Path, out: Path, *options: str):

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from relicv2.saliency.network.build_masks import BuildMasksConfig, _chunks, build_masks
+from relicv2.saliency.network.build_masks import BuildMasksConfig, build_masks
 from relicv2.saliency.network.images import resize_map
+from relicv2.saliency.network.mask_shard import chunks
 from relicv2.saliency.network.mask_work import RawSample, finish
 from relicv2.shards import read_rejected, write_index, write_shard_set
 from relicv2.shards.build import Ranks
@@ -57,9 +58,9 @@ class LaunchingPredictor(SmoothPredictor):
 
 @pytest.mark.parametrize(("count", "parts"), [(0, 3), (1, 3), (7, 3), (9, 3), (64, 8), (5, 1)])
 def test_chunks_cover_every_item_once_in_order(count, parts) -> None:
-    chunks = _chunks(count, parts)
-    assert [i for part in chunks for i in range(count)[part]] == list(range(count))
-    assert len(chunks) <= parts and all(part.stop > part.start for part in chunks)
+    sliced = chunks(count, parts)
+    assert [i for part in sliced for i in range(count)[part]] == list(range(count))
+    assert len(sliced) <= parts and all(part.stop > part.start for part in sliced)
 
 
 def test_output_does_not_depend_on_workers_or_batch(tmp_path, scene_shards, tiny_model) -> None:
