@@ -12,8 +12,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from relicv2.models.encoder_file import is_state_dict, sidecar_path
-from relicv2.models.torchfile import StateDict, TorchFileError, TorchFormat
+from relicv2.models.encoder_file import sidecar_path
+from relicv2.models.torchfile import StateDict, TorchFileError, TorchFormat, is_state_dict
 
 _NAME = re.compile(r"^checkpoint-(\d{9})\.pt$")
 

@@ -121,11 +121,6 @@ def is_encoder_file(path: str | Path) -> bool:
     return Path(path).is_file() and sidecar_path(path).is_file()
 
 
-def is_state_dict(payload: Any) -> bool:
-    """A dict of tensors: what `relicv2 export` writes (with its sidecar beside it)."""
-    return isinstance(payload, dict) and all(isinstance(value, torch.Tensor) for value in payload.values())
-
-
 def exported_network(info: dict[str, Any]) -> str:
     """The network ("online" or "target") an exported file holds, per its sidecar (online when unsaid)."""
     return "target" if info.get("network") == "target" else "online"

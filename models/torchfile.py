@@ -1,13 +1,11 @@
-"""The one reader and writer of the project's torch files: pretraining checkpoints, exported encoders,
-backbone weights, saliency models and their training work files, feature caches, evaluation state files.
+"""The one reader and writer of the project's torch files (checkpoints, exported encoders, backbone weights,
+saliency models and their work files, feature caches, evaluation state files).
 
-A format is a declaration (`TorchFormat`: its tag, version and required fields with their types); its
-module keeps only its own domain checks. Writing tags the payload and goes through `jobs.atomic`, so a
-final name only ever holds a complete file. Reading is `torch.load(weights_only=True)` only: a file may
-come from someone else, and nothing in it may run. Every way a file can fail (missing, not a torch file,
-cut short, a pickle that would run code, another format, a newer version, a missing or mistyped field)
-is one `TorchFileError` whose message is one line naming the file and what to do, never torch's advice
-to retry with `weights_only=False` or to allowlist globals: running the file's code is never the way out.
+A format is a declaration, `TorchFormat`: its tag, version and required fields with their types. Writing
+tags the payload and is atomic (`jobs.atomic`). Reading is `torch.load(weights_only=True)` only: a file may
+come from someone else, and nothing in it may run. Every file that cannot be used is one `TorchFileError`,
+one line naming the file and what to do, never torch's advice to run the file's code (`weights_only=False`,
+allowlisted globals): for a file that is not trusted, that is never the way out.
 """
 
 from __future__ import annotations
@@ -39,9 +37,6 @@ class StateDict:
     """A field's type: a dict of named tensors, as `Module.state_dict()` gives."""
 
 
-Kind = type | tuple[type, ...]  # a field's type (StateDict among them)
-
-
 def load_failure(error: BaseException) -> str:
     """Why `torch.load(weights_only=True)` could not read a file, in one line, without torch's advice to
     run the file's code."""
@@ -58,26 +53,23 @@ def load_failure(error: BaseException) -> str:
     return line.split(". ")[0].rstrip(".") or type(error).__name__  # the first sentence: the rest is advice
 
 
-def _fits(value: Any, kind: Kind) -> bool:
-    if kind is StateDict:
-        return isinstance(value, dict)
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    return isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool))  # True is no count
+def is_state_dict(value: Any) -> bool:
+    """A dict of named tensors (what `Module.state_dict()` gives)."""
+    return _problem(value, StateDict) is None
 
 
 def _a(noun: str) -> str:
     return f"{'an' if noun[:1] in 'aeiou' else 'a'} {noun}"
 
 
-def _kind_name(kind: Kind) -> str:
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    return " or ".join(_a("dict of tensors" if k is StateDict else k.__name__) for k in kinds)
-
-
-def _not_tensors(value: dict) -> str | None:
-    """The first entry of a dict that is not a named tensor, in words; None when every entry is one."""
-    return next((f"entry {name!r:.40} is {_a(type(entry).__name__)}" for name, entry in value.items()
-                 if not isinstance(name, str) or not isinstance(entry, torch.Tensor)), None)
+def _problem(value: Any, kind: type) -> str | None:
+    """How `value` falls short of a `kind`, in words ("is a str, not an int"); None when it is one."""
+    if not isinstance(value, dict if kind is StateDict else kind) or (isinstance(value, bool) and kind is not bool):
+        return f"is {_a(type(value).__name__)}, not {_a('dict of tensors' if kind is StateDict else kind.__name__)}"
+    if kind is StateDict:
+        return next((f"holds {_a(type(entry).__name__)} at {name!r:.40}, not a tensor" for name, entry in value.items()
+                     if not isinstance(name, str) or not isinstance(entry, torch.Tensor)), None)
+    return None
 
 
 @dataclass(frozen=True)
@@ -89,7 +81,7 @@ class TorchFormat:
     fix: str  # what to do about a file that cannot be used, ending its messages
     tag: str | None = None  # the payload's "format" entry (None: files of this kind carry none)
     version: int | None = None  # the payload's "version" entry, written and checked (None: carried in no file)
-    fields: Mapping[str, Kind] = field(default_factory=dict)  # the required fields and their types
+    fields: Mapping[str, type] = field(default_factory=dict)  # the required fields and their types (StateDict too)
     state_dict: bool = False  # the payload is a plain state dict (no tag, version or fields)
     error: type[TorchFileError] = TorchFileError  # raised for every failure (a subclass callers already catch)
 
@@ -109,35 +101,25 @@ class TorchFormat:
 
     def check(self, path: str | Path, payload: Any) -> Any:
         """`payload` (read from `path`) when it is one of this format's; else the error naming the problem."""
-        path = Path(path)
-        if not isinstance(payload, dict):
-            raise self.fail(path, f"is not {_a(self.what)} (it holds {_a(type(payload).__name__)})")
-        if self.state_dict:
-            problem = _not_tensors(payload)
-            if problem:
-                raise self.fail(path, f"does not hold a state dict of tensors (its {problem})")
-            return payload
-        if self.tag is not None and payload.get("format") != self.tag:
-            found = payload.get("format")
+        problem = _problem(payload, StateDict if self.state_dict else dict)
+        if problem:
+            raise self.fail(path, f"is not {_a(self.what)}: it {problem}")
+        found = payload.get("format")
+        if self.tag is not None and found != self.tag:
             held = f"its format is {found!r:.60}" if isinstance(found, str) else f"it holds {sorted(map(str, payload))[:5]}"
             raise self.fail(path, f"is not {_a(self.what)} ({held})")
         found = payload.get("version")
-        if self.version is not None and type(found) is int and found > self.version:
-            raise self.error(f"{path} is {_a(self.what)} of format version {found}, newer than this relicv2 reads "
-                             f"({self.version}); upgrade relicv2 to read it")
         if self.version is not None and found != self.version:
-            raise self.fail(path, f"has {self.what} format version {found!r:.20}, this relicv2 reads version {self.version}")
+            fix = "upgrade relicv2 to read it" if type(found) is int and found > self.version else self.fix
+            raise self.error(f"{path} has {self.what} format version {found!r:.20}, this relicv2 reads version "
+                             f"{self.version}; {fix}")
         missing = [name for name in self.fields if name not in payload]
         if missing:
             raise self.fail(path, f"lacks {missing}: it is an incomplete {self.what}")
         for name, kind in self.fields.items():
-            value = payload[name]
-            if not _fits(value, kind):
-                raise self.fail(path, f"is damaged or hand-made: its field {name!r} is {_a(type(value).__name__)}, "
-                                      f"{_a(self.what)} holds {_kind_name(kind)} there")
-            problem = _not_tensors(value) if kind is StateDict else None
+            problem = _problem(payload[name], kind)
             if problem:
-                raise self.fail(path, f"is damaged or hand-made: in its field {name!r}, {problem}, not a tensor")
+                raise self.fail(path, f"is damaged or hand-made: its field {name!r} {problem}")
         return payload
 
     def load(self, path: str | Path, map_location: str | torch.device = "cpu") -> Any:

@@ -12,11 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from relicv2.models.torchfile import TORCH_LOAD_ERRORS, StateDict, TorchFileError, TorchFormat, load_failure
+from relicv2.models.torchfile import (
+    TORCH_LOAD_ERRORS,
+    StateDict,
+    TorchFileError,
+    TorchFormat,
+    load_failure,
+)
 
 FIX = "pass a file written by the test"
 TOY = TorchFormat("toy file", fix=FIX, tag="relicv2-toy", version=2,
-                  fields={"step": int, "weights": StateDict, "note": str, "rate": (int, float)})
+                  fields={"step": int, "weights": StateDict, "note": str, "rate": float})
 PAYLOAD = {"step": 3, "weights": {"w": torch.arange(4.0)}, "note": "hi", "rate": 0.5}
 
 
@@ -60,8 +66,8 @@ def test_a_file_written_before_the_module_existed_still_loads(tmp_path):
 
 def test_a_failed_write_keeps_the_earlier_file(tmp_path):
     path = TOY.save(tmp_path / "toy.pt", PAYLOAD)
-    with pytest.raises(ZeroDivisionError), TOY.saving(path, {**PAYLOAD, "step": 4}):
-        1 / 0  # the companion file (an encoder's sidecar) failed after the payload was written
+    with pytest.raises(OSError, match="disk full"), TOY.saving(path, {**PAYLOAD, "step": 4}):
+        raise OSError("disk full")  # the companion file (an encoder's sidecar) failed after the payload was written
     assert TOY.load(path)["step"] == 3 and os.listdir(tmp_path) == ["toy.pt"]
 
 
@@ -72,11 +78,11 @@ def test_a_payload_without_a_required_field_is_not_written(tmp_path):
 
 
 def test_a_plain_state_dict_format_writes_no_tag(tmp_path):
-    plain = TorchFormat("weights", fix=FIX, state_dict=True)
+    plain = TorchFormat("weights file", fix=FIX, state_dict=True)
     path = plain.save(tmp_path / "w.pt", {"w": torch.ones(2)})
     assert set(torch.load(path, weights_only=True)) == {"w"} and torch.equal(plain.load(path)["w"], torch.ones(2))
     torch.save({"w": [1.0]}, path)
-    assert _refusal(path, plain) == f"{path} does not hold a state dict of tensors (its entry 'w' is a list); {FIX}"
+    assert _refusal(path, plain) == f"{path} is not a weights file: it holds a list at 'w', not a tensor; {FIX}"
 
 
 def test_another_format_is_named(tmp_path):
@@ -86,12 +92,13 @@ def test_another_format_is_named(tmp_path):
     torch.save({"conv1.weight": torch.zeros(1)}, path)
     assert _refusal(path) == f"{path} is not a toy file (it holds ['conv1.weight']); {FIX}"
     torch.save([1, 2], path)
-    assert _refusal(path) == f"{path} is not a toy file (it holds a list); {FIX}"
+    assert _refusal(path) == f"{path} is not a toy file: it is a list, not a dict; {FIX}"
 
 
 def test_a_newer_version_says_to_upgrade(tmp_path):
-    message = _refusal(_written(tmp_path, version=3))
-    assert "format version 3, newer than this relicv2 reads (2)" in message and message.endswith("upgrade relicv2 to read it")
+    path = _written(tmp_path, version=3)
+    assert _refusal(path) == (f"{path} has toy file format version 3, this relicv2 reads version 2; "
+                              "upgrade relicv2 to read it")
 
 
 @pytest.mark.parametrize("version", [1, None, "2", True])
@@ -107,12 +114,12 @@ def test_a_missing_field_is_named(tmp_path):
 
 
 @pytest.mark.parametrize("field, value, says", [
-    ("step", "3", "its field 'step' is a str, a toy file holds an int there"),
-    ("step", True, "its field 'step' is a bool, a toy file holds an int there"),
-    ("rate", None, "its field 'rate' is a NoneType, a toy file holds an int or a float there"),
-    ("weights", [torch.zeros(1)], "its field 'weights' is a list, a toy file holds a dict of tensors there"),
-    ("weights", {"w": [1.0]}, "in its field 'weights', entry 'w' is a list, not a tensor"),
-], ids=["str for int", "bool for int", "none for a number", "list for a state dict", "list in a state dict"])
+    ("step", "3", "its field 'step' is a str, not an int"),
+    ("step", True, "its field 'step' is a bool, not an int"),
+    ("rate", None, "its field 'rate' is a NoneType, not a float"),
+    ("weights", [torch.zeros(1)], "its field 'weights' is a list, not a dict of tensors"),
+    ("weights", {"w": [1.0]}, "its field 'weights' holds a list at 'w', not a tensor"),
+], ids=["str for int", "bool for int", "none for a float", "list for a state dict", "list in a state dict"])
 def test_a_mistyped_field_is_named(tmp_path, field, value, says):
     path = _written(tmp_path, **{field: value})
     assert _refusal(path) == f"{path} is damaged or hand-made: {says}; {FIX}"

@@ -91,7 +91,7 @@ def test_a_file_that_is_no_model_is_one_line_without_torch_advice(tmp_path, scen
     with pytest.raises(ModelFileError) as refused:
         build_masks(_config(bogus, shards, tmp_path / "out"), Ranks())
     message = str(refused.value)
-    assert message.startswith(f"{bogus} is not a saliency model file (")
+    assert message.startswith(f"{bogus} is not a readable saliency model file (")
     assert message.endswith("pass the model.pt written by `relicv2 saliency train`")
     assert "\n" not in message and "weights_only" not in message and "trust" not in message
     assert not (tmp_path / "out").exists()  # a refused job leaves no --out behind
