@@ -28,7 +28,6 @@ CHECKPOINT = TorchFormat(
          "exported by `relicv2 export`"),
     fields={"config": dict, "step": int, "online": StateDict, "target": StateDict, "optimizer": dict, "rng": list,
             "data": list})
-FORMAT = CHECKPOINT.tag
 # A run's own checkpoint that cannot be read was damaged (a killed copy, a full disk): an older one remains.
 _DAMAGED = dataclasses.replace(CHECKPOINT, fix="it may be truncated: delete it (a run then resumes from the "
                                                "previous checkpoint) or pass another file")

@@ -27,7 +27,6 @@ from relicv2.jobs.atomic import atomic_write_bytes, remove_stale_temps
 from relicv2.jobs.config import SETTINGS_FILE
 from relicv2.models.checkpoint_file import (  # noqa: F401 (the reading side lives in a leaf both stages use)
     CHECKPOINT,
-    FORMAT,
     CheckpointError,
     checkpoint_path,
     latest_checkpoint,
