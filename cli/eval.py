@@ -61,10 +61,7 @@ _TRAINED_HEAD_OPTIONS = _encoder_options(
 def _run(checkpoint: Path | None, random_depth: int | None, network: str, seed: int, **job_fields: Any) -> None:
     """Build the `EvalJob` and run it: the outcome on stdout, shortfalls on stderr, errors as one line."""
     from relicv2.evaluation.job import ALLOW_LOST_HINT, Backbone, EvalJob, run_eval
-    from relicv2.evaluation.paper import HeadCheckpointError
     from relicv2.jobs.lock import FolderLockedError
-    from relicv2.models.encoder_file import ExportError
-    from relicv2.pretrain.checkpoint import CheckpointError
     from relicv2.pretrain.knn.outcome import LostSamplesError
 
     try:
@@ -77,8 +74,7 @@ def _run(checkpoint: Path | None, random_depth: int | None, network: str, seed: 
         raise click.ClickException(f"{error}{ALLOW_LOST_HINT}") from None
     except ShardSetError as error:  # --train or --val names no usable set
         raise click.UsageError(str(error)) from None
-    except (CheckpointError, ExportError, HeadCheckpointError, FolderLockedError, FileNotFoundError,
-            ValueError) as error:
+    except (FolderLockedError, FileNotFoundError, ValueError) as error:  # a torch file's error is a ValueError
         raise click.ClickException(str(error)) from None
     if outcome is None:  # a rank other than 0
         return

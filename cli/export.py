@@ -25,10 +25,9 @@ def export(checkpoint: Path, out: Path, network: str) -> None:
     """
     from relicv2.evaluation.export import export_checkpoint
     from relicv2.models.encoder_file import sidecar_path
-    from relicv2.pretrain.checkpoint import CheckpointError
 
     try:
-        with user_errors(CheckpointError, ValueError):  # ExportError (a folder as --out) is a ValueError
+        with user_errors(ValueError):  # a torch file's error (models.torchfile), a folder as --out among them
             sidecar = export_checkpoint(checkpoint, out, network=network)
     except OSError as error:  # a full disk, a read-only folder, a file where a folder should be
         raise click.ClickException(f"{error.filename or out}: {error.strerror or error}") from None

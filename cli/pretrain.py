@@ -47,12 +47,12 @@ def run(config_name: str, overrides: tuple[str, ...], output: Path | None, resum
         click.echo(describe(config, version=package_version()), nl=False)
         return
     # late: `--help` and `--print-config` stay fast (no torch)
-    from relicv2.pretrain.checkpoint import CheckpointError
+    from relicv2.models.torchfile import TorchFileError
     from relicv2.pretrain.run import OutOfMemory, PretrainingInterrupted, run_pretraining
     from relicv2.pretrain.trainer import NonFiniteLossError
 
     try:
-        with user_errors(ConfigError, CheckpointError, NonFiniteLossError, OutOfMemory):
+        with user_errors(ConfigError, TorchFileError, NonFiniteLossError, OutOfMemory):
             result = run_pretraining(config, resume=resume, fresh=fresh)
     except PretrainingInterrupted as stopped:
         click.echo(str(stopped), err=True)

@@ -161,12 +161,10 @@ def train_command(config_name: str | None, preset_name: str | None, overrides: t
     config_name = config_or_preset(config_name, preset_name)
     if config_name is None:
         raise click.UsageError(f"choose the settings with --config NAME; {PRESETS.listing()}")
-    from relicv2.pretrain.checkpoint import CheckpointError
     from relicv2.saliency.network.train import TrainJob, TrainStateError, run_train
-    from relicv2.saliency.network.weights import BackboneError
 
-    with user_errors(ConfigError, BackboneError, CheckpointError, TrainStateError, FolderLockedError,
-                     FileNotFoundError, ValueError):
+    # ValueError: a torch file's error (models.torchfile), the --backbone's among them
+    with user_errors(ConfigError, TrainStateError, FolderLockedError, FileNotFoundError, ValueError):
         config = load_saliency_config(config_name, overrides)
         run_train(TrainJob(config=config, **job), log=click.echo)
 
@@ -202,9 +200,9 @@ def build_masks_command(config_name: str | None, overrides: tuple[str, ...], **o
     """
     from relicv2.saliency.network.build_masks import build_masks, format_summary
     from relicv2.saliency.network.masks_config import MasksError, load_masks_config
-    from relicv2.saliency.network.model_file import ModelFileError
 
-    with user_errors(ConfigError, ModelFileError, MasksError, FolderLockedError, FileNotFoundError, ValueError):
+    # ValueError: a torch file's error (models.torchfile), the --model's among them
+    with user_errors(ConfigError, MasksError, FolderLockedError, FileNotFoundError, ValueError):
         config = load_masks_config(config_name, overrides, **options)
         summary = build_masks(config)
     if summary is not None:

@@ -4,7 +4,7 @@ Extraction is the kNN monitor's (`pretrain.knn.knn.extract_features`: decode, re
 side bicubic, centre crop, ImageNet mean/std), so kNN and the linear `fast` protocol see the same
 test views. The cache file name is a digest of the encoder's weights, the shard set's files (name,
 size, mtime) and the view spec: a changed checkpoint or a rebuilt shard set never reuses stale
-features. Cache files are written atomically and read with `weights_only=True`; they keep the
+features. Cache files are a `models.torchfile` format (atomic, read code-free); they keep the
 keys of the undecodable images and what the set lost while read, so a cached result reports them too.
 """
 
@@ -19,17 +19,17 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from relicv2.jobs.atomic import atomic_output
-from relicv2.models.untrusted import TORCH_LOAD_ERRORS
+from relicv2.models.torchfile import TorchFileError, TorchFormat
 from relicv2.pretrain.distributed import DistributedContext, all_gather_object
 from relicv2.pretrain.knn.knn import extract_features, join_parts
 from relicv2.pretrain.knn.outcome import LostSamples, LostSamplesError
 from relicv2.shards.shardset import ShardSet, shard_tars
 
-CACHE_FORMAT = "relicv2-feature-cache"
-# Part of the cache file name: version 2 records the skipped keys and the samples lost while reading,
-# so files of version 1 (which may hide a loss) are never read again.
+# The version is part of the cache file name, not of the file: version 2 records the skipped keys and the
+# samples lost while reading, so files of version 1 (which may hide a loss) are never read again.
 CACHE_VERSION = 2
+CACHE = TorchFormat("feature cache", fix="extracting its features again", tag="relicv2-feature-cache",
+                    fields={"features": torch.Tensor, "labels": torch.Tensor, "skipped": int})
 
 
 @dataclass(frozen=True)
@@ -78,14 +78,11 @@ def cache_path(cache_dir: str | Path, encoder: nn.Module, source: ShardSet, spec
 
 def _read_cache(path: Path) -> FeatureSet | None:
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except TORCH_LOAD_ERRORS as error:
-        print(f"feature cache {path} is unreadable ({type(error).__name__}); extracting again", file=sys.stderr)
+        payload = CACHE.load(path)
+    except TorchFileError as error:  # a cache is never worth a failed job
+        print(error, file=sys.stderr)
         return None
-    if not isinstance(payload, dict) or payload.get("format") != CACHE_FORMAT:
-        print(f"feature cache {path} is not a relicv2 feature cache; extracting again", file=sys.stderr)
-        return None
-    return FeatureSet(payload["features"], payload["labels"], int(payload["skipped"]),
+    return FeatureSet(payload["features"], payload["labels"], payload["skipped"],
                       tuple(payload.get("skipped_keys", ())),
                       tuple(LostSamples(**entry) for entry in payload.get("lost", ())))
 
@@ -125,10 +122,7 @@ def cached_features(
         features, labels = join_parts(pairs, source, torch.device("cpu"))
     result = FeatureSet(features, labels, len(skipped), tuple(sorted(skipped)), tuple(lost))
     if path is not None and rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_output(path) as tmp:
-            torch.save({"format": CACHE_FORMAT, "features": result.features, "labels": result.labels,
-                        "skipped": result.skipped, "skipped_keys": list(result.skipped_keys),
-                        "lost": [asdict(entry) for entry in result.lost], "source": str(source),
-                        "spec": asdict(spec)}, tmp)
+        CACHE.save(path, {"features": result.features, "labels": result.labels, "skipped": result.skipped,
+                          "skipped_keys": list(result.skipped_keys), "lost": [asdict(entry) for entry in result.lost],
+                          "source": str(source), "spec": asdict(spec)})
     return result

@@ -130,8 +130,8 @@ class EvalOutcome:
 
 def run_eval(job: EvalJob, log: Callable[[str], None] = print) -> EvalOutcome | None:
     """Run `job`; the outcome on rank 0 (None on the other ranks). Errors a user can cause raise:
-    LostSamplesError, CheckpointError, ExportError, HeadCheckpointError, FolderLockedError,
-    FileNotFoundError, ValueError (OutputError and ShardSetError among them)."""
+    LostSamplesError, FolderLockedError, FileNotFoundError, ValueError (OutputError, ShardSetError and
+    models.torchfile's TorchFileError among them)."""
     # Before any work: an unwritable --json must not be found after the whole evaluation.
     if job.output is not None:
         check_output_folder(job.output, "--output")

@@ -14,7 +14,6 @@ from torch import Tensor, nn
 
 from relicv2.evaluation import supervised
 from relicv2.evaluation.linear_config import LinearConfig
-from relicv2.evaluation.supervised import HeadCheckpointError  # noqa: F401  (the CLI catches it from here)
 from relicv2.evaluation.views import LabelledViews, class_count, epoch_batches, labelled_samples
 from relicv2.pretrain.distributed import DistributedContext, open_shard_sets
 from relicv2.shards.shardset import Spec

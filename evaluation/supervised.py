@@ -18,16 +18,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from relicv2.jobs.atomic import atomic_output
 from relicv2.jobs.progress import Phase
-from relicv2.models.untrusted import TORCH_LOAD_ERRORS
+from relicv2.models.torchfile import StateDict, TorchFileError, TorchFormat
 from relicv2.pretrain.distributed import DistributedContext, all_gather_object
 from relicv2.pretrain.knn.outcome import LostSamples, figure, lost_fields
 
 Batches = Iterable[tuple[Tensor, Tensor, list[str]]]  # images, labels, keys of the undecodable images
 
 
-class HeadCheckpointError(RuntimeError):
+class HeadCheckpointError(TorchFileError):
     """A state file that cannot be resumed (corrupt, foreign, or from other options)."""
 
 
@@ -95,6 +94,13 @@ class StateFile:
     network: str  # the key the classifier's weights are saved under
 
     @property
+    def file(self) -> TorchFormat:
+        """The state file's format: tagged per protocol, the classifier's weights under `network`."""
+        return TorchFormat(f"{self.what} state file", tag=self.format, error=HeadCheckpointError,
+                           fix=f"delete it to start the {self.what} evaluation over, or use another --output folder",
+                           fields={"epoch": int, "config": dict, self.network: StateDict, "optimizer": dict})
+
+    @property
     def options(self) -> dict[str, Any]:
         return _plain({k: v for k, v in dataclasses.asdict(self.config).items() if k not in self.ignored})
 
@@ -102,27 +108,19 @@ class StateFile:
         """Load the saved state into `model` and `optimizer`; the epoch to start at (0 without a file)."""
         if not self.path.is_file():
             return 0
-        try:
-            payload = torch.load(self.path, map_location="cpu", weights_only=True)
-        except TORCH_LOAD_ERRORS as error:
-            raise HeadCheckpointError(f"{self.path} is unreadable ({type(error).__name__}); delete it to start the "
-                                      f"{self.what} evaluation over") from None
-        if not isinstance(payload, dict) or payload.get("format") != self.format:
-            raise HeadCheckpointError(f"{self.path} is not a {self.what} checkpoint; use another --output folder")
-        saved = _plain(payload.get("config") or {})
+        payload = self.file.load(self.path)
+        saved = _plain(payload["config"])
         if saved != self.options:
             changed = sorted(k for k in set(saved) | set(self.options) if saved.get(k) != self.options.get(k))
             raise HeadCheckpointError(f"{self.path} was written with other {self.what} options ({', '.join(changed)}); "
                                       "use another --output folder or the same options")
         model.load_state_dict(payload[self.network])
         optimizer.load_state_dict(payload["optimizer"])
-        return int(payload["epoch"])
+        return payload["epoch"]
 
     def save(self, epoch: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_output(self.path) as tmp:
-            torch.save({"format": self.format, "epoch": epoch, "config": self.options,
-                        self.network: model.state_dict(), "optimizer": optimizer.state_dict()}, tmp)
+        self.file.save(self.path, {"epoch": epoch, "config": self.options, self.network: model.state_dict(),
+                                   "optimizer": optimizer.state_dict()})
 
 
 def train_classifier(

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from relicv2.jobs.atomic import atomic_output
+from relicv2.jobs.atomic import atomic_write_bytes
 from relicv2.models.resnet import (
     PADDINGS,
     STAGE_BLOCKS,
@@ -39,15 +39,18 @@ from relicv2.models.resnet import (
     resnet,
     to_torchvision_state_dict,
 )
-from relicv2.models.untrusted import TORCH_LOAD_ERRORS, load_failure
+from relicv2.models.torchfile import TorchFileError, TorchFormat
 
 FORMATS = ("torchvision", "relicv2")
 SIDECAR_SUFFIX = ".json"
 PADDING_MARKER = "padding.same_tf"  # in the state dict of an encoder that pads like TensorFlow
 
 
-class ExportError(ValueError):
+class ExportError(TorchFileError):
     """An exported encoder file (or its sidecar) that cannot be used; the message names the file and the fix."""
+
+
+ENCODER = TorchFormat("encoder file", fix="re-export it with `relicv2 export`", state_dict=True, error=ExportError)
 
 
 def sidecar_path(path: str | Path) -> Path:
@@ -84,13 +87,10 @@ def save_encoder_file(encoder: ResNet, path: str | Path, *, depth: int, width: i
                                    f"(less the {PADDING_MARKER!r} entry) but gives other features; load the "
                                    "file with models.encoder_file.load_encoder_file")
     sidecar.update(metadata or {})
-    path.parent.mkdir(parents=True, exist_ok=True)
     # The sidecar is written (and renamed) while the weights wait under their temporary name: a failed
     # write of either (a full disk) leaves the pair as it was, never new weights without their sidecar.
-    with atomic_output(path) as weights_tmp:
-        torch.save({name: tensor.cpu() for name, tensor in state.items()}, weights_tmp)
-        with atomic_output(sidecar_path(path)) as tmp:
-            Path(tmp).write_text(json.dumps(sidecar, indent=2, sort_keys=True) + "\n")
+    with ENCODER.saving(path, {name: tensor.cpu() for name, tensor in state.items()}):
+        atomic_write_bytes(sidecar_path(path), (json.dumps(sidecar, indent=2, sort_keys=True) + "\n").encode())
     return sidecar
 
 
@@ -121,11 +121,6 @@ def is_encoder_file(path: str | Path) -> bool:
     return Path(path).is_file() and sidecar_path(path).is_file()
 
 
-def is_state_dict(payload: Any) -> bool:
-    """A dict of tensors: what `relicv2 export` writes (with its sidecar beside it)."""
-    return isinstance(payload, dict) and all(isinstance(value, torch.Tensor) for value in payload.values())
-
-
 def exported_network(info: dict[str, Any]) -> str:
     """The network ("online" or "target") an exported file holds, per its sidecar (online when unsaid)."""
     return "target" if info.get("network") == "target" else "online"
@@ -148,7 +143,7 @@ def architecture_of(state: dict[str, Any]) -> tuple[int, int] | None:
 def load_encoder_file(path: str | Path, *, network: str | None = None) -> ResNet:
     """Rebuild the ResNet of an exported file (`relicv2 export` or `relicv2 import-official`), on CPU.
 
-    Loaded with `weights_only=True`; a file that does not fit the sidecar's depth/width gives one
+    Read by `models.torchfile`; a file that does not fit the sidecar's depth/width gives one
     ExportError naming the file. An exported file holds one network: asking for the target
     (`network="target"`) of a file that holds the online one is an ExportError, not a silent swap.
     """
@@ -161,13 +156,7 @@ def load_encoder_file(path: str | Path, *, network: str | None = None) -> ResNet
                           f"(per {sidecar_path(path).name}); --network target needs a pretraining checkpoint: "
                           "pass the run folder or its checkpoint-*.pt, or export the target with "
                           "`relicv2 export --network target`")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except TORCH_LOAD_ERRORS as error:
-        raise ExportError(f"{path} is not a readable state dict ({load_failure(error)}); "
-                          "re-export it with `relicv2 export`") from None
-    if not is_state_dict(state):
-        raise ExportError(f"{path} does not hold a state dict of tensors; re-export it with `relicv2 export`")
+    state = ENCODER.load(path)
     padding = info.get("padding", "torch")
     # The sidecar decides; a file written before the marker existed may lack it, but a marked file
     # built for "same_tf" read with torch's padding would give other features without any error.

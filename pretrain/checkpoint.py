@@ -1,7 +1,7 @@
 """Pretraining checkpoints: atomic files, keep-last-K rotation, strict loading.
 
 One file per save, `checkpoint-{step:09d}.pt` in the run's output folder, written atomically
-(`jobs.atomic`). Contents (plain containers of tensors and builtins, so `torch.load(weights_only=True)`
+(`models.torchfile`). Contents (plain containers of tensors and builtins, so `torch.load(weights_only=True)`
 reads them and nothing in the file can run code):
 
     format       "relicv2-pretrain-checkpoint"      version  1
@@ -23,12 +23,10 @@ from typing import Any
 
 import torch
 
-from relicv2.jobs.atomic import atomic_output, atomic_write_bytes, remove_stale_temps
+from relicv2.jobs.atomic import atomic_write_bytes, remove_stale_temps
 from relicv2.jobs.config import SETTINGS_FILE
 from relicv2.models.checkpoint_file import (  # noqa: F401 (the reading side lives in a leaf both stages use)
-    FORMAT,
-    REQUIRED_KEYS,
-    VERSION,
+    CHECKPOINT,
     CheckpointError,
     checkpoint_path,
     latest_checkpoint,
@@ -39,7 +37,7 @@ from relicv2.models.checkpoint_file import (  # noqa: F401 (the reading side liv
 )
 from relicv2.models.encoder_file import is_encoder_file, load_encoder_file
 from relicv2.models.resnet import ResNet, resnet
-from relicv2.models.untrusted import load_failure
+from relicv2.models.torchfile import load_failure
 from relicv2.pretrain.config import ConfigError, PretrainConfig, from_dict
 from relicv2.pretrain.metrics_log import METRICS_NAME
 
@@ -53,14 +51,9 @@ def save_checkpoint(output_dir: str | Path, payload: dict[str, Any], *, keep: in
     """Write `payload` (see module docstring) atomically as this step's file; keep the newest `keep` files.
     Rotation only removes checkpoints of steps before this one: files of a later step can only be another
     run's (`--fresh` moves those aside first), and are never deleted here."""
-    missing = [key for key in REQUIRED_KEYS if key not in payload]
-    if missing:
-        raise ValueError(f"checkpoint payload lacks {missing}")
-    path = checkpoint_path(output_dir, int(payload["step"]))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_output(path) as tmp:
-        torch.save({"format": FORMAT, "version": VERSION, **payload}, tmp)
-    older = [p for p in list_checkpoints(output_dir) if (step_of(p) or 0) <= int(payload["step"])]
+    step = int(payload.get("step", 0))  # a payload without one is refused by the save
+    path = CHECKPOINT.save(checkpoint_path(output_dir, step), payload)
+    older = [p for p in list_checkpoints(output_dir) if (step_of(p) or 0) <= step]
     for old in older[:-keep]:
         old.unlink(missing_ok=True)
     return path

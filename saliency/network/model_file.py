@@ -1,4 +1,5 @@
-"""The self-describing saliency model file `OUT/model.pt` (readable with `torch.load(weights_only=True)`).
+"""The self-describing saliency model file `OUT/model.pt` (a `models.torchfile` format, so
+`torch.load(weights_only=True)` reads it).
 
 Contents (plain containers only):
     format "relicv2-saliency-model", version 1
@@ -14,30 +15,27 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from relicv2.jobs.atomic import atomic_output
-from relicv2.models.checkpoint_file import FORMAT as PRETRAIN_FORMAT
+from relicv2.models.checkpoint_file import CHECKPOINT
 from relicv2.models.resnet import state_dict_differences
-from relicv2.models.untrusted import TORCH_LOAD_ERRORS, load_failure
+from relicv2.models.torchfile import StateDict, TorchFileError, TorchFormat
 from relicv2.saliency.network.model import SaliencyNet
 
-FORMAT = "relicv2-saliency-model"
-VERSION = 1
 ARCH = "dilated-resnet-os8-decoder-v1"
 MODEL_NAME = "model.pt"  # the model file in a `relicv2 saliency train` output folder
 PASS_MODEL = "pass the model.pt written by `relicv2 saliency train`"
 
 
-class ModelFileError(ValueError):
+class ModelFileError(TorchFileError):
     """A saliency model file that cannot be used."""
+
+
+MODEL = TorchFormat("saliency model file", fix=PASS_MODEL, tag="relicv2-saliency-model", version=1,
+                    fields={"arch": dict, "input_size": int, "state_dict": StateDict}, error=ModelFileError)
 
 
 def save_model(path: Path, model: SaliencyNet, *, input_size: int, preset: str, backbone: str,
                config: dict, report: dict, threshold: float = 0.5) -> Path:
-    payload = {
-        "format": FORMAT,
-        "version": VERSION,
+    return MODEL.save(path, {
         "arch": {"name": ARCH, "depth": model.depth, "width": model.width},
         "input_size": input_size,
         "threshold": threshold,
@@ -46,12 +44,7 @@ def save_model(path: Path, model: SaliencyNet, *, input_size: int, preset: str, 
         "config": config,
         "report": report,
         "state_dict": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-    }
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_output(path) as tmp:
-        torch.save(payload, tmp)
-    return path
+    })
 
 
 def resolve_model_path(path: Path | str) -> Path:
@@ -70,35 +63,23 @@ def load_model(path: Path | str, device: str = "cpu") -> tuple[SaliencyNet, dict
     """(network in eval mode on `device`, the file's description without the weights). `path` is the
     model file or the `saliency train` output folder holding it."""
     path = resolve_model_path(path)
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except TORCH_LOAD_ERRORS as error:
-        raise ModelFileError(f"{path} is not a saliency model file ({load_failure(error)}); {PASS_MODEL}") from None
-    if isinstance(payload, dict) and payload.get("format") == PRETRAIN_FORMAT:
-        raise ModelFileError(f"{path} is a relicv2 pretraining checkpoint, not a saliency model; {PASS_MODEL}")
-    if not isinstance(payload, dict) or payload.get("format") != FORMAT:
-        raise ModelFileError(f"{path} is not a saliency model file (no '{FORMAT}' format entry); {PASS_MODEL}")
-    arch = payload.get("arch")
-    if not isinstance(arch, dict):
-        raise ModelFileError(f"{path}: its arch entry is a {type(arch).__name__}, not the network's description "
-                             f"(name, depth, width); {PASS_MODEL}")
-    if payload.get("version") != VERSION or arch.get("name") != ARCH:
-        raise ModelFileError(f"{path} is saliency model version {payload.get('version')} ({arch!r:.80}); this relicv2 reads version {VERSION} ({ARCH})")
+    payload = MODEL.read(path)
+    if isinstance(payload, dict) and payload.get("format") == CHECKPOINT.tag:
+        raise MODEL.fail(path, "is a relicv2 pretraining checkpoint, not a saliency model")
+    arch, state = MODEL.check(path, payload)["arch"], payload["state_dict"]
+    if arch.get("name") != ARCH:
+        raise MODEL.fail(path, f"holds a {arch.get('name')!r:.60} network; this relicv2 builds {ARCH}")
     depth, width = arch.get("depth"), arch.get("width")
     try:
         if type(depth) is not int or type(width) is not int:
             raise ValueError(f"depth {depth!r:.20} and width {width!r:.20} must be whole numbers")
         model = SaliencyNet(depth, width)
     except ValueError as error:  # a hand-made or damaged description
-        raise ModelFileError(f"{path}: its arch entry names no network this relicv2 builds ({error}); {PASS_MODEL}") from None
-    state = payload.get("state_dict")
-    if not isinstance(state, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
-        raise ModelFileError(f"{path}: its state_dict entry is not a table of named weight tensors; {PASS_MODEL}")
+        raise MODEL.fail(path, f"has an arch entry that names no network this relicv2 builds ({error})") from None
     differences = state_dict_differences(model.state_dict(), state)
     if differences:
-        raise ModelFileError(
-            f"{path}: the weights do not fit the ResNet-{depth} x{width} its arch entry records ({differences}); "
-            "the file's depth or width setting does not match its weights (edited or written by another tool?); "
-            f"{PASS_MODEL}")
+        raise MODEL.fail(path, f"holds weights that do not fit the ResNet-{depth} x{width} its arch entry records "
+                               f"({differences}): the file's depth or width setting does not match its weights "
+                               "(edited or written by another tool?)")
     model.load_state_dict(state)
     return model.to(device).eval(), {k: v for k, v in payload.items() if k != "state_dict"}

@@ -21,20 +21,21 @@ import math
 import sys
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 import yaml
 
-from relicv2.jobs.atomic import atomic_output, atomic_write_bytes
+from relicv2.jobs.atomic import atomic_write_bytes
 from relicv2.jobs.config import SETTINGS_FILE, settings_text, to_dict
 from relicv2.jobs.device import resolve_device
 from relicv2.jobs.lock import folder_lock
 from relicv2.jobs.progress import Phase
 from relicv2.jobs.version import package_version
 from relicv2.models.resnet import load_torchvision_state_dict
+from relicv2.models.torchfile import StateDict, TorchFormat
 from relicv2.saliency.network.config import SaliencyTrainConfig
 from relicv2.saliency.network.crf import CrfPool
 from relicv2.saliency.network.data import TrainingImages, load_training_images
@@ -62,6 +63,15 @@ def few_images_note(config: SaliencyTrainConfig, count: int) -> str | None:
     return (f"saliency train: note: {count} images, fewer than num_images={config.num_images} that the preset's "
             f"epochs were chosen for, so each network takes {count / config.num_images:.0%} of those steps; for "
             f"as many steps: {epochs}--set fuse_epochs={math.ceil(config.fuse_epochs * scale)}")
+
+
+# A unit's work files in OUT/work: NAME.current.pt after each epoch, NAME.done.pt once it is trained.
+CURRENT = TorchFormat("saliency training work file", fix="delete it: a rerun trains that network from its start",
+                      fields={"epoch": int, "model": StateDict, "optimizer": dict, "average": torch.Tensor,
+                              "losses": list})
+DONE = TorchFormat("saliency training result", fix="delete it: a rerun trains that network again",
+                   fields={"losses": list, "average": torch.Tensor})
+FUSED_DONE = replace(DONE, fields={**DONE.fields, "model": StateDict})
 
 
 class TrainStateError(RuntimeError):
@@ -226,7 +236,7 @@ class Trainer:
 
     def result(self, name: str) -> torch.Tensor:
         """The refined soft labels (moving average) a finished phase I unit left."""
-        return torch.load(self.work / f"{name}.done.pt", weights_only=True)["average"]
+        return DONE.load(self.work / f"{name}.done.pt")["average"]
 
     def run_unit(self, unit: Unit) -> None:
         done = self.work / f"{unit.name}.done.pt"
@@ -240,7 +250,7 @@ class Trainer:
         start, losses = 0, []
         current = self.work / f"{unit.name}.current.pt"
         if current.is_file():
-            state = torch.load(current, weights_only=True)
+            state = CURRENT.load(current)
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             average = state["average"].float().numpy()
@@ -261,23 +271,21 @@ class Trainer:
             bar.set_postfix(loss=loss)
             state = {"epoch": epoch + 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                      "average": torch.from_numpy(average), "losses": losses}  # fp32: exact resume
-            with atomic_output(current) as tmp:
-                torch.save(state, tmp)
+            CURRENT.save(current, state)
         bar.close()
         result = {"losses": losses, "average": torch.from_numpy(average).half()}
         if unit.method is None:
             result["model"] = model.state_dict()
-        with atomic_output(done) as tmp:
-            torch.save(result, tmp)
+        DONE.save(done, result)
         current.unlink(missing_ok=True)
 
     def fused_network(self) -> SaliencyNet:
         model = SaliencyNet(self.config.depth, self.config.width)
-        model.load_state_dict(torch.load(self.work / "fused.done.pt", weights_only=True)["model"])
+        model.load_state_dict(FUSED_DONE.load(self.work / "fused.done.pt")["model"])
         return model.eval()
 
     def losses(self) -> dict[str, list[float]]:
-        return {p.name[: -len(".done.pt")]: torch.load(p, weights_only=True)["losses"]
+        return {p.name[: -len(".done.pt")]: DONE.load(p)["losses"]
                 for p in sorted(self.work.glob("*.done.pt"))}
 
 

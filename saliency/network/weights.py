@@ -16,14 +16,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
 from torch import Tensor
 
-from relicv2.models.checkpoint_file import FORMAT as PRETRAIN_FORMAT
-from relicv2.models.checkpoint_file import CheckpointError, load_checkpoint, resolve_checkpoint
+from relicv2.models.checkpoint_file import (
+    CHECKPOINT,
+    CheckpointError,
+    check_checkpoint,
+    resolve_checkpoint,
+)
 from relicv2.models.encoder_file import architecture_of, sidecar_path
 from relicv2.models.resnet import ResNet, load_torchvision_state_dict
-from relicv2.models.untrusted import TORCH_LOAD_ERRORS, load_failure
+from relicv2.models.torchfile import TorchFileError, TorchFormat
 
 # Prefixes stripped from names, in order: DDP's `module.`, then an `encoder.` / `backbone.` wrapper.
 WRAPPER_PREFIXES = ("module.", "encoder.", "backbone.", "trunk.")
@@ -31,8 +34,12 @@ WRAPPER_PREFIXES = ("module.", "encoder.", "backbone.", "trunk.")
 DROPPED_PREFIXES = ("projection_head.", "prototypes.", "fc.", "head.", "projector.", "predictor.")
 
 
-class BackboneError(ValueError):
+class BackboneError(TorchFileError):
     """A backbone file that cannot initialise the encoder (missing, corrupt, foreign, wrong architecture)."""
+
+
+WEIGHTS = TorchFormat("weights file", error=BackboneError, fix=(
+    "pass a relicv2 pretrain checkpoint or run folder, a torchvision/SwAV ResNet state dict, or --backbone random"))
 
 
 def _strip(state: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -73,29 +80,15 @@ def _check_sidecar(path: Path, depth: int, width: int) -> str:
 def encoder_state_dict(source: str | Path, depth: int, width: int) -> tuple[dict[str, Tensor], str]:
     """(trunk state dict under torchvision names, a description of its kind) from a file or run folder."""
     path = Path(source)
-    if not path.exists():
-        raise BackboneError(f"backbone {path} does not exist; pass a weights file, a pretrain run folder, or 'random'")
-    if path.is_dir():
-        try:
-            path = resolve_checkpoint(path)
-        except CheckpointError as error:
-            raise BackboneError(str(error)) from None
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except TORCH_LOAD_ERRORS as error:
-        raise BackboneError(
-            f"{path} is not a readable weights file ({load_failure(error)}); pass a relicv2 pretrain "
-            "checkpoint or run folder, a torchvision/SwAV ResNet state dict, or --backbone random"
-        ) from None
-    if not isinstance(payload, dict):
-        raise BackboneError(f"{path} holds a {type(payload).__name__}, not a state dict or checkpoint")
-    if payload.get("format") == PRETRAIN_FORMAT:
-        try:
-            online = load_checkpoint(path)["online"]
-        except CheckpointError as error:
-            raise BackboneError(str(error)) from None
-        encoder = {k.removeprefix("encoder."): v for k, v in online.items() if k.startswith("encoder.")}
-        return encoder, f"relicv2 pretrain checkpoint {path}"
+        path = resolve_checkpoint(path) if path.is_dir() else path
+        payload = WEIGHTS.load(path)
+        if payload.get("format") == CHECKPOINT.tag:
+            online = check_checkpoint(path, payload)["online"]
+            return ({k.removeprefix("encoder."): v for k, v in online.items() if k.startswith("encoder.")},
+                    f"relicv2 pretrain checkpoint {path}")
+    except CheckpointError as error:  # a backbone's problem, whatever read it
+        raise BackboneError(str(error)) from None
     padding = _check_sidecar(path, depth, width)
     # The saliency encoder pads as torchvision does (its dilated stages need it): weights made for
     # TensorFlow "SAME" padding (the authors' release) still initialise it, but its features shift.

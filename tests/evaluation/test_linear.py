@@ -23,6 +23,7 @@ from relicv2.evaluation.linear import (
     evaluate_linear,
     train_linear_on_features,
 )
+from relicv2.evaluation.supervised import HeadCheckpointError
 from relicv2.pretrain.distributed import init, teardown
 from relicv2.shards import resolve_shard_set
 from tests.evaluation.conftest import NUM_CLASSES, PooledPixels
@@ -131,7 +132,7 @@ def test_paper_protocol_learns_and_resumes_to_the_same_head(shape_shards, tmp_pa
     final = torch.load(tmp_path / "resumed" / paper.HEAD_FILE, weights_only=True)
     reference = torch.load(tmp_path / "whole" / paper.HEAD_FILE, weights_only=True)
     assert torch.allclose(final["head"]["weight"], reference["head"]["weight"], atol=1e-6)
-    with pytest.raises(paper.HeadCheckpointError, match="other linear options"):
+    with pytest.raises(HeadCheckpointError, match="other linear options"):
         evaluate_linear(PooledPixels(), train, val, dataclasses.replace(PAPER, base_lr=0.1),
                         output_dir=tmp_path / "resumed")
 

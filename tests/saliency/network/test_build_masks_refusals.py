@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from relicv2.pretrain.checkpoint import FORMAT as PRETRAIN_FORMAT
+from relicv2.models.checkpoint_file import CHECKPOINT
 from relicv2.saliency.network.build_masks import (
     BuildMasksConfig,
     MasksError,
@@ -91,7 +91,7 @@ def test_a_file_that_is_no_model_is_one_line_without_torch_advice(tmp_path, scen
     with pytest.raises(ModelFileError) as refused:
         build_masks(_config(bogus, shards, tmp_path / "out"), Ranks())
     message = str(refused.value)
-    assert message.startswith(f"{bogus} is not a saliency model file (")
+    assert message.startswith(f"{bogus} is not a readable saliency model file (")
     assert message.endswith("pass the model.pt written by `relicv2 saliency train`")
     assert "\n" not in message and "weights_only" not in message and "trust" not in message
     assert not (tmp_path / "out").exists()  # a refused job leaves no --out behind
@@ -104,7 +104,7 @@ def test_a_file_that_is_no_model_is_one_line_without_torch_advice(tmp_path, scen
 def test_a_pretraining_checkpoint_as_model_is_named_and_leaves_no_out(tmp_path, scene_shards) -> None:
     shards, _ = scene_shards
     checkpoint = tmp_path / "checkpoint-000000010.pt"
-    torch.save({"format": PRETRAIN_FORMAT, "version": 1}, checkpoint)
+    torch.save({"format": CHECKPOINT.tag, "version": 1}, checkpoint)
     with pytest.raises(ModelFileError, match="is a relicv2 pretraining checkpoint, not a saliency model"):
         build_masks(_config(checkpoint, shards, tmp_path / "a" / "out"), Ranks())
     assert not (tmp_path / "a").exists()

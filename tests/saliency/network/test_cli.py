@@ -60,5 +60,5 @@ def test_build_masks_with_a_foreign_model_file(tmp_path: Path, scene_shards) -> 
     bogus.write_bytes(b"not a model")
     result = CliRunner().invoke(cli, ["saliency", "build-masks", "--model", str(bogus), "--shards", str(shards),
                                       "--out", str(tmp_path / "o")])
-    assert result.exit_code != 0 and "model.pt is not a saliency model file (not a file written by torch.save)" in result.output
+    assert result.exit_code != 0 and "model.pt is not a readable saliency model file (not a file written by torch.save)" in result.output
     assert result.output.count("\n") == 1 and not (tmp_path / "o").exists()  # one line; a refused job leaves no --out

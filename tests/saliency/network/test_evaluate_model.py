@@ -120,7 +120,7 @@ def test_cli_bad_inputs_are_one_line(tiny_model, labelled, tmp_path):
 
     foreign = tmp_path / "foreign.pt"
     foreign.write_bytes(b"not a model")
-    assert "not a saliency model file" in run(model=foreign)
+    assert "not a readable saliency model file" in run(model=foreign)
     assert "does not exist" in run(folder=tmp_path / "nope")
     # Nothing to score: no image has a mask of its name.
     others = tmp_path / "others"
