@@ -23,6 +23,9 @@ MASK_MEMBER = "mask.png"
 # A mask covering less of its image than this is written but never applied in pretraining (too little
 # foreground to remove the background around): build-masks counts them, the views skip them.
 MIN_MASK_COVERAGE = 0.05
+# A soft mask's pixel at or above this level is foreground wherever a mask is binarised (coverage, the
+# backgrounds test's composites).
+MASK_FOREGROUND_LEVEL = 128
 # A `cls` member holds a class index in ASCII decimal (what `shards build` writes); other WebDataset
 # tools also write class names there, which readers keep as unlabelled rather than refuse.
 LABEL_MEMBER = "cls"
