@@ -1,7 +1,7 @@
 """Labelled train / test views for linear evaluation through DALI (CPU or GPU decoding).
 
 A small pipeline beside the pretraining one, built from the same pieces: the set is read with
-`pretrain.views.sources.load_sample_set` (undecodable images of a set from another tool found first by
+`shards.sample_set.load_sample_set` (undecodable images of a set from another tool found first by
 `find_undecodable` and left out through filtered index files) and its samples by DALI's webdataset
 reader over those index files. Train views: random-resized-crop + flip; test views: short side
 bicubic + centre crop. Yields (images [B, 3, crop, crop] float, labels [B]).
@@ -24,8 +24,8 @@ from nvidia.dali.plugin.pytorch import DALIGenericIterator
 from relicv2.evaluation.views import CROP_RATIO
 from relicv2.models.normalization import IMAGENET_MEAN, IMAGENET_STD
 from relicv2.pretrain.views.dali import find_undecodable
-from relicv2.pretrain.views.sources import load_sample_set
 from relicv2.shards.sample import IMAGE_MEMBERS, LABEL_MEMBER, MAX_LABEL_BYTES, class_index
+from relicv2.shards.sample_set import load_sample_set
 
 READER = "eval"
 # The eval pipeline has no recovery from a decode failure (pretraining's view loader has): every image of

@@ -67,7 +67,7 @@ from relicv2.pretrain.views.source import ViewSource
 from relicv2.pretrain.views.synthetic import SyntheticViews
 from relicv2.shards.outdir import output_folder
 from relicv2.shards.reader import ReadReport, iter_samples
-from relicv2.shards.sample import missing_label
+from relicv2.shards.sample import label_refusal
 from relicv2.shards.shardset import ShardSet, ShardSetError
 
 JOB_NAME = "relicv2 pretrain"
@@ -442,9 +442,8 @@ def _check_first_label(key: str, spec: ShardSet) -> None:
     if sample is None:
         raise ConfigError(f"{key}={spec}: no readable sample; check the shard set (relicv2 shards verify)")
     if sample["label"] is None:
-        raise ConfigError(f"{key}={spec}: sample {sample['key']} has {missing_label(sample.get('label_text'))}; the "
-                          "kNN monitor needs integer class "
-                          "labels (relicv2 shards build from class sub-folders), or set knn.train_shards= to turn the monitor off")
+        raise ConfigError(f"{key}={spec}: {label_refusal(sample['key'], sample.get('label_text'), 'the kNN monitor')}, "
+                          "or set knn.train_shards= to turn the monitor off")
 
 
 def _knn_monitor(state: TrainState, config: PretrainConfig, ctx: DistributedContext, logger: MetricsLogger | None,

@@ -39,7 +39,7 @@ from relicv2.pretrain.knn.classes import check_same_classes
 from relicv2.pretrain.knn.outcome import LostSamples, figure, lost_fields, refuse_lost
 from relicv2.shards import ReadReport, ShardSet, iter_samples, resolve_shard_set
 from relicv2.shards.images import ImageLoadError, load_image
-from relicv2.shards.sample import missing_label
+from relicv2.shards.sample import label_refusal
 from relicv2.shards.shardset import Spec, shard_tars
 
 
@@ -190,11 +190,7 @@ def _labelled_images(
         if position % parts != index:
             continue
         if sample["label"] is None:
-            raise ValueError(
-                f"sample {sample['key']} in {sample['shard']} has {missing_label(sample.get('label_text'))}; kNN "
-                "and linear evaluation need integer class labels: build the set with `relicv2 shards build` from "
-                "a folder with class sub-folders"
-            )
+            raise ValueError(label_refusal(f"{sample['key']} in {sample['shard']}", sample.get("label_text"), "evaluation"))
         try:
             image = preprocess(sample["image"], crop_size=crop_size, resize_size=resize_size,
                                name=f"{sample['key']} in {sample['shard']}")

@@ -30,9 +30,9 @@ from relicv2.pretrain.views.backend import (
 from relicv2.pretrain.views.colour import Background, ColourDraws, colour_params, colour_views
 from relicv2.pretrain.views.config import view_specs
 from relicv2.pretrain.views.dali_pipeline import READER_NAME, build_view_pipeline, soft_mask_views
-from relicv2.pretrain.views.sample_table import SampleRef
-from relicv2.pretrain.views.sources import MASK_MEMBER, exclude_samples
-from relicv2.shards.sample import class_index
+from relicv2.shards.reader import SampleRef
+from relicv2.shards.sample import MASK_MEMBER, class_index
+from relicv2.shards.sample_set import exclude_samples
 
 __all__ = ["DaliBackend", "find_undecodable", "is_decode_error"]
 

@@ -25,8 +25,8 @@ from nvidia.dali import pipeline_def
 from nvidia.dali.pipeline import DataNode, Pipeline
 
 from relicv2.pretrain.views.config import ViewConfig, ViewSpec, view_specs
-from relicv2.pretrain.views.sources import MASK_MEMBER, SampleSet
-from relicv2.shards.sample import IMAGE_MEMBERS, LABEL_MEMBER
+from relicv2.shards.sample import IMAGE_MEMBERS, LABEL_MEMBER, MASK_MEMBER
+from relicv2.shards.sample_set import SampleSet
 
 READER_NAME = "shards"
 # The `mixed` decoder's settings: nvJPEG buffers sized once for ImageNet's largest photos (NVIDIA's

@@ -3,7 +3,7 @@
 Backends (`pretrain.views.backend.ViewBackend`): "dali" (the DALI pipeline of `pretrain.views.dali_pipeline`,
 CPU or GPU) and "reference" (the same augmentations with PIL/torchvision on a torch DataLoader; the fallback
 when DALI is missing). The loader is a `pretrain.views.source.ViewSource` (every rank delivers the smallest
-rank's share, `sources.samples_per_rank`).
+rank's share, `samples_per_rank`).
 """
 
 from __future__ import annotations
@@ -25,12 +25,7 @@ from relicv2.pretrain.views.source import (
     StateVersionError,
     batch_from_global_position,
 )
-from relicv2.pretrain.views.sources import (
-    SampleSet,
-    exclude_samples,
-    load_sample_set,
-    samples_per_rank,
-)
+from relicv2.shards.sample_set import SampleSet, exclude_samples, load_sample_set
 from relicv2.shards.shardset import Spec
 
 # 3: the reference backend's order and views no longer depend on the number of ranks
@@ -210,6 +205,12 @@ def _finish(batch: BackendBatch, device: str, config: ViewConfig) -> dict[str, A
     if config.debug_params:
         out["params"] = batch.params
     return out
+
+
+def samples_per_rank(count: int, world_size: int) -> int:
+    """Samples each rank delivers per epoch (`ViewSource.epoch_size`): the smallest rank's share, so that
+    every rank runs the same number of batches and none delivers one of the reader's padding duplicates."""
+    return count // world_size
 
 
 def batches_per_epoch(samples: SampleSet, world_size: int, batch_size: int) -> int:

@@ -18,8 +18,8 @@ from relicv2.models.normalization import IMAGENET_STD
 from relicv2.pretrain.views.config import PARAM_NAMES, ViewConfig
 from relicv2.pretrain.views.dali_pipeline import _views_pipeline, soft_mask_views
 from relicv2.pretrain.views.loader import ViewLoader
-from relicv2.pretrain.views.sources import load_sample_set
 from relicv2.shards import ShardSample, write_shard_set
+from relicv2.shards.sample_set import load_sample_set
 from tests.pretrain.views.test_augment import object_samples
 from tests.pretrain.views.test_backends_agree import FIXED_GEOMETRY, masked_squares  # noqa: F401 (fixture)
 
