@@ -1,6 +1,6 @@
 """Frozen-encoder features of a labelled shard set, with an on-disk cache.
 
-Extraction is the kNN monitor's (`pretrain.knn.knn.extract_features`: decode, resize the short
+Extraction is the kNN monitor's (`pretrain.knn.extract.extract_features`: decode, resize the short
 side bicubic, centre crop, ImageNet mean/std), so kNN and the linear `fast` protocol see the same
 test views. The cache file name is a digest of the encoder's weights, the shard set's files (name,
 size, mtime) and the view spec: a changed checkpoint or a rebuilt shard set never reuses stale
@@ -22,8 +22,9 @@ from torch import Tensor, nn
 from relicv2.jobs.atomic import atomic_output
 from relicv2.models.untrusted import TORCH_LOAD_ERRORS
 from relicv2.pretrain.distributed import DistributedContext, all_gather_object
-from relicv2.pretrain.knn.knn import extract_features, join_parts
+from relicv2.pretrain.knn.extract import extract_features, join_parts
 from relicv2.pretrain.knn.outcome import LostSamples, LostSamplesError
+from relicv2.pretrain.views.config import IMAGE_SIZE
 from relicv2.shards.shardset import ShardSet, shard_tars
 
 CACHE_FORMAT = "relicv2-feature-cache"
@@ -36,7 +37,7 @@ CACHE_VERSION = 2
 class FeatureSpec:
     """The test view the features are taken on (the linear protocol's: 256 bicubic -> centre 224)."""
 
-    crop_size: int = 224
+    crop_size: int = IMAGE_SIZE
     resize_size: int = 0  # 0: crop_size / 0.875
     batch_size: int = 256
 

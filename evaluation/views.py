@@ -23,14 +23,13 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from relicv2.models.normalization import IMAGENET_MEAN, IMAGENET_STD
-from relicv2.pretrain.knn.knn import preprocess
+from relicv2.pretrain.knn.extract import preprocess
+from relicv2.pretrain.views.config import CROP_RATIO, FULL_CROP_SCALE
 from relicv2.pretrain.views.reference import random_resized_crop
 from relicv2.shards.images import load_image
 from relicv2.shards.reader import SampleRef
 from relicv2.shards.sample_set import load_sample_set, require_class_labels
 from relicv2.shards.sample_table import SampleTable
-
-CROP_RATIO = (3 / 4, 4 / 3)
 
 
 def labelled_samples(source: str | Path, keys: set[str] | None = None) -> tuple[SampleTable, set[str]]:
@@ -85,7 +84,7 @@ class LabelledViews(Dataset):
     train: bool
     crop_size: int
     resize_size: int
-    scale: tuple[float, float] = (0.08, 1.0)
+    scale: tuple[float, float] = FULL_CROP_SCALE
     seed: int = 0
     epoch: int = 0  # set before each epoch: train views are drawn from (seed, epoch, position)
 

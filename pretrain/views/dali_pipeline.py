@@ -133,7 +133,7 @@ def _sample_mask(mask_bytes: DataNode, sample_set: SampleSet, cfg: ViewConfig, g
     the crops are moved to the GPU.
     """
     # A whole 8-bit grey level, as the reference's grey image: the masking blend then never lands on a
-    # rounding boundary, so every way of computing it rounds alike (colour.fused_steps).
+    # rounding boundary, so every way of computing it rounds alike (both ways of `colour._colour`).
     grey = dmath.floor(_uniform(*[g * MAX for g in cfg.mask_grey_range]) + 0.5)
     has_mask = mask_bytes.shape()[0] > 0
     zero = fn.cast(mask_bytes.shape()[0], dtype=types.FLOAT) * 0.0

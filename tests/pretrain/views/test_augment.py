@@ -247,7 +247,12 @@ def test_dali_and_reference_views_have_the_same_statistics(tmp_path):
 def test_the_pipelines_outputs_are_read_by_name_whatever_the_view_list(tmp_path, large_views, small_views):
     """Each view's pixels, parameters, flag and crop of the mask come out under its own name, at its own
     size, for view lists of other lengths than the paper's (a positional layout shifted with them)."""
-    from relicv2.pretrain.views.dali_pipeline import build_view_pipeline, output_names, soft_mask_views, view_output
+    from relicv2.pretrain.views.dali_pipeline import (
+        build_view_pipeline,
+        output_names,
+        soft_mask_views,
+        view_output,
+    )
     from relicv2.shards.sample_set import load_sample_set
 
     write_shard_set(object_samples(8, 5, unmasked_every=4), tmp_path / "set", prefix="obj", max_count=8)
