@@ -15,6 +15,7 @@ the checker (`check_tar`); `shards.sample_set.load_sample_set` leaves the refuse
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections import Counter
@@ -171,14 +172,13 @@ def check_tar(tar: Path, idx: Path, *, headers: bool, cache: Path, decode_check:
     return TarCheck(samples, verdicts, fresh=True, stored=True, refused=refused)
 
 
-def _check_tar_args(args: tuple[Path, Path, bool, Path, DecodeCheck | None]) -> tuple[bool, bool, Counter]:
-    tar, idx, headers, cache, decode_check = args
-    check = check_tar(tar, idx, headers=headers, cache=cache, decode_check=decode_check)
+def _check_counts(tar: Path, idx: Path, **options) -> tuple[bool, bool, Counter]:
+    check = check_tar(tar, idx, **options)
     return check.fresh, check.stored, Counter([*check.left_out.values(), *(code for _, code in check.refused)])
 
 
 def resolve_checks(spec: Spec, index_cache: Path | None, decode_check: DecodeCheck | None,
-             decode_foreign_only: bool) -> tuple[Path, ShardSet, DecodeCheck | None]:
+                   decode_foreign_only: bool) -> tuple[Path, ShardSet, DecodeCheck | None]:
     """The index cache, the resolved set and the decode check to run: none for a set from `shards build`
     or `saliency build-masks` with `decode_foreign_only` (they decoded every image when they wrote it)."""
     cache = default_index_cache(index_cache)
@@ -201,11 +201,12 @@ def check_shard_set(
     index, parts = part
     cache, shard_set, decode_check = resolve_checks(spec, index_cache, decode_check, decode_foreign_only)
     headers = shard_set.manifest is None
-    todo = [(tar, idx, headers, cache, decode_check)
-            for i, (tar, idx) in enumerate(zip(shard_set.tars, shard_set.index_files, strict=True)) if i % parts == index]
+    tars, idxs = shard_set.tars[index::parts], shard_set.index_files[index::parts]
     desc = f"checking the samples of {len(shard_set.tars)} tars" + (f" (part {index + 1}/{parts})" if parts > 1 else "")
-    progress = progress and any(not check_path(*args[:4], decode=decode_check is not None).is_file() for args in todo)
-    results = in_workers(_check_tar_args, todo, workers=workers, desc=desc, unit="tar", enabled=progress)
+    decode = decode_check is not None
+    progress = progress and any(not check_path(*pair, headers, cache, decode).is_file() for pair in zip(tars, idxs, strict=True))
+    check = functools.partial(_check_counts, headers=headers, cache=cache, decode_check=decode_check)
+    results = in_workers(check, tars, idxs, workers=workers, desc=desc, unit="tar", enabled=progress)
     left_out = sum((reasons for _, _, reasons in results), Counter())
     return SetCheck(len(shard_set.tars), sum(fresh for fresh, _, _ in results),
                     sum(not stored for _, stored, _ in results), left_out)

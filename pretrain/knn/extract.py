@@ -2,8 +2,8 @@
 
 Images are decoded as displayed, the short side resized (bicubic) to `resize_of` the crop, centre-cropped
 and normalised with the ImageNet mean/std: the linear-evaluation test transform, which the kNN monitor,
-`relicv2 eval knn` and the linear `fast` protocol's features all take. A set is read by one rank in part
-(`part`), or by every rank of a job in turns; `join_parts` puts the ranks' parts together.
+`relicv2 eval knn` and the linear `fast` protocol's features all take. In a job of several ranks each
+extracts its `part` of a set; `join_parts` puts the ranks' parts together.
 """
 
 from __future__ import annotations
