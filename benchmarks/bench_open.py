@@ -25,9 +25,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from relicv2.pretrain.views.sources import CHECKS_FOLDER, load_sample_set  # noqa: E402
 from relicv2.shards import read_index, resolve_shard_set  # noqa: E402
 from relicv2.shards.build import BuildConfig, build_shards  # noqa: E402
+from relicv2.shards.checks import CHECKS_FOLDER  # noqa: E402
+from relicv2.shards.sample_set import load_sample_set  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "imagenette-112" / "train"
 

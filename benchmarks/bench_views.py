@@ -175,7 +175,7 @@ def profiled(shards: Path, views: ViewConfig, device: str, args) -> None:
 def gpu_graph_size(shards: Path, views: ViewConfig, batch: int) -> str:
     """Operators of the view pipeline's GPU graph by device, traced without building (no GPU needed)."""
     from relicv2.pretrain.views.dali_pipeline import _views_pipeline
-    from relicv2.pretrain.views.sources import load_sample_set
+    from relicv2.shards.sample_set import load_sample_set
 
     pipe = _views_pipeline(load_sample_set(shards), views, True, 0, 1, 0, batch_size=batch, num_threads=1, device_id=0,
                            seed=1)

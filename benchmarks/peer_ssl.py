@@ -189,7 +189,8 @@ def score(train_shards: Path, val_shards: Path, out: Path, encoders: tuple[str, 
     """kNN and linear-fast (64 px) of the exported encoders and of a random-init ResNet-18."""
     from relicv2.evaluation.features import FeatureSpec, cached_features
     from relicv2.evaluation.linear import LinearConfig, train_linear_on_features
-    from relicv2.pretrain.knn.knn import knn_predict, random_encoder
+    from relicv2.pretrain.checkpoint import random_encoder
+    from relicv2.pretrain.knn.classify import knn_predict
 
     spec = FeatureSpec(crop_size=VIEW_SIZE, resize_size=VIEW_SIZE)
     train_shards, val_shards = resolve_shard_set(train_shards), resolve_shard_set(val_shards)  # once for every encoder

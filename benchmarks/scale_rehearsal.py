@@ -285,7 +285,7 @@ def stage_knn_bank(bank_size: int, queries: int, dim: int) -> None:
 
     import torch
 
-    from relicv2.pretrain.knn.knn import knn_predict
+    from relicv2.pretrain.knn.classify import knn_predict
 
     generator = torch.Generator().manual_seed(0)
     start = time.perf_counter()

@@ -10,6 +10,7 @@ import click
 from relicv2.cli.options import config_or_preset, preset_option, user_errors
 from relicv2.jobs.config import ConfigError, parse_overrides
 from relicv2.pretrain.config import KnnConfig  # light (no torch): the one owner of the kNN defaults
+from relicv2.pretrain.views.config import CENTRE_CROP
 from relicv2.shards.shardset import ShardSetError
 
 KNN = KnnConfig()
@@ -94,7 +95,7 @@ def _run(checkpoint: Path | None, random_depth: int | None, network: str, seed: 
     click.option("--crop-size", type=click.IntRange(min=8), default=None,
                  help=f"Centre crop [default: {KNN.crop_size}]."),
     click.option("--resize-size", type=click.IntRange(min=0), default=None,
-                 help=f"Short side before the centre crop; 0 means crop-size / 0.875 [default: {KNN.resize_size}]."),
+                 help=f"Short side before the centre crop; 0 means crop-size / {CENTRE_CROP} [default: {KNN.resize_size}]."),
     click.option("--batch-size", type=click.IntRange(min=1), default=None, help=f"[default: {KNN.batch_size}]"),
 )
 @ALLOW_LOST_OPTION

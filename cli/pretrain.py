@@ -12,6 +12,7 @@ from relicv2.cli.options import user_errors
 from relicv2.cli.signals import EXIT_CODES
 from relicv2.jobs.version import package_version
 from relicv2.pretrain.config import ConfigError, describe, load_config
+from relicv2.pretrain.views.config import BACKENDS, ViewConfig
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -48,7 +49,8 @@ def run(config_name: str, overrides: tuple[str, ...], output: Path | None, resum
         return
     # late: `--help` and `--print-config` stay fast (no torch)
     from relicv2.models.torchfile import TorchFileError
-    from relicv2.pretrain.run import OutOfMemory, PretrainingInterrupted, run_pretraining
+    from relicv2.pretrain.run import OutOfMemory, run_pretraining
+    from relicv2.pretrain.stop import PretrainingInterrupted
     from relicv2.pretrain.trainer import NonFiniteLossError
 
     try:
@@ -68,12 +70,11 @@ def run(config_name: str, overrides: tuple[str, ...], output: Path | None, resum
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--mask-probability", default=0.5, show_default=True, type=click.FloatRange(0, 1),
               help="p_m for the preview (the paper trains with 0.1); masked views get an orange frame.")
-@click.option("--backend", default="dali", show_default=True, type=click.Choice(["dali", "reference"]))
-@click.option("--large-size", default=224, show_default=True, type=int)
-@click.option("--small-size", default=96, show_default=True, type=int)
+@click.option("--backend", default=ViewConfig.backend, show_default=True, type=click.Choice(BACKENDS))
+@click.option("--large-size", default=ViewConfig.large_size, show_default=True, type=int)
+@click.option("--small-size", default=ViewConfig.small_size, show_default=True, type=int)
 def preview_views(shards: Path, output: Path, count: int, seed: int, **view_options: Any) -> None:
     """Write a PNG grid of the augmented views of a few images (rows: images; columns: views)."""
-    from relicv2.pretrain.views.config import ViewConfig
     from relicv2.pretrain.views.preview import write_view_grid
 
     with user_errors(ValueError, FileNotFoundError):

@@ -158,7 +158,7 @@ def index(spec: str, index_cache: Path | None, workers: int, progress: bool) -> 
     header), and the verdicts are kept in the same cache. Tars done before are skipped. Point every
     job at the same cache (a shared folder on a cluster): no rank then reads the set at start.
     """
-    from relicv2.pretrain.views.sources import CHECKS_FOLDER, check_shard_set
+    from relicv2.shards.checks import CHECKS_FOLDER, check_shard_set
     from relicv2.shards.shardset import ShardSetError, default_index_cache, derive_missing_indexes
 
     cache = default_index_cache(index_cache)

@@ -1,7 +1,7 @@
 """Labelled train / test views for linear evaluation through DALI (CPU or GPU decoding).
 
 A small pipeline beside the pretraining one, built from the same pieces: the set is read with
-`pretrain.views.sources.load_sample_set` (undecodable images of a set from another tool found first by
+`shards.sample_set.load_sample_set` (undecodable images of a set from another tool found first by
 `find_undecodable` and left out through filtered index files) and its samples by DALI's webdataset
 reader over those index files. Train views: random-resized-crop + flip; test views: short side
 bicubic + centre crop. Yields (images [B, 3, crop, crop] float, labels [B]).
@@ -21,11 +21,11 @@ from nvidia.dali import pipeline_def
 from nvidia.dali.plugin.base_iterator import LastBatchPolicy
 from nvidia.dali.plugin.pytorch import DALIGenericIterator
 
-from relicv2.evaluation.views import CROP_RATIO
 from relicv2.models.normalization import IMAGENET_MEAN, IMAGENET_STD
+from relicv2.pretrain.views.config import CROP_RATIO, FULL_CROP_SCALE, resize_of
 from relicv2.pretrain.views.dali import find_undecodable
-from relicv2.pretrain.views.sources import load_sample_set
 from relicv2.shards.sample import IMAGE_MEMBERS, LABEL_MEMBER, MAX_LABEL_BYTES, class_index
+from relicv2.shards.sample_set import load_sample_set
 
 READER = "eval"
 # The eval pipeline has no recovery from a decode failure (pretraining's view loader has): every image of
@@ -48,7 +48,8 @@ def _eval_pipeline(tars, index_files, *, train: bool, crop_size: int, resize_siz
         mirror = fn.random.coin_flip(probability=0.5)
     else:
         images = fn.decoders.image(jpeg, device=device, output_type=types.RGB)
-        images = fn.resize(images, resize_shorter=resize_size, interp_type=types.INTERP_CUBIC, antialias=True)
+        images = fn.resize(images, resize_shorter=resize_of(crop_size, resize_size), interp_type=types.INTERP_CUBIC,
+                           antialias=True)
         mirror = 0
     images = fn.crop_mirror_normalize(images, crop=(crop_size, crop_size), mirror=mirror, dtype=types.FLOAT,
                                       output_layout="CHW", mean=[m * 255 for m in IMAGENET_MEAN],
@@ -61,7 +62,7 @@ class DaliViews:
     """Batches of one shard set's views for every epoch; its `sample_set` lists the undecodable samples."""
 
     def __init__(self, source: str | Path, *, train: bool, crop_size: int, resize_size: int, batch_size: int,
-                 scale: tuple[float, float] = (0.08, 1.0), seed: int = 0, rank: int = 0, world: int = 1,
+                 scale: tuple[float, float] = FULL_CROP_SCALE, seed: int = 0, rank: int = 0, world: int = 1,
                  threads: int = 2, device: torch.device | None = None) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # left-out samples are counted and reported by the caller

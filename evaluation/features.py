@@ -1,6 +1,6 @@
 """Frozen-encoder features of a labelled shard set, with an on-disk cache.
 
-Extraction is the kNN monitor's (`pretrain.knn.knn.extract_features`: decode, resize the short
+Extraction is the kNN monitor's (`pretrain.knn.extract.extract_features`: decode, resize the short
 side bicubic, centre crop, ImageNet mean/std), so kNN and the linear `fast` protocol see the same
 test views. The cache file name is a digest of the encoder's weights, the shard set's files (name,
 size, mtime) and the view spec: a changed checkpoint or a rebuilt shard set never reuses stale
@@ -21,8 +21,9 @@ from torch import Tensor, nn
 
 from relicv2.models.torchfile import TorchFileError, TorchFormat
 from relicv2.pretrain.distributed import DistributedContext, all_gather_object
-from relicv2.pretrain.knn.knn import extract_features, join_parts
+from relicv2.pretrain.knn.extract import extract_features, join_parts
 from relicv2.pretrain.knn.outcome import LostSamples, LostSamplesError
+from relicv2.pretrain.views.config import IMAGE_SIZE
 from relicv2.shards.shardset import ShardSet, shard_tars
 
 # The version is part of the cache file name, not of the file: version 2 records the skipped keys and the
@@ -36,7 +37,7 @@ CACHE = TorchFormat("feature cache", fix="extracting its features again", tag="r
 class FeatureSpec:
     """The test view the features are taken on (the linear protocol's: 256 bicubic -> centre 224)."""
 
-    crop_size: int = 224
+    crop_size: int = IMAGE_SIZE
     resize_size: int = 0  # 0: crop_size / 0.875
     batch_size: int = 256
 

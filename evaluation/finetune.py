@@ -24,6 +24,7 @@ from relicv2.evaluation.views import LabelledViews, class_count, epoch_batches, 
 from relicv2.pretrain.distributed import DistributedContext, open_shard_sets
 from relicv2.pretrain.knn.classes import check_same_classes
 from relicv2.pretrain.schedules import peak_learning_rate, step_decay
+from relicv2.pretrain.views.config import FULL_CROP_SCALE, IMAGE_SIZE, resize_of
 
 STATE_FORMAT = "relicv2-finetune"
 STATE_FILE = "finetune.pt"
@@ -41,9 +42,9 @@ class FinetuneConfig:
     reference_batch: int = 2048
     weight_decay: float = 0.0
     momentum: float = 0.9
-    crop_size: int = 224
-    resize_size: int = 256
-    crop_scale: tuple[float, float] = (0.08, 1.0)
+    crop_size: int = IMAGE_SIZE
+    resize_size: int = resize_of(IMAGE_SIZE)  # test views: short side before the centre crop; 0: crop_size / 0.875
+    crop_scale: tuple[float, float] = FULL_CROP_SCALE
     seed: int = 0
     workers: int = 2
 

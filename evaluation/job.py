@@ -35,7 +35,7 @@ from relicv2.jobs.version import package_version
 from relicv2.pretrain import distributed
 from relicv2.pretrain.checkpoint import random_encoder
 from relicv2.pretrain.config import KnnConfig
-from relicv2.pretrain.knn.knn import at_trained_size, evaluate_knn, shared_tars
+from relicv2.pretrain.knn.classify import at_trained_size, evaluate_knn, shared_tars
 from relicv2.pretrain.knn.outcome import NAMED_KEYS, lost_text, named
 from relicv2.shards.outdir import check_output_file, check_output_folder, writing
 from relicv2.shards.shardset import ShardSetError, resolve_shard_set

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from relicv2.pretrain.schedules import learning_rate, peak_learning_rate
+from relicv2.pretrain.views.config import FULL_CROP_SCALE, IMAGE_SIZE, resize_of
 
 PROTOCOLS = ("paper", "fast")
 
@@ -23,9 +24,9 @@ class LinearConfig:
     momentum: float = 0.9
     nesterov: bool = True
     weight_decay: float = 0.0
-    crop_size: int = 224
-    resize_size: int = 256  # test views: short side before the centre crop
-    crop_scale: tuple[float, float] = (0.08, 1.0)  # train views (paper protocol)
+    crop_size: int = IMAGE_SIZE
+    resize_size: int = resize_of(IMAGE_SIZE)  # test views: short side before the centre crop; 0: crop_size / 0.875
+    crop_scale: tuple[float, float] = FULL_CROP_SCALE  # train views (paper protocol)
     seed: int = 0
     workers: int = 2  # decoding workers / DALI threads (paper protocol)
     backend: str = "dali"  # paper protocol views: "dali" (CPU or GPU decoding) or "pil" (torch DataLoader)

@@ -1,7 +1,7 @@
 """Labelled train / test views for the linear and fine-tuning protocols (PIL path, torch DataLoader).
 
 Built from the view pipeline's pieces rather than restating them: samples are located with
-`pretrain.views.sources.load_sample_set` (index files, structural checks), crops drawn with the
+`shards.sample_set.load_sample_set` (index files, structural checks), crops drawn with the
 reference pipeline's seeded `random_resized_crop`, test views are the kNN monitor's `preprocess`
 (resize short side bicubic, centre crop) and the ImageNet mean/std come from the view config.
 Every draw is seeded by (seed, epoch, sample position), so a resumed run sees the same views.
@@ -23,13 +23,13 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from relicv2.models.normalization import IMAGENET_MEAN, IMAGENET_STD
-from relicv2.pretrain.knn.knn import preprocess
+from relicv2.pretrain.knn.extract import preprocess
+from relicv2.pretrain.views.config import CROP_RATIO, FULL_CROP_SCALE
 from relicv2.pretrain.views.reference import random_resized_crop
-from relicv2.pretrain.views.sample_table import SampleRef, SampleTable
-from relicv2.pretrain.views.sources import load_sample_set, require_class_labels
 from relicv2.shards.images import load_image
-
-CROP_RATIO = (3 / 4, 4 / 3)
+from relicv2.shards.reader import SampleRef
+from relicv2.shards.sample_set import load_sample_set, require_class_labels
+from relicv2.shards.sample_table import SampleTable
 
 
 def labelled_samples(source: str | Path, keys: set[str] | None = None) -> tuple[SampleTable, set[str]]:
@@ -84,7 +84,7 @@ class LabelledViews(Dataset):
     train: bool
     crop_size: int
     resize_size: int
-    scale: tuple[float, float] = (0.08, 1.0)
+    scale: tuple[float, float] = FULL_CROP_SCALE
     seed: int = 0
     epoch: int = 0  # set before each epoch: train views are drawn from (seed, epoch, position)
 

@@ -15,7 +15,7 @@ from typing import Any, Literal
 # to_dict is re-exported: checkpoints and resumes compare plain trees through pretrain.config
 from relicv2.jobs.config import ConfigError, Presets, build, resolve, settings_text, to_dict  # noqa: F401
 from relicv2.pretrain.schedules import peak_learning_rate
-from relicv2.pretrain.views.config import ViewConfig
+from relicv2.pretrain.views.config import IMAGE_SIZE, ViewConfig
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ class RunConfig:
 class KnnConfig:
     """The kNN monitor's shard sets and the kNN classifier's settings.
 
-    The single owner of the kNN defaults: `pretrain.knn.knn.evaluate_knn` and `relicv2 eval knn`
+    The single owner of the kNN defaults: `pretrain.knn.classify.evaluate_knn` and `relicv2 eval knn`
     take theirs from here.
     """
 
@@ -90,7 +90,7 @@ class KnnConfig:
     every_epochs: int = 10
     k: int = 20
     temperature: float = 0.07
-    crop_size: int = 224
+    crop_size: int = IMAGE_SIZE
     resize_size: int = 0  # short side before the centre crop; 0: crop_size / 0.875 (256 for 224)
     batch_size: int = 256
 

@@ -15,6 +15,7 @@ from relicv2.jobs.config import ConfigError
 from relicv2.jobs.device import resolve_device
 from relicv2.jobs.ranks import RanksError, ranks_from_env
 from relicv2.pretrain.loss import gather_with_grad
+from relicv2.shards.checks import check_shard_set
 from relicv2.shards.shardset import (
     ShardSet,
     ShardSetError,
@@ -88,7 +89,7 @@ def open_shard_sets(ctx: DistributedContext | None, *specs: Spec, check_samples:
     cannot index are in `ShardSet.lost`), to be handed to everything that reads it.
 
     In a multi-rank job the sets' missing index files are derived first, and with `check_samples` their
-    samples checked (`check`: `pretrain.views.sources.check_shard_set`'s decode options), split over the
+    samples checked (`check`: `shards.checks.check_shard_set`'s decode options), split over the
     ranks with a barrier after each: each tar is read once by one rank instead of once by every rank, given
     an index cache every rank sees (`$RELICV2_INDEX_CACHE` on a shared filesystem)."""
     distributed = ctx is not None and ctx.is_distributed
@@ -102,8 +103,6 @@ def open_shard_sets(ctx: DistributedContext | None, *specs: Spec, check_samples:
         barrier(ctx)  # every index exists before any rank resolves or checks a set
     sets = [resolve_shard_set(spec, allow_lost=allow_lost) for spec in specs]
     if distributed and check_samples:
-        from relicv2.pretrain.views.sources import check_shard_set
-
         for shard_set in sets:
             try:
                 check_shard_set(shard_set, part=part, **check)

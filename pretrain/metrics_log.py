@@ -1,10 +1,12 @@
-"""Rank-0 metrics output: JSONL file, TensorBoard scalars and the run's progress (jobs.progress)."""
+"""Rank-0 metrics output: JSONL file, TensorBoard scalars and the run's progress (jobs.progress), and the
+throughput window every rank measures between records."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import time
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,3 +72,35 @@ class MetricsLogger:
         self._tensorboard.close()
         self._jsonl.close()
 
+
+
+class Window:
+    """Throughput, data-wait time and the masking applied over the steps since the last log record."""
+
+    def __init__(self) -> None:
+        self.start, self.steps, self.data_wait = time.perf_counter(), 0, 0.0
+        self.masked, self.large_views = 0, 0  # on this rank's share of the data
+
+    def timed(self, batches: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        """Iterate `batches`, adding the time spent waiting for each batch to the window."""
+        batches = iter(batches)
+        while True:
+            waited = time.perf_counter()
+            batch = next(batches, None)
+            if batch is None:
+                return
+            self.data_wait += time.perf_counter() - waited
+            if "masking" in batch:  # shards: how many large views the loader masked
+                self.masked, self.large_views = self.masked + batch["masking"][0], self.large_views + batch["masking"][1]
+            yield batch
+
+    def take(self, global_batch: int) -> dict[str, float]:
+        """images_per_s, the mean data_wait_s per step and (from shards) the masked_fraction of the large
+        views over the window, then start a new window."""
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        record = {"images_per_s": global_batch * self.steps / elapsed,
+                  "data_wait_s": self.data_wait / max(self.steps, 1)}
+        if self.large_views:
+            record["masked_fraction"] = self.masked / self.large_views
+        self.__init__()  # the next window starts now
+        return record

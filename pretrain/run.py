@@ -1,12 +1,12 @@
 """The pretraining job, `run_pretraining`, on every rank of a torchrun job (or in a plain process). The update
 is `pretrain.trainer.train_step` and restoring `pretrain.resume`; this module schedules them: check the
 settings, open the shard sets, hold the run folder, build the data source and state, resume, write
-config.yaml, then the step loop (log, checkpoint, kNN, SIGTERM/SIGINT) and the final checkpoint."""
+config.yaml, then the step loop (log, checkpoint, the kNN monitor of `pretrain.monitor`, the stop signals of
+`pretrain.stop`) and the final checkpoint."""
 
 from __future__ import annotations
 
 import contextlib
-import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -42,18 +42,16 @@ from relicv2.pretrain.config import (
 from relicv2.pretrain.distributed import (
     DistributedContext,
     all_gather_object,
-    all_reduce_mean,
     barrier,
     gather_object,
     init,
     open_shard_sets,
     teardown,
 )
-from relicv2.pretrain.knn.classes import ClassMismatchError, check_same_classes
-from relicv2.pretrain.knn.knn import evaluate_knn, shared_tars
-from relicv2.pretrain.knn.outcome import lost_fields
-from relicv2.pretrain.metrics_log import MetricsLogger, truncate_metrics
+from relicv2.pretrain.metrics_log import MetricsLogger, Window, truncate_metrics
+from relicv2.pretrain.monitor import check_monitor_sets, knn_monitor
 from relicv2.pretrain.resume import data_position, restore
+from relicv2.pretrain.stop import PretrainingInterrupted, StopSignals
 from relicv2.pretrain.trainer import (
     NonFiniteLossError,
     StepSettings,
@@ -66,23 +64,12 @@ from relicv2.pretrain.views.config import mask_mismatch
 from relicv2.pretrain.views.source import ViewSource
 from relicv2.pretrain.views.synthetic import SyntheticViews
 from relicv2.shards.outdir import output_folder
-from relicv2.shards.reader import ReadReport, iter_samples
-from relicv2.shards.sample import missing_label
 from relicv2.shards.shardset import ShardSet, ShardSetError
 
 JOB_NAME = "relicv2 pretrain"
 # Builds this rank's data source once the process group is up (it needs the rank and the device) from the
 # training shard set as the run resolved it (None for generated data).
 ViewsFactory = Callable[[PretrainConfig, DistributedContext, ShardSet | None], ViewSource]
-
-
-class PretrainingInterrupted(RuntimeError):
-    """SIGTERM or SIGINT arrived; a checkpoint of the current step was saved, the run stopped."""
-
-    def __init__(self, signal_name: str, step: int, checkpoint: Path) -> None:
-        self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
-        super().__init__(f"stopped by {signal_name} at step {step}; checkpoint {checkpoint} saved, "
-                         "run the same command again to continue")
 
 
 class OutOfMemory(RuntimeError):
@@ -108,7 +95,7 @@ def run_pretraining(
     ctx = init(config.run.device)
     try:
         sets = open_run_shard_sets(config, ctx)
-        with _run_folder(config, ctx, fresh=fresh), _StopSignals() as stop:
+        with _run_folder(config, ctx, fresh=fresh), StopSignals() as stop:
             return _pretrain(config, ctx, views or build_view_source, sets, resume=resume,
                              auto_resume=auto_resume and not fresh, stop=stop)
     finally:
@@ -149,20 +136,7 @@ def open_run_shard_sets(config: PretrainConfig, ctx: DistributedContext) -> dict
                 raise ConfigError(f"{key}={spec}: {error}") from None
     if "knn.train_shards" not in sets:  # KnnConfig takes both sets or neither
         return sets
-    bank, queries = sets["knn.train_shards"], sets["knn.val_shards"]
-    _check_first_label("knn.train_shards", bank)
-    _check_first_label("knn.val_shards", queries)
-    try:
-        check_same_classes(bank, queries)
-    except ClassMismatchError as error:
-        raise ConfigError(f"knn.train_shards / knn.val_shards: {error}") from None
-    both = shared_tars(bank, queries)
-    if both:
-        raise ConfigError(f"knn.train_shards and knn.val_shards share {len(both)} tar(s) ({both[0].name}, ...): the "
-                          "monitor would find each query in its own bank; set knn.val_shards to a held-out labelled set")
-    if "data.train_shards" in sets and shared_tars(sets["data.train_shards"], queries):
-        print(f"warning: knn.val_shards={queries} holds images of data.train_shards: the kNN monitor scores "
-              "images the encoder trains on; a held-out labelled set gives a figure that generalises", flush=True)
+    check_monitor_sets(sets["knn.train_shards"], sets["knn.val_shards"], sets.get("data.train_shards"))
     return sets
 
 
@@ -229,7 +203,7 @@ def build_view_source(config: PretrainConfig, ctx: DistributedContext, shards: S
 
 
 def _pretrain(config: PretrainConfig, ctx: DistributedContext, views: ViewsFactory, sets: dict[str, ShardSet], *,
-              resume: str | Path | None, auto_resume: bool, stop: _StopSignals) -> PretrainResult:
+              resume: str | Path | None, auto_resume: bool, stop: StopSignals) -> PretrainResult:
     out = Path(config.run.output_dir)
     own = latest_checkpoint(out)
     if resume is not None and own is not None and Path(resume).resolve().parent != out.resolve():
@@ -276,7 +250,7 @@ def final_step(config: PretrainConfig, derived: DerivedValues) -> int:
 
 def _train(config: PretrainConfig, ctx: DistributedContext, state: TrainState, source: ViewSource,
            settings: StepSettings, derived: DerivedValues, knn: tuple[ShardSet, ShardSet] | None, *,
-           stop: _StopSignals, last_saved: Path | None) -> PretrainResult:
+           stop: StopSignals, last_saved: Path | None) -> PretrainResult:
     """The step loop: one train step per batch, logging, checkpoints, the kNN monitor, stop signals."""
     compile_networks = ctx.device.type == "cuda" if config.run.compile is None else config.run.compile
     online_forward, target_forward = wrap_networks(state, ctx, compile=compile_networks,
@@ -285,12 +259,12 @@ def _train(config: PretrainConfig, ctx: DistributedContext, state: TrainState, s
     end_step = final_step(config, derived)
     logger = (MetricsLogger(config.run.output_dir, total_steps=end_step, initial_step=state.step,
                             progress_bar=config.run.progress_bar) if ctx.is_main else None)
-    window = _Window()
+    window = Window()
     first_steps: list[float] = []
     signal_name = None
     try:
         while state.step < end_step and signal_name is None:
-            for batch in window.timed(source):
+            for batch in window.timed(_made(source)):
                 step_start = time.perf_counter()
                 metrics = _step(state, batch, online_forward, target_forward, settings, ctx, last_saved)
                 if compile_networks and len(first_steps) < 2:
@@ -309,7 +283,7 @@ def _train(config: PretrainConfig, ctx: DistributedContext, state: TrainState, s
                     last_saved = _save(state, source, config, ctx, steps_per_epoch)
                 epoch, at_epoch_end = divmod(state.step, steps_per_epoch)
                 if knn is not None and at_epoch_end == 0 and epoch % config.knn.every_epochs == 0:
-                    _knn_monitor(state, config, ctx, logger, *knn)
+                    knn_monitor(state, config, ctx, logger, *knn)
                 signal_name = stop.agreed(ctx)
                 if signal_name is not None or state.step >= end_step:
                     break
@@ -345,75 +319,16 @@ def _step(state: TrainState, batch: dict[str, Any], online_forward: Any, target_
         ) from None
 
 
-class _Window:
-    """Throughput, data-wait time and the masking applied over the steps since the last log record."""
-
-    def __init__(self) -> None:
-        self.start, self.steps, self.data_wait = time.perf_counter(), 0, 0.0
-        self.masked, self.large_views = 0, 0  # on this rank's share of the data
-
-    def timed(self, source: ViewSource) -> Iterator[dict[str, Any]]:
-        """Iterate `source`, adding the time spent waiting for each batch to the window."""
-        batches = iter(source)
-        while True:
-            waited = time.perf_counter()
-            try:
-                batch = next(batches)
-            except StopIteration:
-                return
-            except torch.OutOfMemoryError:  # raised where the views are made (the loader's thread on a GPU)
-                raise OutOfMemory(
-                    "out of GPU memory while making the next batch of views; set views.ready_batches=0 (batches "
-                    "made on demand) or views.output_dtype=bfloat16, or lower the per-rank batch "
-                    "(optim.global_batch, or more GPUs)"
-                ) from None
-            self.data_wait += time.perf_counter() - waited
-            if "masking" in batch:  # shards: how many large views the loader masked
-                self.masked, self.large_views = self.masked + batch["masking"][0], self.large_views + batch["masking"][1]
-            yield batch
-
-    def take(self, global_batch: int) -> dict[str, float]:
-        """images_per_s, the mean data_wait_s per step and (from shards) the masked_fraction of the large
-        views over the window, then start a new window."""
-        elapsed = max(time.perf_counter() - self.start, 1e-9)
-        record = {"images_per_s": global_batch * self.steps / elapsed,
-                  "data_wait_s": self.data_wait / max(self.steps, 1)}
-        if self.large_views:
-            record["masked_fraction"] = self.masked / self.large_views
-        self.__init__()  # the next window starts now
-        return record
-
-
-class _StopSignals:
-    """SIGTERM (pre-emption) and SIGINT (Ctrl-C) ask the loop to checkpoint and stop after the current step."""
-
-    def __init__(self) -> None:
-        self.received: str | None = None
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> _StopSignals:
-        with contextlib.suppress(ValueError):  # signals can only be handled in the main thread
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-
-    def _handle(self, signum: int, frame: object) -> None:
-        if self.received == "SIGINT" and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C does not wait for the checkpoint
-        self.received = signal.Signals(signum).name
-
-    def agreed(self, ctx: DistributedContext) -> str | None:
-        """The signal name when any rank received one (every rank learns it at the same step)."""
-        if not ctx.is_distributed:
-            return self.received
-        flags = torch.tensor([self.received == "SIGTERM", self.received == "SIGINT"], dtype=torch.float32,
-                             device=ctx.device)
-        term, interrupt = all_reduce_mean(flags, ctx).tolist()  # one tiny collective per step
-        return "SIGTERM" if term > 0 else ("SIGINT" if interrupt > 0 else None)
+def _made(source: ViewSource) -> Iterator[dict[str, Any]]:
+    """`source`'s batches; a GPU out of memory while making them is said as what to change."""
+    try:
+        yield from source
+    except torch.OutOfMemoryError:  # raised where the views are made (the loader's thread on a GPU)
+        raise OutOfMemory(
+            "out of GPU memory while making the next batch of views; set views.ready_batches=0 (batches "
+            "made on demand) or views.output_dtype=bfloat16, or lower the per-rank batch "
+            "(optim.global_batch, or more GPUs)"
+        ) from None
 
 
 def _save(state: TrainState, source: ViewSource, config: PretrainConfig, ctx: DistributedContext,
@@ -433,34 +348,3 @@ def _save(state: TrainState, source: ViewSource, config: PretrainConfig, ctx: Di
                               "space or choose another run.output_dir, then rerun to resume") from None
     barrier(ctx)  # no rank moves on (or exits) before the file exists
     return path
-
-
-def _check_first_label(key: str, spec: ShardSet) -> None:
-    """The kNN sets' first sample must carry a class index: an unlabelled set (or one with class names
-    in `cls`) would otherwise stop the run at its first epoch end, hours in."""
-    sample = next(iter_samples(spec, report=ReadReport()), None)
-    if sample is None:
-        raise ConfigError(f"{key}={spec}: no readable sample; check the shard set (relicv2 shards verify)")
-    if sample["label"] is None:
-        raise ConfigError(f"{key}={spec}: sample {sample['key']} has {missing_label(sample.get('label_text'))}; the "
-                          "kNN monitor needs integer class "
-                          "labels (relicv2 shards build from class sub-folders), or set knn.train_shards= to turn the monitor off")
-
-
-def _knn_monitor(state: TrainState, config: PretrainConfig, ctx: DistributedContext, logger: MetricsLogger | None,
-                 bank: ShardSet, queries: ShardSet) -> None:
-    """kNN accuracy of the online encoder: every rank extracts and searches 1/W of the bank, rank 0
-    merges the ranks' nearest, classifies and logs (so the wait stays short on large labelled sets)."""
-    # A monitor never stops a training: a set that loses samples is scored on what remains, and the
-    # loss is logged (`knn_lost`) and said (`relicv2 eval knn` refuses such a set instead).
-    result = evaluate_knn(state.online.encoder, bank, queries, settings=config.knn,
-                          device=ctx.device, ctx=ctx, allow_lost=True)
-    if result is not None and logger is not None:
-        lost = lost_fields(result.lost)["lost"]
-        logger.log(state.step, {"knn_top1": result.top1, "knn_skipped": float(result.skipped), "knn_lost": float(lost)})
-        logger.message(f"step {state.step}: kNN top-1 {result.top1:.4f} ({result.num_train} bank, {result.num_val} val)")
-        for entry in result.lost:
-            logger.message(f"warning: the kNN monitor's set {entry.source} lost samples while being read "
-                           f"({entry.detail}); scored without them: check it with `relicv2 shards verify "
-                           f"{entry.source}` and rebuild it")
-

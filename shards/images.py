@@ -30,6 +30,7 @@ from relicv2.shards.limits import DEFAULT_LIMITS, ImageLimits
 # JPEG-coded formats PIL may report for a valid JPEG file (MPO: camera multi-picture JPEG,
 # whose first frame is what every JPEG decoder reads).
 JPEG_FORMATS = ("JPEG", "MPO")
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SIXTEEN_BIT_MODES = ("I", "I;16", "I;16B", "I;16L", "I;16N")
 ORIENTATION_TAG = 0x0112
 # What PIL raises for undecodable data (SyntaxError: some plugins' header parsers).

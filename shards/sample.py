@@ -51,9 +51,12 @@ def label_text(raw: bytes) -> str:
     return raw.decode("utf-8", "replace").strip()[:200]
 
 
-def missing_label(text: str | None) -> str:
-    """Why a sample has no class index, for messages: `text` is its `cls` member's text (None: none)."""
-    return "no class label (.cls)" if text is None else f"cls {text[:40]!r}, not a class index"
+def label_refusal(sample: str, text: str | None, who: str) -> str:
+    """Why `who` refuses `sample` (its key, and where it is) that has no class index, and the fix: one
+    sentence; `text` is its `cls` member's text (None: it has none)."""
+    what = "no class label (.cls)" if text is None else f"cls {text[:40]!r}, not a class index"
+    return (f"sample {sample} has {what}; {who} needs integer class labels: build the set with "
+            "`relicv2 shards build` from a folder with class sub-folders")
 
 
 def class_index(raw: bytes | None) -> int | None:

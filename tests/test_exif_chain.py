@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from PIL import Image
 
 from relicv2.models.normalization import IMAGENET_MEAN, IMAGENET_STD
-from relicv2.pretrain.knn.knn import preprocess
+from relicv2.pretrain.knn.extract import preprocess
 from relicv2.pretrain.views.config import PARAM_NAMES, ViewConfig
 from relicv2.pretrain.views.loader import ViewLoader, dali_available
 from relicv2.shards import (

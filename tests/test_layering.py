@@ -103,7 +103,7 @@ def test_the_namespace_root_imports_only_the_command():
 
 def test_the_checker_sees_a_forbidden_import():
     assert not _allowed("relicv2.saliency.network.weights", "relicv2.pretrain.checkpoint")
-    assert not _allowed("relicv2.shards.reader", "relicv2.pretrain.views.sources")
+    assert not _allowed("relicv2.shards.reader", "relicv2.pretrain.views.loader")
     assert _allowed("relicv2.saliency.network.weights", "relicv2.models.checkpoint_file")
     assert not _allowed("relicv2.pretrain.run", "relicv2.evaluation.linear")
     assert not _allowed("relicv2.pretrain.run", "relicv2.saliency.batch")

@@ -29,7 +29,7 @@ from relicv2.evaluation.report.inputs import (
 from relicv2.jobs.atomic import atomic_write_bytes
 from relicv2.jobs.progress import clock
 from relicv2.pretrain.knn.outcome import named
-from relicv2.pretrain.views.sources import PNG_SIGNATURE
+from relicv2.shards.images import PNG_SIGNATURE
 
 # In the figures folder: the names of the figures the report wrote there, the only files a rebuild removes.
 FIGURES_RECORD = ".written-by-report.json"

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from relicv2.pretrain.views.config import DRAWN_PARAM_NAMES, PARAM_NAMES, ViewConfig
-from relicv2.pretrain.views.sources import SampleSet
+from relicv2.shards.sample_set import SampleSet
 
 
 @dataclass(frozen=True)

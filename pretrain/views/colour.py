@@ -19,7 +19,7 @@ decoded there, are read back by the thread that makes the batch, not by the trai
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 
 import numpy as np
@@ -213,6 +213,12 @@ class _Rows:
             return step(x, *args)
         return x.index_copy_(0, index, step(x.index_select(0, index), *args))
 
+    def take(self, x: torch.Tensor, soft: torch.Tensor | None, steps: Sequence[_Step], first: int) -> torch.Tensor:
+        """`steps` each on the rows that drew it (the groups from `first`); `soft`: the views' crops of the mask."""
+        for i, step in enumerate(steps):
+            x = self.apply(x, first + i, step.apply, step.column, soft if step.aligned else None)
+        return x
+
 
 @dataclass(frozen=True)
 class Background:
@@ -246,7 +252,7 @@ def colour_views(views: Sequence[torch.Tensor], draws: Sequence[ColourDraws], sp
     launch-bound, and glibc maps fresh pages for each large allocation: stacked was slower on the CPU
     box unless malloc's mmap threshold is raised (benchmarks/RESULTS.md, "Colour stage: the views of
     one size as one batch"). `stack` defaults to "on a GPU"; `fused` (every row through the
-    steps' compiled kernels, see `fused_steps`) to `cfg.colour_kernels`.
+    steps' compiled kernels, see `_colour`) to `cfg.colour_kernels`.
     """
     on_gpu = views[0].device.type != "cpu"
     if stack is None:
@@ -260,8 +266,7 @@ def colour_views(views: Sequence[torch.Tensor], draws: Sequence[ColourDraws], sp
     for members in groups.values():
         stacked = torch.cat([views[j] for j in members]) if len(members) > 1 else views[members[0]]
         joined = ColourDraws.concat([draws[j].for_view(specs[j]) for j in members])
-        colour = _colour_fused if fused else _colour
-        coloured = colour(stacked, joined, cfg, _joined_background([backgrounds.get(j) for j in members]))
+        coloured = _colour(stacked, joined, cfg, _joined_background([backgrounds.get(j) for j in members]), fused)
         for j, part in zip(members, coloured.split(len(views[members[0]])), strict=True):
             out[j] = part
     return out
@@ -284,28 +289,32 @@ def _joined_background(parts: list[Background | None]) -> Background | None:
     )
 
 
-def _colour(view: torch.Tensor, draws: ColourDraws, cfg: ViewConfig, background: Background | None) -> torch.Tensor:
-    """`colour_view` with draws already switched off where their view's spec never takes the step."""
-    x = view.permute(0, 3, 1, 2).to(torch.float32, memory_format=torch.contiguous_format).div_(255.0)
-    strengths = (cfg.brightness, cfg.contrast, cfg.saturation, cfg.hue)
-    operations = ORDER_TABLE[draws.order]  # B x 4
-    jitter = [(slot, op) for slot in range(len(JITTER_STEPS)) for op in range(len(JITTER_STEPS)) if strengths[op] > 0]
-    masked = background.masked if background is not None else np.zeros(len(draws.order), bool)
-    grey = background.grey if background is not None else np.zeros(len(draws.order))
-    groups = [masked, *(draws.jitter & (operations[:, slot] == op) for slot, op in jitter),
-              draws.grayscale, draws.blur, draws.solarize]
-    rows = _Rows(groups, np.column_stack([draws.factors, grey]), x.device)
-    if background is not None:
-        x = rows.apply(x, 0, replace_background, column=GREY_COLUMN, aligned=background.soft)
-    # A step of strength 0 draws factor 1 (or hue 0), the identity: it is left out.
-    for group, (_, op) in enumerate(jitter, start=1):
-        x = rows.apply(x, group, JITTER_STEPS[op], column=op)
-    later = len(jitter) + 1
-    x = rows.apply(x, later, lambda v: _grey(v).repeat(1, 3, 1, 1))
-    x = rows.apply(x, later + 1, lambda v: gaussian_blur(v, draws.sigma[draws.blur], cfg.blur_kernel))
-    x = rows.apply(x, later + 2, solarize_view)
-    mean, std = _mean_std(cfg, x.device)
-    return x.sub_(mean).div_(std)
+def _colour(view: torch.Tensor, draws: ColourDraws, cfg: ViewConfig, background: Background | None,
+            fused: bool = False) -> torch.Tensor:
+    """`colour_view` with draws already switched off where their view's spec never takes the step.
+
+    One sequence of steps (`_steps`), taken one of two ways: each step on the rows that drew it (`_Rows`:
+    least arithmetic, for CPUs), or with `fused` every row through every step but the blur, the drawn
+    results kept (`_every_row`, compiled on a GPU: fewest launches, for GPUs, where launching bounds the
+    stage). The blur keeps its row selection: its arithmetic (a 23-tap convolution) would grow by more
+    than the launches it saves.
+    """
+    active = tuple(strength > 0 for strength in (cfg.brightness, cfg.contrast, cfg.saturation, cfg.hue))
+    before, after = _steps(active, background is not None)
+    masked = background.masked if background is not None else None
+    flags = np.column_stack([step.drawn(draws, masked) for step in (*before, *after)])  # B x steps
+    values = np.column_stack([draws.factors, background.grey if background is not None else np.zeros(len(flags))])
+    if fused:
+        table = torch.as_tensor(np.column_stack([values, flags]).astype(np.float32)).to(view.device, non_blocking=True)
+        take = functools.partial(_compiled(_every_row) if view.device.type == "cuda" else _every_row, table=table)
+        blur_rows, blur_group = _Rows([draws.blur], values[:, :0], view.device), 0
+    else:
+        blur_rows = _Rows([*flags.T, draws.blur], values, view.device)
+        take, blur_group = blur_rows.take, flags.shape[1]
+    x = take(_as_float(view), background.soft if background is not None else None, before, 0)
+    x = blur_rows.apply(x, blur_group, lambda v: gaussian_blur(v, draws.sigma[draws.blur], cfg.blur_kernel))
+    mean, std = _mean_std(cfg, view.device)
+    return take(x, None, after, len(before)).sub_(mean).div_(std)
 
 
 def _mean_std(cfg: ViewConfig, device: torch.device) -> torch.Tensor:
@@ -315,45 +324,63 @@ def _mean_std(cfg: ViewConfig, device: torch.device) -> torch.Tensor:
     return torch.tensor([cfg.mean, cfg.std]).to(device, non_blocking=True).view(2, 1, 3, 1, 1)
 
 
-# Columns of the per-row table the fused steps read (one host-to-device copy a batch of views).
-MASKED, JITTER, GRAYSCALE, SOLARIZE, ORDER = 5, 6, 7, 8, 9  # after the 4 factors and the grey level
+@dataclass(frozen=True)
+class _Step:
+    """A colour step as a batch takes it: `apply(x, [the rows' value], [their crops of the mask])` on the
+    rows `drawn(draws, masked)` picks."""
+
+    apply: Callable[..., torch.Tensor]
+    drawn: Callable[[ColourDraws, np.ndarray], np.ndarray]
+    column: int | None = None  # the value it reads per row: a column of the 4 jitter factors, then the grey level
+    aligned: bool = False  # it reads the view's crop of the mask
 
 
-def fused_steps(view: torch.Tensor, table: torch.Tensor, soft: torch.Tensor | None,
-                active: tuple[bool, ...]) -> torch.Tensor:
-    """The steps before the blur (masking, jitter in each row's order, grayscale) on every row.
-
-    Each step is computed for every row and kept where the row drew it (`torch.where`), so the
-    sequence of operations, and every shape, is the same for every batch: torch.compile fuses it into
-    a few kernels with no row selection on the host. The same values as `_colour`'s row selection
-    (the masking blend rounds to 8 bits, and with whole-step grey levels no blended value sits near a
-    rounding boundary, so the two ways' last-ulp differences cannot flip one), at ~4x its arithmetic:
-    the GPU's trade, where launches, not arithmetic, bound the stage. `table`: N x (ORDER + 4) float
-    rows (factors, grey, flags, the 4 jitter operations in order); `active`: which jitter operations
-    have strength > 0.
-    """
-    x = view.permute(0, 3, 1, 2).to(torch.float32).div(255.0)
-
-    def column(i: int) -> torch.Tensor:
-        return table[:, i].view(-1, 1, 1, 1)
-
-    if soft is not None:
-        x = torch.where(column(MASKED) > 0.5, replace_background(x, column(GREY_COLUMN), soft), x)
-    jitter = column(JITTER) > 0.5
-    for slot in range(len(JITTER_STEPS)):
-        operation, out = column(ORDER + slot), x
-        for op, step in enumerate(JITTER_STEPS):
-            if active[op]:
-                out = torch.where(jitter & (operation == op), step(x, column(op)), out)
-        x = out
-    return torch.where(column(GRAYSCALE) > 0.5, _grey(x).expand_as(x), x)
+def grayscale_view(x: torch.Tensor) -> torch.Tensor:
+    return _grey(x).repeat(1, 3, 1, 1)
 
 
-def fused_finish(x: torch.Tensor, table: torch.Tensor, mean_std: torch.Tensor) -> torch.Tensor:
-    """The steps after the blur on every row: solarize where drawn, then the ImageNet mean/std
-    (`mean_std`, from `_mean_std`: made on the device inside, it would be a blocking copy)."""
-    x = torch.where(table[:, SOLARIZE].view(-1, 1, 1, 1) > 0.5, solarize_view(x), x)
-    return (x - mean_std[0]) / mean_std[1]
+MASKING = _Step(replace_background, lambda draws, masked: masked, GREY_COLUMN, aligned=True)
+GRAYSCALE = _Step(grayscale_view, lambda draws, masked: draws.grayscale)
+SOLARIZE = _Step(solarize_view, lambda draws, masked: draws.solarize)
+
+
+def _jitter_step(slot: int, op: int) -> _Step:
+    """Jitter operation `op` on the rows whose order puts it in `slot`."""
+    return _Step(JITTER_STEPS[op], lambda draws, masked: draws.jitter & (ORDER_TABLE[draws.order][:, slot] == op), op)
+
+
+@functools.cache
+def _steps(active: tuple[bool, ...], masked: bool) -> tuple[tuple[_Step, ...], tuple[_Step, ...]]:
+    """The paper's steps before the blur (the masking when the view may be masked, the jitter operations
+    slot by slot, grayscale) and after it (solarize); a jitter operation of strength 0 (`active` False)
+    draws the identity and is left out. Cached: the same objects each batch, which a compiled function of
+    them checks, so it is traced once."""
+    ops = range(len(JITTER_STEPS))
+    jitter = tuple(_jitter_step(slot, op) for slot in ops for op in ops if active[op])
+    return ((MASKING,) if masked else ()) + jitter + (GRAYSCALE,), (SOLARIZE,)
+
+
+def _as_float(view: torch.Tensor) -> torch.Tensor:
+    """B x H x W x 3 uint8 -> B x 3 x H x W float32 in [0, 1]."""
+    return view.permute(0, 3, 1, 2).to(torch.float32, memory_format=torch.contiguous_format).div_(255.0)
+
+
+def _every_row(x: torch.Tensor, soft: torch.Tensor | None, steps: tuple[_Step, ...], first: int, *,
+               table: torch.Tensor) -> torch.Tensor:
+    """`steps` on every row, each result kept where the row drew the step (`table`: the per-row values,
+    then the flags of `_steps`, these from column `first`): the operations, and every shape, are the same
+    for every batch, so torch.compile fuses them into a few kernels with no row selection on the host.
+    The same values as `_Rows.take` (the masking blend rounds to 8 bits, and with whole-step grey levels
+    no blended value sits near a rounding boundary, so the two ways' last-ulp differences cannot flip
+    one), at ~4x its arithmetic."""
+    for i, step in enumerate(steps):
+        args = () if step.column is None else (table[:, step.column].view(-1, 1, 1, 1),)
+        args += (soft,) if step.aligned else ()
+        x = torch.where(table[:, VALUES + first + i].view(-1, 1, 1, 1) > 0.5, step.apply(x, *args), x)
+    return x
+
+
+VALUES = GREY_COLUMN + 1  # the per-row values before the flags in `_every_row`'s table
 
 
 @functools.cache
@@ -361,22 +388,3 @@ def _compiled(step):
     """`step` compiled for the GPU (static shapes: a loader's batches all have the same), once per process.
     On a CPU the same function runs eagerly: there the stage is bound by arithmetic, not launches."""
     return torch.compile(step, dynamic=False)
-
-
-def _colour_fused(view: torch.Tensor, draws: ColourDraws, cfg: ViewConfig, background: Background | None) -> torch.Tensor:
-    """`_colour` with every step but the blur on every row, in two compiled functions on a GPU. The blur
-    keeps its row selection: its arithmetic (a 23-tap convolution) would grow by more than the launches
-    it saves."""
-    rows = len(draws.order)
-    masked = background.masked if background is not None else np.zeros(rows, bool)
-    grey = background.grey if background is not None else np.zeros(rows)
-    table = np.column_stack([draws.factors, grey, masked, draws.jitter, draws.grayscale, draws.solarize,
-                             ORDER_TABLE[draws.order]]).astype(np.float32)
-    table = torch.as_tensor(table).to(view.device, non_blocking=True)
-    active = tuple(s > 0 for s in (cfg.brightness, cfg.contrast, cfg.saturation, cfg.hue))
-    on_gpu = view.device.type == "cuda"
-    before, finish = (_compiled(fused_steps), _compiled(fused_finish)) if on_gpu else (fused_steps, fused_finish)
-    x = before(view, table, background.soft if background is not None else None, active)
-    blurred = _Rows([draws.blur], np.zeros((rows, 1)), view.device)
-    x = blurred.apply(x, 0, lambda v: gaussian_blur(v, draws.sigma[draws.blur], cfg.blur_kernel))
-    return finish(x, table, _mean_std(cfg, view.device))

@@ -17,6 +17,11 @@ from relicv2.models.normalization import IMAGENET_MEAN, IMAGENET_STD
 from relicv2.shards.sample import MIN_MASK_COVERAGE
 
 GRAYSCALE_WEIGHTS = (0.2989, 0.5870, 0.1140)  # paper and torchvision's rgb_to_grayscale
+# The views of training and of the evaluation protocols (kNN, linear, fine-tuning), which follow the paper's:
+IMAGE_SIZE = 224  # the large views' side, and the evaluation's crop
+CROP_RATIO = (3 / 4, 4 / 3)  # a random-resized crop's range of aspect ratios (torchvision's)
+FULL_CROP_SCALE = (0.08, 1.0)  # a random-resized crop's range of areas: the paper's even views, the protocols' train views
+CENTRE_CROP = 0.875  # the test view: the centre crop's side over the resized short side (224 of 256)
 BACKENDS = ("dali", "reference")
 COLOUR_KERNELS = ("auto", "select", "fused")
 OUTPUT_DTYPES = ("float32", "bfloat16")
@@ -32,13 +37,13 @@ class ViewConfig:
 
     large_views: int = 4
     small_views: int = 2
-    large_size: int = 224
+    large_size: int = IMAGE_SIZE
     small_size: int = 96
     # Random-resized-crop area fractions per column; aspect ratio log-uniform in `crop_ratio`.
-    crop_scale_even: tuple[float, float] = (0.08, 1.0)
+    crop_scale_even: tuple[float, float] = FULL_CROP_SCALE
     crop_scale_odd_large: tuple[float, float] = (0.14, 1.0)
     crop_scale_odd_small: tuple[float, float] = (0.05, 0.14)
-    crop_ratio: tuple[float, float] = (3 / 4, 4 / 3)
+    crop_ratio: tuple[float, float] = CROP_RATIO
     flip_probability: float = 0.5
     jitter_probability: float = 0.8
     brightness: float = 0.4
@@ -128,6 +133,12 @@ class ViewConfig:
             raise ValueError("num_threads must be >= 0 (0: auto), shuffle_buffer and prefetch >= 1")
         if self.ready_batches is not None and self.ready_batches < 0:
             raise ValueError(f"ready_batches must be >= 0 (or null: auto), got {self.ready_batches}")
+
+
+def resize_of(crop_size: int, resize_size: int = 0) -> int:
+    """The test view's short side before the centre crop: `resize_size`, or when 0 crop_size / CENTRE_CROP
+    (256 for 224)."""
+    return resize_size or round(crop_size / CENTRE_CROP)
 
 
 def mask_mismatch(cfg: ViewConfig, has_masks: bool) -> str | None:

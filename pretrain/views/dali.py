@@ -29,10 +29,16 @@ from relicv2.pretrain.views.backend import (
 )
 from relicv2.pretrain.views.colour import Background, ColourDraws, colour_params, colour_views
 from relicv2.pretrain.views.config import view_specs
-from relicv2.pretrain.views.dali_pipeline import READER_NAME, build_view_pipeline, soft_mask_views
-from relicv2.pretrain.views.sample_table import SampleRef
-from relicv2.pretrain.views.sources import MASK_MEMBER, exclude_samples
-from relicv2.shards.sample import class_index
+from relicv2.pretrain.views.dali_pipeline import (
+    READER_NAME,
+    build_view_pipeline,
+    output_names,
+    soft_mask_views,
+    view_output,
+)
+from relicv2.shards.reader import SampleRef
+from relicv2.shards.sample import MASK_MEMBER, class_index
+from relicv2.shards.sample_set import exclude_samples
 
 __all__ = ["DaliBackend", "find_undecodable", "is_decode_error"]
 
@@ -153,8 +159,9 @@ class DaliBackend:
             self.samples, st.config, batch_size=st.batch_size, gpu=self.gpu, rank=st.rank, world_size=st.world_size,
             seed=st.seed, device_id=device_id, checkpoint=checkpoint,
         )
-        # The views that may be masked: the pipeline's last outputs are their crops of the mask, in this
-        # order, and their flags are counted (a few bytes from the GPU per batch).
+        self.outputs = output_names(self.samples, st.config)
+        # The views that may be masked: the pipeline gives their crops of the mask, and their flags are
+        # counted (a few bytes from the GPU per batch).
         self.mask_views = soft_mask_views(self.samples, st.config)
         meta = self.pipe.reader_meta(READER_NAME)
         reader_epoch = meta["epoch_size_padded"] // meta["number_of_shards"]
@@ -190,14 +197,15 @@ class DaliBackend:
                 excluded = self._recover(error)
                 out = self.pipe.run()
         self.runs += 1
-        v = len(self.specs)
+        out = dict(zip(self.outputs, out, strict=True))
+        v = range(len(self.specs))
         with record_function(RANGE_OUTPUTS):
-            views = [_to_torch(out[i]) for i in range(v)]
-            carrier, cls, _has_mask, coverage, grey = out[v : v + 5]
-            masked = out[v + 5 : 2 * v + 5]
+            views = [_to_torch(out[view_output("view", j)]) for j in v]
+            carrier, cls, coverage, grey = out["key"], out["cls"], out["coverage"], out["grey"]
+            masked = [out[view_output("masked", j)] for j in v]
             keys = [sample_key(carrier[i].source_info()) for i in range(len(carrier))]
             labels = [class_index(np.asarray(cls[i]).tobytes()) for i in range(len(cls))]
-            per_view = [_host_array(out[2 * v + 5 + j]) for j in range(v)]
+            per_view = [_host_array(out[view_output("params", j)]) for j in v]
             backgrounds = self._backgrounds(out, masked, grey)  # {} unless views may be masked
         with record_function(RANGE_COLOUR):
             per_view = [colour_params(p, spec, self.setup.config) for p, spec in zip(per_view, self.specs, strict=True)]
@@ -215,10 +223,9 @@ class DaliBackend:
         """{view: what the colour stage needs to mask it} for the views the pipeline gave a crop of the mask."""
         if not self.mask_views:
             return {}
-        first = len(out) - len(self.mask_views)
         grey = _host_array(grey)
-        return {j: Background(masked=_host_array(masked[j]) > 0.5, grey=grey, soft=_to_torch(out[first + i]))
-                for i, j in enumerate(self.mask_views)}
+        return {j: Background(masked=_host_array(masked[j]) > 0.5, grey=grey, soft=_to_torch(out[view_output("soft", j)]))
+                for j in self.mask_views}
 
     def end_epoch(self) -> None:
         # Batches the loader does not deliver (the reader's padded tail): run and drop them so

@@ -25,8 +25,8 @@ from nvidia.dali import pipeline_def
 from nvidia.dali.pipeline import DataNode, Pipeline
 
 from relicv2.pretrain.views.config import ViewConfig, ViewSpec, view_specs
-from relicv2.pretrain.views.sources import MASK_MEMBER, SampleSet
-from relicv2.shards.sample import IMAGE_MEMBERS, LABEL_MEMBER
+from relicv2.shards.sample import IMAGE_MEMBERS, LABEL_MEMBER, MASK_MEMBER
+from relicv2.shards.sample_set import SampleSet
 
 READER_NAME = "shards"
 # The `mixed` decoder's settings: nvJPEG buffers sized once for ImageNet's largest photos (NVIDIA's
@@ -133,7 +133,7 @@ def _sample_mask(mask_bytes: DataNode, sample_set: SampleSet, cfg: ViewConfig, g
     the crops are moved to the GPU.
     """
     # A whole 8-bit grey level, as the reference's grey image: the masking blend then never lands on a
-    # rounding boundary, so every way of computing it rounds alike (colour.fused_steps).
+    # rounding boundary, so every way of computing it rounds alike (both ways of `colour._colour`).
     grey = dmath.floor(_uniform(*[g * MAX for g in cfg.mask_grey_range]) + 0.5)
     has_mask = mask_bytes.shape()[0] > 0
     zero = fn.cast(mask_bytes.shape()[0], dtype=types.FLOAT) * 0.0
@@ -167,19 +167,37 @@ def _views_pipeline(sample_set: SampleSet, cfg: ViewConfig, gpu: bool, rank: int
     shape = fn.peek_image_shape(image_bytes)
     image_hw = fn.cast(shape[0:2], dtype=types.FLOAT)
     mask = _sample_mask(mask_bytes, sample_set, cfg, gpu)
-    views, params, masked, softs = [], [], [], []
-    for spec in view_specs(cfg):
-        v, p, m, soft = _view(image, mask, shape, image_hw, spec, cfg, gpu)
-        views.append(v)
-        params.append(p)
-        masked.append(m)
-        softs += [soft] if soft is not None else []
+    nodes = {}
+    for j, spec in enumerate(view_specs(cfg)):
+        view, params, masked, soft = _view(image, mask, shape, image_hw, spec, cfg, gpu)
+        nodes |= {view_output("view", j): view, view_output("params", j): params, view_output("masked", j): masked}
+        if soft is not None:
+            nodes[view_output("soft", j)] = soft
     # The image's first byte carries the reader's source info (tar:offset:member), i.e. the key, to
     # the batch (sets without a json member have keys too).
-    key_carrier = image_bytes[0:1]
-    outputs = [*views, key_carrier, cls, mask.has_mask, mask.coverage, mask.grey / MAX, *masked, *params]
-    assert len(softs) == len(soft_mask_views(sample_set, cfg))  # the backend reads them by this layout
-    return tuple(outputs + softs)
+    nodes |= {"key": image_bytes[0:1], "cls": cls, "has_mask": mask.has_mask, "coverage": mask.coverage,
+              "grey": mask.grey / MAX}
+    return tuple(nodes[name] for name in output_names(sample_set, cfg))
+
+
+# The outputs of a sample (the carrier of its key, its `cls` member, whether it has a mask, the mask's
+# coverage and the background grey level in [0, 1]), and those of each view (`view_output`).
+SAMPLE_OUTPUTS = ("key", "cls", "has_mask", "coverage", "grey")
+
+
+def view_output(what: str, view: int) -> str:
+    """The name of an output of view `view` (from 0): "view" (its pixels, HWC uint8), "params" (its geometry
+    and the draw that seeds its colour parameters), "masked" (its masked flag) or "soft" (its crop of the mask)."""
+    return f"{what}{view}"
+
+
+def output_names(sample_set: SampleSet, cfg: ViewConfig) -> tuple[str, ...]:
+    """The pipeline's outputs by name, in the order it returns them (DALI returns a tuple): its producer and
+    its consumer both read them through these names, so the view list alone decides the layout."""
+    views = range(len(view_specs(cfg)))
+    return (*(view_output("view", j) for j in views), *SAMPLE_OUTPUTS, *(view_output("masked", j) for j in views),
+            *(view_output("params", j) for j in views),
+            *(view_output("soft", j) for j in soft_mask_views(sample_set, cfg)))
 
 
 def masks_in_play(sample_set: SampleSet, cfg: ViewConfig) -> bool:
@@ -188,8 +206,8 @@ def masks_in_play(sample_set: SampleSet, cfg: ViewConfig) -> bool:
 
 
 def soft_mask_views(sample_set: SampleSet, cfg: ViewConfig) -> list[int]:
-    """The views whose crop of the mask the pipeline outputs (last, in view order): every view that may
-    be masked, for the colour stage, which applies the mask."""
+    """The views whose crop of the mask the pipeline outputs: every view that may be masked, for the
+    colour stage, which applies the mask."""
     if not masks_in_play(sample_set, cfg):
         return []
     return [j for j, spec in enumerate(view_specs(cfg)) if spec.mask_probability > 0]

@@ -3,7 +3,7 @@
 Backends (`pretrain.views.backend.ViewBackend`): "dali" (the DALI pipeline of `pretrain.views.dali_pipeline`,
 CPU or GPU) and "reference" (the same augmentations with PIL/torchvision on a torch DataLoader; the fallback
 when DALI is missing). The loader is a `pretrain.views.source.ViewSource` (every rank delivers the smallest
-rank's share, `sources.samples_per_rank`).
+rank's share).
 """
 
 from __future__ import annotations
@@ -25,12 +25,7 @@ from relicv2.pretrain.views.source import (
     StateVersionError,
     batch_from_global_position,
 )
-from relicv2.pretrain.views.sources import (
-    SampleSet,
-    exclude_samples,
-    load_sample_set,
-    samples_per_rank,
-)
+from relicv2.shards.sample_set import SampleSet, exclude_samples, load_sample_set
 from relicv2.shards.shardset import Spec
 
 # 3: the reference backend's order and views no longer depend on the number of ranks
@@ -99,8 +94,8 @@ class ViewLoader:
 
     @property
     def epoch_size(self) -> int:
-        """Samples this rank delivers per epoch (every rank the same number)."""
-        return samples_per_rank(len(self.samples), self.world_size)
+        """Samples this rank delivers per epoch: the smallest rank's share (every rank the same number)."""
+        return len(self.samples) // self.world_size
 
     @property
     def skipped(self) -> dict[str, int]:
@@ -213,8 +208,9 @@ def _finish(batch: BackendBatch, device: str, config: ViewConfig) -> dict[str, A
 
 
 def batches_per_epoch(samples: SampleSet, world_size: int, batch_size: int) -> int:
-    """Full batches per epoch on each rank: its share of the samples (the smallest rank's), batch by batch."""
-    return samples_per_rank(len(samples), world_size) // batch_size
+    """Full batches per epoch on each rank: its share of the samples, the smallest rank's (so that every rank
+    runs the same number of batches and none delivers one of the reader's padding duplicates)."""
+    return len(samples) // world_size // batch_size
 
 
 def _made_batches(backend: ViewBackend, samples: SampleSet, start: Position, batch_size: int, world_size: int,

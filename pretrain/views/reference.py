@@ -25,9 +25,9 @@ from relicv2.pretrain.views.backend import (
     labels_tensor,
 )
 from relicv2.pretrain.views.config import JITTER_ORDERS, ViewConfig, ViewSpec, view_specs
-from relicv2.pretrain.views.sample_table import SampleRef
-from relicv2.pretrain.views.sources import MASK_MEMBER
 from relicv2.shards.images import load_gray, load_image
+from relicv2.shards.reader import SampleRef
+from relicv2.shards.sample import MASK_MEMBER
 
 # The jitter operations in JITTER_ORDERS' numbering, each taking its own factor.
 JITTER_STEPS = (F.adjust_brightness, F.adjust_contrast, F.adjust_saturation, F.adjust_hue)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from relicv2.pretrain.seeding import SeedPurpose, derive_seed
+from relicv2.pretrain.views.config import ViewConfig
 from relicv2.pretrain.views.source import GLOBAL_POSITION, batch_from_global_position
 
 
@@ -39,9 +40,9 @@ class SyntheticViews:
     rank: int = 0
     world_size: int = 1
     seed: int = 0
-    large_views: int = 4
-    small_views: int = 2
-    large_size: int = 32
+    large_views: int = ViewConfig.large_views
+    small_views: int = ViewConfig.small_views
+    large_size: int = 32  # generated images are small: their views too
     small_size: int = 16
     num_classes: int = 10
     device: str | torch.device = "cpu"

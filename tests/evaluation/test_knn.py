@@ -21,16 +21,11 @@ from torch import nn
 
 from relicv2.cli.eval import eval_group
 from relicv2.models.heads import build_networks
-from relicv2.pretrain.checkpoint import save_checkpoint
+from relicv2.pretrain.checkpoint import encoder_from_checkpoint, save_checkpoint
 from relicv2.pretrain.config import KnnConfig, load_config, to_dict
 from relicv2.pretrain.distributed import init, teardown
-from relicv2.pretrain.knn.knn import (
-    encoder_from_checkpoint,
-    evaluate_knn,
-    extract_features,
-    knn_predict,
-    preprocess,
-)
+from relicv2.pretrain.knn.classify import evaluate_knn, knn_predict
+from relicv2.pretrain.knn.extract import extract_features, preprocess
 from relicv2.pretrain.run import run_pretraining
 from relicv2.shards import ShardSample, resolve_shard_set, write_shard_set
 from tests.paths import REPO
@@ -61,7 +56,7 @@ def test_queries_are_processed_in_chunks_with_the_same_answer():
 # Runs in its own process: peak RSS is a high-water mark, so the figure is the call's alone.
 KNN_PEAK = """
 import resource, sys, torch
-from relicv2.pretrain.knn.knn import knn_predict
+from relicv2.pretrain.knn.classify import knn_predict
 torch.set_num_threads(1)
 g = torch.Generator().manual_seed(0)
 bank, queries = torch.randn(150_000, 8, generator=g), torch.randn(1024, 8, generator=g)
@@ -85,7 +80,7 @@ def test_the_search_holds_a_bounded_block_of_similarities_not_one_per_1024_queri
 # Runs in its own process on a set the test wrote: the growth of the peak RSS over extracting its bank.
 BANK_PEAK = """
 import resource, sys, torch
-from relicv2.pretrain.knn.knn import extract_features
+from relicv2.pretrain.knn.extract import extract_features
 from relicv2.shards import resolve_shard_set
 from tests.evaluation.test_knn import Wide
 torch.set_num_threads(1)

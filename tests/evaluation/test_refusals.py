@@ -17,7 +17,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-import relicv2.pretrain.knn.knn as knn_module
+import relicv2.pretrain.knn.classify as knn_module
 from relicv2.cli.eval import eval_group
 from relicv2.cli.main import cli
 from relicv2.evaluation.finetune import FinetuneConfig, finetune
@@ -27,7 +27,7 @@ from relicv2.models.heads import build_networks
 from relicv2.pretrain.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from relicv2.pretrain.config import KnnConfig, load_config, to_dict
 from relicv2.pretrain.knn.classes import ClassMismatchError, check_same_classes, class_names
-from relicv2.pretrain.knn.knn import KnnResult, evaluate_knn
+from relicv2.pretrain.knn.classify import KnnResult, evaluate_knn
 from relicv2.pretrain.knn.outcome import LostSamplesError
 from relicv2.shards import ShardSample, ShardSetError, resolve_shard_set, write_shard_set
 from relicv2.shards.build import BuildConfig, build_shards

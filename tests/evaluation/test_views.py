@@ -92,3 +92,20 @@ def test_class_names_in_cls_members_are_one_clear_error_before_training(tmp_path
     assert result.exit_code == 1, result.output
     assert "sample n0 in named-0000.tar has cls 'tench', not a class index" in result.output
     assert "relicv2 shards build" in result.output and "Traceback" not in result.output
+
+
+def test_a_resize_of_0_is_the_centre_crop_rule_on_both_view_paths(tmp_path):
+    """resize_size=0 means crop / 0.875 (`resize_of`) for the PIL and the DALI test views, as for kNN."""
+    from relicv2.pretrain.views.config import resize_of
+
+    buffer = io.BytesIO()
+    Image.radial_gradient("L").convert("RGB").save(buffer, "PNG")  # 256 x 256, every pixel its own
+    write_shard_set([ShardSample("g", {"png": buffer.getvalue()}, label=0)], tmp_path)
+    samples, _ = labelled_samples(tmp_path)
+    by_rule, explicit = (LabelledViews(samples, train=False, crop_size=16, resize_size=size)[0][0]
+                         for size in (0, resize_of(16)))
+    assert torch.equal(by_rule, explicit)
+    assert not torch.equal(by_rule, LabelledViews(samples, train=False, crop_size=16, resize_size=40)[0][0])
+    dali = [next(iter(DaliViews(tmp_path, train=False, crop_size=16, resize_size=size, batch_size=1,
+                                threads=1).epoch()))[0] for size in (0, resize_of(16), 40)]
+    assert torch.equal(dali[0], dali[1]) and not torch.equal(dali[0], dali[2])

@@ -27,8 +27,8 @@ from relicv2.pretrain.checkpoint import load_checkpoint
 from relicv2.pretrain.config import load_config
 from relicv2.pretrain.distributed import describe_environment
 from relicv2.pretrain.run import run_pretraining
-from relicv2.pretrain.views.sources import check_path, check_shard_set
 from relicv2.shards import ShardSample, index_path, write_shard_set
+from relicv2.shards.checks import check_path, check_shard_set
 from relicv2.shards.shardset import cached_index_path, derive_missing_indexes
 from tests.once import built_once
 from tests.threads import one_torch_thread

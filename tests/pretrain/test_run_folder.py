@@ -15,7 +15,8 @@ from relicv2.cli.pretrain import run as pretrain_command
 from relicv2.jobs.lock import acquire, release
 from relicv2.pretrain.checkpoint import CheckpointError, list_checkpoints, load_checkpoint
 from relicv2.pretrain.config import ConfigError
-from relicv2.pretrain.run import PretrainingInterrupted, run_pretraining
+from relicv2.pretrain.run import run_pretraining
+from relicv2.pretrain.stop import PretrainingInterrupted
 from tests.pretrain.conftest import RESUME_OPTIONS, quiet_run, tiny_config
 from tests.pretrain.test_trainer import logged, tapped
 

@@ -79,7 +79,7 @@ def test_saliency_handcrafted_rejects_a_deep_json_member(tmp_path):
 
 
 def test_eval_knn_features_reject_a_deep_json_member(tmp_path):
-    from relicv2.pretrain.knn.knn import extract_features
+    from relicv2.pretrain.knn.extract import extract_features
     from relicv2.pretrain.knn.outcome import LostSamplesError
 
     folder = hostile_set(tmp_path / "set")

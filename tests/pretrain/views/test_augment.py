@@ -241,3 +241,32 @@ def test_dali_and_reference_views_have_the_same_statistics(tmp_path):
     means = stats["dali"][:, 0]
     assert np.all(means[:, 0] > means[:, 2] + 0.2)  # red stays above blue: channel order kept
     # Per-pixel agreement of each colour operation is checked in test_data_ops.py.
+
+
+@pytest.mark.parametrize(("large_views", "small_views"), [(3, 1), (1, 0)])
+def test_the_pipelines_outputs_are_read_by_name_whatever_the_view_list(tmp_path, large_views, small_views):
+    """Each view's pixels, parameters, flag and crop of the mask come out under its own name, at its own
+    size, for view lists of other lengths than the paper's (a positional layout shifted with them)."""
+    from relicv2.pretrain.views.dali_pipeline import (
+        build_view_pipeline,
+        output_names,
+        soft_mask_views,
+        view_output,
+    )
+    from relicv2.shards.sample_set import load_sample_set
+
+    write_shard_set(object_samples(8, 5, unmasked_every=4), tmp_path / "set", prefix="obj", max_count=8)
+    sample_set = load_sample_set(tmp_path / "set")
+    cfg = ViewConfig(large_views=large_views, small_views=small_views, large_size=40, small_size=24, num_threads=1,
+                     mask_probability=0.5)
+    pipe = build_view_pipeline(sample_set, cfg, batch_size=4, gpu=False, rank=0, world_size=1, seed=0)
+    out = dict(zip(output_names(sample_set, cfg), pipe.run(), strict=True))
+    assert soft_mask_views(sample_set, cfg) == list(range(large_views))  # the large views may be masked
+    for j in range(large_views + small_views):
+        size = 40 if j < large_views else 24
+        assert np.array(out[view_output("view", j)].as_tensor()).shape == (4, size, size, 3)
+        assert np.array(out[view_output("params", j)].as_tensor()).shape == (4, 4)
+        assert set(np.array(out[view_output("masked", j)].as_tensor()).tolist()) <= {0.0, 1.0}
+    for j in range(large_views):
+        assert np.array(out[view_output("soft", j)].as_tensor()).shape == (4, 40, 40, 1)
+    assert 0.0 < float(np.array(out["coverage"].as_tensor()).max()) <= 1.0

@@ -16,10 +16,15 @@ import torch
 
 from relicv2.models.normalization import IMAGENET_STD
 from relicv2.pretrain.views.config import PARAM_NAMES, ViewConfig
-from relicv2.pretrain.views.dali_pipeline import _views_pipeline, soft_mask_views
+from relicv2.pretrain.views.dali_pipeline import (
+    _views_pipeline,
+    output_names,
+    soft_mask_views,
+    view_output,
+)
 from relicv2.pretrain.views.loader import ViewLoader
-from relicv2.pretrain.views.sources import load_sample_set
 from relicv2.shards import ShardSample, write_shard_set
+from relicv2.shards.sample_set import load_sample_set
 from tests.pretrain.views.test_augment import object_samples
 from tests.pretrain.views.test_backends_agree import FIXED_GEOMETRY, masked_squares  # noqa: F401 (fixture)
 
@@ -46,14 +51,13 @@ def test_the_gpu_graph_traces_with_views_and_masks_on_the_gpu(tmp_path, every_sa
     sample_set = load_sample_set(shards)
     views = ViewConfig(large_size=64, small_size=32, mask_probability=0.5, **settings)
     pipe = _views_pipeline(sample_set, views, True, 0, 1, 0, batch_size=8, num_threads=1, device_id=0, seed=1)
-    devices = [node.device for node in pipe._graph_out]
+    devices = {name: node.device for name, node in zip(output_names(sample_set, views), pipe._graph_out, strict=True)}
     count = views.large_views + views.small_views
-    assert devices[:count] == ["gpu"] * count  # every view is made on the GPU
-    coverage = devices[count + 3]  # outputs: views, meta, cls, has_mask, coverage, grey, masked..., params..., crops
-    assert coverage == ("gpu" if every_sample_masked else "cpu")  # masks decoded by `mixed` when all have one
+    assert [devices[view_output("view", j)] for j in range(count)] == ["gpu"] * count  # every view is made on the GPU
+    assert devices["coverage"] == ("gpu" if every_sample_masked else "cpu")  # masks decoded by `mixed` when all have one
     crops = soft_mask_views(sample_set, views)  # the large views' crops of the mask, for the colour stage's blend
     assert len(crops) == views.large_views
-    assert devices[len(devices) - len(crops):] == ["gpu"] * len(crops)
+    assert [devices[view_output("soft", j)] for j in crops] == ["gpu"] * len(crops)
 
 
 @pytest.mark.gpu

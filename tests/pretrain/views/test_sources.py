@@ -14,10 +14,10 @@ from relicv2.pretrain.views.backend import ViewBackend
 from relicv2.pretrain.views.config import ViewConfig
 from relicv2.pretrain.views.loader import ViewLoader
 from relicv2.pretrain.views.source import ViewSource
-from relicv2.pretrain.views.sources import load_sample_set, require_class_labels
 from relicv2.pretrain.views.synthetic import SyntheticViews
 from relicv2.shards import ShardSample, index_path, list_shards, write_shard_set
 from relicv2.shards.sample import IMAGE_MEMBERS
+from relicv2.shards.sample_set import load_sample_set, require_class_labels
 
 TINY = ViewConfig(large_views=2, small_views=1, large_size=24, small_size=16, num_threads=1)
 BACKENDS = ["dali", "reference"]
@@ -118,7 +118,7 @@ def test_checking_a_large_set_shows_progress_over_its_tars(tmp_path, monkeypatch
     foreign_set(tmp_path / "plain", 14)  # 3 tars
     load_sample_set(tmp_path / "plain")
     assert "checking the samples" not in capsys.readouterr().err  # small sets stay quiet
-    monkeypatch.setattr("relicv2.pretrain.views.sources.PROGRESS_FROM", 10)
+    monkeypatch.setattr("relicv2.shards.sample_set.PROGRESS_FROM", 10)
     load_sample_set(tmp_path / "plain")
     assert "checking the samples of " in capsys.readouterr().err  # a line off a terminal, a bar with ETA on one
 
@@ -126,7 +126,7 @@ def test_checking_a_large_set_shows_progress_over_its_tars(tmp_path, monkeypatch
 def test_sample_checks_are_kept_in_the_cache_and_redone_when_a_tar_changes(tmp_path, monkeypatch):
     import shutil
 
-    import relicv2.pretrain.views.sources as sources
+    import relicv2.shards.checks as checks
 
     foreign_set(tmp_path / "plain", 14)  # 3 tars of 5, 5, 4
     tar = tmp_path / "plain" / "train-0001.tar"
@@ -139,10 +139,10 @@ def test_sample_checks_are_kept_in_the_cache_and_redone_when_a_tar_changes(tmp_p
     cache = tmp_path / "cache"
     with pytest.warns(UserWarning, match="left out 1 bad samples"):
         first = load_sample_set(tmp_path / "plain", index_cache=cache)
-    assert len(list((cache / sources.CHECKS_FOLDER).glob("*.json"))) == 3
+    assert len(list((cache / checks.CHECKS_FOLDER).glob("*.json"))) == 3
     reads = []
-    real = sources.structural_problem
-    monkeypatch.setattr(sources, "structural_problem", lambda *a, **k: reads.append(a[0].key) or real(*a, **k))
+    real = checks.structural_problem
+    monkeypatch.setattr(checks, "structural_problem", lambda *a, **k: reads.append(a[0].key) or real(*a, **k))
     with pytest.warns(UserWarning, match="left out 1 bad samples"):
         again = load_sample_set(tmp_path / "plain", index_cache=cache)
     assert reads == [] and dict(again.skipped) == dict(first.skipped) == {"truncated_image": 1}
@@ -154,15 +154,15 @@ def test_sample_checks_are_kept_in_the_cache_and_redone_when_a_tar_changes(tmp_p
     repaired = load_sample_set(tmp_path / "plain", index_cache=cache)
     assert repaired.skipped == {} and len(repaired) == 14 and len(reads) == 5
     # a torn or forged verdict file is not trusted: the tar is checked again
-    for path in (cache / sources.CHECKS_FOLDER).glob("*.json"):
+    for path in (cache / checks.CHECKS_FOLDER).glob("*.json"):
         path.write_text('{"samples": 5, "left_out": [[99, "x"]]}')
     reads.clear()
     assert len(load_sample_set(tmp_path / "plain", index_cache=cache)) == 14 and len(reads) == 14
     # an unwritable cache only costs the check at every start
-    monkeypatch.setattr(sources, "atomic_write_bytes", lambda *a: (_ for _ in ()).throw(PermissionError("read-only")))
-    shutil.rmtree(cache / sources.CHECKS_FOLDER)
+    monkeypatch.setattr(checks, "atomic_write_bytes", lambda *a: (_ for _ in ()).throw(PermissionError("read-only")))
+    shutil.rmtree(cache / checks.CHECKS_FOLDER)
     assert len(load_sample_set(tmp_path / "plain", index_cache=cache)) == 14
-    assert list((cache / sources.CHECKS_FOLDER).glob("*.json")) == []  # nothing kept, nothing failed
+    assert list((cache / checks.CHECKS_FOLDER).glob("*.json")) == []  # nothing kept, nothing failed
 
 
 def test_decoding_is_cached_per_tar_and_spared_to_sets_decoded_when_written(tmp_path):

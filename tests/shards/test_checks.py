@@ -1,4 +1,4 @@
-"""The view loaders' cached sample checks are bound to the tar they judge and to the checker."""
+"""The cached sample checks are bound to the tar they judge and to the checker."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 from PIL import Image
 
-from relicv2.pretrain.views.sources import CHECKS_FOLDER, check_shard_set
+from relicv2.shards.checks import CHECKS_FOLDER, check_shard_set
 
 
 def test_a_planted_verdict_file_does_not_switch_off_the_checks(tmp_path):

@@ -6,8 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from relicv2.pretrain.views.sample_table import CHUNK, SampleRef, SampleTable
+from relicv2.shards.reader import SampleRef
 from relicv2.shards.sample import MASK_MEMBER
+from relicv2.shards.sample_table import CHUNK, SampleTable
 
 
 def make_refs(count: int, tars: int = 3) -> list[SampleRef]:
