@@ -1,10 +1,7 @@
 """Which files of an output folder belong to a build, claiming a folder for a new one, and the check
-every job makes of its output paths before it works.
-
-A build deletes only files its own plan (`.build/plan.json`) or manifest lists (docs/design.md: a job
-never deletes what it did not write). A folder holding anything else is refused unless the user
-passes `--overwrite`, which removes only a previous build's own files; a file that would be
-overwritten by this build's outputs but was not written by a build is always refused.
+every job makes of its output paths before it works. A build deletes only files its own plan or manifest
+lists (a job never deletes what it did not write): anything else in the folder is refused, and
+`--overwrite` removes only a previous build's own files.
 """
 
 from __future__ import annotations
