@@ -147,10 +147,8 @@ def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     """`over` laid on `base`, section by section (a value replaces, a mapping merges)."""
     merged = dict(base)
     for key, value in over.items():
-        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
-            merged[key] = merge(merged[key], value)
-        else:
-            merged[key] = value
+        nested = isinstance(value, Mapping) and isinstance(merged.get(key), Mapping)
+        merged[key] = merge(merged[key], value) if nested else value
     return merged
 
 

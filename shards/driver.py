@@ -17,6 +17,7 @@ from relicv2.jobs.atomic import remove_stale_temps
 from relicv2.jobs.lock import folder_lock
 from relicv2.jobs.progress import Phase
 from relicv2.jobs.ranks import Ranks
+from relicv2.shards.index import shard_files
 from relicv2.shards.job import (
     NOT_DONE,
     MergeReport,
@@ -27,7 +28,7 @@ from relicv2.shards.job import (
     wait_for_records,
     write_record,
 )
-from relicv2.shards.outdir import output_folder, shard_files
+from relicv2.shards.outdir import output_folder
 from relicv2.shards.writer import TarShard
 
 

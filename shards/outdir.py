@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from relicv2.jobs.atomic import OutputError
-from relicv2.shards.index import index_path
+from relicv2.shards.index import shard_files
 from relicv2.shards.job import ShardJob, write_plan
 from relicv2.shards.manifest import MANIFEST_NAME, REJECTED_NAME, manifest_shards
 from relicv2.shards.merge import plan_file, read_plan, work_dir
@@ -64,11 +64,6 @@ def previous_plan(out: Path) -> dict | None | object:
         return read_plan(out)
     except ValueError:
         return CORRUPT
-
-
-def shard_files(names: list[str]) -> set[str]:
-    """The tar and index file names of the given shard names."""
-    return {n for name in names for n in (name, index_path(Path(name)).name)}
 
 
 def own_files(out: Path, plan: dict | None | object) -> set[str]:
