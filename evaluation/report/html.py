@@ -130,10 +130,7 @@ def claim_figure_dir(folder: Path) -> None:
     if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
         raise ValueError(f"{folder} (the report's figures folder) is not a folder; move it away or choose another --out")
     folder.mkdir(parents=True, exist_ok=True)
-    try:
-        recorded = json.loads((folder / FIGURES_RECORD).read_text())
-    except (OSError, ValueError):  # none (a new folder or a user's), or unreadable: nothing is ours
-        recorded = []
+    recorded, _ = read_json(folder / FIGURES_RECORD)  # none (a new folder or a user's), or unreadable: nothing is ours
     recorded = {name for name in recorded if isinstance(name, str)} if isinstance(recorded, list) else set()
     entries = [p for p in folder.iterdir() if p.name != FIGURES_RECORD]
     foreign = sorted(p.name for p in entries if p.name not in recorded or p.is_symlink() or not p.is_file())
