@@ -26,11 +26,9 @@ def export(checkpoint: Path, out: Path, network: str) -> None:
     from relicv2.evaluation.export import export_checkpoint
     from relicv2.models.encoder_file import sidecar_path
 
-    try:
-        with user_errors(ValueError):  # a torch file's error (models.torchfile), a folder as --out among them
-            sidecar = export_checkpoint(checkpoint, out, network=network)
-    except OSError as error:  # a full disk, a read-only folder, a file where a folder should be
-        raise click.ClickException(f"{error.filename or out}: {error.strerror or error}") from None
+    # ValueError: a torch file's error (models.torchfile), a folder as --out among them
+    with user_errors(ValueError, path=out):
+        sidecar = export_checkpoint(checkpoint, out, network=network)
     click.echo(f"wrote {out} ({sidecar['format']} format, {sidecar['arch']}, {network} network, step "
                f"{sidecar['step']}; fc not included) and {sidecar_path(out)}")
 
@@ -53,11 +51,8 @@ def import_official(source: Path, out: Path, params: str) -> None:
     from relicv2.models.encoder_file import ExportError, check_output_file
     from relicv2.models.official import OfficialImportError, import_official_checkpoint
 
-    try:
-        with user_errors(OfficialImportError, ExportError):
-            check_output_file(out)  # before the (large) release file is read
-            sidecar = import_official_checkpoint(source, out, network=params)
-    except OSError as error:
-        raise click.ClickException(f"{error.filename or out}: {error.strerror or error}") from None
+    with user_errors(OfficialImportError, ExportError, path=out):
+        check_output_file(out)  # before the (large) release file is read
+        sidecar = import_official_checkpoint(source, out, network=params)
     click.echo(f"wrote {out} ({sidecar['arch']}, padding {sidecar['padding']}, {sidecar['format']} format) "
                f"from {source}")

@@ -16,15 +16,20 @@ index_cache_option = click.option(
 
 
 @contextlib.contextmanager
-def user_errors(*kinds: type[Exception], option: str | None = None) -> Iterator[None]:
+def user_errors(*kinds: type[Exception], option: str | None = None, path: Path | None = None) -> Iterator[None]:
     """Errors of `kinds` (the ones a user can cause) end the command with their one-line message, exit 1; with
-    `option`, as a bad value of that option (a usage error, exit 2)."""
+    `option`, as a bad value of that option (a usage error, exit 2); with `path`, an OSError too (a full disk,
+    a read-only folder), as "<its file, else path>: <why>"."""
     try:
         yield
     except kinds as error:
         if option is not None:
             raise click.BadParameter(str(error), param_hint=option) from None
         raise click.ClickException(str(error)) from None
+    except OSError as error:
+        if path is None:
+            raise
+        raise click.ClickException(f"{error.filename or path}: {error.strerror or error}") from None
 
 
 preset_option = click.option("--preset", "preset_name", metavar="NAME", default=None,

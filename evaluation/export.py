@@ -4,10 +4,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from relicv2.evaluation.report.inputs import read_eval_results, read_run_metrics
 from relicv2.models.encoder_file import (
     check_output_file,
     exported_network,
@@ -51,23 +51,15 @@ def load_backbone(path: str | Path, *, network: str = "online") -> tuple[ResNet,
 
 
 def _known_figures(run_dir: Path, step: int) -> dict[str, Any]:
-    """The last kNN top-1 logged at or before `step` in the run's metrics.jsonl, and linear results beside it."""
+    """The last kNN top-1 logged at or before `step` in the run's metrics.jsonl, and the top-1 of the
+    trained encoder's linear results beside it (linear*.json)."""
     figures: dict[str, Any] = {}
-    metrics = run_dir / "metrics.jsonl"
-    for line in metrics.read_text().splitlines() if metrics.is_file() else []:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut by a killed run
-        if isinstance(record, dict) and "knn_top1" in record and record.get("step", 0) <= step:
-            figures.update(knn_top1=record["knn_top1"], knn_step=record.get("step"))
-    for name in sorted(run_dir.glob("linear*.json")):
-        try:
-            record = json.loads(name.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            continue
-        if isinstance(record, dict) and "protocol" in record and "top1" in record:
-            figures[f"{record['protocol']}_top1"] = record["top1"]
+    logged = read_run_metrics(run_dir).knn if (run_dir / "metrics.jsonl").is_file() else []
+    knn = [r for r in logged if r["step"] <= step]
+    if knn:
+        figures.update(knn_top1=knn[-1]["knn_top1"], knn_step=knn[-1]["step"])
+    results, _ = read_eval_results(sorted(run_dir.glob("linear*.json")))
+    figures.update((f"{r.protocol}_top1", r.top1) for r in results if not r.random_init)
     return figures
 
 

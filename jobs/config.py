@@ -1,16 +1,10 @@
 """One configuration system for every job: presets by name, typed `--set`, strict building, one echo.
 
-A job's settings are one frozen dataclass tree, resolved in three layers: the dataclass defaults;
-`--config NAME_OR_FILE`, a preset shipped in the job's package (`presets/NAME.yaml`, found through
-importlib.resources, so a name works from any directory and from an installed wheel) or a YAML file
-(a value ending in `.yaml`/`.yml` or holding a `/`); then `--set section.key=value` overrides, each
-value read as YAML (`true`, `0.2`, `[0.5, 2]`, `abc`). Unknown keys are refused with the valid keys
-listed, and a key an earlier version had (a dataclass's `REMOVED_KEYS`) with why it went; a value of
-the wrong type names the key, the expected type and the source. The resolved settings are printed at
-start and saved beside the job's outputs in one format, `settings_text` (YAML). Relative paths in a
-preset are read against the current directory, like any path on the command line.
-
-This module imports nothing of the project: every job package imports it.
+A job's settings are one frozen dataclass tree, resolved in layers: the defaults; `--config NAME_OR_FILE`
+(a preset `presets/NAME.yaml` shipped in the job's package, found through importlib.resources so a name
+works from anywhere, or a YAML file); then `--set section.key=value`, each value read as YAML. Unknown or
+removed keys and wrong types are refused naming the key and the source. Relative paths in a preset are
+read against the current directory. This module imports nothing of the project.
 """
 
 from __future__ import annotations
@@ -153,10 +147,8 @@ def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     """`over` laid on `base`, section by section (a value replaces, a mapping merges)."""
     merged = dict(base)
     for key, value in over.items():
-        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
-            merged[key] = merge(merged[key], value)
-        else:
-            merged[key] = value
+        nested = isinstance(value, Mapping) and isinstance(merged.get(key), Mapping)
+        merged[key] = merge(merged[key], value) if nested else value
     return merged
 
 

@@ -1,11 +1,7 @@
-"""One job per output folder: an exclusive lock file taken before anything in the folder is read.
-
-The lock is ``<folder>/.relicv2.lock``, created with ``O_EXCL`` and holding the holder's host,
-pid, start time and job name. A second job is refused at once with :class:`FolderLockedError`
-naming the holder. A lock left by a dead process on the same host (pid gone) is taken over with a
-note. ``fcntl`` locks are not used because they do not hold across the nodes of a shared file
-system (NFS, Lustre) and vanish silently on some of them; an O_EXCL file does both jobs and is
-visible to a person listing the folder.
+"""One job per output folder: an exclusive lock file (`.relicv2.lock`, created with O_EXCL, naming its
+holder) taken before anything in the folder is read; a lock left by a dead process on this host is taken
+over with a note. Not `fcntl`: its locks do not hold across the nodes of a shared file system (NFS,
+Lustre) and vanish silently on some of them, and a file is visible to a person listing the folder.
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
-"""Process pools whose workers exit when their parent dies (a `kill -9` of the job leaves no orphans),
-and one thread per worker.
+"""Process pools whose workers exit when their parent dies (a `kill -9` of the job leaves no orphans):
+each worker asks Linux for SIGKILL when its parent exits (prctl PR_SET_PDEATHSIG) and, everywhere, polls
+its parent's pid once a second. Every job's pool is a :func:`worker_pool`.
 
-Linux: each worker asks the kernel for SIGKILL when its parent exits (prctl PR_SET_PDEATHSIG).
-Everywhere: a daemon thread in each worker also polls its parent pid once a second and exits when
-the parent is gone, so the pool never outlives the job. Every job's pool is a :func:`worker_pool`.
+Ctrl-C reaches every process of the terminal's group: the workers ignore it and the job handles it (one
+line, exit 130); an idle worker would otherwise print a KeyboardInterrupt traceback of its own.
 
-Ctrl-C reaches every process of the terminal's group: the workers ignore it and the job handles it
-(one line, exit 130), stopping the work queued for the pool; a worker interrupted while idle would
-otherwise print a KeyboardInterrupt traceback of its own.
-
-The handcrafted methods and OpenCV work on small arrays: BLAS, OpenMP and OpenCV threads cost more
-than they give there and oversubscribe the cores (the saliency tests ran 6x slower with default
-threading under load), so a job's computations run one thread each (:func:`single_threaded`,
-:func:`one_thread`).
+BLAS, OpenMP and OpenCV threads cost more than they give on the handcrafted methods' small arrays and
+oversubscribe the cores (the saliency tests ran 6x slower under load): a job's computations run one
+thread each (:func:`single_threaded`, :func:`one_thread`).
 """
 
 from __future__ import annotations

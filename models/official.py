@@ -6,10 +6,8 @@ target_state, opt_state>, "step": int, "rng": array}. Parameters are haiku dicts
 named like `res_net50/~/block_group_0/~/block_0/~/conv_0` (convolutions HWIO, BatchNorm scale /
 offset with the EMA statistics in the state under `.../~/mean_ema` / `var_ema`).
 
-A pickle can run any code while it is read, so the file goes through the data-only reader of
-`official_pickle`: it builds arrays of plain numeric dtypes, plain containers and named-tuple
-look-alikes, and refuses every other global before anything is called. The haiku networks pad with TensorFlow's "SAME" rule,
-so the encoder is built with `padding="same_tf"` and its features equal the JAX model's.
+A pickle can run any code while it is read: the file goes through `official_pickle`'s data-only reader.
+The haiku networks pad with TensorFlow's "SAME" rule, so the encoder is built with `padding="same_tf"`.
 """
 
 from __future__ import annotations

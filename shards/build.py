@@ -1,11 +1,8 @@
 """`relicv2 shards build`: input images -> shuffled, decode-verified, resumable WebDataset shards.
 
-The job plans everything up front (shards.plan); each planned shard is a unit of the shard-job engine
-(shards.driver runs the job): this rank's unfinished shards have their images decode-verified (and
-converted when needed) in a process pool and written in plan order, each with its done record last.
-Rerunning the same command after a kill skips finished shards and redoes the rest (and any finished shard
-whose files changed since, truncated, edited or deleted), giving the same bytes. Rank 0 then merges the
-records (shards.merge).
+Everything is planned up front (shards.plan); each planned shard is a unit of the shard-job engine
+(shards.driver), its images decode-verified (converted when needed) in a process pool and written in plan
+order. A rerun skips finished shards and redoes the rest, giving the same bytes.
 """
 
 from __future__ import annotations

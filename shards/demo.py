@@ -1,12 +1,8 @@
-"""Built-in demo data: a tiny labelled image-folder tree made from the photos bundled with scikit-image.
-
-Each class is one bundled photo; its samples are random crops of it (different positions, scales,
-flips). The val crops are also seen under other lighting: each gets its own brightness, contrast,
-saturation and colour cast (hue), and a few lose their colour. Colour is what a randomly initialised
-encoder's features mostly say, so it scores poorly on them (kNN and linear heads trained on the
-evenly lit train crops); pretraining with colour augmentation learns to look past it, which is the
-gain the demo's report shows. A few inputs are deliberately awkward (greyscale, RGBA PNG, a zero-byte
-file, a non-image file) so the demo also shows how `shards build` converts or rejects them.
+"""Built-in demo data: a tiny labelled image-folder tree of random crops of the photos bundled with
+scikit-image, one photo a class. The val crops are relit (brightness, contrast, saturation, hue, some grey):
+colour is what a randomly initialised encoder's features mostly say, so it scores poorly on them, while
+pretraining with colour augmentation learns to look past it: the gain the demo's report shows. A few awkward
+inputs (greyscale, RGBA PNG, a zero-byte file, a non-image file) show how `shards build` treats them.
 """
 
 from __future__ import annotations

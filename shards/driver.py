@@ -1,11 +1,6 @@
-"""The shard-job engine's driver: the one sequence of every job that writes a shard set (`shards build`,
-`saliency build-masks`, any later one), which brings its planned units (`shards.job.ShardJob`) and its own
-part (`UnitWork`): claiming the output folder, the work of a unit, the merge's information.
-
-Under the output folder's lock (rank 0 holds it; under torchrun the other ranks write beside it) the job
-claims the folder; each rank takes its units (`rank_units`), redoes those whose done record does not match
-their inputs and files (`pending_reason`; a finished unit redone is said, with why) under one progress bar,
-each ended by its done record; rank 0 waits for every unit's record (`wait_for_records`) and merges them.
+"""The shard-job engine's driver: the one sequence (lock, claim, this rank's units, progress, done records,
+wait, merge) of every job that writes a shard set. A job brings its planned units (`shards.job.ShardJob`)
+and its own part (`UnitWork`).
 """
 
 from __future__ import annotations
@@ -22,6 +17,7 @@ from relicv2.jobs.atomic import remove_stale_temps
 from relicv2.jobs.lock import folder_lock
 from relicv2.jobs.progress import Phase
 from relicv2.jobs.ranks import Ranks
+from relicv2.shards.index import shard_files
 from relicv2.shards.job import (
     NOT_DONE,
     MergeReport,
@@ -32,7 +28,7 @@ from relicv2.shards.job import (
     wait_for_records,
     write_record,
 )
-from relicv2.shards.outdir import output_folder, shard_files
+from relicv2.shards.outdir import output_folder
 from relicv2.shards.writer import TarShard
 
 
@@ -98,10 +94,9 @@ def run_shard_job(job: ShardJob, work: UnitWork, ranks: Ranks, *, name: str, pro
             inputs = {n: work.inputs(n) for n in mine}
             reasons = {n: pending_reason(job, job.units[n], inputs[n]) for n in mine}
             todo = [n for n in mine if reasons[n] is not None]
-            repaired = tuple(job.units[n].shard for n in todo if reasons[n] != NOT_DONE)
-            for n in todo:
-                if reasons[n] != NOT_DONE:
-                    print(f"rebuilding {job.units[n].shard}, finished by an earlier run: {reasons[n]}", file=sys.stderr)
+            repaired = {job.units[n].shard: reasons[n] for n in todo if reasons[n] != NOT_DONE}
+            for shard, reason in repaired.items():
+                print(f"rebuilding {shard}, finished by an earlier run: {reason}", file=sys.stderr)
             # The other ranks' units with a record now were finished by an earlier run (a record one of
             # them writes in the moments since it began counts as kept: a report, not a decision).
             kept_elsewhere = sum(n not in mine and job.record_path(u).is_file() for n, u in enumerate(job.units))
@@ -121,7 +116,7 @@ def run_shard_job(job: ShardJob, work: UnitWork, ranks: Ranks, *, name: str, pro
                     record = write_record(job, job.units[n], output.shard, output.rejected, inputs=inputs[n],
                                           extra=output.extra)
                     written, rejected = written + len(record["manifest"]), rejected + len(record["rejected"])
-            report = JobReport(len(todo), len(mine) - len(todo), written, rejected, None, repaired, kept_elsewhere,
+            report = JobReport(len(todo), len(mine) - len(todo), written, rejected, None, tuple(repaired), kept_elsewhere,
                                bar.count, time.monotonic() - started)
             if ranks.rank != 0:
                 return report

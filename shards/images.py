@@ -1,12 +1,8 @@
 """The one image loader for untrusted images, and decode-verification for `shards build`.
 
-Every reader goes through :func:`_open` (header read, pixel limit checked before any pixel is
-decoded, then a full decode) and :func:`displayed` (EXIF orientation applied, 16-bit scaled,
-transparency composited over white, palette/CMYK/GIF flattened to RGB). `shards build` passes an
-RGB JPEG through untouched (no re-encoding) unless its EXIF tag rotates it; any other readable
-image is converted to RGB and encoded as JPEG (quality 95 by default). Every image is fully
-decoded once, so truncated or corrupt files are caught here rather than in training.
-This module runs inside worker processes: it stays light (PIL and numpy only).
+Every reader goes through :func:`_open` (the pixel limit checked from the header before any pixel is
+decoded, then a full decode, so truncated or corrupt files are caught here rather than in training) and
+:func:`displayed` (EXIF orientation applied, 8-bit RGB). It runs in worker processes: PIL and numpy only.
 """
 
 from __future__ import annotations

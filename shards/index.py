@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from relicv2.jobs.atomic import atomic_write_bytes
@@ -31,6 +31,11 @@ class IndexFileError(ValueError):
 def index_path(tar: Path) -> Path:
     """The DALI index file beside a tar: `images-000000.tar` -> `images-000000.idx`."""
     return Path(tar).with_suffix(".idx")
+
+
+def shard_files(names: Iterable[str]) -> set[str]:
+    """The tar and index file names of the given shard names."""
+    return {n for name in names for n in (name, index_path(Path(name)).name)}
 
 
 def split_member_name(name: str) -> tuple[str, str]:

@@ -1,14 +1,7 @@
-"""The shard-job engine: every job that writes a shard set (`shards build`, `saliency build-masks`) drives it.
-
-A job is a plan of units, each writing at most one output tar. A unit has a stable id (which names its
-done record), its output tar, and a digest of its inputs (the plan's content for it: keys, sources,
-settings, the input files' identity). The ranks of a job take disjoint units (`rank_units`). A unit ends
-with its done record, written atomically after its files, holding the digest of its inputs, the
-identity of its outputs (size, modification time, SHA-256 of the tar and of its index), its manifest
-rows and its rejections. A rerun redoes a unit whose record is missing, unreadable, made from other
-inputs, or whose files no longer match it (`pending_reason`). The last step waits for every unit's
-record (`wait_for_records`) and merges them into manifest.parquet, rejected.parquet and info.json
-(`merge_records`); a unit whose record stays missing or stale is named, with the way out.
+"""The shard-job engine's units and done records: what a rerun checks (`pending_reason`), the wait for every
+rank's records (`wait_for_records`) and their merge into manifest.parquet, rejected.parquet and info.json
+(`merge_records`). docs/design.md ("One of each piece of machinery") gives the sequence; `shards.driver`
+runs it.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The one size policy for untrusted images and tar members (decompression bombs, huge members, deep JSON).
-
-Every reader in the project (shards build and verify, the shard reader, saliency's image reading,
-kNN preprocessing) applies these limits: an image's pixel count is checked from its header before
-any pixel is decoded, a tar member's size from its header before any byte is read. Defaults are
-generous for photographs (ImageNet's largest image is ~ 40 Mpx) and can be raised per job.
+"""The one size policy for untrusted images and tar members (decompression bombs, huge members, deep JSON),
+applied by every reader of the project from headers, before a pixel is decoded or a byte read. The defaults
+are generous for photographs (ImageNet's largest image is ~ 40 Mpx) and can be raised per job.
 """
 
 from __future__ import annotations
@@ -17,18 +14,14 @@ DEFAULT_MAX_PIXELS = 89_478_485
 
 @dataclass(frozen=True)
 class ImageLimits:
-    """Limits applied to every untrusted image.
+    """Limits applied to every untrusted image, tar member and json member."""
 
-    max_pixels: width x height above which an image is refused ("too_large"), checked from the header.
-    max_side: when set, decoded images whose longer side exceeds it are downscaled to it (JPEGs are
-      decoded at a reduced scale directly); for saliency work, which does not need full resolution.
-      `shards build` never downscales (the shards keep the original pixels).
-    """
-
-    max_pixels: int = DEFAULT_MAX_PIXELS
+    max_pixels: int = DEFAULT_MAX_PIXELS  # width x height above which an image is refused ("too_large")
     # A tar member (or image file) larger than this is refused before reading: no image a pipeline should
     # train on is this large, and reading a member means holding it in memory.
     max_member_bytes: int = 256 << 20
+    # When set, a decoded image's longer side is downscaled to it (JPEGs decoded at a reduced scale directly),
+    # for saliency work; `shards build` never downscales (the shards keep the original pixels).
     max_side: int | None = None
     # A sample's json member holds a few scalars (source, size, class name, mask statistics): one larger, or
     # nesting arrays and objects deeper, is not metadata: refused unparsed (deep JSON exhausts a stack).

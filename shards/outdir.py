@@ -1,10 +1,7 @@
 """Which files of an output folder belong to a build, claiming a folder for a new one, and the check
-every job makes of its output paths before it works.
-
-A build deletes only files its own plan (`.build/plan.json`) or manifest lists (docs/design.md: a job
-never deletes what it did not write). A folder holding anything else is refused unless the user
-passes `--overwrite`, which removes only a previous build's own files; a file that would be
-overwritten by this build's outputs but was not written by a build is always refused.
+every job makes of its output paths before it works. A build deletes only files its own plan or manifest
+lists (a job never deletes what it did not write): anything else in the folder is refused, and
+`--overwrite` removes only a previous build's own files.
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from relicv2.jobs.atomic import OutputError
-from relicv2.shards.index import index_path
+from relicv2.shards.index import shard_files
 from relicv2.shards.job import ShardJob, write_plan
 from relicv2.shards.manifest import MANIFEST_NAME, REJECTED_NAME, manifest_shards
 from relicv2.shards.merge import plan_file, read_plan, work_dir
@@ -67,11 +64,6 @@ def previous_plan(out: Path) -> dict | None | object:
         return read_plan(out)
     except ValueError:
         return CORRUPT
-
-
-def shard_files(names: list[str]) -> set[str]:
-    """The tar and index file names of the given shard names."""
-    return {n for name in names for n in (name, index_path(Path(name)).name)}
 
 
 def own_files(out: Path, plan: dict | None | object) -> set[str]:

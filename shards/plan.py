@@ -1,9 +1,6 @@
-"""The deterministic build plan: seeded shuffle of the sorted inputs, then shard assignment.
-
-Planning needs no image decoding, so every rank of a multi-node build computes the same plan on
-its own, and every shard can be (re)built independently. A shard's digest covers its inputs and the
-settings that shape its bytes: it is the digest of the shard's unit in the job engine (shards.job),
-whose done record must carry it.
+"""The deterministic build plan: seeded shuffle of the sorted inputs, then shard assignment. It needs no
+image decoding, so every rank computes the same plan on its own; a shard's digest (its inputs and the
+settings that shape its bytes) is the digest of its unit in the job engine (shards.job).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from relicv2.jobs.atomic import atomic_write_bytes, fsync_dir, remove_stale_temps, temp_path_for
 from relicv2.jobs.version import package_version
-from relicv2.shards.index import IndexEntry, format_index, index_path
+from relicv2.shards.index import IndexEntry, format_index, index_path, shard_files
 from relicv2.shards.manifest import CORE_COLUMNS, manifest_shards, write_manifest
 from relicv2.shards.sample import ShardSample, check_sample, content_hash, sample_members
 
@@ -187,10 +187,9 @@ def write_shard_set(
     # Remove the shards (and indexes) of the set this folder held before that the new set does not
     # reuse: only files the previous manifest listed, never anything else in the folder.
     keep = {p.name for p in written}
-    for name in sorted(previous - keep):
-        for path in (out_dir / name, index_path(out_dir / name)):
-            path.unlink(missing_ok=True)
-    remove_stale_temps(out_dir, keep | {index_path(Path(n)).name for n in keep})
+    for name in shard_files(previous - keep):
+        (out_dir / name).unlink(missing_ok=True)
+    remove_stale_temps(out_dir, shard_files(keep))
     write_manifest(rows, out_dir)
     write_info(out_dir, {
         "prefix": prefix,

@@ -33,6 +33,7 @@ from relicv2.shards.images import PNG_SIGNATURE
 
 # In the figures folder: the names of the figures the report wrote there, the only files a rebuild removes.
 FIGURES_RECORD = ".written-by-report.json"
+NO_RUN = "no pretraining run (metrics.jsonl)"
 # (id, title) of every section, in page order; tests check that each is present.
 SECTIONS = (
     ("summary", "The run at a glance"),
@@ -129,10 +130,7 @@ def claim_figure_dir(folder: Path) -> None:
     if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
         raise ValueError(f"{folder} (the report's figures folder) is not a folder; move it away or choose another --out")
     folder.mkdir(parents=True, exist_ok=True)
-    try:
-        recorded = json.loads((folder / FIGURES_RECORD).read_text())
-    except (OSError, ValueError):  # none (a new folder or a user's), or unreadable: nothing is ours
-        recorded = []
+    recorded, _ = read_json(folder / FIGURES_RECORD)  # none (a new folder or a user's), or unreadable: nothing is ours
     recorded = {name for name in recorded if isinstance(name, str)} if isinstance(recorded, list) else set()
     entries = [p for p in folder.iterdir() if p.name != FIGURES_RECORD]
     foreign = sorted(p.name for p in entries if p.name not in recorded or p.is_symlink() or not p.is_file())
@@ -159,13 +157,11 @@ def _missing_inputs(inputs: ReportInputs) -> list[str]:
 
 def _saliency_section(page: _Page, inputs: ReportInputs) -> None:
     if inputs.shards is None or not Path(inputs.shards).is_dir():
-        page.not_run("saliency", "no shard set given (--shards: the masked shards of saliency build-masks)")
-        return
+        return page.not_run("saliency", "no shard set given (--shards: the masked shards of saliency build-masks)")
     samples, problems = read_saliency_samples(inputs.shards, inputs.maps_dir, inputs.count)
     page.summary.problems += problems
     if not any(s.maps or s.mask is not None for s in samples):
-        page.not_run("saliency", f"no handcrafted map or network mask found for the images of {inputs.shards}")
-        return
+        return page.not_run("saliency", f"no handcrafted map or network mask found for the images of {inputs.shards}")
     figure = plots.plot_saliency(samples, page.figure("saliency.png"))
     notes = []
     if inputs.maps_dir is None:
@@ -177,14 +173,12 @@ def _saliency_section(page: _Page, inputs: ReportInputs) -> None:
 
 def _saliency_training_section(page: _Page, inputs: ReportInputs) -> None:
     if inputs.saliency_report is None or not Path(inputs.saliency_report).is_file():
-        page.not_run("saliency-training", "no saliency train report.json")
-        return
+        return page.not_run("saliency-training", "no saliency train report.json")
     report, problem = read_json(inputs.saliency_report)
     rows, losses = metric_rows(report), _loss_rows(report)  # none of either when unreadable (report None)
     if not rows and not losses:
         page.summary.problems.append(problem or f"{inputs.saliency_report}: no metrics in it")
-        page.not_run("saliency-training", f"{inputs.saliency_report} holds no readable metrics")
-        return
+        return page.not_run("saliency-training", f"{inputs.saliency_report} holds no readable metrics")
     parts = []
     if rows:
         columns = sorted({name for _, values in rows for name in values})
@@ -226,17 +220,15 @@ def _views_section(page: _Page, inputs: ReportInputs) -> None:
         copy.write_bytes(data)
         parts.append(page.img(copy, f"{path.stem}: rows are images; 4 large then 2 small views; "
                                     "views with the background removed are framed in orange"))
-    if parts:
-        page.ok("views", "".join(parts))
-    else:
-        page.not_run("views", "no preview-views PNG")
+    if not parts:
+        return page.not_run("views", "no preview-views PNG")
+    page.ok("views", "".join(parts))
 
 
 def _training_sections(page: _Page, metrics_file: Path | None, metrics: RunMetrics | None) -> None:
     if metrics is None:
-        page.not_run("training", "no pretraining run (metrics.jsonl)")
-        page.not_run("knn", "no pretraining run (metrics.jsonl)")
-        return
+        page.not_run("training", NO_RUN)
+        return page.not_run("knn", NO_RUN)
     page.summary.problems += metrics.problems
     if metrics.steps:
         last = metrics.steps[-1]
@@ -268,12 +260,8 @@ def _summary_section(page: _Page, metrics_file: Path | None, metrics: RunMetrics
                      results: list[EvalResult]) -> None:
     """Model, data, steps, wall time, throughput, data wait and masking of the run, then the final figures
     of the pretrained encoder against random init: what a reader looks at first."""
-    if metrics is None:
-        page.not_run("summary", "no pretraining run (metrics.jsonl)")
-        return
-    if not metrics.steps:
-        page.not_run("summary", f"{metrics_file} holds no step record")
-        return
+    if metrics is None or not metrics.steps:
+        return page.not_run("summary", NO_RUN if metrics is None else f"{metrics_file} holds no step record")
     config, steps = metrics.config, metrics.steps
     model, data, optim = (config.get(k) or {} for k in ("model", "data", "optim"))
     times = [s["time"] for s in steps if isinstance(s.get("time"), int | float)]
@@ -306,8 +294,7 @@ def _masking_fact(metrics: RunMetrics) -> str:
 
 def _evaluation_section(page: _Page, results: list[EvalResult]) -> None:
     if not results:
-        page.not_run("evaluation", "no eval --json result")
-        return
+        return page.not_run("evaluation", "no eval --json result")
     rows = [[r.protocol, protocol_text(r.settings), r.encoder, _fmt(r.top1), _fmt(r.top5), _fmt(r.num_train),
              _fmt(r.num_val), r.path.name] for r in results]
     table = _table(["protocol", "settings", "encoder", "top-1", "top-5", "train images", "val images", "file"], rows,

@@ -47,8 +47,7 @@ def plot_losses(steps: Sequence[dict[str, Any]], path: Path) -> Path:
 def plot_schedules(steps: Sequence[dict[str, Any]], path: Path) -> Path:
     """Learning rate (left axis) and the EMA coefficient of the target network (right axis)."""
     fig, ax = plt.subplots(figsize=(7, 4))
-    xs, ys = _series(steps, "step", "lr")
-    ax.plot(xs, ys, color="tab:blue", label="learning rate")
+    ax.plot(*_series(steps, "step", "lr"), color="tab:blue", label="learning rate")
     ax.set(xlabel="step", title="Schedules over steps")
     ax.set_ylabel("learning rate", color="tab:blue")
     ax.grid(alpha=0.3)
@@ -63,8 +62,7 @@ def plot_schedules(steps: Sequence[dict[str, Any]], path: Path) -> Path:
 def plot_knn(knn: Sequence[dict[str, Any]], path: Path, protocol: str) -> Path:
     """kNN top-1 of the online encoder after each monitored epoch; `protocol` (image size, k, ...) in the title."""
     fig, ax = plt.subplots(figsize=(7, 4))
-    xs, ys = _series(knn, "epoch", "knn_top1")
-    ax.plot(xs, ys, marker="o")
+    ax.plot(*_series(knn, "epoch", "knn_top1"), marker="o")
     ax.set(xlabel="epoch", ylabel="kNN top-1", ylim=(0, 1), title=f"kNN monitor over epochs ({protocol})")
     ax.grid(alpha=0.3)
     return _save(fig, path)

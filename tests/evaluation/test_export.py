@@ -64,6 +64,21 @@ def test_export_loads_strictly_into_torchvision_with_identical_features(tmp_path
     assert sidecar["figures"]["knn_top1"] == 0.25
 
 
+def test_sidecar_figures_are_the_checkpoints_own(tmp_path):
+    """kNN: the last record at or before the checkpoint's step; linear: the trained encoder's, not its baseline."""
+    _checkpoint(tmp_path / "run")
+    (tmp_path / "run" / "metrics.jsonl").write_text("\n".join(json.dumps({"step": s, "knn_top1": s / 10})
+                                                               for s in (5, 7, 9)) + '\n{"step": 8, "knn')
+    for name, random_init, top1 in (("linear", None, 0.75), ("linear_random", 18, 0.25)):
+        (tmp_path / "run" / f"{name}.json").write_text(json.dumps(
+            {"protocol": "linear-fast", "random_init": random_init, "top1": top1}))
+    out = tmp_path / "r18.pt"
+    result = CliRunner().invoke(cli, ["export", "--checkpoint", str(tmp_path / "run"), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    figures = json.loads(sidecar_path(out).read_text())["figures"]
+    assert figures == {"knn_top1": 0.7, "knn_step": 7, "linear-fast_top1": 0.75}
+
+
 def test_target_network_and_wide_encoders_use_this_projects_format(tmp_path):
     checkpoint = _checkpoint(tmp_path / "run", depth=18, width=2)
     out = tmp_path / "wide.pt"
