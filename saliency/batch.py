@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import re
 import sys
 from collections import Counter
@@ -26,11 +27,10 @@ from relicv2.jobs.atomic import remove_stale_temps
 from relicv2.jobs.lock import folder_lock
 from relicv2.jobs.progress import Phase
 from relicv2.jobs.workers import one_thread, single_threaded, worker_pool
-from relicv2.saliency.failures import FailureLimit
 from relicv2.saliency.handcrafted.methods import METHODS
-from relicv2.saliency.images import ImageReadError
+from relicv2.saliency.images import write_map
 from relicv2.saliency.inputs import Item, count_inputs, is_shard_source, iter_items
-from relicv2.saliency.maps import write_map
+from relicv2.shards.images import ImageLoadError
 from relicv2.shards.keys import UnsafeKeyError, safe_relative_path
 from relicv2.shards.reader import ReadReport
 
@@ -41,6 +41,43 @@ OUTPUT_FULL = (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
 
 class OutputWriteError(RuntimeError):
     """The output folder cannot take any more maps (full, read-only, not creatable)."""
+
+
+@dataclass(frozen=True)
+class FailureLimit:
+    """``--max-failures``: how many failed inputs (corrupt photos in a web crawl) a job accepts and still
+    succeeds, a count or a fraction of the inputs (a job in which every input failed never succeeds)."""
+
+    count: int | None = 0
+    fraction: float | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> FailureLimit:
+        """``"10"`` -> at most 10 failures; ``"0.05"`` or ``"5%"`` -> at most 5% of the inputs."""
+        value = str(text).strip()
+        if re.fullmatch(r"\d+", value):
+            return cls(count=int(value), fraction=None)
+        try:
+            fraction = float(value[:-1]) / 100.0 if value.endswith("%") else float(value)
+        except ValueError:
+            fraction = math.nan
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(
+                f"--max-failures {text!r}: give a count (e.g. 10), a fraction of the inputs (e.g. 0.05)"
+                " or a percentage (e.g. 5%)"
+            )
+        return cls(count=None, fraction=fraction)
+
+    def allows(self, failed: int, inputs: int) -> bool:
+        """True when ``failed`` failures out of ``inputs`` inputs are within the limit."""
+        if inputs == 0 or failed >= inputs:
+            return False
+        if self.count is not None:
+            return failed <= self.count
+        return failed <= (self.fraction or 0.0) * inputs
+
+    def describe(self) -> str:
+        return str(self.count) if self.count is not None else f"{100 * (self.fraction or 0.0):g}%"
 
 
 @dataclass(frozen=True)
@@ -117,7 +154,7 @@ def process_item(item: Item, methods: tuple[str, ...], output: Path) -> Result:
     failure; anything else is a bug and propagates (a method must give a map for every image)."""
     try:
         rgb = item.rgb()
-    except ImageReadError as error:
+    except ImageLoadError as error:
         return Result(item.name, error=_ADDRESS.sub("", str(error)))
     written: list[str] = []
     for method in methods:

@@ -13,7 +13,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from relicv2.saliency.images import decode_rgb, list_images, read_rgb
+from relicv2.saliency.images import list_images, read_rgb
+from relicv2.shards.images import load_rgb
 from relicv2.shards.manifest import MANIFEST_NAME
 from relicv2.shards.reader import ReadReport, iter_samples
 from relicv2.shards.shardset import BRACE, list_shard_files, resolve_shard_set, shard_tars
@@ -28,9 +29,9 @@ class Item:
     data: bytes | None = None
 
     def rgb(self) -> np.ndarray:
-        """The image as uint8 HxWx3 RGB as displayed; ImageReadError names a bad one."""
+        """The image as uint8 HxWx3 RGB as displayed; shards.images.ImageLoadError names a bad one."""
         # A shard sample always has its image: the shard reader refuses one without (no_image).
-        return read_rgb(self.path) if self.path is not None else decode_rgb(self.data or b"", self.name)
+        return read_rgb(self.path) if self.path is not None else load_rgb(self.data or b"", self.name)
 
 
 def is_shard_source(source: Path) -> bool:

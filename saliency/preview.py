@@ -12,9 +12,9 @@ import numpy as np
 
 from relicv2.saliency.batch import iter_items, map_path
 from relicv2.saliency.handcrafted.methods import METHODS
-from relicv2.saliency.images import ImageReadError, decode_rgb, list_images, read_gray
-from relicv2.saliency.maps import map_to_uint8, write_png
+from relicv2.saliency.images import list_images, map_to_uint8, read_gray, write_png
 from relicv2.shards import ReadReport, iter_samples
+from relicv2.shards.images import ImageLoadError, load_rgb
 from relicv2.shards.sample import MASK_MEMBER
 
 HEADER = 22
@@ -78,9 +78,9 @@ def build_masked_preview(config: PreviewConfig) -> np.ndarray:
         if len(rows) >= config.count:
             break
         try:
-            rgb = decode_rgb(sample["image"], sample["key"])
-            mask = decode_rgb(sample[MASK_MEMBER], f"{sample['key']}.{MASK_MEMBER}")[..., 0]
-        except (ImageReadError, KeyError) as error:
+            rgb = load_rgb(sample["image"], sample["key"])
+            mask = load_rgb(sample[MASK_MEMBER], f"{sample['key']}.{MASK_MEMBER}")[..., 0]
+        except (ImageLoadError, KeyError) as error:
             warnings.warn(f"preview skips {sample['key']}: {error}", stacklevel=2)
             continue
         if mask.shape != rgb.shape[:2]:
@@ -105,7 +105,7 @@ def build_preview(config: PreviewConfig) -> np.ndarray:
             break
         try:
             rgb = item.rgb()
-        except ImageReadError as error:
+        except ImageLoadError as error:
             warnings.warn(f"preview skips {error}", stacklevel=2)
             continue
         row = [(item.name, rgb)]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from relicv2.saliency.handcrafted import graph
-from relicv2.saliency.synthetic import synthetic_scene
+from tests.scenes import synthetic_scene
 
 LABELS = np.array(
     [
