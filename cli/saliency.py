@@ -205,7 +205,7 @@ def build_masks_command(config_name: str | None, overrides: tuple[str, ...], **o
     OUT/config.yaml.
     """
     from relicv2.saliency.network.build_masks import build_masks, format_summary
-    from relicv2.saliency.network.masks_config import MasksError, load_masks_config
+    from relicv2.saliency.network.config import MasksError, load_masks_config
     from relicv2.saliency.network.model_file import ModelFileError
 
     with user_errors(ConfigError, ModelFileError, MasksError, FolderLockedError, FileNotFoundError, ValueError):

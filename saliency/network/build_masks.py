@@ -20,7 +20,7 @@ DALI's decoder applies it). Then `manifest.parquet`, `rejected.parquet`, `info.j
   naming them, before anything is written; so are a --device this machine lacks and a model without a
   usable input size. A refused job leaves no --out; an unwritable one is one line naming the path.
 
-Settings: `masks_config`.
+Settings: `config.BuildMasksConfig`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from relicv2.jobs.progress import Phase
 from relicv2.jobs.ranks import Ranks, ranks_from_env
 from relicv2.jobs.version import package_version
 from relicv2.jobs.workers import local_ranks
-from relicv2.saliency.network.config import CrfConfig
+from relicv2.saliency.network.config import BuildMasksConfig, CrfConfig, MasksError, job_workers
 from relicv2.saliency.network.crf import model_crf
 from relicv2.saliency.network.mask_shard import (
     MainThreadClock,
@@ -57,7 +57,6 @@ from relicv2.saliency.network.mask_work import (
     check_shm_space,
     ring_bytes,
 )
-from relicv2.saliency.network.masks_config import BuildMasksConfig, MasksError, job_workers
 from relicv2.saliency.network.model_file import PASS_MODEL, resolve_model_path
 from relicv2.saliency.network.predictor import MaskPredictor
 from relicv2.shards.driver import JobReport, UnitOutput, run_shard_job

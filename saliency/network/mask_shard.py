@@ -17,7 +17,7 @@ from pathlib import Path
 import cv2
 
 from relicv2.jobs.workers import worker_pool
-from relicv2.saliency.network.config import CrfConfig
+from relicv2.saliency.network.config import CrfConfig, MasksError
 from relicv2.saliency.network.mask_work import (
     RawSample,
     SlotRing,
@@ -27,7 +27,6 @@ from relicv2.saliency.network.mask_work import (
     record_semaphores,
     remove_dead_rings,
 )
-from relicv2.saliency.network.masks_config import MasksError
 from relicv2.saliency.network.predictor import MaskPredictor, launch_forward
 from relicv2.shards.driver import UnitOutput
 from relicv2.shards.images import Rejection
