@@ -84,7 +84,7 @@ class FailureLimit:
 class HandcraftedConfig:
     """One ``relicv2 saliency handcrafted`` job."""
 
-    methods: tuple[str, ...]
+    methods: tuple[str, ...]  # names of METHODS (`resolve_methods` checks what a user gives)
     input: Path
     output: Path
     workers: int = 1
@@ -216,9 +216,6 @@ def run_handcrafted(config: HandcraftedConfig) -> BatchReport:
     """Run the job (see the module docstring). FileNotFoundError/ValueError for a bad input,
     ``jobs.lock.FolderLockedError`` when another job holds the output folder, :class:`OutputWriteError`
     when the output folder can take no more maps."""
-    unknown = [m for m in config.methods if m not in METHODS]
-    if unknown or not config.methods:
-        raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
     source = Path(config.input)
     if not is_shard_source(source) and not source.exists():
         raise FileNotFoundError(f"input {source} does not exist; pass an image folder or a shard set")
