@@ -8,14 +8,11 @@ bytes unchanged (`output_member` names it), its `.cls`, its json plus `mask_cove
 and `{key}.mask.png`: the 8-bit soft mask at the displayed image's size (EXIF orientation applied, as
 DALI's decoder applies it). Then `manifest.parquet`, `rejected.parquet`, `info.json` and `config.yaml`.
 
-- Streaming: one batch being decoded (worker processes), one in the network, one being encoded and
-  written; memory is a few batches whatever the data set size (the batches in flight live in a
-  shared-memory ring, `mask_work.SlotRing`: 3 x batch x size^2 x 7 bytes, 250 MiB at 64 x 432 px).
-- Resumable and multi-node: the shard-job engine runs the job (`shards.driver`), one unit per input
-  shard (`mask_shard`), its done record `OUT/.build-masks/NNNNNN.done.json` holding the digests of its
-  input (the model, the input tar's size, time and index) and of its output tar and index. Batches never
-  span input shards and inference is deterministic, so a resumed result is byte-identical to an
-  uninterrupted run.
+- Streaming: decoding, the network and mask encoding overlap on a shared-memory ring of batches
+  (`mask_shard.mask_shard`, `mask_work.SlotRing`); memory is a few batches whatever the data set size.
+- Resumable and multi-node: the shard-job engine (`shards.driver`) runs one unit per input shard, its done
+  record in `OUT/.build-masks/` (`masks_job` says what its digest covers). Batches never span input shards
+  and inference is deterministic, so a resumed result is byte-identical to an uninterrupted run.
 - Refusals: an --out holding files this job did not write (a user's, another tool's) is refused,
   naming them, before anything is written; so are a --device this machine lacks and a model without a
   usable input size. A refused job leaves no --out; an unwritable one is one line naming the path.

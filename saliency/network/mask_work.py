@@ -130,12 +130,12 @@ def folder_tag(out: Path | None) -> str:
     return "none" if out is None else hashlib.sha256(str(Path(out).resolve()).encode()).hexdigest()[:12]
 
 
-def remove_dead_rings(out: Path, folder: str = SHM_FOLDER) -> None:
+def remove_dead_rings(out: Path) -> None:
     """Remove the rings earlier jobs on `out` left on this host when they were killed with their whole
     process group (their resource tracker, which removes a killed job's ring and semaphores, went with
     them), and the semaphores their worker pools recorded. What belongs to a process that still runs
     (another rank of this job) is kept."""
-    for path in Path(folder).glob(f"{RING_PREFIX}-*-{folder_tag(out)}-*"):
+    for path in Path(SHM_FOLDER).glob(f"{RING_PREFIX}-*-{folder_tag(out)}-*"):
         match = RING_NAME.fullmatch(path.name) or SEMAPHORES_NAME.fullmatch(path.name)
         if match is None or pid_alive(int(match.group(1))):
             continue
@@ -144,13 +144,13 @@ def remove_dead_rings(out: Path, folder: str = SHM_FOLDER) -> None:
         path.unlink(missing_ok=True)  # another rank of the job may have removed it first
 
 
-def record_semaphores(pool: object, out: Path, folder: str = SHM_FOLDER) -> SharedMemory | None:
+def record_semaphores(pool: object, out: Path) -> SharedMemory | None:
     """Write the names of a spawned pool's named semaphores beside the job's ring, so that a later job
     can remove them if this one is killed with its resource tracker (`remove_dead_rings`). A shared
     block like the ring, so the tracker removes it with the semaphores when only the job dies. None
     when the pool has none or there is no shared-memory folder. `unlink()` it once the pool is shut down."""
     names = sorted(_semaphore_names(pool))
-    if not names or not Path(folder).is_dir():
+    if not names or not Path(SHM_FOLDER).is_dir():
         return None
     data = ("\n".join(names) + "\n").encode()
     record = SharedMemory(f"{RING_PREFIX}-{os.getpid()}-{folder_tag(out)}-semaphores", create=True, size=len(data))
@@ -177,17 +177,17 @@ def _unlink_semaphores(record: Path) -> None:
                 _multiprocessing.sem_unlink(name)
 
 
-def _reserve(name: str, nbytes: int, folder: str = SHM_FOLDER) -> None:
+def _reserve(name: str, nbytes: int) -> None:
     """Allocate a new block's pages now. The block is created sparse, and a page tmpfs cannot find
     later is a SIGBUS in whichever process touches it first (a worker, mid-job): refuse at start."""
-    path = Path(folder) / name
+    path = Path(SHM_FOLDER) / name
     if not hasattr(os, "posix_fallocate") or not path.exists():  # no /dev/shm tmpfs (not Linux): nothing to reserve
         return
     fd = os.open(path, os.O_RDWR)
     try:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as error:
-        raise RingSpaceError(f"{folder} cannot hold the {readable_size(nbytes)} build-masks needs for the batches in "
+        raise RingSpaceError(f"{SHM_FOLDER} cannot hold the {readable_size(nbytes)} build-masks needs for the batches in "
                              f"flight ({error.strerror}); {SHM_REMEDY}") from None
     finally:
         os.close(fd)
