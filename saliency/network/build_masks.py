@@ -48,12 +48,7 @@ from relicv2.saliency.network.mask_shard import (
     mask_shard,
     mask_workers,
 )
-from relicv2.saliency.network.mask_work import (
-    MIN_COVERAGE,
-    RingSpaceError,
-    check_shm_space,
-    ring_bytes,
-)
+from relicv2.saliency.network.mask_work import RingSpaceError, check_shm_space, ring_bytes
 from relicv2.saliency.network.model_file import PASS_MODEL, resolve_model_path
 from relicv2.saliency.network.predictor import MaskPredictor
 from relicv2.shards.driver import JobReport, UnitOutput, run_shard_job
@@ -73,7 +68,7 @@ from relicv2.shards.job import (
 )
 from relicv2.shards.manifest import MANIFEST_NAME, REJECTED_NAME
 from relicv2.shards.outdir import SET_FILES, other_entries, shard_files
-from relicv2.shards.sample import MASK_MEMBER
+from relicv2.shards.sample import MASK_MEMBER, MIN_MASK_COVERAGE
 from relicv2.shards.shardset import check_count, default_index_cache, listed_shards, shard_tars
 from relicv2.shards.writer import shard_name
 
@@ -251,7 +246,7 @@ def coverage_of(records: list[dict]) -> np.ndarray:
 
 def mask_stats(coverage: np.ndarray) -> dict:
     """info.json's `mask`: the masks below the minimum coverage pretraining applies, and a histogram."""
-    return {"below_min_coverage": int((coverage < MIN_COVERAGE).sum()), "min_coverage": MIN_COVERAGE,
+    return {"below_min_coverage": int((coverage < MIN_MASK_COVERAGE).sum()), "min_coverage": MIN_MASK_COVERAGE,
             "coverage_histogram": np.histogram(coverage, bins=10, range=(0.0, 1.0))[0].tolist()}
 
 

@@ -38,7 +38,6 @@ from relicv2.shards.writer import SampleRecord, sample_record
 if TYPE_CHECKING:  # the workers import this module; the config module pulls in every handcrafted method
     from relicv2.saliency.network.config import CrfConfig
 
-MIN_COVERAGE = MIN_MASK_COVERAGE  # masks below it are never applied (the views' default mask_min_coverage)
 # zlib level 3 with run-length matching (Z_RLE): masks are smooth, so after PNG's row filters they are
 # runs of equal bytes. Against the default strategy at level 3 on 256 px masks: ~40% less encoding time
 # (the largest per-image cost of the job), -19% to +3% bytes. Level 3 was ~2x faster than 9 for ~10%
@@ -91,7 +90,7 @@ def finish(sample: RawSample, probability: np.ndarray, width: int, height: int, 
     mask = np.clip(soft, 0, 255, out=soft).astype(np.uint8)
     png = cv2.imencode(".png", mask, PNG_PARAMS)[1]  # encoding a uint8 array does not fail
     meta = {**sample.meta, "width": width, "height": height, "mask_coverage": round(coverage, 6),
-            "mask_status": "ok" if coverage >= MIN_COVERAGE else "below_min_coverage"}
+            "mask_status": "ok" if coverage >= MIN_MASK_COVERAGE else "below_min_coverage"}
     members = {**sample.carried, sample.ext: sample.image, MASK_MEMBER: png.tobytes()}
     return sample_record(ShardSample(sample.key, members, sample.label, meta))
 
