@@ -102,12 +102,11 @@ class RingSpec:
     name: str
     batch: int
     size: int
-    slots: int = RING_SLOTS
 
 
-def ring_bytes(batch: int, size: int, slots: int = RING_SLOTS) -> int:
-    """A ring's size: float32 probabilities [slots, B, S, S], then uint8 squares [slots, B, S, S, 3]."""
-    return slots * batch * size * size * (4 + 3)
+def ring_bytes(batch: int, size: int) -> int:
+    """A ring's size: float32 probabilities [RING_SLOTS, B, S, S], then uint8 squares [RING_SLOTS, B, S, S, 3]."""
+    return RING_SLOTS * batch * size * size * (4 + 3)
 
 
 class RingSpaceError(ValueError):
@@ -193,13 +192,13 @@ def _reserve(name: str, nbytes: int) -> None:
 
 
 class SlotRing:
-    """`spec.slots` batches of network input (uint8 [B, S, S, 3]) and probabilities (float32
+    """`RING_SLOTS` batches of network input (uint8 [B, S, S, 3]) and probabilities (float32
     [B, S, S]) in one shared-memory block. The job creates it; workers attach by name."""
 
     def __init__(self, memory: SharedMemory, spec: RingSpec):
         self.memory, self.spec = memory, spec
         self.page_locked = False  # set by the job when a GPU predictor page-locked the block for its DMA
-        maps = (spec.slots, spec.batch, spec.size, spec.size)
+        maps = (RING_SLOTS, spec.batch, spec.size, spec.size)
         # Probabilities first: their float32 rows stay 4-byte aligned whatever the batch and size.
         self._probabilities = np.ndarray(maps, np.float32, buffer=memory.buf)
         self._squares = np.ndarray((*maps, 3), np.uint8, buffer=memory.buf, offset=self._probabilities.nbytes)
