@@ -22,7 +22,6 @@ Settings: `config.BuildMasksConfig`.
 
 from __future__ import annotations
 
-import hashlib
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -64,6 +63,7 @@ from relicv2.shards.job import (
     input_tar_identity,
     merge_records,
     rank_units,
+    sha256_of,
     write_plan,
 )
 from relicv2.shards.manifest import MANIFEST_NAME, REJECTED_NAME
@@ -207,7 +207,7 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
     out = Path(config.out)
     check_input(tars, out)
     model = resolve_model_path(config.model)
-    job, plan = masks_job(out, hashlib.sha256(model.read_bytes()).hexdigest(), tars, config.flip, config.crf)
+    job, plan = masks_job(out, sha256_of(model), tars, config.flip, config.crf)
     try:  # the refusals, each before --out exists: a refused job leaves no folder behind
         check_plan(job, plan, other="a masked set built from another model, input, flip or crf setting")
         check_out_folder(job)
