@@ -99,7 +99,7 @@ def main() -> None:
     import torch
 
     from relicv2.saliency.network.build_masks import BuildMasksConfig, build_masks
-    from relicv2.saliency.network.masks_config import default_workers
+    from relicv2.saliency.network.config import default_workers
     from relicv2.saliency.network.model import SaliencyNet
     from relicv2.saliency.network.model_file import save_model
     from relicv2.saliency.network.predictor import MaskPredictor

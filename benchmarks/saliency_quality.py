@@ -32,12 +32,11 @@ from relicv2.jobs.lock import FolderLockedError  # noqa: E402
 from relicv2.pretrain.checkpoint import CheckpointError  # noqa: E402
 from relicv2.saliency.batch import HandcraftedConfig, run_handcrafted  # noqa: E402
 from relicv2.saliency.evaluate import ModelEvaluation, evaluate_folder, evaluate_model  # noqa: E402
-from relicv2.saliency.images import list_images  # noqa: E402
-from relicv2.saliency.maps import write_map  # noqa: E402
+from relicv2.saliency.images import list_images, write_map  # noqa: E402
 from relicv2.saliency.metrics import DatasetScores  # noqa: E402
 from relicv2.saliency.network.config import SaliencyTrainConfig, load_saliency_config  # noqa: E402
 from relicv2.saliency.network.model_file import MODEL_NAME  # noqa: E402
-from relicv2.saliency.network.predict import mean_of_maps  # noqa: E402
+from relicv2.saliency.network.predictor import mean_of_maps  # noqa: E402
 from relicv2.saliency.network.report import FUSED_ROW, MEAN_ROW, format_report  # noqa: E402
 from relicv2.saliency.network.train import TrainJob, TrainStateError, run_train  # noqa: E402
 from relicv2.shards.build import BuildConfig, build_shards  # noqa: E402

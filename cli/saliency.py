@@ -11,7 +11,12 @@ from relicv2.cli.options import config_or_preset, index_cache_option, preset_opt
 from relicv2.jobs.config import ConfigError
 from relicv2.jobs.device import resolve_device
 from relicv2.jobs.lock import FolderLockedError
-from relicv2.saliency.batch import HandcraftedConfig, OutputWriteError, run_handcrafted
+from relicv2.saliency.batch import (
+    FailureLimit,
+    HandcraftedConfig,
+    OutputWriteError,
+    run_handcrafted,
+)
 from relicv2.saliency.evaluate import (
     EvaluateConfig,
     EvaluationError,
@@ -22,7 +27,6 @@ from relicv2.saliency.evaluate import (
     write_csv,
     write_json,
 )
-from relicv2.saliency.failures import FailureLimit
 from relicv2.saliency.handcrafted.methods import METHODS, resolve_methods
 from relicv2.saliency.network.config import PRESETS, load_saliency_config
 from relicv2.saliency.preview import PreviewConfig, write_preview
@@ -199,7 +203,7 @@ def build_masks_command(config_name: str | None, overrides: tuple[str, ...], **o
     OUT/config.yaml.
     """
     from relicv2.saliency.network.build_masks import build_masks, format_summary
-    from relicv2.saliency.network.masks_config import MasksError, load_masks_config
+    from relicv2.saliency.network.config import MasksError, load_masks_config
 
     # ValueError: a torch file's error (models.torchfile), the --model's among them
     with user_errors(ConfigError, MasksError, FolderLockedError, FileNotFoundError, ValueError):

@@ -1,7 +1,7 @@
-"""Batch job: handcrafted saliency maps for an image folder or a shard set.
+"""Batch job: handcrafted saliency maps for an image folder or a shard set (its inputs: ``iter_items``).
 
 Writes ``<output>/<method>/<name>.png`` (8-bit, single channel, same size as the image),
-where ``<name>`` is the image file's stem or the shard sample's key (validated by
+where ``<name>`` is the image file's stem or the shard sample's key (untrusted: validated by
 ``shards.keys``: a key that would name a file outside the output folder is a rejected input).
 Restartable: maps that already exist are skipped (each map is written under a temporary name
 and renamed), so a killed job resumes with the same command. The job holds the output folder's
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import re
 import sys
 from collections import Counter
@@ -22,17 +23,21 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 from relicv2.jobs.atomic import remove_stale_temps
 from relicv2.jobs.lock import folder_lock
 from relicv2.jobs.progress import Phase
 from relicv2.jobs.workers import one_thread, single_threaded, worker_pool
-from relicv2.saliency.failures import FailureLimit
 from relicv2.saliency.handcrafted.methods import METHODS
-from relicv2.saliency.images import ImageReadError
-from relicv2.saliency.inputs import Item, count_inputs, is_shard_source, iter_items
-from relicv2.saliency.maps import write_map
+from relicv2.saliency.images import list_images, read_rgb, write_map
+from relicv2.shards.images import ImageLoadError, load_rgb
 from relicv2.shards.keys import UnsafeKeyError, safe_relative_path
-from relicv2.shards.reader import ReadReport
+from relicv2.shards.manifest import MANIFEST_NAME
+from relicv2.shards.reader import ReadReport, iter_samples
+from relicv2.shards.shardset import BRACE, list_shard_files, resolve_shard_set, shard_tars
 
 JOB_NAME = "saliency handcrafted"
 OUTPUT_FULL = (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
@@ -44,10 +49,123 @@ class OutputWriteError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class FailureLimit:
+    """``--max-failures``: how many failed inputs (corrupt photos in a web crawl) a job accepts and still
+    succeeds, a count or a fraction of the inputs (a job in which every input failed never succeeds)."""
+
+    count: int | None = 0
+    fraction: float | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> FailureLimit:
+        """``"10"`` -> at most 10 failures; ``"0.05"`` or ``"5%"`` -> at most 5% of the inputs."""
+        value = str(text).strip()
+        if re.fullmatch(r"\d+", value):
+            return cls(count=int(value), fraction=None)
+        try:
+            fraction = float(value[:-1]) / 100.0 if value.endswith("%") else float(value)
+        except ValueError:
+            fraction = math.nan
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(
+                f"--max-failures {text!r}: give a count (e.g. 10), a fraction of the inputs (e.g. 0.05)"
+                " or a percentage (e.g. 5%)"
+            )
+        return cls(count=None, fraction=fraction)
+
+    def allows(self, failed: int, inputs: int) -> bool:
+        """True when ``failed`` failures out of ``inputs`` inputs are within the limit."""
+        if inputs == 0 or failed >= inputs:
+            return False
+        if self.count is not None:
+            return failed <= self.count
+        return failed <= (self.fraction or 0.0) * inputs
+
+    def describe(self) -> str:
+        return str(self.count) if self.count is not None else f"{100 * (self.fraction or 0.0):g}%"
+
+
+@dataclass(frozen=True)
+class Item:
+    """One input: its output name and either a file path or encoded bytes (shard sample)."""
+
+    name: str
+    path: Path | None = None
+    data: bytes | None = None
+
+    def rgb(self) -> np.ndarray:
+        """The image as uint8 HxWx3 RGB as displayed; shards.images.ImageLoadError names a bad one."""
+        # A shard sample always has its image: the shard reader refuses one without (no_image).
+        return read_rgb(self.path) if self.path is not None else load_rgb(self.data or b"", self.name)
+
+
+def is_shard_source(source: Path) -> bool:
+    """True for one ``.tar``, a folder of shards (``*-NNNN.tar``, 4-6 digits) without images of its own,
+    or a brace pattern of tars (``train-{0000..0099}.tar``)."""
+    source = Path(source)
+    if source.is_file():
+        return source.suffix == ".tar"
+    if source.is_dir():
+        return not list_images(source) and bool(list_shard_files(source))
+    return bool(BRACE.search(str(source)))
+
+
+def iter_items(source: Path, read: ReadReport) -> Iterator[Item]:
+    """Inputs of a folder of images, or of a shard set (keys as names). Shard members and shards the
+    reader refuses (unsafe keys, links, truncated tars, bad json) are recorded in ``read``, never yielded."""
+    source = Path(source)
+    if is_shard_source(source):
+        for sample in iter_samples(source, report=read):
+            yield Item(name=str(sample["key"]), data=sample["image"])
+        return
+    if not source.exists():
+        raise FileNotFoundError(f"input {source} does not exist; pass an image folder or a shard set")
+    if not source.is_dir():
+        raise ValueError(f"input {source} is neither an image folder nor a shard (.tar) set")
+    paths = list_images(source)
+    if not paths:
+        raise FileNotFoundError(f"no images (jpg/png/...) or shards (*-NNNNNN.tar) in {source}")
+    clashes = sorted(stem for stem, n in Counter(p.stem for p in paths).items() if n > 1)
+    if clashes:
+        raise ValueError(
+            f"{source}: several images share a name stem ({', '.join(clashes[:5])}); their maps would"
+            " overwrite each other, rename them or split the folder"
+        )
+    for path in paths:
+        yield Item(name=path.stem, path=path)
+
+
+def count_inputs(source: Path) -> int | None:
+    """How many inputs ``source`` holds, when that is known without decoding it: the number of images
+    of a folder, or the samples of a shard set (its manifest, or its index files); None when unknown."""
+    source = Path(source)
+    if not is_shard_source(source):
+        return len(list_images(source)) if source.is_dir() else None
+    folder = source if source.is_dir() else source.parent
+    if not (folder / MANIFEST_NAME).is_file():
+        try:  # a plain set: its index files (derived once into the index cache)
+            return resolve_shard_set(source).samples
+        except (OSError, ValueError):
+            return None  # a broken set is the reader's (and `shards verify`'s) to report
+    # With a manifest, its count is what the job must read (the reader compares the two).
+    try:
+        shards = pq.read_table(folder / MANIFEST_NAME, columns=["shard"]).column("shard").to_pylist()
+    except (OSError, pa.ArrowException):
+        return None  # a broken manifest is `shards verify`'s to report; here it only sizes a bar
+    if source.is_dir():
+        return len(shards)
+    try:  # one tar or a brace pattern of this set's tars
+        names = {tar.name for tar in shard_tars(source)[0]}
+    except ValueError:
+        return None
+    return sum(1 for s in shards if s in names)
+
+
+@dataclass(frozen=True)
 class HandcraftedConfig:
     """One ``relicv2 saliency handcrafted`` job."""
 
-    methods: tuple[str, ...]
+    methods: tuple[str, ...]  # names of METHODS (`resolve_methods` checks what a user gives)
     input: Path
     output: Path
     workers: int = 1
@@ -117,7 +235,7 @@ def process_item(item: Item, methods: tuple[str, ...], output: Path) -> Result:
     failure; anything else is a bug and propagates (a method must give a map for every image)."""
     try:
         rgb = item.rgb()
-    except ImageReadError as error:
+    except ImageLoadError as error:
         return Result(item.name, error=_ADDRESS.sub("", str(error)))
     written: list[str] = []
     for method in methods:
@@ -179,9 +297,6 @@ def run_handcrafted(config: HandcraftedConfig) -> BatchReport:
     """Run the job (see the module docstring). FileNotFoundError/ValueError for a bad input,
     ``jobs.lock.FolderLockedError`` when another job holds the output folder, :class:`OutputWriteError`
     when the output folder can take no more maps."""
-    unknown = [m for m in config.methods if m not in METHODS]
-    if unknown or not config.methods:
-        raise ValueError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
     source = Path(config.input)
     if not is_shard_source(source) and not source.exists():
         raise FileNotFoundError(f"input {source} does not exist; pass an image folder or a shard set")

@@ -14,8 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from relicv2.saliency.handcrafted.methods import METHODS
-from relicv2.saliency.images import list_images, read_gray, read_rgb
-from relicv2.saliency.maps import map_to_uint8
+from relicv2.saliency.images import list_images, map_to_uint8, read_gray, read_rgb
 from relicv2.saliency.metrics import DatasetScores, aggregate, score_image
 
 
@@ -111,7 +110,7 @@ def evaluate_model(job: ModelEvaluation) -> DatasetScores:
     through an 8-bit map, so that a model scores what its written maps score."""
     from relicv2.saliency.network.crf import model_crf
     from relicv2.saliency.network.model_file import load_model
-    from relicv2.saliency.network.predict import mean_of_maps, predict_map, with_maps
+    from relicv2.saliency.network.predictor import mean_of_maps, predict_map, with_maps
 
     for option, folder in (("--images", job.images), ("--gt", job.gt)):
         if not Path(folder).is_dir():

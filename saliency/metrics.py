@@ -28,22 +28,13 @@ EPS = np.finfo(np.float64).eps
 
 def normalise_prediction(prediction: np.ndarray) -> np.ndarray:
     """Min-max normalise a map to float64 [0, 1]; a constant map becomes all zeros."""
-    s = np.asarray(prediction, dtype=np.float64)
-    if s.ndim == 3:
-        s = s[..., 0]
-    return minmax_normalise(s)
+    return minmax_normalise(prediction)
 
 
 def binarise_ground_truth(gt: np.ndarray) -> np.ndarray:
     """Ground truth as bool: uint8/graded masks at >= 128, bool masks as they are."""
     g = np.asarray(gt)
-    if g.ndim == 3:
-        g = g[..., 0]
-    if g.dtype == bool:
-        return g
-    if np.issubdtype(g.dtype, np.floating) and g.max() <= 1.0:
-        return g >= 0.5
-    return g >= 128
+    return g if g.dtype == bool else g >= 128
 
 
 def _f_measure(precision: np.ndarray, recall: np.ndarray, beta2: float) -> np.ndarray:

@@ -3,21 +3,27 @@
 
 from __future__ import annotations
 
+import itertools
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import cv2
 import numpy as np
 
-from relicv2.saliency.batch import iter_items, map_path
+from relicv2.saliency.batch import is_shard_source, iter_items, map_path
 from relicv2.saliency.handcrafted.methods import METHODS
-from relicv2.saliency.images import ImageReadError, decode_rgb, list_images, read_gray
-from relicv2.saliency.maps import map_to_uint8, write_png
+from relicv2.saliency.images import list_images, map_to_uint8, read_gray, write_png
 from relicv2.shards import ReadReport, iter_samples
+from relicv2.shards.images import ImageLoadError, load_rgb
 from relicv2.shards.sample import MASK_MEMBER
 
 HEADER = 22
+TILE_HEIGHT = 160
+BACKGROUND_GREY = 128
+
+Row = list[tuple[str, np.ndarray]]
 
 
 @dataclass(frozen=True)
@@ -30,7 +36,6 @@ class PreviewConfig:
     count: int = 6
     gt: Path | None = None
     maps: Path | None = None  # read maps written by `handcrafted` instead of computing them
-    tile_height: int = 160
 
 
 def _tile(image: np.ndarray, height: int) -> np.ndarray:
@@ -46,7 +51,7 @@ def _label(tile: np.ndarray, text: str) -> np.ndarray:
     return np.concatenate([header, tile], axis=0)
 
 
-def contact_sheet(rows: list[list[tuple[str, np.ndarray]]], tile_height: int = 160) -> np.ndarray:
+def contact_sheet(rows: list[Row], tile_height: int = TILE_HEIGHT) -> np.ndarray:
     """Stack labelled tiles (title, uint8 image or map) into one RGB sheet, rows left-aligned."""
     built = []
     for row in rows:
@@ -59,28 +64,21 @@ def contact_sheet(rows: list[list[tuple[str, np.ndarray]]], tile_height: int = 1
     return np.concatenate(padded, axis=0)
 
 
-BACKGROUND_GREY = 128
-
-
 def is_masked_shard_set(source: Path) -> bool:
-    """True for a shard folder or tar whose first sample carries a ``mask.png`` member."""
-    source = Path(source)
-    if not (source.is_dir() and any(source.glob("*-[0-9]*.tar"))) and source.suffix != ".tar":
+    """True for a shard set whose first sample carries a ``mask.png`` member."""
+    if not is_shard_source(source):
         return False
     first = next(iter(iter_samples(source, report=ReadReport())), None)  # a look at one sample: losses are the jobs' to count
     return first is not None and MASK_MEMBER in first
 
 
-def build_masked_preview(config: PreviewConfig) -> np.ndarray:
+def masked_rows(config: PreviewConfig, read: ReadReport) -> Iterator[Row]:
     """Rows of image | soft mask | image with the background (mask < 0.5) replaced by grey."""
-    rows, read = [], ReadReport()
     for sample in iter_samples(config.input, report=read):
-        if len(rows) >= config.count:
-            break
         try:
-            rgb = decode_rgb(sample["image"], sample["key"])
-            mask = decode_rgb(sample[MASK_MEMBER], f"{sample['key']}.{MASK_MEMBER}")[..., 0]
-        except (ImageReadError, KeyError) as error:
+            rgb = load_rgb(sample["image"], sample["key"])
+            mask = load_rgb(sample[MASK_MEMBER], f"{sample['key']}.{MASK_MEMBER}")[..., 0]
+        except (ImageLoadError, KeyError) as error:
             warnings.warn(f"preview skips {sample['key']}: {error}", stacklevel=2)
             continue
         if mask.shape != rgb.shape[:2]:
@@ -89,23 +87,16 @@ def build_masked_preview(config: PreviewConfig) -> np.ndarray:
         removed = np.where((mask >= 128)[..., None], rgb, np.uint8(BACKGROUND_GREY))
         coverage = sample["meta"].get("mask_coverage")
         title = f"mask {coverage:.0%}" if isinstance(coverage, int | float) else "mask"
-        rows.append([(sample["key"], rgb), (title, mask), ("background removed", removed)])
-    return _sheet(rows, read, config, "masked sample")
+        yield [(sample["key"], rgb), (title, mask), ("background removed", removed)]
 
 
-def build_preview(config: PreviewConfig) -> np.ndarray:
-    """The sheet of the first ``count`` inputs and their maps (computed, or read from ``maps``); of a
-    masked shard set, image | mask | background removed."""
-    if is_masked_shard_set(config.input):
-        return build_masked_preview(config)
+def map_rows(config: PreviewConfig, read: ReadReport) -> Iterator[Row]:
+    """Rows of image | each method's map (computed, or read from ``config.maps``) | GT (with ``config.gt``)."""
     masks = {p.stem: p for p in list_images(config.gt)} if config.gt else {}
-    rows, read = [], ReadReport()
     for item in iter_items(config.input, read):
-        if len(rows) >= config.count:
-            break
         try:
             rgb = item.rgb()
-        except ImageReadError as error:
+        except ImageLoadError as error:
             warnings.warn(f"preview skips {error}", stacklevel=2)
             continue
         row = [(item.name, rgb)]
@@ -115,16 +106,20 @@ def build_preview(config: PreviewConfig) -> np.ndarray:
             row.append((method, map_to_uint8(METHODS[method](rgb)) if computed else read_gray(stored)))
         if item.name in masks:
             row.append(("GT", read_gray(masks[item.name])))
-        rows.append(row)
-    return _sheet(rows, read, config, "image")
+        yield row
 
 
-def _sheet(rows: list, read: ReadReport, config: PreviewConfig, what: str) -> np.ndarray:
+def build_preview(config: PreviewConfig) -> np.ndarray:
+    """The sheet of the first ``count`` inputs and their maps; of a masked shard set, image | mask |
+    background removed."""
+    masked = is_masked_shard_set(config.input)
+    read = ReadReport()
+    rows = list(itertools.islice((masked_rows if masked else map_rows)(config, read), config.count))
     if read.rejected or read.lost_shards:  # (not the samples after the first few: a preview stops early)
-        warnings.warn(f"preview of {config.input}: {read.summary()}", stacklevel=3)
+        warnings.warn(f"preview of {config.input}: {read.summary()}", stacklevel=2)
     if not rows:
-        raise ValueError(f"no readable {what} in {config.input}")
-    return contact_sheet(rows, config.tile_height)
+        raise ValueError(f"no readable {'masked sample' if masked else 'image'} in {config.input}")
+    return contact_sheet(rows)
 
 
 def write_preview(config: PreviewConfig) -> Path:

@@ -186,9 +186,9 @@ def test_every_reader_applies_the_pixel_limit():
     reference views, kNN preprocessing and the saliency network's decoder alike (ImageLoadError,
     a ValueError: the samples are reported and skipped by their callers)."""
     from relicv2.pretrain.views.reference import augment_sample
-    from relicv2.saliency.images import ImageReadError, decode_rgb
     from relicv2.saliency.network.mask_work import RawSample, prepare
     from relicv2.shards import ImageLoadError
+    from relicv2.shards.images import load_rgb
     from tests.shards.test_hostile import bomb_png
 
     bomb = bomb_png()
@@ -198,6 +198,6 @@ def test_every_reader_applies_the_pixel_limit():
         augment_sample(upright_jpeg(), bomb, ViewConfig(), np.random.default_rng(0))
     with pytest.raises(ImageLoadError, match="pixels, over the limit"):
         preprocess(bomb, crop_size=32, resize_size=32)
-    with pytest.raises(ImageReadError, match="pixels, over the limit"):
-        decode_rgb(bomb, "bomb")
+    with pytest.raises(ImageLoadError, match="pixels, over the limit"):
+        load_rgb(bomb, "bomb")
     assert prepare(RawSample("bomb", bomb, None, {}), 32).reason == "too_large"

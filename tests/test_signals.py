@@ -100,7 +100,7 @@ def _noise_jpeg(path: Path, side: int, seed: int) -> None:
 
 
 def _scene_shards(folder: Path, count: int, side: int = 64) -> Path:
-    from relicv2.saliency.synthetic import synthetic_scene
+    from tests.scenes import synthetic_scene
 
     samples = []
     for i in range(count):

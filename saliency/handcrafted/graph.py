@@ -18,20 +18,6 @@ from relicv2.saliency.handcrafted.colour import as_rgb, rgb_to_lab, rgb_values_t
 from relicv2.saliency.handcrafted.slic import slic_reference
 
 
-def slic_labels(rgb: np.ndarray, n_segments: int, compactness: float = 20.0, *,
-                max_num_iter: int = 10, gmr_variant: bool = False) -> np.ndarray:
-    """SLIC superpixels exactly as the authors' C++ SLIC computes them; int32 labels 0..n-1.
-
-    ``gmr_variant``: MR's C++ (GMR) packs the image column-major before calling Achanta's original
-    SLIC, which also moves each seed to the lowest-gradient pixel of its 3x3 neighbourhood; so it
-    segments the transposed image with seed perturbation (correlation to MR's reference maps
-    .983 vs .921 for the plain variant, measured on 40 dev images).
-    """
-    # Not skimage's slic, which is another algorithm: see saliency.handcrafted.slic.
-    return slic_reference(as_rgb(rgb), n_segments, compactness, max_num_iter=max_num_iter,
-                          perturb_seeds=gmr_variant, column_major=gmr_variant)
-
-
 @dataclass(frozen=True)
 class Superpixels:
     """A segmentation and the per-superpixel features every method needs.
@@ -56,12 +42,18 @@ class Superpixels:
 
 def segment(rgb: np.ndarray, n_segments: int, compactness: float = 20.0,
             lab: np.ndarray | None = None, *, gmr_variant: bool = False) -> Superpixels:
-    """SLIC-segment ``rgb`` and compute the standard per-superpixel features (``lab``: a
-    precomputed :func:`rgb_to_lab` of ``rgb`` for the Lab means; ``gmr_variant``: see
-    :func:`slic_labels`)."""
+    """SLIC-segment ``rgb`` exactly as the authors' C++ SLIC does (int32 labels 0..n-1; not skimage's slic,
+    which is another algorithm: see saliency.handcrafted.slic) and compute the standard per-superpixel
+    features (``lab``: a precomputed :func:`rgb_to_lab` of ``rgb`` for the Lab means).
+
+    ``gmr_variant``: MR's C++ (GMR) packs the image column-major before calling Achanta's original
+    SLIC, which also moves each seed to the lowest-gradient pixel of its 3x3 neighbourhood; so it
+    segments the transposed image with seed perturbation (correlation to MR's reference maps
+    .983 vs .921 for the plain variant, measured on 40 dev images).
+    """
     if lab is None:
         lab = rgb_to_lab(rgb)
-    labels = slic_labels(rgb, n_segments, compactness, gmr_variant=gmr_variant)
+    labels = slic_reference(as_rgb(rgb), n_segments, compactness, perturb_seeds=gmr_variant, column_major=gmr_variant)
     count = int(labels.max()) + 1
     size = np.bincount(labels.ravel(), minlength=count).astype(np.float64)
     return Superpixels(labels, count, size, mean_rgb=superpixel_means(labels, rgb, count, size),
@@ -167,6 +159,15 @@ def minmax_normalise(values: np.ndarray, *, keep_constant: bool = False) -> np.n
     if not span > 1e-12 * max(1.0, abs(hi)):
         return np.full_like(v, lo) if keep_constant else np.zeros_like(v)
     return (v - lo) / span
+
+
+def solve(matrix: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+    """``matrix^-1 rhs``; when a closed group of nodes with zero weights (a degenerate image) makes
+    ``matrix`` singular, the least-squares solution, still the minimum-norm minimiser of the same cost."""
+    try:
+        return np.linalg.solve(matrix, rhs)
+    except np.linalg.LinAlgError:
+        return np.linalg.lstsq(matrix, rhs, rcond=None)[0]
 
 
 def to_pixels(values: np.ndarray, labels: np.ndarray) -> np.ndarray:

@@ -26,7 +26,9 @@ from relicv2.saliency.handcrafted.graph import (
     boundary_ids,
     minmax_normalise,
     segment,
+    solve,
     to_pixels,
+    two_ring,
 )
 
 
@@ -81,11 +83,7 @@ def mc_graph(labels: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
     linked = ring.copy()
     linked[labels[0, :], labels[-1, :]] = True
     linked[labels[:, 0], labels[:, -1]] = True
-    linked |= linked.T
-    a = linked.astype(np.float32)
-    second = (a + a @ a) > 0
-    np.fill_diagonal(second, False)
-    return ring, second
+    return ring, two_ring(linked | linked.T)
 
 
 def absorbing_chain_saliency(labels: np.ndarray, colour: np.ndarray,
@@ -113,12 +111,12 @@ def absorbing_chain_saliency(labels: np.ndarray, colour: np.ndarray,
     kept_degree = degree[kept]
     fundamental = np.eye(kept.size) - weights / (kept_degree + absorbing_links)[:, None]
     # keep_constant: MC's MATLAB normalises with Leo Grady's ``normalize``
-    absorbed = minmax_normalise(_solve(fundamental, np.ones(kept.size)), keep_constant=True)
+    absorbed = minmax_normalise(solve(fundamental, np.ones(kept.size)), keep_constant=True)
     if _histogram_spread(absorbed) >= config.flatness_limit:
         # equilibrium post-process: weight start states by the inverse stationary probability
         inverse_stationary = kept_degree.sum() / kept_degree
         absorbed = minmax_normalise(
-            _solve(fundamental, inverse_stationary / inverse_stationary.sum()), keep_constant=True
+            solve(fundamental, inverse_stationary / inverse_stationary.sum()), keep_constant=True
         )
     saliency = np.zeros(count)
     saliency[kept] = absorbed
@@ -158,14 +156,6 @@ def _border_states(labels: np.ndarray, ring: np.ndarray, affinity: np.ndarray,
     state[border] = _DROPPED
     state[np.flatnonzero(~border)[second_ring]] = _ABSORBING
     return state
-
-
-def _solve(matrix: np.ndarray, rhs: np.ndarray) -> np.ndarray:
-    """``matrix^-1 rhs``; least squares if a closed group of states makes it singular."""
-    try:
-        return np.linalg.solve(matrix, rhs)
-    except np.linalg.LinAlgError:
-        return np.linalg.lstsq(matrix, rhs, rcond=None)[0]
 
 
 def _histogram_spread(values: np.ndarray) -> float:

@@ -25,6 +25,7 @@ from relicv2.saliency.handcrafted.graph import (
     minmax_normalise,
     pairwise_distances,
     segment,
+    solve,
     to_pixels,
     two_ring,
 )
@@ -147,9 +148,4 @@ def optimise_saliency(adj: np.ndarray, boundary: np.ndarray, colour_dist: np.nda
     weights = smooth + config.mu * adj
     laplacian = np.diag(weights.sum(axis=0)) - weights
     system = laplacian + np.diag(config.background_lambda * background_weight + foreground_weight)
-    try:
-        return np.linalg.solve(system, foreground_weight)
-    except np.linalg.LinAlgError:
-        # Only when a whole component has zero weights (degenerate images): least squares
-        # still gives the minimum-norm minimiser of the same cost.
-        return np.linalg.lstsq(system, foreground_weight, rcond=None)[0]
+    return solve(system, foreground_weight)

@@ -206,8 +206,7 @@ def _enforce_connectivity(labels: np.ndarray, min_size: int) -> np.ndarray:
     return out
 
 
-def slic_reference(rgb: np.ndarray, n_segments: int, compactness: float = 20.0,
-                   max_num_iter: int = 10, perturb_seeds: bool = False,
+def slic_reference(rgb: np.ndarray, n_segments: int, compactness: float = 20.0, perturb_seeds: bool = False,
                    column_major: bool = False) -> np.ndarray:
     """Achanta's reference SLIC of a uint8 HxWx3 RGB image; int32 labels 0..n-1 (raster order).
 
@@ -220,7 +219,7 @@ def slic_reference(rgb: np.ndarray, n_segments: int, compactness: float = 20.0,
     """
     if column_major:
         image = np.ascontiguousarray(np.asarray(rgb).transpose(1, 0, 2))
-        labels = slic_reference(image, n_segments, compactness, max_num_iter, perturb_seeds)
+        labels = slic_reference(image, n_segments, compactness, perturb_seeds)
         return np.ascontiguousarray(labels.T)
     array = np.ascontiguousarray(rgb, dtype=np.uint8)
     if array.ndim != 3 or array.shape[2] != 3 or min(array.shape[:2]) < 1:
@@ -236,6 +235,6 @@ def slic_reference(rgb: np.ndarray, n_segments: int, compactness: float = 20.0,
     if perturb_seeds:
         _perturb(lab, seed_x, seed_y)
     planes = [np.ascontiguousarray(lab[:, :, c]) for c in range(3)]
-    labels = _cluster(*planes, seed_x, seed_y, float(step), float(compactness), int(max_num_iter))
+    labels = _cluster(*planes, seed_x, seed_y, float(step), float(compactness), 10)  # the reference's 10 iterations
     nominal_count = max(1, int(size / (step * step)))
     return _enforce_connectivity(labels, (size // nominal_count) >> 2)

@@ -8,24 +8,20 @@ bytes unchanged (`output_member` names it), its `.cls`, its json plus `mask_cove
 and `{key}.mask.png`: the 8-bit soft mask at the displayed image's size (EXIF orientation applied, as
 DALI's decoder applies it). Then `manifest.parquet`, `rejected.parquet`, `info.json` and `config.yaml`.
 
-- Streaming: one batch being decoded (worker processes), one in the network, one being encoded and
-  written; memory is a few batches whatever the data set size (the batches in flight live in a
-  shared-memory ring, `mask_work.SlotRing`: 3 x batch x size^2 x 7 bytes, 250 MiB at 64 x 432 px).
-- Resumable and multi-node: the shard-job engine runs the job (`shards.driver`), one unit per input
-  shard (`mask_shard`), its done record `OUT/.build-masks/NNNNNN.done.json` holding the digests of its
-  input (the model, the input tar's size, time and index) and of its output tar and index. Batches never
-  span input shards and inference is deterministic, so a resumed result is byte-identical to an
-  uninterrupted run.
+- Streaming: decoding, the network and mask encoding overlap on a shared-memory ring of batches
+  (`mask_shard.mask_shard`, `mask_work.SlotRing`); memory is a few batches whatever the data set size.
+- Resumable and multi-node: the shard-job engine (`shards.driver`) runs one unit per input shard, its done
+  record in `OUT/.build-masks/` (`masks_job` says what its digest covers). Batches never span input shards
+  and inference is deterministic, so a resumed result is byte-identical to an uninterrupted run.
 - Refusals: an --out holding files this job did not write (a user's, another tool's) is refused,
   naming them, before anything is written; so are a --device this machine lacks and a model without a
   usable input size. A refused job leaves no --out; an unwritable one is one line naming the path.
 
-Settings: `masks_config`.
+Settings: `config.BuildMasksConfig`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -43,7 +39,7 @@ from relicv2.jobs.progress import Phase
 from relicv2.jobs.ranks import Ranks, ranks_from_env
 from relicv2.jobs.version import package_version
 from relicv2.jobs.workers import local_ranks
-from relicv2.saliency.network.config import CrfConfig
+from relicv2.saliency.network.config import BuildMasksConfig, CrfConfig, MasksError, job_workers
 from relicv2.saliency.network.crf import model_crf
 from relicv2.saliency.network.mask_shard import (
     MainThreadClock,
@@ -51,13 +47,7 @@ from relicv2.saliency.network.mask_shard import (
     mask_shard,
     mask_workers,
 )
-from relicv2.saliency.network.mask_work import (
-    MIN_COVERAGE,
-    RingSpaceError,
-    check_shm_space,
-    ring_bytes,
-)
-from relicv2.saliency.network.masks_config import BuildMasksConfig, MasksError, job_workers
+from relicv2.saliency.network.mask_work import RingSpaceError, check_shm_space, ring_bytes
 from relicv2.saliency.network.model_file import PASS_MODEL, resolve_model_path
 from relicv2.saliency.network.predictor import MaskPredictor
 from relicv2.shards.driver import JobReport, UnitOutput, run_shard_job
@@ -73,11 +63,12 @@ from relicv2.shards.job import (
     input_tar_identity,
     merge_records,
     rank_units,
+    sha256_of,
     write_plan,
 )
 from relicv2.shards.manifest import MANIFEST_NAME, REJECTED_NAME
 from relicv2.shards.outdir import SET_FILES, other_entries, shard_files
-from relicv2.shards.sample import MASK_MEMBER
+from relicv2.shards.sample import MASK_MEMBER, MIN_MASK_COVERAGE
 from relicv2.shards.shardset import check_count, default_index_cache, listed_shards, shard_tars
 from relicv2.shards.writer import shard_name
 
@@ -216,7 +207,7 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
     out = Path(config.out)
     check_input(tars, out)
     model = resolve_model_path(config.model)
-    job, plan = masks_job(out, hashlib.sha256(model.read_bytes()).hexdigest(), tars, config.flip, config.crf)
+    job, plan = masks_job(out, sha256_of(model), tars, config.flip, config.crf)
     try:  # the refusals, each before --out exists: a refused job leaves no folder behind
         check_plan(job, plan, other="a masked set built from another model, input, flip or crf setting")
         check_out_folder(job)
@@ -255,7 +246,7 @@ def coverage_of(records: list[dict]) -> np.ndarray:
 
 def mask_stats(coverage: np.ndarray) -> dict:
     """info.json's `mask`: the masks below the minimum coverage pretraining applies, and a histogram."""
-    return {"below_min_coverage": int((coverage < MIN_COVERAGE).sum()), "min_coverage": MIN_COVERAGE,
+    return {"below_min_coverage": int((coverage < MIN_MASK_COVERAGE).sum()), "min_coverage": MIN_MASK_COVERAGE,
             "coverage_histogram": np.histogram(coverage, bins=10, range=(0.0, 1.0))[0].tolist()}
 
 

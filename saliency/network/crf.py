@@ -2,9 +2,8 @@
 
 Uses `pydensecrf2` (a maintained, source-built wrapper of the authors' permutohedral-lattice C++
 code, imported as `pydensecrf`): exact to what DeepUSPS ran, ~20 ms per 112x112 image on one core.
-It needs a C++ compiler at install time (the set-up and the Docker image have one). Two labels
-(background, foreground); unary -log p; a Gaussian term (sxy 3, compat 3) and a bilateral term
-(sxy 80, srgb 13, compat 10); 5 mean-field iterations; all on the resized RGB image, as in DeepUSPS.
+It needs a C++ compiler at install time (the set-up and the Docker image have one). Two labels (background,
+foreground), unary -log p, the pairwise terms of `config.CrfConfig`, on the resized RGB image as in DeepUSPS.
 """
 
 from __future__ import annotations

@@ -18,11 +18,11 @@ import torch
 from PIL import Image
 
 from relicv2.saliency.batch import HandcraftedConfig, map_path, run_handcrafted
-from relicv2.saliency.images import ImageReadError, decode_rgb, read_gray
+from relicv2.saliency.images import read_gray
 from relicv2.saliency.network.images import resize_map, resize_square, sample_locations
 from relicv2.saliency.network.mask_shard import output_member
 from relicv2.shards import ReadReport, ShardSample, iter_samples, write_shard_set
-from relicv2.shards.images import exif_orientation
+from relicv2.shards.images import ImageLoadError, exif_orientation, load_rgb
 from relicv2.shards.reader import SampleRef
 
 SAMPLE_PREFIX = "sample"
@@ -42,8 +42,8 @@ def _sample_stream(locations: list[SampleRef], skipped: list) -> Iterator[ShardS
     for location in locations:
         data = location.read_image()
         try:
-            rgb = decode_rgb(data, f"{location.key} in {location.tar.name}")
-        except ImageReadError as error:
+            rgb = load_rgb(data, f"{location.key} in {location.tar.name}")
+        except ImageLoadError as error:
             skipped.append((location.key, str(error)))
             print(f"saliency train: skipping {error}", file=sys.stderr)
             continue
@@ -90,9 +90,9 @@ def load_training_images(
             skipped.append((key, failed[key]))
             continue
         try:
-            rgb = decode_rgb(sample["image"], key)
+            rgb = load_rgb(sample["image"], key)
             raw = {m: read_gray(map_path(Path(out) / "maps", m, key)) for m in methods}
-        except ImageReadError as error:
+        except ImageLoadError as error:
             skipped.append((key, str(error)))
             continue
         keys.append(key)

@@ -17,8 +17,9 @@ from pathlib import Path
 import cv2
 
 from relicv2.jobs.workers import worker_pool
-from relicv2.saliency.network.config import CrfConfig
+from relicv2.saliency.network.config import CrfConfig, MasksError
 from relicv2.saliency.network.mask_work import (
+    RING_SLOTS,
     RawSample,
     SlotRing,
     finish_chunk,
@@ -27,7 +28,6 @@ from relicv2.saliency.network.mask_work import (
     record_semaphores,
     remove_dead_rings,
 )
-from relicv2.saliency.network.masks_config import MasksError
 from relicv2.saliency.network.predictor import MaskPredictor, launch_forward
 from relicv2.shards.driver import UnitOutput
 from relicv2.shards.images import Rejection
@@ -41,6 +41,7 @@ from relicv2.shards.sample import (
     unwritable_key,
 )
 from relicv2.shards.shardset import INDEX_CACHE_ENV, tar_index
+from relicv2.shards.sources import reject
 from relicv2.shards.writer import TarShard
 
 
@@ -59,13 +60,13 @@ def read_input_shard(tar: Path, kept: Counter) -> Iterator[RawSample | dict]:
         yield from report.rows(done)
         done = len(report.rejected)
         if (problem := unwritable_key(sample.key)) is not None:
-            yield {"source": f"{tar.name}:{sample.key}", "reason": "bad_key", "detail": problem}
+            yield reject(f"{tar.name}:{sample.key}", "bad_key", problem)
             continue
         carried = {ext: data for ext, data in sample.members.items() if ext not in USED_MEMBERS}
         unwritable = next((ext for ext in carried if not EXT_PATTERN.fullmatch(ext)), None)
         if unwritable is not None:
-            yield {"source": f"{tar.name}:{sample.key}", "reason": "bad_member",
-                   "detail": f"member {sample.key}.{unwritable} cannot be carried: not a lower-case [a-z0-9_.] name"}
+            yield reject(f"{tar.name}:{sample.key}", "bad_member",
+                         f"member {sample.key}.{unwritable} cannot be carried: not a lower-case [a-z0-9_.] name")
             continue
         kept.update(carried.keys() | ({MASK_MEMBER} & sample.members.keys()))
         meta = sample.meta if isinstance(sample.meta, dict) else {}
@@ -75,7 +76,7 @@ def read_input_shard(tar: Path, kept: Counter) -> Iterator[RawSample | dict]:
                         output_member(sample.image_ext), carried)
     yield from report.rows(done)
     for _, reason in report.lost_shards:
-        yield {"source": f"{tar.name}:(rest of the tar)", "reason": "truncated", "detail": reason}
+        yield reject(f"{tar.name}:(rest of the tar)", "truncated", reason)
 
 
 def input_index(tar: Path, cache: Path) -> Path:
@@ -156,7 +157,7 @@ def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: Executo
             if len(samples) < len(raw_batch):  # rows of samples the reader refused
                 rejected.extend(item for item in raw_batch if isinstance(item, dict))
                 bar.update(len(raw_batch) - len(samples))
-            slot = number % spec.slots
+            slot = number % RING_SLOTS
             yield slot, samples, [pool.submit(prepare_chunk, spec, slot, part.start, samples[part])
                                   for part in chunks(len(samples), parts)]
 
@@ -169,8 +170,7 @@ def mask_shard(tar: Path, out_tar: Path, predictor: MaskPredictor, pool: Executo
             ready, kept = [], []
             for position, (sample, result) in enumerate(zip(samples, results, strict=True)):
                 if isinstance(result, Rejection):
-                    rejected.append({"source": f"{tar.name}:{sample.key}", "reason": result.reason,
-                                     "detail": result.detail})
+                    rejected.append(reject(f"{tar.name}:{sample.key}", result.reason, result.detail))
                     bar.update(1)
                 else:
                     kept.append(position)

@@ -38,7 +38,6 @@ from relicv2.shards.writer import SampleRecord, sample_record
 if TYPE_CHECKING:  # the workers import this module; the config module pulls in every handcrafted method
     from relicv2.saliency.network.config import CrfConfig
 
-MIN_COVERAGE = MIN_MASK_COVERAGE  # masks below it are never applied (the views' default mask_min_coverage)
 # zlib level 3 with run-length matching (Z_RLE): masks are smooth, so after PNG's row filters they are
 # runs of equal bytes. Against the default strategy at level 3 on 256 px masks: ~40% less encoding time
 # (the largest per-image cost of the job), -19% to +3% bytes. Level 3 was ~2x faster than 9 for ~10%
@@ -89,11 +88,9 @@ def finish(sample: RawSample, probability: np.ndarray, width: int, height: int, 
     np.multiply(soft, 255.0, out=soft)
     np.rint(soft, out=soft)
     mask = np.clip(soft, 0, 255, out=soft).astype(np.uint8)
-    ok, png = cv2.imencode(".png", mask, PNG_PARAMS)
-    if not ok:  # pragma: no cover - encoding a uint8 array does not fail
-        raise RuntimeError(f"PNG encoding of the mask of {sample.key} failed")
+    png = cv2.imencode(".png", mask, PNG_PARAMS)[1]  # encoding a uint8 array does not fail
     meta = {**sample.meta, "width": width, "height": height, "mask_coverage": round(coverage, 6),
-            "mask_status": "ok" if coverage >= MIN_COVERAGE else "below_min_coverage"}
+            "mask_status": "ok" if coverage >= MIN_MASK_COVERAGE else "below_min_coverage"}
     members = {**sample.carried, sample.ext: sample.image, MASK_MEMBER: png.tobytes()}
     return sample_record(ShardSample(sample.key, members, sample.label, meta))
 
@@ -105,12 +102,11 @@ class RingSpec:
     name: str
     batch: int
     size: int
-    slots: int = RING_SLOTS
 
 
-def ring_bytes(batch: int, size: int, slots: int = RING_SLOTS) -> int:
-    """A ring's size: float32 probabilities [slots, B, S, S], then uint8 squares [slots, B, S, S, 3]."""
-    return slots * batch * size * size * (4 + 3)
+def ring_bytes(batch: int, size: int) -> int:
+    """A ring's size: float32 probabilities [RING_SLOTS, B, S, S], then uint8 squares [RING_SLOTS, B, S, S, 3]."""
+    return RING_SLOTS * batch * size * size * (4 + 3)
 
 
 class RingSpaceError(ValueError):
@@ -132,12 +128,12 @@ def folder_tag(out: Path | None) -> str:
     return "none" if out is None else hashlib.sha256(str(Path(out).resolve()).encode()).hexdigest()[:12]
 
 
-def remove_dead_rings(out: Path, folder: str = SHM_FOLDER) -> None:
+def remove_dead_rings(out: Path) -> None:
     """Remove the rings earlier jobs on `out` left on this host when they were killed with their whole
     process group (their resource tracker, which removes a killed job's ring and semaphores, went with
     them), and the semaphores their worker pools recorded. What belongs to a process that still runs
     (another rank of this job) is kept."""
-    for path in Path(folder).glob(f"{RING_PREFIX}-*-{folder_tag(out)}-*"):
+    for path in Path(SHM_FOLDER).glob(f"{RING_PREFIX}-*-{folder_tag(out)}-*"):
         match = RING_NAME.fullmatch(path.name) or SEMAPHORES_NAME.fullmatch(path.name)
         if match is None or pid_alive(int(match.group(1))):
             continue
@@ -146,13 +142,13 @@ def remove_dead_rings(out: Path, folder: str = SHM_FOLDER) -> None:
         path.unlink(missing_ok=True)  # another rank of the job may have removed it first
 
 
-def record_semaphores(pool: object, out: Path, folder: str = SHM_FOLDER) -> SharedMemory | None:
+def record_semaphores(pool: object, out: Path) -> SharedMemory | None:
     """Write the names of a spawned pool's named semaphores beside the job's ring, so that a later job
     can remove them if this one is killed with its resource tracker (`remove_dead_rings`). A shared
     block like the ring, so the tracker removes it with the semaphores when only the job dies. None
     when the pool has none or there is no shared-memory folder. `unlink()` it once the pool is shut down."""
     names = sorted(_semaphore_names(pool))
-    if not names or not Path(folder).is_dir():
+    if not names or not Path(SHM_FOLDER).is_dir():
         return None
     data = ("\n".join(names) + "\n").encode()
     record = SharedMemory(f"{RING_PREFIX}-{os.getpid()}-{folder_tag(out)}-semaphores", create=True, size=len(data))
@@ -179,30 +175,30 @@ def _unlink_semaphores(record: Path) -> None:
                 _multiprocessing.sem_unlink(name)
 
 
-def _reserve(name: str, nbytes: int, folder: str = SHM_FOLDER) -> None:
+def _reserve(name: str, nbytes: int) -> None:
     """Allocate a new block's pages now. The block is created sparse, and a page tmpfs cannot find
     later is a SIGBUS in whichever process touches it first (a worker, mid-job): refuse at start."""
-    path = Path(folder) / name
+    path = Path(SHM_FOLDER) / name
     if not hasattr(os, "posix_fallocate") or not path.exists():  # no /dev/shm tmpfs (not Linux): nothing to reserve
         return
     fd = os.open(path, os.O_RDWR)
     try:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as error:
-        raise RingSpaceError(f"{folder} cannot hold the {readable_size(nbytes)} build-masks needs for the batches in "
+        raise RingSpaceError(f"{SHM_FOLDER} cannot hold the {readable_size(nbytes)} build-masks needs for the batches in "
                              f"flight ({error.strerror}); {SHM_REMEDY}") from None
     finally:
         os.close(fd)
 
 
 class SlotRing:
-    """`spec.slots` batches of network input (uint8 [B, S, S, 3]) and probabilities (float32
+    """`RING_SLOTS` batches of network input (uint8 [B, S, S, 3]) and probabilities (float32
     [B, S, S]) in one shared-memory block. The job creates it; workers attach by name."""
 
     def __init__(self, memory: SharedMemory, spec: RingSpec):
         self.memory, self.spec = memory, spec
         self.page_locked = False  # set by the job when a GPU predictor page-locked the block for its DMA
-        maps = (spec.slots, spec.batch, spec.size, spec.size)
+        maps = (RING_SLOTS, spec.batch, spec.size, spec.size)
         # Probabilities first: their float32 rows stay 4-byte aligned whatever the batch and size.
         self._probabilities = np.ndarray(maps, np.float32, buffer=memory.buf)
         self._squares = np.ndarray((*maps, 3), np.uint8, buffer=memory.buf, offset=self._probabilities.nbytes)

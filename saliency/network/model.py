@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torchvision.models.resnet import BasicBlock, Bottleneck
+from torchvision.models.resnet import Bottleneck
 
 from relicv2.models.normalization import IMAGENET_MEAN, IMAGENET_STD
 from relicv2.models.resnet import resnet
@@ -26,12 +26,9 @@ def _dilate_stage(stage: nn.Sequential, dilation: int, previous: int) -> None:
         first = index == 0
         if isinstance(block, Bottleneck):
             conv = block.conv2
-        elif isinstance(block, BasicBlock):
-            # A BasicBlock has two 3x3 convolutions; the stride sits on conv1.
+        else:  # a BasicBlock (resnet() builds no other) has two 3x3 convolutions; the stride sits on conv1
             block.conv2.dilation, block.conv2.padding = (dilation, dilation), (dilation, dilation)
             conv = block.conv1
-        else:  # pragma: no cover - resnet() only builds these two block types
-            raise TypeError(f"unexpected block {type(block).__name__}")
         rate = previous if first else dilation
         conv.stride, conv.dilation, conv.padding = (1, 1), (rate, rate), (rate, rate)
         if first and block.downsample is not None:

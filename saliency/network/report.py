@@ -17,13 +17,14 @@ import numpy as np
 
 from relicv2.jobs.progress import tracked
 from relicv2.saliency.batch import map_path
-from relicv2.saliency.images import ImageReadError, decode_rgb, list_images, read_gray, read_rgb
+from relicv2.saliency.images import list_images, read_gray, read_rgb
 from relicv2.saliency.metrics import aggregate, score_image
 from relicv2.saliency.network.data import handcrafted_maps
 from relicv2.saliency.network.images import resize_map
 from relicv2.saliency.network.model import SaliencyNet
-from relicv2.saliency.network.predict import mean_of_maps, predict_map
+from relicv2.saliency.network.predictor import mean_of_maps, predict_map
 from relicv2.shards import ReadReport, iter_samples
+from relicv2.shards.images import ImageLoadError, load_rgb
 
 MEAN_ROW = "mean of handcrafted"
 LABELS_ROW = "mean of refined labels"
@@ -49,7 +50,7 @@ def mask_problem(path: Path) -> str | None:
     """Why the file at `path` is not a ground-truth mask (see GREY_TOLERANCE), or None when it is one."""
     try:
         rgb = read_rgb(path)
-    except ImageReadError as error:
+    except ImageLoadError as error:
         return str(error)
     spread = rgb.max(axis=2).astype(np.int16) - rgb.min(axis=2)
     coloured = float(np.mean(spread > GREY_TOLERANCE))
@@ -99,7 +100,7 @@ def score_rows(images: Iterator[tuple[str, int, np.ndarray]], gt: Path, rows: di
             continue
         try:
             mask = read_gray(masks[key])
-        except ImageReadError as error:
+        except ImageLoadError as error:
             print(f"report: skipping {key}: {error}", file=sys.stderr)
             continue
         if mask.shape != rgb.shape[:2]:
@@ -162,8 +163,8 @@ def _decoded(shards: Path, number: Callable[[str, int], int | None]) -> Iterator
         if (index := number(sample["key"], position)) is None:
             continue
         try:
-            yield sample["key"], index, decode_rgb(sample["image"], sample["key"])
-        except ImageReadError as error:
+            yield sample["key"], index, load_rgb(sample["image"], sample["key"])
+        except ImageLoadError as error:
             print(f"report: skipping {error}", file=sys.stderr)
     if not read.ok:
         print(f"report: {shards}: {read.summary()}", file=sys.stderr)

@@ -13,7 +13,7 @@ from PIL import Image
 
 from relicv2.cli.saliency import saliency_group
 from relicv2.saliency.images import read_gray
-from relicv2.saliency.synthetic import synthetic_scene
+from tests.scenes import synthetic_scene
 
 
 @pytest.fixture
@@ -190,7 +190,7 @@ def test_every_input_failing_exits_non_zero_whatever_the_limit(tmp_path):
      ("0.4", 3, 5, False), ("40%", 2, 5, True), ("100%", 4, 5, True), ("100%", 5, 5, False), ("9", 0, 0, False)],
 )
 def test_failure_limit_counts_and_fractions(text, failed, inputs, ok):
-    from relicv2.saliency.failures import FailureLimit
+    from relicv2.saliency.batch import FailureLimit
 
     assert FailureLimit.parse(text).allows(failed, inputs) is ok
 

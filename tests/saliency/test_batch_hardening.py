@@ -21,11 +21,11 @@ from PIL import Image
 import relicv2.saliency.batch as batch
 from relicv2.cli.saliency import saliency_group
 from relicv2.jobs.lock import folder_lock
-from relicv2.saliency.maps import write_map
-from relicv2.saliency.synthetic import synthetic_scene
+from relicv2.saliency.images import write_map
 from relicv2.shards.keys import UnsafeKeyError
 from relicv2.shards.manifest import write_manifest
 from tests.paths import REPO
+from tests.scenes import synthetic_scene
 
 
 def _jpeg(seed: int, height: int = 48, width: int = 64) -> bytes:

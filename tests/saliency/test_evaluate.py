@@ -7,8 +7,8 @@ import pytest
 from PIL import Image
 
 from relicv2.saliency.evaluate import evaluate_folder
-from relicv2.saliency.images import ImageReadError
-from relicv2.saliency.synthetic import synthetic_scene
+from relicv2.shards.images import ImageLoadError
+from tests.scenes import synthetic_scene
 
 
 @pytest.fixture
@@ -43,5 +43,5 @@ def test_an_inverted_map_scores_badly(tmp_path, masks):
 def test_an_unreadable_map_names_its_file(tmp_path, masks):
     maps = _maps(tmp_path, masks, "maps", lambda m: m)
     (maps / "m1.png").write_bytes(b"\x89PNG broken")
-    with pytest.raises(ImageReadError, match="m1.png"):
+    with pytest.raises(ImageLoadError, match="m1.png"):
         evaluate_folder(maps, masks)

@@ -14,7 +14,7 @@ from PIL import Image
 
 from relicv2 import shards
 from relicv2.cli.saliency import saliency_group
-from relicv2.saliency.synthetic import synthetic_scene
+from tests.scenes import synthetic_scene
 from tests.tars import write_tar
 
 DEEP = b"[" * 100_000  # a json member nested far past any recursion limit

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from relicv2.saliency.handcrafted import frame
-from relicv2.saliency.synthetic import synthetic_scene
+from tests.scenes import synthetic_scene
 
 
 def _framed(width: int = 12) -> np.ndarray:

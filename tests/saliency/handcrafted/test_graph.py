@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from relicv2.saliency.handcrafted import graph
-from relicv2.saliency.synthetic import synthetic_scene
+from tests.scenes import synthetic_scene
 
 LABELS = np.array(
     [
@@ -26,12 +26,12 @@ def test_slic_follows_colour_edges_with_reference_compactness():
     image[:, :53] = (200, 40, 40)
     image[:, 53:] = (40, 160, 200)
     image = np.clip(image + np.random.default_rng(0).integers(-3, 4, image.shape), 0, 255).astype(np.uint8)
-    labels = graph.slic_labels(image, 40, 20.0)
+    labels = graph.segment(image, 40, 20.0).labels
     left, right = set(np.unique(labels[:, :53])), set(np.unique(labels[:, 53:]))
     assert not left & right
     count = labels.max() + 1
     assert set(np.unique(labels)) == set(range(count)) and 20 <= count <= 60
-    assert (graph.slic_labels(image, 40, 20.0) == labels).all()  # deterministic
+    assert (graph.segment(image, 40, 20.0).labels == labels).all()  # deterministic
 
 
 def test_segment_features():

@@ -16,7 +16,7 @@ import pytest
 from scipy.stats import rankdata
 
 from relicv2.saliency.handcrafted.methods import CONFIGS, METHODS, resolve_methods
-from relicv2.saliency.synthetic import striped_scene, synthetic_scene
+from tests.scenes import striped_scene, synthetic_scene
 
 NAMES = list(METHODS)
 SCENES = {

@@ -19,7 +19,7 @@ from relicv2.saliency.handcrafted.reconstruction import (
     propagate_errors,
     sparse_reconstruction_error,
 )
-from relicv2.saliency.synthetic import striped_scene
+from tests.scenes import striped_scene
 
 
 def object_on_texture(height: int = 96, width: int = 128, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -16,7 +16,7 @@ from relicv2.saliency.handcrafted.rbd import (
     otsu_threshold,
     rbd_saliency,
 )
-from relicv2.saliency.synthetic import synthetic_scene
+from tests.scenes import synthetic_scene
 
 METHODS = {"rbd": rbd_saliency, "mr": mr_saliency}
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy import ndimage
 
-from relicv2.saliency.handcrafted.graph import slic_labels
+from relicv2.saliency.handcrafted.graph import segment
 from relicv2.saliency.handcrafted.slic import reference_lab, slic_reference
 from tests.paths import SHARED_DATA
 
@@ -123,9 +123,9 @@ def test_reference_lab_matches_textbook_values() -> None:
     np.testing.assert_allclose(lab, expected, atol=0.05)
 
 
-def test_slic_labels_uses_reference_slic() -> None:
+def test_segment_uses_reference_slic() -> None:
     image = _blocks(seed=4)
-    assert np.array_equal(slic_labels(image, 80, 20.0), slic_reference(image, 80, 20.0))
+    assert np.array_equal(segment(image, 80, 20.0).labels, slic_reference(image, 80, 20.0))
 
 
 # Labels of the authors' SLIC (K=250, m=20) on two dev images, computed by an independent, slow

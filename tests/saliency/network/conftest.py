@@ -11,8 +11,8 @@ from PIL import Image
 
 from relicv2.saliency.network.model import SaliencyNet
 from relicv2.saliency.network.model_file import save_model
-from relicv2.saliency.synthetic import synthetic_scene
 from relicv2.shards import ShardSample, write_shard_set
+from tests.scenes import synthetic_scene
 
 
 def jpeg_bytes(rgb: np.ndarray, exif=None) -> bytes:

@@ -18,7 +18,6 @@ from relicv2.saliency.network.build_masks import (
     MasksError,
     build_masks,
 )
-from relicv2.saliency.synthetic import synthetic_scene
 from relicv2.shards import (
     ReadReport,
     ShardSample,
@@ -33,6 +32,7 @@ from relicv2.shards.index import index_path
 from relicv2.shards.job import PLAN_NAME
 from tests.exif_images import orientation6_jpeg
 from tests.saliency.network.conftest import SquarePredictor, jpeg_bytes, scene_samples
+from tests.scenes import synthetic_scene
 
 
 def _config(model: Path, shards: Path, out: Path, **kw) -> BuildMasksConfig:

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from relicv2.cli.main import cli
 from relicv2.jobs.config import ConfigError
-from relicv2.saliency.network.masks_config import PRESETS, load_masks_config
+from relicv2.saliency.network.config import MASKS_PRESETS, load_masks_config
 
 
 def _build_masks(tiny_model: Path, shards: Path, out: Path, *options: str):
@@ -53,6 +53,6 @@ def test_unknown_keys_presets_and_types_are_refused_in_one_line_before_any_work(
         result = _build_masks(tiny_model, shards, out, *options)
         assert result.exit_code == 1 and message in result.output, result.output
         assert result.output.count("\n") == 1 and not out.exists()
-    assert PRESETS.names() == ["cpu", "gpu"]
+    assert MASKS_PRESETS.names() == ["cpu", "gpu"]
     with pytest.raises(ConfigError, match="model must be of type Path"):
         load_masks_config(None, ["model=[1]"], shards=Path("in"), out=Path("o"))

@@ -25,12 +25,12 @@ from relicv2.saliency.network.config import CrfConfig
 from relicv2.saliency.network.crf import model_crf
 from relicv2.saliency.network.model import SaliencyNet
 from relicv2.saliency.network.model_file import load_model, save_model
-from relicv2.saliency.network.predict import predict_map
-from relicv2.saliency.synthetic import synthetic_scene
+from relicv2.saliency.network.predictor import predict_map
 from relicv2.shards import ReadReport, ShardSample, iter_samples, write_shard_set
 from relicv2.shards.build import Ranks
 from relicv2.shards.job import PLAN_NAME
 from tests.saliency.network.conftest import SquarePredictor
+from tests.scenes import synthetic_scene
 
 pytest.importorskip("pydensecrf.densecrf", reason="the CRF needs pydensecrf2 (requirements.lock)")
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from relicv2.saliency.network.build_masks import BuildMasksConfig, build_masks, format_summary
-from relicv2.saliency.synthetic import synthetic_scene
 from relicv2.shards import ReadReport, iter_samples
 from relicv2.shards.build import Ranks
 from relicv2.shards.sample import MASK_MEMBER
 from tests.saliency.network.conftest import SquarePredictor, jpeg_bytes
+from tests.scenes import synthetic_scene
 from tests.tars import write_tar
 
 

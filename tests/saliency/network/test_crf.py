@@ -10,7 +10,7 @@ import pytest
 
 from relicv2.saliency.network.config import CrfConfig
 from relicv2.saliency.network.crf import CrfPool, dense_crf
-from relicv2.saliency.synthetic import synthetic_scene
+from tests.scenes import synthetic_scene
 
 
 def _iou(a: np.ndarray, b: np.ndarray) -> float:

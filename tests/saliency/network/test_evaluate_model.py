@@ -14,10 +14,10 @@ from relicv2.saliency.evaluate import (
     evaluate_folder,
     evaluate_model,
 )
-from relicv2.saliency.maps import write_map
+from relicv2.saliency.images import write_map
 from relicv2.saliency.network.model_file import load_model
-from relicv2.saliency.network.predict import predict_map, with_maps
-from relicv2.saliency.synthetic import synthetic_scene
+from relicv2.saliency.network.predictor import predict_map, with_maps
+from tests.scenes import synthetic_scene
 
 
 @pytest.fixture

@@ -15,11 +15,11 @@ from PIL import Image
 from relicv2.cli.main import cli
 from relicv2.saliency.network.build_masks import BuildMasksConfig, MasksError, build_masks
 from relicv2.saliency.network.data import write_sample_set
-from relicv2.saliency.synthetic import synthetic_scene
 from relicv2.shards import ReadReport, iter_samples, read_manifest
 from relicv2.shards.build import Ranks
 from relicv2.shards.sample import MASK_MEMBER
 from tests.saliency.network.conftest import SquarePredictor
+from tests.scenes import synthetic_scene
 
 FORMATS = {"jpg": "JPEG", "jpeg": "JPEG", "png": "PNG", "webp": "WEBP"}
 SAMPLES = 10  # 4 + 4 + 2 over train-0000 .. train-0002

@@ -8,8 +8,8 @@ import json
 import pytest
 from PIL import Image
 
-from relicv2.saliency.synthetic import synthetic_scene
 from tests.paths import REPO
+from tests.scenes import synthetic_scene
 
 
 def _script():

@@ -13,14 +13,14 @@ import torch
 import yaml
 
 import relicv2.saliency.network.train as train_module
-from relicv2.saliency.maps import write_png
+from relicv2.saliency.images import write_png
 from relicv2.saliency.network.config import load_saliency_config
 from relicv2.saliency.network.data import TrainingImages, load_training_images
 from relicv2.saliency.network.model_file import load_model
 from relicv2.saliency.network.train import Trainer, TrainJob, TrainStateError, run_train
-from relicv2.saliency.synthetic import synthetic_scene
 from relicv2.shards import write_shard_set
 from tests.saliency.network.conftest import scene_samples
+from tests.scenes import synthetic_scene
 
 
 def _iou(a: np.ndarray, b: np.ndarray) -> float:

@@ -14,13 +14,13 @@ from click.testing import CliRunner
 from PIL import Image
 
 from relicv2.cli.main import cli
-from relicv2.saliency.maps import write_png
+from relicv2.saliency.images import write_png
 from relicv2.saliency.network.config import load_saliency_config
 from relicv2.saliency.network.report import mask_problem
 from relicv2.saliency.network.train import few_images_note
-from relicv2.saliency.synthetic import synthetic_scene
 from relicv2.shards import write_shard_set
 from tests.saliency.network.conftest import scene_samples
+from tests.scenes import synthetic_scene
 
 FAST = ["--preset", "tiny", "--no-progress", "--set", "methods=mc", "--set", "num_images=4",
         "--set", "epochs=1", "--set", "fuse_epochs=1"]
