@@ -1,17 +1,9 @@
 """Pretraining checkpoints: atomic files, keep-last-K rotation, strict loading.
 
-One file per save, `checkpoint-{step:09d}.pt` in the run's output folder, written atomically
-(`models.torchfile`). Contents (plain containers of tensors and builtins, so `torch.load(weights_only=True)`
-reads them and nothing in the file can run code):
-
-    format       "relicv2-pretrain-checkpoint"      version  1
-    config       the resolved config as a nested dict
-    (step to rng: `pretrain.trainer.TrainState.state_dict()`, "rng" gathered from every rank)
-    step         global steps done                  skipped_steps  non-finite steps skipped
-    online       online network state dict          target   target network state dict
-    optimizer    LARS state dict
-    rng          per rank: {"torch": CPU RNG state, "cuda": [CUDA RNG states]}
-    data         per rank: the view loader's state_dict (DALI reader checkpoint or generator position)
+One file per save, `checkpoint-{step:09d}.pt` in the run's output folder, in the format that
+`models.checkpoint_file.CHECKPOINT` declares (read with `weights_only=True`: nothing in it can run code):
+the resolved config as a nested dict, `pretrain.trainer.TrainState.state_dict()`'s fields ("rng" from
+every rank), every rank's view-loader state ("data") and the global "data_position" (`pretrain.resume`).
 """
 
 from __future__ import annotations

@@ -174,10 +174,7 @@ def evaluate_knn(
     refused first (ClassMismatchError); a set that loses samples while read raises LostSamplesError
     unless `allow_lost` (then the result lists the loss).
     """
-    try:
-        settings = dataclasses.replace(settings or KnnConfig(), **overrides)
-    except TypeError as error:  # an unknown keyword
-        raise TypeError(f"evaluate_knn: {error}") from None
+    settings = dataclasses.replace(settings or KnnConfig(), **overrides)
     k, temperature = settings.k, settings.temperature
     train_shards, val_shards = (resolve_shard_set(spec, allow_lost=True) for spec in (train_shards, val_shards))
     check_same_classes(train_shards, val_shards)

@@ -120,8 +120,6 @@ def extract_features(
     images are appended to `skipped`. A set that loses samples while read (`shards.ReadReport`) raises
     LostSamplesError, or with `allow_lost` goes on and appends what it lost to `lost`.
     """
-    if not 0 <= part[0] < part[1]:
-        raise ValueError(f"part must be (index, parts) with 0 <= index < parts, got {part}")
     device = torch.device(device)
     was_training = encoder.training
     encoder.eval()
