@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from relicv2.jobs.atomic import atomic_write_bytes, remove_stale_temps
-from relicv2.jobs.config import SETTINGS_FILE
+from relicv2.jobs.config import SETTINGS_FILE, build
 from relicv2.models.checkpoint_file import (  # noqa: F401 (the reading side lives in a leaf both stages use)
     CHECKPOINT,
     CheckpointError,
@@ -30,7 +30,7 @@ from relicv2.models.checkpoint_file import (  # noqa: F401 (the reading side liv
 from relicv2.models.encoder_file import is_encoder_file, load_encoder_file
 from relicv2.models.resnet import ResNet, resnet
 from relicv2.models.torchfile import load_failure
-from relicv2.pretrain.config import ConfigError, PretrainConfig, from_dict
+from relicv2.pretrain.config import ConfigError, PretrainConfig
 from relicv2.pretrain.metrics_log import METRICS_NAME
 
 # The files a run writes in its output folder besides its checkpoints (moved aside together by --fresh).
@@ -106,7 +106,7 @@ def encoder_from_checkpoint(path: str | Path, *, network: str = "online") -> Res
 def checkpoint_config(payload: dict[str, Any], path: Path) -> PretrainConfig:
     """The run config embedded in a checkpoint read by `load_checkpoint` from `path`; CheckpointError if damaged."""
     try:
-        return from_dict(payload["config"], source=f"the config embedded in {path}", saved=True)
+        return build(PretrainConfig, payload["config"], source=f"the config embedded in {path}", saved=True)
     except ConfigError as error:
         raise CheckpointError(f"{error}; the checkpoint is damaged or from another relicv2 version") from None
 

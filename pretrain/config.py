@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from pathlib import Path
 from typing import Any, Literal
 
-# to_dict is re-exported: checkpoints and resumes compare plain trees through pretrain.config
-from relicv2.jobs.config import ConfigError, Presets, build, resolve, settings_text, to_dict  # noqa: F401
+from relicv2.jobs.config import ConfigError, Presets, resolve, settings_text
 from relicv2.pretrain.schedules import peak_learning_rate
 from relicv2.pretrain.views.config import IMAGE_SIZE, ViewConfig
 
@@ -182,12 +181,6 @@ PRESETS = Presets(job="relicv2 pretrain", package="relicv2.pretrain")
 def load_config(config: str | Path | None = None, overrides: Sequence[str] = ()) -> PretrainConfig:
     """Defaults <- preset NAME or YAML file (if given) <- `section.key=value` overrides, type-checked."""
     return resolve(PretrainConfig, config, overrides, PRESETS)
-
-
-def from_dict(tree: Mapping[str, Any], *, source: str = "config", saved: bool = False) -> PretrainConfig:
-    """Build a config from a nested mapping (YAML, or with `saved` a checkpoint's embedded copy, which may
-    hold keys removed since); strict keys and types."""
-    return build(PretrainConfig, tree, source=source, saved=saved)
 
 
 def describe(config: PretrainConfig, derived: DerivedValues | None = None, version: str = "") -> str:

@@ -1,8 +1,6 @@
-"""The pretraining job, `run_pretraining`, on every rank of a torchrun job (or in a plain process). The update
-is `pretrain.trainer.train_step` and restoring `pretrain.resume`; this module schedules them: check the
-settings, open the shard sets, hold the run folder, build the data source and state, resume, write
-config.yaml, then the step loop (log, checkpoint, the kNN monitor of `pretrain.monitor`, the stop signals of
-`pretrain.stop`) and the final checkpoint."""
+"""The pretraining job, `run_pretraining`, on every rank of a torchrun job (or in a plain process): the
+settings and shard sets checked, the run folder held, then the step loop around `pretrain.trainer.train_step`
+(logging, checkpoints, the kNN monitor of `pretrain.monitor`, the stop signals of `pretrain.stop`)."""
 
 from __future__ import annotations
 
@@ -15,7 +13,7 @@ from typing import Any
 
 import torch
 
-from relicv2.jobs.config import SETTINGS_FILE
+from relicv2.jobs.config import SETTINGS_FILE, to_dict
 from relicv2.jobs.device import resolve_device
 from relicv2.jobs.lock import FolderLockedError, folder_lock
 from relicv2.jobs.version import package_version
@@ -37,7 +35,6 @@ from relicv2.pretrain.config import (
     derive,
     describe,
     per_rank_batch,
-    to_dict,
 )
 from relicv2.pretrain.distributed import (
     DistributedContext,

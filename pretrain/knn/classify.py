@@ -1,8 +1,6 @@
-"""Weighted cosine kNN evaluation of an encoder on labelled shard sets (train = bank, val = queries).
-
-The classifier of Wu et al. 2018 as used by DINO and lightly's benchmarks: l2-normalised
-features (`pretrain.knn.extract`), the k most similar bank items vote for their class with weight
-exp(cos / T); defaults (k = 20, T = 0.07, 224 px crops) from `pretrain.config.KnnConfig`.
+"""Weighted cosine kNN evaluation of an encoder on labelled shard sets (train = bank, val = queries): the
+classifier of Wu et al. 2018 as used by DINO and lightly's benchmarks, with `pretrain.config.KnnConfig`'s
+defaults.
 """
 
 from __future__ import annotations

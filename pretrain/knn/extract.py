@@ -1,9 +1,6 @@
-"""Features of a labelled shard set through a frozen encoder, on the evaluation's test view.
-
-Images are decoded as displayed, the short side resized (bicubic) to `resize_of` the crop, centre-cropped
-and normalised with the ImageNet mean/std: the linear-evaluation test transform, which the kNN monitor,
-`relicv2 eval knn` and the linear `fast` protocol's features all take. In a job of several ranks each
-extracts its `part` of a set; `join_parts` puts the ranks' parts together.
+"""Features of a labelled shard set through a frozen encoder, on the evaluation's test view (`preprocess`),
+which the kNN monitor, `relicv2 eval knn` and the linear `fast` protocol all take. In a job of several
+ranks each extracts its `part` of a set; `join_parts` puts the ranks' parts together.
 """
 
 from __future__ import annotations

@@ -27,8 +27,6 @@ from typing import Any
 
 import torch
 
-__all__ = ["Made", "Position", "ahead", "stop"]
-
 POLL_S = 0.5  # how often a blocked producer or consumer checks that the other side is still there
 
 
