@@ -189,11 +189,8 @@ def check_shard_set(
 ) -> SetCheck:
     """Check the samples of part `index` of `parts` of the set's tars (every parts-th) ahead of
     the loaders, in `workers` processes, keeping the verdicts in the index cache; `decode_check`
-    and `decode_foreign_only` as in `load_sample_set`.
-
-    The ranks of a job each call it with their own part before a barrier, so that every tar is
-    read once between them; `relicv2 shards index` calls it for the whole set. Tars checked before
-    only have their index parsed and their verdicts read.
+    and `decode_foreign_only` as in `load_sample_set`. Tars checked before only have their index
+    parsed and their verdicts read.
     """
     index, parts = part
     cache, shard_set, decode_check = resolve_checks(spec, index_cache, decode_check, decode_foreign_only)

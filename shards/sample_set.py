@@ -60,8 +60,7 @@ def load_sample_set(spec: Spec, *, decode_check: DecodeCheck | None = None, deco
     `decode_check(samples) -> {key: reason}` (e.g. `pretrain.views.dali.find_undecodable`) is run on
     the structurally sound samples when given; with `decode_foreign_only` only on sets without a
     manifest (sets from `shards build` and `saliency build-masks` decoded every image when writing it).
-    The verdicts are kept per tar in the index cache (`check_tar`), so a restart, another rank
-    or another job does not read or decode the samples again.
+    The verdicts are kept per tar in the index cache (`check_tar`).
     """
     cache, shard_set, decode_check = resolve_checks(spec, index_cache, decode_check, decode_foreign_only)
     directory = shard_set.directory or shard_set.tars[0].parent
