@@ -131,9 +131,8 @@ def open_run_shard_sets(config: PretrainConfig, ctx: DistributedContext) -> dict
                                             allow_lost=key.startswith("knn."))[0]
             except ShardSetError as error:
                 raise ConfigError(f"{key}={spec}: {error}") from None
-    if "knn.train_shards" not in sets:  # KnnConfig takes both sets or neither
-        return sets
-    check_monitor_sets(sets["knn.train_shards"], sets["knn.val_shards"], sets.get("data.train_shards"))
+    if "knn.train_shards" in sets:  # KnnConfig takes both sets or neither
+        check_monitor_sets(sets["knn.train_shards"], sets["knn.val_shards"], sets.get("data.train_shards"))
     return sets
 
 
