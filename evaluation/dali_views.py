@@ -1,10 +1,6 @@
-"""Labelled train / test views for linear evaluation through DALI (CPU or GPU decoding).
-
-A small pipeline beside the pretraining one, built from the same pieces: the set is read with
-`shards.sample_set.load_sample_set` (undecodable images of a set from another tool found first by
-`find_undecodable` and left out through filtered index files) and its samples by DALI's webdataset
-reader over those index files. Train views: random-resized-crop + flip; test views: short side
-bicubic + centre crop. Yields (images [B, 3, crop, crop] float, labels [B]).
+"""Labelled train / test views for linear evaluation through DALI (CPU or GPU decoding): the set's usable
+samples (`shards.sample_set.load_sample_set`) read by DALI's webdataset reader over their index files.
+Train views: random-resized-crop + flip; test views: short side bicubic + centre crop.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """Frozen-encoder features of a labelled shard set, with an on-disk cache.
 
-Extraction is the kNN monitor's (`pretrain.knn.extract.extract_features`: decode, resize the short
-side bicubic, centre crop, ImageNet mean/std), so kNN and the linear `fast` protocol see the same
-test views. The cache file name is a digest of the encoder's weights, the shard set's files (name,
-size, mtime) and the view spec: a changed checkpoint or a rebuilt shard set never reuses stale
-features. Cache files are a `models.torchfile` format (atomic, read code-free); they keep the
-keys of the undecodable images and what the set lost while read, so a cached result reports them too.
+Extraction is the kNN monitor's (`pretrain.knn.extract.extract_features`), so kNN and the linear `fast`
+protocol see the same test views. The cache file name is a digest of the encoder's weights, the shard
+set's files (name, size, mtime) and the view spec: a changed checkpoint or a rebuilt shard set never
+reuses stale features. A cache keeps the keys of the undecodable images and what the set lost while read,
+so a cached result reports them too.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""The `relicv2 eval` jobs (kNN, linear probe, fine-tuning) as one library function, `run_eval`.
-
-A job is an `EvalJob`: the backbone, the labelled train and val shard sets, the protocol's frozen
-settings and where results go. `run_eval` loads the backbone, prints the settings (the format every job
-uses) and saves them as `config.yaml` in the output folder, evaluates, writes the JSON records and
-returns what the command prints. Under torchrun every rank calls it; rank 0 gets the result.
+"""The `relicv2 eval` jobs (kNN, linear probe, fine-tuning) as one library function, `run_eval`: load the
+backbone, print the settings and save them as `config.yaml` in the output folder, evaluate, write the JSON
+records and return what the command prints. Under torchrun every rank calls it; rank 0 gets the result.
 """
 
 from __future__ import annotations

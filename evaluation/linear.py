@@ -1,6 +1,7 @@
-"""Linear evaluation of a frozen encoder (paper appendix "Linear evaluation"), two named protocols:
-- "linear-paper" (`evaluation.paper`): a linear head on the frozen encoder (BN in eval mode) trained
-  on augmented views, checkpointed every epoch and resumed by a rerun;
+"""Linear evaluation of a frozen encoder (paper appendix "Linear evaluation"), two named protocols
+(presets `paper` and `fast` in `evaluation/presets/linear/`):
+- "linear-paper": a linear head on the frozen encoder (BN in eval mode) trained on augmented views,
+  its state checkpointed every epoch to `linear-head.pt` and resumed by a rerun;
 - "linear-fast": the same optimiser on features taken once on the test view and cached on disk
   (`evaluation.features`), standardised with the train set's mean/std first (a BN without affine
   parameters folded into the head), so one learning rate suits any encoder. Seconds on a CPU.
@@ -12,19 +13,76 @@ on every rank, the paper head with gradients averaged over ranks; correct predic
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from relicv2.evaluation import supervised
 from relicv2.evaluation.features import FeatureSet, FeatureSpec, cached_features
-from relicv2.evaluation.linear_config import LinearConfig
-from relicv2.evaluation.paper import train_linear_paper
 from relicv2.evaluation.supervised import Batches, LinearResult, accuracy_report, train_classifier
+from relicv2.evaluation.views import LabelledViews, class_count, epoch_batches, labelled_samples
 from relicv2.pretrain.distributed import DistributedContext, open_shard_sets
 from relicv2.pretrain.knn.classes import check_same_classes
+from relicv2.pretrain.schedules import learning_rate, peak_learning_rate
+from relicv2.pretrain.views.config import FULL_CROP_SCALE, IMAGE_SIZE, resize_of
 from relicv2.shards.shardset import Spec
+
+PROTOCOLS = ("paper", "fast")
+HEAD_FORMAT = "relicv2-linear-head"
+HEAD_FILE = "linear-head.pt"
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """Options of the linear probe (presets `paper` and `fast` in `evaluation/presets/linear/`)."""
+
+    protocol: str = "paper"
+    epochs: int = 100
+    batch_size: int = 1024  # global, over all ranks
+    base_lr: float = 0.3  # peak lr = base_lr * batch_size / 256
+    momentum: float = 0.9
+    nesterov: bool = True
+    weight_decay: float = 0.0
+    crop_size: int = IMAGE_SIZE
+    resize_size: int = resize_of(IMAGE_SIZE)  # test views: short side before the centre crop; 0: crop_size / 0.875
+    crop_scale: tuple[float, float] = FULL_CROP_SCALE  # train views (paper protocol)
+    seed: int = 0
+    workers: int = 2  # decoding workers / DALI threads (paper protocol)
+    backend: str = "dali"  # paper protocol views: "dali" (CPU or GPU decoding) or "pil" (torch DataLoader)
+    feature_batch: int = 256  # images per forward pass of the frozen encoder
+
+    def __post_init__(self) -> None:
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"linear protocol must be one of {list(PROTOCOLS)}, got {self.protocol!r}")
+        for name in ("epochs", "batch_size", "crop_size", "feature_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"linear.{name} must be positive, got {getattr(self, name)}")
+        if self.base_lr <= 0 or not 0 <= self.momentum < 1 or self.weight_decay < 0:
+            raise ValueError("linear.base_lr must be > 0, momentum in [0, 1) and weight_decay >= 0")
+        if self.backend not in ("dali", "pil"):
+            raise ValueError(f"linear.backend must be 'dali' or 'pil', got {self.backend!r}")
+        if not 0 < self.crop_scale[0] <= self.crop_scale[1] <= 1:
+            raise ValueError(f"linear.crop_scale must satisfy 0 < lo <= hi <= 1, got {self.crop_scale}")
+
+    @property
+    def name(self) -> str:
+        return f"linear-{self.protocol}"
+
+    @property
+    def peak_lr(self) -> float:
+        return peak_learning_rate(self.base_lr, self.batch_size)
+
+    def learning_rates(self, total_steps: int) -> Callable[[int], list[float]]:
+        """The head's lr at a global step: cosine from `peak_lr` over `total_steps`, no warm-up."""
+        return lambda step: [learning_rate(step, peak_lr=self.peak_lr, warmup_steps=0, total_steps=total_steps)]
+
+    def optimizer(self, head: nn.Module) -> torch.optim.SGD:
+        """The head's SGD (the schedule sets its lr at every step)."""
+        return torch.optim.SGD(head.parameters(), lr=self.peak_lr, momentum=self.momentum, nesterov=self.nesterov,
+                               weight_decay=self.weight_decay)
 
 
 def train_linear_on_features(
@@ -50,8 +108,6 @@ def train_linear_on_features(
 
     # Initialised on the CPU: the same draws on any device.
     head = supervised.new_head(train.features.shape[1], num_classes, generator).to(device)
-    optimizer = torch.optim.SGD(head.parameters(), lr=config.peak_lr, momentum=config.momentum,
-                                nesterov=config.nesterov, weight_decay=config.weight_decay)
     batch = min(config.batch_size, len(train))
     steps_per_epoch = math.ceil(len(train) / batch)
 
@@ -59,7 +115,7 @@ def train_linear_on_features(
         order = torch.randperm(len(train), generator=generator)
         return ((standardised(train.features[index]), train.labels[index], []) for index in order.split(batch))
 
-    train_classifier(head, head, optimizer, train_batches=train_batches, epochs=config.epochs,
+    train_classifier(head, head, config.optimizer(head), train_batches=train_batches, epochs=config.epochs,
                      learning_rates=config.learning_rates(steps_per_epoch * config.epochs),
                      steps_per_epoch=steps_per_epoch, skipped=set())
     with torch.no_grad():
@@ -68,6 +124,60 @@ def train_linear_on_features(
     return LinearResult(config.name, top1, top5, len(train), len(val), train.skipped + val.skipped,
                         per_class, config.epochs, sorted(train.skipped_keys + val.skipped_keys),
                         [*train.lost, *val.lost])
+
+
+def train_linear_paper(
+    encoder: nn.Module, train_shards: Spec, val_shards: Spec, config: LinearConfig, *,
+    device: torch.device, output_dir: Path | None, ctx: DistributedContext | None = None,
+) -> LinearResult:
+    """The `paper` protocol: train the head on augmented views of `train_shards`, score it on `val_shards`
+    (exact over ranks); each a spec or the job's resolved `ShardSet`, opened once here for the views' decoding."""
+    rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
+    per_rank_batch = max(1, config.batch_size // world)
+    if config.backend == "dali":
+        from relicv2.evaluation.dali_views import DECODE, DaliViews
+
+        train_shards, val_shards = open_shard_sets(ctx, train_shards, val_shards, **DECODE)
+        common = {"crop_size": config.crop_size, "resize_size": config.resize_size, "batch_size": per_rank_batch,
+                  "rank": rank, "world": world, "threads": config.workers, "device": device}
+        dali = {True: DaliViews(train_shards, train=True, scale=config.crop_scale, seed=config.seed, **common),
+                False: DaliViews(val_shards, train=False, **common)}  # by LabelledViews.train
+        train_samples, val_samples = dali[True].sample_set.samples, dali[False].sample_set.samples
+        train_skipped, val_skipped = set(dali[True].sample_set.skipped_keys), set(dali[False].sample_set.skipped_keys)
+    else:
+        train_shards, val_shards = open_shard_sets(ctx, train_shards, val_shards)
+        train_samples, train_skipped = labelled_samples(train_shards)
+        val_samples, val_skipped = labelled_samples(val_shards)
+    train_set = LabelledViews(train_samples, train=True, crop_size=config.crop_size,
+                              resize_size=config.resize_size, scale=config.crop_scale, seed=config.seed)
+    val_set = LabelledViews(val_samples, train=False, crop_size=config.crop_size, resize_size=config.resize_size)
+
+    def batches(views: LabelledViews, epoch: int) -> Batches:
+        if config.backend == "dali":
+            return dali[views.train].epoch()
+        return epoch_batches(views, epoch, rank=rank, world=world, batch_size=per_rank_batch,
+                             workers=config.workers)
+
+    num_classes = class_count((train_samples, train_shards), (val_samples, val_shards))
+    torch.manual_seed(config.seed)
+    head = supervised.new_head(encoder.num_features, num_classes).to(device)
+    steps_per_epoch = math.ceil(math.ceil(len(train_set) / world) / per_rank_batch)
+    state = (supervised.StateFile(output_dir / HEAD_FILE, HEAD_FORMAT, config, ("workers", "feature_batch"),
+                                  what="linear", network="head") if output_dir is not None else None)
+
+    def forward(images: Tensor) -> Tensor:
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            features = encoder(images.to(device, non_blocking=True)).float()
+        return head(features)
+
+    train_classifier(
+        head, forward, config.optimizer(head), train_batches=lambda epoch: batches(train_set, epoch),
+        learning_rates=config.learning_rates(steps_per_epoch * config.epochs),
+        epochs=config.epochs, steps_per_epoch=steps_per_epoch, skipped=train_skipped, state=state, ctx=ctx,
+        desc="linear")
+    return supervised.score(head, forward, batches(val_set, 0), protocol=config.name, num_classes=num_classes,
+                            num_train=len(train_set), epochs=config.epochs, train_skipped=train_skipped,
+                            val_skipped=val_skipped, ctx=ctx)
 
 
 def evaluate_linear(

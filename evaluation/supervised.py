@@ -1,9 +1,5 @@
-"""The one supervised loop of the evaluation protocols that train (linear-fast, linear-paper, fine-tuning).
-
-`train_classifier` trains for whole epochs, gradients averaged over ranks; with a `StateFile` rank 0
-saves the state after each epoch and a rerun resumes at the next. `score` classifies the validation
-batches, counted exactly over ranks.
-"""
+"""The one supervised loop of the evaluation protocols that train (linear-fast, linear-paper, fine-tuning):
+`train_classifier`, resumable by epoch through a `StateFile`, and `score`, exact over ranks."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Labelled train / test views for the linear and fine-tuning protocols (PIL path, torch DataLoader).
-
-Built from the view pipeline's pieces rather than restating them: samples are located with
-`shards.sample_set.load_sample_set` (index files, structural checks), crops drawn with the
-reference pipeline's seeded `random_resized_crop`, test views are the kNN monitor's `preprocess`
-(resize short side bicubic, centre crop) and the ImageNet mean/std come from the view config.
-Every draw is seeded by (seed, epoch, sample position), so a resumed run sees the same views.
+"""Labelled train / test views for the linear and fine-tuning protocols (PIL path, torch DataLoader); test
+views are the kNN monitor's `preprocess`. Every draw is seeded by (seed, epoch, sample position), so a
+resumed run sees the same views.
 """
 
 from __future__ import annotations

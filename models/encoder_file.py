@@ -15,9 +15,7 @@ names (an unexpected key, an error under strict=True), and its sidecar says so u
 
 The sidecar carries what a reader needs to rebuild the network without the training code
 (arch, depth, width, padding, num_features) and what it came from (source checkpoint, network,
-step, a config summary, kNN / linear figures when known). `load_encoder_file` is the one loader
-that every command taking a backbone uses. A leaf of the model package: checkpoints, evaluation
-and export all build on it.
+step, a config summary, kNN / linear figures when known).
 """
 
 from __future__ import annotations

@@ -121,8 +121,6 @@ def ema_update(target: TargetNetwork, online: nn.Module, coefficient: float) -> 
     online_part = nn.ModuleList([online.encoder, online.projector])
     target_params, online_params = list(target_part.parameters()), list(online_part.parameters())
     target_buffers, online_buffers = list(target_part.buffers()), list(online_part.buffers())
-    if len(target_params) != len(online_params) or len(target_buffers) != len(online_buffers):
-        raise ValueError("target and online networks have different architectures; build both with build_networks")
     # lerp(t, o, w) = t + w (o - t) = (1 - w) t + w o with w = 1 - coefficient.
     torch._foreach_lerp_(target_params, online_params, 1.0 - coefficient)
     torch._foreach_copy_(target_buffers, online_buffers)

@@ -1,17 +1,9 @@
 """Pretraining checkpoints: atomic files, keep-last-K rotation, strict loading.
 
-One file per save, `checkpoint-{step:09d}.pt` in the run's output folder, written atomically
-(`models.torchfile`). Contents (plain containers of tensors and builtins, so `torch.load(weights_only=True)`
-reads them and nothing in the file can run code):
-
-    format       "relicv2-pretrain-checkpoint"      version  1
-    config       the resolved config as a nested dict
-    (step to rng: `pretrain.trainer.TrainState.state_dict()`, "rng" gathered from every rank)
-    step         global steps done                  skipped_steps  non-finite steps skipped
-    online       online network state dict          target   target network state dict
-    optimizer    LARS state dict
-    rng          per rank: {"torch": CPU RNG state, "cuda": [CUDA RNG states]}
-    data         per rank: the view loader's state_dict (DALI reader checkpoint or generator position)
+One file per save, `checkpoint-{step:09d}.pt` in the run's output folder, in the format that
+`models.checkpoint_file.CHECKPOINT` declares (read with `weights_only=True`: nothing in it can run code):
+the resolved config as a nested dict, `pretrain.trainer.TrainState.state_dict()`'s fields ("rng" from
+every rank), every rank's view-loader state ("data") and the global "data_position" (`pretrain.resume`).
 """
 
 from __future__ import annotations
@@ -24,7 +16,7 @@ from typing import Any
 import torch
 
 from relicv2.jobs.atomic import atomic_write_bytes, remove_stale_temps
-from relicv2.jobs.config import SETTINGS_FILE
+from relicv2.jobs.config import SETTINGS_FILE, build
 from relicv2.models.checkpoint_file import (  # noqa: F401 (the reading side lives in a leaf both stages use)
     CHECKPOINT,
     CheckpointError,
@@ -38,7 +30,7 @@ from relicv2.models.checkpoint_file import (  # noqa: F401 (the reading side liv
 from relicv2.models.encoder_file import is_encoder_file, load_encoder_file
 from relicv2.models.resnet import ResNet, resnet
 from relicv2.models.torchfile import load_failure
-from relicv2.pretrain.config import ConfigError, PretrainConfig, from_dict
+from relicv2.pretrain.config import ConfigError, PretrainConfig
 from relicv2.pretrain.metrics_log import METRICS_NAME
 
 # The files a run writes in its output folder besides its checkpoints (moved aside together by --fresh).
@@ -114,7 +106,7 @@ def encoder_from_checkpoint(path: str | Path, *, network: str = "online") -> Res
 def checkpoint_config(payload: dict[str, Any], path: Path) -> PretrainConfig:
     """The run config embedded in a checkpoint read by `load_checkpoint` from `path`; CheckpointError if damaged."""
     try:
-        return from_dict(payload["config"], source=f"the config embedded in {path}", saved=True)
+        return build(PretrainConfig, payload["config"], source=f"the config embedded in {path}", saved=True)
     except ConfigError as error:
         raise CheckpointError(f"{error}; the checkpoint is damaged or from another relicv2 version") from None
 

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 from pathlib import Path
 from typing import Any, Literal
 
-# to_dict is re-exported: checkpoints and resumes compare plain trees through pretrain.config
-from relicv2.jobs.config import ConfigError, Presets, build, resolve, settings_text, to_dict  # noqa: F401
+from relicv2.jobs.config import ConfigError, Presets, resolve, settings_text
 from relicv2.pretrain.schedules import peak_learning_rate
 from relicv2.pretrain.views.config import IMAGE_SIZE, ViewConfig
 
@@ -96,22 +95,18 @@ class KnnConfig:
 
     def __post_init__(self) -> None:
         # Checked here, not only in PretrainConfig: `relicv2 eval knn` builds this section alone.
-        _validate_finite(self)
-        for name in ("every_epochs", "k", "temperature", "crop_size", "batch_size"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.resize_size < 0:
-            raise ConfigError(f"resize_size must be >= 0, got {self.resize_size}")
+        _check_ranges(self, ("every_epochs", "k", "temperature", "crop_size", "batch_size"), ("resize_size",))
         if bool(self.train_shards) != bool(self.val_shards):
             raise ConfigError("train_shards and val_shards must be given together (or neither)")
 
 
-# Settings that must be positive / at least 0, by dotted name.
+# Settings that must be positive / at least 0 / in [0, 1], by dotted name.
 POSITIVE = ("model.width", "model.hidden_dim", "model.out_dim", "data.synthetic_images", "data.synthetic_classes",
             "loss.temperature", "loss.num_negatives", "optim.global_batch", "optim.epochs", "optim.base_lr",
             "run.checkpoint_every", "run.keep_checkpoints", "run.log_every")
 NON_NEGATIVE = ("optim.warmup_epochs", "optim.weight_decay", "optim.clip_grad_norm", "loss.contrast_weight",
                 "loss.invariance_weight", "run.max_steps")
+FRACTIONS = ("optim.ema_base", "optim.momentum")
 
 
 @dataclass(frozen=True)
@@ -127,22 +122,13 @@ class PretrainConfig:
     knn: KnnConfig = field(default_factory=KnnConfig)
 
     def __post_init__(self) -> None:
-        _validate_finite(self)
-        for key, value in zip(POSITIVE, attrgetter(*POSITIVE)(self), strict=True):
-            if value <= 0:
-                raise ConfigError(f"{key} must be positive, got {value}")
-        for key, value in zip(NON_NEGATIVE, attrgetter(*NON_NEGATIVE)(self), strict=True):
-            if value < 0:
-                raise ConfigError(f"{key} must be >= 0, got {value}")
+        _check_ranges(self, POSITIVE, NON_NEGATIVE, FRACTIONS)
         if self.model.width not in (1, 2, 4):
             raise ConfigError(f"model.width must be 1, 2 or 4 (the widths of the paper), got {self.model.width}")
         if not self.run.output_dir.strip():
             raise ConfigError("run.output_dir is empty; set it to the run's folder (e.g. --output runs/my-run)")
         if self.model.depth not in (18, 34, 50, 101, 152, 200):
             raise ConfigError(f"model.depth must be one of 18, 34, 50, 101, 152, 200, got {self.model.depth}")
-        for key in ("optim.ema_base", "optim.momentum"):
-            if not 0.0 <= attrgetter(key)(self) <= 1.0:
-                raise ConfigError(f"{key} must lie in [0, 1], got {attrgetter(key)(self)}")
         if self.optim.warmup_epochs > self.optim.epochs:
             raise ConfigError(
                 f"optim.warmup_epochs={self.optim.warmup_epochs} exceeds optim.epochs={self.optim.epochs}"
@@ -197,15 +183,20 @@ def load_config(config: str | Path | None = None, overrides: Sequence[str] = ())
     return resolve(PretrainConfig, config, overrides, PRESETS)
 
 
-def from_dict(tree: Mapping[str, Any], *, source: str = "config", saved: bool = False) -> PretrainConfig:
-    """Build a config from a nested mapping (YAML, or with `saved` a checkpoint's embedded copy, which may
-    hold keys removed since); strict keys and types."""
-    return build(PretrainConfig, tree, source=source, saved=saved)
-
-
 def describe(config: PretrainConfig, derived: DerivedValues | None = None, version: str = "") -> str:
     """The resolved config (and derived values) as printed at start and saved to config.yaml."""
     return settings_text(config, extra={"derived": derived} if derived is not None else None, version=version)
+
+
+def _check_ranges(config: Any, positive: Sequence[str], non_negative: Sequence[str] = (),
+                  fractions: Sequence[str] = ()) -> None:
+    """ConfigError naming the first setting (a dotted name) outside its range, or a float that is no number."""
+    _validate_finite(config)
+    for keys, fits, rule in ((positive, lambda v: v > 0, "be positive"), (non_negative, lambda v: v >= 0, "be >= 0"),
+                             (fractions, lambda v: 0.0 <= v <= 1.0, "lie in [0, 1]")):
+        for key in keys:
+            if not fits(value := attrgetter(key)(config)):
+                raise ConfigError(f"{key} must {rule}, got {value}")
 
 
 def _validate_finite(config: Any, prefix: str = "") -> None:

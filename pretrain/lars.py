@@ -42,8 +42,6 @@ class LARS(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            if any(p.grad.is_sparse for p in params):
-                raise RuntimeError("LARS does not support sparse gradients")
             grads = [p.grad for p in params]
             if group["lars_exclude"]:
                 updates = grads

@@ -1,16 +1,7 @@
-"""The ReLICv2 objective (paper eq. 2 and 4, pseudo-code listing 1) as a pure function of tensors.
-
-Notation (docs/design.md "Loss"): for an online view a and a target view b, o_a / t_b are the
-l2-normalised online predictions / target projections, and for anchor i the candidate set c_i
-holds its positive (c_i0 = i) and n_e negatives drawn from the other images of the global batch.
-
-    p(a;b)_ik = softmax_k <o_a[i], t_b[c_ik]> / tau        (instance classification)
-    p(b;a)_ik = softmax_k <o_a[c_ik], t_b[i]> / tau        (same candidates, roles swapped)
-    contrastive_i = -log p(a;b)_i0
-    KL_i = sg[sum_k p(a;b)_ik log p(a;b)_ik] - sum_k p(a;b)_ik log p(b;a)_ik
-
-The stop-gradient sits on the entropy term only, as in the paper's eq. 2: the cross term keeps
-the gradient through both the weights p(a;b) and log p(b;a).
+"""The ReLICv2 objective (paper eq. 2 and 4, pseudo-code listing 1) as a pure function of tensors, in the
+notation of docs/design.md "Loss" (candidates c_i: anchor i's positive c_i0 = i, then its n_e negatives).
+The stop-gradient sits on the entropy term only, as in the paper's eq. 2: the cross term keeps the
+gradient through both the weights p(a;b) and log p(b;a).
 
 Multi-rank runs. The negatives come from the global batch of N = world * B images, so
 `target_large` holds the targets gathered from all ranks ([N, D], no gradient needed), and the
@@ -108,10 +99,6 @@ def relicv2_loss(online_large: Sequence[Tensor], online_small: Sequence[Tensor],
     """
     online_views = list(online_large) + list(online_small)
     _check_inputs(online_large, online_views, target_large, gathered_online, anchor_offset)
-    if temperature <= 0:
-        raise ValueError(f"temperature must be positive, got {temperature}")
-    if num_negatives < 1:
-        raise ValueError(f"num_negatives must be at least 1, got {num_negatives}")
     batch, total = online_views[0].shape[0], target_large[0].shape[0]
     device = online_views[0].device
     # Softmax over similarities at temperature 0.2 loses too much in bf16: always fp32.

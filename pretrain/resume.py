@@ -13,9 +13,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from relicv2.jobs.config import removed_settings
+from relicv2.jobs.config import removed_settings, to_dict
 from relicv2.pretrain.checkpoint import CheckpointError
-from relicv2.pretrain.config import PretrainConfig, to_dict
+from relicv2.pretrain.config import PretrainConfig
 from relicv2.pretrain.distributed import DistributedContext
 from relicv2.pretrain.trainer import TrainState
 from relicv2.pretrain.views.source import StateVersionError, ViewSource, global_position_state

@@ -1,8 +1,6 @@
-"""The pretraining job, `run_pretraining`, on every rank of a torchrun job (or in a plain process). The update
-is `pretrain.trainer.train_step` and restoring `pretrain.resume`; this module schedules them: check the
-settings, open the shard sets, hold the run folder, build the data source and state, resume, write
-config.yaml, then the step loop (log, checkpoint, the kNN monitor of `pretrain.monitor`, the stop signals of
-`pretrain.stop`) and the final checkpoint."""
+"""The pretraining job, `run_pretraining`, on every rank of a torchrun job (or in a plain process): the
+settings and shard sets checked, the run folder held, then the step loop around `pretrain.trainer.train_step`
+(logging, checkpoints, the kNN monitor of `pretrain.monitor`, the stop signals of `pretrain.stop`)."""
 
 from __future__ import annotations
 
@@ -15,7 +13,7 @@ from typing import Any
 
 import torch
 
-from relicv2.jobs.config import SETTINGS_FILE
+from relicv2.jobs.config import SETTINGS_FILE, to_dict
 from relicv2.jobs.device import resolve_device
 from relicv2.jobs.lock import FolderLockedError, folder_lock
 from relicv2.jobs.version import package_version
@@ -37,7 +35,6 @@ from relicv2.pretrain.config import (
     derive,
     describe,
     per_rank_batch,
-    to_dict,
 )
 from relicv2.pretrain.distributed import (
     DistributedContext,
@@ -134,9 +131,8 @@ def open_run_shard_sets(config: PretrainConfig, ctx: DistributedContext) -> dict
                                             allow_lost=key.startswith("knn."))[0]
             except ShardSetError as error:
                 raise ConfigError(f"{key}={spec}: {error}") from None
-    if "knn.train_shards" not in sets:  # KnnConfig takes both sets or neither
-        return sets
-    check_monitor_sets(sets["knn.train_shards"], sets["knn.val_shards"], sets.get("data.train_shards"))
+    if "knn.train_shards" in sets:  # KnnConfig takes both sets or neither
+        check_monitor_sets(sets["knn.train_shards"], sets["knn.val_shards"], sets.get("data.train_shards"))
     return sets
 
 

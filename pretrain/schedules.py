@@ -8,8 +8,6 @@ from collections.abc import Sequence
 
 def peak_learning_rate(base_lr: float, global_batch: int, reference_batch: int = 256) -> float:
     """The lr at the end of warmup: base_lr scaled linearly with the global batch (base_lr * batch / reference_batch)."""
-    if global_batch <= 0:
-        raise ValueError(f"global_batch must be positive, got {global_batch}")
     return base_lr * global_batch / reference_batch
 
 
@@ -37,9 +35,5 @@ def step_decay(step: int, *, peak_lr: float, milestones: Sequence[int], decay: f
 
 def ema_coefficient(step: int, *, base: float, total_steps: int) -> float:
     """Target EMA coefficient gamma_k = 1 - (1 - base) (cos(pi k / K) + 1) / 2: base at 0, 1 at K."""
-    if total_steps <= 0:
-        raise ValueError(f"total_steps must be positive, got {total_steps}")
-    if not 0.0 <= base <= 1.0:
-        raise ValueError(f"EMA base coefficient must be in [0, 1], got {base}")
     step = min(max(step, 0), total_steps)
     return 1.0 - (1.0 - base) * (math.cos(math.pi * step / total_steps) + 1.0) / 2.0

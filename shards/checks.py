@@ -2,15 +2,12 @@
 
 The DALI decoder stops the whole pipeline on an undecodable image, so bad samples must never reach it.
 Every tar's index first goes through the shard reader's one policy for bad members
-(`shards.reader.locate_samples`); then every sample is checked cheaply (`structural_problem`): exactly
-one image member (`IMAGE_MEMBERS`) must be non-empty and carry its format's signature and end marker
-(catches truncated, empty and mislabelled data); a `mask.png` member, when present, must carry the PNG
-signature. In a set without a manifest (another tool's), the image's and mask's headers are read too
-and pictures over `max_pixels` are left out ("too_large"), so a decompression bomb never reaches a
-decoder (sets from `shards build` and `saliency build-masks` were checked when written). A decode check
-(`pretrain.views.dali.find_undecodable`) can be run on the sound samples as well: exact, but as slow as
-an epoch of decoding. The verdicts are kept per tar in the index cache, bound to the tar, its index and
-the checker (`check_tar`); `shards.sample_set.load_sample_set` leaves the refused samples out.
+(`shards.reader.locate_samples`); then every sample is checked cheaply (`structural_problem`: members,
+image signatures and end markers, and in a set without a manifest the picture size from its header, so
+a decompression bomb never reaches a decoder). A decode check (`pretrain.views.dali.find_undecodable`)
+can be run on the sound samples as well: exact, but as slow as an epoch of decoding. The verdicts are
+kept per tar in the index cache (`check_tar`); `shards.sample_set.load_sample_set` leaves the refused
+samples out.
 """
 
 from __future__ import annotations
@@ -192,11 +189,8 @@ def check_shard_set(
 ) -> SetCheck:
     """Check the samples of part `index` of `parts` of the set's tars (every parts-th) ahead of
     the loaders, in `workers` processes, keeping the verdicts in the index cache; `decode_check`
-    and `decode_foreign_only` as in `load_sample_set`.
-
-    The ranks of a job each call it with their own part before a barrier, so that every tar is
-    read once between them; `relicv2 shards index` calls it for the whole set. Tars checked before
-    only have their index parsed and their verdicts read.
+    and `decode_foreign_only` as in `load_sample_set`. Tars checked before only have their index
+    parsed and their verdicts read.
     """
     index, parts = part
     cache, shard_set, decode_check = resolve_checks(spec, index_cache, decode_check, decode_foreign_only)

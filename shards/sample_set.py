@@ -1,16 +1,10 @@
 """The usable samples of a shard set: its index, checked (`shards.checks`), and the index files that list them.
 
 Refused and failing samples are left out of a filtered copy of the index files (the tars are not
-touched), counted by reason in `SampleSet.skipped`, and reported once as a warning with a few keys.
-A decoder that still fails during a run (corruption the cheap check cannot see) finds the culprits
-and leaves them out the same way (`exclude_samples`; see `pretrain.views.dali.DaliBackend`).
-An index file that does not describe its tar (offsets or sizes outside it, unsafe member names,
-garbage fields) is refused with one error naming the file: it was not written by this project's
-`shards.write_index`, and trusting it would read arbitrary bytes.
-A sample without a `mask.png` member is valid: it is never masked (counted in `without_mask`).
-A `cls` member that is not a class index (a class name, as some WebDataset tools write) leaves the
-sample unlabelled: pretraining does not need labels; evaluation refuses such a set
-(`require_class_labels`).
+touched), counted by reason in `SampleSet.skipped`, and reported once as a warning with a few keys; so
+are those a decoder still fails on during a run (`exclude_samples`). A sample without a `mask.png`
+member is never masked (counted in `without_mask`); one whose `cls` is not a class index (a class name,
+as some WebDataset tools write) is unlabelled, which evaluation refuses (`require_class_labels`).
 """
 
 from __future__ import annotations
@@ -66,8 +60,7 @@ def load_sample_set(spec: Spec, *, decode_check: DecodeCheck | None = None, deco
     `decode_check(samples) -> {key: reason}` (e.g. `pretrain.views.dali.find_undecodable`) is run on
     the structurally sound samples when given; with `decode_foreign_only` only on sets without a
     manifest (sets from `shards build` and `saliency build-masks` decoded every image when writing it).
-    The verdicts are kept per tar in the index cache (`check_tar`), so a restart, another rank
-    or another job does not read or decode the samples again.
+    The verdicts are kept per tar in the index cache (`check_tar`).
     """
     cache, shard_set, decode_check = resolve_checks(spec, index_cache, decode_check, decode_foreign_only)
     directory = shard_set.directory or shard_set.tars[0].parent

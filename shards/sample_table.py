@@ -21,8 +21,6 @@ import numpy as np
 from relicv2.shards.index import name_key
 from relicv2.shards.reader import SampleRef
 
-__all__ = ["CHUNK", "SampleRef", "SampleTable", "SampleTableBuilder"]
-
 CHUNK = 4096  # samples turned into Python objects at a time when iterating a table
 
 

@@ -1,2 +1,1 @@
-"""The kNN scoring the pretraining monitor runs every few steps, and `relicv2 eval knn` runs once: feature
-extraction, the weighted kNN vote, the class-list check and the lost-sample accounting."""
+"""The kNN scoring that the pretraining monitor and `relicv2 eval knn` run."""

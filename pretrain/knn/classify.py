@@ -1,8 +1,6 @@
-"""Weighted cosine kNN evaluation of an encoder on labelled shard sets (train = bank, val = queries).
-
-The classifier of Wu et al. 2018 as used by DINO and lightly's benchmarks: l2-normalised
-features (`pretrain.knn.extract`), the k most similar bank items vote for their class with weight
-exp(cos / T); defaults (k = 20, T = 0.07, 224 px crops) from `pretrain.config.KnnConfig`.
+"""Weighted cosine kNN evaluation of an encoder on labelled shard sets (train = bank, val = queries): the
+classifier of Wu et al. 2018 as used by DINO and lightly's benchmarks, with `pretrain.config.KnnConfig`'s
+defaults.
 """
 
 from __future__ import annotations
@@ -174,10 +172,7 @@ def evaluate_knn(
     refused first (ClassMismatchError); a set that loses samples while read raises LostSamplesError
     unless `allow_lost` (then the result lists the loss).
     """
-    try:
-        settings = dataclasses.replace(settings or KnnConfig(), **overrides)
-    except TypeError as error:  # an unknown keyword
-        raise TypeError(f"evaluate_knn: {error}") from None
+    settings = dataclasses.replace(settings or KnnConfig(), **overrides)
     k, temperature = settings.k, settings.temperature
     train_shards, val_shards = (resolve_shard_set(spec, allow_lost=True) for spec in (train_shards, val_shards))
     check_same_classes(train_shards, val_shards)

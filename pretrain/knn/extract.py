@@ -1,9 +1,6 @@
-"""Features of a labelled shard set through a frozen encoder, on the evaluation's test view.
-
-Images are decoded as displayed, the short side resized (bicubic) to `resize_of` the crop, centre-cropped
-and normalised with the ImageNet mean/std: the linear-evaluation test transform, which the kNN monitor,
-`relicv2 eval knn` and the linear `fast` protocol's features all take. In a job of several ranks each
-extracts its `part` of a set; `join_parts` puts the ranks' parts together.
+"""Features of a labelled shard set through a frozen encoder, on the evaluation's test view (`preprocess`),
+which the kNN monitor, `relicv2 eval knn` and the linear `fast` protocol all take. In a job of several
+ranks each extracts its `part` of a set; `join_parts` puts the ranks' parts together.
 """
 
 from __future__ import annotations
@@ -120,8 +117,6 @@ def extract_features(
     images are appended to `skipped`. A set that loses samples while read (`shards.ReadReport`) raises
     LostSamplesError, or with `allow_lost` goes on and appends what it lost to `lost`.
     """
-    if not 0 <= part[0] < part[1]:
-        raise ValueError(f"part must be (index, parts) with 0 <= index < parts, got {part}")
     device = torch.device(device)
     was_training = encoder.training
     encoder.eval()

@@ -1,10 +1,8 @@
 """Batches made ahead in a background thread, so the view pipeline overlaps the training step.
 
-`ViewLoader` describes its batches as an endless stream of `Made` items: each finished batch (views
-already on the training device, colour stage done) travels with the loader position *after* it, and
-an item without a batch marks an epoch's end. `ahead` runs that stream in a thread, `depth` items
-ahead of the consumer, across epoch boundaries; the loader applies an item's position when it
-delivers the batch, so a checkpoint describes the last batch delivered, not the last one made.
+`ViewLoader` describes its batches as an endless stream of `Made` items, each with the loader position
+*after* it, which the loader applies when it delivers the batch: a checkpoint describes the last batch
+delivered, not the last one made.
 
 On a GPU the thread queues its work (DALI's copies out, the torch colour stage) on a CUDA stream of
 its own; the consumer's stream waits for each batch's event, and the views are marked as used there
@@ -26,8 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-__all__ = ["Made", "Position", "ahead", "stop"]
 
 POLL_S = 0.5  # how often a blocked producer or consumer checks that the other side is still there
 

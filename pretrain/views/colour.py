@@ -5,15 +5,10 @@ saliency mask) and one uniform draw per sample that seeds the colour parameters 
 this module then applies the saliency masking (8-bit, as the reference's composite), the paper's
 colour steps (jitter in a random order, grayscale, blur, solarize) and the normalisation on the
 views' device, with torchvision's float semantics (clamped to [0, 1] after each step, no rounding
-between steps).
-
-Why not DALI operators: DALI has no fused element-wise operator (its arithmetic runs one operator
-per `+`/`*`), so torchvision's exact HSV hue and the mean-centred contrast cost ~100 operators a
-view: the all-DALI GPU graph held many times this one's (benchmarks/RESULTS.md, "View pipeline, CPU"), and each
-operator costs CPU time per sample. Here a step is a handful of batched kernels, applied only to
-the samples that draw it (their rows are known on the host, where the parameters are drawn, so
-selecting them needs no device synchronisation; the masked flags, GPU data when the masks are
-decoded there, are read back by the thread that makes the batch, not by the trainer).
+between steps). Why not DALI operators: docs/design.md, "Views and augmentations". A step's rows are
+known on the host, where the parameters are drawn, so selecting them needs no device synchronisation
+(the masked flags, GPU data when the masks are decoded there, are read back by the thread that makes
+the batch, not by the trainer).
 """
 
 from __future__ import annotations
@@ -245,14 +240,10 @@ def colour_views(views: Sequence[torch.Tensor], draws: Sequence[ColourDraws], sp
                  fused: bool | None = None) -> list[torch.Tensor]:
     """`colour_view` of every view of a batch; with `stack`, the views of one size as one batch.
 
-    Every step works row by row with each row's own draws, so stacking the views of one size (the
-    4 large, then the 2 small) gives each view the same pixels as colouring it alone, with a third
-    of the operators. That is what a GPU needs: there the stage is launch-bound (benchmarks/RESULTS.md,
-    "GPU, one H100"), and torch's caching allocator reuses the larger blocks. A CPU is not
-    launch-bound, and glibc maps fresh pages for each large allocation: stacked was slower on the CPU
-    box unless malloc's mmap threshold is raised (benchmarks/RESULTS.md, "Colour stage: the views of
-    one size as one batch"). `stack` defaults to "on a GPU"; `fused` (every row through the
-    steps' compiled kernels, see `_colour`) to `cfg.colour_kernels`.
+    Every step works row by row with each row's own draws, so stacking the views of one size gives each
+    view the same pixels as colouring it alone, with a third of the operators: what a launch-bound GPU
+    needs, where a CPU was slower stacked (benchmarks/RESULTS.md, "Colour stage: the views of one size as
+    one batch"). `stack` defaults to "on a GPU"; `fused` (see `_colour`) to `cfg.colour_kernels`.
     """
     on_gpu = views[0].device.type != "cpu"
     if stack is None:
@@ -295,9 +286,8 @@ def _colour(view: torch.Tensor, draws: ColourDraws, cfg: ViewConfig, background:
 
     One sequence of steps (`_steps`), taken one of two ways: each step on the rows that drew it (`_Rows`:
     least arithmetic, for CPUs), or with `fused` every row through every step but the blur, the drawn
-    results kept (`_every_row`, compiled on a GPU: fewest launches, for GPUs, where launching bounds the
-    stage). The blur keeps its row selection: its arithmetic (a 23-tap convolution) would grow by more
-    than the launches it saves.
+    results kept (`_every_row`, compiled on a GPU: fewest launches). The blur keeps its row selection:
+    its arithmetic (a 23-tap convolution) would grow by more than the launches it saves.
     """
     active = tuple(strength > 0 for strength in (cfg.brightness, cfg.contrast, cfg.saturation, cfg.hue))
     before, after = _steps(active, background is not None)

@@ -104,27 +104,22 @@ class ViewConfig:
             raise ValueError("large_views must be >= 1 and small_views >= 0")
         if self.large_size < 8 or (self.small_views and self.small_size < 8):
             raise ValueError("large_size and small_size must be at least 8 pixels")
-        for name in ("crop_scale_even", "crop_scale_odd_large", "crop_scale_odd_small"):
+        ranges = {"crop_scale_even": " <= 1", "crop_scale_odd_large": " <= 1", "crop_scale_odd_small": " <= 1",
+                  "crop_ratio": "", "blur_sigma": ""}  # (min, max) pairs, and the bound on max
+        for name, bound in ranges.items():
             lo, hi = getattr(self, name)
-            if not 0 < lo <= hi <= 1:
-                raise ValueError(f"{name} must satisfy 0 < min <= max <= 1, got {(lo, hi)}")
-        lo, hi = self.crop_ratio
-        if not 0 < lo <= hi:
-            raise ValueError(f"crop_ratio must satisfy 0 < min <= max, got {(lo, hi)}")
-        for name in ("flip_probability", "jitter_probability", "grayscale_probability",
-                     "blur_probability_even", "blur_probability_odd", "solarize_probability_even",
-                     "solarize_probability_odd", "mask_probability", "mask_min_coverage"):
-            value = getattr(self, name)
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {value}")
-        if not 0 <= self.hue <= 0.5:
-            raise ValueError(f"hue must be in [0, 0.5], got {self.hue}")
+            if not 0 < lo <= hi <= (1 if bound else hi):
+                raise ValueError(f"{name} must satisfy 0 < min <= max{bound}, got {(lo, hi)}")
+        for name in ("flip_probability", "jitter_probability", "grayscale_probability", "blur_probability_even",
+                     "blur_probability_odd", "solarize_probability_even", "solarize_probability_odd",
+                     "mask_probability", "mask_min_coverage", "hue"):
+            value, top = getattr(self, name), 0.5 if name == "hue" else 1
+            if not 0.0 <= value <= top:
+                raise ValueError(f"{name} must be in [0, {top}], got {value}")
         if min(self.brightness, self.contrast, self.saturation) < 0:
             raise ValueError("brightness, contrast and saturation must be >= 0")
         if self.blur_kernel < 1 or self.blur_kernel % 2 == 0:
             raise ValueError(f"blur_kernel must be odd and positive, got {self.blur_kernel}")
-        if not 0 < self.blur_sigma[0] <= self.blur_sigma[1]:
-            raise ValueError(f"blur_sigma must satisfy 0 < min <= max, got {self.blur_sigma}")
         choices = (("colour_kernels", COLOUR_KERNELS), ("backend", BACKENDS), ("output_dtype", OUTPUT_DTYPES))
         for name, allowed in choices:
             if getattr(self, name) not in allowed:

@@ -40,8 +40,6 @@ from relicv2.shards.reader import SampleRef
 from relicv2.shards.sample import MASK_MEMBER, class_index
 from relicv2.shards.sample_set import exclude_samples
 
-__all__ = ["DaliBackend", "find_undecodable", "is_decode_error"]
-
 DECODER_OPERATOR = "operator `nvidia.dali.fn.decoders.image`"  # how DALI names the decoder in its errors
 # The stages of a batch as ranges in a torch.profiler trace (a profile of training shows where the
 # views' time goes; `benchmarks/bench_views.py --profile` sums them per batch).

@@ -5,12 +5,8 @@ One definition serves both devices: `gpu=True` decodes each image once with the 
 because it consumes GPU data; `gpu=False` runs every operator on the CPU with `device_id=None`.
 Random parameters come from DALI's own random operators (no Python callback per sample), drawn on
 the CPU as argument inputs; masks are decoded (`mixed` on a GPU) and cropped with the same crop
-window as their view. The pipeline is built once and lives across epochs.
-
-The graph renders each view's geometry (decode, crop, resize, flip) and its crop of the mask; the
-masking and the colour steps are `pretrain.views.colour`'s, which draws their parameters on the host
-from one draw of this pipeline per sample and view (so a checkpoint of the pipeline restores them
-too) and applies them as batched torch operations: as DALI operators they took ~100 a view.
+window as their view. The pipeline is built once and lives across epochs. The masking and the colour
+steps are `pretrain.views.colour`'s, seeded by one draw of this pipeline per sample and view.
 """
 
 from __future__ import annotations

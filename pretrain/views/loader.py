@@ -1,9 +1,6 @@
-"""`ViewLoader`: batches of L large + S small augmented views from a shard set.
-
-Backends (`pretrain.views.backend.ViewBackend`): "dali" (the DALI pipeline of `pretrain.views.dali_pipeline`,
-CPU or GPU) and "reference" (the same augmentations with PIL/torchvision on a torch DataLoader; the fallback
-when DALI is missing). The loader is a `pretrain.views.source.ViewSource` (every rank delivers the smallest
-rank's share).
+"""`ViewLoader`: batches of L large + S small augmented views from a shard set, through a backend
+(`pretrain.views.backend.ViewBackend`): "dali" (`pretrain.views.dali`, CPU or GPU) or "reference" (the
+same augmentations with PIL/torchvision on a torch DataLoader; the fallback when DALI is missing).
 """
 
 from __future__ import annotations
@@ -58,10 +55,6 @@ class ViewLoader:
         views = ViewConfig() if views is None else views
         if not isinstance(views, ViewConfig):
             raise TypeError(f"views must be a ViewConfig, got {type(views).__name__}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside world_size {world_size}")
         device = resolve_device(device)  # ConfigError (a ValueError) for a device this machine lacks
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
@@ -141,15 +134,10 @@ class ViewLoader:
                 "excluded": dict(self.excluded), "backend_state": self._position.backend_state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue after the batch that was last delivered when `state` was taken.
-
-        `state` is this loader's own `state_dict()` (same ranks: exact, reader state included) or a
-        global position (`pretrain.views.source.global_position_state`, written by any number of
-        ranks). With a global position the "reference" backend continues exactly (its epoch order
-        and views do not depend on the ranks); the "dali" backend keeps the epoch and the batch
-        count, and draws the rest of that epoch from a new reader order over the new ranks' shares
-        (DALI's reader state belongs to one split), so in that one epoch some images are seen twice
-        and others not at all.
+        """Continue after the batch that was last delivered when `state` was taken: this loader's own
+        `state_dict()` (same ranks: exact, reader state included) or a global position
+        (`pretrain.views.source.global_position_state`), which the "reference" backend continues exactly
+        and the "dali" one from a new reader order (DALI's reader state belongs to one split of the ranks).
         """
         if state.get("format") == GLOBAL_POSITION:
             position = batch_from_global_position(state, self.batch_size, self.world_size, len(self))

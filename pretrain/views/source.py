@@ -1,8 +1,5 @@
-"""What the trainer takes as its data: a :class:`ViewSource` (shards through ``ViewLoader``, or generated views).
-
-Both ``pretrain.views.loader.ViewLoader`` and ``pretrain.views.synthetic.SyntheticViews``
-satisfy it; the trainer depends on this Protocol only.
-"""
+"""What the trainer takes as its data: a :class:`ViewSource` (``pretrain.views.loader.ViewLoader`` over
+shards, or ``pretrain.views.synthetic.SyntheticViews``), and the data position every source can load."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from relicv2.cli.eval import eval_group
 from relicv2.cli.main import cli
+from relicv2.jobs.config import to_dict
 from relicv2.models.encoder_file import (
     ExportError,
     load_encoder_file,
@@ -20,7 +21,7 @@ from relicv2.models.encoder_file import (
 from relicv2.models.heads import build_networks
 from relicv2.models.resnet import resnet
 from relicv2.pretrain.checkpoint import encoder_from_checkpoint, save_checkpoint
-from relicv2.pretrain.config import load_config, to_dict
+from relicv2.pretrain.config import load_config
 
 
 def _checkpoint(folder, depth=18, width=1):

@@ -20,9 +20,10 @@ from PIL import Image
 from torch import nn
 
 from relicv2.cli.eval import eval_group
+from relicv2.jobs.config import to_dict
 from relicv2.models.heads import build_networks
 from relicv2.pretrain.checkpoint import encoder_from_checkpoint, save_checkpoint
-from relicv2.pretrain.config import KnnConfig, load_config, to_dict
+from relicv2.pretrain.config import KnnConfig, load_config
 from relicv2.pretrain.distributed import init, teardown
 from relicv2.pretrain.knn.classify import evaluate_knn, knn_predict
 from relicv2.pretrain.knn.extract import extract_features, preprocess

@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 from click.testing import CliRunner
 
-import relicv2.evaluation.paper as paper
+import relicv2.evaluation.linear as linear
 from relicv2.cli.eval import eval_group
 from relicv2.evaluation.features import FeatureSet, FeatureSpec, cache_path, cached_features
 from relicv2.evaluation.linear import (
@@ -112,7 +112,7 @@ def test_paper_protocol_learns_and_resumes_to_the_same_head(shape_shards, tmp_pa
     whole = evaluate_linear(PooledPixels(), train, val, PAPER, output_dir=tmp_path / "whole")
     assert whole.protocol == "linear-paper" and whole.top1 >= 0.8
     assert (whole.num_train, whole.num_val) == (72, 36) and whole.skipped == 1
-    real_loader = paper.epoch_batches
+    real_loader = linear.epoch_batches
     calls = {"n": 0}
 
     def dying_loader(dataset, epoch, **options):
@@ -121,16 +121,16 @@ def test_paper_protocol_learns_and_resumes_to_the_same_head(shape_shards, tmp_pa
             raise KeyboardInterrupt
         return real_loader(dataset, epoch, **options)
 
-    monkeypatch.setattr(paper, "epoch_batches", dying_loader)
+    monkeypatch.setattr(linear, "epoch_batches", dying_loader)
     with pytest.raises(KeyboardInterrupt):
         evaluate_linear(PooledPixels(), train, val, PAPER, output_dir=tmp_path / "resumed")
-    saved = torch.load(tmp_path / "resumed" / paper.HEAD_FILE, weights_only=True)
+    saved = torch.load(tmp_path / "resumed" / linear.HEAD_FILE, weights_only=True)
     assert saved["epoch"] == 2
-    monkeypatch.setattr(paper, "epoch_batches", real_loader)
+    monkeypatch.setattr(linear, "epoch_batches", real_loader)
     resumed = evaluate_linear(PooledPixels(), train, val, PAPER, output_dir=tmp_path / "resumed")
     assert resumed.top1 == whole.top1 and resumed.per_class_top1 == whole.per_class_top1
-    final = torch.load(tmp_path / "resumed" / paper.HEAD_FILE, weights_only=True)
-    reference = torch.load(tmp_path / "whole" / paper.HEAD_FILE, weights_only=True)
+    final = torch.load(tmp_path / "resumed" / linear.HEAD_FILE, weights_only=True)
+    reference = torch.load(tmp_path / "whole" / linear.HEAD_FILE, weights_only=True)
     assert torch.allclose(final["head"]["weight"], reference["head"]["weight"], atol=1e-6)
     with pytest.raises(HeadCheckpointError, match="other linear options"):
         evaluate_linear(PooledPixels(), train, val, dataclasses.replace(PAPER, base_lr=0.1),

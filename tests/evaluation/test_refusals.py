@@ -22,10 +22,11 @@ from relicv2.cli.eval import eval_group
 from relicv2.cli.main import cli
 from relicv2.evaluation.finetune import FinetuneConfig, finetune
 from relicv2.evaluation.linear import LinearConfig, LinearResult, evaluate_linear
+from relicv2.jobs.config import to_dict
 from relicv2.models.encoder_file import sidecar_path
 from relicv2.models.heads import build_networks
 from relicv2.pretrain.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from relicv2.pretrain.config import KnnConfig, load_config, to_dict
+from relicv2.pretrain.config import KnnConfig, load_config
 from relicv2.pretrain.knn.classes import ClassMismatchError, check_same_classes, class_names
 from relicv2.pretrain.knn.classify import KnnResult, evaluate_knn
 from relicv2.pretrain.knn.outcome import LostSamplesError

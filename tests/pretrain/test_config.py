@@ -7,15 +7,14 @@ import re
 import pytest
 import yaml
 
+from relicv2.jobs.config import build, to_dict
 from relicv2.pretrain.checkpoint import checkpoint_config
 from relicv2.pretrain.config import (
     ConfigError,
     PretrainConfig,
     derive,
     describe,
-    from_dict,
     load_config,
-    to_dict,
 )
 from tests.paths import CONFIGS
 
@@ -160,10 +159,10 @@ def test_config_is_frozen_and_round_trips_through_a_dict():
     with pytest.raises(AttributeError):
         config.optim.base_lr = 1.0  # type: ignore[misc]
     plain = to_dict(config)
-    assert from_dict(plain) == config
+    assert build(PretrainConfig, plain) == config
     # the printed/saved form is plain YAML that loads back to the same config
     printed = yaml.safe_load(describe(config))
-    assert from_dict(printed) == config
+    assert build(PretrainConfig, printed) == config
 
 
 def test_derived_values_follow_the_paper_recipe():

@@ -240,7 +240,8 @@ def test_a_run_logged_to_a_file_prints_progress_lines_with_total_and_eta(tmp_pat
 
 
 def test_a_resume_compares_shard_sets_as_places_not_as_text(tmp_path, monkeypatch):
-    from relicv2.pretrain.config import load_config, to_dict
+    from relicv2.jobs.config import to_dict
+    from relicv2.pretrain.config import load_config
     from relicv2.pretrain.resume import check_compatible
 
     monkeypatch.chdir(tmp_path)
