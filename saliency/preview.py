@@ -17,7 +17,7 @@ from relicv2.saliency.handcrafted.methods import METHODS
 from relicv2.saliency.images import list_images, map_to_uint8, read_gray, write_png
 from relicv2.shards import ReadReport, iter_samples
 from relicv2.shards.images import ImageLoadError, load_rgb
-from relicv2.shards.sample import MASK_MEMBER
+from relicv2.shards.sample import MASK_FOREGROUND_LEVEL, MASK_MEMBER
 
 HEADER = 22
 TILE_HEIGHT = 160
@@ -84,7 +84,7 @@ def masked_rows(config: PreviewConfig, read: ReadReport) -> Iterator[Row]:
         if mask.shape != rgb.shape[:2]:
             warnings.warn(f"preview skips {sample['key']}: mask {mask.shape} and image {rgb.shape[:2]} differ", stacklevel=2)
             continue
-        removed = np.where((mask >= 128)[..., None], rgb, np.uint8(BACKGROUND_GREY))
+        removed = np.where((mask >= MASK_FOREGROUND_LEVEL)[..., None], rgb, np.uint8(BACKGROUND_GREY))
         coverage = sample["meta"].get("mask_coverage")
         title = f"mask {coverage:.0%}" if isinstance(coverage, int | float) else "mask"
         yield [(sample["key"], rgb), (title, mask), ("background removed", removed)]

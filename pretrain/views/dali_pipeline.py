@@ -21,7 +21,7 @@ from nvidia.dali import pipeline_def
 from nvidia.dali.pipeline import DataNode, Pipeline
 
 from relicv2.pretrain.views.config import ViewConfig, ViewSpec, view_specs
-from relicv2.shards.sample import IMAGE_MEMBERS, LABEL_MEMBER, MASK_MEMBER
+from relicv2.shards.sample import IMAGE_MEMBERS, LABEL_MEMBER, MASK_FOREGROUND_LEVEL, MASK_MEMBER
 from relicv2.shards.sample_set import SampleSet
 
 READER_NAME = "shards"
@@ -49,7 +49,7 @@ class SampleMask:
     """A sample's saliency mask as the views use it (`image` None when masking is off)."""
 
     image: DataNode | None  # HW1 uint8, on the GPU when `on_gpu`
-    coverage: DataNode  # fraction of mask pixels >= 128
+    coverage: DataNode  # fraction of mask pixels >= MASK_FOREGROUND_LEVEL
     maskable: DataNode  # coverage >= mask_min_coverage
     grey: DataNode  # the sample's background grey level, 0..255 (CPU)
     has_mask: DataNode  # the sample has a mask member (CPU)
@@ -137,11 +137,11 @@ def _sample_mask(mask_bytes: DataNode, sample_set: SampleSet, cfg: ViewConfig, g
         return SampleMask(None, zero, zero >= 1.0, grey, has_mask, on_gpu=False)
     if gpu and sample_set.without_mask == 0:
         image = fn.decoders.image(mask_bytes, device="mixed", output_type=types.GRAY)
-        coverage = fn.reductions.mean(fn.cast(image >= 128, dtype=types.FLOAT))
+        coverage = fn.reductions.mean(fn.cast(image >= MASK_FOREGROUND_LEVEL, dtype=types.FLOAT))
         return SampleMask(image, coverage, coverage >= cfg.mask_min_coverage, grey, has_mask, on_gpu=True)
     if has_mask:
         image = fn.decoders.image(mask_bytes, device="cpu", output_type=types.GRAY)
-        coverage = fn.reductions.mean(fn.cast(image >= 128, dtype=types.FLOAT))
+        coverage = fn.reductions.mean(fn.cast(image >= MASK_FOREGROUND_LEVEL, dtype=types.FLOAT))
     else:  # no mask member: a 1x1 placeholder, never used since coverage 0 is never masked
         image = fn.reshape(fn.pad(mask_bytes, shape=[1], fill_value=0), shape=[1, 1, 1], layout="HWC")
         coverage = zero

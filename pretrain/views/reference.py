@@ -27,7 +27,7 @@ from relicv2.pretrain.views.backend import (
 from relicv2.pretrain.views.config import JITTER_ORDERS, ViewConfig, ViewSpec, view_specs
 from relicv2.shards.images import load_gray, load_image
 from relicv2.shards.reader import SampleRef
-from relicv2.shards.sample import MASK_MEMBER
+from relicv2.shards.sample import MASK_FOREGROUND_LEVEL, MASK_MEMBER
 
 # The jitter operations in JITTER_ORDERS' numbering, each taking its own factor.
 JITTER_STEPS = (F.adjust_brightness, F.adjust_contrast, F.adjust_saturation, F.adjust_hue)
@@ -131,7 +131,7 @@ def augment_sample(encoded: bytes, mask_png: bytes | None, cfg: ViewConfig, rng:
     if mask_png:
         gray = load_gray(mask_png, "mask")
         mask = Image.fromarray(gray)
-        coverage = float((gray >= 128).mean())
+        coverage = float((gray >= MASK_FOREGROUND_LEVEL).mean())
     grey = int(round(rng.uniform(*cfg.mask_grey_range) * 255))
     maskable = mask is not None and coverage >= cfg.mask_min_coverage
     drawn = [augment_view(image, mask, maskable, grey, spec, cfg, rng) for spec in view_specs(cfg)]
