@@ -10,7 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import torchvision.transforms.v2.functional as tvf
 from PIL import Image
 from skimage import data as skdata
 
@@ -24,6 +23,10 @@ VAL_LIGHTING = {"brightness": 0.4, "contrast": 0.4, "saturation": 0.4, "hue": 0.
 
 
 def _relight(crop: Image.Image, rng: np.random.Generator) -> Image.Image:
+    # Imported here: torchvision brings torch (and torch._dynamo) with it, seconds of start-up that
+    # `relicv2 demo-data --help` and the modules importing MIN_SIZE do not need.
+    import torchvision.transforms.v2.functional as tvf
+
     for name, adjust in (("brightness", tvf.adjust_brightness), ("contrast", tvf.adjust_contrast),
                          ("saturation", tvf.adjust_saturation)):
         crop = adjust(crop, float(rng.uniform(1 - VAL_LIGHTING[name], 1 + VAL_LIGHTING[name])))

@@ -14,6 +14,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from tests.e2e.background_demo import DEMO, DEMO_TESTS
 from tests.paths import SHARED_DATA
+from tests.rank_pair import RankPair
 from tests.threads import one_torch_thread
 
 
@@ -26,6 +27,14 @@ def index_cache(tmp_path_factory: pytest.TempPathFactory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(INDEX_CACHE_ENV, str(tmp_path_factory.mktemp("index-cache")))
         yield
+
+
+@pytest.fixture(scope="session")
+def rank_pair():
+    """Two rank processes that the 2-rank tests of this process share (`tests.rank_pair`)."""
+    pair = RankPair()
+    yield pair
+    pair.close()
 
 
 @pytest.fixture

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -48,3 +49,37 @@ def test_ctrl_c_outside_training_ends_with_one_line_and_exit_130(tmp_path, monke
     result = CliRunner().invoke(cli, ["shards", "build", str(tmp_path / "images"), str(tmp_path / "out")])
     assert result.exit_code == 130 and "Aborted" not in result.output
     assert "interrupted (Ctrl-C)" in result.output and "rerun the same command" in result.output
+
+
+
+# Runs in a fresh interpreter (the test process has long imported torch): the help of every command, the
+# sub-commands of every group included, then which heavy modules that imported.
+HELP_IMPORTS = """
+import json, sys
+import click
+from click.testing import CliRunner
+from relicv2.cli.main import cli
+
+def walk(group, path):
+    context = click.Context(group)
+    for name in group.list_commands(context):
+        command = group.get_command(context, name)
+        yield [*path, name]
+        if isinstance(command, click.Group):
+            yield from walk(command, [*path, name])
+
+paths = list(walk(cli, []))
+failed = [path for path in paths if CliRunner().invoke(cli, [*path, "--help"]).exit_code != 0]
+print(json.dumps({"commands": len(paths), "failed": failed,
+                  "heavy": [m for m in ("torch", "torchvision", "nvidia.dali") if m in sys.modules]}))
+"""
+
+
+def test_every_commands_help_imports_no_torch():
+    # A command's module is imported only when it runs or shows its help, and those modules import torch inside
+    # the job's functions: `--help` costs no torch (nor torch._dynamo, which torchvision imports).
+    result = subprocess.run([sys.executable, "-c", HELP_IMPORTS], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    seen = json.loads(result.stdout)
+    assert seen["commands"] > 20 and seen["failed"] == [], seen
+    assert seen["heavy"] == [], seen

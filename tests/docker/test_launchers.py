@@ -120,13 +120,18 @@ def test_usage_lines_name_valid_pretrain_keys():
 
 @pytest.fixture(scope="module")
 def demo_shards(tmp_path_factory) -> Path:
-    """The demo images as shards, made once for the launcher runs of this module."""
+    """The demo images as shards, made once for the launcher runs of this module (in this process: the
+    launchers are under test, not these commands, and a process of their own would import torch again)."""
+    from click.testing import CliRunner
+
+    from relicv2.cli.main import cli
+
     root = tmp_path_factory.mktemp("launch")
-    subprocess.run([sys.executable, "-m", "relicv2", "demo-data", str(root / "images"), "--train-per-class", "4",
-                    "--val-per-class", "1", "--size", "64"], cwd=REPO, env=_env(), check=True, capture_output=True)
-    subprocess.run([sys.executable, "-m", "relicv2", "shards", "build", str(root / "images" / "train"),
-                    str(root / "shards"), "--max-count", "9", "--workers", "1", "--no-progress"],
-                   cwd=REPO, env=_env(), check=True, capture_output=True)
+    for args in (["demo-data", str(root / "images"), "--train-per-class", "4", "--val-per-class", "1", "--size", "64"],
+                 ["shards", "build", str(root / "images" / "train"), str(root / "shards"), "--max-count", "9",
+                  "--workers", "1", "--no-progress"]):
+        result = CliRunner().invoke(cli, args, catch_exceptions=False)
+        assert result.exit_code == 0, result.output
     return root / "shards"
 
 

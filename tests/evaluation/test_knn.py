@@ -205,13 +205,17 @@ def _knn_rank(rank: int, world_size: int, port: int, jobs: list, out) -> None:
         assert results == [None] * len(jobs)  # only rank 0 classifies
 
 
-def _two_ranks(rank_main, jobs, tmp_path):
-    """What rank 0 of two gloo ranks running `rank_main(rank, 2, port, jobs, out)` writes to `out`."""
+def _two_ranks(rank_main, jobs, tmp_path, pair=None):
+    """What rank 0 of two gloo ranks running `rank_main(rank, 2, port, jobs, out)` writes to `out`: in the
+    session's `pair` (`tests.rank_pair`), or without one in two processes spawned for this call alone."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "two-ranks.json"
-    mp.spawn(rank_main, args=(2, port, jobs, out), nprocs=2, join=True)
+    if pair is not None:
+        pair.run(rank_main, 2, port, jobs, out)
+    else:
+        mp.spawn(rank_main, args=(2, port, jobs, out), nprocs=2, join=True)
     return json.loads(out.read_text())
 
 
@@ -232,7 +236,7 @@ def _random_colours(out, name: str, count: int, seed: int):
     return _colour_set(out, name, colours, torch.randint(0, 3, (count,), generator=generator).tolist())
 
 
-def test_ranks_split_the_knn_images_and_rank_0_gets_the_single_process_result(colour_shards, tmp_path):
+def test_ranks_split_the_knn_images_and_rank_0_gets_the_single_process_result(colour_shards, tmp_path, rank_pair):
     train, val = colour_shards
     # Uneven parts (the bank's 11 samples, the broken one among them: 6 and 5) whose own nearest neighbours
     # differ from the union's: only a merge into the global k nearest gives the single process's top-1.
@@ -242,7 +246,7 @@ def test_ranks_split_the_knn_images_and_rank_0_gets_the_single_process_result(co
     single_train = _colour_set(tmp_path, "one", [(255, 0, 0)], [1])
     single_val = _colour_set(tmp_path, "other", [(0, 255, 255)], [1])
     jobs = [(train, val, 3), (noisy_train, noisy_val, 5), (single_train, single_val, 3)]
-    two = _two_ranks(_knn_rank, jobs, tmp_path)
+    two = _two_ranks(_knn_rank, jobs, tmp_path, rank_pair)
     one = [_one_rank(*job) for job in jobs]
     assert two == one
     # every image counted once over the ranks (10 bank, 6 val), the corrupt one skipped once
@@ -273,6 +277,7 @@ def test_under_two_ranks_rank_0_holds_its_part_of_the_bank_not_the_whole(tmp_pat
     # Gathering the ranks' parts to rank 0 held the whole bank there, and more (10 GB at ImageNet's 1.28 M x 2048).
     bank = _wide_bank(tmp_path / "bank")
     queries = _random_colours(tmp_path, "queries", 8, 0)
+    # Processes of its own: the peak RSS is a high-water mark, so the figure is this job's alone.
     num_train, grown = _two_ranks(_peak_rank, (bank, queries), tmp_path)
     size = num_train * 32_768 * 4  # 100 MiB; rank 0's part is half of it
     assert num_train == 800

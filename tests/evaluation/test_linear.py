@@ -11,7 +11,6 @@ import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from click.testing import CliRunner
 
 import relicv2.evaluation.linear as linear
@@ -160,13 +159,13 @@ def _linear_rank(rank: int, world: int, port: int, train, val, out) -> None:
                                    paper_result.top1, paper_result.num_val]))
 
 
-def test_two_gloo_ranks_give_the_single_process_metrics(shape_shards, tmp_path):
+def test_two_gloo_ranks_give_the_single_process_metrics(shape_shards, tmp_path, rank_pair):
     train, val = shape_shards
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "ranks.json"
-    mp.spawn(_linear_rank, args=(2, port, train, val, out), nprocs=2, join=True)
+    rank_pair.run(_linear_rank, 2, port, train, val, out)
     fast = evaluate_linear(PooledPixels(), train, val, FAST)
     paper_result = evaluate_linear(PooledPixels(), train, val, PAPER)
     assert json.loads(out.read_text()) == [fast.top1, fast.top5, 72, 36, 1, paper_result.top1, 36]

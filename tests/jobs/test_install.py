@@ -48,8 +48,12 @@ def test_the_installed_project_runs_presets_by_name_from_any_directory(tmp_path)
     shutil.rmtree(source)  # nothing may be read from a checkout any more
     work = tmp_path / "elsewhere"
     work.mkdir()
-    where = _run([str(python), "-c", "import relicv2.cli, relicv2.pretrain.run as r; print(relicv2.cli.__file__, r.__file__)"],
-                 work, env).stdout
+    # One interpreter for both questions (each costs torch's import): where the modules come from, and that the
+    # shipped evaluation presets load by name.
+    where, shipped = _run([str(python), "-c", "import relicv2.cli, relicv2.pretrain.run as r; print(relicv2.cli.__file__, "
+                           "r.__file__); from relicv2.evaluation.job import load_finetune_config, load_linear_config; "
+                           "print(load_linear_config('fast').protocol, load_finetune_config('10pct').batch_size)"],
+                          work, env).stdout.splitlines()
     assert all(path.startswith(str(purelib)) for path in where.split()), where
     # One installed top-level name: the wheel's record lists files under relicv2/ (and its metadata) only.
     record = next(purelib.glob("relicv2-*.dist-info")) / "RECORD"
@@ -69,9 +73,6 @@ def test_the_installed_project_runs_presets_by_name_from_any_directory(tmp_path)
     missing = subprocess.run([relicv2, "saliency", "train", "--shards", "s", "--out", "o", "--backbone", "random"],
                              cwd=work, env=env, capture_output=True, text=True, timeout=300)
     assert missing.returncode == 2 and "tiny (Seconds" in missing.stderr, missing.stderr
-    shipped = _run([str(python), "-c", "from relicv2.evaluation.job import load_finetune_config, load_linear_config; "
-                    "print(load_linear_config('fast').protocol, load_finetune_config('10pct').batch_size)"],
-                   work, env).stdout
     assert shipped.split() == ["fast", "512"]
     assert sorted(p.name for p in work.iterdir()) == []
 
