@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from relicv2.pretrain.config import PretrainConfig
@@ -16,22 +13,21 @@ GENERATOR = REPO / "scripts" / "gen_config_reference.py"
 REFERENCE = REPO / "docs" / "config.md"
 
 
-def _generate(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, str(GENERATOR), *args], cwd=REPO, env=env, capture_output=True,
-                          text=True)
-
-
-def test_config_reference_is_current():
-    result = _generate("--check")
-    assert result.returncode == 0, result.stderr + "\nrun `make docs` and commit docs/config.md"
-
-
-def test_check_fails_on_a_stale_reference(tmp_path: Path, capsys):
-    # In this process (the generator's imports are already here): a subprocess costs seconds of imports.
+def _generator():
+    """The generator script as a module, in this process: the config modules it reads are already imported
+    here, where a process of its own would import torch again for them (seconds)."""
     spec = importlib.util.spec_from_file_location("gen_config_reference", GENERATOR)
     generator = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(generator)
+    return generator
+
+
+def test_config_reference_is_current(capsys):
+    assert _generator().main(["--check"]) == 0, capsys.readouterr().err + "\nrun `make docs` and commit docs/config.md"
+
+
+def test_check_fails_on_a_stale_reference(tmp_path: Path, capsys):
+    generator = _generator()
     stale = tmp_path / "config.md"
     stale.write_text(REFERENCE.read_text().replace("`data.train_shards`", "`data.train`"))
     assert generator.main(["--check", "--out", str(stale)]) == 1 and "stale" in capsys.readouterr().err

@@ -72,7 +72,7 @@ _PRETRAIN_SIZES = ["run.max_steps=2", "optim.global_batch=8", "loss.num_negative
                    "views.large_size=32", "views.small_size=16", "views.blur_kernel=3", "views.num_threads=1",
                    "model.hidden_dim=64", "model.out_dim=32", "knn.crop_size=32", "knn.resize_size=32",
                    "run.progress_bar=false"]
-_SALIENCY_SIZES = ["num_images=8", "input_size=32", "iterations=1", "epochs=1", "fuse_epochs=1", "batch_size=4",
+_SALIENCY_SIZES = ["num_images=4", "input_size=32", "iterations=1", "epochs=1", "fuse_epochs=1", "batch_size=4",
                    "workers=1"]
 SHRINK: dict[tuple[str, ...], list[str]] = {
     (): [],  # relicv2 --help

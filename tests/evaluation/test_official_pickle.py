@@ -50,8 +50,8 @@ def _read_in_subprocess(paths: list[Path]) -> list[dict]:
     return [line for line in lines if "file" in line]
 
 
-def _assert_refused(paths: list[Path], *words: str) -> None:
-    for path, outcome in zip(paths, _read_in_subprocess(paths), strict=True):
+def _assert_refused(outcomes: list[tuple[Path, dict]], *words: str) -> None:
+    for path, outcome in outcomes:
         assert outcome["error"] and outcome["error"].startswith(str(path)), outcome
         assert "\n" not in outcome["error"] and all(word in outcome["error"] for word in words), outcome
         assert outcome["peak"] <= allowance(path.stat().st_size), outcome
@@ -83,7 +83,7 @@ def test_the_forged_dtype_file_gives_one_line_from_the_cli(tmp_path):
     assert not out.exists() and not sidecar_path(out).exists()
 
 
-def test_every_forged_dtype_is_refused_before_any_array_exists(tmp_path):
+def _forged_dtype_files(folder: Path) -> list[Path]:
     forged = [
         _FORGED_STEM,
         Call(Global("numpy", "ndarray"), ((2, 2, 1, 64), _STRUCTURED_WITH_OBJECT, b"\x41" * 2048, 0,
@@ -96,15 +96,12 @@ def test_every_forged_dtype_is_refused_before_any_array_exists(tmp_path):
     ]
     paths = []
     for index, stem in enumerate(forged):
-        paths.append(tmp_path / f"forged-{index}.pkl")
+        paths.append(folder / f"forged-{index}.pkl")
         paths[-1].write_bytes(encode(release(_torso_names({"res_net18/~/initial_conv": {"w": stem}}))))
-    _assert_refused(paths, "refused")
+    return paths
 
 
-# Arrays and allocations bigger than the file ----------------------------------------------------------------
-
-
-def test_nothing_is_allocated_beyond_what_the_file_holds(tmp_path):
+def _oversized_files(folder: Path) -> list[Path]:
     stride_zero_stem = Call(Global("numpy", "ndarray"), ((7, 7, 3, 64 * 4096), dtype("i1", "|"), b"\x01", 0,
                                                          (0, 0, 0, 0)))
     payloads = [
@@ -117,9 +114,31 @@ def test_nothing_is_allocated_beyond_what_the_file_holds(tmp_path):
     ]
     paths = []
     for index, payload in enumerate(payloads):
-        paths.append(tmp_path / f"large-{index}.pkl")
+        paths.append(folder / f"large-{index}.pkl")
         paths[-1].write_bytes(payload)
-    _assert_refused(paths)
+    return paths
+
+
+@pytest.fixture(scope="module")
+def hostile_outcomes(tmp_path_factory) -> dict[str, list[tuple[Path, dict]]]:
+    """The forged-dtype and oversized files of the two tests below, read in one process of their own (each
+    such process imports torch anew): (file, how it read) for each, by kind."""
+    folder = tmp_path_factory.mktemp("hostile")
+    files = {"forged": _forged_dtype_files(folder), "oversized": _oversized_files(folder)}
+    paths = [path for kind in files.values() for path in kind]
+    outcomes = dict(zip(paths, _read_in_subprocess(paths), strict=True))
+    return {kind: [(path, outcomes[path]) for path in kind_paths] for kind, kind_paths in files.items()}
+
+
+def test_every_forged_dtype_is_refused_before_any_array_exists(hostile_outcomes):
+    _assert_refused(hostile_outcomes["forged"], "refused")
+
+
+# Arrays and allocations bigger than the file ----------------------------------------------------------------
+
+
+def test_nothing_is_allocated_beyond_what_the_file_holds(hostile_outcomes):
+    _assert_refused(hostile_outcomes["oversized"])
 
 
 # Malformed releases: one line naming the file ------------------------------------------------------------

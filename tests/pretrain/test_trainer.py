@@ -33,6 +33,7 @@ from relicv2.pretrain.views.source import ViewSource
 from relicv2.pretrain.views.synthetic import SyntheticViews
 from tests.paths import CONFIGS
 from tests.pretrain.conftest import RESUME_OPTIONS, quiet_run, tiny_config
+from tests.threads import one_torch_thread
 
 
 def logged(out: Path, name: str = "loss") -> dict[int, float]:
@@ -47,7 +48,7 @@ def logged(out: Path, name: str = "loss") -> dict[int, float]:
 
 def test_fifty_steps_on_generated_data_lower_the_loss(tmp_path):
     config = tiny_config(
-        tmp_path, "data.synthetic_images=64", "views.large_size=32", "views.small_size=16",
+        tmp_path, "data.synthetic_images=64",
         "optim.epochs=7", "run.max_steps=50", "optim.base_lr=2.0", "optim.ema_base=0.99",
         "loss.num_negatives=7", "loss.contrast_weight=1.0", "loss.invariance_weight=1.0",
         "run.checkpoint_every=1000",
@@ -253,22 +254,29 @@ def test_cli_pretrain_runs_the_demo_preset_on_generated_data(tmp_path):
     assert bad.exit_code != 0 and "unknown key optim.base_rate" in bad.output
 
 
-def test_compiled_networks_train_like_eager_ones(tmp_path):
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory) -> Path:
+    """A plain 3-step run (eager, activations stored), what the variants below must train like."""
+    out = tmp_path_factory.mktemp("plain")
+    with one_torch_thread():
+        quiet_run(tiny_config(out, "run.max_steps=3"), auto_resume=False)
+    return out
+
+
+def test_compiled_networks_train_like_eager_ones(tmp_path, plain):
     # run.compile=true goes through torch.compile: dynamo captures the online and target networks
     # and AOTAutograd the backward, as on a GPU. The aot_eager backend stops short of inductor's
     # code generation, which costs ~100 s of C++ compilation on a CPU; inductor itself is tested
     # on the GPU (test_gpu.py), where run.compile is on by default.
-    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
-    quiet_run(tiny_config(eager, "run.max_steps=3"), auto_resume=False)
+    compiled = tmp_path / "compiled"
     quiet_run(tiny_config(compiled, "run.max_steps=3", "run.compile=true", "run.compile_backend=aot_eager"),
               auto_resume=False)
     assert sorted(logged(compiled)) == [1, 2, 3]
-    assert list(logged(compiled).values()) == pytest.approx(list(logged(eager).values()), rel=1e-4)
+    assert list(logged(compiled).values()) == pytest.approx(list(logged(plain).values()), rel=1e-4)
 
 
-def test_activation_checkpointing_trains_exactly_like_storing_activations(tmp_path):
-    plain, checkpointed = tmp_path / "plain", tmp_path / "checkpointed"
-    quiet_run(tiny_config(plain, "run.max_steps=3"), auto_resume=False)
+def test_activation_checkpointing_trains_exactly_like_storing_activations(tmp_path, plain):
+    checkpointed = tmp_path / "checkpointed"
     quiet_run(tiny_config(checkpointed, "run.max_steps=3", "model.activation_checkpointing=true"), auto_resume=False)
     assert list(logged(checkpointed).values()) == pytest.approx(list(logged(plain).values()), rel=1e-5)
     a = load_checkpoint(plain / "checkpoint-000000003.pt")

@@ -13,7 +13,6 @@ from functools import cache
 
 import numpy as np
 import pytest
-from scipy.stats import rankdata
 
 from relicv2.saliency.handcrafted.methods import CONFIGS, METHODS, resolve_methods
 from tests.scenes import striped_scene, synthetic_scene
@@ -42,6 +41,9 @@ def _map(method: str, scene: str) -> np.ndarray:
 
 def _auc(saliency: np.ndarray, mask: np.ndarray) -> float:
     """Probability that a random object pixel outranks a random background pixel."""
+    # Imported here: scipy.stats costs ~1 s at collection in every test process.
+    from scipy.stats import rankdata
+
     ranks = rankdata(saliency.ravel())
     inside = mask.ravel() > 0
     n_in, n_out = inside.sum(), (~inside).sum()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from sklearn.linear_model import Lasso
 
 from relicv2.saliency.handcrafted.dsr import bayes_posterior, object_biased_gaussian
 from relicv2.saliency.handcrafted.mc import _histogram_spread, mc_saliency
@@ -52,6 +51,9 @@ def test_lasso_lars_matches_scikit_learn_lasso(shape):
     atoms /= np.linalg.norm(atoms, axis=1, keepdims=True)
     signals = rng.normal(size=(signals_n, dim))
     ours = lasso_lars(atoms, signals, lam)
+    # Imported here: scikit-learn costs ~1 s at collection in every test process, most of which never run this.
+    from sklearn.linear_model import Lasso
+
     # SPAMS' objective 0.5||x - Da||^2 + lam|a|_1 is scikit-learn's with alpha = lam / dim
     lasso = Lasso(alpha=lam / dim, fit_intercept=False, tol=1e-12, max_iter=100_000)
     ref = np.stack([lasso.fit(atoms.T, x).coef_ for x in signals])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -45,14 +46,21 @@ def scene_shards(tmp_path: Path) -> tuple[Path, dict[str, np.ndarray]]:
     return folder, masks
 
 
-@pytest.fixture
-def tiny_model(tmp_path: Path) -> Path:
-    """A randomly initialised ResNet-18 saliency model file at 32 px."""
+@pytest.fixture(scope="session")
+def tiny_model_folder(tmp_path_factory) -> Path:
+    """The folder of a randomly initialised (seed 0) ResNet-18 saliency model file at 32 px, made once."""
     import torch
 
     torch.manual_seed(0)
-    return save_model(tmp_path / "model" / "model.pt", SaliencyNet(18).eval(), input_size=32, preset="tiny",
-                      backbone="random initialisation", config={}, report={})
+    return save_model(tmp_path_factory.mktemp("tiny-model") / "model.pt", SaliencyNet(18).eval(), input_size=32,
+                      preset="tiny", backbone="random initialisation", config={}, report={}).parent
+
+
+@pytest.fixture
+def tiny_model(tmp_path: Path, tiny_model_folder: Path) -> Path:
+    """A copy of the tiny model's folder for the test (tests write beside the file or change it): a copy
+    costs a tenth of building and saving the network again."""
+    return shutil.copytree(tiny_model_folder, tmp_path / "model") / "model.pt"
 
 
 class SquarePredictor:

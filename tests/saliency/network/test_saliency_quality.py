@@ -33,9 +33,9 @@ def _scenes(folder, seeds, masks=None, size=(48, 64)):
 def test_trains_on_joined_folders_and_prints_every_row(tmp_path, capsys):
     _scenes(tmp_path / "a", range(4), masks=tmp_path / "train-masks")
     _scenes(tmp_path / "b", range(4, 8))
-    _scenes(tmp_path / "held", range(20, 23), masks=tmp_path / "masks", size=(90, 120))
+    _scenes(tmp_path / "held", range(20, 23), masks=tmp_path / "masks", size=(60, 80))  # another size than the training images
     # The masks folder may hold more than the held-out images' masks (a data set's whole folder).
-    Image.fromarray(synthetic_scene(90, 120, seed=30)[1]).save(tmp_path / "masks" / "other.png")
+    Image.fromarray(synthetic_scene(60, 80, seed=30)[1]).save(tmp_path / "masks" / "other.png")
     out = tmp_path / "out"
     argv = ["--out", str(out), "--train-images", str(tmp_path / "a"), "--train-images", str(tmp_path / "b"),
             "--heldout-images", str(tmp_path / "held"), "--heldout-masks", str(tmp_path / "masks"),
