@@ -75,9 +75,7 @@ def _losses(out: Path) -> list[float]:
 
 
 NEGATIVES = {"all-negatives": 7, "subsampled-negatives": 3}
-CUT = "run.max_steps=2"  # the "killed" run stops after its step-2 checkpoint
-EVERY_2 = "run.checkpoint_every=2"  # the uninterrupted runs' step-2 checkpoints are where the resumes start
-STEP_2 = "checkpoint-000000002.pt"
+CUT = "run.max_steps=2"  # the "killed" runs stop after their step-2 checkpoint
 
 
 def _shard_set(out: Path) -> Path:
@@ -103,10 +101,10 @@ def _plain_copy(shards: Path, out: Path) -> Path:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, rank_pair) -> Path:
     """4-step runs: 1 process and 2 ranks uninterrupted (both negative settings), and the resumes
-    2 ranks -> 1 process and 1 process -> 2 ranks from the step-2 checkpoints of the uninterrupted runs
-    (subsampled negatives), on generated data and on a shard set (reference view backend); a run killed
-    on 2 ranks after step 2 (and its resume in 1 process) reads a plain copy of the set, whose index files
-    the ranks derive between them. Made once per session whichever workers run the tests (`tests.once`)."""
+    2 ranks -> 1 process and 1 process -> 2 ranks after step 2 (subsampled negatives), on
+    generated data and on a shard set (reference view backend); the run killed on 2 ranks (and its
+    resume) reads a plain copy of the set, whose index files the ranks derive between them. Made once
+    per session whichever workers run the tests (`tests.once`)."""
     return built_once(tmp_path_factory, "distributed-runs", lambda root: _make_runs(root, rank_pair))
 
 
@@ -114,17 +112,21 @@ def _make_runs(root: Path, rank_pair) -> None:
     shards = _shard_set(root / "shards")
     plain = _plain_copy(shards, root / "plain")
     for name, negatives in NEGATIVES.items():
-        _single([*config_overrides(root / f"one-{name}", 8, negatives), EVERY_2])
-    _single([*config_overrides(root / "one-shards", 8, 3, shards), EVERY_2])
-    jobs = [([*config_overrides(root / f"two-{name}", 8, negatives), EVERY_2], None)
-            for name, negatives in NEGATIVES.items()]
-    jobs += [(config_overrides(root / "one-to-two", 8, 3), str(root / "one-subsampled-negatives" / STEP_2)),
+        _single(config_overrides(root / f"one-{name}", 8, negatives))
+    _single([*config_overrides(root / "one-killed", 8, 3), CUT])
+    _single(config_overrides(root / "one-shards", 8, 3, shards))
+    _single([*config_overrides(root / "one-shards-killed", 8, 3, shards), CUT])
+    jobs = [(config_overrides(root / f"two-{name}", 8, negatives), None) for name, negatives in NEGATIVES.items()]
+    jobs += [([*config_overrides(root / "two-killed", 8, 3), CUT], None),
+             (config_overrides(root / "one-to-two", 8, 3), str(root / "one-killed" / "checkpoint-000000002.pt")),
              ([*config_overrides(root / "two-shards-killed", 8, 3, plain), CUT], None),
-             (config_overrides(root / "one-to-two-shards", 8, 3, shards), str(root / "one-shards" / STEP_2))]
+             (config_overrides(root / "one-to-two-shards", 8, 3, shards),
+              str(root / "one-shards-killed" / "checkpoint-000000002.pt"))]
     ports = [_free_port() for _ in jobs]
     rank_pair.run(_rank_main, 2, ports, jobs, root / "index-cache")
-    _single(config_overrides(root / "two-to-one", 8, 3), resume=root / "two-subsampled-negatives" / STEP_2)
-    _single(config_overrides(root / "two-to-one-shards", 8, 3, plain), resume=root / "two-shards-killed" / STEP_2)
+    _single(config_overrides(root / "two-to-one", 8, 3), resume=root / "two-killed" / "checkpoint-000000002.pt")
+    _single(config_overrides(root / "two-to-one-shards", 8, 3, plain),
+            resume=root / "two-shards-killed" / "checkpoint-000000002.pt")
 
 
 @pytest.mark.parametrize("name", list(NEGATIVES))

@@ -241,7 +241,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_worker(rank: int, world: int, port: int, results) -> None:
+def _rank_worker(rank: int, world: int, port: int, out) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -255,28 +255,16 @@ def _rank_worker(rank: int, world: int, port: int, results) -> None:
                                gathered_online=gathered, num_negatives=2,
                                generator=torch.Generator().manual_seed(5), **SETTINGS)
         loss.backward()
-        # numpy, not tensors: torch would pass tensors through shared memory that disappears
-        # when this process exits before the parent has read them.
-        results.put((rank, loss.item(), [v.grad.numpy() for v in local]))
+        torch.save({"loss": loss.item(), "grads": [v.grad for v in local]}, out / f"rank-{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def test_two_gloo_ranks_match_one_process() -> None:
-    import torch.multiprocessing as mp
-
+def test_two_gloo_ranks_match_one_process(tmp_path, rank_pair) -> None:
     world, batch = 2, 3
-    context = mp.get_context("spawn")
-    results = context.Queue()
-    port = _free_port()
-    workers = [context.Process(target=_rank_worker, args=(rank, world, port, results))
-               for rank in range(world)]
-    for worker in workers:
-        worker.start()
-    outputs = dict((rank, (loss, grads)) for rank, loss, grads in (results.get(timeout=60) for _ in range(world)))
-    for worker in workers:
-        worker.join(timeout=30)
-        assert worker.exitcode == 0
+    rank_pair.run(_rank_worker, world, _free_port(), tmp_path)
+    saved = {rank: torch.load(tmp_path / f"rank-{rank}.pt") for rank in range(world)}
+    outputs = {rank: (entry["loss"], entry["grads"]) for rank, entry in saved.items()}
     online_all = _views(3, world * batch, 4, seed=20)
     target = _views(2, world * batch, 4, seed=21, grad=False)
     single, _ = relicv2_loss(online_all[:2], online_all[2:], target, num_negatives=2,
@@ -287,4 +275,4 @@ def test_two_gloo_ranks_match_one_process() -> None:
         for got, full in zip(grads, single_grads, strict=True):
             # Each rank's rows get the gradient of the *sum* of rank losses; DDP then averages
             # over ranks, which gives the single-process gradient of the mean loss.
-            torch.testing.assert_close(torch.from_numpy(got) / world, full[rank * batch:(rank + 1) * batch])
+            torch.testing.assert_close(got / world, full[rank * batch:(rank + 1) * batch])
