@@ -10,6 +10,7 @@ A test that measures a process-wide figure (the peak RSS, a high-water mark) sti
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import os
 import queue
@@ -48,10 +49,12 @@ class RankPair:
         context = multiprocessing.get_context("spawn")
         self._jobs = [context.Queue() for _ in range(WORLD_SIZE)]
         self._done = [context.Queue() for _ in range(WORLD_SIZE)]
-        self._processes = [context.Process(target=_serve, args=(rank, self._jobs[rank], self._done[rank]),
-                                           daemon=True) for rank in range(WORLD_SIZE)]
+        # Not daemonic, as spawn's processes: a job may start processes of its own (loader workers).
+        self._processes = [context.Process(target=_serve, args=(rank, self._jobs[rank], self._done[rank]))
+                           for rank in range(WORLD_SIZE)]
         for process in self._processes:
             process.start()
+        atexit.register(self.close)  # before multiprocessing's own exit handler joins them
 
     def run(self, function: Callable[..., Any], *args: Any, timeout: float = 900) -> None:
         """`function(rank, *args)` in every rank, to its end; AssertionError naming the rank that failed."""
@@ -60,25 +63,22 @@ class RankPair:
         for jobs in self._jobs:
             jobs.put((function, args))
         deadline = time.monotonic() + timeout
-        failures = []
-        for rank, done in enumerate(self._done):
-            while True:
-                try:
-                    error = done.get(timeout=1)
-                    break
-                except queue.Empty:
-                    if not self._processes[rank].is_alive():
-                        error = f"the process died (exit code {self._processes[rank].exitcode})"
-                        break
-                    if time.monotonic() > deadline:
-                        error = f"no answer within {timeout:.0f} s"
-                        break
+        for rank in range(WORLD_SIZE):
+            error = self._answer(rank, deadline)
             if error is not None:
-                failures.append(f"rank {rank}: {error}")
-                break  # the other rank may wait in a collective for this one: the pair is replaced
-        if failures:
-            self.close(kill=True)
-            raise AssertionError(f"{function.__name__} failed on 2 ranks\n" + "\n".join(failures))
+                self.close(kill=True)  # the other rank may wait in a collective for this one
+                raise AssertionError(f"{function.__name__} failed on rank {rank} of {WORLD_SIZE}:\n{error}")
+
+    def _answer(self, rank: int, deadline: float) -> str | None:
+        """None when rank `rank` finished its job, else why not (its traceback, its death, the deadline)."""
+        while True:
+            try:
+                return self._done[rank].get(timeout=1)
+            except queue.Empty:
+                if not self._processes[rank].is_alive():
+                    return f"the process died (exit code {self._processes[rank].exitcode})"
+                if time.monotonic() > deadline:
+                    return "no answer before the deadline"
 
     def close(self, *, kill: bool = False) -> None:
         """End the processes; `kill` them at once after a failure (a rank may be stuck in a collective)."""
@@ -91,3 +91,4 @@ class RankPair:
                 process.kill()
                 process.join()
         self._processes, self._jobs, self._done = [], [], []
+        atexit.unregister(self.close)
