@@ -73,13 +73,12 @@ def paste(image: np.ndarray, cut: Cutout, background: np.ndarray) -> np.ndarray:
 
 def variant(name: str, image: np.ndarray, cut: Cutout, partner: tuple[np.ndarray, Cutout] | None = None) -> np.ndarray:
     """One variant of `image` (uint8 HxWx3); the mixed ones take the partner whose background they use."""
-    black = np.zeros_like(image)
     if name == "original":
         return image
     if name == "only_fg":
-        return paste(image, cut, black)
+        return paste(image, cut, np.uint8(0))
     if name == "no_fg":
-        return np.where(cut.foreground[..., None], black, image)
+        return np.where(cut.foreground[..., None], np.uint8(0), image)
     if name == "only_bg_b":
         top, left, bottom, right = cut.box
         out = image.copy()

@@ -11,9 +11,13 @@ SHARED_DATA = Path(os.environ.get("RELICV2_SHARED_DATA", REPO.parent / "shared" 
 CONFIGS = REPO / "pretrain" / "presets"  # the pretraining presets shipped in the package
 
 
-def package_dirs() -> dict[str, Path]:
-    """The installed packages' folders: `pyproject.toml`'s package-dir mapping (the one owner of the layout)."""
+def setuptools_table() -> dict:
+    """`pyproject.toml`'s [tool.setuptools]: the one owner of the installed layout."""
     import tomllib
 
-    mapping = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-    return {name: REPO / folder for name, folder in mapping.items()}
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+
+
+def package_dirs() -> dict[str, Path]:
+    """The installed packages' folders (the package-dir mapping)."""
+    return {name: REPO / folder for name, folder in setuptools_table()["package-dir"].items()}

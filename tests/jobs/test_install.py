@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.paths import REPO, package_dirs
+from tests.paths import REPO, package_dirs, setuptools_table
 
 
 def _run(command: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -80,9 +80,7 @@ def test_the_installed_project_runs_presets_by_name_from_any_directory(tmp_path)
 def test_every_package_folder_is_listed_for_the_wheel():
     """The wheel's package list is explicit (package-dir maps folders under the namespace): a new
     sub-package left out of it would be missing from every installed copy."""
-    import tomllib
-
-    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    listed = set(setuptools_table()["packages"])
     found = set()
     for name, folder in package_dirs().items():
         for init in folder.rglob("__init__.py"):
