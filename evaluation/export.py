@@ -37,6 +37,7 @@ from relicv2.shards.outdir import check_output_file as check_writable
 from relicv2.shards.outdir import check_output_folder, writing
 
 EXPORT_FORMATS = ("torchvision", "safetensors", "hf-folder")
+HUB_CONFIG, HUB_CARD = "config.json", "README.md"  # beside HUB_WEIGHTS in a hub folder
 # Who can build each width: torchvision's and timm's ResNets have a 64-channel stem, and their wide_resnet50_2
 # widens only the bottlenecks' inner convolutions, so neither holds a ResNet widened in every layer.
 WIDE_LOADERS = ("only relicv2 loads it (`relicv2.models.encoder_file.load_encoder_file`, every `relicv2 eval`): "
@@ -125,8 +126,8 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, network: str =
         sidecar = save_encoder_file(encoder, weights, depth=config.model.depth, width=config.model.width,
                                     metadata=metadata)
         if fmt == "hf-folder":  # the weights first: a folder with a card always has its weights
-            atomic_write_bytes(out / "config.json", (json.dumps(hub_config(sidecar), indent=2) + "\n").encode())
-            atomic_write_bytes(out / "README.md", model_card(sidecar).encode())
+            atomic_write_bytes(out / HUB_CONFIG, (json.dumps(hub_config(sidecar), indent=2) + "\n").encode())
+            atomic_write_bytes(out / HUB_CARD, model_card(sidecar).encode())
     return sidecar
 
 

@@ -129,6 +129,13 @@ def test_wide_encoders_say_that_only_relicv2_loads_them(tmp_path):
                        _features(encoder_from_checkpoint(checkpoint), images))
 
 
+def test_the_commands_formats_are_the_exports():
+    from relicv2.cli.export import FORMATS
+    from relicv2.evaluation.export import EXPORT_FORMATS
+
+    assert FORMATS == EXPORT_FORMATS
+
+
 def test_out_and_format_that_disagree_are_refused_before_the_checkpoint_is_read(tmp_path):
     def refused(out, fmt, match, checkpoint=tmp_path / "no-run"):  # a missing run: each refusal comes first
         code, output = _export("--checkpoint", checkpoint, "--out", out, "--format", fmt)
