@@ -46,7 +46,8 @@ WIDE_LOADERS = ("only relicv2 loads it (`relicv2.models.encoder_file.load_encode
 
 
 def load_backbone(path: str | Path, *, network: str = "online") -> tuple[ResNet, dict[str, Any]]:
-    """(encoder, description) of an exported file or a pretraining checkpoint / run folder.
+    """(encoder, description) of an exported file (a .pt with its sidecar, a safetensors file, a hub folder)
+    or a pretraining checkpoint / run folder.
 
     The description: "checkpoint" (the file used), "network", "step" when known, "format", and
     "trained_protocol" (the kNN settings that fit the encoder's training; {} when the file does not
