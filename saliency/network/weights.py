@@ -131,6 +131,7 @@ def encoder_state_dict(source: str | Path, depth: int, width: int) -> tuple[dict
         raise BackboneError(f"{path} holds no weight tensors (keys {sorted(map(str, payload))[:5]}); it is not a ResNet state dict")
     if kind == "state dict" and any(k.startswith("module.") for k in tensors):
         kind = "SwAV-format checkpoint"
+    tensors.pop(PADDING_MARKER, None)  # an imported release's mark (the note above says what it means here)
     return _strip(tensors), f"{kind} {path}{note}"
 
 
