@@ -23,10 +23,50 @@ import yaml
 
 SETTINGS_FILE = "config.yaml"  # the resolved settings, saved beside every job's outputs
 PRESET_SUFFIXES = (".yaml", ".yml")
+MAX_DEPTH = 64  # settings nest a few sections deep; PyYAML's composer recurses once a level
 
 
 class ConfigError(ValueError):
     """A user-fixable configuration problem (unknown key or preset, wrong type, impossible value)."""
+
+
+class _SettingsLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing what settings never need: an alias (a few lines of them expand to
+    gigabytes), nesting deeper than MAX_DEPTH (it exhausts the stack) and a key given twice (one value is
+    silently lost)."""
+
+    depth = 0
+
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        where = f"line {event.start_mark.line + 1}"
+        if isinstance(event, yaml.AliasEvent):
+            raise ConfigError(f"uses the alias *{event.anchor} ({where}); settings take no aliases: write the value out")
+        if self.depth >= MAX_DEPTH:
+            raise ConfigError(f"nests deeper than {MAX_DEPTH} levels ({where}); settings are a few sections deep")
+        self.depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self.depth -= 1
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key, _ in node.value:
+            if isinstance(key, yaml.ScalarNode) and (key.tag, key.value) in seen:
+                raise ConfigError(f"gives the key {key.value!r} twice (line {key.start_mark.line + 1}); keep one")
+            seen.add((key.tag, key.value))
+        return super().construct_mapping(node, deep)
+
+
+def load_yaml(text: str, what: str) -> Any:
+    """The data of YAML `text` (settings, or a job's saved settings), loaded safely; yaml.YAMLError when it is
+    not YAML, ConfigError naming `what` (the file, the `--set` key) for an alias, deep nesting or a repeated
+    key."""
+    try:
+        return yaml.load(text, Loader=_SettingsLoader)  # noqa: S506 (a SafeLoader)
+    except ConfigError as error:
+        raise ConfigError(f"{what} {error}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +154,7 @@ def read_tree(config: str | Path | None, presets: Presets) -> tuple[dict[str, An
         text, source = preset.text, f"preset {preset.name}"
         what = source
     try:
-        tree = yaml.safe_load(text)
+        tree = load_yaml(text, what)
     except yaml.YAMLError as error:
         raise ConfigError(f"{what} is not valid YAML: {error}") from None
     if tree is not None and not isinstance(tree, dict):
@@ -131,7 +171,7 @@ def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
             raise ConfigError(f"override {item!r} is not of the form section.key=value (or key=value)")
         keys = [part.strip() for part in key.strip().split(".")]
         try:
-            value = yaml.safe_load(text) if text.strip() else ""
+            value = load_yaml(text, f"--set {key.strip()}") if text.strip() else ""
         except yaml.YAMLError:
             value = text  # not YAML (e.g. an unbalanced bracket): the text itself, type-checked later
         node = tree
@@ -249,7 +289,7 @@ def coerce(value: Any, hint: Any, *, key: str, source: str) -> Any:
 
 def _tuple(value: Any, element_types: tuple[Any, ...], *, key: str, source: str) -> tuple[Any, ...]:
     if isinstance(value, str) and "," in value:  # --set methods=rbd,mc or crop_scale=0.2,1
-        value = [yaml.safe_load(part) for part in value.split(",") if part.strip()]
+        value = [load_yaml(part, f"{source}: {key}") for part in value.split(",") if part.strip()]
     if len(element_types) == 2 and element_types[1] is Ellipsis:  # variadic
         value = [value] if isinstance(value, str) else value  # --set methods=rbd
         if not isinstance(value, list | tuple):

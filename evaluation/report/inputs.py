@@ -7,7 +7,6 @@ counted and named in `problems`, never raised, so a report can always be written
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,8 +16,11 @@ import numpy as np
 import yaml
 from PIL import Image
 
+from relicv2.jobs.config import SETTINGS_FILE, load_yaml
 from relicv2.shards.images import ImageLoadError, load_gray, load_rgb, read_bytes
 from relicv2.shards.keys import UnsafeKeyError, safe_relative_path
+from relicv2.shards.limits import DEFAULT_LIMITS
+from relicv2.shards.reader import json_problem
 from relicv2.shards.sample import MASK_MEMBER
 
 EVAL_REQUIRED = ("protocol", "top1")  # the eval `--json` contract: at least these keys
@@ -60,9 +62,9 @@ def read_run_metrics(run_dir: Path) -> RunMetrics:
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            record = load_json(line)
             step = int(record["step"])
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError):
             result.problems.append(f"{path}:{number}: not a metrics record, skipped")
             continue
         if "knn_top1" in record:
@@ -71,8 +73,8 @@ def read_run_metrics(run_dir: Path) -> RunMetrics:
             steps[step] = record
     result.steps = [steps[s] for s in sorted(steps)]
     try:
-        config = yaml.safe_load((Path(run_dir) / "config.yaml").read_text())
-    except (OSError, yaml.YAMLError):  # absent or unreadable: no settings
+        config = load_yaml((Path(run_dir) / SETTINGS_FILE).read_text(), SETTINGS_FILE)
+    except (OSError, ValueError, yaml.YAMLError):  # absent, unreadable or hostile: no settings
         config = {}
     result.config = config if isinstance(config, dict) else {}
     try:  # from the derived values saved in config.yaml, else from the step records' epoch/step ratio
@@ -110,12 +112,12 @@ def read_eval_results(paths: list[Path]) -> tuple[list[EvalResult], list[str]]:
     results, problems = [], []
     for path in files:
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = load_json(path.read_text(encoding="utf-8"))
             if not isinstance(data, dict) or any(key not in data for key in EVAL_REQUIRED):
                 raise ValueError(f"needs the keys {', '.join(EVAL_REQUIRED)}")
             top1 = _number(data["top1"], "top1")
             top5 = None if data.get("top5") is None else _number(data["top5"], "top5")
-        except (OSError, json.JSONDecodeError, ValueError, TypeError) as error:
+        except (OSError, ValueError, TypeError) as error:
             problems.append(f"{path}: not an eval result ({error}), left out")
             continue
         random_depth = data.get("random_init")
@@ -172,11 +174,20 @@ def metric_rows(report: Any, path: tuple[str, ...] = ()) -> list[tuple[str, dict
     return rows
 
 
+def load_json(text: str) -> Any:
+    """JSON text a job wrote, as data; ValueError when it is not JSON or nests deeper than the reader's limit
+    for metadata (the shard reader's one rule: deep JSON exhausts a stack here and in `metric_rows`)."""
+    code, value = json_problem(text.encode("utf-8", "replace"), DEFAULT_LIMITS)
+    if code is not None:
+        raise ValueError(value)
+    return value
+
+
 def read_json(path: Path) -> tuple[Any, str | None]:
     """(parsed JSON, None) or (None, why it could not be read)."""
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8")), None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as error:
+        return load_json(Path(path).read_text(encoding="utf-8")), None
+    except (OSError, ValueError) as error:
         return None, f"{path}: {error}"
 
 

@@ -29,7 +29,7 @@ import torch
 import yaml
 
 from relicv2.jobs.atomic import atomic_write_bytes
-from relicv2.jobs.config import SETTINGS_FILE, settings_text, to_dict
+from relicv2.jobs.config import SETTINGS_FILE, load_yaml, settings_text, to_dict
 from relicv2.jobs.device import resolve_device
 from relicv2.jobs.lock import folder_lock
 from relicv2.jobs.progress import Phase
@@ -139,10 +139,10 @@ def _check_config(out: Path, text: str) -> bool:
     if not path.is_file():
         return True
     try:
-        old = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as error:
+        old = load_yaml(path.read_text(), str(path))
+    except (OSError, ValueError, yaml.YAMLError) as error:
         raise TrainStateError(f"{path} cannot be read ({error}); choose another --out") from None
-    new = yaml.safe_load(text)
+    new = load_yaml(text, SETTINGS_FILE)
     for tree in (old, new):
         if isinstance(tree, dict):
             tree.pop("version", None)

@@ -198,3 +198,24 @@ def test_the_report_opens_with_a_summary_of_the_run(outputs: ReportInputs, tmp_p
     for fact in ("ResNet-18", "shards/masked-train", "5 (global batch 32)", "0:02:00", "43", "0.03", "0.06"):
         assert fact in summary, fact  # wall 4 x 30 s; median 43 img/s and 0.03 s wait; mean masked 0.3 / 5
     assert "+0.3750" in summary  # the pretrained encoder's gain over random init, as in the evaluation section
+
+
+def test_deeply_nested_json_and_yaml_are_inputs_left_out_not_a_crash(outputs: ReportInputs, tmp_path: Path):
+    """JSON nested past any stack (a metrics line, an eval file, the saliency report) and a config.yaml of
+    aliases are left out with the other malformed inputs; the rest of the report is built."""
+    deep = "[" * 100_000 + "]" * 100_000
+    run = Path(outputs.run_dir)
+    with (run / "metrics.jsonl").open("a") as metrics:
+        metrics.write('{"step": 8, "loss": ' + deep + "}\n")
+    (run / "config.yaml").write_text("a: &a [x, x, x]\nb: &b [*a, *a, *a]\nderived:\n  steps_per_epoch: 3\n")
+    (outputs.eval_json[0] / "deep.json").write_text(deep)
+    saliency = tmp_path / "deep-report.json"
+    saliency.write_text('{"methods": ' + deep + "}")
+    result = CliRunner().invoke(cli, ["report", "--out", str(tmp_path / "r.html"), "--run", str(run), "--eval",
+                                      str(outputs.eval_json[0]), "--saliency-report", str(saliency)])
+    assert result.exit_code == 0, result.output
+    assert "Traceback" not in result.output and "RecursionError" not in result.output
+    assert "metrics.jsonl:12: not a metrics record" in result.output
+    assert "deep.json: not an eval result" in result.output and "deep-report.json" in result.output
+    assert "0.8125" in (tmp_path / "r.html").read_text()  # the good eval files are still shown
+    assert read_run_metrics(run).config == {}  # hostile settings are no settings

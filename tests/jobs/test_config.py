@@ -19,6 +19,7 @@ from relicv2.jobs.config import (
     Presets,
     RemovedKey,
     build,
+    load_yaml,
     parse_overrides,
     removed_settings,
     settings_text,
@@ -187,3 +188,38 @@ def test_a_file_that_is_not_text_is_one_clear_error(tmp_path):
     path.write_bytes(b"\x80\x81\xff binary")
     with pytest.raises(ConfigError, match=r"weights\.yaml cannot be read \(not UTF-8 text\); pass a YAML file"):
         load_config(path)
+
+
+LAUGHS = "a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(4))
+
+
+@pytest.mark.parametrize(("command", "preset"), [
+    (["pretrain", "--print-config", "--output"], "demo-cpu"),
+    (["saliency", "train", "--shards", "s", "--backbone", "random", "--out"], "tiny"),
+    (["saliency", "build-masks", "--shards", "s", "--model", "m.pt", "--out"], "cpu")])
+def test_hostile_yaml_is_one_line_for_every_command(command, preset, tmp_path):
+    """Aliases (a billion laughs), nesting past any stack and a repeated key, in a config file or a `--set`
+    value, are refused by the one loader naming the file or key, before anything else is read."""
+    laughs, deep, twice = (tmp_path / name for name in ("laughs.yaml", "deep.yaml", "twice.yaml"))
+    laughs.write_text(LAUGHS)
+    deep.write_text("run:\n  output_dir: " + "[" * 50_000 + "]" * 50_000 + "\n")
+    twice.write_text("seed: 1\nseed: 2\n")
+    flag = "--config"
+    cases = [([flag, str(laughs)], f"config file {laughs} uses the alias *a (line 2); settings take no aliases"),
+             ([flag, str(deep)], f"config file {deep} nests deeper than 64 levels"),
+             ([flag, str(twice)], f"config file {twice} gives the key 'seed' twice (line 2); keep one"),
+             ([flag, preset, "--set", "seed=[" + "[" * 30_000], "--set seed nests deeper than 64 levels"),
+             ([flag, preset, "--set", "seed=[&a [x, x], *a]"], "--set seed uses the alias *a")]
+    for options, message in cases:
+        result = CliRunner().invoke(cli, [*command, str(tmp_path / "out"), *options])
+        assert result.exit_code != 0 and "Traceback" not in result.output, result.output[-2000:]
+        assert result.output.count("\n") <= 2 and message in result.output, result.output[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
+def test_settings_yaml_without_aliases_or_repeats_still_loads():
+    assert parse_overrides(["a.b=[1, [2, 3]]", "a.c={x: 1}", "a.d=&anchor 5"]) == {
+        "a": {"b": [1, [2, 3]], "c": {"x": 1}, "d": 5}}
+    assert load_yaml("a: {b: 1, c: 2}\nd: [1, 2]\n", "f") == {"a": {"b": 1, "c": 2}, "d": [1, 2]}
+    assert load_yaml("1: a\n'1': b\n", "f") == {1: "a", "1": "b"}  # an int and a text key are two keys
