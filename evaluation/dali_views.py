@@ -21,7 +21,7 @@ from relicv2.models.normalization import IMAGENET_MEAN, IMAGENET_STD
 from relicv2.pretrain.views.config import CROP_RATIO, FULL_CROP_SCALE, resize_of
 from relicv2.pretrain.views.dali import find_undecodable
 from relicv2.shards.sample import IMAGE_MEMBERS, LABEL_MEMBER, MAX_LABEL_BYTES, class_index
-from relicv2.shards.sample_set import load_sample_set
+from relicv2.shards.sample_set import SampleSet, load_sample_set
 
 READER = "eval"
 # The eval pipeline has no recovery from a decode failure (pretraining's view loader has): every image of
@@ -54,15 +54,20 @@ def _eval_pipeline(tars, index_files, *, train: bool, crop_size: int, resize_siz
     return images, fn.pad(cls, shape=[MAX_LABEL_BYTES], fill_value=32)
 
 
+def eval_sample_set(source: str | Path) -> SampleSet:
+    """The usable samples of a set, each image decoded once when the set is foreign (`DECODE`)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # left-out samples are counted and reported by the caller
+        return load_sample_set(source, **DECODE)
+
+
 class DaliViews:
     """Batches of one shard set's views for every epoch; its `sample_set` lists the undecodable samples."""
 
-    def __init__(self, source: str | Path, *, train: bool, crop_size: int, resize_size: int, batch_size: int,
+    def __init__(self, source: str | Path | SampleSet, *, train: bool, crop_size: int, resize_size: int, batch_size: int,
                  scale: tuple[float, float] = FULL_CROP_SCALE, seed: int = 0, rank: int = 0, world: int = 1,
                  threads: int = 2, device: torch.device | None = None) -> None:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # left-out samples are counted and reported by the caller
-            self.sample_set = load_sample_set(source, **DECODE)
+        self.sample_set = source if isinstance(source, SampleSet) else eval_sample_set(source)
         gpu = device is not None and device.type == "cuda"
         self.pipe = _eval_pipeline(
             [str(p) for p in self.sample_set.tars], [str(p) for p in self.sample_set.index_files],

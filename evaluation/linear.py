@@ -25,6 +25,7 @@ from relicv2.evaluation.features import FeatureSet, FeatureSpec, cached_features
 from relicv2.evaluation.supervised import Batches, LinearResult, accuracy_report, train_classifier
 from relicv2.evaluation.views import LabelledViews, class_count, epoch_batches, labelled_samples
 from relicv2.pretrain.distributed import DistributedContext, open_shard_sets
+from relicv2.pretrain.knn import classes
 from relicv2.pretrain.knn.classes import check_same_classes
 from relicv2.pretrain.schedules import learning_rate, peak_learning_rate
 from relicv2.pretrain.views.config import FULL_CROP_SCALE, IMAGE_SIZE, resize_of
@@ -135,15 +136,12 @@ def train_linear_paper(
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
     per_rank_batch = max(1, config.batch_size // world)
     if config.backend == "dali":
-        from relicv2.evaluation.dali_views import DECODE, DaliViews
+        from relicv2.evaluation.dali_views import DECODE, DaliViews, eval_sample_set
 
         train_shards, val_shards = open_shard_sets(ctx, train_shards, val_shards, **DECODE)
-        common = {"crop_size": config.crop_size, "resize_size": config.resize_size, "batch_size": per_rank_batch,
-                  "rank": rank, "world": world, "threads": config.workers, "device": device}
-        dali = {True: DaliViews(train_shards, train=True, scale=config.crop_scale, seed=config.seed, **common),
-                False: DaliViews(val_shards, train=False, **common)}  # by LabelledViews.train
-        train_samples, val_samples = dali[True].sample_set.samples, dali[False].sample_set.samples
-        train_skipped, val_skipped = set(dali[True].sample_set.skipped_keys), set(dali[False].sample_set.skipped_keys)
+        sets = {True: eval_sample_set(train_shards), False: eval_sample_set(val_shards)}  # by LabelledViews.train
+        train_samples, val_samples = sets[True].samples, sets[False].samples
+        train_skipped, val_skipped = set(sets[True].skipped_keys), set(sets[False].skipped_keys)
     else:
         train_shards, val_shards = open_shard_sets(ctx, train_shards, val_shards)
         train_samples, train_skipped = labelled_samples(train_shards)
@@ -158,7 +156,13 @@ def train_linear_paper(
         return epoch_batches(views, epoch, rank=rank, world=world, batch_size=per_rank_batch,
                              workers=config.workers)
 
+    # Before any DALI pipeline: one would stop on a label it cannot batch (a `cls` member of 5,000 digits).
     num_classes = class_count((train_samples, train_shards), (val_samples, val_shards))
+    if config.backend == "dali":
+        common = {"crop_size": config.crop_size, "resize_size": config.resize_size, "batch_size": per_rank_batch,
+                  "rank": rank, "world": world, "threads": config.workers, "device": device}
+        dali = {True: DaliViews(sets[True], train=True, scale=config.crop_scale, seed=config.seed, **common),
+                False: DaliViews(sets[False], train=False, **common)}
     torch.manual_seed(config.seed)
     head = supervised.new_head(encoder.num_features, num_classes).to(device)
     steps_per_epoch = math.ceil(math.ceil(len(train_set) / world) / per_rank_batch)
@@ -208,7 +212,7 @@ def evaluate_linear(
         cache = Path(output_dir) / "features" if output_dir is not None else None
         train, val = (cached_features(encoder, shards, spec, cache_dir=cache, device=device, ctx=ctx,
                                       allow_lost=allow_lost) for shards in (train_shards, val_shards))
-        num_classes = int(max(train.labels.max(), val.labels.max())) + 1
+        num_classes = classes.class_count((train_shards, train.labels), (val_shards, val.labels))
         return train_linear_on_features(train, val, config, num_classes=num_classes, device=device)
     return train_linear_paper(encoder, train_shards, val_shards, config, device=torch.device(device),
                               output_dir=Path(output_dir) if output_dir is not None else None, ctx=ctx)

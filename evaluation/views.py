@@ -19,6 +19,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from relicv2.models.normalization import IMAGENET_MEAN, IMAGENET_STD
+from relicv2.pretrain.knn import classes
 from relicv2.pretrain.knn.extract import preprocess
 from relicv2.pretrain.views.config import CROP_RATIO, FULL_CROP_SCALE
 from relicv2.pretrain.views.reference import random_resized_crop
@@ -26,6 +27,7 @@ from relicv2.shards.images import load_image
 from relicv2.shards.reader import SampleRef
 from relicv2.shards.sample_set import load_sample_set, require_class_labels
 from relicv2.shards.sample_table import SampleTable
+from relicv2.shards.shardset import Spec
 
 
 def labelled_samples(source: str | Path, keys: set[str] | None = None) -> tuple[SampleTable, set[str]]:
@@ -66,9 +68,10 @@ def train_view(jpeg: bytes, *, crop_size: int, scale: tuple[float, float], rng: 
     return TF.normalize(TF.to_dtype(view, torch.float32, scale=True), IMAGENET_MEAN, IMAGENET_STD)
 
 
-def class_count(*labelled: tuple[Sequence[SampleRef], str | Path]) -> int:
-    """1 + the largest class index over (samples, source) pairs; ValueError naming an unlabelled sample."""
-    return 1 + max(max(require_class_labels(samples, source)) for samples, source in labelled)
+def class_count(*labelled: tuple[Sequence[SampleRef], Spec]) -> int:
+    """The classes of (samples, their set) pairs (`pretrain.knn.classes.class_count`); ValueError naming an
+    unlabelled sample or a label outside the classes."""
+    return classes.class_count(*((source, require_class_labels(samples, source)) for samples, source in labelled))
 
 
 @dataclass(eq=False)

@@ -30,6 +30,7 @@ MASK_FOREGROUND_LEVEL = 128
 # tools also write class names there, which readers keep as unlabelled rather than refuse.
 LABEL_MEMBER = "cls"
 MAX_LABEL_BYTES = 20  # a class index with room for whitespace; anything longer is not one
+MAX_CLASS_DIGITS = 9  # a longer number is no class index (and overflows the integers a loader or head uses)
 META_MEMBER = "json"
 GENERATED_MEMBERS = (LABEL_MEMBER, META_MEMBER)  # written by the writer from `label` and `meta`
 # Every member some job of the project reads; the reader counts and lists the others as unused.
@@ -60,11 +61,12 @@ def label_refusal(sample: str, text: str | None, who: str) -> str:
 
 
 def class_index(raw: bytes | None) -> int | None:
-    """The class index a `cls` member holds, or None (no member, empty, or not a decimal number)."""
+    """The class index a `cls` member holds, or None (no member, empty, or not a decimal number of at most
+    MAX_CLASS_DIGITS digits)."""
     if raw is None or len(raw) > MAX_LABEL_BYTES:
         return None
     text = raw.strip()
-    return int(text) if text.isascii() and text.isdigit() else None
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= MAX_CLASS_DIGITS else None
 
 
 @dataclass(frozen=True)

@@ -4,15 +4,19 @@
 names in the set's info.json ("classes"). A val set built from other class folders than its train
 set (3 of the 4, or unrelated ones) numbers them differently, and any score against it would be
 computed on mismatched labels. Every evaluation (`eval knn`, the kNN monitor, `eval linear`,
-`eval finetune`) calls `check_same_classes` before any work.
+`eval finetune`) calls `check_same_classes` before any work, and sizes its head or its votes with
+`class_count`, which refuses a label outside the classes.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
+
+import numpy as np
 
 from relicv2.shards.outdir import INFO_NAME
-from relicv2.shards.shardset import ShardSet, shard_tars
+from relicv2.shards.shardset import ShardSet, Spec, shard_tars
 
 SHOWN = 8  # class names shown around the first difference
 
@@ -65,6 +69,22 @@ def check_same_classes(train_shards: ShardSet, val_shards: ShardSet) -> None:
         f"{len(val)} {_shown(val, first)}: class {first} is {train_says} in train, {val_says} in val, so class "
         "indices differ; build both from folders with the same class sub-folders"
     )
+
+
+def class_count(*labelled: tuple[Spec, Iterable[int]]) -> int:
+    """The number of classes of labelled sets, each given with its labels (a head's outputs, the width of
+    the kNN votes): what their info.json declares, else the classes their labels hold. ValueError naming the
+    set and the fix when a label lies outside (one stray label would make a head of a million classes)."""
+    present = [(source, np.unique(np.asarray(labels, dtype=np.int64))) for source, labels in labelled]
+    declared = next((names for source, _ in labelled if (names := class_names(source)) is not None), None)
+    count = len(declared) if declared is not None else len(np.unique(np.concatenate([c for _, c in present])))
+    for source, classes in present:
+        if len(classes) and classes[-1] >= count:
+            held = (f"its {INFO_NAME} declares {count} classes" if declared is not None
+                    else f"the sets hold {count} distinct classes, so indices run from 0 to {count - 1}")
+            raise ValueError(f"{source}: a sample has class index {classes[-1]}, but {held}; fix the set's `cls` "
+                             "members or rebuild it with `relicv2 shards build` from class folders")
+    return count
 
 
 def _shown(names: list[str], first: int) -> str:

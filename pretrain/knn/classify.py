@@ -22,7 +22,7 @@ from relicv2.pretrain.distributed import (
     gather_object,
     gather_tensor,
 )
-from relicv2.pretrain.knn.classes import check_same_classes
+from relicv2.pretrain.knn.classes import check_same_classes, class_count
 from relicv2.pretrain.knn.extract import extract_features
 from relicv2.pretrain.knn.outcome import LostSamples, figure, lost_fields
 from relicv2.pretrain.views.config import resize_of
@@ -185,21 +185,22 @@ def evaluate_knn(
                "keep_on": device}
     bank, bank_labels = extract_features(encoder, train_shards, **options)
     queries, query_labels = extract_features(encoder, val_shards, **options)
-    num_train = len(bank_labels)
+    num_train, bank_classes = len(bank_labels), bank_labels.unique().tolist()
     if world > 1:  # each rank searches its part of the bank for every query; rank 0 merges and votes
-        parts = gather_object((skipped, num_train), ctx)
+        parts = gather_object((skipped, num_train, bank_classes), ctx)
         queries, query_labels = (all_gather_rows(t.to(device), ctx) for t in (queries, query_labels))
     candidates = nearest(bank, bank_labels, queries, k=k)
     if world > 1:
         candidates = merge_ranks(*(t.to(device) for t in candidates), k=k, ctx=ctx)
         if parts is None or candidates is None:
             return None
-        skipped, num_train = [key for keys, _ in parts for key in keys], sum(count for _, count in parts)
+        skipped, num_train = [key for keys, _, _ in parts for key in keys], sum(count for _, count, _ in parts)
+        bank_classes = [label for *_, labels in parts for label in labels]
     for source, count in ((train_shards, num_train), (val_shards, len(query_labels))):
         if count == 0:
             raise ValueError(f"no decodable labelled images in {source}")
     similarity, labels = candidates
-    num_classes = int(max(labels.max(), query_labels.max())) + 1
+    num_classes = class_count((train_shards, bank_classes), (val_shards, query_labels.cpu()))
     predicted = vote(similarity, labels, num_classes=num_classes, temperature=temperature)
     top1 = int((predicted.cpu() == query_labels.cpu()).sum()) / len(query_labels)
     protocol = {"image_size": settings.crop_size, "resize_size": resize_of(settings.crop_size, settings.resize_size),

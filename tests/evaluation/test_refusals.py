@@ -34,6 +34,7 @@ from relicv2.shards import ShardSample, ShardSetError, resolve_shard_set, write_
 from relicv2.shards.build import BuildConfig, build_shards
 from relicv2.shards.outdir import INFO_NAME
 from tests.evaluation.conftest import PooledPixels, shape_image
+from tests.tars import write_tar
 
 CLASSES = ("a", "b", "c", "d")
 
@@ -319,3 +320,58 @@ def test_pretrain_refuses_a_knn_monitor_of_mismatched_classes_before_training(bu
     with pytest.raises(ConfigError, match=r"knn\.train_shards / knn\.val_shards: .*class 2 is 'c' in train"):
         run_pretraining(config)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before any step
+
+
+# 5. Labels that are no class index, or outside the classes ---------------------------------------------------
+
+
+def _hostile_label_sets(root: Path, label: bytes) -> tuple[Path, Path]:
+    """A plain train and val set (no info.json) of 8 two-class samples each; train's fourth has `label`."""
+    rng = np.random.default_rng(0)
+    for name in ("train", "val"):
+        members = []
+        for i in range(8):
+            cls = label if name == "train" and i == 3 else str(i % 2).encode()
+            members += [(f"k{i}.jpg", shape_image(i % 2, rng)), (f"k{i}.cls", cls)]
+        write_tar(root / name / "images-000000.tar", members)
+    return root / "train", root / "val"
+
+
+@pytest.mark.parametrize("label", [b"12345678901234567890", b"7" * 5_000, b"[" * 100_000, b"999999"])
+def test_a_hostile_label_is_one_line_from_every_evaluation_before_any_head(label, tmp_path, monkeypatch):
+    """A `cls` of 20 digits (past int64), of 5,000 digits or brackets, or one stray class index of 999999
+    (a million-class head) is refused by the reader's label rule and the class count, never reaching a DALI
+    batch or a head."""
+    import relicv2.evaluation.supervised as supervised
+
+    heads = []
+    monkeypatch.setattr(supervised, "new_head", lambda *args, **kw: heads.append(args) or pytest.fail("a head"))
+    train, val = _hostile_label_sets(tmp_path, label)
+    common = ["--random-init", "18", "--train", str(train), "--val", str(val), "--device", "cpu"]
+    for command in (["linear", "--preset", "paper", "--set", "backend=dali", "--set", "epochs=1", "--set",
+                     "crop_size=16", "--set", "batch_size=4"],
+                    ["linear", "--preset", "fast", "--set", "epochs=1", "--set", "crop_size=16"],
+                    ["knn", "--crop-size", "16", "--k", "3"]):
+        message = _one_line_error(CliRunner().invoke(eval_group, [*command, *common]))
+        assert "k3" in message or str(train) in message, message
+        if label == b"999999":
+            assert "class index 999999, but the sets hold 3 distinct classes" in message
+        else:
+            assert "not a class index" in message and "relicv2 shards build" in message
+    assert heads == []
+
+
+def test_labels_are_checked_against_the_classes_a_set_declares(built_sets, tmp_path):
+    """A built set's info.json names its classes: a label past them is refused even when others are absent."""
+    from relicv2.pretrain.knn.classes import class_count
+    from relicv2.shards.sample import class_index
+
+    train, val, _ = built_sets
+    assert class_count((train, [0, 1]), (val, [1])) == len(CLASSES)  # classes 2 and 3 absent: still 4
+    with pytest.raises(ValueError, match=r"train: a sample has class index 4, but its info.json declares 4 classes"):
+        class_count((train, [0, 4]), (val, [1]))
+    plain_train, plain_val = _hostile_label_sets(tmp_path, b"1")  # no info.json: the classes present count
+    assert class_count((plain_train, [0, 2]), (plain_val, [1, 1])) == 3
+    with pytest.raises(ValueError, match=r"val: a sample has class index 3, but the sets hold 3 distinct classes"):
+        class_count((plain_train, [0, 2]), (plain_val, [3]))
+    assert (class_index(b"999999999\n"), class_index(b"1234567890"), class_index(b"-1")) == (999999999, None, None)
