@@ -15,6 +15,7 @@ from relicv2.jobs.config import ConfigError, Presets, is_file_reference, resolve
 from relicv2.jobs.workers import rank_cores, usable_cores
 from relicv2.saliency.handcrafted.methods import METHODS
 
+MAX_INPUT_SIZE = 4096  # px: the network's square input (the paper's 432); one larger image alone needs GBs
 METHOD_NAMES = tuple(METHODS)  # the handcrafted methods refinement learns from: all of them by default
 
 # First-iteration binarisation thresholds of the handcrafted maps (maps in [0, 1]). MC, DSR and
@@ -41,6 +42,14 @@ class CrfConfig:
     # 64 px an unscaled bilateral sxy of 80 would span the whole image and pull every pixel of a
     # similar colour together).
     reference_size: int = 432
+
+    def __post_init__(self) -> None:
+        for name in ("gaussian_sxy", "bilateral_sxy", "bilateral_srgb", "reference_size"):
+            if not getattr(self, name) > 0:  # widths: a Gaussian of no or negative width is none
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name in ("gaussian_compat", "bilateral_compat", "iterations"):
+            if not getattr(self, name) >= 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     def at_size(self, size: int) -> CrfConfig:
         """These settings with the spatial widths scaled to a `size` x `size` input."""
@@ -91,12 +100,20 @@ class SaliencyTrainConfig:
         if self.iterations < 0:
             raise ConfigError(f"iterations must be >= 0 (0: the fused network on the handcrafted labels), "
                               f"got {self.iterations}")
-        if self.input_size % 8:
-            raise ConfigError(f"input_size must be a multiple of 8 (output stride), got {self.input_size}")
+        if (problem := input_size_problem(self.input_size)) is not None:
+            raise ConfigError(problem)
         if self.fuse_epochs < 0:
             raise ConfigError(f"fuse_epochs must be >= 0, got {self.fuse_epochs}")
         if not 0.0 <= self.average_keep < 1.0:
             raise ConfigError(f"average_keep must be in [0, 1), got {self.average_keep}")
+
+
+def input_size_problem(size: Any) -> str | None:
+    """Why `size` is no input size of the saliency network (a whole multiple of 8, the output stride, up to
+    MAX_INPUT_SIZE), or None."""
+    if type(size) is not int or not 8 <= size <= MAX_INPUT_SIZE or size % 8:
+        return f"input_size must be a multiple of 8 (output stride) from 8 to {MAX_INPUT_SIZE}, got {size!r:.20}"
+    return None
 
 
 PRESETS = Presets(job="relicv2 saliency train", package="relicv2.saliency")

@@ -18,6 +18,7 @@ from typing import Any
 from relicv2.models.checkpoint_file import CHECKPOINT
 from relicv2.models.resnet import state_dict_differences
 from relicv2.models.torchfile import StateDict, TorchFileError, TorchFormat
+from relicv2.saliency.network.config import input_size_problem
 from relicv2.saliency.network.model import SaliencyNet
 
 ARCH = "dilated-resnet-os8-decoder-v1"
@@ -69,6 +70,8 @@ def load_model(path: Path | str, device: str = "cpu") -> tuple[SaliencyNet, dict
     arch, state = MODEL.check(path, payload)["arch"], payload["state_dict"]
     if arch.get("name") != ARCH:
         raise MODEL.fail(path, f"holds a {arch.get('name')!r:.60} network; this relicv2 builds {ARCH}")
+    if (problem := input_size_problem(payload["input_size"])) is not None:  # before anything is sized by it
+        raise MODEL.fail(path, f"records an impossible input size ({problem})")
     depth, width = arch.get("depth"), arch.get("width")
     try:
         if type(depth) is not int or type(width) is not int:

@@ -21,7 +21,7 @@ from relicv2.saliency.network.build_masks import (
     MasksError,
     build_masks,
 )
-from relicv2.saliency.network.config import CrfConfig
+from relicv2.saliency.network.config import CrfConfig, load_saliency_config
 from relicv2.saliency.network.crf import model_crf
 from relicv2.saliency.network.model import SaliencyNet
 from relicv2.saliency.network.model_file import load_model, save_model
@@ -126,6 +126,16 @@ def test_model_crf_takes_the_defaults_where_the_file_records_none() -> None:
     assert model_crf({"input_size": 64, "config": {"crf": {"bilateral_srgb": 5}}}, "m.pt").bilateral_srgb == 5.0
     with pytest.raises(ConfigError, match="m.pt: crf.iterations"):
         model_crf({"input_size": 64, "config": {"crf": {"iterations": "five"}}}, "m.pt")
+
+
+@pytest.mark.parametrize("setting", ["iterations=-1", "gaussian_sxy=-3", "bilateral_sxy=0", "bilateral_srgb=-1",
+                                     "gaussian_compat=-1"])
+def test_impossible_crf_settings_are_refused_by_train_and_in_a_model_file(setting) -> None:
+    key, value = setting.split("=")
+    with pytest.raises(ConfigError, match=rf"crf\.{key} must be"):
+        load_saliency_config("tiny", [f"crf.{setting}"])
+    with pytest.raises(ConfigError, match=rf"m\.pt: crf\.{key} must be"):
+        model_crf({"input_size": 64, "config": {"crf": {key: float(value)}}}, "m.pt")
 
 
 def test_the_cli_flag_lands_in_the_saved_settings(tmp_path, scene_shards) -> None:

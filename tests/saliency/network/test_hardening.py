@@ -74,6 +74,20 @@ def test_a_hand_made_model_file_is_one_clear_error(tmp_path: Path, changes: dict
     assert "saliency train" in str(raised.value)
 
 
+def test_a_model_file_of_an_absurd_input_size_is_refused_before_anything_is_sized_by_it(tmp_path: Path,
+                                                                                        scene_shards) -> None:
+    """Not the shared memory nor --batch is blamed: the file's size is impossible."""
+    shards, _ = scene_shards
+    for size in (10**6, 0, 36):
+        path = _hand_made(tmp_path, input_size=size)
+        result = CliRunner().invoke(cli, ["saliency", "build-masks", "--model", str(path), "--shards", str(shards),
+                                          "--out", str(tmp_path / "out"), "--batch", "1", "--workers", "0",
+                                          "--device", "cpu", "--no-progress"])
+        _one_line(result, str(path), "impossible input size", "multiple of 8", "saliency train")
+        assert "/dev/shm" not in result.output and "--batch" not in result.output
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_model_of_another_depth_names_a_key_and_the_depth_setting(tmp_path: Path) -> None:
     deeper = {k: v for k, v in SaliencyNet(34).state_dict().items()}
     path = _hand_made(tmp_path, state_dict=deeper)  # weights of a ResNet-34, arch says 18
