@@ -242,9 +242,10 @@ def test_ranks_split_the_knn_images_and_rank_0_gets_the_single_process_result(co
     # differ from the union's: only a merge into the global k nearest gives the single process's top-1.
     noisy_train, noisy_val = _random_colours(tmp_path, "bank", 23, 0), _random_colours(tmp_path, "queries", 15, 1)
     # One sample each: rank 1's parts of the bank and of the queries are empty, and k exceeds the bank. The
-    # query (cyan) is far from the bank's one item (red, cosine < 0): it is still its only neighbour, of its class.
-    single_train = _colour_set(tmp_path, "one", [(255, 0, 0)], [1])
-    single_val = _colour_set(tmp_path, "other", [(0, 255, 255)], [1])
+    # query (cyan) is far from the bank's one item (red, cosine < 0): it is still its only neighbour, of its class
+    # (class 0: sets that declare no classes number those they hold from 0).
+    single_train = _colour_set(tmp_path, "one", [(255, 0, 0)], [0])
+    single_val = _colour_set(tmp_path, "other", [(0, 255, 255)], [0])
     jobs = [(train, val, 3), (noisy_train, noisy_val, 5), (single_train, single_val, 3)]
     two = _two_ranks(_knn_rank, jobs, tmp_path, rank_pair)
     one = [_one_rank(*job) for job in jobs]
