@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import yaml
 
-from relicv2.jobs.atomic import atomic_write_bytes
+from relicv2.jobs.atomic import atomic_write_bytes, remove_stale_temps
 from relicv2.jobs.config import SETTINGS_FILE, load_yaml, settings_text, to_dict
 from relicv2.jobs.device import resolve_device
 from relicv2.jobs.lock import folder_lock
@@ -296,6 +296,8 @@ def run_train(job: TrainJob, log: Callable[[str], None] = print) -> dict:
     device = resolve_device(config.device)  # "auto" stays in config.yaml: a resumed run may use another machine
     checked = check_inputs(job)  # before OUT exists: a mistake leaves nothing behind
     with folder_lock(out, "relicv2 saliency train"):
+        if stale := remove_stale_temps(out, recursive=True):  # alone in the folder: every temporary is a killed run's
+            print(f"removed {stale} stale temporary file(s) left by an interrupted run in {out}", file=sys.stderr)
         text = settings_text(config, extra={"inputs": {"shards": str(job.shards), "backbone": job.backbone}},
                              version=package_version())
         if _check_config(out, text):

@@ -13,6 +13,7 @@ import torch
 import yaml
 
 import relicv2.saliency.network.train as train_module
+from relicv2.jobs.atomic import TEMP_MARK
 from relicv2.saliency.images import write_png
 from relicv2.saliency.network.config import load_saliency_config
 from relicv2.saliency.network.data import TrainingImages, load_training_images
@@ -142,8 +143,13 @@ def test_train_resumes_after_a_kill_to_the_same_model(tmp_path: Path, scene_shar
         run_train(_job(shards, tmp_path / "resumed", gt_folder), log=lambda _: None)
     work = tmp_path / "resumed" / "work"
     assert (work / "mc-it1.current.pt").is_file() and not (work / "mc-it1.done.pt").exists()
+    # what a kill -9 in the middle of a save leaves (the writer's own cleanup never ran), and a user's file
+    torn, users = work / f".mc-it1.current.pt{TEMP_MARK}host-4242", work / ".notes"  # a killed process's name
+    torn.write_bytes(b"half a checkpoint")
+    users.write_text("mine")
     monkeypatch.setattr(train_module, "train_epoch", real_epoch)
     run_train(_job(shards, tmp_path / "resumed", gt_folder), log=lambda _: None)
+    assert not torn.exists() and users.read_text() == "mine"  # the rerun removes only what a run wrote
     resumed, _ = load_model(tmp_path / "resumed" / "model.pt")
     for name, tensor in whole.state_dict().items():
         assert torch.equal(tensor, resumed.state_dict()[name]), name
