@@ -188,8 +188,9 @@ class BatchReport:
 
     @property
     def missing(self) -> int:
-        """Inputs the manifest lists that were never read (a truncated or unreadable shard)."""
-        return max(0, (self.expected or 0) - self.inputs)
+        """Inputs never read (a truncated or unreadable shard): those the manifest lists beyond the ones read;
+        without a manifest, one at least for each shard the reader lost or read in part."""
+        return max(0, self.expected - self.inputs) if self.expected is not None else len(self.read.lost_shards)
 
     def failure(self, limit: FailureLimit) -> str | None:
         """Why the job counts as failed (it did nothing, or lost more inputs than ``limit``
@@ -206,7 +207,8 @@ class BatchReport:
     def summary(self, methods: Iterable[str]) -> str:
         """One line: inputs, maps written per method, complete, failed, never read."""
         written = ", ".join(f"{m} {self.written[m]}" for m in methods)
-        missing = f", {self.missing} listed in the manifest but not read" if self.missing else ""
+        unread = "listed in the manifest but not read" if self.expected is not None else "shard(s) read in part or not at all"
+        missing = f", {self.missing} {unread}" if self.missing else ""
         return (f"{self.inputs} inputs: maps written ({written}), {self.already_done} already complete, "
                 f"{len(self.failed)} failed{missing}")
 

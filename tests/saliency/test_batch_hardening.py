@@ -245,3 +245,18 @@ def test_a_truncated_shard_is_lost_data_not_success(tmp_path):
     assert "1 failed" in result.output or "listed in the manifest but not read" in result.output
     assert "images-000000.tar" in result.output
     assert "every input failed" not in result.output
+
+
+def test_a_truncated_plain_tar_without_a_manifest_is_lost_data_not_success(tmp_path):
+    """No manifest says how many samples the cut-off part held: the shard read in part is a loss of its own,
+    counted against --max-failures (default 0) and named in the summary."""
+    tar = _tar(tmp_path / "plain" / "images-000000.tar", ["s0.jpg", "s1.jpg", "s2.jpg"])
+    tar.write_bytes(tar.read_bytes()[: len(tar.read_bytes()) // 2])  # the first sample survives
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = _run("--method", "mc", "--input", str(tar), "--output", str(tmp_path / "o"))
+    assert result.exit_code == 1, result.output
+    assert "lost data in" in result.output and "1 shard(s) read in part or not at all" in result.output
+    assert "exceed --max-failures 0" in result.output
+    allowed = _run("--method", "mc", "--input", str(tar), "--output", str(tmp_path / "o"), "--max-failures", "1")
+    assert allowed.exit_code == 0, allowed.output
