@@ -49,8 +49,8 @@ def structural_problem(sample: SampleRef, handle, headers: bool = False) -> str 
     if len(images) > 1:
         return "several_images"  # DALI's reader would refuse the sample: which one is the image?
     offset, size, _ = sample.members[images[0]]
-    if size < 12:
-        return "empty_image"
+    if size < 12:  # shorter than any image's header: nothing, or something else
+        return "empty_image" if size == 0 else "not_an_image"
     head = os.pread(handle.fileno(), 12, offset)
     tail = os.pread(handle.fileno(), 8, offset + size - 8)
     if head.startswith(JPEG_SOI):  # the format from the image's content, not its member name
@@ -76,7 +76,7 @@ def structural_problem(sample: SampleRef, handle, headers: bool = False) -> str 
     return None
 
 
-CHECK_VERSION = 2  # of `structural_problem`'s verdicts: bump it when they change, and cached ones are ignored
+CHECK_VERSION = 3  # of `structural_problem`'s verdicts: bump it when they change, and cached ones are ignored
 CHECKS_FOLDER = "checked"  # in the index cache: one JSON file of verdicts per checked tar
 
 
