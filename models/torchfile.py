@@ -11,6 +11,7 @@ allowlisted globals): for a file that is not trusted, that is never the way out.
 from __future__ import annotations
 
 import contextlib
+import io
 import pickle
 import struct
 import zipfile
@@ -27,6 +28,20 @@ from relicv2.jobs.atomic import atomic_output
 # file -> IndexError/EOFError/struct.error), a refused global (UnpicklingError), an unreadable file.
 TORCH_LOAD_ERRORS = (pickle.UnpicklingError, RuntimeError, EOFError, zipfile.BadZipFile, ValueError, OSError,
                      KeyError, IndexError, struct.error)
+
+
+class _WriteFile(io.FileIO):
+    """The file torch writes into, keeping the OSError of a failed write: torch reports a disk that fills
+    midway only as "enforce fail at inline_container.cc ... unexpected pos", without the cause."""
+
+    error: OSError | None = None
+
+    def write(self, data) -> int:
+        try:
+            return super().write(data)
+        except OSError as error:
+            self.error = error
+            raise
 
 
 class TorchFileError(ValueError):
@@ -139,7 +154,13 @@ class TorchFormat:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_output(path) as tmp:
-            torch.save({**tags, **payload}, tmp)
+            with _WriteFile(tmp, "wb") as handle:
+                try:
+                    torch.save({**tags, **payload}, handle)
+                except RuntimeError:
+                    if handle.error is None:
+                        raise
+                    raise OSError(handle.error.errno, handle.error.strerror, str(path)) from None
             yield
 
     def save(self, path: str | Path, payload: Mapping[str, Any]) -> Path:

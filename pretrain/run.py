@@ -339,8 +339,9 @@ def _save(state: TrainState, source: ViewSource, config: PretrainConfig, ctx: Di
             payload = {"config": to_dict(config), **training, "rng": rng_states, "data": data_states,
                        "data_position": data_position(state.step, steps_per_epoch, config.optim.global_batch)}
             path = save_checkpoint(config.run.output_dir, payload, keep=config.run.keep_checkpoints)
-        except (OSError, RuntimeError) as error:  # torch.save reports a full disk as RuntimeError
-            raise ConfigError(f"cannot write checkpoint {path}: {str(error).strip().splitlines()[0]}; free "
-                              "space or choose another run.output_dir, then rerun to resume") from None
+        except (OSError, RuntimeError) as error:  # RuntimeError: torch's own failures
+            cause = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]
+            raise ConfigError(f"cannot write checkpoint {path}: {cause}; free space or choose another "
+                              "run.output_dir, then rerun to resume") from None
     barrier(ctx)  # no rank moves on (or exits) before the file exists
     return path

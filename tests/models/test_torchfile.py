@@ -5,6 +5,8 @@ what to do, never torch's advice to run the file's code."""
 
 from __future__ import annotations
 
+import errno
+import io
 import os
 import pickle
 from pathlib import Path
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from relicv2.models import torchfile
 from relicv2.models.torchfile import (
     TORCH_LOAD_ERRORS,
     StateDict,
@@ -69,6 +72,30 @@ def test_a_failed_write_keeps_the_earlier_file(tmp_path):
     with pytest.raises(OSError, match="disk full"), TOY.saving(path, {**PAYLOAD, "step": 4}):
         raise OSError("disk full")  # the companion file (an encoder's sidecar) failed after the payload was written
     assert TOY.load(path)["step"] == 3 and os.listdir(tmp_path) == ["toy.pt"]
+
+
+class _FullDisk(io.FileIO):
+    """A file system that fills after 1,000 bytes: later writes fail with ENOSPC, as the OS's do."""
+
+    def write(self, data) -> int:
+        if self.tell() + len(data) > 1000:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return super().write(data)
+
+
+def fill_the_disk(monkeypatch) -> None:
+    """Every torch file written from now on meets a disk that fills midway."""
+    monkeypatch.setattr(torchfile, "_WriteFile", type("FullDisk", (torchfile._WriteFile, _FullDisk), {}))
+
+
+def test_a_disk_that_fills_midway_is_the_os_error_naming_the_file_not_torch_s_text(tmp_path, monkeypatch):
+    path = TOY.save(tmp_path / "toy.pt", PAYLOAD)
+    fill_the_disk(monkeypatch)
+    with pytest.raises(OSError) as raised:
+        TOY.save(path, {**PAYLOAD, "weights": {"w": torch.zeros(10_000)}})
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(path)
+    assert "inline_container" not in str(raised.value)
+    assert TOY.load(path)["step"] == 3 and os.listdir(tmp_path) == ["toy.pt"]  # the earlier file, no temporary
 
 
 def test_a_payload_without_a_required_field_is_not_written(tmp_path):

@@ -293,3 +293,14 @@ def test_a_run_refused_at_start_leaves_no_empty_folder(tmp_path):
     with pytest.raises(ConfigError, match="fewer than one batch"):
         quiet_run(tiny_config(out, "data.source=shards", f"data.train_shards={tmp_path / 'few'}"))
     assert not (tmp_path / "runs").exists()  # the folders it created are gone again
+
+
+def test_a_full_disk_is_one_line_naming_the_checkpoint_and_no_space_left(tmp_path, monkeypatch):
+    from tests.models.test_torchfile import fill_the_disk
+
+    fill_the_disk(monkeypatch)
+    with pytest.raises(ConfigError) as raised:
+        quiet_run(tiny_config(tmp_path / "run", "run.max_steps=3"))
+    message = str(raised.value)
+    assert f"cannot write checkpoint {tmp_path / 'run'}" in message and "No space left on device" in message
+    assert "inline_container" not in message and "\n" not in message and "rerun to resume" in message
