@@ -64,7 +64,7 @@ def load_yaml(text: str, what: str) -> Any:
     not YAML, ConfigError naming `what` (the file, the `--set` key) for an alias, deep nesting or a repeated
     key."""
     try:
-        return yaml.load(text, Loader=_SettingsLoader)  # noqa: S506 (a SafeLoader)
+        return yaml.load(text, Loader=_SettingsLoader)  # a SafeLoader: plain data only
     except ConfigError as error:
         raise ConfigError(f"{what} {error}") from None
 
