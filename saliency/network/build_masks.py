@@ -216,8 +216,6 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
             predictor = MaskPredictor(model, device, flip=config.flip)
             print(f"saliency build-masks: rank {ranks.rank} predicts on {device}", file=sys.stderr,
                   flush=True)
-        if predictor.size < 1:
-            raise MasksError(f"{model} has input size {predictor.size}; {PASS_MODEL}")
         try:
             crf = model_crf(predictor.info, str(model)) if config.crf else None
         except ConfigError as error:
