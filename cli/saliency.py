@@ -167,8 +167,8 @@ def train_command(config_name: str | None, preset_name: str | None, overrides: t
         raise click.UsageError(f"choose the settings with --config NAME; {PRESETS.listing()}")
     from relicv2.saliency.network.train import TrainJob, TrainStateError, run_train
 
-    # ValueError: a torch file's error (models.torchfile), the --backbone's among them
-    with user_errors(ConfigError, TrainStateError, FolderLockedError, FileNotFoundError, ValueError):
+    # ValueError: a torch file's error (models.torchfile), the --backbone's among them; OSError: a full disk
+    with user_errors(ConfigError, TrainStateError, FolderLockedError, FileNotFoundError, ValueError, path=job["out"]):
         config = load_saliency_config(config_name, overrides)
         run_train(TrainJob(config=config, **job), log=click.echo)
 

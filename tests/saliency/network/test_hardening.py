@@ -50,6 +50,18 @@ def test_train_refuses_an_out_that_is_a_file_or_unwritable(tmp_path: Path, scene
     _one_line(locked, "--out", "not writable")
 
 
+def test_train_on_a_disk_that_fills_is_one_line_naming_the_work_file(tmp_path: Path, scene_shards,
+                                                                     monkeypatch) -> None:
+    from tests.models.test_torchfile import fill_the_disk
+
+    shards, _ = scene_shards
+    fill_the_disk(monkeypatch)
+    result = CliRunner().invoke(cli, ["saliency", "train", "--shards", str(shards), "--out", str(tmp_path / "o"),
+                                      *TRAIN])
+    _one_line(result, str(tmp_path / "o" / "work"), ".current.pt: No space left on device")
+    assert "inline_container" not in result.output
+
+
 def _hand_made(tmp_path: Path, **changes) -> Path:
     path = save_model(tmp_path / "model.pt", SaliencyNet(18).eval(), input_size=32, preset="tiny",
                       backbone="random", config={}, report={})
