@@ -193,3 +193,22 @@ def test_bad_input_is_one_line(shape_shards, head, tmp_path):
     (tmp_path / "foreign.pt").write_bytes(b"junk")
     result = runner.invoke(eval_group, [*base[:4], str(tmp_path / "foreign.pt"), *base[5:], "--val", str(shape_shards[1])])
     assert result.exit_code == 1 and "foreign.pt is not a readable linear head file" in result.output
+
+
+def test_the_report_shows_a_robustness_json_and_names_a_broken_one(tmp_path):
+    from relicv2.evaluation.report import ReportInputs, build_report
+
+    table = corruption_table({"fog": {1: 0.8125, 3: 0.5}, "snow": {1: 0.75, 3: 0.25}}, {"fog": 1.0, "snow": 1.0})
+    (tmp_path / "robustness.json").write_text(json.dumps({
+        "encoder": "runs/r50", "head": "lin/trained-head.pt", "protocol": "linear-fast",
+        "corrupted": {"source": "val", "baseline": "runs/control", **table},
+        "ood": {"imagenet-r": {"folder": "r", "classes": 200, "top1": 0.3125, "num_images": 30000}}}))
+    summary = build_report(ReportInputs(robustness=tmp_path / "robustness.json"), tmp_path / "r.html")
+    assert summary.sections["robustness"] == "ok" and [f.name for f in summary.figures] == ["robustness-corrupted.png"]
+    text = summary.page.read_text()
+    for shown in ("0.8125", "0.6562", "0.3125", "imagenet-r", "mCE against runs/control: 0.8438", "0.6875"):
+        assert shown in text
+    (tmp_path / "broken.json").write_text('{"encoder": "x"}')
+    broken = build_report(ReportInputs(robustness=tmp_path / "broken.json"), tmp_path / "b.html")
+    assert broken.sections["robustness"].startswith("not run") and any("broken.json" in p for p in broken.problems)
+    assert "robustness" not in build_report(ReportInputs(), tmp_path / "none.html").sections
