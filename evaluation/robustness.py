@@ -28,7 +28,13 @@ from typing import Any
 from torch import nn
 
 from relicv2.evaluation.corrupted import CorruptionSpec, corrupt_shard_set
-from relicv2.evaluation.corruptions import CORRUPTIONS, SEVERITIES, check_corruption
+from relicv2.evaluation.corruptions import (
+    CORRUPTIONS,
+    MIN_SIDE,
+    SEVERITIES,
+    CorruptionError,
+    check_corruption,
+)
 from relicv2.evaluation.features import encoder_digest, shard_set_fingerprint
 from relicv2.evaluation.head_file import TrainedHead, load_head, score_head
 from relicv2.evaluation.job import Backbone, load_encoder
@@ -224,6 +230,9 @@ def _generated(job: RobustnessJob, model: Model, control: Model | None, scores: 
     val = _shards_of(job.val, job.output / "val-shards")
     model.head.check_classes(class_names(val), job.val)  # before hours of corrupting
     head = model.head
+    if head.crop_size < MIN_SIDE:
+        raise CorruptionError(f"the head {job.head} takes {head.crop_size} px views; the corruptions need at least "
+                              f"{MIN_SIDE} px: train a head with a larger crop_size")
     top1: dict[str, dict[int, float]] = {}
     control_errors: dict[str, float] = {}
     counts = set()

@@ -248,3 +248,17 @@ def test_an_imagenet_r_folder_is_scored_among_its_200_classes_only(tmp_path):
     with pytest.raises(OodSetError, match="999 of its 1000 class folders are missing"):
         run_robustness(RobustnessJob(backbone=Backbone(random_depth=18), head=head, output=tmp_path / "out2",
                                      ood=(("imagenet-sketch", sketch),), device="cpu"), log=lambda _: None)
+
+
+def test_a_head_with_views_too_small_to_corrupt_is_refused_before_any_work(shape_shards, tmp_path):
+    from torch import nn
+
+    from relicv2.evaluation.corruptions import CorruptionError
+    from relicv2.evaluation.head_file import save_head
+
+    small = save_head(tmp_path / "head.pt", nn.Linear(512, 6), encoder=random_encoder(18, seed=0), classes=None,
+                      mean=None, std=None, crop_size=16, resize_size=18, protocol="linear-fast")
+    with pytest.raises(CorruptionError, match="takes 16 px views; the corruptions need at least 32 px"):
+        run_robustness(RobustnessJob(backbone=Backbone(random_depth=18), head=small, output=tmp_path / "out",
+                                     val=shape_shards[1], device="cpu"), log=lambda _: None)
+    assert not (tmp_path / "out" / "corrupted").exists()
