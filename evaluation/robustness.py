@@ -27,7 +27,7 @@ from typing import Any
 
 from torch import nn
 
-from relicv2.evaluation.corrupted import CorruptionSpec, corrupt_shard_set
+from relicv2.evaluation.corrupted import CorruptionSpec, corrupt_shard_set, corruption_pool
 from relicv2.evaluation.corruptions import (
     CORRUPTIONS,
     MIN_SIDE,
@@ -152,7 +152,7 @@ class Scores:
         crop = model.head.crop_size
         scored = score_head(model.head, model.encoder, shards, targets=classes, device=self.device,
                             crop_size=crop, resize_size=crop if stored_views else None,
-                            batch_size=self.batch_size, encoder_name=model.name)
+                            batch_size=self.batch_size, encoder_name=model.name, progress=True)
         result = {"top1": figure(scored.top1), "num_images": scored.num_images,
                   "skipped": len(scored.skipped_keys)}
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -236,19 +236,20 @@ def _generated(job: RobustnessJob, model: Model, control: Model | None, scores: 
     top1: dict[str, dict[int, float]] = {}
     control_errors: dict[str, float] = {}
     counts = set()
-    for corruption, severity in grid:
-        spec = CorruptionSpec(corruption, severity, job.config.seed, head.crop_size, head.resize_size,
-                              job.config.quality)
-        out = job.output / "corrupted" / f"{corruption}-{severity}"
-        corrupt_shard_set(val, out, spec, workers=job.config.workers)
-        shards = resolve_shard_set(out)
-        scored = scores.top1(model, f"{corruption}-{severity}", shards, stored_views=True)
-        top1.setdefault(corruption, {})[severity] = scored["top1"]
-        counts.add(scored["num_images"])
-        if control is not None:
-            base = scores.top1(control, f"control-{corruption}-{severity}", shards, stored_views=True)
-            control_errors[corruption] = control_errors.get(corruption, 0.0) + 1 - base["top1"]
-        sets.update(1)
+    with corruption_pool(job.config.workers) as pool:  # one pool for every set: spawned workers start in seconds
+        for corruption, severity in grid:
+            spec = CorruptionSpec(corruption, severity, job.config.seed, head.crop_size, head.resize_size,
+                                  job.config.quality)
+            out = job.output / "corrupted" / f"{corruption}-{severity}"
+            corrupt_shard_set(val, out, spec, workers=job.config.workers, pool=pool)
+            shards = resolve_shard_set(out)
+            scored = scores.top1(model, f"{corruption}-{severity}", shards, stored_views=True)
+            top1.setdefault(corruption, {})[severity] = scored["top1"]
+            counts.add(scored["num_images"])
+            if control is not None:
+                base = scores.top1(control, f"control-{corruption}-{severity}", shards, stored_views=True)
+                control_errors[corruption] = control_errors.get(corruption, 0.0) + 1 - base["top1"]
+            sets.update(1)
     table = corruption_table(top1, control_errors if control is not None else None)
     return {"source": str(job.val), "images": max(counts), "baseline": control and control.name, **table}
 
