@@ -183,6 +183,7 @@ def test_bad_input_is_one_line(shape_shards, head, tmp_path):
         (base, "give at least one set to score"),
         ([*base, "--ood", "imagenet-r"], "'imagenet-r' is not NAME=FOLDER"),
         ([*base, "--ood", f"imagenet-r={tmp_path / 'nowhere'}"], "is not a folder"),
+        ([*base, "--val", str(shape_shards[1]), "--ood", f"imagenet-a={tmp_path}"], "is not imagenet-a's layout"),
         ([*base, "--val", str(shape_shards[1]), "--control-random-init", "18"], "the control needs both"),
         ([*base[:2], "34", *base[3:], "--val", str(shape_shards[1])], "trained on another encoder"),
     ]
@@ -190,6 +191,7 @@ def test_bad_input_is_one_line(shape_shards, head, tmp_path):
         result = runner.invoke(eval_group, args)
         assert result.exit_code != 0 and message in result.output, (args, result.output)
         assert "Traceback" not in result.output
+    assert not (tmp_path / "out" / "corrupted").exists()  # every set is checked before any is corrupted
     (tmp_path / "foreign.pt").write_bytes(b"junk")
     result = runner.invoke(eval_group, [*base[:4], str(tmp_path / "foreign.pt"), *base[5:], "--val", str(shape_shards[1])])
     assert result.exit_code == 1 and "foreign.pt is not a readable linear head file" in result.output
