@@ -27,6 +27,8 @@ EXISTING = click.Path(exists=True, path_type=Path)
               help="Shard set whose images the saliency figure shows; a masked set adds the network's masks.")
 @click.option("--views", type=EXISTING, multiple=True,
               help="PNG written by `relicv2 pretrain preview-views` (repeatable: masked and unmasked).")
+@click.option("--robustness", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="robustness.json of `relicv2 eval robustness`: adds the robustness section.")
 @click.option("--count", type=click.IntRange(1, 32), default=4, show_default=True,
               help="Images in the saliency figure.")
 @click.option("--title", default="ReLICv2 run report", show_default=True)
