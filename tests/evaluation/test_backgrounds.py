@@ -107,13 +107,24 @@ def test_the_tiled_box_holds_only_the_image_own_background():
     assert np.array_equal(tiled[:15], image[:15]) and np.array_equal(tiled[30:], image[30:])
 
 
-@pytest.mark.parametrize(("mask_area", "words"), [((slice(0, 3), slice(0, 3)), "under the masking"),
-                                                  ((slice(1, 40), slice(1, 40)), "leaves under")])
-def test_images_whose_mask_is_too_small_or_too_large_are_left_out_with_why(mask_area, words):
+@pytest.mark.parametrize(("mask_area", "code", "words"), [
+    ((slice(0, 3), slice(0, 3)), "small_mask", "under the masking"),
+    ((slice(1, 40), slice(1, 40)), "large_box", "over 90%"),
+    ((slice(20, 21), slice(0, 40)), "large_box", "over 90%"),  # a thin cross over the view: 7% of it, its box all
+])
+def test_images_whose_mask_is_too_small_or_too_large_are_left_out_with_why(mask_area, code, words):
     mask = np.zeros((40, 40), np.uint8)
     mask[mask_area] = 255
+    if mask_area[1] == slice(0, 40):
+        mask[:, 20:22] = 255
     left_out = cutout(mask)
-    assert isinstance(left_out, str) and words in left_out
+    assert left_out[0] == code and words in left_out[1]
+
+
+def test_the_rules_look_at_the_centre_crop_the_encoder_sees():
+    mask = np.zeros((40, 40), np.uint8)
+    mask[:, :6] = 255  # 15% of the square, none of it in the centre 28 x 28
+    assert isinstance(cutout(mask), Cutout) and cutout(mask, crop=28)[0] == "small_mask"
 
 
 def test_an_unknown_variant_and_a_mixed_one_without_partner_are_refused():
