@@ -14,6 +14,7 @@ from typing import Any
 
 from relicv2.evaluation.export import load_backbone
 from relicv2.evaluation.finetune import FinetuneConfig, finetune
+from relicv2.evaluation.head_file import TRAINED_HEAD_FILE
 from relicv2.evaluation.linear import LinearConfig, evaluate_linear
 from relicv2.jobs.atomic import atomic_write_bytes
 from relicv2.jobs.config import (
@@ -202,6 +203,8 @@ def _run_trained_head(job: EvalJob, log: Callable[[str], None]) -> EvalOutcome |
         return None
     extra = {"network": record["network"], "step": record["step"], "world_size": ctx.world_size,
              **({"labels": str(job.labels)} if job.labels is not None else {}), "config": to_dict(config)}
+    if isinstance(config, LinearConfig) and job.output is not None:
+        extra["head_file"] = str(job.output / TRAINED_HEAD_FILE)
     payload = result.as_json(checkpoint=record["checkpoint"], random_init=job.backbone.random_depth, extra=extra)
     _write_json(job.json_path, payload, "--json")
     if job.output is not None:

@@ -6,12 +6,16 @@
   (`evaluation.features`), standardised with the train set's mean/std first (a BN without affine
   parameters folded into the head), so one learning rate suits any encoder. Seconds on a CPU.
 
+Both save the trained head as a head file (`evaluation.head_file`) in the output folder, for scoring other
+sets with no training (`relicv2 eval robustness`).
+
 Under torchrun every rank extracts or augments 1/W of the images; the fast head is trained identically
 on every rank, the paper head with gradients averaged over ranks; correct predictions are summed exactly.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,10 +26,11 @@ from torch import Tensor, nn
 
 from relicv2.evaluation import supervised
 from relicv2.evaluation.features import FeatureSet, FeatureSpec, cached_features
+from relicv2.evaluation.head_file import TRAINED_HEAD_FILE, save_head
 from relicv2.evaluation.supervised import Batches, LinearResult, accuracy_report, train_classifier
 from relicv2.evaluation.views import LabelledViews, class_count, epoch_batches, labelled_samples
 from relicv2.pretrain.distributed import DistributedContext, open_shard_sets
-from relicv2.pretrain.knn.classes import check_same_classes
+from relicv2.pretrain.knn.classes import check_same_classes, class_names
 from relicv2.pretrain.schedules import learning_rate, peak_learning_rate
 from relicv2.pretrain.views.config import FULL_CROP_SCALE, IMAGE_SIZE, resize_of
 from relicv2.shards.shardset import Spec
@@ -92,9 +97,11 @@ def train_linear_on_features(
     *,
     num_classes: int,
     device: str | torch.device = "cpu",
+    keep: Callable[..., object] | None = None,
 ) -> LinearResult:
     """The `fast` protocol's head, trained on `device` (each batch goes there as it is drawn); deterministic
-    for a given seed, so every rank of a distributed run trains the same head."""
+    for a given seed, so every rank of a distributed run trains the same head. `keep(head, mean=, std=)`
+    receives it trained (to save it as a head file)."""
     if len(train) == 0 or len(val) == 0:
         raise ValueError("linear evaluation needs labelled train and val features")
     generator = torch.Generator().manual_seed(config.seed)
@@ -118,6 +125,8 @@ def train_linear_on_features(
     train_classifier(head, head, config.optimizer(head), train_batches=train_batches, epochs=config.epochs,
                      learning_rates=config.learning_rates(steps_per_epoch * config.epochs),
                      steps_per_epoch=steps_per_epoch, skipped=set())
+    if keep is not None:
+        keep(head, mean=mean, std=std)
     with torch.no_grad():
         logits = torch.cat([head(standardised(rows)).cpu() for rows in val.features.split(65_536)])
     top1, top5, per_class = accuracy_report(logits, val.labels, num_classes)
@@ -129,6 +138,7 @@ def train_linear_on_features(
 def train_linear_paper(
     encoder: nn.Module, train_shards: Spec, val_shards: Spec, config: LinearConfig, *,
     device: torch.device, output_dir: Path | None, ctx: DistributedContext | None = None,
+    keep: Callable[..., object] | None = None,
 ) -> LinearResult:
     """The `paper` protocol: train the head on augmented views of `train_shards`, score it on `val_shards`
     (exact over ranks); each a spec or the job's resolved `ShardSet`, opened once here for the views' decoding."""
@@ -175,6 +185,8 @@ def train_linear_paper(
         learning_rates=config.learning_rates(steps_per_epoch * config.epochs),
         epochs=config.epochs, steps_per_epoch=steps_per_epoch, skipped=train_skipped, state=state, ctx=ctx,
         desc="linear")
+    if keep is not None:
+        keep(head, mean=None, std=None)  # the paper's head takes the frozen encoder's features as they are
     return supervised.score(head, forward, batches(val_set, 0), protocol=config.name, num_classes=num_classes,
                             num_train=len(train_set), epochs=config.epochs, train_skipped=train_skipped,
                             val_skipped=val_skipped, ctx=ctx)
@@ -194,6 +206,7 @@ def evaluate_linear(
     """Linear top-1/top-5 of a frozen `encoder` on `val_shards` after training a head on `train_shards`.
 
     `output_dir` holds the feature cache (fast) or the head's checkpoints (paper); None keeps nothing.
+    With `output_dir`, rank 0 also saves the trained head as a head file (`head_file.TRAINED_HEAD_FILE`).
     Sets whose class names differ are refused first (ClassMismatchError). The fast protocol reads the
     tars itself (a set that loses samples raises LostSamplesError unless `allow_lost`); the paper
     protocol resolves each set through its index, which refuses a damaged set (ShardSetError).
@@ -202,6 +215,11 @@ def evaluate_linear(
                                                allow_lost=config.protocol == "fast")
     check_same_classes(train_shards, val_shards)
     encoder = encoder.to(device).eval().requires_grad_(False)
+    keep = None
+    if output_dir is not None and (ctx is None or ctx.rank == 0):
+        keep = functools.partial(save_head, Path(output_dir) / TRAINED_HEAD_FILE, encoder=encoder,
+                                 classes=class_names(train_shards), crop_size=config.crop_size,
+                                 resize_size=config.resize_size, protocol=config.name)
     if config.protocol == "fast":
         spec = FeatureSpec(crop_size=config.crop_size, resize_size=config.resize_size,
                            batch_size=config.feature_batch)
@@ -209,6 +227,6 @@ def evaluate_linear(
         train, val = (cached_features(encoder, shards, spec, cache_dir=cache, device=device, ctx=ctx,
                                       allow_lost=allow_lost) for shards in (train_shards, val_shards))
         num_classes = int(max(train.labels.max(), val.labels.max())) + 1
-        return train_linear_on_features(train, val, config, num_classes=num_classes, device=device)
+        return train_linear_on_features(train, val, config, num_classes=num_classes, device=device, keep=keep)
     return train_linear_paper(encoder, train_shards, val_shards, config, device=torch.device(device),
-                              output_dir=Path(output_dir) if output_dir is not None else None, ctx=ctx)
+                              output_dir=Path(output_dir) if output_dir is not None else None, ctx=ctx, keep=keep)

@@ -185,6 +185,7 @@ def test_linear_cli_writes_the_json_contract(shape_shards, tmp_path):
     assert 0 <= record["top1"] <= 1 and record["top5"] is not None
     assert (record["num_train"], record["num_val"]) == (72, 36)
     assert json.loads((tmp_path / "run" / "result.json").read_text()) == record
+    assert record["head_file"] == str(tmp_path / "run" / "trained-head.pt") and (tmp_path / "run" / "trained-head.pt").is_file()
     bad = CliRunner().invoke(eval_group, ["linear", "--random-init", "18", "--train", str(train), "--val", str(val),
                                           "--set", "nonsense=1"])
     assert bad.exit_code != 0 and "unknown key nonsense; valid keys here are: " in bad.output
