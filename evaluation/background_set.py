@@ -200,6 +200,7 @@ class VariantWork:
     settings: VariantSettings
     plan: dict
     partners: dict[str, np.ndarray]
+    classes: list[str] | None = None
 
     def claim(self, job: ShardJob, ranks: Ranks) -> None:
         write_plan(job, self.plan)
@@ -257,14 +258,16 @@ class VariantWork:
 
     def merge(self, job: ShardJob, records: list[dict]) -> MergeReport:
         info = {"settings": asdict(self.settings), "images": len(self.screened.refs),
-                "excluded": self.screened.excluded, "masks": self.masks.source, "version": package_version()}
+                "excluded": self.screened.excluded, "masks": self.masks.source, "version": package_version(),
+                **({"classes": self.classes} if self.classes else {})}
         return merge_records(job.out, records, info, rejected=self.screened.left_out)
 
 
-def build_variant_set(val: Path | str, masks: Path | None, out: Path, settings: VariantSettings, *,
-                      progress: bool = True) -> tuple[JobReport, Screened]:
-    """Write (or resume) the variant set of `val` in `out`; BackgroundsError for unusable inputs, and the
-    engine's errors (OutputError, UnfinishedError, PlanError) as they come."""
+def build_variant_set(val: Path | str | ShardSet, masks: Path | None, out: Path, settings: VariantSettings, *,
+                      classes: list[str] | None = None, progress: bool = True) -> tuple[JobReport, Screened]:
+    """Write (or resume) the variant set of `val` in `out` (its info.json names `classes`, the val set's);
+    BackgroundsError for unusable inputs, and the engine's errors (OutputError, UnfinishedError, PlanError)
+    as they come."""
     unknown = [name for name in settings.variants if name not in VARIANTS]
     if unknown or not settings.variants:
         raise BackgroundsError(f"variants {unknown or '[]'}: choose among {', '.join(VARIANTS)}")
@@ -282,7 +285,7 @@ def build_variant_set(val: Path | str, masks: Path | None, out: Path, settings: 
     screened = screen(list(refs), labels, source, settings, what=str(val), progress=progress)
     used = -(-len(screened.refs) // settings.images_per_shard) * len(settings.variants)
     job = ShardJob(out, out / STATE_DIR, tuple(units[:used]))
-    work = VariantWork(out, screened, source, settings, plan, pairings(screened.labels, settings.seed))
+    work = VariantWork(out, screened, source, settings, plan, pairings(screened.labels, settings.seed), classes)
     if progress:
         print(f"eval backgrounds: {len(screened.refs)} of {len(refs)} images used, left out {screened.excluded}",
               file=sys.stderr)
