@@ -16,8 +16,19 @@ import numpy as np
 import torch
 from torch import nn
 
-from relicv2.evaluation.background_set import VariantSettings, build_variant_set, variant_tars
-from relicv2.evaluation.backgrounds import MIXED, VARIANTS, bg_gap, follows_background
+from relicv2.evaluation.background_set import (
+    VariantSettings,
+    mask_source,
+    plan_variant_set,
+    variant_tars,
+)
+from relicv2.evaluation.backgrounds import (
+    MIXED,
+    VARIANTS,
+    bg_gap,
+    check_variants,
+    follows_background,
+)
 from relicv2.evaluation.features import shard_set_fingerprint
 from relicv2.evaluation.head_file import load_head, score_head
 from relicv2.evaluation.job import Backbone, load_encoder
@@ -25,11 +36,13 @@ from relicv2.jobs.atomic import atomic_write_bytes
 from relicv2.jobs.config import SETTINGS_FILE, Presets, resolve, settings_text, to_dict
 from relicv2.jobs.device import resolve_device
 from relicv2.jobs.lock import folder_lock
+from relicv2.jobs.ranks import Ranks
 from relicv2.jobs.version import package_version
 from relicv2.pretrain.knn.classes import class_names
+from relicv2.shards.driver import run_shard_job
 from relicv2.shards.job import digest_of, sha256_of
 from relicv2.shards.manifest import read_manifest
-from relicv2.shards.outdir import check_output_file, check_output_folder, writing
+from relicv2.shards.outdir import check_output_file, check_output_folder, output_folder, writing
 from relicv2.shards.shardset import resolve_shard_set
 
 PRESETS = Presets(job="relicv2 eval backgrounds", package="relicv2.evaluation", folder="presets/backgrounds")
@@ -50,7 +63,8 @@ class BackgroundsConfig:
 
     def __post_init__(self) -> None:
         if self.images_per_shard < 1 or self.batch_size < 1 or not 1 <= self.quality <= 100:
-            raise ValueError("backgrounds.images_per_shard and batch_size must be positive, quality within 1..100")
+            raise ValueError("images_per_shard and batch_size must be positive, quality within 1..100")
+        check_variants(self.variants)
 
 
 def load_backgrounds_config(config: str | Path = "default", overrides: Sequence[str] = ()) -> BackgroundsConfig:
@@ -83,27 +97,40 @@ def _variant_score(encoder: nn.Module, head: Any, out: Path, name: str, config: 
 
 def evaluate_backgrounds(encoder: nn.Module, head_path: Path, val: Path, masks: Path | None, out: Path,
                          config: BackgroundsConfig, *, device: str | torch.device = "cpu", encoder_name: str = "",
-                         progress: bool = True, log: Callable[[str], None] = print) -> dict:
-    """The test's result (as written to OUT/backgrounds.json). Raises BackgroundsError and the head file's
-    HeadMismatchError (ValueErrors) for inputs it cannot use, before any work."""
+                         about: dict | None = None, progress: bool = True, log: Callable[[str], None] = print) -> dict:
+    """The test's result, written to OUT/backgrounds.json after `about` (what the encoder is). Raises
+    BackgroundsError and the head file's HeadMismatchError (ValueErrors) for inputs it cannot use, before any
+    work."""
     head = load_head(head_path)
     head.check_encoder(encoder, encoder_name or "the given encoder")
     val_set = resolve_shard_set(val)
     head.check_classes(names := class_names(val_set), val)
     settings = VariantSettings(config.seed, head.resize_size, head.crop_size, config.variants,
                                config.images_per_shard, config.quality)
+    job, work = plan_variant_set(val_set, mask_source(val_set, masks), out / VARIANT_DIR, settings, classes=names,
+                                 progress=progress)
+    screened = work.screened
     device = torch.device(device)
     encoder = encoder.to(device).eval().requires_grad_(False)
-    with folder_lock(out, "relicv2 eval backgrounds"):
+    with output_folder(out), folder_lock(out, "relicv2 eval backgrounds"):
         text = settings_text(config, extra={"inputs": {"head": str(head_path), "val": str(val), "masks": masks,
                                                        "view": {"side": settings.side, "crop": settings.crop}}},
                              version=package_version())
         log(text.rstrip())
+        log(f"{len(screened.refs)} of {len(screened.refs) + len(screened.left_out)} images used, left out "
+            f"{screened.excluded or 'none'}")
         atomic_write_bytes(out / SETTINGS_FILE, text.encode())
-        report, screened = build_variant_set(val_set, masks, out / VARIANT_DIR, settings, classes=names,
-                                             progress=progress)
+        report = run_shard_job(job, work, Ranks(), name="eval backgrounds", progress=progress)
         scores = {name: _variant_score(encoder, head, out, name, config, device, encoder_name)
                   for name in config.variants}
+        result = {**(about or {}), **_result(scores, out, config, head, val, masks, work, report)}
+        _write_json(out / RESULT_FILE, result, "--output")
+    return result
+
+
+def _result(scores: dict, out: Path, config: BackgroundsConfig, head: Any, val: Path, masks: Path | None,
+            work: Any, report: Any) -> dict:
+    screened, settings = work.screened, work.settings
     background = _background_labels(out / VARIANT_DIR)
     accuracy = {name: scores[name]["top1"] for name in config.variants}
     follows = {}
@@ -113,7 +140,7 @@ def evaluate_backgrounds(encoder: nn.Module, head_path: Path, val: Path, masks: 
             follows[name] = follows_background(np.array(scores[name]["predictions"]),
                                                np.array(scores[name]["labels"]),
                                                np.array([background[name][k] for k in keys]))
-    return {"protocol": "backgrounds", "head": str(head_path), "head_protocol": head.protocol, "val": str(val),
+    return {"protocol": "backgrounds", "head": str(head.path), "head_protocol": head.protocol, "val": str(val),
             "masks": None if masks is None else str(masks), "settings": {**to_dict(config), "side": settings.side,
                                                                          "crop": settings.crop},
             "num_val": len(screened.refs) + len(screened.left_out), "images": len(screened.refs),
@@ -135,7 +162,7 @@ def _background_labels(variants: Path) -> dict[str, dict[str, int]]:
 
 def table_lines(result: dict) -> list[str]:
     """The result as the command prints it."""
-    lines = [f"backgrounds test of {result.get('checkpoint') or result['head']} on {result['val']}: "
+    lines = [f"backgrounds test of {result.get('encoder', 'the encoder')} on {result['val']}: "
              f"{result['images']} of {result['num_val']} images used, left out {result['excluded'] or 'none'}"]
     width = max(len(name) for name in result["accuracy"])
     lines += [f"  {name.ljust(width)}  top-1 {top1:.4f}  ({result['num_images'][name]} images)"
@@ -156,15 +183,17 @@ def run_backgrounds(backbone: Backbone, head: Path, val: Path, masks: Path | Non
     if json_path is not None:
         check_output_file(json_path, "--json")
     encoder, record = load_encoder(backbone)
+    about = {"encoder": backbone.describe(), "checkpoint": record["checkpoint"], "random_init": backbone.random_depth,
+             "network": record["network"]}
     result = evaluate_backgrounds(encoder, head, val, masks, output, config, device=resolve_device(device, "--device"),
-                                  encoder_name=backbone.describe(), log=log)
-    result = {"checkpoint": record["checkpoint"], "random_init": backbone.random_depth, "network": record["network"],
-              **result}
-    text = (json.dumps(result, indent=2) + "\n").encode()
-    for path, option in ((output / RESULT_FILE, "--output"), (json_path, "--json")):
-        if path is not None:
-            with writing(path, option):
-                path.parent.mkdir(parents=True, exist_ok=True)
-                atomic_write_bytes(path, text)
+                                  encoder_name=backbone.describe(), about=about, log=log)
+    if json_path is not None:
+        _write_json(json_path, result, "--json")
     return table_lines(result)
+
+
+def _write_json(path: Path, result: dict, option: str) -> None:
+    with writing(path, option):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, (json.dumps(result, indent=2) + "\n").encode())
 

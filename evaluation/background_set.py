@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import io
 import itertools
-import sys
+import json
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -24,7 +24,15 @@ import torchvision.transforms.v2.functional as TF
 from PIL import Image
 from torchvision.transforms import InterpolationMode
 
-from relicv2.evaluation.backgrounds import MIXED, VARIANTS, Cutout, cutout, pairings, variant
+from relicv2.evaluation.backgrounds import (
+    MIXED,
+    VARIANTS,
+    Cutout,
+    check_variants,
+    cutout,
+    pairings,
+    variant,
+)
 from relicv2.evaluation.features import shard_set_fingerprint
 from relicv2.evaluation.views import labelled_samples
 from relicv2.jobs.progress import Phase
@@ -34,6 +42,7 @@ from relicv2.shards.driver import JobReport, UnitOutput, run_shard_job
 from relicv2.shards.images import ImageLoadError, load_gray, load_image, load_scaled, read_bytes
 from relicv2.shards.job import (
     MergeReport,
+    PlanError,
     ShardJob,
     Unit,
     check_plan,
@@ -65,6 +74,9 @@ class VariantSettings:
     variants: tuple[str, ...] = VARIANTS
     images_per_shard: int = 1000
     quality: int = 95  # JPEG, as `shards build` converts
+
+    def __post_init__(self) -> None:
+        check_variants(self.variants)
 
 
 @dataclass(frozen=True)
@@ -263,33 +275,35 @@ class VariantWork:
         return merge_records(job.out, records, info, rejected=self.screened.left_out)
 
 
-def build_variant_set(val: Path | str | ShardSet, masks: Path | None, out: Path, settings: VariantSettings, *,
-                      classes: list[str] | None = None, progress: bool = True) -> tuple[JobReport, Screened]:
-    """Write (or resume) the variant set of `val` in `out` (its info.json names `classes`, the val set's);
-    BackgroundsError for unusable inputs, and the engine's errors (OutputError, UnfinishedError, PlanError)
-    as they come."""
-    unknown = [name for name in settings.variants if name not in VARIANTS]
-    if unknown or not settings.variants:
-        raise BackgroundsError(f"variants {unknown or '[]'}: choose among {', '.join(VARIANTS)}")
-    val_set = resolve_shard_set(val)
-    source = mask_source(val_set, masks)
-    refs, _ = labelled_samples(val_set)
+def plan_variant_set(val: ShardSet, masks: Masks, out: Path, settings: VariantSettings, *,
+                     classes: list[str] | None = None, progress: bool = True) -> tuple[ShardJob, VariantWork]:
+    """The engine's job and work of the variant set of `val` in `out` (its info.json names `classes`, the val
+    set's): the images screened, nothing written. BackgroundsError or PlanError for what it cannot use."""
+    refs, _ = labelled_samples(val)
     labels = require_class_labels(refs, val)
-    plan = {"settings": asdict(settings), "val": shard_set_fingerprint(val_set), "masks": source.identity}
-    plan["digest"] = digest_of(plan)
-    chunks = -(-len(refs) // settings.images_per_shard)  # at most; the screening may need fewer
+    plan = {"settings": asdict(settings), "val": shard_set_fingerprint(val), "masks": masks.identity}
+    plan = json.loads(json.dumps({**plan, "digest": digest_of(plan)}))  # as plan.json holds it: lists, not tuples
+    try:
+        check_plan(ShardJob(out, out / STATE_DIR, ()), plan, other="")
+    except PlanError:
+        raise BackgroundsError(f"{out} holds the variant set of other images, masks or settings; choose another "
+                               f"--output or delete {out}") from None
+    screened = screen(list(refs), labels, masks, settings, what=str(val), progress=progress)
+    chunks = -(-len(screened.refs) // settings.images_per_shard)
     units = [Unit(f"{name}-{c:06d}", shard_name(name, c), digest_of({"plan": plan["digest"], "unit": [name, c]}))
              for c in range(chunks) for name in settings.variants]
-    job = ShardJob(out, out / STATE_DIR, tuple(units))
-    check_plan(job, plan, other="a variant set of other images, masks or settings")
-    screened = screen(list(refs), labels, source, settings, what=str(val), progress=progress)
-    used = -(-len(screened.refs) // settings.images_per_shard) * len(settings.variants)
-    job = ShardJob(out, out / STATE_DIR, tuple(units[:used]))
-    work = VariantWork(out, screened, source, settings, plan, pairings(screened.labels, settings.seed), classes)
-    if progress:
-        print(f"eval backgrounds: {len(screened.refs)} of {len(refs)} images used, left out {screened.excluded}",
-              file=sys.stderr)
-    return run_shard_job(job, work, Ranks(), name="eval backgrounds", progress=progress), screened
+    partners = pairings(screened.labels, settings.seed)
+    return ShardJob(out, out / STATE_DIR, tuple(units)), VariantWork(out, screened, masks, settings, plan, partners,
+                                                                      classes)
+
+
+def build_variant_set(val: Path | str, masks: Path | None, out: Path, settings: VariantSettings, *,
+                      progress: bool = True) -> tuple[JobReport, Screened]:
+    """Write (or resume) the variant set of `val` in `out`; BackgroundsError and the engine's errors
+    (OutputError, UnfinishedError, PlanError) as they come."""
+    val_set = resolve_shard_set(val)
+    job, work = plan_variant_set(val_set, mask_source(val_set, masks), out, settings, progress=progress)
+    return run_shard_job(job, work, Ranks(), name="eval backgrounds", progress=progress), work.screened
 
 
 def variant_tars(out: Path, name: str) -> list[Path]:

@@ -127,6 +127,12 @@ def pairings(labels: Sequence[int], seed: int) -> dict[str, np.ndarray]:
     return {"same": same, "rand": rand, "next": nxt}
 
 
+def check_variants(names: Sequence[str]) -> None:
+    """ValueError unless `names` are some of VARIANTS."""
+    if not names or (unknown := [name for name in names if name not in VARIANTS]):
+        raise ValueError(f"variants {list(names) and unknown}: choose among {', '.join(VARIANTS)}")
+
+
 def bg_gap(accuracy: dict[str, float]) -> float:
     """Mixed-same's accuracy less mixed-rand's."""
     return accuracy["mixed_same"] - accuracy["mixed_rand"]
