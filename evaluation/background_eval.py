@@ -24,6 +24,7 @@ from relicv2.evaluation.background_set import (
 )
 from relicv2.evaluation.backgrounds import (
     MIXED,
+    RESULT_FILE,
     VARIANTS,
     bg_gap,
     check_variants,
@@ -46,7 +47,6 @@ from relicv2.shards.outdir import check_output_file, check_output_folder, output
 from relicv2.shards.shardset import resolve_shard_set
 
 PRESETS = Presets(job="relicv2 eval backgrounds", package="relicv2.evaluation", folder="presets/backgrounds")
-RESULT_FILE = "backgrounds.json"
 VARIANT_DIR = "variants"
 SCORES_DIR = "scores"
 

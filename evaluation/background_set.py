@@ -10,7 +10,6 @@ mask, its mask is not its image's shape or cannot be read, or `backgrounds.cutou
 
 from __future__ import annotations
 
-import hashlib
 import io
 import itertools
 import json
@@ -32,6 +31,7 @@ from relicv2.evaluation.backgrounds import (
     cutout,
     pairings,
     variant,
+    variant_key,
 )
 from relicv2.evaluation.features import shard_set_fingerprint
 from relicv2.evaluation.views import labelled_samples
@@ -51,7 +51,7 @@ from relicv2.shards.job import (
     write_plan,
 )
 from relicv2.shards.reader import SampleRef
-from relicv2.shards.sample import KEY_PATTERN, MASK_MEMBER, ShardSample
+from relicv2.shards.sample import MASK_MEMBER, ShardSample
 from relicv2.shards.sample_set import load_sample_set, require_class_labels
 from relicv2.shards.shardset import ShardSet, list_shard_files, resolve_shard_set
 from relicv2.shards.writer import TarShard, sample_record, shard_name
@@ -187,12 +187,6 @@ def screen(refs: list[SampleRef], labels: list[int], masks: Masks, settings: Var
         raise BackgroundsError(f"no image of {what} can be used "
                                f"({counts}; e.g. {first}); check that the masks belong to these images")
     return Screened([refs[i] for i in kept], np.asarray(labels)[kept], left_out)
-
-
-def variant_key(name: str, key: str) -> str:
-    """The composite's key: the variant and its image's key (shortened with a hash past the key length)."""
-    full = f"{name}-{key}"
-    return full if KEY_PATTERN.fullmatch(full) else f"{name}-{key[:48]}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
 def jpeg(image: np.ndarray, quality: int) -> bytes:

@@ -20,15 +20,17 @@ whose mask covers less than the masking's minimum (`MIN_MASK_COVERAGE`), or whos
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from relicv2.shards.sample import MASK_FOREGROUND_LEVEL, MIN_MASK_COVERAGE
+from relicv2.shards.sample import KEY_PATTERN, MASK_FOREGROUND_LEVEL, MIN_MASK_COVERAGE
 
 VARIANTS = ("original", "only_fg", "no_fg", "only_bg_b", "only_bg_t", "mixed_same", "mixed_rand", "mixed_next")
 MIXED = {"mixed_same": "same", "mixed_rand": "rand", "mixed_next": "next"}
+RESULT_FILE = "backgrounds.json"  # in the output folder of `relicv2 eval backgrounds`: the report reads it
 # The authors' rule: a box over 90% of the view leaves only-BG (nearly) all black and too little background to
 # tile from, so the image is left out (their ImageNet-9 sets drop such images the same way).
 MAX_BOX_AREA = 0.9
@@ -142,3 +144,9 @@ def follows_background(predictions: np.ndarray, labels: np.ndarray, partner_labe
     """Among the composites whose background is of another class, the share predicted as that class."""
     other = partner_labels != labels
     return float((predictions[other] == partner_labels[other]).mean()) if other.any() else float("nan")
+
+
+def variant_key(name: str, key: str) -> str:
+    """The composite's key: the variant and its image's key (shortened with a hash past the key length)."""
+    full = f"{name}-{key}"
+    return full if KEY_PATTERN.fullmatch(full) else f"{name}-{key[:48]}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
