@@ -56,7 +56,7 @@ class BackgroundsConfig:
     """Options of the backgrounds test (preset `default` in `evaluation/presets/backgrounds/`)."""
 
     seed: int = 0  # of the pairings
-    variants: tuple[str, ...] = VARIANTS
+    variants: tuple[str, ...] = VARIANTS  # any of them; mixed_same and mixed_rand give the BG-gap
     images_per_shard: int = 1000  # of the variant set: its unit of resumption
     quality: int = 95  # JPEG quality of the composites
     batch_size: int = 256  # images per forward pass of the frozen encoder
