@@ -22,7 +22,7 @@ ALLOW_LOST_OPTION = click.option(
 
 @click.group()
 def eval_group() -> None:
-    """Evaluate pretrained encoders (kNN, linear probe, semi-supervised fine-tuning)."""
+    """Evaluate pretrained encoders (kNN, linear probe, semi-supervised fine-tuning, robustness)."""
 
 
 def _encoder_options(train_help: str, val_help: str, json_help: str, *more: Any):
@@ -199,4 +199,81 @@ def backgrounds(checkpoint: Path | None, random_depth: int | None, network: str,
     with user_errors(FolderLockedError, FileNotFoundError, ValueError):  # a torch file's error is a ValueError
         lines = run_backgrounds(backbone, config=config, log=lambda text: click.echo(text, err=True), **options)
     for line in lines:
+        click.echo(line)
+
+
+def _ood_option(values: tuple[str, ...]) -> tuple[tuple[str, Path], ...]:
+    pairs = []
+    for value in values:
+        name, sep, folder = value.partition("=")
+        if not sep or not name or not folder:
+            raise click.BadParameter(f"{value!r} is not NAME=FOLDER", param_hint="--ood")
+        pairs.append((name, Path(folder)))
+    return tuple(pairs)
+
+
+@eval_group.command("robustness")
+@click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
+              help="Pretraining checkpoint, run folder (newest checkpoint) or exported encoder file.")
+@click.option("--random-init", "random_depth", type=click.IntRange(min=18), default=None, metavar="DEPTH",
+              help="Instead of a checkpoint, a randomly initialised ResNet-DEPTH (with --seed).")
+@click.option("--network", type=click.Choice(["online", "target"]), default="online", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of --random-init.")
+@click.option("--head", "head", type=click.Path(path_type=Path), required=True,
+              help="The encoder's head file: trained-head.pt in the --output of `relicv2 eval linear`.")
+@click.option("--val", type=click.Path(path_type=Path), default=None,
+              help="Labelled val set (shard set, or class folders built into shards in --output) to corrupt.")
+@click.option("--imagenet-c", "imagenet_c", type=click.Path(path_type=Path), default=None,
+              help="The released ImageNet-C folder (corruption/severity/class/image); CE against AlexNet's errors.")
+@click.option("--ood", "ood", multiple=True, metavar="NAME=FOLDER",
+              help="An out-of-distribution set: imagenetv2-matched-frequency, imagenetv2-threshold0.7, "
+                   "imagenetv2-top-images, imagenet-sketch, imagenet-r, imagenet-a or objectnet (repeatable).")
+@click.option("--control-checkpoint", type=click.Path(path_type=Path), default=None,
+              help="The control encoder: the corrupted copies' CE is relative to its errors.")
+@click.option("--control-random-init", "control_depth", type=click.IntRange(min=18), default=None, metavar="DEPTH",
+              help="A random-init ResNet-DEPTH as the control (with --seed).")
+@click.option("--control-head", type=click.Path(path_type=Path), default=None, help="The control's head file.")
+@click.option("--output", type=click.Path(path_type=Path), required=True,
+              help="Folder for the corrupted sets, built shards, cached results (resumed on rerun), config.yaml "
+                   "and robustness.json.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
+              help="Also write the result as JSON to this file.")
+@click.option("--config", "config_name", metavar="NAME|FILE.yaml", default=None,
+              help="full (default): 15 corruptions x severities 1-5; quick: severities 1, 3, 5; or a YAML file "
+                   "of RobustnessConfig keys.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override one setting, e.g. --set severities=1,3,5 --set corruptions=fog,snow (repeatable).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+def robustness(checkpoint: Path | None, random_depth: int | None, network: str, seed: int, ood: tuple[str, ...],
+               control_checkpoint: Path | None, control_depth: int | None, config_name: str | None,
+               overrides: tuple[str, ...], **options: Any) -> None:
+    """Zero-shot robustness of a frozen encoder and its linear head: ImageNet-C corruptions, OOD sets.
+
+    \b
+    relicv2 eval linear --checkpoint runs/r50 --train T --val V --config fast --output out/linear
+    relicv2 eval robustness --checkpoint runs/r50 --head out/linear/trained-head.pt --val V --output out/robust
+    """
+    from relicv2.evaluation.job import Backbone
+    from relicv2.evaluation.robustness import (
+        RobustnessJob,
+        load_robustness_config,
+        run_robustness,
+        summary_lines,
+    )
+    from relicv2.jobs.lock import FolderLockedError
+
+    with user_errors(ConfigError, option="--config/--set"):
+        config = load_robustness_config(config_name or "full", overrides)
+    try:
+        backbone = Backbone(checkpoint=checkpoint, random_depth=random_depth, network=network, seed=seed)
+        control = (Backbone(checkpoint=control_checkpoint, random_depth=control_depth, network=network, seed=seed)
+                   if control_checkpoint is not None or control_depth is not None else None)
+    except ConfigError as error:
+        raise click.UsageError(str(error)) from None
+    try:
+        result = run_robustness(RobustnessJob(backbone=backbone, config=config, ood=_ood_option(ood), control=control,
+                                              **options), log=click.echo)
+    except (FolderLockedError, FileNotFoundError, ValueError) as error:  # torch-file, shard, class errors too
+        raise click.ClickException(str(error)) from None
+    for line in summary_lines(result):
         click.echo(line)

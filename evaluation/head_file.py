@@ -138,6 +138,8 @@ def score_head(
     head.check_encoder(encoder, encoder_name)
     if targets is None:
         head.check_classes(class_names(source), source)
+    elif not any(targets):
+        raise HeadMismatchError(f"none of the classes of {source} maps to one of the head's")
     spec = FeatureSpec(crop_size=crop_size or head.crop_size,
                        resize_size=head.resize_size if resize_size is None else resize_size, batch_size=batch_size)
     features = cached_features(encoder, source, spec, cache_dir=None, device=device, ctx=ctx, allow_lost=allow_lost)
@@ -148,7 +150,11 @@ def score_head(
     if targets is None:
         predictions = logits.argmax(dim=1)
         correct = predictions == labels
-    else:
+    else:  # the images of a class with no target (ObjectNet's classes outside ImageNet) are left out
+        kept = torch.tensor([bool(targets[label]) for label in labels.tolist()], dtype=torch.bool)
+        logits, labels = logits[kept], labels[kept]
+        if not len(labels):
+            raise HeadMismatchError(f"{source} has no image of a class the head scores")
         allowed = torch.tensor(sorted({t for row in targets for t in row}))
         predictions = allowed[logits[:, allowed].argmax(dim=1)]
         hit = torch.zeros(len(targets), head.num_classes, dtype=torch.bool)

@@ -251,7 +251,7 @@ def _tuple(value: Any, element_types: tuple[Any, ...], *, key: str, source: str)
     if isinstance(value, str) and "," in value:  # --set methods=rbd,mc or crop_scale=0.2,1
         value = [yaml.safe_load(part) for part in value.split(",") if part.strip()]
     if len(element_types) == 2 and element_types[1] is Ellipsis:  # variadic
-        value = [value] if isinstance(value, str) else value  # --set methods=rbd
+        value = [value] if isinstance(value, str | int | float) else value  # --set methods=rbd, severities=3
         if not isinstance(value, list | tuple):
             raise ConfigError(f"{source}: {key} must be a list, got {value!r}")
         element_types = (element_types[0],) * len(value)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from relicv2.evaluation.report import plots
+from relicv2.evaluation.report import robustness as robustness_report
 from relicv2.evaluation.report.inputs import (
     EvalResult,
     RunMetrics,
@@ -59,6 +60,7 @@ class ReportInputs:
     shards: Path | None = None  # shard set whose images the samples show (masked: with masks)
     views: tuple[Path, ...] = ()  # `pretrain preview-views` PNGs
     backgrounds: Path | None = None  # `eval backgrounds` output folder, or its backgrounds.json
+    robustness: Path | None = None  # `eval robustness` OUTPUT/robustness.json (its section only when given)
     count: int = 4  # images in the saliency figure
     title: str = "ReLICv2 run report"
 
@@ -123,6 +125,8 @@ def build_report(inputs: ReportInputs, out: Path) -> ReportSummary:
     _training_sections(page, metrics_file, metrics)
     _evaluation_section(page, results)
     _backgrounds_section(page, inputs)
+    if inputs.robustness is not None:
+        robustness_report.robustness_section(page, Path(inputs.robustness), _table, _notes, _fmt)
     atomic_write_bytes(out, _render(page, inputs).encode("utf-8"))
     return page.summary
 
@@ -377,14 +381,16 @@ def _render(page: _Page, inputs: ReportInputs) -> str:
     now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     given = {"run": inputs.run_dir, "eval": ", ".join(map(str, inputs.eval_json)) or None,
              "saliency report": inputs.saliency_report, "maps": inputs.maps_dir, "shards": inputs.shards,
-             "views": ", ".join(map(str, inputs.views)) or None, "backgrounds": inputs.backgrounds}
+             "views": ", ".join(map(str, inputs.views)) or None, "backgrounds": inputs.backgrounds,
+             "robustness": inputs.robustness}
+    sections = [*SECTIONS, *((robustness_report.SECTION,) if "robustness" in page.blocks else ())]
     parts = [f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(inputs.title)}"
              f"</title><style>{STYLE}</style></head><body><h1>{html.escape(inputs.title)}</h1>",
              f"<p class=\"inputs\">built {now} by <code>relicv2 report</code> from: "
              + "; ".join(f"{k} <code>{html.escape(str(v))}</code>" for k, v in given.items() if v) + "</p>",
-             "<nav><ul>" + "".join(f'<li><a href="#{sid}">{html.escape(title)}</a></li>' for sid, title in SECTIONS)
+             "<nav><ul>" + "".join(f'<li><a href="#{sid}">{html.escape(title)}</a></li>' for sid, title in sections)
              + "</ul></nav>"]
-    for sid, title in SECTIONS:
+    for sid, title in sections:
         parts.append(f'<section id="{sid}"><h2>{html.escape(title)}</h2>{page.blocks[sid]}</section>')
     if page.summary.problems:
         parts.append('<section id="problems"><h2>Inputs left out</h2><ul class="problems">'

@@ -143,3 +143,21 @@ def plot_composites(rows: Sequence[tuple[str, dict[str, np.ndarray]]], path: Pat
                 ax.set_title(name.replace("_", "-"), fontsize=9)
         axes[row][0].set_ylabel(_short(key, 18), fontsize=8)
     return _save(fig, path)
+
+
+def plot_corruptions(corruptions: dict[str, dict[str, Any]], path: Path, title: str) -> Path:
+    """Top-1 per corruption (rows) and severity (columns, then the mean over severities), as a heat map
+    with each figure written in its cell (`corruptions`: a robustness.json table's "corruptions")."""
+    names = list(corruptions)
+    severities = list(next(iter(corruptions.values()))["top1"])
+    values = np.array([[corruptions[n]["top1"].get(s, np.nan) for s in severities] + [corruptions[n]["mean_top1"]]
+                       for n in names], dtype=float)
+    fig, ax = plt.subplots(figsize=(1.0 * len(severities) + 4, 0.38 * len(names) + 1.6))
+    ax.imshow(values, cmap="viridis", vmin=0, vmax=1, aspect="auto")
+    for (row, col), value in np.ndenumerate(values):
+        ax.text(col, row, f"{value:.2f}", ha="center", va="center", fontsize=8,
+                color="white" if value < 0.6 else "black")
+    ax.set_xticks(range(len(severities) + 1), [f"severity {s}" for s in severities] + ["mean"], fontsize=8)
+    ax.set_yticks(range(len(names)), [n.replace("_", " ") for n in names], fontsize=8)
+    ax.set_title(title, fontsize=10)
+    return _save(fig, path)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 import torchvision.transforms.v2.functional as TF
+from PIL import Image
 from torch import Tensor, nn
 from torchvision.transforms import InterpolationMode
 
@@ -24,14 +25,19 @@ from relicv2.shards.images import ImageLoadError, load_image
 from relicv2.shards.sample import label_refusal
 
 
-def preprocess(jpeg: bytes, *, crop_size: int, resize_size: int = 0, name: str = "image") -> Tensor:
-    """Image bytes -> normalised float [3, crop, crop] of the displayed image (EXIF orientation applied,
-    as in training): resize short side (bicubic) to `resize_of` the crop, centre crop. A bad image raises
+def test_view_image(jpeg: bytes, *, crop_size: int, resize_size: int = 0, name: str = "image") -> Image.Image:
+    """Image bytes -> the test view before normalisation: the displayed image (EXIF orientation applied, as
+    in training), short side resized (bicubic) to `resize_of` the crop, centre-cropped. A bad image raises
     ImageLoadError naming `name`."""
     image = load_image(jpeg, name)
     image = TF.resize(image, [resize_of(crop_size, resize_size)], interpolation=InterpolationMode.BICUBIC,
                       antialias=True)
-    image = TF.center_crop(image, [crop_size, crop_size])
+    return TF.center_crop(image, [crop_size, crop_size])
+
+
+def preprocess(jpeg: bytes, *, crop_size: int, resize_size: int = 0, name: str = "image") -> Tensor:
+    """Image bytes -> the normalised test view, float [3, crop, crop] (`test_view_image`)."""
+    image = test_view_image(jpeg, crop_size=crop_size, resize_size=resize_size, name=name)
     return TF.normalize(TF.to_dtype(TF.pil_to_tensor(image), torch.float32, scale=True), IMAGENET_MEAN, IMAGENET_STD)
 
 
