@@ -37,6 +37,7 @@ from relicv2.jobs.atomic import atomic_write_bytes
 from relicv2.jobs.config import SETTINGS_FILE, Presets, resolve, settings_text, to_dict
 from relicv2.jobs.device import resolve_device
 from relicv2.jobs.lock import folder_lock
+from relicv2.jobs.progress import Phase
 from relicv2.jobs.ranks import Ranks
 from relicv2.jobs.version import package_version
 from relicv2.pretrain.knn.classes import class_names
@@ -121,8 +122,11 @@ def evaluate_backgrounds(encoder: nn.Module, head_path: Path, val: Path, masks: 
             f"{screened.excluded or 'none'}")
         atomic_write_bytes(out / SETTINGS_FILE, text.encode())
         report = run_shard_job(job, work, Ranks(), name="eval backgrounds", progress=progress)
-        scores = {name: _variant_score(encoder, head, out, name, config, device, encoder_name)
-                  for name in config.variants}
+        scores = {}
+        with Phase("eval backgrounds: scoring", len(config.variants), unit="variant", enabled=progress) as bar:
+            for name in config.variants:
+                scores[name] = _variant_score(encoder, head, out, name, config, device, encoder_name)
+                bar.update(1)
         result = {**(about or {}), **_result(scores, out, config, head, val, masks, work, report)}
         _write_json(out / RESULT_FILE, result, "--output")
     return result

@@ -273,7 +273,7 @@ def plan_variant_set(val: ShardSet, masks: Masks, out: Path, settings: VariantSe
                      classes: list[str] | None = None, progress: bool = True) -> tuple[ShardJob, VariantWork]:
     """The engine's job and work of the variant set of `val` in `out` (its info.json names `classes`, the val
     set's): the images screened, nothing written. BackgroundsError or PlanError for what it cannot use."""
-    refs, _ = labelled_samples(val)
+    refs, broken = labelled_samples(val)
     labels = require_class_labels(refs, val)
     plan = {"settings": asdict(settings), "val": shard_set_fingerprint(val), "masks": masks.identity}
     plan = json.loads(json.dumps({**plan, "digest": digest_of(plan)}))  # as plan.json holds it: lists, not tuples
@@ -283,6 +283,8 @@ def plan_variant_set(val: ShardSet, masks: Masks, out: Path, settings: VariantSe
         raise BackgroundsError(f"{out} holds the variant set of other images, masks or settings; choose another "
                                f"--output or delete {out}") from None
     screened = screen(list(refs), labels, masks, settings, what=str(val), progress=progress)
+    screened.left_out.extend({"source": key, "reason": "broken_sample", "detail": "left out by the shard reader"}
+                             for key in sorted(broken))
     chunks = -(-len(screened.refs) // settings.images_per_shard)
     units = [Unit(f"{name}-{c:06d}", shard_name(name, c), digest_of({"plan": plan["digest"], "unit": [name, c]}))
              for c in range(chunks) for name in settings.variants]
