@@ -143,49 +143,42 @@ class Screened:
         return dict(sorted(Counter(row["reason"] for row in self.left_out).items()))
 
 
-def composite_input(ref: SampleRef, masks: Masks, settings: VariantSettings) -> tuple[np.ndarray, Cutout] | tuple[str, str]:
-    """(image square, cutout) of one val image, or (reason, why) it is left out."""
+def composite_input(ref: SampleRef, masks: Masks, settings: VariantSettings, *,
+                    full: bool = True) -> tuple[np.ndarray | None, Cutout] | tuple[str, str]:
+    """(image square, cutout) of one val image, or (reason, why) it is left out. Not `full` (the screening):
+    the image is decoded at a reduced scale, for its size only, and no square is made."""
     data = masks.read(ref)
     if data is None:
         return "no_mask", f"no mask for {ref.key} in {masks.source}"
+    name = f"{ref.key} in {ref.tar.name}"
     try:
-        image = load_image(ref.read_image(), f"{ref.key} in {ref.tar.name}")
-        mask = mask_square(data, f"the mask of {ref.key}", image.size, settings.side)
+        image = load_image(ref.read_image(), name) if full else None
+        size = image.size if image is not None else (lambda s: (s.width, s.height))(
+            load_scaled(ref.read_image(), name, min_side=8))
+        mask = mask_square(data, f"the mask of {ref.key}", size, settings.side)
     except ImageLoadError as error:
         return "unreadable", str(error)
-    if isinstance(mask, tuple):
-        return mask
-    cut = cutout(mask, settings.crop)
-    return cut if isinstance(cut, tuple) else (square(image, settings.side), cut)
+    cut = mask if isinstance(mask, tuple) else cutout(mask, settings.crop)
+    return cut if isinstance(cut, tuple) else (None if image is None else square(image, settings.side), cut)
 
 
 def screen(refs: list[SampleRef], labels: list[int], masks: Masks, settings: VariantSettings, *, what: str,
            progress: bool = True) -> Screened:
-    """Which images the test can use: each mask read, put on its image's square and checked (the image's
-    size read at a reduced decoding scale)."""
+    """Which images the test can use: each mask read, put on its image's square and checked."""
     kept, left_out = [], []
     with Phase("eval backgrounds: screening masks", len(refs), unit="img", enabled=progress) as bar:
         for position, ref in enumerate(refs):
             bar.update(1)
-            data = masks.read(ref)
-            reason: tuple[str, str] | None = ("no_mask", f"no mask in {masks.source}") if data is None else None
-            if data is not None:
-                try:
-                    image = load_scaled(ref.read_image(), f"{ref.key} in {ref.tar.name}", min_side=8)
-                    mask = mask_square(data, f"the mask of {ref.key}", (image.width, image.height), settings.side)
-                    result = mask if isinstance(mask, tuple) else cutout(mask, settings.crop)
-                    reason = result if isinstance(result, tuple) else None
-                except ImageLoadError as error:
-                    reason = ("unreadable", str(error))
-            if reason is None:
-                kept.append(position)
+            result = composite_input(ref, masks, settings, full=False)
+            if isinstance(result[0], str):
+                left_out.append({"source": ref.key, "reason": result[0], "detail": result[1]})
             else:
-                left_out.append({"source": ref.key, "reason": reason[0], "detail": reason[1]})
+                kept.append(position)
     if not kept:
         counts = dict(Counter(row["reason"] for row in left_out))
         first = left_out[0]["detail"] if left_out else "the set is empty"
-        raise BackgroundsError(f"no image of {what} can be used "
-                               f"({counts}; e.g. {first}); check that the masks belong to these images")
+        raise BackgroundsError(f"no image of {what} can be used ({counts}; e.g. {first}); check that the masks "
+                               "belong to these images")
     return Screened([refs[i] for i in kept], np.asarray(labels)[kept], left_out)
 
 
