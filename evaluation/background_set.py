@@ -147,11 +147,10 @@ def composite_input(ref: SampleRef, masks: Masks, settings: VariantSettings, *,
                     full: bool = True) -> tuple[np.ndarray | None, Cutout] | tuple[str, str]:
     """(image square, cutout) of one val image, or (reason, why) it is left out. Not `full` (the screening):
     the image is decoded at a reduced scale, for its size only, and no square is made."""
-    data = masks.read(ref)
-    if data is None:
-        return "no_mask", f"no mask for {ref.key} in {masks.source}"
     name = f"{ref.key} in {ref.tar.name}"
     try:
+        if (data := masks.read(ref)) is None:
+            return "no_mask", f"no mask for {ref.key} in {masks.source}"
         image = load_image(ref.read_image(), name) if full else None
         size = image.size if image is not None else (lambda s: (s.width, s.height))(
             load_scaled(ref.read_image(), name, min_side=8))
