@@ -67,9 +67,9 @@ def cutout(mask: np.ndarray, crop: int | None = None) -> Cutout | tuple[str, str
     if (area := (b_bottom - b_top) * (b_right - b_left) / seen.size) > MAX_BOX_AREA:
         return "large_box", f"the foreground's box covers {area:.0%} of the view, over {MAX_BOX_AREA:.0%}"
     top, left, bottom, right = _box(foreground)
-    # The larger margin beside the box, across the whole image (as the authors pick it): a box within
-    # MAX_BOX_AREA of the view always leaves one.
-    strips = [(0, 0, top, width), (bottom, 0, height, width), (0, 0, height, left), (0, right, height, width)]
+    # The largest margin beside the box, across the whole image, as the authors pick it (ties: bottom, top,
+    # right, left): a box within MAX_BOX_AREA of the view always leaves one.
+    strips = [(bottom, 0, height, width), (0, 0, top, width), (0, right, height, width), (0, 0, height, left)]
     strip = max(strips, key=lambda s: (s[2] - s[0]) * (s[3] - s[1]))
     return Cutout(foreground, (top, left, bottom, right), strip)
 
