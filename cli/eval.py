@@ -22,7 +22,7 @@ ALLOW_LOST_OPTION = click.option(
 
 @click.group()
 def eval_group() -> None:
-    """Evaluate pretrained encoders (kNN, linear probe, semi-supervised fine-tuning, robustness)."""
+    """Evaluate pretrained encoders (kNN, linear probe, semi-supervised fine-tuning, robustness, backgrounds)."""
 
 
 def _encoder_options(train_help: str, val_help: str, json_help: str, *more: Any):
