@@ -117,6 +117,15 @@ def test_images_without_a_usable_mask_are_left_out_counted_and_listed(trained, t
         [(k, "small_mask") for k in keys[:4]] + [(k, "large_box") for k in keys[4:7]] + [(keys[-1], "no_mask")])
 
 
+def test_masks_beside_the_images_give_the_same_test(trained, tmp_path):
+    _, val, head = trained["background"]
+    write_crafted_set(tmp_path / "plain", "background", seed=2, masks=False)  # the same images, keys, no masks
+    inside = evaluate_backgrounds(Pixels(), head, val, None, tmp_path / "a", BackgroundsConfig(), **QUIET)
+    beside = evaluate_backgrounds(Pixels(), head, tmp_path / "plain", val, tmp_path / "b", BackgroundsConfig(), **QUIET)
+    assert beside["accuracy"] == inside["accuracy"] and beside["images"] == 90
+    assert _tar_digests(tmp_path / "a" / "variants") == _tar_digests(tmp_path / "b" / "variants")
+
+
 @pytest.fixture(scope="module")
 def resnet_head(trained):
     """A head file for a random-init ResNet-18 (seed 0: what `--random-init 18` loads), on the background set."""
@@ -176,7 +185,12 @@ def test_bad_inputs_are_one_line(resnet_head, trained, tmp_path):
     write_shard_set([ShardSample(f"other{i}", {"png": encoded(np.zeros((8, 8, 3), np.uint8)),
                                                "mask.png": encoded(np.full((8, 8), 255, np.uint8))}) for i in range(3)],
                     strangers)
+    squashed = tmp_path / "squashed"  # masks of another shape than their images
+    squashed.mkdir()
+    for i in range(90):
+        (squashed / f"c{i // 30}n{i:03d}.png").write_bytes(encoded(np.full((8, 32), 255, np.uint8)))
     cases = {
+        "mask_shape": ["--val", str(root / "train"), "--masks", str(squashed)],
         "holds no masks (mask.png members); build them with `relicv2 saliency build-masks":
             ["--val", str(root / "train")],
         "no image of": ["--val", str(val), "--masks", str(strangers)],
