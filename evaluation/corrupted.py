@@ -17,6 +17,7 @@ from concurrent.futures import Executor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import cv2
 import numpy as np
 from PIL import Image
 
@@ -86,6 +87,19 @@ def corrupt_chunk(spec: CorruptionSpec, items: list[tuple[str, bytes, int | None
     return out
 
 
+def corruption_pool(workers: int) -> contextlib.AbstractContextManager[Executor | None]:
+    """`workers` processes to corrupt images in (None: this process, for 1). Spawned, not forked: the job's
+    process runs torch's thread pools (and maybe CUDA), which a fork can hang."""
+    if workers <= 1:
+        return contextlib.nullcontext()
+    return worker_pool(workers, start_method="spawn", initializer=one_opencv_thread)
+
+
+def one_opencv_thread() -> None:
+    """Worker set-up: OpenCV (some corruptions use it) on one thread, as the workers are the parallelism."""
+    cv2.setNumThreads(1)
+
+
 def _in_order(spec: CorruptionSpec, chunks: list[list], pool: Executor | None, workers: int) -> Iterator[list]:
     """Each chunk's results in order: in `pool` with a bounded window of chunks in flight, else here."""
     if pool is None:
@@ -109,6 +123,7 @@ class CorruptWork:
     out: Path
     plan: dict
     workers: int
+    pool: Executor | None = None  # the caller's (one for many sets: a spawned worker starts in seconds)
 
     def claim(self, job: ShardJob, ranks: Ranks) -> None:
         write_plan(job, self.plan)
@@ -120,7 +135,7 @@ class CorruptWork:
         return self.source.counts[number]
 
     def run(self, numbers: list[int], bar: Phase) -> Iterator[UnitOutput]:
-        with worker_pool(self.workers) if self.workers > 1 else contextlib.nullcontext() as pool:
+        with contextlib.nullcontext(self.pool) if self.pool is not None else corruption_pool(self.workers) as pool:
             for number in numbers:
                 yield self._unit(number, bar, pool)
 
@@ -157,9 +172,9 @@ class CorruptWork:
 
 
 def corrupt_shard_set(source: ShardSet, out: Path, spec: CorruptionSpec, *, workers: int = 1,
-                      progress: bool = True) -> JobReport:
-    """Write (or resume) the corrupted copy of `source` into `out`. A folder holding another corrupted set
-    is refused (PlanError naming it)."""
+                      progress: bool = True, pool: Executor | None = None) -> JobReport:
+    """Write (or resume) the corrupted copy of `source` into `out`, in `pool` when given (`corruption_pool`),
+    else in `workers` processes of its own. A folder holding another corrupted set is refused (PlanError)."""
     out = Path(out)
     plan = {**asdict(spec), "input_shards": [t.name for t in source.tars], "prefix": PREFIX}
     units = []
@@ -171,4 +186,4 @@ def corrupt_shard_set(source: ShardSet, out: Path, spec: CorruptionSpec, *, work
     job = ShardJob(out, out / STATE_DIR, tuple(units))
     check_plan(job, plan, other="a corrupted set made from another set or with other settings")
     name = f"corrupt {spec.corruption} {spec.severity}"
-    return run_shard_job(job, CorruptWork(spec, source, out, plan, workers), Ranks(), name=name, progress=progress)
+    return run_shard_job(job, CorruptWork(spec, source, out, plan, workers, pool), Ranks(), name=name, progress=progress)

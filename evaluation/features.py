@@ -96,6 +96,7 @@ def cached_features(
     device: str | torch.device = "cpu",
     ctx: DistributedContext | None = None,
     allow_lost: bool = False,
+    progress: bool = False,
 ) -> FeatureSet:
     """Features of every decodable sample, read from / written to `cache_dir` when one is given (rank 0
     writes); with a multi-rank ctx each rank extracts 1/W and all get the union.
@@ -114,7 +115,8 @@ def cached_features(
     skipped: list[str] = []
     lost: list[LostSamples] = []  # every rank reads the whole set: the same on every rank
     features, labels = extract_features(encoder, source, **asdict(spec), device=device, skipped=skipped,
-                                        part=(rank, world), allow_lost=allow_lost, lost=lost)
+                                        part=(rank, world), allow_lost=allow_lost, lost=lost,
+                                        progress=progress and rank == 0)
     if world > 1:
         parts = all_gather_object((features, labels, skipped), ctx)
         pairs, skipped = [(f, lab) for f, lab, _ in parts], [key for _, _, keys in parts for key in keys]

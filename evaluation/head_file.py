@@ -126,7 +126,7 @@ def score_head(
     head: TrainedHead, encoder: nn.Module, source: ShardSet, *, targets: list[list[int]] | None = None,
     crop_size: int | None = None, resize_size: int | None = None, batch_size: int = 256,
     device: str | torch.device = "cpu", ctx: DistributedContext | None = None, allow_lost: bool = False,
-    encoder_name: str = "the given encoder",
+    encoder_name: str = "the given encoder", progress: bool = False,
 ) -> HeadScore:
     """Top-1 of `head` on the frozen `encoder`'s features of a labelled shard set (the head's own view unless
     `crop_size`/`resize_size` say another: a set of stored views is read uncropped with resize = crop).
@@ -142,7 +142,8 @@ def score_head(
         raise HeadMismatchError(f"none of the classes of {source} maps to one of the head's")
     spec = FeatureSpec(crop_size=crop_size or head.crop_size,
                        resize_size=head.resize_size if resize_size is None else resize_size, batch_size=batch_size)
-    features = cached_features(encoder, source, spec, cache_dir=None, device=device, ctx=ctx, allow_lost=allow_lost)
+    features = cached_features(encoder, source, spec, cache_dir=None, device=device, ctx=ctx, allow_lost=allow_lost,
+                               progress=progress)
     logits, labels = head.logits(features.features), features.labels
     if int(labels.max()) >= (len(targets) if targets is not None else head.num_classes):
         raise HeadMismatchError(f"{source} has class index {int(labels.max())}, beyond the "

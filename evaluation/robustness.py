@@ -27,8 +27,14 @@ from typing import Any
 
 from torch import nn
 
-from relicv2.evaluation.corrupted import CorruptionSpec, corrupt_shard_set
-from relicv2.evaluation.corruptions import CORRUPTIONS, SEVERITIES, check_corruption
+from relicv2.evaluation.corrupted import CorruptionSpec, corrupt_shard_set, corruption_pool
+from relicv2.evaluation.corruptions import (
+    CORRUPTIONS,
+    MIN_SIDE,
+    SEVERITIES,
+    CorruptionError,
+    check_corruption,
+)
 from relicv2.evaluation.features import encoder_digest, shard_set_fingerprint
 from relicv2.evaluation.head_file import TrainedHead, load_head, score_head
 from relicv2.evaluation.job import Backbone, load_encoder
@@ -47,6 +53,7 @@ from relicv2.shards.shardset import ShardSet, list_shard_files, resolve_shard_se
 
 PRESETS = Presets(job="relicv2 eval robustness", package="relicv2.evaluation", folder="presets/robustness")
 RESULT_FILE = "robustness.json"
+UNSCORED = ("workers", "batch_size")  # settings that do not change a figure: left out of the result
 # AlexNet's ImageNet-C top-1 errors, the mean over the five severities of each corruption, as published with
 # the benchmark (Hendrycks & Dietterich 2019, github.com/hendrycks/robustness, ImageNet-C/test.py).
 ALEXNET_ERRORS = dict(zip(CORRUPTIONS, (
@@ -146,7 +153,7 @@ class Scores:
         crop = model.head.crop_size
         scored = score_head(model.head, model.encoder, shards, targets=classes, device=self.device,
                             crop_size=crop, resize_size=crop if stored_views else None,
-                            batch_size=self.batch_size, encoder_name=model.name)
+                            batch_size=self.batch_size, encoder_name=model.name, progress=True)
         result = {"top1": figure(scored.top1), "num_images": scored.num_images,
                   "skipped": len(scored.skipped_keys)}
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -184,6 +191,11 @@ def run_robustness(job: RobustnessJob, log: Callable[[str], None] = print) -> di
     with folder_lock(job.output, "relicv2 eval robustness"):
         model = _model(job.backbone, job.head, device)
         control = _model(job.control, job.control_head, device) if job.control is not None else None
+        # Every set's layout and classes checked before hours of work on the first.
+        roots = {name: image_folder(name, folder) for name, folder in job.ood}
+        wnids = head_wnids(model.head.classes, model.head.num_classes, job.head) if job.ood else []
+        if job.imagenet_c is not None:
+            _released_folders(job.imagenet_c, config)
         inputs = {"backbone": job.backbone.as_dict(), "head": str(job.head), "val": job.val and str(job.val),
                   "imagenet_c": job.imagenet_c and str(job.imagenet_c), "ood": {n: str(f) for n, f in job.ood},
                   "control": control and {**job.control.as_dict(), "head": str(job.control_head)}}
@@ -194,7 +206,8 @@ def run_robustness(job: RobustnessJob, log: Callable[[str], None] = print) -> di
         scores = Scores(job.output, device, config.batch_size)
         grid = [(c, s) for c in config.corruptions for s in config.severities]
         result: dict[str, Any] = {"encoder": model.name, "head": str(job.head), "protocol": model.head.protocol,
-                                  "config": to_dict(config), "control": control and control.name}
+                                  "config": {k: v for k, v in to_dict(config).items() if k not in UNSCORED},
+                                  "control": control and control.name}
         total = len(grid) * ((job.val is not None) + (job.imagenet_c is not None)) + len(job.ood)
         with Phase("eval robustness: sets", total, unit="set") as sets:
             if job.val is not None:
@@ -203,8 +216,7 @@ def run_robustness(job: RobustnessJob, log: Callable[[str], None] = print) -> di
                 result["imagenet_c"] = _released(job, model, scores, grid, sets)
             result["ood"] = {}
             for name, folder in job.ood:
-                shards = _shards_of(image_folder(name, folder), job.output / "ood" / name)
-                wnids = head_wnids(model.head.classes, model.head.num_classes, job.head)
+                shards = _shards_of(roots[name], job.output / "ood" / name)
                 classes = targets(name, class_names(shards) or [], wnids, folder)
                 result["ood"][name] = {"folder": str(folder), "classes": sum(map(bool, classes)),
                                        **scores.top1(model, f"ood-{name}", shards, stored_views=False, classes=classes)}
@@ -224,24 +236,40 @@ def _generated(job: RobustnessJob, model: Model, control: Model | None, scores: 
     val = _shards_of(job.val, job.output / "val-shards")
     model.head.check_classes(class_names(val), job.val)  # before hours of corrupting
     head = model.head
+    if head.crop_size < MIN_SIDE:
+        raise CorruptionError(f"the head {job.head} takes {head.crop_size} px views; the corruptions need at least "
+                              f"{MIN_SIDE} px: train a head with a larger crop_size")
     top1: dict[str, dict[int, float]] = {}
     control_errors: dict[str, float] = {}
     counts = set()
-    for corruption, severity in grid:
-        spec = CorruptionSpec(corruption, severity, job.config.seed, head.crop_size, head.resize_size,
-                              job.config.quality)
-        out = job.output / "corrupted" / f"{corruption}-{severity}"
-        corrupt_shard_set(val, out, spec, workers=job.config.workers)
-        shards = resolve_shard_set(out)
-        scored = scores.top1(model, f"{corruption}-{severity}", shards, stored_views=True)
-        top1.setdefault(corruption, {})[severity] = scored["top1"]
-        counts.add(scored["num_images"])
-        if control is not None:
-            base = scores.top1(control, f"control-{corruption}-{severity}", shards, stored_views=True)
-            control_errors[corruption] = control_errors.get(corruption, 0.0) + 1 - base["top1"]
-        sets.update(1)
+    with corruption_pool(job.config.workers) as pool:  # one pool for every set: spawned workers start in seconds
+        for corruption, severity in grid:
+            spec = CorruptionSpec(corruption, severity, job.config.seed, head.crop_size, head.resize_size,
+                                  job.config.quality)
+            out = job.output / "corrupted" / f"{corruption}-{severity}"
+            corrupt_shard_set(val, out, spec, workers=job.config.workers, pool=pool)
+            shards = resolve_shard_set(out)
+            scored = scores.top1(model, f"{corruption}-{severity}", shards, stored_views=True)
+            top1.setdefault(corruption, {})[severity] = scored["top1"]
+            counts.add(scored["num_images"])
+            if control is not None:
+                base = scores.top1(control, f"control-{corruption}-{severity}", shards, stored_views=True)
+                control_errors[corruption] = control_errors.get(corruption, 0.0) + 1 - base["top1"]
+            sets.update(1)
     table = corruption_table(top1, control_errors if control is not None else None)
     return {"source": str(job.val), "images": max(counts), "baseline": control and control.name, **table}
+
+
+def _released_folders(root: Path, config: RobustnessConfig) -> list[Path]:
+    """The released ImageNet-C's folder of each chosen corruption and severity; FileNotFoundError naming the
+    first that is missing."""
+    folders = [root / c / str(s) for c in config.corruptions for s in config.severities]
+    missing = next((f for f in folders if not f.is_dir()), None)
+    if missing is not None:
+        raise FileNotFoundError(f"{root} has no folder {missing.relative_to(root)}: give the released ImageNet-C "
+                                "folder (corruption/severity/class/image), or choose the corruptions and severities "
+                                "it holds with --set")
+    return folders
 
 
 def _released(job: RobustnessJob, model: Model, scores: Scores, grid: list[tuple[str, int]],
@@ -249,12 +277,7 @@ def _released(job: RobustnessJob, model: Model, scores: Scores, grid: list[tuple
     """The released ImageNet-C folders (`corruption/severity/class/image`), built into `imagenet-c/`."""
     assert job.imagenet_c is not None
     top1: dict[str, dict[int, float]] = {}
-    for corruption, severity in grid:
-        folder = job.imagenet_c / corruption / str(severity)
-        if not folder.is_dir():
-            raise FileNotFoundError(f"{job.imagenet_c} has no folder {corruption}/{severity}: give the released "
-                                    "ImageNet-C folder (corruption/severity/class/image), or choose the corruptions "
-                                    "and severities it holds with --set")
+    for (corruption, severity), folder in zip(grid, _released_folders(job.imagenet_c, job.config), strict=True):
         shards = _shards_of(folder, job.output / "imagenet-c" / f"{corruption}-{severity}")
         model.head.check_classes(class_names(shards), folder)
         top1.setdefault(corruption, {})[severity] = scores.top1(model, f"imagenet-c-{corruption}-{severity}", shards,

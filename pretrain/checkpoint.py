@@ -27,7 +27,7 @@ from relicv2.models.checkpoint_file import (  # noqa: F401 (the reading side liv
     resolve_checkpoint,
     step_of,
 )
-from relicv2.models.encoder_file import is_encoder_file, load_encoder_file
+from relicv2.models.encoder_file import encoder_file_in, load_encoder_file
 from relicv2.models.resnet import ResNet, resnet
 from relicv2.models.torchfile import load_failure
 from relicv2.pretrain.config import ConfigError, PretrainConfig
@@ -97,8 +97,9 @@ def encoder_from_checkpoint(path: str | Path, *, network: str = "online") -> Res
     folder (its newest checkpoint); any file that does not hold such an encoder raises one `CheckpointError`."""
     if network not in ("online", "target"):
         raise ValueError(f"network must be 'online' or 'target', got {network!r}")
-    if is_encoder_file(path):  # an exported encoder is accepted wherever a checkpoint is
-        return load_encoder_file(path, network=network)
+    exported = encoder_file_in(path)
+    if exported is not None:  # an exported encoder (or hub folder) is accepted wherever a checkpoint is
+        return load_encoder_file(exported, network=network)
     path = resolve_checkpoint(path)
     return encoder_from_payload(load_checkpoint(path), path, network=network)
 

@@ -183,6 +183,7 @@ def test_bad_input_is_one_line(shape_shards, head, tmp_path):
         (base, "give at least one set to score"),
         ([*base, "--ood", "imagenet-r"], "'imagenet-r' is not NAME=FOLDER"),
         ([*base, "--ood", f"imagenet-r={tmp_path / 'nowhere'}"], "is not a folder"),
+        ([*base, "--val", str(shape_shards[1]), "--ood", f"imagenet-a={tmp_path}"], "is not imagenet-a's layout"),
         ([*base, "--val", str(shape_shards[1]), "--control-random-init", "18"], "the control needs both"),
         ([*base[:2], "34", *base[3:], "--val", str(shape_shards[1])], "trained on another encoder"),
     ]
@@ -190,6 +191,7 @@ def test_bad_input_is_one_line(shape_shards, head, tmp_path):
         result = runner.invoke(eval_group, args)
         assert result.exit_code != 0 and message in result.output, (args, result.output)
         assert "Traceback" not in result.output
+    assert not (tmp_path / "out" / "corrupted").exists()  # every set is checked before any is corrupted
     (tmp_path / "foreign.pt").write_bytes(b"junk")
     result = runner.invoke(eval_group, [*base[:4], str(tmp_path / "foreign.pt"), *base[5:], "--val", str(shape_shards[1])])
     assert result.exit_code == 1 and "foreign.pt is not a readable linear head file" in result.output
@@ -212,3 +214,53 @@ def test_the_report_shows_a_robustness_json_and_names_a_broken_one(tmp_path):
     broken = build_report(ReportInputs(robustness=tmp_path / "broken.json"), tmp_path / "b.html")
     assert broken.sections["robustness"].startswith("not run") and any("broken.json" in p for p in broken.problems)
     assert "robustness" not in build_report(ReportInputs(), tmp_path / "none.html").sections
+
+
+def test_an_imagenet_r_folder_is_scored_among_its_200_classes_only(tmp_path):
+    """A bias-only 1,000-way head whose largest output is tench (not an ImageNet-R class) and second largest
+    n01443537 (one): restricted to ImageNet-R's 200 classes, every image is called n01443537."""
+    import numpy as np
+    import torch
+    from torch import nn
+
+    from relicv2.evaluation.head_file import save_head
+    from tests.evaluation.conftest import shape_image
+
+    imagenet, subset = class_list("imagenet"), class_list("imagenet-r")
+    linear = nn.Linear(512, 1000)
+    with torch.no_grad():
+        linear.weight.zero_()
+        linear.bias.zero_()
+        linear.bias[imagenet.index("n01440764")] = 20.0  # tench
+        linear.bias[imagenet.index("n01443537")] = 10.0
+    head = save_head(tmp_path / "head.pt", linear, encoder=random_encoder(18, seed=0), classes=imagenet, mean=None,
+                     std=None, crop_size=CROP, resize_size=36, protocol="linear-fast")
+    rng = np.random.default_rng(0)
+    for wnid in subset:
+        (tmp_path / "r" / wnid).mkdir(parents=True)
+        for i in range(2 if wnid == "n01443537" else 1):
+            (tmp_path / "r" / wnid / f"{i}.jpg").write_bytes(shape_image(i, rng))
+    result = run_robustness(RobustnessJob(backbone=Backbone(random_depth=18), head=head, output=tmp_path / "out",
+                                          ood=(("imagenet-r", tmp_path / "r"),), device="cpu"), log=lambda _: None)
+    row = result["ood"]["imagenet-r"]
+    assert (row["num_images"], row["classes"]) == (201, 200) and row["top1"] == pytest.approx(2 / 201, abs=1e-6)
+    # a folder that is not the named set's layout is refused before anything is built
+    sketch = tmp_path / "sketch"
+    (sketch / "n01440764").mkdir(parents=True)
+    with pytest.raises(OodSetError, match="999 of its 1000 class folders are missing"):
+        run_robustness(RobustnessJob(backbone=Backbone(random_depth=18), head=head, output=tmp_path / "out2",
+                                     ood=(("imagenet-sketch", sketch),), device="cpu"), log=lambda _: None)
+
+
+def test_a_head_with_views_too_small_to_corrupt_is_refused_before_any_work(shape_shards, tmp_path):
+    from torch import nn
+
+    from relicv2.evaluation.corruptions import CorruptionError
+    from relicv2.evaluation.head_file import save_head
+
+    small = save_head(tmp_path / "head.pt", nn.Linear(512, 6), encoder=random_encoder(18, seed=0), classes=None,
+                      mean=None, std=None, crop_size=16, resize_size=18, protocol="linear-fast")
+    with pytest.raises(CorruptionError, match="takes 16 px views; the corruptions need at least 32 px"):
+        run_robustness(RobustnessJob(backbone=Backbone(random_depth=18), head=small, output=tmp_path / "out",
+                                     val=shape_shards[1], device="cpu"), log=lambda _: None)
+    assert not (tmp_path / "out" / "corrupted").exists()

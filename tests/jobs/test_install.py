@@ -60,6 +60,9 @@ def test_the_installed_project_runs_presets_by_name_from_any_directory(tmp_path)
     tops = {line.split("/")[0].split(",")[0] for line in record.read_text().splitlines()}
     assert {top for top in tops if not top.endswith(".dist-info") and top != ".."} == {"relicv2"}, tops
     assert (purelib / "relicv2" / "evaluation" / "presets" / "linear" / "fast.yaml").is_file()
+    for data in ("presets/robustness/quick.yaml", "classlists/imagenet.txt", "classlists/imagenet-r.txt",
+                 "classlists/imagenet-a.txt"):  # the robustness presets and the out-of-distribution class lists
+        assert (purelib / "relicv2" / "evaluation" / data).is_file(), data
     help_text = _run([str(python), "-m", "relicv2", "--help"], work, env).stdout
     assert "saliency" in help_text and "eval" in help_text
 

@@ -6,8 +6,10 @@ import json
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
+from relicv2.models.encoder_file import save_encoder_file
 from relicv2.models.resnet import resnet
 from relicv2.pretrain.checkpoint import save_checkpoint
 from relicv2.saliency.network.model import SaliencyNet
@@ -59,6 +61,28 @@ def test_export_sidecar_is_checked(tmp_path: Path, source: dict) -> None:
     assert _same(encoder_state_dict(path, 18, 1)[0], source)
     with pytest.raises(BackboneError, match=r"ResNet-18 at width 1 .*ResNet-50"):
         encoder_state_dict(path, 50, 1)
+
+
+def test_safetensors_files_and_an_imported_release_load(tmp_path: Path, source: dict) -> None:
+    path = tmp_path / "encoder.safetensors"
+    encoder = resnet(18)
+    encoder.load_state_dict(source)
+    save_encoder_file(encoder, path, depth=18, width=1)
+    loaded, kind = encoder_state_dict(path, 18, 1)
+    assert kind == f"safetensors file {path}" and _same(loaded, source)
+    with pytest.raises(BackboneError, match=r"ResNet-18 at width 1 \(per the 'relicv2' metadata.*ResNet-50"):
+        encoder_state_dict(path, 50, 1)
+    marked = tmp_path / "release.pt"  # the authors' weights after import-official: marked for TF padding
+    save_encoder_file(resnet(18, padding="same_tf"), marked, depth=18, width=1)
+    state, kind = encoder_state_dict(marked, 18, 1)
+    assert "made for same_tf padding" in kind
+    load_fitting(SaliencyNet(18).encoder, state, marked, 18, 1)  # the marker is no weight
+    plain = tmp_path / "timm.safetensors"  # no metadata, a classifier: timm's or torchvision's weights
+    safetensors.torch.save_file({**source, "fc.weight": torch.zeros(10, 512), "fc.bias": torch.zeros(10)}, plain)
+    assert _same(encoder_state_dict(plain, 18, 1)[0], source)
+    plain.write_bytes(plain.read_bytes()[:-10])
+    with pytest.raises(BackboneError, match="is truncated"):
+        encoder_state_dict(plain, 18, 1)
 
 
 def test_wrong_architecture_names_the_keys(tmp_path: Path, source: dict) -> None:
