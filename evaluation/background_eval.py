@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from relicv2.evaluation.background_set import (
+    BackgroundsError,
     VariantSettings,
     mask_source,
     plan_variant_set,
@@ -111,6 +112,9 @@ def evaluate_backgrounds(encoder: nn.Module, head_path: Path, val: Path, masks: 
     job, work = plan_variant_set(val_set, mask_source(val_set, masks), out / VARIANT_DIR, settings, classes=names,
                                  progress=progress)
     screened = work.screened
+    if (top := int(screened.labels.max())) >= head.num_classes:
+        raise BackgroundsError(f"{val} has class index {top}, beyond the {head.num_classes} classes of {head_path}; "
+                               "give the val set of the head's classes")
     device = torch.device(device)
     encoder = encoder.to(device).eval().requires_grad_(False)
     with output_folder(out), folder_lock(out, "relicv2 eval backgrounds"):

@@ -189,7 +189,12 @@ def test_bad_inputs_are_one_line(resnet_head, trained, tmp_path):
     squashed.mkdir()
     for i in range(90):
         (squashed / f"c{i // 30}n{i:03d}.png").write_bytes(encoded(np.full((8, 32), 255, np.uint8)))
+    square = np.zeros((SIZE, SIZE), np.uint8)
+    square[10:22, 10:22] = 255
+    write_shard_set([ShardSample(f"b{i}", {"png": encoded(np.full((SIZE, SIZE, 3), 90 * i, np.uint8)),
+                                           "mask.png": encoded(square)}, label=7) for i in range(3)], tmp_path / "beyond")
     cases = {
+        "class index 7, beyond the 3 classes": ["--val", str(tmp_path / "beyond")],
         "mask_shape": ["--val", str(root / "train"), "--masks", str(squashed)],
         "holds no masks (mask.png members); build them with `relicv2 saliency build-masks":
             ["--val", str(root / "train")],
