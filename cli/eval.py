@@ -22,7 +22,7 @@ ALLOW_LOST_OPTION = click.option(
 
 @click.group()
 def eval_group() -> None:
-    """Evaluate pretrained encoders (kNN, linear probe, semi-supervised fine-tuning, robustness)."""
+    """Evaluate pretrained encoders (kNN, linear probe, semi-supervised fine-tuning, robustness, backgrounds)."""
 
 
 def _encoder_options(train_help: str, val_help: str, json_help: str, *more: Any):
@@ -155,6 +155,51 @@ def finetune_command(**options: Any) -> None:
     from relicv2.evaluation.job import load_finetune_config
 
     _run_configured(load_finetune_config, "1pct", **options)
+
+
+@eval_group.command("backgrounds")
+@click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
+              help="Pretraining checkpoint, run folder (newest checkpoint) or exported encoder file: the head's encoder.")
+@click.option("--random-init", "random_depth", type=click.IntRange(min=18), default=None, metavar="DEPTH",
+              help="Instead of a checkpoint, a randomly initialised ResNet-DEPTH (the baseline).")
+@click.option("--network", type=click.Choice(["online", "target"]), default="online", show_default=True)
+@click.option("--head", type=click.Path(path_type=Path), required=True,
+              help="The head file `relicv2 eval linear --output DIR` wrote (DIR/trained-head.pt) for this encoder.")
+@click.option("--val", "val", type=click.Path(path_type=Path), required=True,
+              help="Labelled shard set to test: `saliency build-masks` output (images with their masks), or any "
+                   "labelled set with --masks.")
+@click.option("--masks", type=click.Path(path_type=Path), default=None,
+              help="The masks of --val when it holds none: a shard set of mask.png members keyed like its images, "
+                   "or a folder of KEY.png masks (ground truth).")
+@click.option("--output", type=click.Path(path_type=Path), required=True,
+              help="Folder for the variant set (resumed on rerun), the scores per variant and backgrounds.json.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
+              help="Also write the result (backgrounds.json) here.")
+@click.option("--config", "config_name", metavar="NAME|FILE.yaml", default=None,
+              help="default: the paper's eight variants, pairings from seed 0; or a YAML file of its keys.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override one setting, e.g. --set seed=1 (repeatable).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of --random-init.")
+def backgrounds(checkpoint: Path | None, random_depth: int | None, network: str, seed: int, config_name: str | None,
+                overrides: tuple[str, ...], **options: Any) -> None:
+    """Does the encoder rely on backgrounds? The ImageNet-9 variants of a val set, made from its masks.
+
+    \b
+    relicv2 eval linear --checkpoint runs/r50 --train shards/train --val shards/val --config fast --output lin
+    relicv2 eval backgrounds --checkpoint runs/r50 --head lin/trained-head.pt --val masked/val --output bg
+    """
+    from relicv2.evaluation.background_eval import load_backgrounds_config, run_backgrounds
+    from relicv2.evaluation.job import Backbone
+    from relicv2.jobs.lock import FolderLockedError
+
+    with user_errors(ConfigError, option="--config/--set"):
+        config = load_backgrounds_config(config_name or "default", overrides)
+        backbone = Backbone(checkpoint=checkpoint, random_depth=random_depth, network=network, seed=seed)
+    with user_errors(FolderLockedError, FileNotFoundError, ValueError):  # a torch file's error is a ValueError
+        lines = run_backgrounds(backbone, config=config, log=lambda text: click.echo(text, err=True), **options)
+    for line in lines:
+        click.echo(line)
 
 
 def _ood_option(values: tuple[str, ...]) -> tuple[tuple[str, Path], ...]:

@@ -27,10 +27,12 @@ EXISTING = click.Path(exists=True, path_type=Path)
               help="Shard set whose images the saliency figure shows; a masked set adds the network's masks.")
 @click.option("--views", type=EXISTING, multiple=True,
               help="PNG written by `relicv2 pretrain preview-views` (repeatable: masked and unmasked).")
+@click.option("--backgrounds", type=EXISTING, default=None,
+              help="Output folder of `relicv2 eval backgrounds` (or its backgrounds.json): the table and composites.")
 @click.option("--robustness", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="robustness.json of `relicv2 eval robustness`: adds the robustness section.")
 @click.option("--count", type=click.IntRange(1, 32), default=4, show_default=True,
-              help="Images in the saliency figure.")
+              help="Images in the saliency figure (and rows of the backgrounds composites).")
 @click.option("--title", default="ReLICv2 run report", show_default=True)
 def report(out: Path, **inputs: Any) -> None:
     """Build OUT (static HTML, opens in any browser) from the files the jobs wrote; missing parts say "not run"."""

@@ -45,6 +45,10 @@ JOBS: tuple[tuple[str, str, str, str, str], ...] = (
     ("Fine-tuning (`relicv2 eval finetune`)", "relicv2.evaluation.job", "FinetuneConfig", "FINETUNE_PRESETS",
      "a preset (`--config NAME`, default `1pct`; `--preset NAME` is the same) or a YAML file, and "
      "`--set key=value`"),
+    ("Backgrounds test (`relicv2 eval backgrounds`)", "relicv2.evaluation.background_eval", "BackgroundsConfig",
+     "PRESETS", "a preset (`--config NAME`, default `default`) or a YAML file, and `--set key=value` "
+     "(`--set variants=original,mixed_same,mixed_rand`). The view (the composites' square side and the centre "
+     "crop scored) is the one the `--head` file was trained at"),
     ("Robustness (`relicv2 eval robustness`)", "relicv2.evaluation.robustness", "RobustnessConfig", "PRESETS",
      "a preset (`--config NAME`, default `full`) or a YAML file, and `--set key=value` (lists as "
      "`--set severities=1,3,5`, `--set corruptions=fog,snow`). The sets, the encoder, its head file and the "

@@ -22,6 +22,7 @@ from relicv2.evaluation.report.inputs import (
     RunMetrics,
     metric_rows,
     protocol_text,
+    read_backgrounds,
     read_eval_results,
     read_json,
     read_run_metrics,
@@ -44,6 +45,7 @@ SECTIONS = (
     ("training", "Pretraining: loss parts and learning rate over steps"),
     ("knn", "kNN monitor over epochs"),
     ("evaluation", "Evaluation: final figures"),
+    ("backgrounds", "Backgrounds: does the encoder rely on them? (eval backgrounds)"),
 )
 
 
@@ -57,6 +59,7 @@ class ReportInputs:
     maps_dir: Path | None = None  # `saliency handcrafted` output (MAPS/<method>/<key>.png)
     shards: Path | None = None  # shard set whose images the samples show (masked: with masks)
     views: tuple[Path, ...] = ()  # `pretrain preview-views` PNGs
+    backgrounds: Path | None = None  # `eval backgrounds` output folder, or its backgrounds.json
     robustness: Path | None = None  # `eval robustness` OUTPUT/robustness.json (its section only when given)
     count: int = 4  # images in the saliency figure
     title: str = "ReLICv2 run report"
@@ -121,6 +124,7 @@ def build_report(inputs: ReportInputs, out: Path) -> ReportSummary:
     _views_section(page, inputs)
     _training_sections(page, metrics_file, metrics)
     _evaluation_section(page, results)
+    _backgrounds_section(page, inputs)
     if inputs.robustness is not None:
         robustness_report.robustness_section(page, Path(inputs.robustness), _table, _notes, _fmt)
     atomic_write_bytes(out, _render(page, inputs).encode("utf-8"))
@@ -307,6 +311,25 @@ def _evaluation_section(page: _Page, results: list[EvalResult]) -> None:
                                            "top-1 per protocol") + _deltas(results))
 
 
+def _backgrounds_section(page: _Page, inputs: ReportInputs) -> None:
+    if inputs.backgrounds is None:
+        return page.not_run("backgrounds", "no eval backgrounds result (--backgrounds)")
+    result, rows, problems = read_backgrounds(inputs.backgrounds, inputs.count)
+    page.summary.problems += problems
+    if result is None:
+        return page.not_run("backgrounds", f"{inputs.backgrounds} holds no backgrounds result")
+    table = _table(["variant", "top-1", "images"], [[name, _fmt(top1), _fmt(result.get("num_images", {}).get(name))]
+                                                    for name, top1 in result["accuracy"].items()], css="backgrounds")
+    lines = [f"BG-gap (mixed-same less mixed-rand): {_fmt(result.get('bg_gap'))}"]
+    lines += [f"{name}: predictions that follow the background's class: {_fmt(share)}"
+              for name, share in (result.get("follows_background") or {}).items()]
+    lines.append(f"{_fmt(result.get('images'))} of {_fmt(result.get('num_val'))} val images used; left out: "
+                 f"{result.get('excluded') or 'none'}; encoder {result.get('encoder', '-')}, head {result.get('head')}")
+    grid = page.img(plots.plot_composites(rows, page.figure("backgrounds.png")), "example composites per variant") \
+        if rows else ""
+    page.ok("backgrounds", table + _notes(lines) + grid)
+
+
 def _deltas(results: list[EvalResult]) -> str:
     """One line per protocol and data: the pretrained encoder's gain over random init, only between
     results on the same numbers of train and val images and the same protocol settings (counts that
@@ -358,7 +381,8 @@ def _render(page: _Page, inputs: ReportInputs) -> str:
     now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     given = {"run": inputs.run_dir, "eval": ", ".join(map(str, inputs.eval_json)) or None,
              "saliency report": inputs.saliency_report, "maps": inputs.maps_dir, "shards": inputs.shards,
-             "views": ", ".join(map(str, inputs.views)) or None, "robustness": inputs.robustness}
+             "views": ", ".join(map(str, inputs.views)) or None, "backgrounds": inputs.backgrounds,
+             "robustness": inputs.robustness}
     sections = [*SECTIONS, *((robustness_report.SECTION,) if "robustness" in page.blocks else ())]
     parts = [f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(inputs.title)}"
              f"</title><style>{STYLE}</style></head><body><h1>{html.escape(inputs.title)}</h1>",

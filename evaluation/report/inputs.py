@@ -257,3 +257,29 @@ def _grey(values: np.ndarray, size: tuple[int, int]) -> np.ndarray:
     if image.size != size:
         image = image.resize(size, Image.Resampling.BILINEAR)
     return np.asarray(image, dtype=np.float32) / 255.0
+
+
+def read_backgrounds(path: Path, count: int) -> tuple[dict | None, list[tuple[str, dict[str, np.ndarray]]], list[str]]:
+    """(the result of `eval backgrounds`, up to `count` images with each of their composites, problems), from
+    its output folder or its JSON; the composites from the variant set the JSON names beside it, if there."""
+    from relicv2.evaluation.backgrounds import RESULT_FILE, variant_key
+    from relicv2.shards.reader import ReadReport, locate_samples
+    from relicv2.shards.writer import shard_name
+
+    json_path = Path(path) / RESULT_FILE if Path(path).is_dir() else Path(path)
+    result, problem = read_json(json_path)
+    if problem is not None or not isinstance(result, dict) or not isinstance(result.get("accuracy"), dict):
+        return None, [], [problem or f"{json_path}: not a backgrounds result (no 'accuracy'), left out"]
+    folder = json_path.parent / str(result.get("variant_set", ""))
+    refs = {}
+    try:
+        for name in result["accuracy"]:
+            if (tar := folder / shard_name(name, 0)).is_file():
+                refs[name] = {ref.key: ref for ref in locate_samples(tar, ReadReport())}
+        first = next(iter(refs.values()), {})
+        sources = [json.loads(ref.read("json"))["source"] for ref in list(first.values())[:count]]
+        rows = [(source, {name: load_rgb(found[key].read_image(), key) for name, found in refs.items()
+                          if (key := variant_key(name, source)) in found}) for source in sources]
+    except (OSError, ValueError, KeyError, TypeError) as error:  # a damaged or foreign set: the table alone
+        return result, [], [f"{folder}: no example composites ({error})"]
+    return result, rows, []

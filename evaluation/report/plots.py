@@ -129,6 +129,22 @@ def plot_saliency(samples: Sequence[SaliencySample], path: Path) -> Path:
     return _save(fig, path)
 
 
+def plot_composites(rows: Sequence[tuple[str, dict[str, np.ndarray]]], path: Path) -> Path:
+    """The backgrounds test's composites: one row per image, one column per variant."""
+    columns = list(dict.fromkeys(name for _, images in rows for name in images))
+    fig, axes = plt.subplots(len(rows), len(columns), figsize=(1.6 * len(columns), 1.7 * len(rows)), squeeze=False)
+    for row, (key, images) in enumerate(rows):
+        for col, name in enumerate(columns):
+            ax = axes[row][col]
+            ax.set(xticks=[], yticks=[])
+            if name in images:
+                ax.imshow(images[name])
+            if row == 0:
+                ax.set_title(name.replace("_", "-"), fontsize=9)
+        axes[row][0].set_ylabel(_short(key, 18), fontsize=8)
+    return _save(fig, path)
+
+
 def plot_corruptions(corruptions: dict[str, dict[str, Any]], path: Path, title: str) -> Path:
     """Top-1 per corruption (rows) and severity (columns, then the mean over severities), as a heat map
     with each figure written in its cell (`corruptions`: a robustness.json table's "corruptions")."""

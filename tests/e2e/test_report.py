@@ -12,15 +12,19 @@ from click.testing import CliRunner
 from PIL import Image
 
 from relicv2.cli.main import cli
+from relicv2.evaluation.background_set import VariantSettings, build_variant_set
+from relicv2.evaluation.backgrounds import VARIANTS
 from relicv2.evaluation.report import ReportInputs, build_report
 from relicv2.evaluation.report.html import SECTIONS
 from relicv2.evaluation.report.inputs import (
+    read_backgrounds,
     read_eval_results,
     read_run_metrics,
     read_saliency_samples,
 )
 from relicv2.shards import ShardSample, write_shard_set
 from tests.e2e.conftest import open_page
+from tests.evaluation.backdrops import write_crafted_set
 
 
 def _png(array: np.ndarray) -> bytes:
@@ -86,8 +90,16 @@ def outputs(tmp_path: Path) -> ReportInputs:
             (maps / method / f"{key}.png").write_bytes(_png(rng.integers(0, 255, (24, 32), np.uint8)))
     views = tmp_path / "views-masked.png"
     views.write_bytes(_png(rng.integers(0, 255, (40, 120, 3), np.uint8)))
+    # eval backgrounds: its variant set (made by the job's own code) and its JSON
+    write_crafted_set(tmp_path / "backdrops", "background", seed=0, per_class=2)
+    backgrounds = tmp_path / "backgrounds"
+    build_variant_set(tmp_path / "backdrops", None, backgrounds / "variants", VariantSettings(0, 32, 32), progress=False)
+    (backgrounds / "backgrounds.json").write_text(json.dumps({
+        "accuracy": {name: 0.5 for name in VARIANTS} | {"mixed_same": 0.96, "mixed_rand": 0.33}, "bg_gap": 0.63,
+        "follows_background": {"mixed_rand": 0.91}, "images": 6, "num_val": 6, "excluded": {},
+        "variant_set": "variants"}))
     return ReportInputs(run_dir=run, eval_json=(evals,), saliency_report=saliency_report, maps_dir=maps,
-                        shards=masked, views=(views,), count=2)
+                        shards=masked, views=(views,), count=2, backgrounds=backgrounds)
 
 
 def test_metrics_are_read_from_the_run_file_last_record_of_a_step_wins(outputs: ReportInputs):
@@ -119,15 +131,28 @@ def test_report_has_every_section_filled_from_the_files(outputs: ReportInputs, t
     summary = build_report(outputs, tmp_path / "out" / "report.html")
     assert summary.sections == {sid: "ok" for sid, _ in SECTIONS}
     text = summary.page.read_text()
-    for number in ("0.8125", "0.4375", "0.8750", "0.5000", "0.7100", "+0.3750"):  # from the JSON files
+    for number in ("0.8125", "0.4375", "0.8750", "0.5000", "0.7100", "+0.3750", "0.6300", "0.9100"):  # the JSONs
         assert number in text
     assert "final loss 1.2500" in text  # the resumed run's last record
     assert any("broken.json" in p for p in summary.problems) and "Inputs left out" in text
     names = {p.name for p in summary.figures}
-    assert names == {"saliency.png", "views-0-views-masked.png", "loss.png", "lr.png", "knn.png", "evaluation.png"}
+    assert names == {"saliency.png", "views-0-views-masked.png", "loss.png", "lr.png", "knn.png", "evaluation.png",
+                     "backgrounds.png"}
     for figure in summary.figures:
         assert figure.parent == tmp_path / "out" / "report-figures"
         assert Image.open(figure).size[0] > 100
+
+
+def test_the_backgrounds_composites_are_each_variant_of_the_same_images(outputs: ReportInputs):
+    result, rows, problems = read_backgrounds(outputs.backgrounds / "backgrounds.json", count=2)
+    assert result["bg_gap"] == 0.63 and not problems and len(rows) == 2
+    for key, images in rows:
+        assert key.startswith("c") and list(images) == list(VARIANTS) and images["original"].shape == (32, 32, 3)
+        assert images["only_fg"][0, 0].max() < 30  # the background blacked out
+        assert not np.array_equal(images["mixed_rand"], images["original"])
+    moved = outputs.backgrounds / "moved.json"  # a JSON away from its variant set: the table alone
+    moved.write_text((outputs.backgrounds / "backgrounds.json").read_text().replace('"variants"', '"gone"'))
+    assert read_backgrounds(moved, count=2)[1] == []
 
 
 def test_missing_inputs_say_not_run(tmp_path: Path):
@@ -155,7 +180,7 @@ def test_report_opens_in_a_headless_browser_with_every_image_loaded(outputs: Rep
                                                                     browser):
     summary = build_report(outputs, tmp_path / "report.html")
     seen = open_page(browser, summary.page)
-    assert len(seen["images"]) == len(summary.figures) == 6
+    assert len(seen["images"]) == len(summary.figures) == 7
     broken = [image["src"] for image in seen["images"] if not image["complete"] or image["width"] == 0]
     assert not broken, f"images that did not load: {broken}"
     assert all(not image["src"].startswith(("/", "http", "file:")) for image in seen["images"])  # relative

@@ -18,39 +18,12 @@ from relicv2.evaluation.backgrounds import (
     tiled_background,
     variant,
 )
-
-SIZE, CLASSES, PER_CLASS = 32, 3, 30
-PALETTE = np.array([[220, 40, 40], [40, 200, 40], [40, 40, 220]], np.uint8)
-
-
-def _scene(rng: np.random.Generator, fg_colour, bg_colour) -> tuple[np.ndarray, np.ndarray]:
-    """An image with a square object of `fg_colour` on `bg_colour` (both with noise), and its soft mask."""
-    image = np.empty((SIZE, SIZE, 3), np.float64)
-    image[:] = bg_colour
-    side = int(rng.integers(10, 16))
-    top, left = int(rng.integers(6, SIZE - side - 6)), int(rng.integers(6, SIZE - side - 6))
-    image[top : top + side, left : left + side] = fg_colour
-    image += rng.normal(0, 12, image.shape)
-    mask = np.zeros((SIZE, SIZE), np.uint8)
-    mask[top : top + side, left : left + side] = 230
-    return np.clip(image, 0, 255).astype(np.uint8), mask
-
-
-def _crafted(carried_by: str, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    images, masks, labels = [], [], []
-    for label in range(CLASSES):
-        for _ in range(PER_CLASS):
-            free = rng.integers(0, 256, 3)  # the part that does not carry the class: any colour
-            fg, bg = (PALETTE[label], free) if carried_by == "foreground" else (free, PALETTE[label])
-            image, mask = _scene(rng, fg, bg)
-            images.append(image), masks.append(mask), labels.append(label)
-    return images, masks, np.array(labels)
+from tests.evaluation.backdrops import PALETTE, crafted, scene
 
 
 def _accuracies(carried_by: str) -> tuple[dict[str, float], float]:
-    train_images, _, train_labels = _crafted(carried_by, seed=1)
-    images, masks, labels = _crafted(carried_by, seed=2)
+    train_images, _, train_labels = crafted(carried_by, seed=1)
+    images, masks, labels = crafted(carried_by, seed=2)
     features = lambda batch: np.stack(batch).reshape(len(batch), -1) / 255.0  # noqa: E731
     model = LogisticRegression(max_iter=2000).fit(features(train_images), train_labels)
     cuts = [cutout(mask) for mask in masks]
@@ -107,17 +80,28 @@ def test_the_tiled_box_holds_only_the_image_own_background():
     assert np.array_equal(tiled[:15], image[:15]) and np.array_equal(tiled[30:], image[30:])
 
 
-@pytest.mark.parametrize(("mask_area", "words"), [((slice(0, 3), slice(0, 3)), "under the masking"),
-                                                  ((slice(1, 40), slice(1, 40)), "leaves under")])
-def test_images_whose_mask_is_too_small_or_too_large_are_left_out_with_why(mask_area, words):
+@pytest.mark.parametrize(("mask_area", "code", "words"), [
+    ((slice(0, 3), slice(0, 3)), "small_mask", "under the masking"),
+    ((slice(1, 40), slice(1, 40)), "large_box", "over 90%"),
+    ((slice(20, 21), slice(0, 40)), "large_box", "over 90%"),  # a thin cross over the view: 7% of it, its box all
+])
+def test_images_whose_mask_is_too_small_or_too_large_are_left_out_with_why(mask_area, code, words):
     mask = np.zeros((40, 40), np.uint8)
     mask[mask_area] = 255
+    if mask_area[1] == slice(0, 40):
+        mask[:, 20:22] = 255
     left_out = cutout(mask)
-    assert isinstance(left_out, str) and words in left_out
+    assert left_out[0] == code and words in left_out[1]
+
+
+def test_the_rules_look_at_the_centre_crop_the_encoder_sees():
+    mask = np.zeros((40, 40), np.uint8)
+    mask[:, :6] = 255  # 15% of the square, none of it in the centre 28 x 28
+    assert isinstance(cutout(mask), Cutout) and cutout(mask, crop=28)[0] == "small_mask"
 
 
 def test_an_unknown_variant_and_a_mixed_one_without_partner_are_refused():
-    image, mask = _scene(np.random.default_rng(0), PALETTE[0], PALETTE[1])
+    image, mask = scene(np.random.default_rng(0), PALETTE[0], PALETTE[1])
     cut = cutout(mask)
     with pytest.raises(ValueError, match="unknown variant 'blur'"):
         variant("blur", image, cut)
