@@ -277,7 +277,7 @@ def read_backgrounds(path: Path, count: int) -> tuple[dict | None, list[tuple[st
             if (tar := folder / shard_name(name, 0)).is_file():
                 refs[name] = {ref.key: ref for ref in locate_samples(tar, ReadReport())}
         first = next(iter(refs.values()), {})
-        sources = [json.loads(ref.read("json"))["source"] for ref in list(first.values())[:count]]
+        sources = [load_json(ref.read("json").decode("utf-8", "replace"))["source"] for ref in list(first.values())[:count]]
         rows = [(source, {name: load_rgb(found[key].read_image(), key) for name, found in refs.items()
                           if (key := variant_key(name, source)) in found}) for source in sources]
     except (OSError, ValueError, KeyError, TypeError) as error:  # a damaged or foreign set: the table alone
