@@ -85,6 +85,8 @@ SHRINK: dict[tuple[str, ...], list[str]] = {
     ("eval", "linear"): ["--set", "crop_size=32", "--set", "resize_size=32", "--set", "epochs=2",
                          "--set", "feature_batch=16"],
     ("eval", "knn"): ["--crop-size", "32", "--resize-size", "32"],
+    ("eval", "robustness"): ["--set", "corruptions=gaussian_noise", "--set", "severities=1", "--set", "workers=1",
+                             "--set", "batch_size=16"],
     ("export",): [],
     ("report",): ["--count", "2"],
 }
