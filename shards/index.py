@@ -22,6 +22,10 @@ from relicv2.shards.tario import Skipped, TarReadError, iter_tar
 INDEX_VERSION = "v1.2"
 
 IndexEntry = tuple[str, int, int, str]  # (extension, data offset, size, member name)
+# The way out of an index that does not fit its tar, as commands: the build rewrites its own shards' indexes,
+# `shards index` derives a plain tar's missing one.
+INDEX_FIX = ("delete it, then rerun the `relicv2 shards build` that made the set, or run `relicv2 shards index` "
+             "on a set of plain tars (it derives the index from the tar)")
 
 
 class IndexFileError(ValueError):
@@ -116,9 +120,9 @@ def _entry(path: Path, number: int, fields: list[str], i: int, tar_size: int) ->
         offset, size = int(offset), int(size)
     except ValueError:
         raise IndexFileError(f"{path} line {number}: offset/size {fields[i + 1]!r}/{fields[i + 2]!r} are not integers; "
-                             "rewrite it with write_index") from None
+                             f"{INDEX_FIX}") from None
     if offset < 0 or size < 0:
-        raise IndexFileError(f"{path} line {number}: negative offset or size ({offset}, {size}); rewrite it with write_index")
+        raise IndexFileError(f"{path} line {number}: negative offset or size ({offset}, {size}); {INDEX_FIX}")
     if offset + size > tar_size:
         raise IndexFileError(f"{path} line {number}: member {name!r} at {offset}+{size} lies beyond the tar's {tar_size} "
                              "bytes: the tar is cut short or the index belongs to another tar; check the set with "
@@ -126,7 +130,7 @@ def _entry(path: Path, number: int, fields: list[str], i: int, tar_size: int) ->
     try:
         check_key(name)
     except UnsafeKeyError as exc:
-        raise IndexFileError(f"{path} line {number}: unsafe member name ({exc}); rewrite it with write_index") from None
+        raise IndexFileError(f"{path} line {number}: unsafe member name ({exc}); {INDEX_FIX}") from None
     return ext, offset, size, name
 
 
@@ -137,18 +141,18 @@ def read_index(path: Path, tar: Path) -> list[list[IndexEntry]]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
-        raise IndexFileError(f"{path}: cannot be read as an index ({exc}); rewrite it with write_index") from None
+        raise IndexFileError(f"{path}: cannot be read as an index ({exc}); {INDEX_FIX}") from None
     head = lines[0].split() if lines else []
     if len(head) != 2 or head[0] != INDEX_VERSION or not head[1].isdigit():
-        raise IndexFileError(f"{path} is not a DALI {INDEX_VERSION} index (first line must be '{INDEX_VERSION} <count>'); rewrite it with write_index")
+        raise IndexFileError(f"{path} is not a DALI {INDEX_VERSION} index (first line must be '{INDEX_VERSION} <count>'); {INDEX_FIX}")
     count = int(head[1])
     tar_size = os.path.getsize(tar)
     samples = []
     for number, line in enumerate(lines[1:], start=2):
         fields = line.split(" ")
         if not line or len(fields) % 4:
-            raise IndexFileError(f"{path} line {number}: malformed {line[:80]!r}; rewrite it with write_index")
+            raise IndexFileError(f"{path} line {number}: malformed {line[:80]!r}; {INDEX_FIX}")
         samples.append([_entry(path, number, fields, i, tar_size) for i in range(0, len(fields), 4)])
     if len(samples) != count:
-        raise IndexFileError(f"{path} announces {count} samples but lists {len(samples)}; rewrite it with write_index")
+        raise IndexFileError(f"{path} announces {count} samples but lists {len(samples)}; {INDEX_FIX}")
     return samples

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from relicv2.shards.index import (
+    INDEX_FIX,
     IndexEntry,
     IndexFileError,
     index_path,
@@ -221,7 +222,7 @@ def _check_line(tar: Path, index: Path, entries: list[IndexEntry]) -> None:
     for ext, _, _, name in entries:
         if split_member_name(name) != (key, ext):
             raise IndexFileError(f"{index}: lists member {name[:80]!r}, which does not belong to sample {key!r} as "
-                                 f"{ext!r}; rewrite the index with shards.write_index({tar.name}) (or rebuild the shard set)")
+                                 f"{ext!r}; {INDEX_FIX}")
 
 
 def _policy(tar: Path, entries: list[IndexEntry], seen: set[str], limits: ImageLimits,
@@ -317,8 +318,7 @@ def read_samples(tar: Path, report: ReadReport, *, index: Path | None = None,
                 data = read_indexed_member(handle.fileno(), offset, size, header_read=scanned)
                 if data is None:
                     report.lose_shard(tar, f"changed while it was read, at member {name!r}; rerun" if scanned else
-                                      f"its index {index} does not describe it at member {name!r}; rewrite the "
-                                      f"index with shards.write_index({tar.name}) (or rebuild the shard set)")
+                                      f"its index {index} does not describe it at member {name!r}; {INDEX_FIX}")
                     return
                 members[ext] = data
             key = split_member_name(name)[0]  # folders kept: they name outputs

@@ -41,7 +41,8 @@ def test_rerunning_the_build_rebuilds_a_truncated_shard(tmp_path, monkeypatch):
     result = CliRunner().invoke(shards_group, ["verify", str(out), "--workers", "1", "--no-progress"])
     command = f"relicv2 shards build {src} {out} --workers 1 --min-side 16 --no-progress --max-count 4"
     assert result.exit_code == 1 and "images-000001.tar" in result.output
-    assert f"rerun the build that made this set, which rebuilds damaged shards: {command}" in result.output
+    assert ("rerun the build that made this set, which re-hashes its shards and rebuilds damaged ones: "
+            f"{command} --rehash-shards") in result.output
     result = cli_build(monkeypatch, src, out, "--max-count", "4")
     assert result.exit_code == 0, result.output
     assert "rebuilding images-000001.tar, finished by an earlier run: its tar has" in result.output

@@ -141,7 +141,7 @@ class _KillsAWorker(SquarePredictor):
 def test_a_worker_killed_under_the_job_is_one_clear_error_and_the_rerun_resumes(tmp_path, scene_shards,
                                                                                 tiny_model) -> None:
     shards, _ = scene_shards
-    with pytest.raises(MasksError, match=r"a worker process died while masking .*rerun the same command to resume"):
+    with pytest.raises(MasksError, match=r"a worker process died while saliency build-masks made .*masked-000001.tar .*rerun the same command to resume"):
         build_masks(_config(tiny_model, shards, tmp_path / "resumed"), Ranks(), predictor=_KillsAWorker())
     assert (tmp_path / "resumed" / "masked-000000.tar").is_file()  # the shard finished before is kept
     summary = build_masks(_config(tiny_model, shards, tmp_path / "resumed"), Ranks(), predictor=SquarePredictor())
