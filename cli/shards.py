@@ -221,4 +221,8 @@ def subset(shards_dir: str, fraction: float, out: Path, seed: int, min_per_class
         write_key_list(out, report.keys, header=f"relicv2 shards subset {shards_dir} --fraction {fraction} "
                                                 f"--seed {seed}\n{summary}")
     counts = sorted(report.per_class.values())
+    if report.refused:
+        reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(report.refused.items()))
+        click.echo(f"left out {sum(report.refused.values())} member(s) or sample(s) the shard reader refuses "
+                   f"({reasons}), as every job does; `relicv2 shards verify` names each", err=True)
     click.echo(f"wrote {out}: {summary} ({counts[0]}-{counts[-1]} per class)")

@@ -286,6 +286,23 @@ def _located(tar: Path, index: Path | None, limits: ImageLimits, report: ReadRep
             if (ref := _policy(tar, entries, seen, limits, report)) is not None]
 
 
+def header_refusals(tar: Path, index: Path, samples: list[SampleRef],
+                    limits: ImageLimits = DEFAULT_LIMITS) -> list[tuple[str, str]]:
+    """Check samples located through `index` against `tar`'s own headers (all read now, no data), and return
+    (member name, reason code) of the members the tar holds that the policy refuses (links, devices, unsafe
+    names, oversized): an index derived from the tar leaves them out, so only the headers name them.
+    IndexFileError (naming the index and the fix) unless every member lies where a header puts it, with
+    that name and size: an index pointing one sample's image at another's bytes delivers the wrong image."""
+    lines, skipped = scan_tar(tar, limits)
+    held = {entry for entries in lines for entry in entries}
+    for ref in samples:
+        for ext, offset, size, name in ref.entries:
+            if (ext, offset, size, name) not in held:
+                raise IndexFileError(f"{index}: lists member {name[:80]!r} at byte {offset} ({size} bytes), where "
+                                     f"no header of {tar.name} puts it; {INDEX_FIX}")
+    return [(item.name, item.reason) for item in skipped if item.name is not None and item.reason != "truncated"]
+
+
 def locate_samples(tar: Path, report: ReadReport, *, index: Path | None = None,
                    limits: ImageLimits = DEFAULT_LIMITS) -> list[SampleRef]:
     """The samples of one tar the policy accepts, in order, located (nothing but headers read);
