@@ -332,7 +332,7 @@ def read_samples(tar: Path, report: ReadReport, *, index: Path | None = None,
         for position, ref in refs:
             members = {}
             for ext, (offset, size, name) in ref.members.items():
-                data = read_indexed_member(handle.fileno(), offset, size, header_read=scanned)
+                data = read_indexed_member(handle.fileno(), offset, size, header_read=scanned, name=name)
                 if data is None:
                     report.lose_shard(tar, f"changed while it was read, at member {name!r}; rerun" if scanned else
                                       f"its index {index} does not describe it at member {name!r}; {INDEX_FIX}")

@@ -226,7 +226,7 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
     work = MaskWork(config, job, plan, tars, predictor, workers, crf)
     try:
         report = run_shard_job(job, work, ranks, name="saliency build-masks", progress=config.progress,
-                               merge_timeout_s=config.merge_timeout_s)
+                               merge_timeout_s=config.merge_timeout_s, rehash=config.rehash_shards)
     except (OutputError, UnfinishedError) as error:
         raise MasksError(str(error)) from None
     return None if report.records is None else summary_of(report, work, len(tars), workers_note)

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from relicv2.cli.shards import shards_group
 from relicv2.shards.build import build_shards
 from relicv2.shards.index import index_path, read_index
+from relicv2.shards.reader import ReadReport, iter_samples
 from relicv2.shards.sample_set import load_sample_set
 from relicv2.shards.subset import class_balanced_keys
 from relicv2.shards.verify import verify_shard_set
@@ -94,3 +95,7 @@ def test_an_index_pointing_a_member_at_another_samples_bytes_is_refused_by_the_l
     assert str(idx) in message and "where no header of images-000000.tar puts it" in message
     assert "`relicv2 shards build`" in message and "\n" not in message
     assert not verify_shard_set(out).ok  # verify reports the same index
+    report = ReadReport()  # and the reader of every other job (eval knn, build-masks) reads no wrong image
+    key = first[jpg0][3].split(".")[0]
+    assert key not in [s["key"] for s in iter_samples(out, report=report)]
+    assert report.lost_shards and "does not describe it at member" in report.lost_shards[0][1]
