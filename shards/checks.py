@@ -24,7 +24,7 @@ from relicv2.jobs.atomic import atomic_write_bytes
 from relicv2.shards.images import PNG_SIGNATURE, header_problem
 from relicv2.shards.job import input_tar_identity
 from relicv2.shards.limits import DEFAULT_LIMITS
-from relicv2.shards.reader import ReadReport, SampleRef, header_refusals, locate_samples
+from relicv2.shards.reader import ReadReport, SampleRef, check_in_place, locate_samples
 from relicv2.shards.sample import IMAGE_MEMBERS, MASK_MEMBER
 from relicv2.shards.shardset import (
     ShardSet,
@@ -119,25 +119,21 @@ def check_path(tar: Path, idx: Path, headers: bool, cache: Path, decode: bool = 
     return cache / CHECKS_FOLDER / f"{cache_name(tar, file_identity(idx), checker(headers, decode))}.json"
 
 
-def _cached_verdicts(path: Path, count: int, identity: dict, check: str) -> tuple[dict[int, str], list] | None:
-    """The verdicts kept at `path` for an index of `count` samples, and the members the tar's headers
-    refuse, when they name this tar's `identity` and this `check`; None otherwise (or the file is torn or
-    not ours: the tar is then checked again)."""
+def _cached_verdicts(path: Path, count: int, identity: dict, check: str) -> dict[int, str] | None:
+    """The verdicts kept at `path` for an index of `count` samples, when they name this tar's
+    `identity` and this `check`; None otherwise (or the file is torn or not ours: the tar is then
+    checked again)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
         return None
     if (not isinstance(data, dict) or data.get("samples") != count or not isinstance(data.get("left_out"), list)
-            or not isinstance(data.get("refused"), list) or data.get("identity") != identity
-            or data.get("checker") != check):
+            or data.get("identity") != identity or data.get("checker") != check):
         return None
     if not all(isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int)
                and 0 <= entry[0] < count and isinstance(entry[1], str) for entry in data["left_out"]):
         return None
-    if not all(isinstance(entry, list) and len(entry) == 2 and all(isinstance(v, str) for v in entry)
-               for entry in data["refused"]):
-        return None
-    return dict(data["left_out"]), [tuple(entry) for entry in data["refused"]]
+    return dict(data["left_out"])
 
 
 def check_tar(tar: Path, idx: Path, *, headers: bool, cache: Path, decode_check: DecodeCheck | None = None) -> TarCheck:
@@ -145,9 +141,9 @@ def check_tar(tar: Path, idx: Path, *, headers: bool, cache: Path, decode_check:
     ones when given), or read the verdicts a previous check kept in `cache` (any rank's or job's,
     on a shared folder); keep new verdicts there.
 
-    The index is always parsed and checked by the shard reader (ValueError naming an index that does not
-    fit its tar); the first check also compares it with the tar's headers and counts the members they
-    refuse (`shards.reader.header_refusals`), kept with the verdicts. A cache that cannot be
+    The index is always parsed and checked against its tar by the shard reader (ValueError naming an
+    index that does not fit its tar; the first check also reads the header of every member it lists:
+    `shards.reader.check_in_place`); only the per-sample reads are cached. A cache that cannot be
     written is not an error (`stored` is then False).
     """
     report = ReadReport()
@@ -155,19 +151,18 @@ def check_tar(tar: Path, idx: Path, *, headers: bool, cache: Path, decode_check:
     refused = [(name, code) for (_, name, _), code in zip(report.rejected, report.codes, strict=True)]
     decode = decode_check is not None
     path, identity, check = check_path(tar, idx, headers, cache, decode), input_tar_identity(tar, idx), checker(headers, decode)
-    cached = _cached_verdicts(path, len(samples), identity, check)
-    if cached is not None:
-        return TarCheck(samples, cached[0], fresh=False, stored=True, refused=refused + cached[1])
-    scanned = header_refusals(tar, idx, samples)  # the index against the tar's headers: once, then cached
-    refused += scanned
+    verdicts = _cached_verdicts(path, len(samples), identity, check)
+    if verdicts is not None:
+        return TarCheck(samples, verdicts, fresh=False, stored=True, refused=refused)
     with open(tar, "rb") as handle:
+        check_in_place(handle, idx, samples)  # the index against the tar's headers: once, then cached
         verdicts = {i: reason for i, ref in enumerate(samples)
                     if (reason := structural_problem(ref, handle, headers=headers)) is not None}
     if decode_check is not None:
         undecodable = decode_check([s for i, s in enumerate(samples) if i not in verdicts])
         verdicts.update({i: undecodable[s.key] for i, s in enumerate(samples) if i not in verdicts and s.key in undecodable})
     record = {"tar": str(tar), "identity": identity, "checker": check, "samples": len(samples),
-              "left_out": sorted([i, r] for i, r in verdicts.items()), "refused": [list(r) for r in scanned]}
+              "left_out": sorted([i, r] for i, r in verdicts.items())}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(path, json.dumps(record).encode("utf-8"))

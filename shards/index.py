@@ -10,6 +10,7 @@ Index files may come from someone else: :func:`read_index` checks every field.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -20,6 +21,7 @@ from relicv2.shards.limits import DEFAULT_LIMITS, ImageLimits
 from relicv2.shards.tario import Skipped, TarReadError, iter_tar
 
 INDEX_VERSION = "v1.2"
+REFUSED_SUFFIX = ".refused.json"
 
 IndexEntry = tuple[str, int, int, str]  # (extension, data offset, size, member name)
 # The way out of an index that does not fit its tar, as commands: the build rewrites its own shards' indexes,
@@ -81,15 +83,49 @@ def scan_tar(tar: Path, limits: ImageLimits = DEFAULT_LIMITS) -> tuple[list[list
     return samples, skipped
 
 
-def index_text(tar: Path) -> str:
-    """The index of `tar` as text, without the members a reader refuses and hidden files; TarReadError
-    (a ValueError) naming the file when it is not a readable tar."""
+def derive_index(tar: Path) -> tuple[str, list[Skipped]]:
+    """The index of `tar` as text, without the members a reader refuses and hidden files, and the members
+    it refused (links, devices, unsafe names, oversized); TarReadError (a ValueError) naming the file when
+    it is not a readable tar."""
     samples, skipped = scan_tar(tar)
     cut = next((item for item in skipped if item.name is None or item.reason == "truncated"), None)
     if cut is not None:  # cut short: an index would hide the loss
         raise TarReadError(f"{tar}: {cut.detail}; rebuild or remove this shard")
     _check_members_together(tar, samples)
-    return format_index(samples)
+    return format_index(samples), skipped
+
+
+def index_text(tar: Path) -> str:
+    """The text of `derive_index`."""
+    return derive_index(tar)[0]
+
+
+def refused_path(index: Path) -> Path:
+    """Beside a derived index: the members of its tar that the derivation left out, for the reader to
+    report (a derived index cannot name them, and no job may lose them silently)."""
+    return index.with_suffix(REFUSED_SUFFIX)
+
+
+def write_refused(index: Path, refused: Sequence[Skipped]) -> None:
+    """Keep the members `derive_index` refused beside the index derived into a cache (none: no file)."""
+    if refused:
+        atomic_write_bytes(refused_path(index), json.dumps([[s.name, s.reason, s.detail] for s in refused]).encode())
+
+
+def read_refused(index: Path, limits: ImageLimits = DEFAULT_LIMITS) -> list[tuple[str, str, str]]:
+    """The refused members kept beside `index` as (name, reason code, detail); none when there is no such
+    file, or it is not one `write_refused` wrote (over the json limit, or other fields)."""
+    path = refused_path(index)
+    try:
+        if path.stat().st_size > limits.max_json_bytes:
+            return []
+        entries = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return []
+    if not isinstance(entries, list) or not all(
+            isinstance(e, list) and len(e) == 3 and all(isinstance(v, str) for v in e) for e in entries):
+        return []
+    return [tuple(e) for e in entries]
 
 
 def _check_members_together(tar: Path, samples: list[list[IndexEntry]]) -> None:

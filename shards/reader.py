@@ -24,7 +24,7 @@ import json
 import os
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +35,7 @@ from relicv2.shards.index import (
     index_path,
     name_key,
     read_index,
+    read_refused,
     scan_tar,
     split_member_name,
 )
@@ -52,7 +53,7 @@ from relicv2.shards.sample import (
     label_text,
 )
 from relicv2.shards.shardset import ShardSet, ShardSetError, Spec, shard_tars
-from relicv2.shards.tario import TarReadError, read_indexed_member
+from relicv2.shards.tario import TarReadError, header_fits, read_indexed_member
 
 UNUSED_LISTED = 20  # unused members named one by one in a report; the rest only counted
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')  # a JSON string literal: brackets inside it do not nest
@@ -270,6 +271,8 @@ def _index(tar: Path, index: Path | None, limits: ImageLimits, report: ReadRepor
         lines = read_index(index, tar)
         for entries in lines:  # every line before any verdict: a bad index changes nothing in `report`
             _check_line(tar, index, entries)
+        for name, code, detail in read_refused(index, limits):  # what its derivation left out of it
+            report.reject(tar, name, code, detail)
         return lines
     lines, skipped = scan_tar(tar, limits)
     for item in skipped:
@@ -286,21 +289,16 @@ def _located(tar: Path, index: Path | None, limits: ImageLimits, report: ReadRep
             if (ref := _policy(tar, entries, seen, limits, report)) is not None]
 
 
-def header_refusals(tar: Path, index: Path, samples: list[SampleRef],
-                    limits: ImageLimits = DEFAULT_LIMITS) -> list[tuple[str, str]]:
-    """Check samples located through `index` against `tar`'s own headers (all read now, no data), and return
-    (member name, reason code) of the members the tar holds that the policy refuses (links, devices, unsafe
-    names, oversized): an index derived from the tar leaves them out, so only the headers name them.
-    IndexFileError (naming the index and the fix) unless every member lies where a header puts it, with
-    that name and size: an index pointing one sample's image at another's bytes delivers the wrong image."""
-    lines, skipped = scan_tar(tar, limits)
-    held = {entry for entries in lines for entry in entries}
+def check_in_place(handle, index: Path, samples: Sequence[SampleRef]) -> None:
+    """IndexFileError (naming the index and the fix) unless, in the open tar, the header before each member
+    of `samples` (located through `index`) names that member with that size (`shards.tario.header_fits`):
+    an index pointing one sample's image at another's bytes would deliver the wrong image. A read of a
+    block a member: what `relicv2 shards verify` finds by comparing the index with the tar's, cheaply."""
     for ref in samples:
-        for ext, offset, size, name in ref.entries:
-            if (ext, offset, size, name) not in held:
-                raise IndexFileError(f"{index}: lists member {name[:80]!r} at byte {offset} ({size} bytes), where "
-                                     f"no header of {tar.name} puts it; {INDEX_FIX}")
-    return [(item.name, item.reason) for item in skipped if item.name is not None and item.reason != "truncated"]
+        for _, offset, size, name in ref.entries:
+            if not header_fits(handle.fileno(), offset, size, name):
+                raise IndexFileError(f"{index}: lists member {name[:80]!r} at byte {offset} ({size} bytes), where no "
+                                     f"header of {ref.tar.name} puts it; {INDEX_FIX}")
 
 
 def locate_samples(tar: Path, report: ReadReport, *, index: Path | None = None,

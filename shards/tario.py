@@ -99,26 +99,33 @@ def iter_tar(path: Path, limits: ImageLimits = DEFAULT_LIMITS) -> Iterator[tarfi
 def read_indexed_member(fd: int, offset: int, size: int, *, header_read: bool = False,
                         name: str | None = None) -> bytes | None:
     """The `size` data bytes at `offset` of an open tar, read with the member's header in one call;
-    None unless that header is a valid regular-file header of exactly that size, and of that `name` when
-    given (an ASCII name of under 100 characters: a longer or other one is held in an extended header
-    before it), else it is an index that does not describe this tar: stale, foreign or forged (one
-    sample's image pointed at another's bytes). With `header_read` (the caller took the
-    place from this tar's own headers) the data alone: parsing each header twice cost a reading job
-    ~5% of its CPU."""
+    None unless `header_fits` (an index that does not describe this tar: stale, foreign or forged). With
+    `header_read` (the caller took the place from this tar's own headers) the data alone: parsing each
+    header twice cost a reading job ~5% of its CPU."""
     if header_read:
         data = os.pread(fd, size, offset)
         return data if len(data) == size else None
     if offset < BLOCK:
         return None
     raw = os.pread(fd, BLOCK + size, offset - BLOCK)
-    if len(raw) != BLOCK + size:
-        return None
+    return raw[BLOCK:] if len(raw) == BLOCK + size and _fits(raw[:BLOCK], size, name) else None
+
+
+def header_fits(fd: int, offset: int, size: int, name: str | None = None) -> bool:
+    """Whether the header block before `offset` of an open tar is a valid regular-file header of exactly
+    `size` bytes, and of that `name` when given (an ASCII name of under 100 characters: a longer or other
+    one is held in an extended header before it). An index whose member fails it is stale, foreign or
+    forged: one sample's image pointed at another's bytes, say. One read of a block, no data."""
+    return offset >= BLOCK and _fits(os.pread(fd, BLOCK, offset - BLOCK), size, name)
+
+
+def _fits(block: bytes, size: int, name: str | None) -> bool:
     try:
-        info = tarfile.TarInfo.frombuf(raw[:BLOCK], "utf-8", "surrogateescape")
+        info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
     except tarfile.HeaderError:
-        return None
+        return False
     named = name is None or not name.isascii() or len(name) >= 100 or re.sub(r"^(\./)+", "", info.name) == name
-    return raw[BLOCK:] if info.isreg() and info.size == size and named else None
+    return info.isreg() and info.size == size and named
 
 
 class MemberReader(io.RawIOBase):
