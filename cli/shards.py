@@ -87,7 +87,7 @@ def build(input_path: Path, out_arg: Path | None, out_opt: Path | None, max_byte
         ranks = ranks_from_env()
         click.echo(settings_text(config, version=package_version()).rstrip(), err=True)
         report = build_shards(config, ranks)
-    repaired = f" ({len(report.repaired)} of them damaged since an earlier run: rebuilt)" if report.repaired else ""
+    repaired = f" ({len(report.repaired)} of them finished by an earlier run, changed since: rebuilt)" if report.repaired else ""
     click.echo(
         f"rank {ranks.rank}/{ranks.world_size}: {report.shards_built} shard(s) built{repaired}, {report.shards_kept} "
         f"kept from an earlier run, {report.written} images written, {report.rejected} rejected while decoding"

@@ -46,7 +46,7 @@ def test_rerunning_the_build_rebuilds_a_truncated_shard(tmp_path, monkeypatch):
     result = cli_build(monkeypatch, src, out, "--max-count", "4")
     assert result.exit_code == 0, result.output
     assert "rebuilding images-000001.tar, finished by an earlier run: its tar has" in result.output
-    assert "1 shard(s) built (1 of them damaged since an earlier run: rebuilt), 3 kept" in result.output
+    assert "1 shard(s) built (1 of them finished by an earlier run, changed since: rebuilt), 3 kept" in result.output
     assert set_bytes(out) == reference  # tar, index, manifest and info exactly as first built
     result = CliRunner().invoke(shards_group, ["verify", str(out), "--workers", "1", "--no-progress"])
     assert result.exit_code == 0 and "OK, 4 shards, 15 samples verified" in result.output
