@@ -30,6 +30,7 @@ from relicv2.saliency.evaluate import (
 from relicv2.saliency.handcrafted.methods import METHODS, resolve_methods
 from relicv2.saliency.network.config import PRESETS, load_saliency_config
 from relicv2.saliency.preview import PreviewConfig, write_preview
+from relicv2.shards.driver import REHASH_OPTION
 
 # Modules that import torch are imported inside the commands: `relicv2 saliency --help` stays fast.
 
@@ -195,6 +196,9 @@ def train_command(config_name: str | None, preset_name: str | None, overrides: t
 @click.option("--crf/--no-crf", default=None,
               help="Refine each mask with the dense CRF the model was trained with (CPU work in the workers). "
                    "[default: off]")
+@click.option(REHASH_OPTION, "rehash_shards", is_flag=True, default=None,
+              help="Hash every finished masked shard and rebuild those whose bytes changed (bit rot); a plain "
+                   "rerun reads none.")
 @click.option("--progress/--no-progress", default=None, help="Show a progress bar. [default: on]")
 def build_masks_command(config_name: str | None, overrides: tuple[str, ...], **options) -> None:
     """Write a masked shard set: every sample's original image plus an 8-bit soft mask (mask.png).

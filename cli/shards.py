@@ -17,7 +17,8 @@ from relicv2.jobs.ranks import RanksError, ranks_from_env
 from relicv2.jobs.version import package_version
 from relicv2.jobs.workers import usable_cores
 from relicv2.shards.build import BuildConfig, build_shards
-from relicv2.shards.job import output_error
+from relicv2.shards.driver import REHASH_OPTION
+from relicv2.shards.job import INPUT_CHECKS, output_error
 from relicv2.shards.limits import DEFAULT_MAX_PIXELS
 from relicv2.shards.manifest import REJECTED_NAME
 from relicv2.shards.merge import merge_shard_set, rejected_listing_command
@@ -56,6 +57,12 @@ def shards_group() -> None:
               help="Decoding processes (at least 1).")
 @click.option("--max-pixels", type=click.IntRange(min=1), default=DEFAULT_MAX_PIXELS, show_default=True,
               help="Refuse images with more pixels than this (checked from the header, before decoding).")
+@click.option("--input-check", type=click.Choice(INPUT_CHECKS), default="time", show_default=True,
+              help="How a rerun tells an edited input image: time = its size and modification time (ns); "
+                   "content = the SHA-256 of every input (reads them all; where file times cannot be trusted).")
+@click.option(REHASH_OPTION, "rehash_shards", is_flag=True,
+              help="Hash every finished shard and rebuild those whose bytes changed since they were written "
+                   "(bit rot, as `shards verify` reports it); a plain rerun reads no finished shard.")
 @click.option("--overwrite", is_flag=True,
               help="Replace a previous build in --out (only its own files are removed) or build beside other files.")
 @click.option("--merge-timeout", default=3600.0, show_default=True, help="Under torchrun: seconds rank 0 waits for the other ranks before merging.")
@@ -80,7 +87,7 @@ def build(input_path: Path, out_arg: Path | None, out_opt: Path | None, max_byte
         ranks = ranks_from_env()
         click.echo(settings_text(config, version=package_version()).rstrip(), err=True)
         report = build_shards(config, ranks)
-    repaired = f" ({len(report.repaired)} of them damaged since an earlier run: rebuilt)" if report.repaired else ""
+    repaired = f" ({len(report.repaired)} of them finished by an earlier run, changed since: rebuilt)" if report.repaired else ""
     click.echo(
         f"rank {ranks.rank}/{ranks.world_size}: {report.shards_built} shard(s) built{repaired}, {report.shards_kept} "
         f"kept from an earlier run, {report.written} images written, {report.rejected} rejected while decoding"
@@ -214,4 +221,8 @@ def subset(shards_dir: str, fraction: float, out: Path, seed: int, min_per_class
         write_key_list(out, report.keys, header=f"relicv2 shards subset {shards_dir} --fraction {fraction} "
                                                 f"--seed {seed}\n{summary}")
     counts = sorted(report.per_class.values())
+    if report.refused:
+        reasons = ", ".join(f"{reason} {n}" for reason, n in sorted(report.refused.items()))
+        click.echo(f"left out {sum(report.refused.values())} member(s) or sample(s) the shard reader refuses "
+                   f"({reasons}), as every job does; `relicv2 shards verify` names each", err=True)
     click.echo(f"wrote {out}: {summary} ({counts[0]}-{counts[-1]} per class)")

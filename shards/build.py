@@ -23,7 +23,7 @@ from relicv2.jobs.version import package_version
 from relicv2.jobs.workers import worker_pool
 from relicv2.shards.driver import JobReport, UnitOutput, run_shard_job
 from relicv2.shards.images import PreparedImage, Rejection, prepare_file
-from relicv2.shards.job import MergeReport, ShardJob
+from relicv2.shards.job import INPUT_CHECKS, MergeReport, ShardJob, input_files_identity
 from relicv2.shards.limits import DEFAULT_MAX_PIXELS, ImageLimits
 from relicv2.shards.manifest import REJECTED_NAME, rejected_table, write_table
 from relicv2.shards.merge import (
@@ -60,6 +60,8 @@ class BuildConfig:
     progress: bool = True
     merge_timeout_s: float = 3600.0
     max_pixels: int = DEFAULT_MAX_PIXELS
+    input_check: str = "time"  # how a rerun tells an edited input (shards.job.input_files_identity)
+    rehash_shards: bool = False  # a rerun hashes the finished tars, rebuilding those that changed (bit rot)
     command: str = ""
 
 
@@ -84,6 +86,8 @@ def check_config(config: BuildConfig) -> None:
                           ("--min-side", config.min_side)):
         if value < 1:
             raise InputError(f"{option} {value} must be at least 1")
+    if config.input_check not in INPUT_CHECKS:
+        raise InputError(f"--input-check {config.input_check!r} must be one of {', '.join(INPUT_CHECKS)}")
     if not config.prefix or "." in config.prefix or "/" in config.prefix:
         raise InputError(f"--prefix {config.prefix!r} must be a plain name without dots or slashes")
     out = config.out_dir
@@ -103,6 +107,7 @@ def plan_record(config: BuildConfig, listing: Listing, shards: list[ShardPlan]) 
         "layout": listing.layout,
         "inputs": len(listing.images) + len(listing.rejected),
         "command": config.command,
+        "out": str(config.out_dir),  # as the command names it
         "version": package_version(),
     }
 
@@ -193,12 +198,16 @@ class BuildWork:
     def claim(self, job: ShardJob, ranks: Ranks) -> None:
         removed = claim_out_dir(job.out, self.plan, overwrite=self.config.overwrite, multi_rank=ranks.world_size > 1)
         if removed:
-            print(f"--overwrite: removed {removed} file(s) of the previous build in {job.out}", file=sys.stderr)
+            shown = ", ".join(removed[:4]) + (f" and {len(removed) - 4} more" if len(removed) > 4 else "")
+            print(f"--overwrite: removed {len(removed)} file(s) of the previous build in {job.out} ({shown}) "
+                  "and its work folder", file=sys.stderr)
         if ranks.rank == 0:
             write_table(rejected_table(self.listing.rejected), job.work / PLAN_REJECTED)
 
-    def inputs(self, number: int) -> None:
-        return None  # the shard's digest covers its images (sources, keys, labels, sizes) and the settings
+    def inputs(self, number: int) -> dict:
+        # The shard's digest covers its images' sources, keys, labels and sizes, and the settings.
+        return input_files_identity([(im.path, im.mtime_ns) for im in self.shards[number].images],
+                                    self.config.input_check)
 
     def items(self, number: int) -> int:
         return len(self.shards[number].images)
@@ -226,10 +235,11 @@ def build_shards(config: BuildConfig, ranks: Ranks = Ranks()) -> JobReport:
         listing = list_inputs(config.input, config.layout, exclude=out)
         phase.update(len(listing.images) + len(listing.rejected))
     shards = plan_shards(listing.images, settings_of(config))
-    job = build_job(out, [(s.name, s.digest) for s in shards])
     work = BuildWork(config, listing, shards, plan_record(config, listing, shards))
+    job = build_job(out, [(s.name, s.digest) for s in shards], work.plan)
     report = run_shard_job(job, work, ranks, name="shards build", progress=config.progress,
-                           merge_timeout_s=config.merge_timeout_s, rerun=unfinished_hint(out))
+                           merge_timeout_s=config.merge_timeout_s, rerun=unfinished_hint(out),
+                           rehash=config.rehash_shards)
     if report.merge is not None and report.merge.written == 0:
         reasons = ", ".join(f"{k} {v}" for k, v in report.merge.rejected_by_reason.items())
         raise InputError(

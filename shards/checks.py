@@ -24,7 +24,7 @@ from relicv2.jobs.atomic import atomic_write_bytes
 from relicv2.shards.images import PNG_SIGNATURE, header_problem
 from relicv2.shards.job import input_tar_identity
 from relicv2.shards.limits import DEFAULT_LIMITS
-from relicv2.shards.reader import ReadReport, SampleRef, locate_samples
+from relicv2.shards.reader import ReadReport, SampleRef, check_in_place, locate_samples
 from relicv2.shards.sample import IMAGE_MEMBERS, MASK_MEMBER
 from relicv2.shards.shardset import (
     ShardSet,
@@ -142,7 +142,8 @@ def check_tar(tar: Path, idx: Path, *, headers: bool, cache: Path, decode_check:
     on a shared folder); keep new verdicts there.
 
     The index is always parsed and checked against its tar by the shard reader (ValueError naming an
-    index that does not fit its tar); only the per-sample reads are cached. A cache that cannot be
+    index that does not fit its tar; the first check also reads the header of every member it lists:
+    `shards.reader.check_in_place`); only the per-sample reads are cached. A cache that cannot be
     written is not an error (`stored` is then False).
     """
     report = ReadReport()
@@ -154,6 +155,7 @@ def check_tar(tar: Path, idx: Path, *, headers: bool, cache: Path, decode_check:
     if verdicts is not None:
         return TarCheck(samples, verdicts, fresh=False, stored=True, refused=refused)
     with open(tar, "rb") as handle:
+        check_in_place(handle, idx, samples)  # the index against the tar's headers: once, then cached
         verdicts = {i: reason for i, ref in enumerate(samples)
                     if (reason := structural_problem(ref, handle, headers=headers)) is not None}
     if decode_check is not None:

@@ -10,18 +10,20 @@ import dataclasses
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 from relicv2.jobs.atomic import remove_stale_temps
 from relicv2.jobs.lock import folder_lock
-from relicv2.jobs.progress import Phase
+from relicv2.jobs.progress import Phase, tracked
 from relicv2.jobs.ranks import Ranks
 from relicv2.shards.index import shard_files
 from relicv2.shards.job import (
     NOT_DONE,
     MergeReport,
     ShardJob,
+    UnfinishedError,
     output_error,
     pending_reason,
     rank_units,
@@ -80,19 +82,27 @@ class JobReport:
     seconds_to_merge: float | None = None  # rank 0's: from its first unit until every record was there
 
 
+REHASH_OPTION = "--rehash-shards"  # the commands' option for `run_shard_job(rehash=True)`
+
+
 def run_shard_job(job: ShardJob, work: UnitWork, ranks: Ranks, *, name: str, progress: bool = True,
-                  merge_timeout_s: float = 3600.0, rerun: str = "rerun the same command on every rank") -> JobReport:
+                  merge_timeout_s: float = 3600.0, rerun: str = "rerun the same command on every rank",
+                  rehash: bool = False) -> JobReport:
     """Run (or resume) this rank's units of `job`, then (rank 0) wait up to `merge_timeout_s` for the other
     ranks' units and merge. `name` is the command (`shards build`): the lock's holder and the progress bar
-    say it. Raises OutputError when the output cannot be written, UnfinishedError (with `rerun`, the way
-    out) when units stay unfinished, and what the job's own part raises."""
+    say it. With `rehash` every finished unit's tar is hashed against its record and redone when it
+    differs (bit rot); without, no finished tar is read. Raises OutputError when the output cannot be
+    written, UnfinishedError (with `rerun`, the way out) when units stay unfinished or a worker process
+    died, and what the job's own part raises."""
     try:
         # The lock is released (its file removed) before an empty folder is removed.
         with output_folder(job.out), folder_lock(job.out, f"relicv2 {name}", enabled=ranks.rank == 0):
             work.claim(job, ranks)
             mine = rank_units(len(job.units), ranks.rank, ranks.world_size)
-            inputs = {n: work.inputs(n) for n in mine}
-            reasons = {n: pending_reason(job, job.units[n], inputs[n]) for n in mine}
+            inputs, reasons = {}, {}
+            for n in tracked(mine, f"{name}: checking done records", len(mine), unit="shard", enabled=progress):
+                inputs[n] = work.inputs(n)
+                reasons[n] = pending_reason(job, job.units[n], inputs[n], rehash)
             todo = [n for n in mine if reasons[n] is not None]
             repaired = {job.units[n].shard: reasons[n] for n in todo if reasons[n] != NOT_DONE}
             for shard, reason in repaired.items():
@@ -110,12 +120,20 @@ def run_shard_job(job: ShardJob, work: UnitWork, ranks: Ranks, *, name: str, pro
             total, written, rejected = sum(work.items(n) for n in todo), 0, 0
             started = time.monotonic()
             label = name if ranks.world_size == 1 else f"{name}, rank {ranks.rank}/{ranks.world_size}"
-            with Phase(label, total, unit="img", enabled=progress and bool(todo)) as bar, \
-                    contextlib.closing(work.run(todo, bar)) as outputs:  # closed now: a pool in it shuts down now
-                for n, output in zip(todo, outputs, strict=True):
-                    record = write_record(job, job.units[n], output.shard, output.rejected, inputs=inputs[n],
-                                          extra=output.extra)
-                    written, rejected = written + len(record["manifest"]), rejected + len(record["rejected"])
+            done = 0
+            try:
+                with Phase(label, total, unit="img", enabled=progress and bool(todo)) as bar, \
+                        contextlib.closing(work.run(todo, bar)) as outputs:  # closed now: a pool in it shuts down now
+                    for n, output in zip(todo, outputs, strict=True):
+                        record = write_record(job, job.units[n], output.shard, output.rejected, inputs=inputs[n],
+                                              extra=output.extra)
+                        written, rejected = written + len(record["manifest"]), rejected + len(record["rejected"])
+                        done += 1
+            except BrokenProcessPool as exc:
+                raise UnfinishedError(
+                    f"a worker process died while {name} made {job.out / job.units[todo[done]].shard} (killed "
+                    "by the system for memory? see dmesg); finished shards are kept: rerun the same command to resume"
+                ) from exc
             report = JobReport(len(todo), len(mine) - len(todo), written, rejected, None, tuple(repaired), kept_elsewhere,
                                bar.count, time.monotonic() - started)
             if ranks.rank != 0:

@@ -10,6 +10,7 @@ Index files may come from someone else: :func:`read_index` checks every field.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -20,8 +21,13 @@ from relicv2.shards.limits import DEFAULT_LIMITS, ImageLimits
 from relicv2.shards.tario import Skipped, TarReadError, iter_tar
 
 INDEX_VERSION = "v1.2"
+REFUSED_SUFFIX = ".refused.json"
 
 IndexEntry = tuple[str, int, int, str]  # (extension, data offset, size, member name)
+# The way out of an index that does not fit its tar, as commands: the build rewrites its own shards' indexes,
+# `shards index` derives a plain tar's missing one.
+INDEX_FIX = ("delete it, then rerun the `relicv2 shards build` that made the set, or run `relicv2 shards index` "
+             "on a set of plain tars (it derives the index from the tar)")
 
 
 class IndexFileError(ValueError):
@@ -77,15 +83,49 @@ def scan_tar(tar: Path, limits: ImageLimits = DEFAULT_LIMITS) -> tuple[list[list
     return samples, skipped
 
 
-def index_text(tar: Path) -> str:
-    """The index of `tar` as text, without the members a reader refuses and hidden files; TarReadError
-    (a ValueError) naming the file when it is not a readable tar."""
+def derive_index(tar: Path) -> tuple[str, list[Skipped]]:
+    """The index of `tar` as text, without the members a reader refuses and hidden files, and the members
+    it refused (links, devices, unsafe names, oversized); TarReadError (a ValueError) naming the file when
+    it is not a readable tar."""
     samples, skipped = scan_tar(tar)
     cut = next((item for item in skipped if item.name is None or item.reason == "truncated"), None)
     if cut is not None:  # cut short: an index would hide the loss
         raise TarReadError(f"{tar}: {cut.detail}; rebuild or remove this shard")
     _check_members_together(tar, samples)
-    return format_index(samples)
+    return format_index(samples), skipped
+
+
+def index_text(tar: Path) -> str:
+    """The text of `derive_index`."""
+    return derive_index(tar)[0]
+
+
+def refused_path(index: Path) -> Path:
+    """Beside a derived index: the members of its tar that the derivation left out, for the reader to
+    report (a derived index cannot name them, and no job may lose them silently)."""
+    return index.with_suffix(REFUSED_SUFFIX)
+
+
+def write_refused(index: Path, refused: Sequence[Skipped]) -> None:
+    """Keep the members `derive_index` refused beside the index derived into a cache (none: no file)."""
+    if refused:
+        atomic_write_bytes(refused_path(index), json.dumps([[s.name, s.reason, s.detail] for s in refused]).encode())
+
+
+def read_refused(index: Path, limits: ImageLimits = DEFAULT_LIMITS) -> list[tuple[str, str, str]]:
+    """The refused members kept beside `index` as (name, reason code, detail); none when there is no such
+    file, or it is not one `write_refused` wrote (over the json limit, or other fields)."""
+    path = refused_path(index)
+    try:
+        if path.stat().st_size > limits.max_json_bytes:
+            return []
+        entries = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return []
+    if not isinstance(entries, list) or not all(
+            isinstance(e, list) and len(e) == 3 and all(isinstance(v, str) for v in e) for e in entries):
+        return []
+    return [tuple(e) for e in entries]
 
 
 def _check_members_together(tar: Path, samples: list[list[IndexEntry]]) -> None:
@@ -116,9 +156,9 @@ def _entry(path: Path, number: int, fields: list[str], i: int, tar_size: int) ->
         offset, size = int(offset), int(size)
     except ValueError:
         raise IndexFileError(f"{path} line {number}: offset/size {fields[i + 1]!r}/{fields[i + 2]!r} are not integers; "
-                             "rewrite it with write_index") from None
+                             f"{INDEX_FIX}") from None
     if offset < 0 or size < 0:
-        raise IndexFileError(f"{path} line {number}: negative offset or size ({offset}, {size}); rewrite it with write_index")
+        raise IndexFileError(f"{path} line {number}: negative offset or size ({offset}, {size}); {INDEX_FIX}")
     if offset + size > tar_size:
         raise IndexFileError(f"{path} line {number}: member {name!r} at {offset}+{size} lies beyond the tar's {tar_size} "
                              "bytes: the tar is cut short or the index belongs to another tar; check the set with "
@@ -126,7 +166,7 @@ def _entry(path: Path, number: int, fields: list[str], i: int, tar_size: int) ->
     try:
         check_key(name)
     except UnsafeKeyError as exc:
-        raise IndexFileError(f"{path} line {number}: unsafe member name ({exc}); rewrite it with write_index") from None
+        raise IndexFileError(f"{path} line {number}: unsafe member name ({exc}); {INDEX_FIX}") from None
     return ext, offset, size, name
 
 
@@ -137,18 +177,18 @@ def read_index(path: Path, tar: Path) -> list[list[IndexEntry]]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
-        raise IndexFileError(f"{path}: cannot be read as an index ({exc}); rewrite it with write_index") from None
+        raise IndexFileError(f"{path}: cannot be read as an index ({exc}); {INDEX_FIX}") from None
     head = lines[0].split() if lines else []
     if len(head) != 2 or head[0] != INDEX_VERSION or not head[1].isdigit():
-        raise IndexFileError(f"{path} is not a DALI {INDEX_VERSION} index (first line must be '{INDEX_VERSION} <count>'); rewrite it with write_index")
+        raise IndexFileError(f"{path} is not a DALI {INDEX_VERSION} index (first line must be '{INDEX_VERSION} <count>'); {INDEX_FIX}")
     count = int(head[1])
     tar_size = os.path.getsize(tar)
     samples = []
     for number, line in enumerate(lines[1:], start=2):
         fields = line.split(" ")
         if not line or len(fields) % 4:
-            raise IndexFileError(f"{path} line {number}: malformed {line[:80]!r}; rewrite it with write_index")
+            raise IndexFileError(f"{path} line {number}: malformed {line[:80]!r}; {INDEX_FIX}")
         samples.append([_entry(path, number, fields, i, tar_size) for i in range(0, len(fields), 4)])
     if len(samples) != count:
-        raise IndexFileError(f"{path} announces {count} samples but lists {len(samples)}; rewrite it with write_index")
+        raise IndexFileError(f"{path} announces {count} samples but lists {len(samples)}; {INDEX_FIX}")
     return samples

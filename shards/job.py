@@ -18,6 +18,7 @@ from pathlib import Path
 from relicv2.jobs.atomic import OutputError, atomic_write_bytes
 from relicv2.jobs.progress import Phase
 from relicv2.shards.index import index_path
+from relicv2.shards.keys import UnsafeKeyError, check_key
 from relicv2.shards.manifest import (
     MANIFEST_NAME,
     REJECTED_NAME,
@@ -33,6 +34,7 @@ PLAN_NAME = "plan.json"  # in the work folder: what the job's outputs are made f
 RECORD_SUFFIX = ".done.json"
 RECORD_FIELDS = {"shard", "digest", "empty", "manifest", "rejected"}
 NOT_DONE = "not built yet"
+INPUT_CHECKS = ("time", "content")  # how a rerun tells a changed input file (`input_files_identity`)
 
 
 class PlanError(ValueError):
@@ -60,6 +62,7 @@ class ShardJob:
     out: Path
     work: Path
     units: tuple[Unit, ...]
+    classes: int = 0  # the class count labels must stay below (0: not known, any class index)
 
     @property
     def plan_path(self) -> Path:
@@ -115,41 +118,92 @@ def input_tar_identity(tar: Path, index: Path) -> dict:
     return {"tar": tar.name, "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns, "index_sha256": sha256_of(index)}
 
 
-def read_record(path: Path) -> dict | None:
-    """A done record, or None when it is missing or not one."""
+def input_files_identity(files: Sequence[tuple[str, int]], check: str = "time") -> dict:
+    """What a done record keeps of a unit's input files, (path, modification time in ns) each, so that a
+    rerun tells a changed one (`pending_reason`). "time": their times (their sizes are in the unit's
+    digest): an edit that keeps a file's size still changes its time, as make and ninja rely on; free, the
+    listing stat()ed them. "content": the SHA-256 of their bytes, for file systems whose times cannot be
+    trusted; it reads every input on every run (`benchmarks/bench_input_check.py`)."""
+    if check == "content":
+        return {"inputs_sha256": digest_of([sha256_of(Path(path)) for path, _ in files])}
+    return {"inputs_mtime_ns": digest_of([mtime for _, mtime in files])}
+
+
+class RecordError(ValueError):
+    """A done record that cannot be its unit's (unreadable, or fields a build never writes): says why."""
+
+
+def load_record(path: Path, unit: Unit, classes: int = 0) -> dict:
+    """The done record of `unit` at `path`, checked like any file a user could have edited: its fields,
+    its shard, each manifest row's key (safe), shard and label (a class index, below `classes` when
+    known) and each rejected row. RecordError says what is wrong; OSError when it cannot be read."""
     try:
         record = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) and RECORD_FIELDS <= set(record) else None
+    except (ValueError, RecursionError) as exc:
+        raise RecordError(f"it is not JSON ({str(exc)[:80]})") from None
+    if not isinstance(record, dict) or not RECORD_FIELDS <= set(record):
+        raise RecordError("fields are missing")
+    if record["shard"] != unit.shard or not isinstance(record["empty"], bool) \
+            or not isinstance(record["manifest"], list) or not isinstance(record["rejected"], list):
+        raise RecordError(f"it names shard {str(record['shard'])[:80]!r} or its fields have other types")
+    for row in record["manifest"]:
+        if not isinstance(row, dict) or row.get("shard") != unit.shard:
+            raise RecordError(f"a manifest row is not one of {unit.shard}")
+        try:
+            check_key(row.get("key"))
+        except UnsafeKeyError as exc:
+            raise RecordError(f"a manifest row's {exc}") from None
+        label = row.get("label")
+        if label is not None and (type(label) is not int or (classes and not 0 <= label < classes)):
+            limit = f" of the set's {classes} classes" if classes else ""
+            raise RecordError(f"sample {row['key']!r} has label {str(label)[:20]}, not a class index{limit}")
+    if not all(isinstance(row, dict) and all(isinstance(row.get(k), str) for k in ("source", "reason"))
+               for row in record["rejected"]):
+        raise RecordError("a rejected row is not a source with a reason")
+    return record
 
 
-def pending_reason(job: ShardJob, unit: Unit, inputs: dict | None = None) -> str | None:
-    """None when the unit is finished: its record is there, made from these inputs (`unit.digest`,
-    and `inputs` when the job checks more than the digest), and its files are those it records.
-    Otherwise why the unit must be (re)done: NOT_DONE, or what changed since it was done."""
+def read_record(job: ShardJob, unit: Unit) -> dict | str:
+    """The unit's done record, or why there is none to use: NOT_DONE, or what is wrong with the file."""
     path = job.record_path(unit)
-    if not path.is_file():
+    try:
+        return load_record(path, unit, job.classes)
+    except FileNotFoundError:
         return NOT_DONE
-    record = read_record(path)
-    if record is None:
-        return f"its done record {path.name} is unreadable"
-    if record["digest"] != unit.digest or (inputs is not None and record.get("inputs") != inputs):
+    except OSError as exc:
+        return f"its done record {path.name} cannot be read ({exc.strerror or exc})"
+    except RecordError as exc:
+        return f"its done record {path.name} is not valid ({exc})"
+
+
+def pending_reason(job: ShardJob, unit: Unit, inputs: dict | None = None, rehash: bool = False) -> str | None:
+    """None when the unit is finished: its record is there, made from these inputs (`unit.digest`,
+    and `inputs` when the job checks more than the digest), and its files are those it records
+    (with `rehash`, hashed: see `files_changed`). Otherwise why the unit must be (re)done: NOT_DONE,
+    or what changed since it was done."""
+    record = read_record(job, unit)
+    if isinstance(record, str):
+        return record
+    if record["digest"] != unit.digest:
         return "its inputs changed since it was built"
+    if inputs is not None and record.get("inputs") != inputs:
+        if not isinstance(record.get("inputs"), dict) or set(record["inputs"]) != set(inputs):
+            return "its done record does not identify its inputs this way (made by an older version or another check)"
+        return "an input changed since it was built"
     if record["empty"]:
         return f"its tar {unit.shard} exists, but it had no sample when it was built" \
             if (job.out / unit.shard).exists() else None
-    return files_changed(job.out / unit.shard, record, path)
+    return files_changed(job.out / unit.shard, record, job.record_path(unit), rehash)
 
 
-def files_changed(tar: Path, record: dict, marker: Path) -> str | None:
+def files_changed(tar: Path, record: dict, marker: Path, rehash: bool = False) -> str | None:
     """What differs between a finished unit's tar and index and its done record, or None.
 
     The index (small) is hashed on every check. The tar is compared by size; it is hashed only when
     its modification time is not the recorded one, so rerunning a finished job of any size costs
     no read of its tars, while any write to a tar (in place, truncation, a copy) is caught. A
     confirmed tar's new time is recorded, so a copied set is hashed once. Damage that keeps both
-    size and time (bit rot on disk) is left to `relicv2 shards verify`.
+    size and time (bit rot on disk) is found with `rehash`: every tar is hashed (`--rehash-shards`).
     """
     idx = index_path(tar)
     for what, path in (("tar", tar), ("index", idx)):
@@ -164,9 +218,11 @@ def files_changed(tar: Path, record: dict, marker: Path) -> str | None:
         return f"its tar has {stat.st_size} bytes, {record.get('tar_bytes')} when it was built"
     if sha256_of(idx) != record.get("index_sha256"):
         return f"its index {idx.name} differs from the one written with it"
-    if stat.st_mtime_ns != record.get("tar_mtime_ns"):
+    if rehash or stat.st_mtime_ns != record.get("tar_mtime_ns"):
         if sha256_of(tar) != record["tar_sha256"]:
             return "its tar was changed after it was built (its SHA-256 differs)"
+        if stat.st_mtime_ns == record.get("tar_mtime_ns"):
+            return None
         atomic_write_bytes(marker, json.dumps({**record, "tar_mtime_ns": stat.st_mtime_ns}, sort_keys=True).encode())
     return None
 
@@ -197,12 +253,15 @@ def wait_for_records(job: ShardJob, wait_s: float, *, progress: bool = True, rer
     stale and the way out."""
     deadline = time.monotonic() + wait_s
     found: dict[str, dict] = {}
+    problems: dict[str, str] = {}  # the units whose record is there but cannot be used: why
     waiting = list(job.units)
     with Phase("merge: reading done records", len(job.units), unit="shard", enabled=progress) as bar:
         while True:
             for unit in waiting:
-                record = read_record(job.record_path(unit))
-                if record is not None and record["digest"] == unit.digest:  # else missing, or from other inputs
+                record = read_record(job, unit)
+                if isinstance(record, str):  # missing, or not valid
+                    problems[unit.id] = record
+                elif record["digest"] == unit.digest:  # else from other inputs
                     # Columns now, not a dict a row: 1.28 M rows as dicts held 3 GB in the merge.
                     found[unit.id] = {**record, "manifest": manifest_table(record["manifest"])}
                     bar.update(1)
@@ -212,6 +271,8 @@ def wait_for_records(job: ShardJob, wait_s: float, *, progress: bool = True, rer
             time.sleep(POLL_S)
     if waiting:
         shown = ", ".join(u.shard for u in waiting[:5]) + (" ..." if len(waiting) > 5 else "")
+        if invalid := [f"{u.shard}: {problems[u.id]}" for u in waiting if problems.get(u.id, NOT_DONE) != NOT_DONE]:
+            shown += f"; {invalid[0]}" + (f" (and {len(invalid) - 1} more)" if len(invalid) > 1 else "")
         raise UnfinishedError(
             f"{len(waiting)} shard(s) of {job.out} are not finished from the current inputs ({shown}); {rerun}"
         )

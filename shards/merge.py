@@ -54,11 +54,13 @@ def read_plan(out: Path) -> dict | None:
     return plan
 
 
-def build_job(out: Path, shards: list[tuple[str, str]]) -> ShardJob:
+def build_job(out: Path, shards: list[tuple[str, str]], plan: dict) -> ShardJob:
     """The engine's job of a build from its planned shards' (name, digest): the record of a shard is
-    named after its digest too, so a record of another plan is never taken for this one's."""
+    named after its digest too, so a record of another plan is never taken for this one's. A set of
+    class folders holds labels below its class count (a file list's labels are its own)."""
     units = tuple(Unit(f"{name}.{digest[:16]}", name, digest) for name, digest in shards)
-    return ShardJob(Path(out), work_dir(out), units)
+    classes = len(plan["classes"]) if plan.get("layout") == "classes" else 0
+    return ShardJob(Path(out), work_dir(out), units, classes)
 
 
 def rejected_listing_command(path: Path) -> str:
@@ -83,6 +85,8 @@ def merge_build(out: Path, plan: dict, records: list[dict]) -> MergeReport:
         "converted": converted,
         "num_classes": len(plan["classes"]),
         "plan_digest": plan["digest"],
+        # The output folder as the command names it (`shards verify` names the folder it checks instead).
+        **({"out": plan.get("out")} if plan.get("command") else {}),
     })
 
 
@@ -98,5 +102,5 @@ def merge_shard_set(out: Path, *, wait_s: float = 0.0, progress: bool = True) ->
         ) from None
     if plan is None:
         raise FileNotFoundError(f"{out} holds no build plan ({plan_file(out)}); run relicv2 shards build first")
-    job = build_job(out, [(s["name"], s["digest"]) for s in plan["shards"]])
+    job = build_job(out, [(s["name"], s["digest"]) for s in plan["shards"]], plan)
     return merge_build(out, plan, wait_for_records(job, wait_s, progress=progress, rerun=unfinished_hint(out)))

@@ -108,9 +108,9 @@ def plan_differences(previous: dict, record: dict) -> str:
     return "; ".join(found) or "the same number of input files, but a file's name, size or label changed"
 
 
-def claim_out_dir(out: Path, record: dict, *, overwrite: bool, multi_rank: bool) -> int:
-    """Make `out` hold only this build (or an unfinished run of it) and write its plan; return the files
-    removed. InputError names the folder, what it holds and the way out."""
+def claim_out_dir(out: Path, record: dict, *, overwrite: bool, multi_rank: bool) -> list[str]:
+    """Make `out` hold only this build (or an unfinished run of it) and write its plan; return the names of
+    the files removed. InputError names the folder, what it holds and the way out, before any removal."""
     planned = shard_files([s["name"] for s in record["shards"]]) | set(SET_FILES)
     previous = previous_plan(out)
     if previous is None and multi_rank and other_entries(out, set()):
@@ -133,23 +133,23 @@ def claim_out_dir(out: Path, record: dict, *, overwrite: bool, multi_rank: bool)
             shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
             what = f"files no build wrote ({shown})"
         raise InputError(f"{out} already holds {what}; choose a new --out folder or pass --overwrite")
-    removed = 0
-    if stale or unknown:  # with --overwrite: remove the previous build's own files, nothing else
-        if multi_rank:
-            raise InputError(f"--overwrite is not supported under torchrun; empty {out} before the build")
-        for name in sorted(previous_files & existing):
-            path = out / name
-            if path.is_file() or path.is_symlink():
-                path.unlink()
-                removed += 1
-        shutil.rmtree(work_dir(out), ignore_errors=True)
-        others = other_entries(out, set())
     collides = re.compile(re.escape(record["settings"]["prefix"]) + r"-\d+\.(tar|idx)")
+    # Every refusal before anything is removed: --overwrite never deletes a build and then refuses.
     if clash := [n for n in others if n in planned or collides.fullmatch(n)]:
         raise InputError(
             f"{out} holds {', '.join(clash[:3])}, which this build would overwrite and no build of this "
             "folder wrote; move them away or choose a new --out folder"
         )
+    if (stale or unknown) and multi_rank:
+        raise InputError(f"--overwrite is not supported under torchrun; empty {out} before the build")
+    removed = []
+    if stale or unknown:  # with --overwrite: remove the previous build's own files, nothing else
+        for name in sorted(previous_files & existing):
+            path = out / name
+            if path.is_file() or path.is_symlink():
+                path.unlink()
+                removed.append(name)
+        shutil.rmtree(work_dir(out), ignore_errors=True)
     write_plan(ShardJob(out, work_dir(out), ()), record)
     return removed
 

@@ -24,16 +24,18 @@ import json
 import os
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from relicv2.shards.index import (
+    INDEX_FIX,
     IndexEntry,
     IndexFileError,
     index_path,
     name_key,
     read_index,
+    read_refused,
     scan_tar,
     split_member_name,
 )
@@ -51,7 +53,7 @@ from relicv2.shards.sample import (
     label_text,
 )
 from relicv2.shards.shardset import ShardSet, ShardSetError, Spec, shard_tars
-from relicv2.shards.tario import TarReadError, read_indexed_member
+from relicv2.shards.tario import TarReadError, header_fits, read_indexed_member
 
 UNUSED_LISTED = 20  # unused members named one by one in a report; the rest only counted
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')  # a JSON string literal: brackets inside it do not nest
@@ -221,7 +223,7 @@ def _check_line(tar: Path, index: Path, entries: list[IndexEntry]) -> None:
     for ext, _, _, name in entries:
         if split_member_name(name) != (key, ext):
             raise IndexFileError(f"{index}: lists member {name[:80]!r}, which does not belong to sample {key!r} as "
-                                 f"{ext!r}; rewrite the index with shards.write_index({tar.name}) (or rebuild the shard set)")
+                                 f"{ext!r}; {INDEX_FIX}")
 
 
 def _policy(tar: Path, entries: list[IndexEntry], seen: set[str], limits: ImageLimits,
@@ -269,6 +271,8 @@ def _index(tar: Path, index: Path | None, limits: ImageLimits, report: ReadRepor
         lines = read_index(index, tar)
         for entries in lines:  # every line before any verdict: a bad index changes nothing in `report`
             _check_line(tar, index, entries)
+        for name, code, detail in read_refused(index, limits):  # what its derivation left out of it
+            report.reject(tar, name, code, detail)
         return lines
     lines, skipped = scan_tar(tar, limits)
     for item in skipped:
@@ -283,6 +287,18 @@ def _located(tar: Path, index: Path | None, limits: ImageLimits, report: ReadRep
     seen: set[str] = set()
     return [(line, ref) for line, entries in enumerate(_index(tar, index, limits, report))
             if (ref := _policy(tar, entries, seen, limits, report)) is not None]
+
+
+def check_in_place(handle, index: Path, samples: Sequence[SampleRef]) -> None:
+    """IndexFileError (naming the index and the fix) unless, in the open tar, the header before each member
+    of `samples` (located through `index`) names that member with that size (`shards.tario.header_fits`):
+    an index pointing one sample's image at another's bytes would deliver the wrong image. A read of a
+    block a member: what `relicv2 shards verify` finds by comparing the index with the tar's, cheaply."""
+    for ref in samples:
+        for _, offset, size, name in ref.entries:
+            if not header_fits(handle.fileno(), offset, size, name):
+                raise IndexFileError(f"{index}: lists member {name[:80]!r} at byte {offset} ({size} bytes), where no "
+                                     f"header of {ref.tar.name} puts it; {INDEX_FIX}")
 
 
 def locate_samples(tar: Path, report: ReadReport, *, index: Path | None = None,
@@ -314,11 +330,10 @@ def read_samples(tar: Path, report: ReadReport, *, index: Path | None = None,
         for position, ref in refs:
             members = {}
             for ext, (offset, size, name) in ref.members.items():
-                data = read_indexed_member(handle.fileno(), offset, size, header_read=scanned)
+                data = read_indexed_member(handle.fileno(), offset, size, header_read=scanned, name=name)
                 if data is None:
                     report.lose_shard(tar, f"changed while it was read, at member {name!r}; rerun" if scanned else
-                                      f"its index {index} does not describe it at member {name!r}; rewrite the "
-                                      f"index with shards.write_index({tar.name}) (or rebuild the shard set)")
+                                      f"its index {index} does not describe it at member {name!r}; {INDEX_FIX}")
                     return
                 members[ext] = data
             key = split_member_name(name)[0]  # folders kept: they name outputs

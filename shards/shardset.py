@@ -25,7 +25,7 @@ import pyarrow.parquet as pq
 from relicv2.jobs.atomic import atomic_write_bytes
 from relicv2.jobs.progress import Phase, tracked
 from relicv2.jobs.workers import worker_pool
-from relicv2.shards.index import index_path, index_text, read_index
+from relicv2.shards.index import derive_index, index_path, read_index, write_refused
 from relicv2.shards.manifest import MANIFEST_NAME, is_plain_tar_name, read_manifest
 from relicv2.shards.sample import LABEL_MEMBER, MASK_MEMBER
 
@@ -151,18 +151,22 @@ def cache_name(tar: Path, *extra: str) -> str:
 
 
 def cached_index_path(tar: Path, cache: Path) -> Path:
-    """Where the derived index of `tar` lives in `cache` (named after its path, size and mtime)."""
-    return cache / f"{cache_name(tar)}.idx"
+    """Where the derived index of `tar` lives in `cache` (named after its path, size and mtime; "refused
+    kept": from the version that keeps the members refused beside it, so older ones are derived again)."""
+    return cache / f"{cache_name(tar, 'refused kept')}.idx"
 
 
 def tar_index(tar: Path, cache: Path) -> Path:
-    """The index of `tar`: the one beside it, else the one derived into `cache` (written on first use)."""
+    """The index of `tar`: the one beside it, else the one derived into `cache` (written on first use, after
+    the members its derivation refused, which the reader reports: `shards.index.read_refused`)."""
     if index_path(tar).is_file():
         return index_path(tar)
     path = cached_index_path(tar, cache)
     if not path.is_file():
         cache.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(path, index_text(tar).encode("utf-8"))
+        text, refused = derive_index(tar)
+        write_refused(path, refused)
+        atomic_write_bytes(path, text.encode("utf-8"))
     return path
 
 

@@ -8,19 +8,18 @@ file: `#` comment lines (how it was made), then one key per line, sorted.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from relicv2.jobs.atomic import atomic_write_bytes
-from relicv2.shards.index import name_key, read_index
+from relicv2.jobs.progress import tracked
+from relicv2.shards.checks import check_tar, resolve_checks
 from relicv2.shards.keys import check_key
 from relicv2.shards.outdir import writing
-from relicv2.shards.sample import LABEL_MEMBER, read_class_index
-from relicv2.shards.shardset import resolve_shard_set
+from relicv2.shards.sample_set import PROGRESS_FROM
 
 
 @dataclass(frozen=True)
@@ -28,22 +27,22 @@ class SubsetReport:
     keys: list[str]
     per_class: dict[int, int]  # label -> keys drawn
     total: int  # labelled samples in the shard set
+    refused: Counter = field(default_factory=Counter)  # what the shard reader left out, by reason
 
 
-def keys_and_labels(spec: str | Path, *, index_cache: Path | None = None) -> Iterator[tuple[str, int | None]]:
-    """(key, class index or None) of every sample of a shard set: from its manifest when it has one,
-    else from each sample's `cls` member found through the (derived) index files."""
-    shard_set = resolve_shard_set(spec, index_cache=index_cache)
-    if shard_set.manifest is not None:
-        table = shard_set.manifest
-        yield from zip(table.column("key").to_pylist(), table.column("label").to_pylist(), strict=True)
-        return
-    for tar, idx in zip(shard_set.tars, shard_set.index_files, strict=True):
-        with open(tar, "rb") as handle:
-            for entries in read_index(idx, tar):
-                label = next((read_class_index(handle, offset, size)
-                              for ext, offset, size, _ in entries if ext == LABEL_MEMBER), None)
-                yield name_key(entries[0][3]), label
+def keys_and_labels(spec: str | Path, *, index_cache: Path | None = None) -> tuple[list[tuple[str, int | None]], Counter]:
+    """(key, class index or None) of every sample of a shard set that the shard reader accepts, the samples
+    the loaders see (`shards.checks.check_tar`: its one policy for a second sample of a key, an unsafe
+    member, ...), and what it refused, by reason."""
+    cache, shard_set, _ = resolve_checks(spec, index_cache, None, False)
+    pairs: list[tuple[str, int | None]] = []
+    refused: Counter = Counter()
+    for tar, idx in tracked(zip(shard_set.tars, shard_set.index_files, strict=True), f"reading the labels of {spec}",
+                            len(shard_set.tars), unit="tar", enabled=shard_set.samples >= PROGRESS_FROM):
+        check = check_tar(tar, idx, headers=shard_set.manifest is None, cache=cache)
+        refused.update(code for _, code in check.refused)
+        pairs += [(ref.key, ref.label) for ref in check.samples]
+    return pairs, refused
 
 
 def class_balanced_keys(spec: str | Path, fraction: float, *, seed: int = 0, min_per_class: int = 1,
@@ -54,7 +53,8 @@ def class_balanced_keys(spec: str | Path, fraction: float, *, seed: int = 0, min
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
     by_class: dict[int, list[str]] = defaultdict(list)
     unlabelled = 0
-    for key, label in keys_and_labels(spec, index_cache=index_cache):
+    pairs, refused = keys_and_labels(spec, index_cache=index_cache)
+    for key, label in pairs:
         if label is None:
             unlabelled += 1
         else:
@@ -74,7 +74,7 @@ def class_balanced_keys(spec: str | Path, fraction: float, *, seed: int = 0, min
         chosen = rng.permutation(len(members))[:count]
         keys += [members[i] for i in chosen]
         per_class[label] = count
-    return SubsetReport(sorted(keys), per_class, sum(len(v) for v in by_class.values()))
+    return SubsetReport(sorted(keys), per_class, sum(len(v) for v in by_class.values()), refused)
 
 
 def write_key_list(path: str | Path, keys: list[str], header: str = "") -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,8 +23,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from relicv2.shards.driver import REHASH_OPTION
 from relicv2.shards.images import JPEG_FORMATS, ImageLoadError, decode, displayed_size
-from relicv2.shards.index import index_path, index_text
+from relicv2.shards.index import INDEX_FIX, index_path, index_text
 from relicv2.shards.manifest import (
     MANIFEST_NAME,
     MANIFEST_SCHEMA,
@@ -135,10 +137,10 @@ def sample_problems(sample: Sample, row: dict, decode_images: bool) -> list[str]
 def index_problems(tar: Path, idx: Path) -> list[str]:
     """Whether the index of `tar` exists and equals the one computed from the tar."""
     if not idx.is_file():
-        return [f"{idx.name}: index file missing; recreate it with shards.write_index or rebuild"]
+        return [f"{idx.name}: index file missing; rerun the job that made the set, which writes it again"]
     try:
         if idx.read_text(encoding="utf-8") != index_text(tar):
-            return [f"{idx.name}: index does not match {tar.name}; recreate it with shards.write_index"]
+            return [f"{idx.name}: index does not match {tar.name}; {INDEX_FIX}"]
     except (ValueError, UnicodeDecodeError, OSError) as exc:
         return [f"{idx.name}: cannot be checked ({exc})"]
     return []
@@ -260,15 +262,22 @@ def verify_shard_set(directory: Path, *, workers: int = 1, decode_images: bool =
 
 
 def repair_command(directory: Path, info: dict) -> str | None:
-    """How to rebuild the damaged shards of a set made by `relicv2 shards build` (rerunning its
-    command redoes every shard whose files changed, and the manifest and info), or None for sets
-    made otherwise. The command comes from its `info`.json, as the build recorded it."""
+    """How to rebuild the damaged shards of a set made by `relicv2 shards build`, in `directory` (the folder
+    verified, which may be a copy of the one built), or None for sets made otherwise. The command is the
+    build's, from its `info`.json, with `--rehash-shards`: a plain rerun would keep a tar whose bytes rotted
+    but kept their size and time."""
     if "plan_digest" not in info:
         return None  # not from shards build (e.g. saliency build-masks, write_shard_set)
     command = info.get("command") or "relicv2 shards build INPUT OUT [the options of the first run]"
+    if isinstance(info.get("out"), str):  # the folder as the build was told it: this one now
+        out = info["out"]
+        command = shlex.join(str(directory) if token == out else f"--out={directory}" if token == f"--out={out}"
+                             else token for token in shlex.split(command))
     if not plan_file(directory).is_file():  # without its plan the build no longer knows the set as its own
         return f"rebuild the set, replacing it: {command} --overwrite"
-    return f"rerun the build that made this set, which rebuilds damaged shards: {command}"
+    if REHASH_OPTION not in command.split():
+        command += f" {REHASH_OPTION}"
+    return f"rerun the build that made this set, which re-hashes its shards and rebuilds damaged ones: {command}"
 
 
 def info_problems(directory: Path, samples: int) -> tuple[list[str], str | None]:

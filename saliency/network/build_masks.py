@@ -25,7 +25,6 @@ from __future__ import annotations
 import sys
 from collections import Counter
 from collections.abc import Iterator
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -177,14 +176,9 @@ class MaskWork:
             self.page_locked = ring.page_locked
             for number in numbers:
                 tar, out_tar = self.tars[number], self.job.out / self.job.units[number].shard
-                try:
+                try:  # a worker that dies (BrokenProcessPool) is the engine's to report
                     output = mask_shard(tar, out_tar, self.predictor, pool, ring, bar, self.workers, self.clock,
                                         self.crf)
-                except BrokenProcessPool as error:
-                    raise MasksError(
-                        f"a worker process died while masking {tar} (killed by the system for memory? "
-                        "see dmesg); finished shards are kept: rerun the same command to resume"
-                    ) from error
                 except OSError as error:
                     if error.filename is None:  # a write to the tar (a full disk) names no file: name it
                         error.filename = str(out_tar)
@@ -230,7 +224,7 @@ def build_masks(config: BuildMasksConfig, ranks: Ranks | None = None, predictor=
     work = MaskWork(config, job, plan, tars, predictor, workers, crf)
     try:
         report = run_shard_job(job, work, ranks, name="saliency build-masks", progress=config.progress,
-                               merge_timeout_s=config.merge_timeout_s)
+                               merge_timeout_s=config.merge_timeout_s, rehash=config.rehash_shards)
     except (OutputError, UnfinishedError) as error:
         raise MasksError(str(error)) from None
     return None if report.records is None else summary_of(report, work, len(tars), workers_note)

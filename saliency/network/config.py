@@ -152,6 +152,9 @@ class BuildMasksConfig:
     crf: bool = False
     # Where indexes of input tars without one are derived; None: shards.shardset.default_index_cache.
     index_cache: Path | None = None
+    # A rerun hashes every finished masked tar and rebuilds those whose bytes changed (bit rot); without, it
+    # reads none (shards.driver.run_shard_job).
+    rehash_shards: bool = False
 
 
 MASKS_PRESETS = Presets(job="relicv2 saliency build-masks", package="relicv2.saliency", folder="presets/build-masks")

@@ -83,8 +83,8 @@ def input_index(tar: Path, cache: Path) -> Path:
     """The index of an input tar: beside it, else derived into the cache (read once, on first use)."""
     try:
         return tar_index(tar, cache)
-    except ValueError as error:  # a tar that cannot be read to the end
-        raise MasksError(f"{error}; rebuild or remove this shard") from None
+    except ValueError as error:  # a tar that cannot be read to the end: the reader's message names the fix
+        raise MasksError(str(error)) from None
     except OSError as error:
         raise MasksError(f"cannot write the index of {tar} into {cache} ({error.strerror or error}); "
                          f"choose a writable index cache (--index-cache or ${INDEX_CACHE_ENV})") from None

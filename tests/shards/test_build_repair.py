@@ -41,11 +41,12 @@ def test_rerunning_the_build_rebuilds_a_truncated_shard(tmp_path, monkeypatch):
     result = CliRunner().invoke(shards_group, ["verify", str(out), "--workers", "1", "--no-progress"])
     command = f"relicv2 shards build {src} {out} --workers 1 --min-side 16 --no-progress --max-count 4"
     assert result.exit_code == 1 and "images-000001.tar" in result.output
-    assert f"rerun the build that made this set, which rebuilds damaged shards: {command}" in result.output
+    assert ("rerun the build that made this set, which re-hashes its shards and rebuilds damaged ones: "
+            f"{command} --rehash-shards") in result.output
     result = cli_build(monkeypatch, src, out, "--max-count", "4")
     assert result.exit_code == 0, result.output
     assert "rebuilding images-000001.tar, finished by an earlier run: its tar has" in result.output
-    assert "1 shard(s) built (1 of them damaged since an earlier run: rebuilt), 3 kept" in result.output
+    assert "1 shard(s) built (1 of them finished by an earlier run, changed since: rebuilt), 3 kept" in result.output
     assert set_bytes(out) == reference  # tar, index, manifest and info exactly as first built
     result = CliRunner().invoke(shards_group, ["verify", str(out), "--workers", "1", "--no-progress"])
     assert result.exit_code == 0 and "OK, 4 shards, 15 samples verified" in result.output

@@ -263,8 +263,9 @@ def test_a_hostile_index_is_one_clear_error_naming_it(tmp_path, edit, says):
     with pytest.raises(ValueError, match=says) as caught:
         load_sample_set(tmp_path)
     message = str(caught.value)
-    fix = "rerun `relicv2 shards build`" if "beyond" in says else "write_index"  # a tar shorter than its index: rebuild
-    assert str(index_path(tar)) in message and fix in message and "\n" not in message
+    # The way out is a command (rebuild, or derive the index again), never a Python function.
+    assert str(index_path(tar)) in message and "`relicv2 shards " in message and "write_index" not in message
+    assert "\n" not in message
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

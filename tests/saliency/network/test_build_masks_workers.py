@@ -141,7 +141,7 @@ class _KillsAWorker(SquarePredictor):
 def test_a_worker_killed_under_the_job_is_one_clear_error_and_the_rerun_resumes(tmp_path, scene_shards,
                                                                                 tiny_model) -> None:
     shards, _ = scene_shards
-    with pytest.raises(MasksError, match=r"a worker process died while masking .*rerun the same command to resume"):
+    with pytest.raises(MasksError, match=r"a worker process died while saliency build-masks made .*masked-000001.tar .*rerun the same command to resume"):
         build_masks(_config(tiny_model, shards, tmp_path / "resumed"), Ranks(), predictor=_KillsAWorker())
     assert (tmp_path / "resumed" / "masked-000000.tar").is_file()  # the shard finished before is kept
     summary = build_masks(_config(tiny_model, shards, tmp_path / "resumed"), Ranks(), predictor=SquarePredictor())
@@ -217,3 +217,21 @@ def test_a_worker_imports_neither_torch_nor_the_handcrafted_methods():
     found = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True,
                            env={**os.environ, "PYTHONPATH": str(REPO)}).stdout.strip()
     assert found == "[]", f"a build-masks worker imports {found}"
+
+
+def test_rehash_shards_rebuilds_a_masked_shard_whose_bytes_rotted(tmp_path, scene_shards, tiny_model) -> None:
+    shards, _ = scene_shards
+    out = tmp_path / "masked"
+    build_masks(_config(tiny_model, shards, out, workers=0), Ranks(), predictor=SquarePredictor())
+    before = _files(out)
+    tar = out / "masked-000001.tar"
+    stat = tar.stat()
+    data = bytearray(tar.read_bytes())
+    data[1500] ^= 0x01
+    tar.write_bytes(bytes(data))
+    os.utime(tar, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # size and time as recorded: only a hash tells
+    summary = build_masks(_config(tiny_model, shards, out, workers=0), Ranks(), predictor=SquarePredictor())
+    assert summary["shards_built"] == 0  # a plain rerun reads no finished tar
+    config = BuildMasksConfig(**{**_config(tiny_model, shards, out, workers=0).__dict__, "rehash_shards": True})
+    summary = build_masks(config, Ranks(), predictor=SquarePredictor())
+    assert summary["shards_built"] == 1 and _files(out) == before
