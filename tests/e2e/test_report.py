@@ -12,8 +12,7 @@ from click.testing import CliRunner
 from PIL import Image
 
 from relicv2.cli.main import cli
-from relicv2.evaluation.report import ReportInputs, build_report
-from relicv2.evaluation.report.html import SECTIONS
+from relicv2.evaluation.report.html import SECTIONS, ReportInputs, build_report
 from relicv2.evaluation.report.inputs import (
     read_eval_results,
     read_run_metrics,
