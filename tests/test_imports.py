@@ -19,8 +19,8 @@ STEPS = [
     # the saliency commands and their settings name the handcrafted methods without importing them
     ("import relicv2.cli.saliency, relicv2.saliency.network.config",
      ["relicv2.saliency.handcrafted.methods", "numba", "scipy", "skimage", "torch"]),
-    # build-masks, the networks' files and the networks themselves, built and run: no torchvision
-    ("import relicv2.saliency.network.build_masks, relicv2.models.checkpoint_file, relicv2.models.official\n"
+    # build-masks, export, the networks' files and the networks themselves, built and run: no torchvision
+    ("import relicv2.saliency.network.build_masks, relicv2.evaluation.export, relicv2.models.official\n"
      "import torch\n"
      "from relicv2.saliency.network.model import SaliencyNet\n"
      "with torch.no_grad(): SaliencyNet(depth=18).eval()(torch.zeros(1, 3, 32, 32))",
