@@ -1,13 +1,15 @@
 """ResNet encoders (18 to 200 layers, width 1/2/4) whose width-1 weights are torchvision's.
 
-The residual blocks are torchvision's own `BasicBlock` / `Bottleneck`. Only the skeleton is
-written here, because torchvision's `ResNet` cannot express the SimCLR/BYOL width multiplier:
-its `width_per_group` widens the inner 3x3 convolution of a bottleneck only, keeps the stem at
-64 channels and the block outputs at 256..2048, so a "wide" torchvision ResNet-50 still has 2048
-features. SimCLR/BYOL widen every layer, stem included (2x ResNet-50 -> 4096 features). Passing
-`planes = base_planes * width` to torchvision's blocks with the default `base_width=64` gives
-exactly that, and at width 1 the module tree (and therefore every state-dict name) is
-torchvision's, minus the classifier `fc`.
+torchvision's `ResNet` cannot express the SimCLR/BYOL width multiplier: its `width_per_group`
+widens the inner 3x3 convolution of a bottleneck only, keeps the stem at 64 channels and the block
+outputs at 256..2048, so a "wide" torchvision ResNet-50 still has 2048 features. SimCLR/BYOL widen
+every layer, stem included (2x ResNet-50 -> 4096 features): `planes = base_planes * width` in every
+stage. The skeleton and the two residual blocks are written here with torchvision's layer names,
+order and arithmetic, so that at width 1 the module tree (and therefore every state-dict name) is
+torchvision's, minus the classifier `fc` (tests/models/test_resnet.py runs both ways against
+torchvision's networks). torchvision's own blocks are not imported because importing torchvision
+imports its detection ops and torch._dynamo with them, more CPU than torch itself, in every process
+that builds a network only to run it (build-masks, export, the import of the authors' release).
 """
 
 from __future__ import annotations
@@ -17,7 +19,51 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torchvision.models.resnet import BasicBlock, Bottleneck
+
+
+class BasicBlock(nn.Module):
+    """Two 3x3 convolutions (the first strided) plus the shortcut: torchvision's `BasicBlock`."""
+
+    expansion = 1
+
+    def __init__(self, in_channels: int, planes: int, stride: int = 1, downsample: nn.Module | None = None) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, planes, kernel_size=3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(planes, planes, kernel_size=3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.downsample, self.stride = downsample, stride
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x)))))
+        out += x if self.downsample is None else self.downsample(x)
+        return self.relu(out)
+
+
+class Bottleneck(nn.Module):
+    """1x1 down, 3x3 (strided: "ResNet v1.5"), 1x1 up to 4x the planes, plus the shortcut: torchvision's
+    `Bottleneck`."""
+
+    expansion = 4
+
+    def __init__(self, in_channels: int, planes: int, stride: int = 1, downsample: nn.Module | None = None) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(in_channels, planes, kernel_size=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, kernel_size=3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.conv3 = nn.Conv2d(planes, planes * self.expansion, kernel_size=1, bias=False)
+        self.bn3 = nn.BatchNorm2d(planes * self.expansion)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample, self.stride = downsample, stride
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn3(self.conv3(self.relu(self.bn2(self.conv2(out)))))
+        out += x if self.downsample is None else self.downsample(x)
+        return self.relu(out)
+
 
 # Blocks per stage. ResNet-200 is not in torchvision; its layout is the one of He et al. 2016
 # ("Identity Mappings in Deep Residual Networks") used by BYOL/ReLICv2 for their largest encoder.

@@ -15,10 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torchvision.models.resnet import Bottleneck
 
 from relicv2.models.normalization import IMAGENET_MEAN, IMAGENET_STD
-from relicv2.models.resnet import resnet
+from relicv2.models.resnet import Bottleneck, resnet
 
 
 def _dilate_stage(stage: nn.Sequential, dilation: int, previous: int) -> None:
