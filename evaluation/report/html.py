@@ -45,8 +45,10 @@ SECTIONS = (
     ("training", "Pretraining: loss parts and learning rate over steps"),
     ("knn", "kNN monitor over epochs"),
     ("evaluation", "Evaluation: final figures"),
-    ("backgrounds", "Backgrounds: does the encoder rely on them? (eval backgrounds)"),
 )
+# Sections of the evaluation families, on the page only when their result is given (after SECTIONS).
+BACKGROUNDS_SECTION = ("backgrounds", "Backgrounds: does the encoder rely on them? (eval backgrounds)")
+OPTIONAL_SECTIONS = (BACKGROUNDS_SECTION, robustness_report.SECTION)
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ class ReportInputs:
     maps_dir: Path | None = None  # `saliency handcrafted` output (MAPS/<method>/<key>.png)
     shards: Path | None = None  # shard set whose images the samples show (masked: with masks)
     views: tuple[Path, ...] = ()  # `pretrain preview-views` PNGs
-    backgrounds: Path | None = None  # `eval backgrounds` output folder, or its backgrounds.json
+    backgrounds: Path | None = None  # `eval backgrounds` output folder, or its JSON (its section only when given)
     robustness: Path | None = None  # `eval robustness` OUTPUT/robustness.json (its section only when given)
     count: int = 4  # images in the saliency figure
     title: str = "ReLICv2 run report"
@@ -124,7 +126,8 @@ def build_report(inputs: ReportInputs, out: Path) -> ReportSummary:
     _views_section(page, inputs)
     _training_sections(page, metrics_file, metrics)
     _evaluation_section(page, results)
-    _backgrounds_section(page, inputs)
+    if inputs.backgrounds is not None:
+        _backgrounds_section(page, inputs)
     if inputs.robustness is not None:
         robustness_report.robustness_section(page, Path(inputs.robustness), _table, _notes, _fmt)
     atomic_write_bytes(out, _render(page, inputs).encode("utf-8"))
@@ -312,8 +315,6 @@ def _evaluation_section(page: _Page, results: list[EvalResult]) -> None:
 
 
 def _backgrounds_section(page: _Page, inputs: ReportInputs) -> None:
-    if inputs.backgrounds is None:
-        return page.not_run("backgrounds", "no eval backgrounds result (--backgrounds)")
     result, rows, problems = read_backgrounds(inputs.backgrounds, inputs.count)
     page.summary.problems += problems
     if result is None:
@@ -383,7 +384,7 @@ def _render(page: _Page, inputs: ReportInputs) -> str:
              "saliency report": inputs.saliency_report, "maps": inputs.maps_dir, "shards": inputs.shards,
              "views": ", ".join(map(str, inputs.views)) or None, "backgrounds": inputs.backgrounds,
              "robustness": inputs.robustness}
-    sections = [*SECTIONS, *((robustness_report.SECTION,) if "robustness" in page.blocks else ())]
+    sections = [*SECTIONS, *(section for section in OPTIONAL_SECTIONS if section[0] in page.blocks)]
     parts = [f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(inputs.title)}"
              f"</title><style>{STYLE}</style></head><body><h1>{html.escape(inputs.title)}</h1>",
              f"<p class=\"inputs\">built {now} by <code>relicv2 report</code> from: "

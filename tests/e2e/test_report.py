@@ -14,7 +14,7 @@ from PIL import Image
 from relicv2.cli.main import cli
 from relicv2.evaluation.background_set import VariantSettings, build_variant_set
 from relicv2.evaluation.backgrounds import VARIANTS
-from relicv2.evaluation.report.html import SECTIONS, ReportInputs, build_report
+from relicv2.evaluation.report.html import BACKGROUNDS_SECTION, SECTIONS, ReportInputs, build_report
 from relicv2.evaluation.report.inputs import (
     read_backgrounds,
     read_eval_results,
@@ -128,7 +128,7 @@ def test_saliency_samples_prefer_images_with_maps_and_carry_the_masks(outputs: R
 
 def test_report_has_every_section_filled_from_the_files(outputs: ReportInputs, tmp_path: Path):
     summary = build_report(outputs, tmp_path / "out" / "report.html")
-    assert summary.sections == {sid: "ok" for sid, _ in SECTIONS}
+    assert summary.sections == {sid: "ok" for sid, _ in (*SECTIONS, BACKGROUNDS_SECTION)}
     text = summary.page.read_text()
     for number in ("0.8125", "0.4375", "0.8750", "0.5000", "0.7100", "+0.3750", "0.6300", "0.9100"):  # the JSONs
         assert number in text
@@ -158,6 +158,7 @@ def test_missing_inputs_say_not_run(tmp_path: Path):
     summary = build_report(ReportInputs(run_dir=tmp_path / "no-run"), tmp_path / "report.html")
     assert all(status.startswith("not run") for status in summary.sections.values())
     assert summary.page.read_text().count('class="not-run"') == len(SECTIONS)
+    assert 'id="backgrounds"' not in summary.page.read_text()  # an evaluation family's section only when given
     with pytest.raises(ValueError, match="must end in .html"):
         build_report(ReportInputs(), tmp_path / "report.txt")
 

@@ -198,7 +198,7 @@ def test_bad_input_is_one_line(shape_shards, head, tmp_path):
 
 
 def test_the_report_shows_a_robustness_json_and_names_a_broken_one(tmp_path):
-    from relicv2.evaluation.report import ReportInputs, build_report
+    from relicv2.evaluation.report.html import ReportInputs, build_report
 
     table = corruption_table({"fog": {1: 0.8125, 3: 0.5}, "snow": {1: 0.75, 3: 0.25}}, {"fog": 1.0, "snow": 1.0})
     (tmp_path / "robustness.json").write_text(json.dumps({
