@@ -8,7 +8,9 @@ Steps, each through the library as the `relicv2` commands run them (and each res
 4. `saliency evaluate` of each handcrafted method, the mean of the four, and the fused network
    (plain, with flip averaging, refined by its dense CRF, and averaged with the mean of the maps) against
    --heldout-masks.
-Prints the table (MAE / max-F / adaptive-F, beta^2 = 0.3) and the wall time of each step.
+Prints the table (MAE / max-F / adaptive-F, beta^2 = 0.3) and the wall time of each step. A training folder holding
+a held-out image (the same bytes, under any name) is refused. To choose among recipes and test-time options on
+labelled dev images without scoring the choice on the images it was made on: `saliency_selection.py`.
 
     python benchmarks/saliency_quality.py --out OUT --train-images DIR [--train-images DIR2] \\
         --heldout-images DIR --heldout-masks DIR [--backbone FILE|random] [--config cpu] [--set k=v ...]

@@ -40,6 +40,7 @@ import json
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,7 +111,8 @@ class Rows:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError:
-                if number == len(lines):  # a line cut short by a kill: that candidate is scored again
+                if number == len(lines):  # a line cut short by a kill: dropped, and that candidate scored again
+                    atomic_write_bytes(self.path, "".join(f"{kept}\n" for kept in lines[:-1]).encode())
                     continue
                 raise ValueError(f"{self.path}: line {number} is not JSON; delete that line to score it again") from None
             if (out / row["file"]).is_file():
@@ -192,7 +194,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def score(rows: Rows, candidate: str, seed: int | None, spec: str | None, scores) -> None:
+def score(rows: Rows, candidate: str, seed: int | None, spec: str | None,
+          scores: Callable[[], dict[str, ImageScores]]) -> None:
     start = time.perf_counter()
     row = rows.add(candidate, seed, spec, scores())
     print(f"selection: {candidate}" + ("" if seed is None else f", seed {seed}") + f": max-F {row['max_f']:.3f}, "
@@ -207,9 +210,9 @@ def summarise(rows: Rows, candidates: list[str], seeds: list[int], k: int, fold_
     """The estimate (the module's docstring, step 4) as Markdown tables."""
     folds = assign_folds(rows.per_image(MEAN_ROW, None), k, fold_seed)
     sums: dict[str, list[list[ScoreSums]]] = {}  # candidate -> per seed, the sums of each fold
+    fixed = {name for name in candidates if (name, None) in rows.rows}  # handcrafted: the same for every seed
     for name in candidates:
-        fixed = (name, None) in rows.rows  # a handcrafted row: the same for every seed
-        sums[name] = [fold_sums(rows.per_image(name, None if fixed else seed), folds, f"{rows.path}: {name}")
+        sums[name] = [fold_sums(rows.per_image(name, None if name in fixed else seed), folds, f"{rows.path}: {name}")
                       for seed in seeds]
     whole = {name: [total(by_fold).scores() for by_fold in per_seed] for name, per_seed in sums.items()}
     best = max(candidates, key=lambda n: mean_sd([s.max_f for s in whole[n]])[0])
@@ -220,7 +223,8 @@ def summarise(rows: Rows, candidates: list[str], seeds: list[int], k: int, fold_
              f"\n| candidate | max-F | MAE | adaptive-F | max-F - {MEAN_ROW} | MAE - {MEAN_ROW} | max-F - best ({best}) |",
              "|---|---|---|---|---|---|---|"]
     for name in candidates:
-        cells = [_spread(*mean_sd([getattr(s, m) for s in whole[name]])) for m in ("max_f", "mae", "adaptive_f")]
+        runs = whole[name][:1] if name in fixed else whole[name]
+        cells = [_spread(*mean_sd([getattr(s, m) for s in runs])) for m in ("max_f", "mae", "adaptive_f")]
         for other, metric in ((MEAN_ROW, "max_f"), (MEAN_ROW, "mae"), (best, "max_f")):
             d = paired_difference(sums[name], sums[other], metric)
             cells.append(f"{d.mean:+.3f}" + ("" if d.seed_sd is None else f" ± {d.seed_sd:.3f}") + f" [{d.fold_se:.3f}]")
