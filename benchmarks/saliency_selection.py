@@ -22,6 +22,8 @@ Steps, each resumable in --out (rerun the same command; a subset of recipes or s
    - nested selection, per seed: for each fold, the candidate with the highest max-F on the other folds (every
      candidate of that seed), scored on that fold; the folds' scores add up to the selected pipeline's held-out
      score, given with its mean and spread over the seeds.
+   A paired difference separates two candidates above 2 sqrt(seed sd^2 / seeds + fold se^2): the networks'
+   training noise and the draw of the images (one seed measures the second alone).
 Max-F is the maximum of the mean F curve of the images scored (`saliency.metrics.ScoreSums`), on every subset.
 
     python benchmarks/saliency_selection.py --out OUT --train-images $DATA/msra-unlabeled \\
@@ -219,7 +221,7 @@ def summarise(rows: Rows, candidates: list[str], seeds: list[int], k: int, fold_
     images = sum(len(f) for f in folds)
     lines = [f"\n{images} dev images, {k} folds (fold seed {fold_seed}), seeds {', '.join(map(str, seeds))}; "
              "a ± is the standard deviation over the seeds; a difference is paired (same seed, same images): "
-             "mean ± its seed sd [fold se]",
+             "mean ± its seed sd [fold se]; it separates two candidates above 2 sqrt(seed sd^2 / seeds + fold se^2)",
              f"\n| candidate | max-F | MAE | adaptive-F | max-F - {MEAN_ROW} | MAE - {MEAN_ROW} | max-F - best ({best}) |",
              "|---|---|---|---|---|---|---|"]
     for name in candidates:
