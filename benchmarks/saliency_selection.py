@@ -7,7 +7,8 @@ Steps, each resumable in --out (rerun the same command; a subset of recipes or s
 1. `shards build` of the training folders into OUT/train-shards, the dev images' handcrafted maps and their mean
    into OUT/heldout (as `saliency_quality.py`);
 2. for each recipe (a `saliency train` preset and `--set` values) and seed: `saliency train` into
-   OUT/train/RECIPE/seed-SEED (the seed is the config's `seed`: the sampled images and the networks' starts);
+   OUT/train/RECIPE/seed-SEED (the seed is the config's `seed`: the sampled images and the networks' starts),
+   the training images' handcrafted maps computed once for every run, in OUT/train-maps;
 3. every candidate scored on every dev image once, recorded as it comes: a line of OUT/rows.jsonl (its scores
    on all dev images) and its per-image scores in OUT/scores/; the candidates: each handcrafted method, the mean
    of their maps, and each recipe's network at each test-time option of `saliency_quality.py` (plain, flip, CRF,
@@ -179,6 +180,7 @@ def run(args: argparse.Namespace) -> int:
                 names = network_candidates(recipe)
                 if not all(rows.has(name, seed, recipe.spec) for name in names):
                     train = args.out / "train" / recipe.name / f"seed-{seed}"
+                    shared_maps(train)
                     run_train(TrainJob(shards=shards, out=train, config=configs[(recipe.name, seed)],
                                        backbone=args.backbone, progress=args.progress),
                               log=lambda line: print(line, file=sys.stderr))
@@ -194,6 +196,16 @@ def run(args: argparse.Namespace) -> int:
               f"training images {', '.join(map(str, args.train_images))}")
         print(summarise(rows, candidates, args.seeds, args.folds, args.fold_seed))
     return 0
+
+
+def shared_maps(train: Path) -> None:
+    """Point the training run's map cache (`saliency train`'s OUT/maps) at OUT/train-maps, one for every run: a map
+    is a function of the image alone, and the training shards' keys name the same images in every run."""
+    link = train / "maps"
+    if not link.is_symlink() and not link.exists():
+        (train.parents[2] / "train-maps").mkdir(parents=True, exist_ok=True)
+        train.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(Path("..", "..", "..", "train-maps"), target_is_directory=True)  # relative: OUT may move
 
 
 def score(rows: Rows, candidate: str, seed: int | None, spec: str | None,

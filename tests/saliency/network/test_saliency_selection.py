@@ -69,6 +69,10 @@ def test_scores_every_candidate_once_a_seed_and_resumes_to_the_same_rows(folders
         report = json.loads((out / "train" / "t" / f"seed-{seed}" / "report.json").read_text())
         assert report["images"] == 8
     assert rows[("t: fused network", 0)]["max_f"] != rows[("t: fused network", 1)]["max_f"]
+    # The training images' maps are computed once for every run.
+    for seed in (0, 1):
+        assert (out / "train" / "t" / f"seed-{seed}" / "maps").resolve() == (out / "train-maps").resolve()
+    assert len(list((out / "train-maps" / "rbd").glob("*.png"))) == 8
     # A row's figure is `saliency evaluate`'s on the same maps.
     from relicv2.saliency.evaluate import evaluate_folder
     assert rows[("rbd", None)]["max_f"] == pytest.approx(
