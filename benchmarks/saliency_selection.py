@@ -80,27 +80,29 @@ RECIPE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 @dataclass(frozen=True)
 class Recipe:
-    """A saliency network recipe: a name, a `saliency train` preset (or YAML file) and `--set` values."""
+    """A saliency network recipe: a name, a `saliency train` preset (or YAML file), `--set` values and the backbone."""
 
     name: str
     preset: str
     overrides: tuple[str, ...]
+    backbone: str = "random"
 
     @property
     def spec(self) -> str:
-        return " ".join([self.preset, *self.overrides])
+        """What the recipe's rows were scored with, in words (a row of another spec is refused)."""
+        return " ".join([self.preset, *self.overrides, *([] if self.backbone == "random" else ["from", self.backbone])])
 
     def config(self, seed: int) -> SaliencyTrainConfig:
         return load_saliency_config(self.preset, [*self.overrides, f"seed={seed}"])
 
 
-def parse_recipe(text: str, common: list[str]) -> Recipe:
+def parse_recipe(text: str, common: list[str], backbone: str = "random") -> Recipe:
     name, sep, spec = text.partition("=")
     if not sep or not RECIPE_NAME.fullmatch(name) or not spec.split():
         raise ValueError(f"--recipe {text!r}: give NAME=PRESET [KEY=VALUE ...] (NAME of letters, digits, '_.-'), "
                          "e.g. --recipe \"r64=cpu input_size=64\"")
     preset, *overrides = spec.split()
-    return Recipe(name, preset, (*common, *overrides))
+    return Recipe(name, preset, (*common, *overrides), backbone)
 
 
 class Rows:
@@ -157,7 +159,8 @@ def network_candidates(recipe: Recipe) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    recipes = [parse_recipe(text, args.overrides) for text in (args.recipe or ["cpu=cpu"])]
+    recipes = [parse_recipe(text, args.overrides, args.backbone) for text in (args.recipe or ["cpu=cpu"])]
+    args.seeds = list(dict.fromkeys(args.seeds))  # a seed given twice is one run
     if len({r.name for r in recipes}) < len(recipes):
         raise ValueError("two --recipe share a name; name each recipe once")
     configs = {(r.name, seed): r.config(seed) for r in recipes for seed in args.seeds}  # bad keys fail now
@@ -182,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
                     train = args.out / "train" / recipe.name / f"seed-{seed}"
                     shared_maps(train)
                     run_train(TrainJob(shards=shards, out=train, config=configs[(recipe.name, seed)],
-                                       backbone=args.backbone, progress=args.progress),
+                                       backbone=recipe.backbone, progress=args.progress),
                               log=lambda line: print(line, file=sys.stderr))
                     for name, suffix in zip(names, quality.NETWORK_OPTIONS, strict=True):
                         if not rows.has(name, seed, recipe.spec):
