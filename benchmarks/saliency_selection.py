@@ -4,11 +4,12 @@ The dev images (PASCAL-S dev: 300 images with masks) never reach a training set:
 --train-images folder holding a file with a dev image's bytes. They only choose and score.
 
 Steps, each resumable in --out (rerun the same command; a subset of recipes or seeds is a smaller grid):
-1. `shards build` of the training folders into OUT/train-shards, the dev images' handcrafted maps and their mean
-   into OUT/heldout (as `saliency_quality.py`);
+1. `shards build` of the training folders into OUT/train-shards (a recipe with `extra_images=DIR` values: of the
+   folders and those, into OUT/sets/ID), the dev images' handcrafted maps and their mean into OUT/heldout (as
+   `saliency_quality.py`);
 2. for each recipe (a `saliency train` preset and `--set` values) and seed: `saliency train` into
    OUT/train/RECIPE/seed-SEED (the seed is the config's `seed`: the sampled images and the networks' starts),
-   the training images' handcrafted maps computed once for every run, in OUT/train-maps;
+   the training images' handcrafted maps computed once for every run on the same shards, in their train-maps;
 3. every candidate scored on every dev image once, recorded as it comes: a line of OUT/rows.jsonl (its scores
    on all dev images) and its per-image scores in OUT/scores/; the candidates: each handcrafted method, the mean
    of their maps, and each recipe's network at each test-time option of `saliency_quality.py` (plain, flip, CRF,
@@ -32,14 +33,17 @@ Max-F is the maximum of the mean F curve of the images scored (`saliency.metrics
         --dev-masks $DATA/pascal-s-dev/masks [--recipe "NAME=PRESET [KEY=VALUE ...]" ...] [--seeds 0 1 2] \\
         [--folds 5] [--fold-seed 0] [--backbone FILE|random] [--set KEY=VALUE ...]
 
---recipe defaults to "cpu=cpu" (the `cpu` preset); --set values apply to every recipe.
+--recipe defaults to "cpu=cpu" (the `cpu` preset); --set values apply to every recipe. A recipe's `extra_images=DIR`
+(repeatable) adds DIR to the training folders of that recipe alone: the lever "more images" in one grid.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import io
 import json
+import os
 import re
 import sys
 import time
@@ -86,11 +90,23 @@ class Recipe:
     preset: str
     overrides: tuple[str, ...]
     backbone: str = "random"
+    extra_images: tuple[Path, ...] = ()  # training folders of this recipe alone
+
+    def folders(self, common: list[Path]) -> list[Path]:
+        return [*common, *self.extra_images]
+
+    def shard_set(self, out: Path) -> Path:
+        """Where this recipe's training shards (and their maps) are built: OUT itself for the common folders."""
+        if not self.extra_images:
+            return out
+        return out / "sets" / hashlib.sha256("\n".join(str(p.resolve()) for p in self.extra_images).encode()).hexdigest()[:10]
 
     @property
     def spec(self) -> str:
         """What the recipe's rows were scored with, in words (a row of another spec is refused)."""
-        return " ".join([self.preset, *self.overrides, *([] if self.backbone == "random" else ["from", self.backbone])])
+        extra = [f"extra_images={p}" for p in self.extra_images]
+        backbone = [] if self.backbone == "random" else ["from", self.backbone]
+        return " ".join([self.preset, *self.overrides, *extra, *backbone])
 
     def config(self, seed: int) -> SaliencyTrainConfig:
         return load_saliency_config(self.preset, [*self.overrides, f"seed={seed}"])
@@ -101,8 +117,10 @@ def parse_recipe(text: str, common: list[str], backbone: str = "random") -> Reci
     if not sep or not RECIPE_NAME.fullmatch(name) or not spec.split():
         raise ValueError(f"--recipe {text!r}: give NAME=PRESET [KEY=VALUE ...] (NAME of letters, digits, '_.-'), "
                          "e.g. --recipe \"r64=cpu input_size=64\"")
-    preset, *overrides = spec.split()
-    return Recipe(name, preset, (*common, *overrides), backbone)
+    preset, *tokens = spec.split()
+    extra = tuple(Path(t.split("=", 1)[1]) for t in tokens if t.startswith("extra_images="))
+    overrides = tuple(t for t in tokens if not t.startswith("extra_images="))
+    return Recipe(name, preset, (*common, *overrides), backbone, extra)
 
 
 class Rows:
@@ -167,11 +185,14 @@ def run(args: argparse.Namespace) -> int:
     for option in ("dev_images", "dev_masks"):
         if not getattr(args, option).is_dir():
             raise FileNotFoundError(f"--{option.replace('_', '-')} {getattr(args, option)} is not a folder")
-    check_kept_out(args.train_images, args.dev_images)
+    for recipe in recipes:
+        for folder in recipe.extra_images:
+            if not folder.is_dir():
+                raise FileNotFoundError(f"--recipe {recipe.name}: extra_images={folder} is not a folder")
+        check_kept_out(recipe.folders(args.train_images), args.dev_images)
     args.out.mkdir(parents=True, exist_ok=True)
     with folder_lock(args.out, "saliency_selection.py"):
         first = configs[(recipes[0].name, args.seeds[0])]
-        shards = quality.training_shards(args.train_images, args.out, first.workers, args.progress)
         maps, mean = quality.heldout_maps(args.dev_images, args.out, first, args.progress)
         rows = Rows(args.out)
         for name, folder in [*[(m, maps / m) for m in first.methods], (MEAN_ROW, mean)]:
@@ -182,8 +203,10 @@ def run(args: argparse.Namespace) -> int:
             for seed in args.seeds:
                 names = network_candidates(recipe)
                 if not all(rows.has(name, seed, recipe.spec) for name in names):
-                    train = args.out / "train" / recipe.name / f"seed-{seed}"
-                    shared_maps(train)
+                    train, home = args.out / "train" / recipe.name / f"seed-{seed}", recipe.shard_set(args.out)
+                    shards = quality.training_shards(recipe.folders(args.train_images), home, first.workers,
+                                                     args.progress)
+                    shared_maps(train, home / "train-maps")
                     run_train(TrainJob(shards=shards, out=train, config=configs[(recipe.name, seed)],
                                        backbone=recipe.backbone, progress=args.progress),
                               log=lambda line: print(line, file=sys.stderr))
@@ -201,14 +224,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def shared_maps(train: Path) -> None:
-    """Point the training run's map cache (`saliency train`'s OUT/maps) at OUT/train-maps, one for every run: a map
-    is a function of the image alone, and the training shards' keys name the same images in every run."""
+def shared_maps(train: Path, maps: Path) -> None:
+    """Point the training run's map cache (`saliency train`'s OUT/maps) at `maps`, one for every run on the same
+    shards: a map is a function of the image alone, and the shards' keys name the same images in every run."""
     link = train / "maps"
     if not link.is_symlink() and not link.exists():
-        (train.parents[2] / "train-maps").mkdir(parents=True, exist_ok=True)
+        maps.mkdir(parents=True, exist_ok=True)
         train.mkdir(parents=True, exist_ok=True)
-        link.symlink_to(Path("..", "..", "..", "train-maps"), target_is_directory=True)  # relative: OUT may move
+        link.symlink_to(os.path.relpath(maps, train), target_is_directory=True)  # relative: OUT may move
 
 
 def score(rows: Rows, candidate: str, seed: int | None, spec: str | None,

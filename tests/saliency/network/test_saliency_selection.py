@@ -102,6 +102,30 @@ def test_scores_every_candidate_once_a_seed_and_resumes_to_the_same_rows(folders
     assert "t: fused network" in capsys.readouterr().err
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_recipe_with_extra_images_trains_on_its_own_shards(folders, capsys):
+    _scenes(folders / "c", range(8, 12))
+    out = folders / "out"
+    argv = ["--out", str(out), "--train-images", str(folders / "a"), "--train-images", str(folders / "b"),
+            "--dev-images", str(folders / "dev"), "--dev-masks", str(folders / "masks"), "--recipe", "t=tiny",
+            "--recipe", f"more=tiny num_images=12 extra_images={folders / 'c'}", "--set", "fuse_epochs=1",
+            "--seeds", "0", "--folds", "2"]
+    assert _script().main(argv) == 0
+    assert json.loads((out / "train" / "t" / "seed-0" / "report.json").read_text())["images"] == 8
+    assert json.loads((out / "train" / "more" / "seed-0" / "report.json").read_text())["images"] == 12
+    (own,) = (out / "sets").iterdir()
+    assert (out / "train" / "more" / "seed-0" / "maps").resolve() == (own / "train-maps").resolve()
+    assert len(list((own / "train-maps" / "mr").glob("*.png"))) == 12
+    assert len(list((out / "train-maps" / "mr").glob("*.png"))) == 8
+    assert "| more: fused network, flip + CRF |" in capsys.readouterr().out
+    # A rerun resumes; a recipe's folder that does not exist is one line.
+    assert _script().main(argv) == 0
+    argv[argv.index(f"more=tiny num_images=12 extra_images={folders / 'c'}")] = "gone=tiny extra_images=/nonexistent"
+    capsys.readouterr()
+    assert _script().main(argv) == 2
+    assert "--recipe gone: extra_images=/nonexistent is not a folder" in capsys.readouterr().err
+
+
 def test_a_dev_image_in_a_training_folder_is_refused_before_anything_runs(folders, capsys):
     shutil.copy(folders / "dev" / "s23.jpg", folders / "b" / "copy.jpg")
     assert _script().main(_argv(folders, folders / "out")) == 2
