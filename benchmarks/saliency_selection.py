@@ -185,11 +185,12 @@ def run(args: argparse.Namespace) -> int:
     for option in ("dev_images", "dev_masks"):
         if not getattr(args, option).is_dir():
             raise FileNotFoundError(f"--{option.replace('_', '-')} {getattr(args, option)} is not a folder")
+    check_kept_out(args.train_images, args.dev_images)
     for recipe in recipes:
         for folder in recipe.extra_images:
             if not folder.is_dir():
                 raise FileNotFoundError(f"--recipe {recipe.name}: extra_images={folder} is not a folder")
-        check_kept_out(recipe.folders(args.train_images), args.dev_images)
+        check_kept_out(recipe.extra_images, args.dev_images, f"--recipe {recipe.name} extra_images")
     args.out.mkdir(parents=True, exist_ok=True)
     with folder_lock(args.out, "saliency_selection.py"):
         first = configs[(recipes[0].name, args.seeds[0])]

@@ -124,6 +124,11 @@ def test_a_recipe_with_extra_images_trains_on_its_own_shards(folders, capsys):
     capsys.readouterr()
     assert _script().main(argv) == 2
     assert "--recipe gone: extra_images=/nonexistent is not a folder" in capsys.readouterr().err
+    # A recipe's own folder holding a dev image is refused as --train-images are.
+    shutil.copy(folders / "dev" / "s21.jpg", folders / "c" / "copy.jpg")
+    argv[argv.index("gone=tiny extra_images=/nonexistent")] = f"more=tiny extra_images={folders / 'c'}"
+    assert _script().main(argv) == 2
+    assert "--recipe more extra_images " in (err := capsys.readouterr().err) and "copy.jpg is the dev image s21.jpg" in err
 
 
 def test_a_dev_image_in_a_training_folder_is_refused_before_anything_runs(folders, capsys):
