@@ -8,7 +8,9 @@ Steps, each through the library as the `relicv2` commands run them (and each res
 4. `saliency evaluate` of each handcrafted method, the mean of the four, and the fused network
    (plain, with flip averaging, refined by its dense CRF, and averaged with the mean of the maps) against
    --heldout-masks.
-Prints the table (MAE / max-F / adaptive-F, beta^2 = 0.3) and the wall time of each step.
+Prints the table (MAE / max-F / adaptive-F, beta^2 = 0.3) and the wall time of each step. A training folder holding
+a held-out image (the same bytes, under any name) is refused. To choose among recipes and test-time options on
+labelled dev images without scoring the choice on the images it was made on: `saliency_selection.py`.
 
     python benchmarks/saliency_quality.py --out OUT --train-images DIR [--train-images DIR2] \\
         --heldout-images DIR --heldout-masks DIR [--backbone FILE|random] [--config cpu] [--set k=v ...]
@@ -39,6 +41,7 @@ from relicv2.saliency.network.model_file import MODEL_NAME  # noqa: E402
 from relicv2.saliency.network.predictor import mean_of_maps  # noqa: E402
 from relicv2.saliency.network.report import FUSED_ROW, MEAN_ROW, format_report  # noqa: E402
 from relicv2.saliency.network.train import TrainJob, TrainStateError, run_train  # noqa: E402
+from relicv2.saliency.selection import check_kept_out  # noqa: E402
 from relicv2.shards.build import BuildConfig, build_shards  # noqa: E402
 
 
@@ -76,12 +79,23 @@ def score_rows(model: Path, images: Path, masks: Path, maps: Path, mean: Path,
     the images that have a mask are scored, and the table says how many."""
     rows = {m: evaluate_folder(maps / m, masks, allow_missing=True) for m in config.methods}
     rows[MEAN_ROW] = evaluate_folder(mean, masks, allow_missing=True)
-    options = {"": {}, ", flip": {"flip": True}, " + CRF": {"crf": True}, ", flip + CRF": {"flip": True, "crf": True},
-               " + maps": {"maps": maps}, ", flip + maps": {"flip": True, "maps": maps}}
-    for suffix, chosen in options.items():
-        rows[FUSED_ROW + suffix] = evaluate_model(ModelEvaluation(model=model, images=images, gt=masks,
-                                                                  allow_missing=True, **chosen))
+    for suffix in NETWORK_OPTIONS:
+        rows[FUSED_ROW + suffix] = evaluate_model(network_evaluation(model, images, masks, maps, suffix))
     return rows
+
+
+# The fused network's rows: the suffix of the row's name -> its test-time options (ModelEvaluation's fields;
+# "maps": averaged with the mean of the held-out images' handcrafted maps).
+NETWORK_OPTIONS = {"": {}, ", flip": {"flip": True}, " + CRF": {"crf": True}, ", flip + CRF": {"flip": True, "crf": True},
+                   " + maps": {"maps": True}, ", flip + maps": {"flip": True, "maps": True}}
+
+
+def network_evaluation(model: Path, images: Path, masks: Path, maps: Path, suffix: str) -> ModelEvaluation:
+    """The evaluation of the network's row named FUSED_ROW + `suffix` (NETWORK_OPTIONS) on the held-out images."""
+    options = dict(NETWORK_OPTIONS[suffix])
+    if options.pop("maps", False):
+        options["maps"] = maps
+    return ModelEvaluation(model=model, images=images, gt=masks, allow_missing=True, **options)
 
 
 def format_rows(rows: dict[str, DatasetScores]) -> str:
@@ -117,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
     for option in ("heldout_images", "heldout_masks"):
         if not getattr(args, option).is_dir():
             raise FileNotFoundError(f"--{option.replace('_', '-')} {getattr(args, option)} is not a folder")
+    check_kept_out(args.train_images, args.heldout_images)  # a held-out image trained on would flatter the network
     times: dict[str, float] = {}
     start = time.perf_counter()
     shards = training_shards(args.train_images, args.out, config.workers, args.progress)

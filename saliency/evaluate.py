@@ -15,7 +15,7 @@ import numpy as np
 
 from relicv2.saliency.handcrafted import METHOD_NAMES
 from relicv2.saliency.images import list_images, map_to_uint8, read_gray, read_rgb
-from relicv2.saliency.metrics import DatasetScores, aggregate, score_image
+from relicv2.saliency.metrics import DatasetScores, ImageScores, aggregate, score_image
 
 
 class EvaluationError(ValueError):
@@ -52,8 +52,8 @@ def prediction_sets(pred: Path) -> dict[str, Path]:
 
 
 def _score_pairs(predictions: dict[str, Path], gt: Path, read: Callable[[Path], np.ndarray], what: str,
-                 allow_missing: bool) -> DatasetScores:
-    """Score ``read(predictions[stem])`` against the mask of each stem in ``gt``; ``what`` names the
+                 allow_missing: bool) -> dict[str, ImageScores]:
+    """Score ``read(predictions[stem])`` against the mask of each stem in ``gt``, by stem; ``what`` names the
     prediction side in messages (the maps' or the images' folder)."""
     masks = _by_stem(gt)
     missing = sorted(set(masks) - set(predictions))
@@ -74,7 +74,7 @@ def _score_pairs(predictions: dict[str, Path], gt: Path, read: Callable[[Path], 
             f"{len(missing)} mask(s) in {gt} have no map in {what}: {', '.join(missing[:5])}; "
             "compute them or pass --allow-missing to score the others"
         )
-    scores = []
+    scores = {}
     for stem in common:
         prediction, mask = read(predictions[stem]), read_gray(masks[stem])
         if prediction.shape != mask.shape:
@@ -82,13 +82,18 @@ def _score_pairs(predictions: dict[str, Path], gt: Path, read: Callable[[Path], 
                 f"{predictions[stem]} is {prediction.shape[1]}x{prediction.shape[0]} but its mask "
                 f"{masks[stem]} is {mask.shape[1]}x{mask.shape[0]}; a map (or image) and its mask must have the same size"
             )
-        scores.append(score_image(prediction, mask))
-    return aggregate(scores)
+        scores[stem] = score_image(prediction, mask)
+    return scores
+
+
+def score_folder_images(maps: Path, gt: Path, allow_missing: bool = False) -> dict[str, ImageScores]:
+    """Each map of ``maps`` scored against the mask of the same stem in ``gt``, by stem."""
+    return _score_pairs(_by_stem(maps), gt, read_gray, str(maps), allow_missing)
 
 
 def evaluate_folder(maps: Path, gt: Path, allow_missing: bool = False) -> DatasetScores:
     """Score every map of ``maps`` against the mask of the same stem in ``gt``."""
-    return _score_pairs(_by_stem(maps), gt, read_gray, str(maps), allow_missing)
+    return aggregate(score_folder_images(maps, gt, allow_missing).values())
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,11 @@ class ModelEvaluation:
 def evaluate_model(job: ModelEvaluation) -> DatasetScores:
     """Predict every image of ``job.images`` with the model and score the maps against ``job.gt``, each
     through an 8-bit map, so that a model scores what its written maps score."""
+    return aggregate(score_model_images(job).values())
+
+
+def score_model_images(job: ModelEvaluation) -> dict[str, ImageScores]:
+    """`evaluate_model`'s scores of each image, by stem."""
     from relicv2.saliency.network.crf import model_crf
     from relicv2.saliency.network.model_file import load_model
     from relicv2.saliency.network.predictor import mean_of_maps, predict_map, with_maps

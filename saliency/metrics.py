@@ -164,13 +164,47 @@ def score_image(prediction: np.ndarray, ground_truth: np.ndarray) -> ImageScores
                        s_measure=s_measure(s, g))
 
 
+@dataclass(frozen=True)
+class ScoreSums:
+    """Per-image scores summed over a set of images (the F curves summed pointwise): the sums of two disjoint
+    sets add up to the sums of their union, so the scores of any subset (a fold, all folds but one) come from its
+    images' sums, with max-F still the maximum of the mean F curve, never a mean of per-image maxima."""
+
+    mae: float
+    f_curve: np.ndarray
+    adaptive_f: float
+    s_measure: float
+    count: int
+
+    @classmethod
+    def of(cls, image: ImageScores) -> ScoreSums:
+        return cls(image.mae, np.asarray(image.f_curve, np.float64), image.adaptive_f, image.s_measure, 1)
+
+    @classmethod
+    def empty(cls) -> ScoreSums:
+        return cls(0.0, np.zeros(THRESHOLDS), 0.0, 0.0, 0)
+
+    def __add__(self, other: ScoreSums) -> ScoreSums:
+        return ScoreSums(self.mae + other.mae, self.f_curve + other.f_curve, self.adaptive_f + other.adaptive_f,
+                         self.s_measure + other.s_measure, self.count + other.count)
+
+    def scores(self) -> DatasetScores:
+        """The protocol's averages over the summed images (NaN scores for none)."""
+        if self.count == 0:
+            return DatasetScores(*[float("nan")] * 4, count=0)
+        n = self.count
+        return DatasetScores(mae=self.mae / n, max_f=float(np.max(self.f_curve / n)), adaptive_f=self.adaptive_f / n,
+                             s_measure=self.s_measure / n, count=n)
+
+
+def summed(scores: Iterable[ImageScores]) -> ScoreSums:
+    """The sums of per-image scores (see ScoreSums)."""
+    total = ScoreSums.empty()
+    for item in scores:
+        total = total + ScoreSums.of(item)
+    return total
+
+
 def aggregate(scores: Iterable[ImageScores]) -> DatasetScores:
     """Average per-image scores; max-F is the maximum of the mean F curve."""
-    items = list(scores)
-    if not items:
-        return DatasetScores(*[float("nan")] * 4, count=0)
-    return DatasetScores(mae=float(np.mean([i.mae for i in items])),
-                         max_f=float(np.max(np.mean([i.f_curve for i in items], axis=0))),
-                         adaptive_f=float(np.mean([i.adaptive_f for i in items])),
-                         s_measure=float(np.mean([i.s_measure for i in items])),
-                         count=len(items))
+    return summed(scores).scores()

@@ -13,6 +13,7 @@ from relicv2.saliency.metrics import (
     normalise_prediction,
     s_measure,
     score_image,
+    summed,
 )
 
 # S = [0, 0.5, 0.75, 1], G = [0, 1, 0, 1]; by hand, beta^2 = 0.3, F = 1.3 P R / (0.3 P + R):
@@ -64,6 +65,25 @@ def test_max_f_is_the_maximum_of_the_mean_curve():
     assert result.max_f == pytest.approx((1.3 * 2 / 3) / 1.2)
     assert result.max_f < (first.f_curve.max() + second.f_curve.max()) / 2
     assert result.count == 2 and result.mae == pytest.approx((first.mae + second.mae) / 2)
+
+
+def test_the_sums_of_a_subset_score_it_as_scoring_it_directly():
+    rng = np.random.default_rng(3)
+    images = [score_image(rng.random((6, 7)) ** (1 + i % 3), (rng.random((6, 7)) > 0.6 + 0.05 * (i % 4)) * 255)
+              for i in range(10)]
+    subset, rest = images[1:8:2], [image for i, image in enumerate(images) if i not in (1, 3, 5, 7)]
+    for part in (subset, rest, images):
+        direct = aggregate(part)
+        from_sums = summed(part).scores()
+        assert from_sums.count == direct.count == len(part)
+        for field in ("mae", "max_f", "adaptive_f", "s_measure"):
+            assert getattr(from_sums, field) == pytest.approx(getattr(direct, field), abs=1e-12)
+    # Disjoint sets add up to their union; max-F of the union is not the mean of the parts' max-F.
+    union = (summed(subset) + summed(rest)).scores()
+    assert union.max_f == pytest.approx(aggregate(images).max_f, abs=1e-12)
+    assert union.mae == pytest.approx(aggregate(images).mae, abs=1e-12)
+    assert union.max_f != pytest.approx((aggregate(subset).max_f * 4 + aggregate(rest).max_f * 6) / 10, abs=1e-6)
+    assert summed([]).scores().count == 0
 
 
 def test_s_measure_special_cases():
