@@ -145,20 +145,22 @@ class Scores:
                     "set": shard_set_fingerprint(shards), "stored_views": stored_views, "targets": classes}
         key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
         path = self.folder / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)}-{key}.json"
+        where = {"file": str(path.relative_to(self.folder.parent))}
         if path.is_file():
             try:
-                return json.loads(path.read_text())
+                return {**json.loads(path.read_text()), **where}
             except (OSError, json.JSONDecodeError):
                 pass  # scored again
         crop = model.head.crop_size
         scored = score_head(model.head, model.encoder, shards, targets=classes, device=self.device,
                             crop_size=crop, resize_size=crop if stored_views else None,
                             batch_size=self.batch_size, encoder_name=model.name, progress=True)
+        # Per image, in the set's order ("1": correct): what an interval over images resamples.
         result = {"top1": figure(scored.top1), "num_images": scored.num_images,
-                  "skipped": len(scored.skipped_keys)}
+                  "skipped": len(scored.skipped_keys), "correct": "".join("01"[c] for c in scored.correct.tolist())}
         self.folder.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(path, json.dumps(result).encode())
-        return result
+        return {**result, **where}
 
 
 def corruption_table(top1: dict[str, dict[int, float]], baseline: dict[str, float | None] | None) -> dict[str, Any]:
@@ -241,7 +243,7 @@ def _generated(job: RobustnessJob, model: Model, control: Model | None, scores: 
                               f"{MIN_SIDE} px: train a head with a larger crop_size")
     top1: dict[str, dict[int, float]] = {}
     control_errors: dict[str, float] = {}
-    counts = set()
+    counts, files = set(), {}
     with corruption_pool(job.config.workers) as pool:  # one pool for every set: spawned workers start in seconds
         for corruption, severity in grid:
             spec = CorruptionSpec(corruption, severity, job.config.seed, head.crop_size, head.resize_size,
@@ -252,12 +254,14 @@ def _generated(job: RobustnessJob, model: Model, control: Model | None, scores: 
             scored = scores.top1(model, f"{corruption}-{severity}", shards, stored_views=True)
             top1.setdefault(corruption, {})[severity] = scored["top1"]
             counts.add(scored["num_images"])
+            files[f"{corruption}-{severity}"] = scored["file"]
             if control is not None:
                 base = scores.top1(control, f"control-{corruption}-{severity}", shards, stored_views=True)
                 control_errors[corruption] = control_errors.get(corruption, 0.0) + 1 - base["top1"]
             sets.update(1)
     table = corruption_table(top1, control_errors if control is not None else None)
-    return {"source": str(job.val), "images": max(counts), "baseline": control and control.name, **table}
+    return {"source": str(job.val), "images": max(counts), "baseline": control and control.name, **table,
+            "score_files": files}
 
 
 def _released_folders(root: Path, config: RobustnessConfig) -> list[Path]:
