@@ -68,12 +68,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from relicv2.evaluation.background_eval import load_backgrounds_config, run_backgrounds  # noqa: E402
 from relicv2.evaluation.head_file import TRAINED_HEAD_FILE  # noqa: E402
 from relicv2.evaluation.job import Backbone, EvalJob, knn_settings, load_linear_config, run_eval  # noqa: E402
-from relicv2.evaluation.robustness import RobustnessJob, load_robustness_config, run_robustness  # noqa: E402
+from relicv2.evaluation.robustness import (  # noqa: E402
+    PER_IMAGE_FILE,
+    RobustnessJob,
+    load_robustness_config,
+    run_robustness,
+)
 from relicv2.jobs.progress import Phase  # noqa: E402
 from relicv2.jobs.ranks import Ranks  # noqa: E402
 from relicv2.pretrain.config import load_config  # noqa: E402
 from relicv2.pretrain.run import run_pretraining  # noqa: E402
-from relicv2.saliency.network.build_masks import build_masks, coverage_of, format_summary, mask_stats  # noqa: E402
+from relicv2.saliency.network.build_masks import (  # noqa: E402
+    build_masks,
+    coverage_of,
+    format_summary,
+    mask_stats,
+)
 from relicv2.saliency.network.config import load_masks_config, load_saliency_config  # noqa: E402
 from relicv2.saliency.network.mask_work import RawSample, finish  # noqa: E402
 from relicv2.saliency.network.model_file import MODEL_NAME  # noqa: E402
@@ -248,8 +258,10 @@ def read_rows(path: Path) -> dict[tuple[str, int], dict]:
 
 
 def record_row(path: Path, row: dict) -> None:
+    """Append `row` as one line (after a line a kill cut short: on a line of its own)."""
+    cut = path.is_file() and path.stat().st_size > 0 and not path.read_bytes().endswith(b"\n")
     with open(path, "a") as handle:
-        handle.write(json.dumps(row) + "\n")
+        handle.write(("\n" if cut else "") + json.dumps(row) + "\n")
         handle.flush()
         os.fsync(handle.fileno())
 
@@ -396,7 +408,7 @@ class Grid:
             backbone, head, out / "masks" / "val", None, out / "backgrounds", load_backgrounds_config("default"),
             json_path=scores / "backgrounds.json", device="cpu"))
         backgrounds = json.loads((scores / "backgrounds.json").read_text())
-        per_image = {"in_c": in_c_per_image(out / "robustness", robust["corrupted"]["score_files"]),
+        per_image = {"in_c": in_c_per_image(out / "robustness"),
                      "bg_gap": bg_gap_per_image(out / "backgrounds")}
         np.savez(scores / "per-image.npz", **per_image)
         return {"p_m": arm.mask_probability, "masks": arm.masks, "steps": pretrained.step,
@@ -407,12 +419,12 @@ class Grid:
                 "backgrounds": backgrounds["accuracy"], "per_image": str(scores / "per-image.npz"), "seconds": times}
 
 
-def in_c_per_image(robustness: Path, files: dict[str, str]) -> np.ndarray:
-    """Per val image, its share of correct answers over the corrupted sets: its part of the mean IN-C top-1
-    (every set holds the same images in the same order)."""
-    correct = [np.frombuffer(json.loads((robustness / f).read_text())["correct"].encode(), np.uint8) - ord("0")
-               for f in files.values()]
-    return np.mean(correct, axis=0)
+def in_c_per_image(robustness: Path) -> np.ndarray:
+    """Per val image, its share of correct answers over the corrupted sets (`robustness.PER_IMAGE_FILE` of
+    the encoder just scored there): its part of the mean IN-C top-1, as every set holds the same images in
+    the same order."""
+    sets = json.loads((robustness / PER_IMAGE_FILE).read_text())["corrupted"]
+    return np.mean([np.frombuffer(c.encode(), np.uint8) - ord("0") for c in sets.values()], axis=0)
 
 
 def bg_gap_per_image(backgrounds: Path) -> np.ndarray:
