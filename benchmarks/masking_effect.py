@@ -503,7 +503,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     arms, seeds = args.arms.split(","), [int(s) for s in args.seeds.split(",")]
     for arm in arms:
-        parse_arm(arm)
+        try:
+            parse_arm(arm)
+        except ValueError as error:
+            parser.error(str(error))
+    if not all((args.data / split).is_dir() for split in ("train", "val")):
+        parser.error(f"--data {args.data} has no train/ and val/ class folders (Imagenette-112's layout)")
     size = [f"views.large_size={args.size}", f"views.small_size={args.size // 2}"]
     grid = Grid(args.out, args.data, args.size, args.epochs, args.val_images, args.saliency_set,
                 [*size, *args.pretrain_set], args.workers)
@@ -511,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     prepare_times = grid.prepare()
     print(f"prepared in {time.perf_counter() - start:.0f} s: {prepare_times}", file=sys.stderr)
+    if not (args.out / "prepare-seconds.json").is_file():  # the first run's: the one that did the work
+        (args.out / "prepare-seconds.json").write_text(json.dumps(prepare_times) + "\n")
     # The control first at every seed: it is the other arms' CE baseline.
     ordered = ["control", *(a for a in arms if a != "control")] if "control" in arms else arms
     rows = grid_rows(args.out, ordered, seeds, grid.measure)
