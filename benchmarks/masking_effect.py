@@ -24,10 +24,11 @@ when done (rerun the same command to resume):
    kept in --out to be looked at;
 3. per seed, random masks: each training image's mask replaced by a rectangle of the same area (pixels at
    or above the foreground level) placed uniformly at random (`random_rectangle`, seeded by (seed, key)),
-   written as a mask shard set in build-masks' format (`random-masks-sSEED/`);
+   hard-edged as the paper's, written as a mask shard set in build-masks' format (`random-masks-sSEED/`);
 4. per arm and seed, `pretrain --config imagenette-r18-cpu` at the arm's p_m on the arm's masks, run.seed =
    the seed, no kNN monitor, --epochs epochs (the schedule whole: warm-up and cosine over those steps);
-5. per encoder: `eval knn`, `eval linear --config fast --output` (its head), `eval robustness --config
+5. per encoder, at the views' size (the whole image: crop and resize SIZE, as RESULTS' Imagenette rows):
+   `eval knn`, `eval linear --config fast --output` (its head), `eval robustness --config
    quick` on the val subset (with the same seed's control as the CE baseline once it is scored) and `eval
    backgrounds` on the masked val subset. Corrupted sets and composites are made once, in shared folders
    (`robustness/`, `backgrounds/`), and each encoder's scores cached there.
@@ -373,7 +374,10 @@ class Grid:
             return self.out / "shards" / "train"
         if arm.masks == "saliency":
             return self.out / "masks" / "train"
-        return random_mask_set(self.out / "masks" / "train", self.out / f"random-masks-s{seed}", seed)
+        masks = random_mask_set(self.out / "masks" / "train", self.out / f"random-masks-s{seed}", seed)
+        if not (preview := self.out / f"masks-random-s{seed}.png").is_file():
+            write_preview(PreviewConfig(input=masks, output=preview, methods=(), count=12))
+        return masks
 
     def run_folder(self, arm: str, seed: int) -> Path:
         return self.out / "runs" / f"{arm}-s{seed}"
@@ -391,11 +395,15 @@ class Grid:
         backbone = Backbone(checkpoint=run)
         scores = out / "scores" / f"{name}-s{seed}"
         train, val = out / "shards" / "train", out / "shards" / "val"
-        timed(times, "knn", lambda: run_eval(EvalJob(backbone, train, val, knn_settings({}),
+        # The whole image at the views' size, as RESULTS' Imagenette evaluations and the guide take it; the head
+        # carries this view to the robustness and backgrounds sets.
+        view = {"crop_size": self.size, "resize_size": self.size}
+        given = frozenset(view)
+        timed(times, "knn", lambda: run_eval(EvalJob(backbone, train, val, knn_settings(view), given=given,
                                                      json_path=scores / "knn.json", device="cpu")))
-        timed(times, "linear", lambda: run_eval(EvalJob(backbone, train, val, load_linear_config("fast"),
-                                                        output=scores / "linear", json_path=scores / "linear.json",
-                                                        device="cpu")))
+        linear = load_linear_config("fast", [f"{k}={v}" for k, v in view.items()])
+        timed(times, "linear", lambda: run_eval(EvalJob(backbone, train, val, linear, output=scores / "linear",
+                                                        json_path=scores / "linear.json", device="cpu", given=given)))
         head = scores / "linear" / TRAINED_HEAD_FILE
         control_head = out / "scores" / f"control-s{seed}" / "linear" / TRAINED_HEAD_FILE
         with_control = name != "control" and control_head.is_file()
