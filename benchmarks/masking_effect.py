@@ -37,10 +37,14 @@ ends with the markdown table RESULTS.md holds: mean and spread (sample sd) over 
 paired per-seed difference from the control, and for the primary figures a 95% bootstrap interval over the
 val subset's images of that difference (the per-image correctness the scorers keep, averaged over seeds).
 
-Budget (the 2-core CPU box, about 2.5 hours for the whole default grid of 4 arms x 3 seeds): 64 px views,
-ResNet-18, one epoch (73 steps of batch 128) an arm, the arms of equal length; ~6 min a pretraining run
-(RESULTS "Peer baseline": one epoch of the preset is past random init on kNN and linear), ~3 min of scoring
-an encoder, ~25 min for the saliency network and masks, the corrupted sets once. A GPU turns the same
+Budget: the default grid (4 arms x 3 seeds, masks included) in about 2.5 hours on the quiet 2-core CPU box.
+Hence 64 px views and ResNet-18 (the `imagenette-r18-cpu` preset), one epoch (73 steps of batch 128) an arm,
+every arm of equal length, and a fixed val subset of 1,000 images for the corruptions and composites. Per
+arm and seed ~10 min: ~6 min of pretraining (one epoch of the preset took 722 CPU-s, RESULTS "Peer baseline",
+and was past random init on kNN and linear there) and ~4 min of scoring (~78,000 images through the frozen
+encoder at ~350 img/s: 13,394 each for kNN and the linear probe, 45,000 corrupted, ~8,000 composites);
+once, ~25 min for the saliency network, ~5 min of masks and ~2 CPU-min of corruptions. Each row records its
+stages' seconds (`rows.jsonl`), the preparation its own (`prepare-seconds.json`). A GPU turns the same
 script up: --size, --epochs, --val-images and --pretrain-set.
 
     python benchmarks/masking_effect.py --out OUT [--data DIR] [--seeds 0,1,2] \\
@@ -344,6 +348,7 @@ class Grid:
     saliency_set: list[str]
     pretrain_set: list[str]
     workers: int
+    device: str  # of every job: "auto" takes a GPU when one is visible
 
     def prepare(self) -> dict:
         """Stages 1-2: the shard sets, the saliency network, its masks (with their histogram and previews)."""
@@ -352,7 +357,7 @@ class Grid:
         timed(times, "shards", lambda: [shard_set(self.data / s, out / "shards" / s) for s in ("train", "val")])
         subset = val_subset(self.data / "val", out / "val-subset-images", self.val_images)
         timed(times, "val subset shards", lambda: shard_set(subset, out / "shards" / "val-subset"))
-        config = load_saliency_config("cpu", [f"input_size={self.size}", *self.saliency_set])
+        config = load_saliency_config("cpu", [f"input_size={self.size}", f"device={self.device}", *self.saliency_set])
         timed(times, "saliency train", lambda: run_train(TrainJob(
             shards=out / "shards" / "train", out=out / "saliency", config=config, backbone="random"),
             log=lambda line: print(line, file=sys.stderr)))
@@ -360,7 +365,7 @@ class Grid:
         for name, shards in (("train", out / "shards" / "train"), ("val", out / "shards" / "val-subset")):
             masks = out / "masks" / name
             masks_config = load_masks_config("cpu", model=out / "saliency" / MODEL_NAME, shards=shards, out=masks,
-                                             workers=self.workers)
+                                             workers=self.workers, device=self.device)
             summary = timed(times, f"build-masks {name}", lambda c=masks_config: build_masks(c))
             print(format_summary(summary), file=sys.stderr)
             summaries[name] = {k: summary[k] for k in ("written", "rejected", "coverage_histogram",
@@ -389,6 +394,7 @@ class Grid:
         shards = timed(times, "masks", lambda: self.train_masks(arm, seed))
         config = load_config(PRESET, [f"data.train_shards={shards}", f"views.mask_probability={arm.mask_probability}",
                                       f"run.seed={seed}", f"run.output_dir={run}", f"optim.epochs={self.epochs}",
+                                      f"run.device={self.device}",
                                       "knn.train_shards=", "knn.val_shards=", "run.progress_bar=false",
                                       *self.pretrain_set])
         pretrained = timed(times, "pretrain", lambda: run_pretraining(config))
@@ -400,21 +406,21 @@ class Grid:
         view = {"crop_size": self.size, "resize_size": self.size}
         given = frozenset(view)
         timed(times, "knn", lambda: run_eval(EvalJob(backbone, train, val, knn_settings(view), given=given,
-                                                     json_path=scores / "knn.json", device="cpu")))
+                                                     json_path=scores / "knn.json", device=self.device)))
         linear = load_linear_config("fast", [f"{k}={v}" for k, v in view.items()])
         timed(times, "linear", lambda: run_eval(EvalJob(backbone, train, val, linear, output=scores / "linear",
-                                                        json_path=scores / "linear.json", device="cpu", given=given)))
+                                                        json_path=scores / "linear.json", device=self.device, given=given)))
         head = scores / "linear" / TRAINED_HEAD_FILE
         control_head = out / "scores" / f"control-s{seed}" / "linear" / TRAINED_HEAD_FILE
         with_control = name != "control" and control_head.is_file()
         robust = timed(times, "robustness", lambda: run_robustness(RobustnessJob(
             backbone, head, out / "robustness", load_robustness_config("quick", [f"workers={self.workers}"]),
-            val=out / "shards" / "val-subset", json_path=scores / "robustness.json", device="cpu",
+            val=out / "shards" / "val-subset", json_path=scores / "robustness.json", device=self.device,
             control=Backbone(checkpoint=self.run_folder("control", seed)) if with_control else None,
             control_head=control_head if with_control else None)))
         timed(times, "backgrounds", lambda: run_backgrounds(
             backbone, head, out / "masks" / "val", None, out / "backgrounds", load_backgrounds_config("default"),
-            json_path=scores / "backgrounds.json", device="cpu"))
+            json_path=scores / "backgrounds.json", device=self.device))
         backgrounds = json.loads((scores / "backgrounds.json").read_text())
         per_image = {"in_c": in_c_per_image(out / "robustness"),
                      "bg_gap": bg_gap_per_image(out / "backgrounds")}
@@ -507,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pretrain-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="pretraining overrides for every arm")
     parser.add_argument("--workers", type=int, default=2, help="processes of build-masks and the corruptions")
+    parser.add_argument("--device", default="auto", help="of every job: auto (a GPU when one is visible), cpu, cuda")
     parser.add_argument("--bootstrap", type=int, default=BOOTSTRAP, help="resamples of the val images")
     args = parser.parse_args(argv)
     arms, seeds = args.arms.split(","), [int(s) for s in args.seeds.split(",")]
@@ -519,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--data {args.data} has no train/ and val/ class folders (Imagenette-112's layout)")
     size = [f"views.large_size={args.size}", f"views.small_size={args.size // 2}"]
     grid = Grid(args.out, args.data, args.size, args.epochs, args.val_images, args.saliency_set,
-                [*size, *args.pretrain_set], args.workers)
+                [*size, *args.pretrain_set], args.workers, args.device)
     args.out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     prepare_times = grid.prepare()
