@@ -22,7 +22,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from relicv2.saliency.handcrafted.methods import METHODS, resolve_methods  # noqa: E402
+from relicv2.saliency.handcrafted import resolve_methods  # noqa: E402
+from relicv2.saliency.handcrafted.methods import METHODS  # noqa: E402
 from relicv2.saliency.images import read_gray, read_rgb  # noqa: E402
 from relicv2.saliency.metrics import aggregate, normalise_prediction, score_image  # noqa: E402
 from tests.paths import SHARED_DATA  # noqa: E402

@@ -36,7 +36,7 @@ EXISTING = click.Path(exists=True, path_type=Path)
 @click.option("--title", default="ReLICv2 run report", show_default=True)
 def report(out: Path, **inputs: Any) -> None:
     """Build OUT (static HTML, opens in any browser) from the files the jobs wrote; missing parts say "not run"."""
-    from relicv2.evaluation.report import ReportInputs, build_report
+    from relicv2.evaluation.report.html import ReportInputs, build_report
 
     with user_errors(ValueError, OSError):
         summary = build_report(ReportInputs(**inputs), out)

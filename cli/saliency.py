@@ -11,30 +11,14 @@ from relicv2.cli.options import config_or_preset, index_cache_option, preset_opt
 from relicv2.jobs.config import ConfigError
 from relicv2.jobs.device import resolve_device
 from relicv2.jobs.lock import FolderLockedError
-from relicv2.saliency.batch import (
-    FailureLimit,
-    HandcraftedConfig,
-    OutputWriteError,
-    run_handcrafted,
-)
-from relicv2.saliency.evaluate import (
-    EvaluateConfig,
-    EvaluationError,
-    ModelEvaluation,
-    evaluate,
-    evaluate_model,
-    format_table,
-    write_csv,
-    write_json,
-)
-from relicv2.saliency.handcrafted.methods import METHODS, resolve_methods
+from relicv2.saliency.handcrafted import METHOD_NAMES, resolve_methods
 from relicv2.saliency.network.config import PRESETS, load_saliency_config
-from relicv2.saliency.preview import PreviewConfig, write_preview
 from relicv2.shards.driver import REHASH_OPTION
 
-# Modules that import torch are imported inside the commands: `relicv2 saliency --help` stays fast.
+# A command's job modules are imported inside it: torch, and the handcrafted methods with their numba, scipy
+# and OpenCV, cost seconds of CPU that `relicv2 saliency --help` and the other commands do not need.
 
-METHOD_HELP = f"One of {', '.join(METHODS)}, a comma-separated list, or 'all'."
+METHOD_HELP = f"One of {', '.join(METHOD_NAMES)}, a comma-separated list, or 'all'."
 SHARDS_HELP = ("a folder (from `relicv2 shards build`, or plain WebDataset tars such as train-0000.tar), "
                "a brace pattern (train-{0000..0099}.tar) or a tar")
 
@@ -63,6 +47,13 @@ def saliency_group() -> None:
                    "fraction (0.05) or a percentage (5%). A job whose every input fails always fails.")
 def handcrafted(method: str, workers: int, max_failures: str, **options: Any) -> None:
     """Write 8-bit PNG saliency maps of RBD, MR, DSR and/or MC for every input image."""
+    from relicv2.saliency.batch import (
+        FailureLimit,
+        HandcraftedConfig,
+        OutputWriteError,
+        run_handcrafted,
+    )
+
     with user_errors(ValueError, option="--max-failures"):
         limit = FailureLimit.parse(max_failures)
     if workers < 1:
@@ -105,6 +96,17 @@ def evaluate_command(pred: Path | None, model_path: Path | None, images: Path | 
     relicv2 saliency evaluate --pred maps/ --gt masks/
     relicv2 saliency evaluate --model runs/saliency --images images/ --gt masks/
     """
+    from relicv2.saliency.evaluate import (
+        EvaluateConfig,
+        EvaluationError,
+        ModelEvaluation,
+        evaluate,
+        evaluate_model,
+        format_table,
+        write_csv,
+        write_json,
+    )
+
     if (pred is None) == (model_path is None):
         raise click.UsageError("give either --pred (maps) or --model with --images")
     if model_path is None and (images or flip or crf or maps):
@@ -134,6 +136,8 @@ def evaluate_command(pred: Path | None, model_path: Path | None, images: Path | 
 @click.option("--maps", type=click.Path(path_type=Path), help="Read maps written by `handcrafted` instead of computing them.")
 def preview(method: str, count: int, **options: Any) -> None:
     """Write a contact sheet: image | each method's map | GT, one row per image."""
+    from relicv2.saliency.preview import PreviewConfig, write_preview
+
     with user_errors(FileNotFoundError, ValueError):
         path = write_preview(PreviewConfig(methods=_methods(method), count=max(1, count), **options))
     click.echo(f"wrote {path}")

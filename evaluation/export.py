@@ -32,7 +32,7 @@ from relicv2.pretrain.checkpoint import (
     load_checkpoint,
     resolve_checkpoint,
 )
-from relicv2.pretrain.knn.classify import trained_protocol
+from relicv2.pretrain.config import trained_protocol
 from relicv2.shards.outdir import check_output_file as check_writable
 from relicv2.shards.outdir import check_output_folder, writing
 

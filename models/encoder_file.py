@@ -40,7 +40,6 @@ from relicv2.models.resnet import (
     PADDINGS,
     STAGE_BLOCKS,
     STAGE_PLANES,
-    Bottleneck,
     ResNet,
     load_torchvision_state_dict,
     resnet,
@@ -217,8 +216,8 @@ def architecture_of(state: dict[str, Any]) -> tuple[int, int] | None:
     counts = tuple(len({name.split(".")[1] for name in state if name.startswith(f"layer{stage}.")})
                    for stage in range(1, 5))
     bottleneck = "layer1.0.conv3.weight" in state
-    depth = next((d for d, (block, blocks) in STAGE_BLOCKS.items()
-                  if blocks == counts and (block is Bottleneck) == bottleneck), None)
+    depth = next((d for d, (kind, blocks) in STAGE_BLOCKS.items()
+                  if blocks == counts and (kind == "bottleneck") == bottleneck), None)
     return None if depth is None else (depth, stem.shape[0] // STAGE_PLANES[0])
 
 

@@ -150,8 +150,8 @@ def haiku_to_state_dict(params: dict, state: dict, path: Path,
     bottleneck = any("conv_2" in name for name in torso)
     blocks = tuple(len({m.group(1) for n in torso if (m := re.match(rf"block_group_{g}/~/block_(\d+)/", n))})
                    for g in range(4))
-    depth = next((d for d, (block, layout) in STAGE_BLOCKS.items()
-                  if layout == blocks and (block.expansion == 4) == bottleneck), None)
+    depth = next((d for d, (kind, layout) in STAGE_BLOCKS.items()
+                  if layout == blocks and (kind == "bottleneck") == bottleneck), None)
     if remainder or width not in WIDTHS or depth is None:
         raise OfficialImportError(f"{path}: a ResNet torso with {blocks} blocks per group and a "
                                   f"{64 * width + remainder}-channel stem is not one of the supported encoders")

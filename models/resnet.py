@@ -17,24 +17,32 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torchvision.models.resnet import BasicBlock, Bottleneck
 
-# Blocks per stage. ResNet-200 is not in torchvision; its layout is the one of He et al. 2016
-# ("Identity Mappings in Deep Residual Networks") used by BYOL/ReLICv2 for their largest encoder.
-Block = type[BasicBlock] | type[Bottleneck]
-STAGE_BLOCKS: dict[int, tuple[Block, tuple[int, int, int, int]]] = {
-    18: (BasicBlock, (2, 2, 2, 2)),
-    34: (BasicBlock, (3, 4, 6, 3)),
-    50: (Bottleneck, (3, 4, 6, 3)),
-    101: (Bottleneck, (3, 4, 23, 3)),
-    152: (Bottleneck, (3, 8, 36, 3)),
-    200: (Bottleneck, (3, 24, 36, 3)),
+# The kind of residual block and the blocks per stage. ResNet-200 is not in torchvision; its layout is the one
+# of He et al. 2016 ("Identity Mappings in Deep Residual Networks") used by BYOL/ReLICv2 for their largest encoder.
+STAGE_BLOCKS: dict[int, tuple[str, tuple[int, int, int, int]]] = {
+    18: ("basic", (2, 2, 2, 2)),
+    34: ("basic", (3, 4, 6, 3)),
+    50: ("bottleneck", (3, 4, 6, 3)),
+    101: ("bottleneck", (3, 4, 23, 3)),
+    152: ("bottleneck", (3, 8, 36, 3)),
+    200: ("bottleneck", (3, 24, 36, 3)),
 }
 WIDTHS = (1, 2, 4)
 STAGE_PLANES = (64, 128, 256, 512)
 # "torch": symmetric padding k // 2 (torchvision); "same_tf": TensorFlow/JAX "SAME" padding, which
 # pads strided layers asymmetrically (more after than before), as the authors' haiku networks do.
 PADDINGS = ("torch", "same_tf")
+
+
+def block_class(kind: str) -> type[nn.Module]:
+    """torchvision's residual block of a `kind` of STAGE_BLOCKS ("basic" or "bottleneck")."""
+    # Imported when a network is built, not with this module: torchvision imports its detection ops and
+    # torch._dynamo with them (more CPU than torch itself), which a process that only reads a file, a
+    # config or the architecture table does not need.
+    from torchvision.models.resnet import BasicBlock, Bottleneck
+
+    return Bottleneck if kind == "bottleneck" else BasicBlock
 
 
 def _same_tf_pads(size: int, kernel: int, stride: int) -> tuple[int, int]:
@@ -70,12 +78,14 @@ class ResNet(nn.Module):
     """ResNet trunk (stem, four residual stages, global average pooling; no classifier): images
     [B, 3, H, W] to pooled features [B, num_features]."""
 
-    def __init__(self, block: Block, stage_blocks: tuple[int, int, int, int], width: int = 1, *,
+    def __init__(self, block_kind: str, stage_blocks: tuple[int, int, int, int], width: int = 1, *,
                  zero_init_residual: bool = False, padding: str = "torch") -> None:
         super().__init__()
         if padding not in PADDINGS:
             raise ValueError(f"padding must be one of {list(PADDINGS)}, got {padding!r}")
         self.padding = padding
+        self.block_kind = block_kind
+        block = block_class(block_kind)
         stem_channels = 64 * width
         self.conv1 = nn.Conv2d(3, stem_channels, kernel_size=7, stride=2, padding=3, bias=False)
         self.bn1 = nn.BatchNorm2d(stem_channels)
@@ -90,7 +100,7 @@ class ResNet(nn.Module):
         self.layer1, self.layer2, self.layer3, self.layer4 = stages
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
         self.num_features: int = in_channels
-        _initialise(self, zero_init_residual)
+        _initialise(self, block, zero_init_residual)
         if padding == "same_tf":
             _use_same_tf_padding(self)
 
@@ -100,7 +110,7 @@ class ResNet(nn.Module):
         return torch.flatten(self.avgpool(x), 1)
 
 
-def _make_stage(block: Block, in_channels: int, planes: int, blocks: int,
+def _make_stage(block: type[nn.Module], in_channels: int, planes: int, blocks: int,
                 stride: int) -> tuple[nn.Sequential, int]:
     """One stage as torchvision builds it (projection shortcut `downsample` = conv1x1 + BN)."""
     out_channels = planes * block.expansion
@@ -130,17 +140,16 @@ def _use_same_tf_padding(model: nn.Module) -> None:
             module.padding = 0
 
 
-def _initialise(model: nn.Module, zero_init_residual: bool) -> None:
+def _initialise(model: nn.Module, block: type[nn.Module], zero_init_residual: bool) -> None:
     """torchvision's initialisation: He-normal (fan-out) convolutions; BN keeps torch's scale 1, shift 0."""
     # With zero_init_residual each residual branch starts as zero, so every block starts as the identity
     # (Goyal et al. 2017, "Accurate, Large Minibatch SGD").
     for module in model.modules():
         if isinstance(module, nn.Conv2d):
             nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
-        elif zero_init_residual and isinstance(module, Bottleneck):
-            nn.init.zeros_(module.bn3.weight)
-        elif zero_init_residual and isinstance(module, BasicBlock):
-            nn.init.zeros_(module.bn2.weight)
+        elif zero_init_residual and isinstance(module, block):
+            # the residual branch's last BN: bn3 in a bottleneck, bn2 in a basic block
+            nn.init.zeros_(getattr(module, "bn3", module.bn2).weight)
 
 
 def resnet(depth: int, width: int = 1, *, zero_init_residual: bool = False, padding: str = "torch") -> ResNet:
@@ -151,8 +160,8 @@ def resnet(depth: int, width: int = 1, *, zero_init_residual: bool = False, padd
         raise ValueError(f"ResNet depth {depth} is not supported; choose one of {sorted(STAGE_BLOCKS)}")
     if width not in WIDTHS:
         raise ValueError(f"ResNet width {width} is not supported; choose one of {list(WIDTHS)}")
-    block, stage_blocks = STAGE_BLOCKS[depth]
-    return ResNet(block, stage_blocks, width, zero_init_residual=zero_init_residual, padding=padding)
+    block_kind, stage_blocks = STAGE_BLOCKS[depth]
+    return ResNet(block_kind, stage_blocks, width, zero_init_residual=zero_init_residual, padding=padding)
 
 
 def to_torchvision_state_dict(model: ResNet) -> dict[str, Tensor]:

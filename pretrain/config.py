@@ -157,6 +157,14 @@ def per_rank_batch(config: PretrainConfig, world_size: int) -> int:
     return batch // world_size
 
 
+def trained_protocol(config: PretrainConfig) -> dict[str, Any]:
+    """The kNN settings that fit an encoder pretrained with `config`: its run's own monitor's (so
+    `relicv2 eval knn` reproduces the run's figure), else its large views' size."""
+    if config.knn.train_shards:
+        return {name: getattr(config.knn, name) for name in ("k", "temperature", "crop_size", "resize_size")}
+    return {"crop_size": config.views.large_size, "resize_size": 0}
+
+
 def derive(
     config: PretrainConfig, *, world_size: int, dataset_size: int, steps_per_epoch: int | None = None
 ) -> DerivedValues:

@@ -32,9 +32,9 @@ from relicv2.jobs.lock import folder_lock
 from relicv2.jobs.progress import Phase
 from relicv2.jobs.workers import one_thread, single_threaded, worker_pool
 from relicv2.saliency.handcrafted.methods import METHODS
-from relicv2.saliency.images import list_images, read_rgb, write_map
+from relicv2.saliency.images import list_images, map_path, read_rgb, write_map
 from relicv2.shards.images import ImageLoadError, load_rgb
-from relicv2.shards.keys import UnsafeKeyError, safe_relative_path
+from relicv2.shards.keys import UnsafeKeyError
 from relicv2.shards.manifest import MANIFEST_NAME
 from relicv2.shards.reader import ReadReport, iter_samples
 from relicv2.shards.shardset import BRACE, list_shard_files, resolve_shard_set, shard_tars
@@ -165,7 +165,7 @@ def count_inputs(source: Path) -> int | None:
 class HandcraftedConfig:
     """One ``relicv2 saliency handcrafted`` job."""
 
-    methods: tuple[str, ...]  # names of METHODS (`resolve_methods` checks what a user gives)
+    methods: tuple[str, ...]  # names of METHOD_NAMES (`resolve_methods` checks what a user gives)
     input: Path
     output: Path
     workers: int = 1
@@ -221,12 +221,6 @@ class Result:
     written: tuple[str, ...] = ()
     error: str | None = None
     output_full: bool = False
-
-
-def map_path(output: Path, method: str, name: str) -> Path:
-    """Where the map of input ``name`` by ``method`` is written; :class:`UnsafeKeyError` when
-    ``name`` (an untrusted shard key) would lead outside ``output/method``."""
-    return safe_relative_path(Path(output) / method, name, ".png")
 
 
 _ADDRESS = re.compile(r" object at 0x[0-9a-fA-F]+")  # kept out of failure reasons (<_io.BytesIO object at 0x7f..>)

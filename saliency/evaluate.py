@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from relicv2.saliency.handcrafted.methods import METHODS
+from relicv2.saliency.handcrafted import METHOD_NAMES
 from relicv2.saliency.images import list_images, map_to_uint8, read_gray, read_rgb
 from relicv2.saliency.metrics import DatasetScores, aggregate, score_image
 
@@ -119,9 +119,9 @@ def evaluate_model(job: ModelEvaluation) -> DatasetScores:
     size = int(info["input_size"])
     crf = model_crf(info, str(job.model)) if job.crf else None
     # The handcrafted methods with a map folder in --maps (a `saliency handcrafted` output).
-    methods = tuple(m for m in METHODS if job.maps is not None and (Path(job.maps) / m).is_dir())
+    methods = tuple(m for m in METHOD_NAMES if job.maps is not None and (Path(job.maps) / m).is_dir())
     if job.maps is not None and not methods:
-        raise EvaluationError(f"--maps {job.maps} holds no map folder ({', '.join(METHODS)}); "
+        raise EvaluationError(f"--maps {job.maps} holds no map folder ({', '.join(METHOD_NAMES)}); "
                               "give the --output folder of `relicv2 saliency handcrafted`")
 
     def read(path: Path) -> np.ndarray:

@@ -12,6 +12,7 @@ from PIL import Image
 
 from relicv2.jobs.atomic import atomic_output
 from relicv2.shards.images import load_gray, load_rgb, read_bytes
+from relicv2.shards.keys import safe_relative_path
 from relicv2.shards.sources import IMAGE_EXTENSIONS
 
 
@@ -35,6 +36,12 @@ def map_to_uint8(saliency: np.ndarray) -> np.ndarray:
     """A [0, 1] float map as 8-bit (rounded, clipped, NaN -> 0)."""
     values = np.nan_to_num(np.asarray(saliency, dtype=np.float64), nan=0.0)
     return np.clip(np.rint(values * 255.0), 0, 255).astype(np.uint8)
+
+
+def map_path(output: Path, method: str, name: str) -> Path:
+    """Where the map of input ``name`` by ``method`` is written; :class:`UnsafeKeyError` when
+    ``name`` (an untrusted shard key) would lead outside ``output/method``."""
+    return safe_relative_path(Path(output) / method, name, ".png")
 
 
 def write_png(path: Path | str, array: np.ndarray) -> None:

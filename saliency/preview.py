@@ -12,9 +12,9 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from relicv2.saliency.batch import is_shard_source, iter_items, map_path
+from relicv2.saliency.batch import is_shard_source, iter_items
 from relicv2.saliency.handcrafted.methods import METHODS
-from relicv2.saliency.images import list_images, map_to_uint8, read_gray, write_png
+from relicv2.saliency.images import list_images, map_path, map_to_uint8, read_gray, write_png
 from relicv2.shards import ReadReport, iter_samples
 from relicv2.shards.images import ImageLoadError, load_rgb
 from relicv2.shards.sample import MASK_FOREGROUND_LEVEL, MASK_MEMBER

@@ -212,7 +212,9 @@ def test_every_results_table_names_command_machine_date_and_commit():
 def test_results_stays_a_reference():
     """Current figures only, what they replaced in git's history: the file stays short enough to read."""
     lines = RESULTS.read_text().count("\n")
-    assert lines < 700, f"benchmarks/RESULTS.md has {lines} lines: drop superseded rows and narration (git keeps them)"
+    # ~700 lines held the figures of the pipeline's stages; the evaluation families (robustness, backgrounds,
+    # transfer, segmentation, the masking evidence) each add one reference table on top.
+    assert lines < 900, f"benchmarks/RESULTS.md has {lines} lines: drop superseded rows and narration (git keeps them)"
 
 
 def test_results_keeps_the_gpu_runbook():

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from relicv2.pretrain.config import KnnConfig, PretrainConfig
+from relicv2.pretrain.config import KnnConfig
 from relicv2.pretrain.distributed import (
     DistributedContext,
     all_gather_rows,
@@ -55,17 +55,9 @@ def shared_tars(bank: ShardSet, queries: ShardSet) -> list[Path]:
     return sorted({t.resolve() for t in shard_tars(bank)[0]} & {t.resolve() for t in shard_tars(queries)[0]})
 
 
-def trained_protocol(config: PretrainConfig) -> dict[str, Any]:
-    """The kNN settings that fit an encoder pretrained with `config`: its run's own monitor's (so
-    `relicv2 eval knn` reproduces the run's figure), else its large views' size."""
-    if config.knn.train_shards:
-        return {name: getattr(config.knn, name) for name in ("k", "temperature", "crop_size", "resize_size")}
-    return {"crop_size": config.views.large_size, "resize_size": 0}
-
-
 def at_trained_size(config: Any, trained: dict[str, Any], given: Collection[str]) -> Any:
     """A linear or fine-tuning config (`crop_size`, `resize_size`) at the image size that fits the
-    encoder (`trained_protocol`), where the user did not set one; unchanged when nothing is known."""
+    encoder (`pretrain.config.trained_protocol`), where the user did not set one; unchanged when nothing is known."""
     if "crop_size" not in trained or "crop_size" in given:
         return config
     changes = {"crop_size": trained["crop_size"]}

@@ -1,5 +1,6 @@
 """The registry of handcrafted saliency methods, name -> ``rgb uint8 HxWx3 -> float32 HxW``: an explicit
 dict (no registration by import side effect) of pure, deterministic functions, shipped to workers by name.
+Its keys are the package's ``METHOD_NAMES``, in that order (a test checks it).
 """
 
 from __future__ import annotations
@@ -21,14 +22,3 @@ METHODS: dict[str, SaliencyMethod] = {
 
 CONFIGS: dict[str, type] = {"rbd": RBDConfig, "mr": MRConfig, "dsr": DSRConfig, "mc": MCConfig}
 """Each method's frozen parameter dataclass (defaults: the authors' code); ``METHODS[name](rgb, config)``."""
-
-
-def resolve_methods(name: str) -> list[str]:
-    """``"all"`` or a comma-separated list of method names -> validated list of names."""
-    names = list(METHODS) if name == "all" else [n.strip() for n in name.split(",") if n.strip()]
-    unknown = [n for n in names if n not in METHODS]
-    if unknown or not names:
-        raise ValueError(
-            f"unknown saliency method(s) {unknown or name!r}; choose from {', '.join(METHODS)} or 'all'"
-        )
-    return names

@@ -13,10 +13,9 @@ from typing import Any
 
 from relicv2.jobs.config import ConfigError, Presets, is_file_reference, resolve
 from relicv2.jobs.workers import rank_cores, usable_cores
-from relicv2.saliency.handcrafted.methods import METHODS
+from relicv2.saliency.handcrafted import METHOD_NAMES
 
 MAX_INPUT_SIZE = 4096  # px: the network's square input (the paper's 432); one larger image alone needs GBs
-METHOD_NAMES = tuple(METHODS)  # the handcrafted methods refinement learns from: all of them by default
 
 # First-iteration binarisation thresholds of the handcrafted maps (maps in [0, 1]). MC, DSR and
 # RBD: the DeepUSPS reference values. DeepUSPS used HS (0.36) where ReLICv2 and we use MR; MR's
@@ -67,7 +66,7 @@ class SaliencyTrainConfig:
     width: int = 1  # encoder width multiplier (2 for SwAV's ResNet-50 2x, as the paper)
     input_size: int = 432  # images resized to input_size x input_size (bicubic; labels nearest)
     num_images: int = 2500  # images sampled from the shard set (seeded)
-    methods: tuple[str, ...] = METHOD_NAMES
+    methods: tuple[str, ...] = METHOD_NAMES  # the handcrafted methods refinement learns from: all by default
     iterations: int = 3  # K self-supervised iterations per method (phase I; 0: none, phase II fits the maps)
     epochs: int = 25  # E epochs per iteration
     batch_size: int = 10

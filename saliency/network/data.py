@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from relicv2.saliency.batch import HandcraftedConfig, map_path, run_handcrafted
-from relicv2.saliency.images import read_gray
+from relicv2.saliency.batch import HandcraftedConfig, run_handcrafted
+from relicv2.saliency.images import map_path, read_gray
 from relicv2.saliency.network.images import resize_map, resize_square, sample_locations
 from relicv2.saliency.network.mask_shard import output_member
 from relicv2.shards import ReadReport, ShardSample, iter_samples, write_shard_set

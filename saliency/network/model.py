@@ -15,18 +15,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torchvision.models.resnet import Bottleneck
 
 from relicv2.models.normalization import IMAGENET_MEAN, IMAGENET_STD
 from relicv2.models.resnet import resnet
 
 
-def _dilate_stage(stage: nn.Sequential, dilation: int, previous: int) -> None:
+def _dilate_stage(stage: nn.Sequential, block_kind: str, dilation: int, previous: int) -> None:
     for index, block in enumerate(stage):
         first = index == 0
-        if isinstance(block, Bottleneck):
+        if block_kind == "bottleneck":
             conv = block.conv2
-        else:  # a BasicBlock (resnet() builds no other) has two 3x3 convolutions; the stride sits on conv1
+        else:  # a basic block has two 3x3 convolutions; the stride sits on conv1
             block.conv2.dilation, block.conv2.padding = (dilation, dilation), (dilation, dilation)
             conv = block.conv1
         rate = previous if first else dilation
@@ -48,8 +47,8 @@ class SaliencyNet(nn.Module):
         super().__init__()
         self.depth, self.width = depth, width
         self.encoder = resnet(depth, width)
-        _dilate_stage(self.encoder.layer3, 2, 1)  # layer3 and layer4 dilated: output stride 8
-        _dilate_stage(self.encoder.layer4, 4, 2)
+        _dilate_stage(self.encoder.layer3, self.encoder.block_kind, 2, 1)  # layer3 and layer4 dilated: stride 8
+        _dilate_stage(self.encoder.layer4, self.encoder.block_kind, 4, 2)
         low_channels = self.encoder.layer1[-1].conv1.in_channels  # layer1's output channels
         self.head = nn.Sequential(_conv_bn_relu(self.encoder.num_features, 128, 1), _conv_bn_relu(128, 128, 3))
         self.low = _conv_bn_relu(low_channels, 32, 1)

@@ -18,8 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from relicv2.saliency.batch import map_path
-from relicv2.saliency.images import read_gray
+from relicv2.saliency.images import map_path, read_gray
 from relicv2.saliency.network.config import CrfConfig
 from relicv2.saliency.network.crf import dense_crf
 from relicv2.saliency.network.images import resize_map, resize_square

@@ -16,8 +16,7 @@ import cv2
 import numpy as np
 
 from relicv2.jobs.progress import tracked
-from relicv2.saliency.batch import map_path
-from relicv2.saliency.images import list_images, read_gray, read_rgb
+from relicv2.saliency.images import list_images, map_path, read_gray, read_rgb
 from relicv2.saliency.metrics import aggregate, score_image
 from relicv2.saliency.network.data import handcrafted_maps
 from relicv2.saliency.network.images import resize_map

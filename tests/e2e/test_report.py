@@ -14,8 +14,7 @@ from PIL import Image
 from relicv2.cli.main import cli
 from relicv2.evaluation.background_set import VariantSettings, build_variant_set
 from relicv2.evaluation.backgrounds import VARIANTS
-from relicv2.evaluation.report import ReportInputs, build_report
-from relicv2.evaluation.report.html import SECTIONS
+from relicv2.evaluation.report.html import SECTIONS, ReportInputs, build_report
 from relicv2.evaluation.report.inputs import (
     read_backgrounds,
     read_eval_results,

@@ -11,8 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from relicv2.cli.eval import eval_group
-from relicv2.pretrain.config import load_config
-from relicv2.pretrain.knn.classify import trained_protocol
+from relicv2.pretrain.config import load_config, trained_protocol
 from relicv2.pretrain.run import run_pretraining
 from tests.threads import one_torch_thread
 

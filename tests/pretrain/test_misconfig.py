@@ -66,7 +66,7 @@ def test_the_masked_fraction_applied_is_logged(tmp_path, p_m, applied):
 
 
 def test_the_report_shows_the_masking_applied_and_each_figures_protocol(tmp_path):
-    from relicv2.evaluation.report import ReportInputs, build_report
+    from relicv2.evaluation.report.html import ReportInputs, build_report
 
     run = tmp_path / "run"
     run.mkdir()

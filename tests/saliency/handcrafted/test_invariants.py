@@ -14,7 +14,8 @@ from functools import cache
 import numpy as np
 import pytest
 
-from relicv2.saliency.handcrafted.methods import CONFIGS, METHODS, resolve_methods
+from relicv2.saliency.handcrafted import METHOD_NAMES, resolve_methods
+from relicv2.saliency.handcrafted.methods import CONFIGS, METHODS
 from tests.scenes import striped_scene, synthetic_scene
 
 NAMES = list(METHODS)
@@ -145,6 +146,7 @@ def test_config_is_frozen_and_used(method):
 
 def test_registry_is_explicit():
     assert list(METHODS) == ["rbd", "mr", "dsr", "mc"] and list(CONFIGS) == list(METHODS)
+    assert tuple(METHODS) == METHOD_NAMES  # the names that configs and commands use without the functions
     assert resolve_methods("all") == ["rbd", "mr", "dsr", "mc"]
     assert resolve_methods("mr, rbd") == ["mr", "rbd"]
     with pytest.raises(ValueError, match="unknown"):
