@@ -471,8 +471,8 @@ def table(rows: dict[tuple[str, int], dict], arms: list[str], *, reps: int = BOO
                      + " | ".join(cell([r[f] for r in seeded.values()]) for f in (*PRIMARY, *SECONDARY)) + " |")
     control = by_arm.get("control", {})
     if control:
-        lines += ["", "Paired difference from the control (same seeds): mean ± sd over seeds [per seed]; for the "
-                      f"primary figures, [95% bootstrap interval over val images, {reps} resamples]", "",
+        lines += ["", "Paired difference from the control (same seeds): mean ± sd over seeds (each seed's); for the "
+                      f"primary figures, CI: the 95% bootstrap interval over val images ({reps} resamples)", "",
                   "| arm | " + " | ".join(f"Δ {FIGURES[f]}" for f in (*PRIMARY, *SECONDARY)) + " |",
                   "|---|" + "---|" * (len(PRIMARY) + len(SECONDARY))]
         images = {arm: {s: np.load(r["per_image"]) for s, r in by_arm[arm].items()} for arm in arms}
@@ -486,13 +486,13 @@ def table(rows: dict[tuple[str, int], dict], arms: list[str], *, reps: int = BOO
                 if not diffs:
                     cells.append("-")
                     continue
-                text = f"{cell(list(diffs.values()))} [{', '.join(f'{d:+.4f}' for d in diffs.values())}]"
+                text = f"{cell(list(diffs.values()))} (seeds {' / '.join(f'{d:+.4f}' for d in diffs.values())})"
                 if figure in PRIMARY:
                     delta = per_image_difference({s: v[figure] for s, v in images[arm].items()},
                                                  {s: v[figure] for s, v in images["control"].items()})
                     if delta is not None:
                         low, high = bootstrap_interval(delta, reps=reps)
-                        text += f" [{low:+.4f}, {high:+.4f}]"
+                        text += f"; CI [{low:+.4f}, {high:+.4f}]"
                 cells.append(text)
             lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
