@@ -120,6 +120,7 @@ class HeadScore:
     per_class_top1: dict[int, float]  # by the set's class index
     predictions: Tensor  # [N] the head's predicted class per image (among the targets' union when restricted)
     labels: Tensor  # [N] the set's class index per image
+    correct: Tensor  # [N] bool, per image in the set's order: what an interval over images resamples
 
 
 def score_head(
@@ -164,4 +165,4 @@ def score_head(
         correct = hit[labels, predictions]
     per_class = {int(c): float(correct[labels == c].float().mean()) for c in labels.unique()}
     return HeadScore(float(correct.float().mean()), len(labels), features.skipped_keys, per_class, predictions,
-                     labels)
+                     labels, correct)

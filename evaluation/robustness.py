@@ -53,6 +53,9 @@ from relicv2.shards.shardset import ShardSet, list_shard_files, resolve_shard_se
 
 PRESETS = Presets(job="relicv2 eval robustness", package="relicv2.evaluation", folder="presets/robustness")
 RESULT_FILE = "robustness.json"
+# Which images the encoder's head got right in each corrupted set of --val, one character an image ("1":
+# correct) in the set's order, by "corruption-severity": what an interval over the images resamples.
+PER_IMAGE_FILE = "per-image.json"
 UNSCORED = ("workers", "batch_size")  # settings that do not change a figure: left out of the result
 # AlexNet's ImageNet-C top-1 errors, the mean over the five severities of each corruption, as published with
 # the benchmark (Hendrycks & Dietterich 2019, github.com/hendrycks/robustness, ImageNet-C/test.py).
@@ -147,7 +150,9 @@ class Scores:
         path = self.folder / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)}-{key}.json"
         if path.is_file():
             try:
-                return json.loads(path.read_text())
+                cached = json.loads(path.read_text())
+                if "correct" in cached:  # (a score cached before the per-image vector was kept: scored again)
+                    return cached
             except (OSError, json.JSONDecodeError):
                 pass  # scored again
         crop = model.head.crop_size
@@ -155,7 +160,7 @@ class Scores:
                             crop_size=crop, resize_size=crop if stored_views else None,
                             batch_size=self.batch_size, encoder_name=model.name, progress=True)
         result = {"top1": figure(scored.top1), "num_images": scored.num_images,
-                  "skipped": len(scored.skipped_keys)}
+                  "skipped": len(scored.skipped_keys), "correct": "".join("01"[c] for c in scored.correct.tolist())}
         self.folder.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(path, json.dumps(result).encode())
         return result
@@ -209,9 +214,10 @@ def run_robustness(job: RobustnessJob, log: Callable[[str], None] = print) -> di
                                   "config": {k: v for k, v in to_dict(config).items() if k not in UNSCORED},
                                   "control": control and control.name}
         total = len(grid) * ((job.val is not None) + (job.imagenet_c is not None)) + len(job.ood)
+        per_image: dict[str, str] = {}
         with Phase("eval robustness: sets", total, unit="set") as sets:
             if job.val is not None:
-                result["corrupted"] = _generated(job, model, control, scores, grid, sets)
+                result["corrupted"] = _generated(job, model, control, scores, grid, sets, per_image)
             if job.imagenet_c is not None:
                 result["imagenet_c"] = _released(job, model, scores, grid, sets)
             result["ood"] = {}
@@ -222,6 +228,8 @@ def run_robustness(job: RobustnessJob, log: Callable[[str], None] = print) -> di
                                        **scores.top1(model, f"ood-{name}", shards, stored_views=False, classes=classes)}
                 sets.update(1)
     payload = (json.dumps(result, indent=2) + "\n").encode()
+    if per_image:
+        atomic_write_bytes(job.output / PER_IMAGE_FILE, (json.dumps({"corrupted": per_image}) + "\n").encode())
     atomic_write_bytes(job.output / RESULT_FILE, payload)
     if job.json_path is not None:
         job.json_path.parent.mkdir(parents=True, exist_ok=True)
@@ -230,8 +238,9 @@ def run_robustness(job: RobustnessJob, log: Callable[[str], None] = print) -> di
 
 
 def _generated(job: RobustnessJob, model: Model, control: Model | None, scores: Scores,
-               grid: list[tuple[str, int]], sets: Phase) -> dict[str, Any]:
-    """The corrupted copies of --val, generated into `corrupted/`, scored by the model (and the control)."""
+               grid: list[tuple[str, int]], sets: Phase, per_image: dict[str, str]) -> dict[str, Any]:
+    """The corrupted copies of --val, generated into `corrupted/`, scored by the model (and the control);
+    `per_image` receives the model's correct answers per set (`Scores.top1`'s "correct")."""
     assert job.val is not None
     val = _shards_of(job.val, job.output / "val-shards")
     model.head.check_classes(class_names(val), job.val)  # before hours of corrupting
@@ -252,6 +261,7 @@ def _generated(job: RobustnessJob, model: Model, control: Model | None, scores: 
             scored = scores.top1(model, f"{corruption}-{severity}", shards, stored_views=True)
             top1.setdefault(corruption, {})[severity] = scored["top1"]
             counts.add(scored["num_images"])
+            per_image[f"{corruption}-{severity}"] = scored["correct"]
             if control is not None:
                 base = scores.top1(control, f"control-{corruption}-{severity}", shards, stored_views=True)
                 control_errors[corruption] = control_errors.get(corruption, 0.0) + 1 - base["top1"]

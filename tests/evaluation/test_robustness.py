@@ -76,6 +76,12 @@ def test_an_interrupted_run_resumes_to_the_same_json(shape_shards, head, tmp_pat
     table = whole["corrupted"]
     assert list(table["corruptions"]) == ["gaussian_noise", "brightness"] and table["images"] == 36
     assert all(set(row["top1"]) == {"1", "3"} and row["ce"] == 1.0 for row in table["corruptions"].values())
+    per_image = json.loads((tmp_path / "whole" / robustness.PER_IMAGE_FILE).read_text())["corrupted"]
+    assert len(per_image) == 4  # which images the head got right, per set in the set's order
+    for name, correct in per_image.items():
+        corruption, severity = name.rsplit("-", 1)
+        assert len(correct) == 36 and set(correct) <= {"0", "1"}
+        assert correct.count("1") / 36 == pytest.approx(table["corruptions"][corruption]["top1"][severity], abs=1e-4)
     real, calls = robustness.score_head, []
 
     def dying(*args, **kwargs):
@@ -91,7 +97,8 @@ def test_an_interrupted_run_resumes_to_the_same_json(shape_shards, head, tmp_pat
     monkeypatch.setattr(robustness, "score_head", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     resumed = run_robustness(RobustnessJob(output=tmp_path / "resumed", **job), log=lambda _: None)
     assert len(calls) == 8 - 2  # the two scores cached before the kill are read, not computed again
-    assert (tmp_path / "resumed" / "robustness.json").read_text() == (tmp_path / "whole" / "robustness.json").read_text()
+    for name in ("robustness.json", robustness.PER_IMAGE_FILE):
+        assert (tmp_path / "resumed" / name).read_text() == (tmp_path / "whole" / name).read_text()
     assert resumed == whole
 
 
