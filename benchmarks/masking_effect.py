@@ -40,8 +40,8 @@ val subset's images of that difference (the per-image correctness the scorers ke
 Budget: the default grid (4 arms x 3 seeds, masks included) in about 2.5 hours on the quiet 2-core CPU box.
 Hence 64 px views and ResNet-18 (the `imagenette-r18-cpu` preset), one epoch (73 steps of batch 128) an arm,
 every arm of equal length, and a fixed val subset of 1,000 images for the corruptions and composites. Per
-arm and seed ~10 min: ~6 min of pretraining (one epoch of the preset took 722 CPU-s, RESULTS "Peer baseline",
-and was past random init on kNN and linear there) and ~4 min of scoring (~78,000 images through the frozen
+arm and seed ~10 min: ~6 min of pretraining (one epoch of the preset took 722 CPU-s, RESULTS "Peer baseline:
+lightly SimCLR at equal CPU time", and was past random init on kNN and linear there) and ~4 min of scoring (~78,000 images through the frozen
 encoder at ~350 img/s: 13,394 each for kNN and the linear probe, 45,000 corrupted, ~8,000 composites);
 once, ~25 min for the saliency network, ~5 min of masks and ~2 CPU-min of corruptions. Each row records its
 stages' seconds (`rows.jsonl`), the preparation its own (`prepare-seconds.json`). A GPU turns the same
