@@ -22,7 +22,7 @@ ALLOW_LOST_OPTION = click.option(
 
 @click.group()
 def eval_group() -> None:
-    """Evaluate pretrained encoders (kNN, linear probe, semi-supervised fine-tuning, robustness, backgrounds)."""
+    """Evaluate pretrained encoders (kNN, linear probe, fine-tuning, segmentation, robustness, backgrounds)."""
 
 
 def _encoder_options(train_help: str, val_help: str, json_help: str, *more: Any):
@@ -198,6 +198,48 @@ def backgrounds(checkpoint: Path | None, random_depth: int | None, network: str,
         backbone = Backbone(checkpoint=checkpoint, random_depth=random_depth, network=network, seed=seed)
     with user_errors(FolderLockedError, FileNotFoundError, ValueError):  # a torch file's error is a ValueError
         lines = run_backgrounds(backbone, config=config, log=lambda text: click.echo(text, err=True), **options)
+    for line in lines:
+        click.echo(line)
+
+
+@eval_group.command("segment")
+@click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
+              help="Pretraining checkpoint, run folder (newest checkpoint) or exported encoder file.")
+@click.option("--random-init", "random_depth", type=click.IntRange(min=18), default=None, metavar="DEPTH",
+              help="Instead of a checkpoint, a randomly initialised ResNet-DEPTH (the baseline).")
+@click.option("--network", type=click.Choice(["online", "target"]), default="online", show_default=True)
+@click.option("--data", type=click.Path(path_type=Path), required=True,
+              help="The set: the folder holding VOCdevkit/ (layout voc), Cityscapes' leftImg8bit/ and gtFine/ "
+                   "(layout cityscapes), or images/NAME.jpg with masks/NAME.png (layout folder).")
+@click.option("--output", type=click.Path(path_type=Path), required=True,
+              help="Folder for the training state (resumed on rerun), config.yaml and segment.json.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
+              help="Also write the result (segment.json: mIoU, per-class IoU) here.")
+@click.option("--config", "config_name", metavar="NAME|FILE.yaml", default=None,
+              help="paper (default): VOC train_aug / val, 45 epochs, crop 513; cityscapes: 160 epochs, crop 769; "
+                   "fast: a folder set at 112 px, 10 epochs; or a YAML file of SegmentConfig keys.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override one setting, e.g. --set binarise=128 --set val_split=val.txt (repeatable).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of --random-init.")
+def segment(checkpoint: Path | None, random_depth: int | None, network: str, seed: int, config_name: str | None,
+            overrides: tuple[str, ...], **options: Any) -> None:
+    """Semantic segmentation: the encoder in an FCN fine-tuned on a labelled set, scored by mIoU.
+
+    \b
+    relicv2 eval segment --checkpoint runs/r50 --data VOC --output out/voc
+    relicv2 eval segment --random-init 18 --data pairs --config fast --set binarise=128 \\
+        --set train_split=train.txt --set val_split=val.txt --output out/seg
+    """
+    from relicv2.evaluation.job import Backbone
+    from relicv2.evaluation.segment import load_segment_config, run_segment
+    from relicv2.jobs.lock import FolderLockedError
+
+    with user_errors(ConfigError, option="--config/--set"):
+        config = load_segment_config(config_name or "paper", overrides)
+        backbone = Backbone(checkpoint=checkpoint, random_depth=random_depth, network=network, seed=seed)
+    with user_errors(FolderLockedError, FileNotFoundError, ValueError):  # a torch file's error is a ValueError
+        lines = run_segment(backbone, config=config, log=lambda text: click.echo(text, err=True), **options)
     for line in lines:
         click.echo(line)
 

@@ -1,5 +1,6 @@
-"""The one supervised loop of the evaluation protocols that train (linear-fast, linear-paper, fine-tuning):
-`train_classifier`, resumable by epoch through a `StateFile`, and `score`, exact over ranks."""
+"""The one supervised loop of the evaluation protocols that train (linear-fast, linear-paper, fine-tuning,
+segmentation): `train_classifier` (per image or, with a dense loss, per pixel), resumable by epoch through a
+`StateFile`, and `score`, exact over ranks."""
 
 from __future__ import annotations
 
@@ -124,8 +125,10 @@ def train_classifier(
     learning_rates: Callable[[int], Sequence[float]], train_batches: Callable[[int], Batches], epochs: int,
     steps_per_epoch: int, skipped: set[str], min_batch: int = 1, state: StateFile | None = None,
     ctx: DistributedContext | None = None, desc: str | None = None,
+    loss: Callable[[Tensor, Tensor], Tensor] = F.cross_entropy,
 ) -> None:
-    """Train `model` (its parameters are what `optimizer` updates) with cross-entropy on `forward(images)`.
+    """Train `model` (its parameters are what `optimizer` updates) with `loss(forward(images), labels)`
+    (cross-entropy; a segmentation passes its per-pixel loss, labels [B, H, W]).
 
     `learning_rates(step)` gives each optimiser group's lr at the global step; `train_batches(epoch)`
     the epoch's batches on this rank. A batch with fewer than `min_batch` decodable images still takes
@@ -144,12 +147,12 @@ def train_classifier(
             for group, lr in zip(optimizer.param_groups, learning_rates(epoch * steps_per_epoch + step_in_epoch),
                                  strict=True):
                 group["lr"] = lr
-            if labels.numel() >= min_batch:
-                loss = F.cross_entropy(forward(images), labels.to(device))
+            if len(labels) >= min_batch:
+                value = loss(forward(images), labels.to(device))
             else:  # too few decodable images (BatchNorm in train mode needs two): a zero update, still averaged
-                loss = sum(p.sum() for p in model.parameters()) * 0.0
+                value = sum(p.sum() for p in model.parameters()) * 0.0
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            value.backward()
             if ctx is not None and ctx.is_distributed:  # every rank steps with the mean gradient
                 for parameter in model.parameters():
                     dist.all_reduce(parameter.grad)
@@ -157,7 +160,7 @@ def train_classifier(
             optimizer.step()
             progress.update(1)
             if progress.enabled:
-                progress.set_postfix(epoch=epoch + 1, loss=loss.item())
+                progress.set_postfix(epoch=epoch + 1, loss=value.item())
         if state is not None and rank == 0:
             state.save(epoch + 1, model, optimizer)
     progress.close()

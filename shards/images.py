@@ -260,6 +260,35 @@ def load_gray(data: bytes, name: str, limits: ImageLimits = DEFAULT_LIMITS) -> n
         return np.asarray(to_gray(upright), dtype=np.uint8)
 
 
+def header_size(path: Path | str, limits: ImageLimits = DEFAULT_LIMITS) -> tuple[int, int]:
+    """(width, height) of an image file as displayed, from its header alone; ImageLoadError naming the file
+    when it is missing, unreadable, over the limits or not an image."""
+    try:
+        with open(path, "rb") as file:
+            if (size := os.fstat(file.fileno()).st_size) > limits.max_member_bytes:
+                raise ImageLoadError(str(path), Rejection(
+                    "too_large", f"file is {size} bytes, over the limit of {limits.max_member_bytes}"))
+            with _decoding(str(path)), _own_pixel_limit(), Image.open(file) as image:
+                if (rejection := _pixels_problem(*image.size, limits)) is not None:
+                    raise ImageLoadError(str(path), rejection)
+                return displayed_size(image)
+    except FileNotFoundError:
+        raise ImageLoadError(str(path), Rejection("missing", "file not found")) from None
+    except OSError as exc:
+        raise ImageLoadError(str(path), Rejection("unreadable", f"file cannot be read ({exc.strerror or exc})")) from None
+
+
+def load_index_mask(data: bytes, name: str, limits: ImageLimits = DEFAULT_LIMITS) -> np.ndarray:
+    """An index mask (a palette or 8-bit grey PNG whose values are class indices, as VOC and Cityscapes
+    store them) -> uint8 HxW of those indices; ImageLoadError naming `name` for any other kind of image."""
+    with _decoding(name):
+        image = _upright(_open(data, name, limits)[0])
+        if image.mode not in ("P", "L"):
+            raise ImageLoadError(name, Rejection("not_index_mask", f"a {image.mode} image is not an index mask "
+                                                 "(a palette or 8-bit grey PNG of class indices)"))
+        return np.asarray(image, dtype=np.uint8)
+
+
 def decode(data: bytes, limits: ImageLimits = DEFAULT_LIMITS) -> Image.Image:
     """Fully decode image bytes within the limits; raises ImageLoadError("image", ...) otherwise."""
     return _open(data, "image", limits)[0]

@@ -1,11 +1,8 @@
 """The saliency network: a dilated ResNet encoder (output stride 8) and a light decoder to one logit map.
 
 The encoder is `models.resnet` (so its weights are this project's, torchvision's or SwAV's
-names); its last two stages are turned into dilated stages here, the way torchvision's
-`replace_stride_with_dilation=[False, True, True]` builds them (DeepLab): the stride-2 convolution
-of a stage's first block becomes stride 1, and every 3x3 convolution of the stage gets dilation d
-(2 for layer3, 4 for layer4) except the first block's, which keeps the previous stage's dilation.
-Parameter shapes are unchanged, so pretrained weights load as they are.
+names); its last two stages are dilated by `models.dilated` (layer3 by 2, layer4 by 4), so pretrained
+weights load as they are.
 
 The decoder is a small DeepLabv3+-like head joining layer4's features with layer1's at stride 4.
 """
@@ -16,23 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from relicv2.models.dilated import dilate
 from relicv2.models.normalization import IMAGENET_MEAN, IMAGENET_STD
 from relicv2.models.resnet import resnet
-
-
-def _dilate_stage(stage: nn.Sequential, block_kind: str, dilation: int, previous: int) -> None:
-    for index, block in enumerate(stage):
-        first = index == 0
-        if block_kind == "bottleneck":
-            conv = block.conv2
-        else:  # a basic block has two 3x3 convolutions; the stride sits on conv1
-            block.conv2.dilation, block.conv2.padding = (dilation, dilation), (dilation, dilation)
-            conv = block.conv1
-        rate = previous if first else dilation
-        conv.stride, conv.dilation, conv.padding = (1, 1), (rate, rate), (rate, rate)
-        if first and block.downsample is not None:
-            block.downsample[0].stride = (1, 1)
-        block.stride = 1
 
 
 def _conv_bn_relu(cin: int, cout: int, kernel: int) -> nn.Sequential:
@@ -47,8 +30,7 @@ class SaliencyNet(nn.Module):
         super().__init__()
         self.depth, self.width = depth, width
         self.encoder = resnet(depth, width)
-        _dilate_stage(self.encoder.layer3, self.encoder.block_kind, 2, 1)  # layer3 and layer4 dilated: stride 8
-        _dilate_stage(self.encoder.layer4, self.encoder.block_kind, 4, 2)
+        dilate(self.encoder, output_stride=8)  # layer3 and layer4 dilated
         low_channels = self.encoder.layer1[-1].conv1.in_channels  # layer1's output channels
         self.head = nn.Sequential(_conv_bn_relu(self.encoder.num_features, 128, 1), _conv_bn_relu(128, 128, 3))
         self.low = _conv_bn_relu(low_channels, 32, 1)
