@@ -71,26 +71,26 @@ class SegmentConfig:
     # subfolder holding images/ and masks/, or a file of image names; "": the layout's own (voc train_aug and
     # val, cityscapes train and val; for a folder, every pair in --data)
     train_split: str = ""
-    val_split: str = ""
+    val_split: str = ""  # the set scored, as train_split
     year: str = "2012"  # of a VOC layout
     num_classes: int = 0  # 0: the layout's (VOC 21, Cityscapes 19, a binarised folder 2)
     binarise: int = 0  # above 0: read grey 0-255 masks (saliency masks) as two classes, 1 where >= binarise
-    epochs: int = 45
-    batch_size: int = 16
+    epochs: int = 45  # the paper: 45 on VOC train_aug, 160 on Cityscapes (MoCo: 30k / 90k iterations)
+    batch_size: int = 16  # images per step
     lr: float = 0.003  # at `reference_batch`; scaled linearly with batch_size
-    reference_batch: int = 16
+    reference_batch: int = 16  # the batch `lr` is given for
     milestones: tuple[float, float] = (0.7, 0.9)  # fractions of the steps where the lr is multiplied by `decay`
-    decay: float = 0.1
-    weight_decay: float = 1e-4
-    momentum: float = 0.9
+    decay: float = 0.1  # the lr factor at each milestone
+    weight_decay: float = 1e-4  # of SGD, on every parameter
+    momentum: float = 0.9  # of SGD
     crop_size: int = 513  # train crops; scoring takes each whole image
     scale_range: tuple[float, float] = (0.5, 2.0)  # random scaling of train images before the crop
     resize: int = 0  # short side every image (and mask) is first resized to; 0: as stored
-    output_stride: Literal[8, 16, 32] = 16
-    head_channels: int = 256
-    head_dilation: int = 6
-    seed: int = 0
-    workers: int = 2
+    output_stride: Literal[8, 16, 32] = 16  # of the dilated encoder (16: layer4 dilated, MoCo's FCN-16s)
+    head_channels: int = 256  # of the head's two 3x3 convolutions
+    head_dilation: int = 6  # of the head's two 3x3 convolutions (DeepLab's large field of view)
+    seed: int = 0  # of the head's initialisation and the train views
+    workers: int = 2  # image-reading processes (free to change on resume)
 
     def __post_init__(self) -> None:
         if min(self.epochs, self.batch_size, self.reference_batch, self.head_channels, self.head_dilation) < 1:

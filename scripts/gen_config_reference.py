@@ -45,6 +45,9 @@ JOBS: tuple[tuple[str, str, str, str, str], ...] = (
     ("Fine-tuning (`relicv2 eval finetune`)", "relicv2.evaluation.job", "FinetuneConfig", "FINETUNE_PRESETS",
      "a preset (`--config NAME`, default `1pct`; `--preset NAME` is the same) or a YAML file, and "
      "`--set key=value`"),
+    ("Segmentation (`relicv2 eval segment`)", "relicv2.evaluation.segment", "SegmentConfig", "PRESETS",
+     "a preset (`--config NAME`, default `paper`) or a YAML file, and `--set key=value` (`--set binarise=128`, "
+     "`--set train_split=train.txt`). The encoder, `--data`, `--output` and `--device` are options of the command"),
     ("Backgrounds test (`relicv2 eval backgrounds`)", "relicv2.evaluation.background_eval", "BackgroundsConfig",
      "PRESETS", "a preset (`--config NAME`, default `default`) or a YAML file, and `--set key=value` "
      "(`--set variants=original,mixed_same,mixed_rand`). The view (the composites' square side and the centre "

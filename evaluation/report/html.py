@@ -17,6 +17,7 @@ from pathlib import Path
 
 from relicv2.evaluation.report import plots
 from relicv2.evaluation.report import robustness as robustness_report
+from relicv2.evaluation.report import segmentation as segmentation_report
 from relicv2.evaluation.report.inputs import (
     EvalResult,
     RunMetrics,
@@ -48,7 +49,7 @@ SECTIONS = (
 )
 # Sections of the evaluation families, on the page only when their result is given (after SECTIONS).
 BACKGROUNDS_SECTION = ("backgrounds", "Backgrounds: does the encoder rely on them? (eval backgrounds)")
-OPTIONAL_SECTIONS = (BACKGROUNDS_SECTION, robustness_report.SECTION)
+OPTIONAL_SECTIONS = (BACKGROUNDS_SECTION, robustness_report.SECTION, segmentation_report.SECTION)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class ReportInputs:
     views: tuple[Path, ...] = ()  # `pretrain preview-views` PNGs
     backgrounds: Path | None = None  # `eval backgrounds` output folder, or its JSON (its section only when given)
     robustness: Path | None = None  # `eval robustness` OUTPUT/robustness.json (its section only when given)
+    segment: tuple[Path, ...] = ()  # `eval segment` segment.json files or folders (its section only when given)
     count: int = 4  # images in the saliency figure
     title: str = "ReLICv2 run report"
 
@@ -130,6 +132,8 @@ def build_report(inputs: ReportInputs, out: Path) -> ReportSummary:
         _backgrounds_section(page, inputs)
     if inputs.robustness is not None:
         robustness_report.robustness_section(page, Path(inputs.robustness), _table, _notes, _fmt)
+    if inputs.segment:
+        segmentation_report.segmentation_section(page, inputs.segment, _table, _notes, _fmt)
     atomic_write_bytes(out, _render(page, inputs).encode("utf-8"))
     return page.summary
 
@@ -383,7 +387,7 @@ def _render(page: _Page, inputs: ReportInputs) -> str:
     given = {"run": inputs.run_dir, "eval": ", ".join(map(str, inputs.eval_json)) or None,
              "saliency report": inputs.saliency_report, "maps": inputs.maps_dir, "shards": inputs.shards,
              "views": ", ".join(map(str, inputs.views)) or None, "backgrounds": inputs.backgrounds,
-             "robustness": inputs.robustness}
+             "robustness": inputs.robustness, "segment": ", ".join(map(str, inputs.segment)) or None}
     sections = [*SECTIONS, *(section for section in OPTIONAL_SECTIONS if section[0] in page.blocks)]
     parts = [f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(inputs.title)}"
              f"</title><style>{STYLE}</style></head><body><h1>{html.escape(inputs.title)}</h1>",

@@ -94,6 +94,9 @@ SHRINK: dict[tuple[str, ...], list[str]] = {
 # Commands the guide runs directly that are validated only: (command path, preset) -> why.
 VALIDATED_ONLY = {
     (("saliency", "train"), "paper"): "the paper's settings need a SwAV ResNet-50 w2 file and hours on a GPU",
+    **{(("eval", "segment"), preset): "needs a labelled segmentation set (VOC, Cityscapes, a folder of pairs) this "
+                                      "test does not have; tests/evaluation/test_segment.py runs the command on "
+                                      "crafted pairs" for preset in (None, "cityscapes", "fast")},
     (("eval", "backgrounds"), None): "the masks of this test's few-step saliency network may leave every image out; "
                                      "tests/evaluation/test_background_eval.py runs the command on crafted masks",
 }
@@ -255,6 +258,10 @@ def validate(step: Step, tmp_path: Path) -> None:
         from relicv2.evaluation.job import load_linear_config
 
         load_linear_config(_preset(ctx), ctx.params["overrides"])
+    elif path == ("eval", "segment"):
+        from relicv2.evaluation.segment import load_segment_config
+
+        load_segment_config(_preset(ctx) or "paper", ctx.params["overrides"])
     if step.launcher in ("docker", "docker+torchrun"):
         named = [part for word in step.args for part in re.findall(r"(?:^|=)(/[^\s,]+)", word)]
         unmounted = [name for name in named if not any(name.startswith(m.rstrip("/") + "/") for m in step.mounts)]

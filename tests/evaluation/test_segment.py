@@ -15,6 +15,7 @@ from PIL import Image
 from relicv2.cli.eval import eval_group
 from relicv2.evaluation import segment as segment_module
 from relicv2.evaluation import supervised
+from relicv2.evaluation.report import ReportInputs, build_report
 from relicv2.evaluation.segment import (
     SegmentationNet,
     class_iou,
@@ -224,6 +225,13 @@ def test_the_command_writes_the_json_and_refuses_bad_input_in_one_line(tmp_path)
     assert record["protocol"] == "segment-fast" and record["num_train"] == 6 and record["num_val"] == 2
     assert set(record["per_class_iou"]) == {"0", "1"} and 0 <= record["miou"] <= 1
     assert sum(map(sum, record["confusion"])) == 2 * 32 * 32  # every val pixel scored once, at the resized size
+    # The report reads the output folder: one row with the figures, a broken file named and left out.
+    (tmp_path / "broken.json").write_text('{"encoder": "x"}')
+    summary = build_report(ReportInputs(segment=(tmp_path / "out", tmp_path / "broken.json")), tmp_path / "r.html")
+    assert summary.sections["segmentation"] == "ok" and any("broken.json" in p for p in summary.problems)
+    text = summary.page.read_text()
+    assert f"{record['miou']:.4f}" in text and "random-init ResNet-18" in text and "IoU 1" in text
+    assert "segmentation" not in build_report(ReportInputs(), tmp_path / "none.html").sections
     (data / "masks" / "0007.png").unlink()
     result = CliRunner().invoke(eval_group, [*args, *splits, "--output", str(tmp_path / "out2")])
     assert result.exit_code == 1 and "Traceback" not in result.output
