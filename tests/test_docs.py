@@ -12,6 +12,7 @@ import pytest
 
 from relicv2.evaluation.job import FINETUNE_PRESETS, LINEAR_PRESETS
 from relicv2.evaluation.robustness import PRESETS as ROBUSTNESS_PRESETS
+from relicv2.evaluation.segment import PRESETS as SEGMENT_PRESETS
 from relicv2.pretrain.config import PRESETS as PRETRAIN_PRESETS
 from relicv2.saliency.network.config import PRESETS as SALIENCY_PRESETS
 from tests.paths import CONFIGS, REPO
@@ -88,7 +89,8 @@ def test_config_presets_named_in_the_documents_exist():
 def test_command_presets_named_in_the_documents_exist():
     """Every `--config NAME` in the documents names a preset of that command (a path is a file, not checked)."""
     commands = {"saliency train": SALIENCY_PRESETS, "eval finetune": FINETUNE_PRESETS, "eval linear": LINEAR_PRESETS,
-                "pretrain": PRETRAIN_PRESETS, "eval robustness": ROBUSTNESS_PRESETS}
+                "pretrain": PRETRAIN_PRESETS, "eval robustness": ROBUSTNESS_PRESETS,
+                "eval segment": SEGMENT_PRESETS}
     problems = []
     for doc, text in _doc_texts().items():
         # A command may continue over lines ending in "\"; join them so each command is one line.
