@@ -218,6 +218,10 @@ def segment(encoder: ResNet, data: Path, config: SegmentConfig, *, device: torch
         desc=config.protocol, loss=pixel_loss)
     trained = time.monotonic()
     matrix, val_skipped = score_segmentation(model, val_set, num_classes, device=device, workers=config.workers)
+    for pairs, lost, split in ((train_pairs, train_skipped, train_split), (val_pairs, val_skipped, val_split)):
+        if len(lost) == len(pairs):
+            raise SegmentDataError(f"{data}: every pair of {split or 'the set'!r} was unusable (named above); "
+                                   "fix the masks or the settings (num_classes, binarise)")
     skipped = sorted(train_skipped | val_skipped)
     return {"protocol": config.protocol, "miou": mean_iou(matrix),
             "pixel_accuracy": float(matrix.diag().sum() / max(1, int(matrix.sum()))),

@@ -213,9 +213,10 @@ def test_an_interrupted_run_resumes_from_its_last_epoch_and_ends_alike(tmp_path,
 def test_the_command_writes_the_json_and_refuses_bad_input_in_one_line(tmp_path):
     data = _saliency_folder(tmp_path / "set")
     config = _fast(tmp_path)
-    args = ["segment", "--random-init", "18", "--data", str(data), "--config", "fast", "--device", "cpu"]
-    for setting in ("binarise=128", "resize=32", "crop_size=32", "epochs=1", "workers=0", "batch_size=3"):
-        args += ["--set", setting]
+    base = ["segment", "--random-init", "18", "--data", str(data), "--config", "fast", "--device", "cpu"]
+    for setting in ("resize=32", "crop_size=32", "epochs=1", "workers=0", "batch_size=3"):
+        base += ["--set", setting]
+    args = [*base, "--set", "binarise=128"]
     splits = ["--set", f"train_split={config.train_split}", "--set", f"val_split={config.val_split}"]
     result = CliRunner().invoke(eval_group, [*args, *splits, "--output", str(tmp_path / "out"), "--json",
                                              str(tmp_path / "seg.json")])
@@ -237,5 +238,10 @@ def test_the_command_writes_the_json_and_refuses_bad_input_in_one_line(tmp_path)
     assert result.exit_code == 1 and "Traceback" not in result.output
     (line,) = [text for text in result.output.splitlines() if text.startswith("Error")]
     assert "0007.png: the mask of 0007 is missing" in line
+    (data / "masks" / "0007.png").write_bytes((data / "masks" / "0006.png").read_bytes())
+    # Grey masks read as class indices (no binarise): every pair is beyond the 2 classes, the job fails.
+    result = CliRunner().invoke(eval_group, [*base, "--set", "num_classes=2", *splits,
+                                             "--output", str(tmp_path / "out4")])
+    assert result.exit_code == 1 and "every pair of" in result.output and "was unusable" in result.output
     result = CliRunner().invoke(eval_group, [*args, "--output", str(tmp_path / "out3")])  # no splits: one set
     assert result.exit_code == 1 and "scored on the images it trained on" in result.output
