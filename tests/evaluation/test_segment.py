@@ -15,7 +15,7 @@ from PIL import Image
 from relicv2.cli.eval import eval_group
 from relicv2.evaluation import segment as segment_module
 from relicv2.evaluation import supervised
-from relicv2.evaluation.report import ReportInputs, build_report
+from relicv2.evaluation.report.html import ReportInputs, build_report
 from relicv2.evaluation.segment import (
     SegmentationNet,
     class_iou,
