@@ -73,6 +73,11 @@ def test_folder_layout_lists_pairs_by_name_subfolder_or_list(tmp_path):
     assert [p.key for p in list_pairs("folder", root, str(tmp_path / "val.txt"))] == ["0001", "0003"]
     _saliency_folder(root / "train", count=2)
     assert [p.key for p in list_pairs("folder", root, "train")] == ["0000", "0001"]
+    with pytest.raises(SegmentDataError, match="'test' is neither a subfolder of .* nor a file of image names"):
+        list_pairs("folder", root, "test")
+    (tmp_path / "more.txt").write_text("0001\n0009\n")
+    with pytest.raises(SegmentDataError, match=r"1 name\(s\) have no image in .* \(e\.g\. 0009\)"):
+        list_pairs("folder", root, str(tmp_path / "more.txt"))
 
 
 def test_folder_layout_refuses_a_missing_mask_and_a_mask_of_another_size(tmp_path):
