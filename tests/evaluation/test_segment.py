@@ -101,6 +101,11 @@ def test_index_masks_beyond_the_classes_and_binarised_grey_masks(tmp_path):
     grey = np.array([[0, 127, 128], [200, 255, 3]], np.uint8)
     _pair(tmp_path, "a", grey)
     assert read_pair(pair, num_classes=2, binarise=128)[1].tolist() == [[0, 0, 1], [1, 1, 0]]
+    Image.fromarray(np.zeros((2, 3, 3), np.uint8)).save(tmp_path / "masks" / "a.png")  # a colour-coded mask
+    with pytest.raises(ValueError, match=r"a\.png: a RGB image is not an index mask"):
+        read_pair(pair, num_classes=21)
+    views = SegmentViews([pair], train=False, num_classes=21, crop_size=16)
+    assert views[0] == "a"  # left out by its key, counted in the result
 
 
 def _palette_png(path: Path, mask: np.ndarray) -> None:
