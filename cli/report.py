@@ -31,6 +31,8 @@ EXISTING = click.Path(exists=True, path_type=Path)
               help="Output folder of `relicv2 eval backgrounds` (or its backgrounds.json): the table and composites.")
 @click.option("--robustness", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="robustness.json of `relicv2 eval robustness`: adds the robustness section.")
+@click.option("--transfer", type=click.Path(dir_okay=False, path_type=Path), multiple=True,
+              help="transfer.json of `relicv2 eval transfer` (repeatable): adds the transfer section.")
 @click.option("--count", type=click.IntRange(1, 32), default=4, show_default=True,
               help="Images in the saliency figure (and rows of the backgrounds composites).")
 @click.option("--title", default="ReLICv2 run report", show_default=True)

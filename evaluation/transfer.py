@@ -77,19 +77,19 @@ class TransferConfig:
     metric: str = "top1"
     val_fraction: float = 0.2  # without --val: this share of each class of --train is held out as val
     seed: int = 0  # of the carved val split, the heads' initialisation and the fine-tuning views
-    crop_size: int = IMAGE_SIZE
+    crop_size: int = IMAGE_SIZE  # the views' side; follows the encoder's training unless set
     resize_size: int = resize_of(IMAGE_SIZE)  # test views: short side before the centre crop; 0: crop_size / 0.875
-    # Linear: the l2 penalty (on the mean cross-entropy) swept over l2_points log-spaced values, largest first
-    l2_min: float = 1e-6
-    l2_max: float = 1e5
-    l2_points: int = 45
+    # Linear: the l2 penalty on the mean cross-entropy, l2 / 2 * |W|^2, swept on a log grid, largest first
+    l2_min: float = 1e-6  # the weakest penalty swept (the last point)
+    l2_max: float = 1e5  # the strongest penalty swept (the first point)
+    l2_points: int = 45  # log-spaced penalties from l2_max to l2_min (SimCLR's grid: 45 in [1e-6, 1e5])
     max_iter: int = 1000  # L-BFGS iterations per fit
     feature_batch: int = 256  # images per forward pass of the frozen encoder
     # --finetune: SGD (Nesterov) on encoder and head, one lr for both, x0.2 at 60% and 80% of the epochs
-    epochs: int = 100
-    batch_size: int = 256
-    learning_rates: tuple[float, ...] = (0.01, 0.1, 0.2, 0.25, 0.3, 0.35, 0.4, 1.0, 2.0)
-    weight_decays: tuple[float, ...] = (1e-6, 1e-5, 1e-4, 1e-3, 0.01, 0.1)
+    epochs: int = 100  # of each fine-tuning run
+    batch_size: int = 256  # the learning rates are taken as they are at this batch
+    learning_rates: tuple[float, ...] = (0.01, 0.1, 0.2, 0.25, 0.3, 0.35, 0.4, 1.0, 2.0)  # swept: the paper's
+    weight_decays: tuple[float, ...] = (1e-6, 1e-5, 1e-4, 1e-3, 0.01, 0.1)  # swept with each lr: the paper's
     momentum: float = 0.9
     crop_scale: tuple[float, float] = FULL_CROP_SCALE  # train views of fine-tuning
     workers: int = 2  # decoding worker processes of fine-tuning (0: in the main process)
@@ -341,7 +341,7 @@ def run_transfer(job: TransferJob, log: Callable[[str], None] = print) -> dict[s
         result = evaluate(encoder, splits, config, output=job.output, device=device, identity=identity)
     payload = {"protocol": f"transfer-{'finetune' if job.finetune else 'linear'}", "metric": config.metric,
                "checkpoint": record["checkpoint"], "random_init": job.backbone.random_depth,
-               "network": record["network"], "step": record["step"], **inputs,
+               "network": record["network"], "step": record["step"], "inputs": inputs,
                "val_split": (f"carved: {config.val_fraction:g} of each class of train, seed {config.seed}"
                              if carved else "given"), **result, "config": to_dict(config)}
     text = json.dumps(payload, indent=2) + "\n"

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from relicv2.evaluation.report import plots
 from relicv2.evaluation.report import robustness as robustness_report
+from relicv2.evaluation.report import transfer as transfer_report
 from relicv2.evaluation.report.inputs import (
     EvalResult,
     RunMetrics,
@@ -61,6 +62,7 @@ class ReportInputs:
     views: tuple[Path, ...] = ()  # `pretrain preview-views` PNGs
     backgrounds: Path | None = None  # `eval backgrounds` output folder, or its backgrounds.json
     robustness: Path | None = None  # `eval robustness` OUTPUT/robustness.json (its section only when given)
+    transfer: tuple[Path, ...] = ()  # `eval transfer` OUTPUT/transfer.json files (their section only when given)
     count: int = 4  # images in the saliency figure
     title: str = "ReLICv2 run report"
 
@@ -127,6 +129,8 @@ def build_report(inputs: ReportInputs, out: Path) -> ReportSummary:
     _backgrounds_section(page, inputs)
     if inputs.robustness is not None:
         robustness_report.robustness_section(page, Path(inputs.robustness), _table, _notes, _fmt)
+    if inputs.transfer:
+        transfer_report.transfer_section(page, [Path(p) for p in inputs.transfer], _table, _notes, _fmt)
     atomic_write_bytes(out, _render(page, inputs).encode("utf-8"))
     return page.summary
 
@@ -382,8 +386,8 @@ def _render(page: _Page, inputs: ReportInputs) -> str:
     given = {"run": inputs.run_dir, "eval": ", ".join(map(str, inputs.eval_json)) or None,
              "saliency report": inputs.saliency_report, "maps": inputs.maps_dir, "shards": inputs.shards,
              "views": ", ".join(map(str, inputs.views)) or None, "backgrounds": inputs.backgrounds,
-             "robustness": inputs.robustness}
-    sections = [*SECTIONS, *((robustness_report.SECTION,) if "robustness" in page.blocks else ())]
+             "robustness": inputs.robustness, "transfer": ", ".join(map(str, inputs.transfer)) or None}
+    sections = [*SECTIONS, *(part.SECTION for part in (robustness_report, transfer_report) if part.SECTION[0] in page.blocks)]
     parts = [f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(inputs.title)}"
              f"</title><style>{STYLE}</style></head><body><h1>{html.escape(inputs.title)}</h1>",
              f"<p class=\"inputs\">built {now} by <code>relicv2 report</code> from: "

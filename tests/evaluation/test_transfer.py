@@ -13,6 +13,7 @@ from click.testing import CliRunner
 import relicv2.evaluation.transfer as transfer
 from relicv2.cli.eval import eval_group
 from relicv2.evaluation.job import Backbone
+from relicv2.evaluation.report import ReportInputs, build_report
 from relicv2.evaluation.transfer import (
     Points,
     TransferConfig,
@@ -143,6 +144,14 @@ def test_finetuning_sweeps_the_grid_through_the_supervised_loop(shape_shards, tm
     assert result["num_train"] == 72 and result["num_val"] == 36 and result["num_train_final"] == 108
     assert set(result["test"]["per_class"]) <= {str(c) for c in range(NUM_CLASSES)}
     assert not list((out / "points").glob("*.pt"))  # the weights of the points are not kept
+    # The report's transfer section: a row for the file, the unreadable one named among the problems.
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text(json.dumps({"protocol": "linear-fast", "top1": 0.5}))
+    summary = build_report(ReportInputs(transfer=(out / "transfer.json", foreign)), tmp_path / "report.html")
+    page = (tmp_path / "report.html").read_text()
+    assert summary.sections["transfer"] == "ok" and "transfer-finetune" in page
+    assert f"{result['test']['top1']:.4f}"[:5] in page
+    assert any("foreign.json: not a transfer.json" in problem for problem in summary.problems)
 
 
 def test_bad_input_is_one_line(shape_shards, tmp_path):
