@@ -49,6 +49,7 @@ from relicv2.jobs.atomic import atomic_write_bytes
 from relicv2.jobs.config import SETTINGS_FILE, ConfigError, Presets, resolve, settings_text, to_dict
 from relicv2.jobs.device import resolve_device
 from relicv2.jobs.lock import folder_lock
+from relicv2.jobs.progress import Phase
 from relicv2.jobs.version import package_version
 from relicv2.pretrain.knn import classes
 from relicv2.pretrain.knn.classify import at_trained_size, shared_tars
@@ -202,10 +203,16 @@ def sweep(grid: list[dict[str, float]], on_val: Callable[[dict[str, float]], dic
           on_test: Callable[[dict[str, float]], dict[str, Any]], metric: str, points: Points) -> dict[str, Any]:
     """Score every point of `grid` on val (`on_val`), choose the best by `metric` (ties: the earlier point),
     and score only that one on test (`on_test`: retrained on train + val)."""
-    swept = [{**point, "val": points.get(point_name(point), lambda p=point: on_val(p))} for point in grid]
+    progress = Phase("transfer sweep", len(grid) + 1, unit="point")
+    swept = []
+    for point in grid:
+        swept.append({**point, "val": points.get(point_name(point), lambda p=point: on_val(p))})
+        progress.update(1)
     best = max(range(len(swept)), key=lambda i: (swept[i]["val"][metric], -i))
     chosen = grid[best]
     test = points.get(point_name(chosen, "final,"), lambda: on_test(chosen))
+    progress.update(1)
+    progress.close()
     return {"swept": swept, "chosen": chosen, "val": swept[best]["val"], "test": test, "test_metric": test[metric]}
 
 

@@ -367,4 +367,5 @@ def test_guide_commands_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     for name in ("linear-paper", "linear-fast", "knn"):
         assert (Path("runs/masked/eval") / f"{name}.json").is_file()
     assert Path("runs/masked/resnet50.pt").is_file() and Path("runs/masked/report.html").is_file()
+    assert all(Path(f"runs/masked/{name}/transfer.json").is_file() for name in ("transfer", "transfer-finetune"))
     assert len(ran) >= 17, ran
