@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from sklearn.exceptions import ConvergenceWarning
 from sklearn.linear_model import LogisticRegression
+from threadpoolctl import threadpool_limits
 from torch import Tensor, nn
 
 from relicv2.evaluation.features import (
@@ -232,14 +233,17 @@ def fit_logistic(features: Tensor, labels: Tensor, l2: float, max_iter: int) -> 
     if len(np.unique(labels.numpy())) < 2:
         raise ValueError("the training split holds a single class: a classifier needs two or more")
     model = LogisticRegression(C=1.0 / (l2 * len(x)), solver="lbfgs", max_iter=max_iter)
-    with warnings.catch_warnings():
+    # One BLAS / OpenMP thread: beside torch's own pools the default ones contend (30x slower per iteration on
+    # a 2-core box, benchmarks/RESULTS.md "Transfer").
+    with warnings.catch_warnings(), threadpool_limits(1):
         warnings.simplefilter("ignore", ConvergenceWarning)  # a fit that stops at max_iter is still a fit
         model.fit((x - mean) / std, labels.numpy())
 
     def logits(rows: Tensor, num_classes: int) -> Tensor:
         out = torch.full((len(rows), num_classes), -math.inf, dtype=torch.float64)
-        out[:, torch.as_tensor(model.classes_)] = torch.from_numpy(
-            model.predict_log_proba((rows.double().numpy() - mean) / std))
+        with threadpool_limits(1):
+            scored = model.predict_log_proba((rows.double().numpy() - mean) / std)
+        out[:, torch.as_tensor(model.classes_)] = torch.from_numpy(scored)
         return out
     return logits
 
