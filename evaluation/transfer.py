@@ -57,7 +57,7 @@ from relicv2.pretrain.knn.classify import at_trained_size, shared_tars
 from relicv2.pretrain.knn.outcome import figure
 from relicv2.pretrain.views.config import FULL_CROP_SCALE, IMAGE_SIZE, resize_of
 from relicv2.shards.build import shards_of
-from relicv2.shards.outdir import check_output_file, check_output_folder
+from relicv2.shards.outdir import check_output_file, check_output_folder, writing
 from relicv2.shards.sample_table import SampleTable
 from relicv2.shards.shardset import ShardSet
 from relicv2.shards.subset import class_balanced_keys, keys_and_labels
@@ -356,10 +356,11 @@ def run_transfer(job: TransferJob, log: Callable[[str], None] = print) -> dict[s
                "val_split": (f"carved: {config.val_fraction:g} of each class of train, seed {config.seed}"
                              if carved else "given"), **result, "config": to_dict(config)}
     text = json.dumps(payload, indent=2) + "\n"
-    for path in (job.output / RESULT_FILE, job.json_path):
+    for path, option in ((job.output / RESULT_FILE, "--output"), (job.json_path, "--json")):
         if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(path, text.encode())
+            with writing(path, option):  # the disk may have filled during the work
+                path.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_bytes(path, text.encode())
     return payload
 
 
