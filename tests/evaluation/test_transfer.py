@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 import torch
 from click.testing import CliRunner
+from PIL import Image
 
 import relicv2.evaluation.transfer as transfer
 from relicv2.cli.eval import eval_group
@@ -155,12 +156,18 @@ def test_finetuning_sweeps_the_grid_through_the_supervised_loop(shape_shards, tm
 
 
 def test_bad_input_is_one_line(shape_shards, tmp_path):
+    for split, names in (("train", "ab"), ("test", "ac")):  # class folders whose classes differ
+        for name in names:
+            (tmp_path / split / name).mkdir(parents=True)
+            for i in range(2):
+                Image.new("RGB", (40, 40), (40 * i, 90, 200)).save(tmp_path / split / name / f"{i}.jpg")
     runner = CliRunner()
     base = ["transfer", "--random-init", "18", "--output", str(tmp_path / "o"), "--device", "cpu",
             "--set", "crop_size=32"]
     for args, message in (
         (["--train", str(tmp_path / "missing"), "--test", str(shape_shards[1])], "missing"),
         (["--train", str(shape_shards[0]), "--test", str(shape_shards[0])], "share"),
+        (["--train", str(tmp_path / "train"), "--test", str(tmp_path / "test")], "class"),
         (["--train", str(shape_shards[0]), "--test", str(shape_shards[1]), "--set", "metric=top5"], "metric"),
         (["--train", str(shape_shards[0]), "--test", str(shape_shards[1]), "--set", "val_fraction=1"],
          "val_fraction"),
