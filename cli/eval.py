@@ -22,7 +22,8 @@ ALLOW_LOST_OPTION = click.option(
 
 @click.group()
 def eval_group() -> None:
-    """Evaluate pretrained encoders (kNN, linear probe, fine-tuning, segmentation, robustness, backgrounds)."""
+    """Evaluate pretrained encoders (kNN, linear probe, fine-tuning, transfer, segmentation, robustness,
+    backgrounds)."""
 
 
 def _encoder_options(train_help: str, val_help: str, json_help: str, *more: Any):
@@ -317,5 +318,62 @@ def robustness(checkpoint: Path | None, random_depth: int | None, network: str, 
                                               **options), log=click.echo)
     except (FolderLockedError, FileNotFoundError, ValueError) as error:  # torch-file, shard, class errors too
         raise click.ClickException(str(error)) from None
+    for line in summary_lines(result):
+        click.echo(line)
+
+
+@eval_group.command("transfer")
+@click.option("--checkpoint", type=click.Path(path_type=Path), default=None,
+              help="Pretraining checkpoint, run folder (newest checkpoint) or exported encoder file.")
+@click.option("--random-init", "random_depth", type=click.IntRange(min=18), default=None, metavar="DEPTH",
+              help="Instead of a checkpoint, a randomly initialised ResNet-DEPTH (the baseline, with --seed).")
+@click.option("--network", type=click.Choice(["online", "target"]), default="online", show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of --random-init.")
+@click.option("--train", type=click.Path(path_type=Path), required=True,
+              help="Labelled training set: a shard set, or class folders (built into shards in --output).")
+@click.option("--val", type=click.Path(path_type=Path), default=None,
+              help="Labelled val set the sweep chooses on; without it, a seeded share of each class of --train "
+                   "(val_fraction).")
+@click.option("--test", type=click.Path(path_type=Path), required=True,
+              help="Labelled test set the chosen settings are scored on (after retraining on train + val).")
+@click.option("--finetune", is_flag=True,
+              help="Fine-tune encoder and head (learning rate x weight decay grid) instead of the linear sweep.")
+@click.option("--output", type=click.Path(path_type=Path), required=True,
+              help="Folder for built shards, the feature cache, each swept point's figures (resumed on rerun), "
+                   "config.yaml and transfer.json.")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
+              help="Also write the result (transfer.json) here.")
+@click.option("--config", "config_name", metavar="NAME|FILE.yaml", default=None,
+              help="paper (default): 45 l2 penalties; fine-tuning 100 epochs over 9 lrs x 6 weight decays; fast: "
+                   "fine-tuning 10 epochs over 2 x 2; or a YAML file of TransferConfig keys.")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override one setting, e.g. --set metric=mean_per_class (repeatable).")
+@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+def transfer(checkpoint: Path | None, random_depth: int | None, network: str, seed: int, config_name: str | None,
+             overrides: tuple[str, ...], **options: Any) -> None:
+    """Transfer to a labelled set: sweep on train against val, retrain on train + val, score on test.
+
+    \b
+    relicv2 eval transfer --checkpoint runs/r50 --train flowers/train --test flowers/test --output out/flowers
+    relicv2 eval transfer --checkpoint runs/r50 --train T --val V --test E --finetune --config fast --output out/ft
+    """
+    from relicv2.evaluation.job import Backbone
+    from relicv2.evaluation.transfer import (
+        TransferJob,
+        load_transfer_config,
+        run_transfer,
+        summary_lines,
+    )
+    from relicv2.jobs.lock import FolderLockedError
+
+    with user_errors(ConfigError, option="--config/--set"):
+        config = load_transfer_config(config_name or "paper", overrides)
+    try:
+        backbone = Backbone(checkpoint=checkpoint, random_depth=random_depth, network=network, seed=seed)
+    except ConfigError as error:
+        raise click.UsageError(str(error)) from None
+    with user_errors(FolderLockedError, FileNotFoundError, ValueError):  # shard, class, torch-file errors too
+        result = run_transfer(TransferJob(backbone=backbone, config=config, given=frozenset(parse_overrides(overrides)),
+                                          **options), log=lambda text: click.echo(text, err=True))
     for line in summary_lines(result):
         click.echo(line)

@@ -34,6 +34,8 @@ EXISTING = click.Path(exists=True, path_type=Path)
 @click.option("--segment", type=EXISTING, multiple=True,
               help="segment.json of `relicv2 eval segment`, or a folder of its outputs (repeatable): adds the "
                    "segmentation section.")
+@click.option("--transfer", type=click.Path(dir_okay=False, path_type=Path), multiple=True,
+              help="transfer.json of `relicv2 eval transfer` (repeatable): adds the transfer section.")
 @click.option("--count", type=click.IntRange(1, 32), default=4, show_default=True,
               help="Images in the saliency figure (and rows of the backgrounds composites).")
 @click.option("--title", default="ReLICv2 run report", show_default=True)

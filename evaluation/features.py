@@ -26,8 +26,9 @@ from relicv2.pretrain.views.config import IMAGE_SIZE
 from relicv2.shards.shardset import ShardSet, shard_tars
 
 # The version is part of the cache file name, not of the file: version 2 records the skipped keys and the
-# samples lost while reading, so files of version 1 (which may hide a loss) are never read again.
-CACHE_VERSION = 2
+# samples lost while reading, so files of version 1 (which may hide a loss) are never read again; version 3
+# the key of each row (transfer carves a val split from train by key).
+CACHE_VERSION = 3
 CACHE = TorchFormat("feature cache", fix="extracting its features again", tag="relicv2-feature-cache",
                     fields={"features": torch.Tensor, "labels": torch.Tensor, "skipped": int})
 
@@ -48,6 +49,7 @@ class FeatureSet:
     skipped: int = 0  # undecodable samples left out (named on stderr when extracted)
     skipped_keys: tuple[str, ...] = ()  # their keys, sorted
     lost: tuple[LostSamples, ...] = ()  # samples the set lost while read (only when allowed)
+    keys: tuple[str, ...] = ()  # the sample key of each row
 
     def __len__(self) -> int:
         return int(self.labels.numel())
@@ -84,7 +86,7 @@ def _read_cache(path: Path) -> FeatureSet | None:
         return None
     return FeatureSet(payload["features"], payload["labels"], payload["skipped"],
                       tuple(payload.get("skipped_keys", ())),
-                      tuple(LostSamples(**entry) for entry in payload.get("lost", ())))
+                      tuple(LostSamples(**entry) for entry in payload.get("lost", ())), tuple(payload.get("keys", ())))
 
 
 def cached_features(
@@ -114,17 +116,20 @@ def cached_features(
     rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
     skipped: list[str] = []
     lost: list[LostSamples] = []  # every rank reads the whole set: the same on every rank
+    keys: list[str] = []
     features, labels = extract_features(encoder, source, **asdict(spec), device=device, skipped=skipped,
                                         part=(rank, world), allow_lost=allow_lost, lost=lost,
-                                        progress=progress and rank == 0)
-    if world > 1:
-        parts = all_gather_object((features, labels, skipped), ctx)
-        pairs, skipped = [(f, lab) for f, lab, _ in parts], [key for _, _, keys in parts for key in keys]
+                                        progress=progress and rank == 0, keys=keys)
+    if world > 1:  # join_parts keeps the rank order: so do the keys
+        parts = all_gather_object((features, labels, skipped, keys), ctx)
+        pairs, skipped = [(f, lab) for f, lab, _, _ in parts], [key for _, _, bad, _ in parts for key in bad]
+        keys = [key for *_, part_keys in parts for key in part_keys]
         del parts, features, labels  # let go as they are copied into the joined features
         features, labels = join_parts(pairs, source, torch.device("cpu"))
-    result = FeatureSet(features, labels, len(skipped), tuple(sorted(skipped)), tuple(lost))
+    result = FeatureSet(features, labels, len(skipped), tuple(sorted(skipped)), tuple(lost), tuple(keys))
     if path is not None and rank == 0:
         CACHE.save(path, {"features": result.features, "labels": result.labels, "skipped": result.skipped,
                           "skipped_keys": list(result.skipped_keys), "lost": [asdict(entry) for entry in result.lost],
+                          "keys": list(result.keys),
                           "source": str(source), "spec": asdict(spec)})
     return result

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -25,6 +25,7 @@ from relicv2.pretrain.distributed import DistributedContext, open_shard_sets
 from relicv2.pretrain.knn.classes import check_same_classes
 from relicv2.pretrain.schedules import peak_learning_rate, step_decay
 from relicv2.pretrain.views.config import FULL_CROP_SCALE, IMAGE_SIZE, resize_of
+from relicv2.shards.reader import SampleRef
 
 STATE_FORMAT = "relicv2-finetune"
 STATE_FILE = "finetune.pt"
@@ -77,13 +78,27 @@ def finetune(
     recorded class names differ are refused before any training (ClassMismatchError)."""
     train_shards, val_shards = open_shard_sets(ctx, train_shards, val_shards)
     check_same_classes(train_shards, val_shards)
-    rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
     train_samples, train_skipped = labelled_samples(train_shards, keys)
     val_samples, val_skipped = labelled_samples(val_shards)
+    num_classes = class_count((train_samples, train_shards), (val_samples, val_shards))
+    state = Path(output_dir) / STATE_FILE if output_dir is not None else None
+    return finetune_samples(encoder, (train_samples, train_skipped), (val_samples, val_skipped), num_classes,
+                            config, device=device, state_path=state, ctx=ctx)
+
+
+def finetune_samples(
+    encoder: nn.Module, train: tuple[Sequence[SampleRef], set[str]], val: tuple[Sequence[SampleRef], set[str]],
+    num_classes: int, config: FinetuneConfig, *, device: str | torch.device = "cpu", state_path: Path | None = None,
+    ctx: DistributedContext | None = None,
+) -> supervised.LinearResult:
+    """Fine-tune `encoder` + a new head of `num_classes` on the `train` samples (with the keys already left
+    out as broken), score on the `val` samples; the state is kept in `state_path` every epoch (resumed)."""
+    (train_samples, train_skipped), (val_samples, val_skipped) = train, val
+    train_skipped, val_skipped = set(train_skipped), set(val_skipped)  # training adds the undecodable keys
+    rank, world = (ctx.rank, ctx.world_size) if ctx is not None else (0, 1)
     train_set = LabelledViews(train_samples, train=True, crop_size=config.crop_size,
                               resize_size=config.resize_size, scale=config.crop_scale, seed=config.seed)
     val_set = LabelledViews(val_samples, train=False, crop_size=config.crop_size, resize_size=config.resize_size)
-    num_classes = class_count((train_samples, train_shards), (val_samples, val_shards))
     torch.manual_seed(config.seed)
     head = supervised.new_head(encoder.num_features, num_classes)
     model = nn.Sequential(OrderedDict(encoder=encoder, head=head)).to(device)
@@ -93,8 +108,8 @@ def finetune(
                                 weight_decay=config.weight_decay)
     per_rank_batch = max(1, config.batch_size // world)
     steps_per_epoch = math.ceil(math.ceil(len(train_set) / world) / per_rank_batch)
-    state = (supervised.StateFile(Path(output_dir) / STATE_FILE, STATE_FORMAT, config, ("workers",),
-                                  what="fine-tuning", network="model") if output_dir is not None else None)
+    state = (supervised.StateFile(state_path, STATE_FORMAT, config, ("workers",), what="fine-tuning",
+                                  network="model") if state_path is not None else None)
 
     batches = partial(epoch_batches, rank=rank, world=world, batch_size=per_rank_batch, workers=config.workers)
 

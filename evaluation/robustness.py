@@ -19,7 +19,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,11 +46,12 @@ from relicv2.jobs.progress import Phase
 from relicv2.jobs.version import package_version
 from relicv2.pretrain.knn.classes import class_names
 from relicv2.pretrain.knn.outcome import figure
-from relicv2.shards.build import BuildConfig, build_shards
+from relicv2.shards.build import shards_of
 from relicv2.shards.outdir import check_output_file, check_output_folder
-from relicv2.shards.shardset import ShardSet, list_shard_files, resolve_shard_set
+from relicv2.shards.shardset import ShardSet, resolve_shard_set
 
-PRESETS = Presets(job="relicv2 eval robustness", package="relicv2.evaluation", folder="presets/robustness")
+COMMAND = "relicv2 eval robustness"
+PRESETS = Presets(job=COMMAND, package="relicv2.evaluation", folder="presets/robustness")
 RESULT_FILE = "robustness.json"
 # Which images the encoder's head got right in each corrupted set of --val, one character an image ("1":
 # correct) in the set's order, by "corruption-severity": what an interval over the images resamples.
@@ -124,15 +124,6 @@ def _model(backbone: Backbone, head_path: Path, device: str) -> Model:
     name = record["checkpoint"] or backbone.describe()
     head.check_encoder(encoder, name)
     return Model(encoder.to(device).eval(), head, name)
-
-
-def _shards_of(folder: Path, out: Path) -> ShardSet:
-    """A shard set as it is, or a folder of images built into shards in `out` (resumed)."""
-    if not folder.is_dir() or list_shard_files(folder):
-        return resolve_shard_set(folder)
-    print(f"building {folder} into shards in {out}", file=sys.stderr)
-    build_shards(BuildConfig(input=folder, out_dir=out, command="relicv2 eval robustness"))
-    return resolve_shard_set(out)
 
 
 class Scores:
@@ -222,7 +213,7 @@ def run_robustness(job: RobustnessJob, log: Callable[[str], None] = print) -> di
                 result["imagenet_c"] = _released(job, model, scores, grid, sets)
             result["ood"] = {}
             for name, folder in job.ood:
-                shards = _shards_of(roots[name], job.output / "ood" / name)
+                shards = shards_of(roots[name], job.output / "ood" / name, COMMAND)
                 classes = targets(name, class_names(shards) or [], wnids, folder)
                 result["ood"][name] = {"folder": str(folder), "classes": sum(map(bool, classes)),
                                        **scores.top1(model, f"ood-{name}", shards, stored_views=False, classes=classes)}
@@ -242,7 +233,7 @@ def _generated(job: RobustnessJob, model: Model, control: Model | None, scores: 
     """The corrupted copies of --val, generated into `corrupted/`, scored by the model (and the control);
     `per_image` receives the model's correct answers per set (`Scores.top1`'s "correct")."""
     assert job.val is not None
-    val = _shards_of(job.val, job.output / "val-shards")
+    val = shards_of(job.val, job.output / "val-shards", COMMAND)
     model.head.check_classes(class_names(val), job.val)  # before hours of corrupting
     head = model.head
     if head.crop_size < MIN_SIDE:
@@ -288,7 +279,7 @@ def _released(job: RobustnessJob, model: Model, scores: Scores, grid: list[tuple
     assert job.imagenet_c is not None
     top1: dict[str, dict[int, float]] = {}
     for (corruption, severity), folder in zip(grid, _released_folders(job.imagenet_c, job.config), strict=True):
-        shards = _shards_of(folder, job.output / "imagenet-c" / f"{corruption}-{severity}")
+        shards = shards_of(folder, job.output / "imagenet-c" / f"{corruption}-{severity}", COMMAND)
         model.head.check_classes(class_names(shards), folder)
         top1.setdefault(corruption, {})[severity] = scores.top1(model, f"imagenet-c-{corruption}-{severity}", shards,
                                                                 stored_views=True)["top1"]

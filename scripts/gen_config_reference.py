@@ -56,6 +56,10 @@ JOBS: tuple[tuple[str, str, str, str, str], ...] = (
      "a preset (`--config NAME`, default `full`) or a YAML file, and `--set key=value` (lists as "
      "`--set severities=1,3,5`, `--set corruptions=fog,snow`). The sets, the encoder, its head file and the "
      "control are options of the command (`relicv2 eval robustness --help`)"),
+    ("Transfer (`relicv2 eval transfer`)", "relicv2.evaluation.transfer", "TransferConfig", "PRESETS",
+     "a preset (`--config NAME`, default `paper`) or a YAML file, and `--set key=value` (lists as "
+     "`--set learning_rates=0.01,0.1`). The sets, the encoder and `--finetune` are options of the command "
+     "(`relicv2 eval transfer --help`); the crop follows the encoder's training unless set"),
 )
 
 # Commands set by their options alone (no config dataclass): (module, click command), their options listed from

@@ -36,6 +36,7 @@ from relicv2.shards.merge import (
 from relicv2.shards.outdir import claim_out_dir
 from relicv2.shards.plan import ShardPlan, plan_digest, plan_shards
 from relicv2.shards.sample import ShardSample
+from relicv2.shards.shardset import ShardSet, list_shard_files, resolve_shard_set
 from relicv2.shards.sources import InputError, Listing, SourceImage, list_inputs
 from relicv2.shards.writer import SampleRecord, TarShard, sample_record
 
@@ -247,3 +248,13 @@ def build_shards(config: BuildConfig, ranks: Ranks = Ranks()) -> JobReport:
             f"why is in {out / REJECTED_NAME}; list them with: {rejected_listing_command(out / REJECTED_NAME)}"
         )
     return report
+
+
+def shards_of(folder: Path, out: Path, command: str) -> ShardSet:
+    """A shard set as it is, or a folder of images (class sub-folders give labels) built into shards in
+    `out` by `command` (a rerun resumes the build)."""
+    if not folder.is_dir() or list_shard_files(folder):
+        return resolve_shard_set(folder)
+    print(f"building {folder} into shards in {out}", file=sys.stderr)
+    build_shards(BuildConfig(input=folder, out_dir=out, command=command))
+    return resolve_shard_set(out)

@@ -18,6 +18,7 @@ from pathlib import Path
 from relicv2.evaluation.report import plots
 from relicv2.evaluation.report import robustness as robustness_report
 from relicv2.evaluation.report import segmentation as segmentation_report
+from relicv2.evaluation.report import transfer as transfer_report
 from relicv2.evaluation.report.inputs import (
     EvalResult,
     RunMetrics,
@@ -49,7 +50,8 @@ SECTIONS = (
 )
 # Sections of the evaluation families, on the page only when their result is given (after SECTIONS).
 BACKGROUNDS_SECTION = ("backgrounds", "Backgrounds: does the encoder rely on them? (eval backgrounds)")
-OPTIONAL_SECTIONS = (BACKGROUNDS_SECTION, robustness_report.SECTION, segmentation_report.SECTION)
+OPTIONAL_SECTIONS = (BACKGROUNDS_SECTION, robustness_report.SECTION, transfer_report.SECTION,
+                     segmentation_report.SECTION)
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ class ReportInputs:
     backgrounds: Path | None = None  # `eval backgrounds` output folder, or its JSON (its section only when given)
     robustness: Path | None = None  # `eval robustness` OUTPUT/robustness.json (its section only when given)
     segment: tuple[Path, ...] = ()  # `eval segment` segment.json files or folders (its section only when given)
+    transfer: tuple[Path, ...] = ()  # `eval transfer` OUTPUT/transfer.json files (their section only when given)
     count: int = 4  # images in the saliency figure
     title: str = "ReLICv2 run report"
 
@@ -134,6 +137,8 @@ def build_report(inputs: ReportInputs, out: Path) -> ReportSummary:
         robustness_report.robustness_section(page, Path(inputs.robustness), _table, _notes, _fmt)
     if inputs.segment:
         segmentation_report.segmentation_section(page, inputs.segment, _table, _notes, _fmt)
+    if inputs.transfer:
+        transfer_report.transfer_section(page, [Path(p) for p in inputs.transfer], _table, _notes, _fmt)
     atomic_write_bytes(out, _render(page, inputs).encode("utf-8"))
     return page.summary
 
@@ -387,7 +392,8 @@ def _render(page: _Page, inputs: ReportInputs) -> str:
     given = {"run": inputs.run_dir, "eval": ", ".join(map(str, inputs.eval_json)) or None,
              "saliency report": inputs.saliency_report, "maps": inputs.maps_dir, "shards": inputs.shards,
              "views": ", ".join(map(str, inputs.views)) or None, "backgrounds": inputs.backgrounds,
-             "robustness": inputs.robustness, "segment": ", ".join(map(str, inputs.segment)) or None}
+             "robustness": inputs.robustness, "segment": ", ".join(map(str, inputs.segment)) or None,
+             "transfer": ", ".join(map(str, inputs.transfer)) or None}
     sections = [*SECTIONS, *(section for section in OPTIONAL_SECTIONS if section[0] in page.blocks)]
     parts = [f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(inputs.title)}"
              f"</title><style>{STYLE}</style></head><body><h1>{html.escape(inputs.title)}</h1>",

@@ -44,7 +44,7 @@ def preprocess(jpeg: bytes, *, crop_size: int, resize_size: int = 0, name: str =
 def _labelled_images(
     source: ShardSet, *, crop_size: int, resize_size: int, skipped: list[str], part: tuple[int, int],
     report: ReadReport, allow_lost: bool, progress: bool = False,
-) -> Iterator[tuple[Tensor, int]]:
+) -> Iterator[tuple[Tensor, int, str]]:
     index, parts = part
     samples = tracked(iter_samples(source, report=report), f"kNN features {Path(str(source)).name}", source.samples,
                       unit="img", enabled=progress)
@@ -62,7 +62,7 @@ def _labelled_images(
             skipped.append(sample["key"])
             print(f"kNN: skipping {error}", file=sys.stderr)
             continue
-        yield image, sample["label"]
+        yield image, sample["label"], sample["key"]
 
 
 class _Rows:
@@ -114,6 +114,7 @@ def extract_features(
     allow_lost: bool = False,
     lost: list[LostSamples] | None = None,
     keep_on: str | torch.device = "cpu",
+    keys: list[str] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(features [N, F] float32, labels [N]) of every decodable sample of a labelled shard set, both on
     `keep_on` (the CPU when they would take over half of a GPU's free memory).
@@ -121,7 +122,8 @@ def extract_features(
     part = (index, parts): only the samples at positions p with p % parts == index, so `parts` ranks
     together extract each sample once; only a split set's part may be empty. The keys of undecodable
     images are appended to `skipped`. A set that loses samples while read (`shards.ReadReport`) raises
-    LostSamplesError, or with `allow_lost` goes on and appends what it lost to `lost`.
+    LostSamplesError, or with `allow_lost` goes on and appends what it lost to `lost`. The key of each
+    row is appended to `keys` when given.
     """
     device = torch.device(device)
     was_training = encoder.training
@@ -134,10 +136,12 @@ def extract_features(
                              report=report, allow_lost=allow_lost, progress=progress)
     try:
         while batch := list(itertools.islice(pairs, batch_size)):
-            images, batch_labels = zip(*batch, strict=True)
+            images, batch_labels, batch_keys = zip(*batch, strict=True)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 features.add(encoder(torch.stack(images).to(device)).float())
             labels.extend(batch_labels)
+            if keys is not None:
+                keys.extend(batch_keys)
     finally:
         encoder.train(was_training)
     if not allow_lost:

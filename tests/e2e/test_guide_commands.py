@@ -87,6 +87,9 @@ SHRINK: dict[tuple[str, ...], list[str]] = {
     ("eval", "knn"): ["--crop-size", "32", "--resize-size", "32"],
     ("eval", "robustness"): ["--set", "corruptions=gaussian_noise", "--set", "severities=1", "--set", "workers=1",
                              "--set", "batch_size=16"],
+    ("eval", "transfer"): [word for value in ("crop_size=32", "resize_size=32", "l2_points=3", "feature_batch=16",
+                                              "epochs=1", "batch_size=8", "learning_rates=0.01", "weight_decays=0",
+                                              "workers=0") for word in ("--set", value)],
     ("export",): [],
     ("report",): ["--count", "2"],
 }
@@ -371,4 +374,5 @@ def test_guide_commands_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     for name in ("linear-paper", "linear-fast", "knn"):
         assert (Path("runs/masked/eval") / f"{name}.json").is_file()
     assert Path("runs/masked/resnet50.pt").is_file() and Path("runs/masked/report.html").is_file()
+    assert all(Path(f"runs/masked/{name}/transfer.json").is_file() for name in ("transfer", "transfer-finetune"))
     assert len(ran) >= 17, ran
