@@ -14,7 +14,7 @@ from PIL import Image
 import relicv2.evaluation.transfer as transfer
 from relicv2.cli.eval import eval_group
 from relicv2.evaluation.job import Backbone
-from relicv2.evaluation.report import ReportInputs, build_report
+from relicv2.evaluation.report.html import ReportInputs, build_report
 from relicv2.evaluation.transfer import (
     Points,
     TransferConfig,
