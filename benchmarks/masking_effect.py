@@ -95,16 +95,14 @@ from relicv2.saliency.network.model_file import MODEL_NAME  # noqa: E402
 from relicv2.saliency.network.train import TrainJob, run_train  # noqa: E402
 from relicv2.saliency.preview import PreviewConfig, write_preview  # noqa: E402
 from relicv2.shards.build import BuildConfig, build_shards  # noqa: E402
-from relicv2.shards.driver import UnitOutput, run_shard_job  # noqa: E402
+from relicv2.shards.driver import TarUnits, UnitOutput, run_shard_job  # noqa: E402
 from relicv2.shards.images import load_gray  # noqa: E402
 from relicv2.shards.job import (  # noqa: E402
     ShardJob,
     Unit,
     check_plan,
     digest_of,
-    input_tar_identity,
     merge_records,
-    write_plan,
 )
 from relicv2.shards.reader import ReadReport, read_samples  # noqa: E402
 from relicv2.shards.sample import GENERATED_MEMBERS, MASK_FOREGROUND_LEVEL, MASK_MEMBER  # noqa: E402
@@ -152,22 +150,13 @@ def rectangle_like(mask_png: bytes, seed: int, key: str) -> np.ndarray:
 
 
 @dataclass
-class RectangleWork:
+class RectangleWork(TarUnits):
     """The random-mask set as a shard job (`shards.driver.UnitWork`): one unit an input tar of the saliency
     mask set, its samples written as build-masks writes them (`mask_work.finish`) with the mask replaced."""
 
     source: ShardSet
     seed: int
     plan: dict
-
-    def claim(self, job: ShardJob, ranks: Ranks) -> None:
-        write_plan(job, self.plan)
-
-    def inputs(self, number: int) -> dict:
-        return input_tar_identity(self.source.tars[number], self.source.index_files[number])
-
-    def items(self, number: int) -> int:
-        return self.source.counts[number]
 
     def run(self, numbers: list[int], bar: Phase) -> Iterator[UnitOutput]:
         for number in numbers:

@@ -27,7 +27,7 @@ from relicv2.jobs.ranks import Ranks
 from relicv2.jobs.workers import worker_pool
 from relicv2.pretrain.knn.classes import class_names
 from relicv2.pretrain.knn.extract import test_view_image
-from relicv2.shards.driver import JobReport, UnitOutput, run_shard_job
+from relicv2.shards.driver import JobReport, TarUnits, UnitOutput, run_shard_job
 from relicv2.shards.images import ImageLoadError, Rejection
 from relicv2.shards.job import (
     MergeReport,
@@ -35,9 +35,7 @@ from relicv2.shards.job import (
     Unit,
     check_plan,
     digest_of,
-    input_tar_identity,
     merge_records,
-    write_plan,
 )
 from relicv2.shards.reader import ReadReport, read_samples
 from relicv2.shards.sample import ShardSample
@@ -115,7 +113,7 @@ def _in_order(spec: CorruptionSpec, chunks: list[list], pool: Executor | None, w
 
 
 @dataclass
-class CorruptWork:
+class CorruptWork(TarUnits):
     """The corrupted set's part of the shard-job engine (`shards.driver.UnitWork`): a unit is one input tar."""
 
     spec: CorruptionSpec
@@ -124,15 +122,6 @@ class CorruptWork:
     plan: dict
     workers: int
     pool: Executor | None = None  # the caller's (one for many sets: a spawned worker starts in seconds)
-
-    def claim(self, job: ShardJob, ranks: Ranks) -> None:
-        write_plan(job, self.plan)
-
-    def inputs(self, number: int) -> dict:
-        return input_tar_identity(self.source.tars[number], self.source.index_files[number])
-
-    def items(self, number: int) -> int:
-        return self.source.counts[number]
 
     def run(self, numbers: list[int], bar: Phase) -> Iterator[UnitOutput]:
         with contextlib.nullcontext(self.pool) if self.pool is not None else corruption_pool(self.workers) as pool:

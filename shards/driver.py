@@ -24,10 +24,12 @@ from relicv2.shards.job import (
     MergeReport,
     ShardJob,
     UnfinishedError,
+    input_tar_identity,
     output_error,
     pending_reason,
     rank_units,
     wait_for_records,
+    write_plan,
     write_record,
 )
 from relicv2.shards.outdir import output_folder
@@ -63,6 +65,20 @@ class UnitWork(Protocol):
     def merge(self, job: ShardJob, records: list[dict]) -> MergeReport:
         """Write the set's manifest, rejected list and info.json from every unit's done record (as
         `wait_for_records` gives them), with `shards.job.merge_records`."""
+
+
+class TarUnits:
+    """`claim`, `inputs` and `items` of a job whose unit is one input tar of a shard set (`self.source`, a
+    `ShardSet`) and whose plan is `self.plan`: the part every such `UnitWork` shares."""
+
+    def claim(self, job: ShardJob, ranks: Ranks) -> None:
+        write_plan(job, self.plan)
+
+    def inputs(self, number: int) -> dict:
+        return input_tar_identity(self.source.tars[number], self.source.index_files[number])
+
+    def items(self, number: int) -> int:
+        return self.source.counts[number]
 
 
 @dataclass(frozen=True)
