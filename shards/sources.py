@@ -55,11 +55,8 @@ def normalise_stem(stem: str) -> str:
     [A-Za-z0-9_-] (dots, spaces, non-Latin letters) replaced by "_"; at most 64 characters."""
     if SAFE_STEM.fullmatch(stem):
         return stem  # the common case, e.g. ImageNet's n01440764_10026
-    parts = []
-    for ch in stem:
-        folded = unicodedata.normalize("NFKD", ch).encode("ascii", "ignore").decode("ascii")
-        parts.append(re.sub(r"[^A-Za-z0-9_-]", "_", folded) or "_")
-    return "".join(parts)[:MAX_STEM] or "_"
+    folded = (unicodedata.normalize("NFKD", ch).encode("ascii", "ignore").decode("ascii") for ch in stem)
+    return "".join(re.sub(r"[^A-Za-z0-9_-]", "_", ch) or "_" for ch in folded)[:MAX_STEM] or "_"
 
 
 def stem_of(source: str) -> str:
