@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import functools
+import itertools
 import sys
 from collections import deque
 from collections.abc import Iterator
@@ -119,8 +120,7 @@ def prepared_stream(images: list[SourceImage], config: BuildConfig) -> Iterator[
     prepare = functools.partial(prepare_many, min_side=config.min_side, quality=config.quality, limits=limits)
     chunks = (tuple(images[i : i + CHUNK]) for i in range(0, len(images), CHUNK))
     if config.workers <= 1:
-        for chunk in chunks:
-            yield from prepare(chunk)
+        yield from itertools.chain.from_iterable(map(prepare, chunks))
         return
     # PIL registers its format plugins on first use; doing it once here means forked workers inherit
     # them instead of each paying the import (~0.1 s) on its first image.
@@ -140,11 +140,8 @@ def prepare_many(
     images: tuple[SourceImage, ...], *, min_side: int, quality: int, limits: ImageLimits
 ) -> list[SampleRecord | Rejection]:
     """Worker task: decode-verify a chunk of files and serialise each as tar blocks."""
-    results: list[SampleRecord | Rejection] = []
-    for image in images:
-        prepared = prepare_file(image.path, min_side=min_side, quality=quality, limits=limits)
-        results.append(prepared if isinstance(prepared, Rejection) else sample_record(sample_of(image, prepared)))
-    return results
+    prepared = [(image, prepare_file(image.path, min_side=min_side, quality=quality, limits=limits)) for image in images]
+    return [p if isinstance(p, Rejection) else sample_record(sample_of(image, p)) for image, p in prepared]
 
 
 def sample_of(image: SourceImage, prepared: PreparedImage) -> ShardSample:

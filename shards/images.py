@@ -196,18 +196,25 @@ def displayed(image: Image.Image, *, max_side: int | None = None) -> Image.Image
     return rgb
 
 
-def read_bytes(path: Path | str, limits: ImageLimits = DEFAULT_LIMITS) -> bytes:
-    """A file's bytes, refused (ImageLoadError) when missing, unreadable or over the size limit."""
-    path = Path(path)
+@contextlib.contextmanager
+def _image_file(path: Path | str, limits: ImageLimits) -> Iterator[BinaryIO]:
+    """An image file opened for reading; ImageLoadError naming it when missing, unreadable or over the size limit."""
     try:
-        size = os.stat(path).st_size
-        if size > limits.max_member_bytes:
-            raise ImageLoadError(str(path), Rejection("too_large", f"file is {size} bytes, over the limit of {limits.max_member_bytes}"))
-        return path.read_bytes()
+        with open(path, "rb") as file:
+            if (size := os.fstat(file.fileno()).st_size) > limits.max_member_bytes:
+                raise ImageLoadError(str(path), Rejection(
+                    "too_large", f"file is {size} bytes, over the limit of {limits.max_member_bytes}"))
+            yield file
     except FileNotFoundError:
         raise ImageLoadError(str(path), Rejection("missing", "file not found")) from None
     except OSError as exc:
         raise ImageLoadError(str(path), Rejection("unreadable", f"file cannot be read ({exc.strerror or exc})")) from None
+
+
+def read_bytes(path: Path | str, limits: ImageLimits = DEFAULT_LIMITS) -> bytes:
+    """A file's bytes, refused (ImageLoadError) when missing, unreadable or over the size limit."""
+    with _image_file(path, limits) as file:
+        return file.read()
 
 
 def load_image(data: bytes, name: str, limits: ImageLimits = DEFAULT_LIMITS) -> Image.Image:
@@ -263,19 +270,10 @@ def load_gray(data: bytes, name: str, limits: ImageLimits = DEFAULT_LIMITS) -> n
 def header_size(path: Path | str, limits: ImageLimits = DEFAULT_LIMITS) -> tuple[int, int]:
     """(width, height) of an image file as displayed, from its header alone; ImageLoadError naming the file
     when it is missing, unreadable, over the limits or not an image."""
-    try:
-        with open(path, "rb") as file:
-            if (size := os.fstat(file.fileno()).st_size) > limits.max_member_bytes:
-                raise ImageLoadError(str(path), Rejection(
-                    "too_large", f"file is {size} bytes, over the limit of {limits.max_member_bytes}"))
-            with _decoding(str(path)), _own_pixel_limit(), Image.open(file) as image:
-                if (rejection := _pixels_problem(*image.size, limits)) is not None:
-                    raise ImageLoadError(str(path), rejection)
-                return displayed_size(image)
-    except FileNotFoundError:
-        raise ImageLoadError(str(path), Rejection("missing", "file not found")) from None
-    except OSError as exc:
-        raise ImageLoadError(str(path), Rejection("unreadable", f"file cannot be read ({exc.strerror or exc})")) from None
+    with _image_file(path, limits) as file, _decoding(str(path)), _own_pixel_limit(), Image.open(file) as image:
+        if (rejection := _pixels_problem(*image.size, limits)) is not None:
+            raise ImageLoadError(str(path), rejection)
+        return displayed_size(image)
 
 
 def load_index_mask(data: bytes, name: str, limits: ImageLimits = DEFAULT_LIMITS) -> np.ndarray:

@@ -129,51 +129,44 @@ def input_files_identity(files: Sequence[tuple[str, int]], check: str = "time") 
     return {"inputs_mtime_ns": digest_of([mtime for _, mtime in files])}
 
 
-class RecordError(ValueError):
-    """A done record that cannot be its unit's (unreadable, or fields a build never writes): says why."""
-
-
-def load_record(path: Path, unit: Unit, classes: int = 0) -> dict:
-    """The done record of `unit` at `path`, checked like any file a user could have edited: its fields,
-    its shard, each manifest row's key (safe), shard and label (a class index, below `classes` when
-    known) and each rejected row. RecordError says what is wrong; OSError when it cannot be read."""
-    try:
-        record = json.loads(path.read_text())
-    except (ValueError, RecursionError) as exc:
-        raise RecordError(f"it is not JSON ({str(exc)[:80]})") from None
-    if not isinstance(record, dict) or not RECORD_FIELDS <= set(record):
-        raise RecordError("fields are missing")
-    if record["shard"] != unit.shard or not isinstance(record["empty"], bool) \
-            or not isinstance(record["manifest"], list) or not isinstance(record["rejected"], list):
-        raise RecordError(f"it names shard {str(record['shard'])[:80]!r} or its fields have other types")
-    for row in record["manifest"]:
-        if not isinstance(row, dict) or row.get("shard") != unit.shard:
-            raise RecordError(f"a manifest row is not one of {unit.shard}")
-        try:
-            check_key(row.get("key"))
-        except UnsafeKeyError as exc:
-            raise RecordError(f"a manifest row's {exc}") from None
-        label = row.get("label")
-        if label is not None and (type(label) is not int or (classes and not 0 <= label < classes)):
-            limit = f" of the set's {classes} classes" if classes else ""
-            raise RecordError(f"sample {row['key']!r} has label {str(label)[:20]}, not a class index{limit}")
-    if not all(isinstance(row, dict) and all(isinstance(row.get(k), str) for k in ("source", "reason"))
-               for row in record["rejected"]):
-        raise RecordError("a rejected row is not a source with a reason")
-    return record
-
-
-def read_record(job: ShardJob, unit: Unit) -> dict | str:
-    """The unit's done record, or why there is none to use: NOT_DONE, or what is wrong with the file."""
+def load_record(job: ShardJob, unit: Unit) -> dict | str:
+    """The done record of `unit`, checked like any file a user could have edited (its fields, its shard,
+    each manifest row's key (safe), shard and label (a class index, below `job.classes` when known) and
+    each rejected row), or why there is none to use: NOT_DONE, or what is wrong with the file."""
     path = job.record_path(unit)
     try:
-        return load_record(path, unit, job.classes)
+        record = json.loads(path.read_text())
     except FileNotFoundError:
         return NOT_DONE
     except OSError as exc:
         return f"its done record {path.name} cannot be read ({exc.strerror or exc})"
-    except RecordError as exc:
-        return f"its done record {path.name} is not valid ({exc})"
+    except (ValueError, RecursionError) as exc:
+        return f"its done record {path.name} is not valid (it is not JSON ({str(exc)[:80]}))"
+    problem = _record_problem(record, unit, job.classes)
+    return record if problem is None else f"its done record {path.name} is not valid ({problem})"
+
+
+def _record_problem(record: object, unit: Unit, classes: int) -> str | None:
+    if not isinstance(record, dict) or not RECORD_FIELDS <= set(record):
+        return "fields are missing"
+    if record["shard"] != unit.shard or not isinstance(record["empty"], bool) \
+            or not isinstance(record["manifest"], list) or not isinstance(record["rejected"], list):
+        return f"it names shard {str(record['shard'])[:80]!r} or its fields have other types"
+    for row in record["manifest"]:
+        if not isinstance(row, dict) or row.get("shard") != unit.shard:
+            return f"a manifest row is not one of {unit.shard}"
+        try:
+            check_key(row.get("key"))
+        except UnsafeKeyError as exc:
+            return f"a manifest row's {exc}"
+        label = row.get("label")
+        if label is not None and (type(label) is not int or (classes and not 0 <= label < classes)):
+            limit = f" of the set's {classes} classes" if classes else ""
+            return f"sample {row['key']!r} has label {str(label)[:20]}, not a class index{limit}"
+    if not all(isinstance(row, dict) and all(isinstance(row.get(k), str) for k in ("source", "reason"))
+               for row in record["rejected"]):
+        return "a rejected row is not a source with a reason"
+    return None
 
 
 def pending_reason(job: ShardJob, unit: Unit, inputs: dict | None = None, rehash: bool = False) -> str | None:
@@ -181,7 +174,7 @@ def pending_reason(job: ShardJob, unit: Unit, inputs: dict | None = None, rehash
     and `inputs` when the job checks more than the digest), and its files are those it records
     (with `rehash`, hashed: see `files_changed`). Otherwise why the unit must be (re)done: NOT_DONE,
     or what changed since it was done."""
-    record = read_record(job, unit)
+    record = load_record(job, unit)
     if isinstance(record, str):
         return record
     if record["digest"] != unit.digest:
@@ -258,7 +251,7 @@ def wait_for_records(job: ShardJob, wait_s: float, *, progress: bool = True, rer
     with Phase("merge: reading done records", len(job.units), unit="shard", enabled=progress) as bar:
         while True:
             for unit in waiting:
-                record = read_record(job, unit)
+                record = load_record(job, unit)
                 if isinstance(record, str):  # missing, or not valid
                     problems[unit.id] = record
                 elif record["digest"] == unit.digest:  # else from other inputs

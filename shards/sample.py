@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from collections.abc import Container
 from dataclasses import dataclass, field
-from typing import BinaryIO
 
 # Keys become tar member names `{key}.{ext}`; webdataset and DALI split a name at its first dot,
 # and ustar headers hold 100 bytes, so keys are short ASCII words without dots.
@@ -40,11 +38,6 @@ USED_MEMBERS = (*IMAGE_MEMBERS, MASK_MEMBER, *GENERATED_MEMBERS)
 def image_member_name(members: Container[str]) -> str | None:
     """The member holding a sample's image: the first of IMAGE_MEMBERS among `members`, or None."""
     return next((ext for ext in IMAGE_MEMBERS if ext in members), None)
-
-
-def read_class_index(handle: BinaryIO, offset: int, size: int) -> int | None:
-    """`class_index` of a `cls` member at `offset` in an open tar, reading at most what one can hold."""
-    return class_index(os.pread(handle.fileno(), min(size, MAX_LABEL_BYTES + 1), offset))
 
 
 def label_text(raw: bytes) -> str:

@@ -55,11 +55,8 @@ def normalise_stem(stem: str) -> str:
     [A-Za-z0-9_-] (dots, spaces, non-Latin letters) replaced by "_"; at most 64 characters."""
     if SAFE_STEM.fullmatch(stem):
         return stem  # the common case, e.g. ImageNet's n01440764_10026
-    parts = []
-    for ch in stem:
-        folded = unicodedata.normalize("NFKD", ch).encode("ascii", "ignore").decode("ascii")
-        parts.append(re.sub(r"[^A-Za-z0-9_-]", "_", folded) or "_")
-    return "".join(parts)[:MAX_STEM] or "_"
+    folded = (unicodedata.normalize("NFKD", ch).encode("ascii", "ignore").decode("ascii") for ch in stem)
+    return "".join(re.sub(r"[^A-Za-z0-9_-]", "_", ch) or "_" for ch in folded)[:MAX_STEM] or "_"
 
 
 def stem_of(source: str) -> str:
@@ -119,35 +116,26 @@ def walk_files(root: Path, exclude: Path | None = None) -> tuple[list[tuple[str,
     rejected: list[dict] = []
     excluded = _identity(exclude) if exclude is not None else None
     seen = {_identity(root)}
-    stack = [("", str(root))]
-    while stack:
-        prefix, folder = stack.pop()
-        try:
-            entries = sorted(os.scandir(folder), key=lambda e: e.name)
-        except OSError as exc:
-            rejected.append(reject(prefix.rstrip("/") or ".", "unreadable", f"folder cannot be listed ({exc.strerror or exc})"))
-            continue
-        subfolders = []
-        for entry in entries:
-            try:
-                is_dir = entry.is_dir(follow_symlinks=True)
-            except OSError:
-                is_dir = False
-            if not is_dir:
-                found.append((prefix + entry.name, entry.path))
-                continue
-            if entry.name.startswith("."):
-                continue
-            identity = _identity(Path(entry.path))
-            if identity == excluded:
-                continue  # the output folder inside the input: never an input
+
+    def unlisted(exc: OSError) -> None:
+        rejected.append(reject(os.path.relpath(exc.filename, root), "unreadable",
+                               f"folder cannot be listed ({exc.strerror or exc})"))
+
+    for folder, subfolders, files in os.walk(root, onerror=unlisted, followlinks=True):
+        prefix = "" if folder == str(root) else os.path.relpath(folder, root) + "/"
+        found += [(prefix + name, os.path.join(folder, name)) for name in sorted(files)]
+        kept = []
+        for name in sorted(subfolders):
+            identity = None if name.startswith(".") else _identity(Path(folder, name))
+            if identity is None or identity == excluded:
+                continue  # hidden, or the output folder inside the input: never an input
             if identity in seen:
-                rejected.append(reject(prefix + entry.name, "folder_visited_twice",
+                rejected.append(reject(prefix + name, "folder_visited_twice",
                                        "folder (or a link to it) was already walked: a link loop or a second link; left out"))
                 continue
             seen.add(identity)
-            subfolders.append((prefix + entry.name + "/", entry.path))
-        stack.extend(reversed(subfolders))
+            kept.append(name)
+        subfolders[:] = kept  # os.walk descends into these only, in this order
     return found, rejected
 
 

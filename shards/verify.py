@@ -146,34 +146,29 @@ def index_problems(tar: Path, idx: Path) -> list[str]:
     return []
 
 
-def verify_shard(tar: Path, table: pa.Table, decode_images: bool = True) -> list[str]:
-    """Problems of one shard (its tar and its index) against its manifest rows (a table sorted by position)."""
-    if not tar.is_file():
-        return [f"{tar.name}: listed in the manifest but missing; rebuild the shard set"]
-    rows = table.to_pylist()  # one shard's rows as dicts: a tar's worth, never the set's
-    problems = index_problems(tar, index_path(tar))
-    report = ReadReport()
-    for sample in read_samples(tar, report):  # the tar's own headers, not its index: that is checked above
-        if sample.position < len(rows):
-            problems += sample_problems(sample, rows[sample.position], decode_images)
-    problems += read_problems(tar, report)
-    if report.listed != len(rows):
-        problems.append(f"{tar.name}: holds {report.listed} samples, the manifest lists {len(rows)}")
-    return problems
-
-
-def verify_plain_shard(tar: Path, index_cache: Path, decode_images: bool = True) -> tuple[int, list[str]]:
-    """(samples, problems) of a shard without a manifest: readable, images decode, index agrees."""
-    try:  # the index beside the tar, else the one derived into the cache (and then checked like any)
-        problems = index_problems(tar, tar_index(tar, index_cache))
+def verify_shard(tar: Path, table: pa.Table | None, index_cache: Path, decode_images: bool = True
+                 ) -> tuple[int, list[str]]:
+    """(samples, problems) of one shard: it reads completely, its index agrees with it, its images decode,
+    and its samples match its manifest rows (`table`, sorted by position). Without a manifest (`table`
+    None) the index is the one beside the tar or, when it has none, the one derived into `index_cache`."""
+    if table is not None and not tar.is_file():
+        return 0, [f"{tar.name}: listed in the manifest but missing; rebuild the shard set"]
+    rows = None if table is None else table.to_pylist()  # one shard's rows as dicts: a tar's worth, never the set's
+    try:
+        problems = index_problems(tar, index_path(tar) if rows is not None else tar_index(tar, index_cache))
     except (ValueError, OSError) as exc:
         problems = [f"{tar.name}: no index can be derived ({exc})"]
     report = ReadReport()
-    for sample in read_samples(tar, report):
-        if decode_images:
+    for sample in read_samples(tar, report):  # the tar's own headers, not its index: that is checked above
+        if rows is None and decode_images:
             problems += decode_problems(f"{tar.name}: sample {sample.key!r}", sample.members[sample.image_ext], None,
                                         sample.members.get(MASK_MEMBER))
-    return report.samples, problems + read_problems(tar, report)
+        elif rows is not None and sample.position < len(rows):
+            problems += sample_problems(sample, rows[sample.position], decode_images)
+    problems += read_problems(tar, report)
+    if rows is not None and report.listed != len(rows):
+        problems.append(f"{tar.name}: holds {report.listed} samples, the manifest lists {len(rows)}")
+    return report.samples, problems
 
 
 VERIFIED_COLUMNS = ("key", "shard", "position", "label", "width", "height", "byte_size", "content_hash")
@@ -231,26 +226,25 @@ def verify_shard_set(directory: Path, *, workers: int = 1, decode_images: bool =
         tars = list_shard_files(directory)
         if not tars:
             raise FileNotFoundError(f"no manifest and no shards (*-NNNNNN.tar) in {directory}; nothing to verify")
-        cache = default_index_cache(index_cache)
-        check = functools.partial(verify_plain_shard, index_cache=cache, decode_images=decode_images)
-        results = in_workers(check, tars, workers=workers, desc="shards verify", enabled=progress)
-        problems += [p for _, ps in results for p in ps]
+        tables = [None] * len(tars)
+    else:
+        by_shard, order_problems = shard_tables(manifest)
+        problems += order_problems
+        for name in [n for n in by_shard if not is_plain_tar_name(n) or not SHARD_PATTERN.fullmatch(n)]:
+            problems.append(f"manifest: shard name {name!r} is not a shard file name in this folder; rebuild")
+            del by_shard[name]
+        for name in sorted({p.name for p in list_shard_files(directory)} - set(by_shard)):
+            problems.append(f"{name}: shard on disk but not in the manifest")
+        tars = [directory / n for n in sorted(by_shard)]
+        tables = [by_shard[t.name] for t in tars]
+    check = functools.partial(verify_shard, index_cache=default_index_cache(index_cache), decode_images=decode_images)
+    results = in_workers(check, tars, tables, workers=workers, desc="shards verify", enabled=progress)
+    problems += [p for _, shard_problems in results for p in shard_problems]
+    if manifest is None:
         samples = sum(n for n, _ in results)
         if samples == 0:
             problems.append(f"{directory}: its {len(tars)} shard(s) hold no samples; the set is empty")
         return VerifyReport(len(tars), samples, problems)
-    by_shard, order_problems = shard_tables(manifest)
-    problems += order_problems
-    for name in [n for n in by_shard if not is_plain_tar_name(n) or not SHARD_PATTERN.fullmatch(n)]:
-        problems.append(f"manifest: shard name {name!r} is not a shard file name in this folder; rebuild")
-        del by_shard[name]
-    for name in sorted({p.name for p in list_shard_files(directory)} - set(by_shard)):
-        problems.append(f"{name}: shard on disk but not in the manifest")
-    tars = [directory / n for n in sorted(by_shard)]
-    check = functools.partial(verify_shard, decode_images=decode_images)
-    per_shard = in_workers(check, tars, [by_shard[t.name] for t in tars], workers=workers,
-                           desc="shards verify", enabled=progress)
-    problems += [p for shard_problems in per_shard for p in shard_problems]
     info, repair = info_problems(directory, len(manifest))
     problems += info
     if not len(manifest):  # a build whose every input was rejected still writes a (0-row) manifest
