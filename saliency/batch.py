@@ -24,8 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from relicv2.jobs.atomic import remove_stale_temps
 from relicv2.jobs.lock import folder_lock
@@ -37,7 +35,13 @@ from relicv2.shards.images import ImageLoadError, load_rgb
 from relicv2.shards.keys import UnsafeKeyError
 from relicv2.shards.manifest import MANIFEST_NAME
 from relicv2.shards.reader import ReadReport, iter_samples
-from relicv2.shards.shardset import BRACE, list_shard_files, resolve_shard_set, shard_tars
+from relicv2.shards.shardset import (
+    BRACE,
+    list_shard_files,
+    listed_shards,
+    resolve_shard_set,
+    shard_tars,
+)
 
 JOB_NAME = "saliency handcrafted"
 OUTPUT_FULL = (errno.ENOSPC, errno.EROFS, errno.EDQUOT)
@@ -142,23 +146,15 @@ def count_inputs(source: Path) -> int | None:
     if not is_shard_source(source):
         return len(list_images(source)) if source.is_dir() else None
     folder = source if source.is_dir() else source.parent
-    if not (folder / MANIFEST_NAME).is_file():
-        try:  # a plain set: its index files (derived once into the index cache)
-            return resolve_shard_set(source).samples
-        except (OSError, ValueError):
-            return None  # a broken set is the reader's (and `shards verify`'s) to report
-    # With a manifest, its count is what the job must read (the reader compares the two).
     try:
-        shards = pq.read_table(folder / MANIFEST_NAME, columns=["shard"]).column("shard").to_pylist()
-    except (OSError, pa.ArrowException):
-        return None  # a broken manifest is `shards verify`'s to report; here it only sizes a bar
-    if source.is_dir():
-        return len(shards)
-    try:  # one tar or a brace pattern of this set's tars
-        names = {tar.name for tar in shard_tars(source)[0]}
-    except ValueError:
-        return None
-    return sum(1 for s in shards if s in names)
+        if not (folder / MANIFEST_NAME).is_file():  # a plain set: its index files (derived once into the index cache)
+            return resolve_shard_set(source).samples
+        # With a manifest, its count is what the job must read (the reader compares the two).
+        listed, _ = listed_shards(folder, allow_lost=True)
+        names = None if source.is_dir() else {tar.name for tar in shard_tars(source)[0]}  # one tar or a pattern
+        return sum(count for tar, count in listed.items() if names is None or tar.name in names)
+    except (OSError, ValueError):
+        return None  # a broken set is the reader's (and `shards verify`'s) to report; here it only sizes a bar
 
 
 @dataclass(frozen=True)

@@ -199,10 +199,7 @@ class ScoreSums:
 
 def summed(scores: Iterable[ImageScores]) -> ScoreSums:
     """The sums of per-image scores (see ScoreSums)."""
-    total = ScoreSums.empty()
-    for item in scores:
-        total = total + ScoreSums.of(item)
-    return total
+    return sum((ScoreSums.of(item) for item in scores), ScoreSums.empty())
 
 
 def aggregate(scores: Iterable[ImageScores]) -> DatasetScores:

@@ -49,7 +49,7 @@ from relicv2.saliency.network.mask_shard import (
 from relicv2.saliency.network.mask_work import RingSpaceError, check_shm_space, ring_bytes
 from relicv2.saliency.network.model_file import PASS_MODEL, resolve_model_path
 from relicv2.saliency.network.predictor import MaskPredictor
-from relicv2.shards.driver import JobReport, UnitOutput, run_shard_job
+from relicv2.shards.driver import JobReport, TarUnits, UnitOutput, run_shard_job
 from relicv2.shards.index import read_index
 from relicv2.shards.job import (
     MergeReport,
@@ -63,7 +63,6 @@ from relicv2.shards.job import (
     merge_records,
     rank_units,
     sha256_of,
-    write_plan,
 )
 from relicv2.shards.manifest import MANIFEST_NAME, REJECTED_NAME
 from relicv2.shards.outdir import SET_FILES, other_entries, shard_files
@@ -140,8 +139,10 @@ def check_out_folder(job: ShardJob) -> None:
 
 
 @dataclass
-class MaskWork:
-    """build-masks' part of the shard-job engine (`shards.driver.UnitWork`): a unit is one input tar."""
+class MaskWork(TarUnits):
+    """build-masks' part of the shard-job engine (`shards.driver.UnitWork`): a unit is one input tar. Its
+    `claim` (the plan, the first write: an unwritable --out is found before any work) is `TarUnits`'; its
+    inputs and items come from `index_file`, not from a resolved set."""
 
     config: BuildMasksConfig
     job: ShardJob
@@ -160,9 +161,6 @@ class MaskWork:
         if number not in self.index_files:
             self.index_files[number] = input_index(self.tars[number], default_index_cache(self.config.index_cache))
         return self.index_files[number]
-
-    def claim(self, job: ShardJob, ranks: Ranks) -> None:
-        write_plan(job, self.plan)  # the first write: an unwritable --out is found before any work
 
     def inputs(self, number: int) -> dict:
         return input_tar_identity(self.tars[number], self.index_file(number))

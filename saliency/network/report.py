@@ -127,10 +127,9 @@ def evaluate_report(job, data, trainer, model: SaliencyNet, *, progress: bool = 
     position = {key: i for i, key in enumerate(data.keys)}
     rows: dict[str, RowFn] = {}
     for m in config.methods:
-        rows[f"{m} raw map"] = _raw(maps, m)
+        rows[f"{m} raw map"] = raw = _raw(maps, m)
         threshold = config.thresholds[m]
-        rows[f"{m} raw >= {threshold:g}"] = lambda key, _i, _rgb, m=m, t=threshold: (
-            read_gray(map_path(maps, m, key)) / 255.0 >= t).astype(np.float32)
+        rows[f"{m} raw >= {threshold:g}"] = lambda *at, raw=raw, t=threshold: (raw(*at) >= t).astype(np.float32)
         for k in range(1, config.iterations + 1):
             average = trainer.result(f"{m}-it{k}").float().numpy()
             rows[f"{m} refined it{k}"] = lambda _k, i, rgb, a=average: _nearest(a[i] >= 0.5, rgb.shape[1], rgb.shape[0])
