@@ -36,10 +36,8 @@ import torch
 from safetensors import SafetensorError
 
 from relicv2.jobs.atomic import atomic_output, atomic_write_bytes
+from relicv2.models.architecture import PADDINGS, STAGE_PLANES, depth_of
 from relicv2.models.resnet import (
-    PADDINGS,
-    STAGE_BLOCKS,
-    STAGE_PLANES,
     ResNet,
     load_torchvision_state_dict,
     resnet,
@@ -215,9 +213,7 @@ def architecture_of(state: dict[str, Any]) -> tuple[int, int] | None:
         return None
     counts = tuple(len({name.split(".")[1] for name in state if name.startswith(f"layer{stage}.")})
                    for stage in range(1, 5))
-    bottleneck = "layer1.0.conv3.weight" in state
-    depth = next((d for d, (kind, blocks) in STAGE_BLOCKS.items()
-                  if blocks == counts and (kind == "bottleneck") == bottleneck), None)
+    depth = depth_of("layer1.0.conv3.weight" in state, counts)
     return None if depth is None else (depth, stem.shape[0] // STAGE_PLANES[0])
 
 

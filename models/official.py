@@ -19,9 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from relicv2.models.architecture import WIDTHS, depth_of
 from relicv2.models.encoder_file import save_encoder_file
 from relicv2.models.official_pickle import ReleaseArray, ReleasePickleError, load_release_pickle
-from relicv2.models.resnet import STAGE_BLOCKS, WIDTHS, ResNet, resnet
+from relicv2.models.resnet import ResNet, resnet
 
 ORIGIN_URL = "https://github.com/google-deepmind/relicv2#pretrained-checkpoints"
 
@@ -150,8 +151,7 @@ def haiku_to_state_dict(params: dict, state: dict, path: Path,
     bottleneck = any("conv_2" in name for name in torso)
     blocks = tuple(len({m.group(1) for n in torso if (m := re.match(rf"block_group_{g}/~/block_(\d+)/", n))})
                    for g in range(4))
-    depth = next((d for d, (kind, layout) in STAGE_BLOCKS.items()
-                  if layout == blocks and (kind == "bottleneck") == bottleneck), None)
+    depth = depth_of(bottleneck, blocks)
     if remainder or width not in WIDTHS or depth is None:
         raise OfficialImportError(f"{path}: a ResNet torso with {blocks} blocks per group and a "
                                   f"{64 * width + remainder}-channel stem is not one of the supported encoders")

@@ -18,21 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-# The kind of residual block and the blocks per stage. ResNet-200 is not in torchvision; its layout is the one
-# of He et al. 2016 ("Identity Mappings in Deep Residual Networks") used by BYOL/ReLICv2 for their largest encoder.
-STAGE_BLOCKS: dict[int, tuple[str, tuple[int, int, int, int]]] = {
-    18: ("basic", (2, 2, 2, 2)),
-    34: ("basic", (3, 4, 6, 3)),
-    50: ("bottleneck", (3, 4, 6, 3)),
-    101: ("bottleneck", (3, 4, 23, 3)),
-    152: ("bottleneck", (3, 8, 36, 3)),
-    200: ("bottleneck", (3, 24, 36, 3)),
-}
-WIDTHS = (1, 2, 4)
-STAGE_PLANES = (64, 128, 256, 512)
-# "torch": symmetric padding k // 2 (torchvision); "same_tf": TensorFlow/JAX "SAME" padding, which
-# pads strided layers asymmetrically (more after than before), as the authors' haiku networks do.
-PADDINGS = ("torch", "same_tf")
+from relicv2.models.architecture import PADDINGS, STAGE_BLOCKS, STAGE_PLANES, WIDTHS
 
 
 def block_class(kind: str) -> type[nn.Module]:

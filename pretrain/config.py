@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from relicv2.jobs.config import ConfigError, Presets, resolve, settings_text
+from relicv2.models.architecture import STAGE_BLOCKS, WIDTHS
 from relicv2.pretrain.schedules import peak_learning_rate
 from relicv2.pretrain.views.config import IMAGE_SIZE, ViewConfig
 
@@ -123,12 +124,12 @@ class PretrainConfig:
 
     def __post_init__(self) -> None:
         _check_ranges(self, POSITIVE, NON_NEGATIVE, FRACTIONS)
-        if self.model.width not in (1, 2, 4):
+        if self.model.width not in WIDTHS:
             raise ConfigError(f"model.width must be 1, 2 or 4 (the widths of the paper), got {self.model.width}")
         if not self.run.output_dir.strip():
             raise ConfigError("run.output_dir is empty; set it to the run's folder (e.g. --output runs/my-run)")
-        if self.model.depth not in (18, 34, 50, 101, 152, 200):
-            raise ConfigError(f"model.depth must be one of 18, 34, 50, 101, 152, 200, got {self.model.depth}")
+        if self.model.depth not in STAGE_BLOCKS:
+            raise ConfigError(f"model.depth must be one of {', '.join(map(str, STAGE_BLOCKS))}, got {self.model.depth}")
         if self.optim.warmup_epochs > self.optim.epochs:
             raise ConfigError(
                 f"optim.warmup_epochs={self.optim.warmup_epochs} exceeds optim.epochs={self.optim.epochs}"

@@ -73,7 +73,6 @@ class MetricsLogger:
         self._jsonl.close()
 
 
-
 class Window:
     """Throughput, data-wait time and the masking applied over the steps since the last log record."""
 

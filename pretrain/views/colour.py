@@ -226,12 +226,8 @@ class Background:
 
 def colour_view(view: torch.Tensor, draws: ColourDraws, spec: ViewSpec, cfg: ViewConfig,
                 background: Background | None = None) -> torch.Tensor:
-    """B x H x W x 3 uint8 views (as DALI renders them) -> B x 3 x H x W float32, coloured and normalised.
-
-    The steps and their order are the paper's: the saliency mask (`background`, when the view may
-    be masked), jitter (brightness, contrast, saturation, hue in the sample's order, with
-    probability p), grayscale, blur, solarize, then the ImageNet mean/std.
-    """
+    """B x H x W x 3 uint8 views (as DALI renders them) -> B x 3 x H x W float32, coloured and normalised
+    (the module's steps in the paper's order; the saliency mask where `background` flags a sample)."""
     return _colour(view, draws.for_view(spec), cfg, background)
 
 
@@ -308,9 +304,8 @@ def _colour(view: torch.Tensor, draws: ColourDraws, cfg: ViewConfig, background:
 
 
 def _mean_std(cfg: ViewConfig, device: torch.device) -> torch.Tensor:
-    """The normalisation's mean and std on `device`, 2 x 1 x 3 x 1 x 1. One copy to the device, and
-    non-blocking like every copy here: a blocking one waits until the stream's queued kernels have run (two
-    such copies a view would be 12 waits a batch)."""
+    """The normalisation's mean and std on `device`, 2 x 1 x 3 x 1 x 1, in one non-blocking copy (see
+    `gaussian_blur`: two blocking copies a view would be 12 waits a batch)."""
     return torch.tensor([cfg.mean, cfg.std]).to(device, non_blocking=True).view(2, 1, 3, 1, 1)
 
 
@@ -350,8 +345,7 @@ def _steps(active: tuple[bool, ...], masked: bool) -> tuple[tuple[_Step, ...], t
     return ((MASKING,) if masked else ()) + jitter + (GRAYSCALE,), (SOLARIZE,)
 
 
-def _as_float(view: torch.Tensor) -> torch.Tensor:
-    """B x H x W x 3 uint8 -> B x 3 x H x W float32 in [0, 1]."""
+def _as_float(view: torch.Tensor) -> torch.Tensor:  # B x H x W x 3 uint8 -> B x 3 x H x W float32 in [0, 1]
     return view.permute(0, 3, 1, 2).to(torch.float32, memory_format=torch.contiguous_format).div_(255.0)
 
 
