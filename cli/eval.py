@@ -17,6 +17,7 @@ from relicv2.shards.shardset import ShardSetError
 
 KNN = KnnConfig()
 PATH = click.Path(path_type=Path)
+_to_stderr = functools.partial(click.echo, err=True)
 ALLOW_LOST_OPTION = click.option(
     "--allow-lost", is_flag=True,
     help="Score a set that lost samples while read (truncated or missing tars) instead of refusing it; "
@@ -117,10 +118,6 @@ def _echo_run(run: Callable[..., Any], *args: Any, lines: Callable[[Any], list[s
         result = run(*args, **kwargs)
     for line in lines(result):
         click.echo(line)
-
-
-def _to_stderr(text: str) -> None:
-    click.echo(text, err=True)
 
 
 def _run(**job_fields: Any) -> None:
