@@ -33,19 +33,18 @@ from relicv2.evaluation.backgrounds import (
 )
 from relicv2.evaluation.features import shard_set_fingerprint
 from relicv2.evaluation.head_file import load_head, score_head
-from relicv2.evaluation.job import Backbone, load_encoder
+from relicv2.evaluation.job import Backbone, check_outputs, load_encoder, save_settings, write_json
 from relicv2.jobs.atomic import atomic_write_bytes
-from relicv2.jobs.config import SETTINGS_FILE, Presets, resolve, settings_text, to_dict
+from relicv2.jobs.config import Presets, resolve, to_dict
 from relicv2.jobs.device import resolve_device
 from relicv2.jobs.lock import folder_lock
 from relicv2.jobs.progress import Phase
 from relicv2.jobs.ranks import Ranks
-from relicv2.jobs.version import package_version
 from relicv2.pretrain.knn.classes import class_names
 from relicv2.shards.driver import run_shard_job
 from relicv2.shards.job import digest_of, sha256_of
 from relicv2.shards.manifest import read_manifest
-from relicv2.shards.outdir import check_output_file, check_output_folder, output_folder, writing
+from relicv2.shards.outdir import output_folder
 from relicv2.shards.shardset import resolve_shard_set
 
 PRESETS = Presets(job="relicv2 eval backgrounds", package="relicv2.evaluation", folder="presets/backgrounds")
@@ -118,13 +117,10 @@ def evaluate_backgrounds(encoder: nn.Module, head_path: Path, val: Path, masks: 
     device = torch.device(device)
     encoder = encoder.to(device).eval().requires_grad_(False)
     with output_folder(out), folder_lock(out, "relicv2 eval backgrounds"):
-        text = settings_text(config, extra={"inputs": {"head": str(head_path), "val": str(val), "masks": masks,
-                                                       "view": {"side": settings.side, "crop": settings.crop}}},
-                             version=package_version())
-        log(text.rstrip())
+        save_settings(out, config, {"head": str(head_path), "val": str(val), "masks": masks,
+                                    "view": {"side": settings.side, "crop": settings.crop}}, log)
         log(f"{len(screened.refs)} of {len(screened.refs) + len(screened.left_out)} images used, left out "
             f"{screened.excluded or 'none'}")
-        atomic_write_bytes(out / SETTINGS_FILE, text.encode())
         report = run_shard_job(job, work, Ranks(), name="eval backgrounds", progress=progress)
         scores = {}
         with Phase("eval backgrounds: scoring", len(config.variants), unit="variant", enabled=progress) as bar:
@@ -132,7 +128,7 @@ def evaluate_backgrounds(encoder: nn.Module, head_path: Path, val: Path, masks: 
                 scores[name] = _variant_score(encoder, head, out, name, config, device, encoder_name)
                 bar.update(1)
         result = {**(about or {}), **_result(scores, out, config, head, val, masks, work, report)}
-        _write_json(out / RESULT_FILE, result, "--output")
+        write_json(result, (out / RESULT_FILE, "--output"))
     return result
 
 
@@ -187,21 +183,12 @@ def run_backgrounds(backbone: Backbone, head: Path, val: Path, masks: Path | Non
                     log: Callable[[str], None] = print) -> list[str]:
     """The command: load the encoder, run the test, write OUT/backgrounds.json (and `json_path`); the lines
     to print."""
-    check_output_folder(output, "--output")
-    if json_path is not None:
-        check_output_file(json_path, "--json")
+    check_outputs(output, json_path)
     encoder, record = load_encoder(backbone)
     about = {"encoder": backbone.describe(), "checkpoint": record["checkpoint"], "random_init": backbone.random_depth,
              "network": record["network"]}
     result = evaluate_backgrounds(encoder, head, val, masks, output, config, device=resolve_device(device, "--device"),
                                   encoder_name=backbone.describe(), about=about, log=log)
-    if json_path is not None:
-        _write_json(json_path, result, "--json")
+    write_json(result, (json_path, "--json"))
     return table_lines(result)
-
-
-def _write_json(path: Path, result: dict, option: str) -> None:
-    with writing(path, option):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(path, (json.dumps(result, indent=2) + "\n").encode())
 

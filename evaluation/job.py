@@ -110,12 +110,11 @@ class EvalJob:
         kind = {LinearConfig: "linear", FinetuneConfig: "finetune", KnnConfig: "knn"}[type(self.config)]
         return f"relicv2 eval {kind}"
 
-    def settings(self, config: Any = None) -> str:
-        """The settings (`config`, default the job's) as printed at start and saved as config.yaml."""
-        inputs: dict[str, Any] = {"backbone": self.backbone.as_dict(), "train": str(self.train_shards), "val": str(self.val_shards)}
-        if self.labels is not None:
-            inputs["labels"] = str(self.labels)
-        return settings_text(config or self.config, extra={"inputs": inputs}, version=package_version())
+    @property
+    def inputs(self) -> dict[str, Any]:
+        """What the job reads, as printed and saved with its settings."""
+        inputs = {"backbone": self.backbone.as_dict(), "train": str(self.train_shards), "val": str(self.val_shards)}
+        return inputs if self.labels is None else {**inputs, "labels": str(self.labels)}
 
 
 @dataclass(frozen=True)
@@ -130,11 +129,7 @@ def run_eval(job: EvalJob, log: Callable[[str], None] = print) -> EvalOutcome | 
     """Run `job`; the outcome on rank 0 (None on the other ranks). Errors a user can cause raise:
     LostSamplesError, FolderLockedError, FileNotFoundError, ValueError (OutputError, ShardSetError and
     models.torchfile's TorchFileError among them)."""
-    # Before any work: an unwritable --json must not be found after the whole evaluation.
-    if job.output is not None:
-        check_output_folder(job.output, "--output")
-    if job.json_path is not None:
-        check_output_file(job.json_path, "--json")
+    check_outputs(job.output, job.json_path)
     if isinstance(job.config, KnnConfig):
         return _run_knn(job, log)
     return _run_trained_head(job, log)
@@ -159,7 +154,7 @@ def _run_knn(job: EvalJob, log: Callable[[str], None]) -> EvalOutcome:
         warnings.append(f"warning: the encoder was evaluated at {trained['crop_size']} px in its own run (or trained "
                         f"on views of that size); --crop-size {settings.crop_size} gives a figure not comparable "
                         "with it")
-    log(job.settings(settings).rstrip())
+    save_settings(None, settings, job.inputs, log)
     result = evaluate_knn(encoder.to(device), train, val, settings=settings, device=device, progress=True,
                           allow_lost=job.allow_lost)
     assert result is not None  # a single process is rank 0
@@ -171,7 +166,7 @@ def _run_knn(job: EvalJob, log: Callable[[str], None]) -> EvalOutcome:
             f"{result.skipped} undecodable skipped, {lost_text(result.lost)} lost while reading)")
     payload = result.as_json(checkpoint=record["checkpoint"], random_init=job.backbone.random_depth, extra={
         "network": record["network"]})
-    _write_json(job.json_path, payload, "--json")
+    write_json(payload, (job.json_path, "--json"))
     return EvalOutcome([line], warnings + _shortfalls(result))
 
 
@@ -184,11 +179,7 @@ def _run_trained_head(job: EvalJob, log: Callable[[str], None]) -> EvalOutcome |
             # The image size follows the encoder's training unless the user set one.
             config = at_trained_size(job.config, record["trained_protocol"], job.given)
             if ctx.rank == 0:
-                text = job.settings(config)
-                log(text.rstrip())
-                if job.output is not None:
-                    job.output.mkdir(parents=True, exist_ok=True)
-                    atomic_write_bytes(job.output / SETTINGS_FILE, text.encode())
+                save_settings(job.output, config, job.inputs, log)
             if isinstance(config, LinearConfig):
                 result = evaluate_linear(encoder, job.train_shards, job.val_shards, config, device=ctx.device,
                                          output_dir=job.output, ctx=ctx, allow_lost=job.allow_lost)
@@ -206,9 +197,7 @@ def _run_trained_head(job: EvalJob, log: Callable[[str], None]) -> EvalOutcome |
     if isinstance(config, LinearConfig) and job.output is not None:
         extra["head_file"] = str(job.output / TRAINED_HEAD_FILE)
     payload = result.as_json(checkpoint=record["checkpoint"], random_init=job.backbone.random_depth, extra=extra)
-    _write_json(job.json_path, payload, "--json")
-    if job.output is not None:
-        _write_json(job.output / "result.json", payload, "--output")
+    write_json(payload, (job.json_path, "--json"), (job.output / "result.json" if job.output else None, "--output"))
     title = f"{result.protocol} of {record['checkpoint'] or job.backbone.describe()}"
     return EvalOutcome(_table(title, payload, lost_text(result.lost), ctx.device), _shortfalls(result))
 
@@ -235,9 +224,27 @@ def _shortfalls(result: Any) -> list[str]:
     return lines
 
 
-def _write_json(path: Path | None, record: dict[str, Any], option: str) -> None:
-    if path is None:
-        return
-    with writing(path, option):  # the disk may have filled during the work
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(path, (json.dumps(record, indent=2) + "\n").encode())
+def check_outputs(output: Path | None, json_path: Path | None) -> None:
+    """Before any work: an unwritable --output or --json must not be found after the whole evaluation."""
+    if output is not None:
+        check_output_folder(output, "--output")
+    if json_path is not None:
+        check_output_file(json_path, "--json")
+
+
+def save_settings(output: Path | None, config: Any, inputs: dict[str, Any], log: Callable[[str], None]) -> None:
+    """Print the job's settings with its `inputs`, and keep them as config.yaml in `output` (when given)."""
+    text = settings_text(config, extra={"inputs": inputs}, version=package_version())
+    log(text.rstrip())
+    if output is not None:
+        output.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(output / SETTINGS_FILE, text.encode())
+
+
+def write_json(record: dict[str, Any], *places: tuple[Path | None, str]) -> None:
+    """`record` as indented JSON at each (path, its option) that has a path; a failed write names the option."""
+    for path, option in places:
+        if path is not None:
+            with writing(path, option):  # the disk may have filled during the work
+                path.parent.mkdir(parents=True, exist_ok=True)
+                atomic_write_bytes(path, (json.dumps(record, indent=2) + "\n").encode())

@@ -36,18 +36,16 @@ from relicv2.evaluation.corruptions import (
 )
 from relicv2.evaluation.features import encoder_digest, shard_set_fingerprint
 from relicv2.evaluation.head_file import TrainedHead, load_head, score_head
-from relicv2.evaluation.job import Backbone, load_encoder
+from relicv2.evaluation.job import Backbone, check_outputs, load_encoder, save_settings, write_json
 from relicv2.evaluation.ood import head_wnids, image_folder, targets
 from relicv2.jobs.atomic import atomic_write_bytes
-from relicv2.jobs.config import SETTINGS_FILE, ConfigError, Presets, resolve, settings_text, to_dict
+from relicv2.jobs.config import ConfigError, Presets, resolve, to_dict
 from relicv2.jobs.device import resolve_device
 from relicv2.jobs.lock import folder_lock
 from relicv2.jobs.progress import Phase
-from relicv2.jobs.version import package_version
 from relicv2.pretrain.knn.classes import class_names
 from relicv2.pretrain.knn.outcome import figure
 from relicv2.shards.build import shards_of
-from relicv2.shards.outdir import check_output_file, check_output_folder
 from relicv2.shards.shardset import ShardSet, resolve_shard_set
 
 COMMAND = "relicv2 eval robustness"
@@ -180,9 +178,7 @@ def run_robustness(job: RobustnessJob, log: Callable[[str], None] = print) -> di
     if (job.control is None) != (job.control_head is None):
         raise ConfigError("the control needs both an encoder (--control-checkpoint or --control-random-init) and "
                           "its head (--control-head)")
-    check_output_folder(job.output, "--output")
-    if job.json_path is not None:
-        check_output_file(job.json_path, "--json")
+    check_outputs(job.output, job.json_path)
     config, device = job.config, resolve_device(job.device, "--device")
     with folder_lock(job.output, "relicv2 eval robustness"):
         model = _model(job.backbone, job.head, device)
@@ -195,10 +191,7 @@ def run_robustness(job: RobustnessJob, log: Callable[[str], None] = print) -> di
         inputs = {"backbone": job.backbone.as_dict(), "head": str(job.head), "val": job.val and str(job.val),
                   "imagenet_c": job.imagenet_c and str(job.imagenet_c), "ood": {n: str(f) for n, f in job.ood},
                   "control": control and {**job.control.as_dict(), "head": str(job.control_head)}}
-        text = settings_text(config, extra={"inputs": inputs}, version=package_version())
-        log(text.rstrip())
-        job.output.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(job.output / SETTINGS_FILE, text.encode())
+        save_settings(job.output, config, inputs, log)
         scores = Scores(job.output, device, config.batch_size)
         grid = [(c, s) for c in config.corruptions for s in config.severities]
         result: dict[str, Any] = {"encoder": model.name, "head": str(job.head), "protocol": model.head.protocol,
@@ -218,13 +211,9 @@ def run_robustness(job: RobustnessJob, log: Callable[[str], None] = print) -> di
                 result["ood"][name] = {"folder": str(folder), "classes": sum(map(bool, classes)),
                                        **scores.top1(model, f"ood-{name}", shards, stored_views=False, classes=classes)}
                 sets.update(1)
-    payload = (json.dumps(result, indent=2) + "\n").encode()
     if per_image:
         atomic_write_bytes(job.output / PER_IMAGE_FILE, (json.dumps({"corrupted": per_image}) + "\n").encode())
-    atomic_write_bytes(job.output / RESULT_FILE, payload)
-    if job.json_path is not None:
-        job.json_path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(job.json_path, payload)
+    write_json(result, (job.output / RESULT_FILE, "--output"), (job.json_path, "--json"))
     return result
 
 

@@ -14,7 +14,6 @@ Trained through the one supervised loop, resumable by epoch (OUT/segment.pt); th
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from relicv2.evaluation import supervised
-from relicv2.evaluation.job import Backbone, load_encoder
+from relicv2.evaluation.job import Backbone, check_outputs, load_encoder, save_settings, write_json
 from relicv2.evaluation.segment_data import (
     CLASSES,
     IGNORE,
@@ -38,23 +37,18 @@ from relicv2.evaluation.segment_data import (
     list_pairs,
     train_ids,
 )
-from relicv2.jobs.atomic import atomic_write_bytes
 from relicv2.jobs.config import (
-    SETTINGS_FILE,
     Presets,
     is_file_reference,
     resolve,
-    settings_text,
     to_dict,
 )
 from relicv2.jobs.device import resolve_device
 from relicv2.jobs.lock import folder_lock
 from relicv2.jobs.progress import Phase
-from relicv2.jobs.version import package_version
 from relicv2.models.dilated import dilate
 from relicv2.models.resnet import ResNet
 from relicv2.pretrain.schedules import peak_learning_rate, step_decay
-from relicv2.shards.outdir import check_output_file, check_output_folder, writing
 
 PRESETS = Presets(job="relicv2 eval segment", package="relicv2.evaluation", folder="presets/segment")
 STATE_FILE, STATE_FORMAT, RESULT_FILE = "segment.pt", "relicv2-segment", "segment.json"
@@ -251,26 +245,16 @@ def run_segment(backbone: Backbone, data: Path, output: Path, config: SegmentCon
     """The command: load the encoder, fine-tune and score, write OUT/segment.json (and `json_path`); the lines
     to print. Errors a user can cause raise ValueErrors (SegmentDataError, torch-file errors) or
     FolderLockedError, before any training where they can be found before."""
-    check_output_folder(output, "--output")
-    if json_path is not None:
-        check_output_file(json_path, "--json")
+    check_outputs(output, json_path)
     encoder, record = load_encoder(backbone)
     torch_device = resolve_device(device, "--device")
     with folder_lock(output, "relicv2 eval segment"):
-        output.mkdir(parents=True, exist_ok=True)
-        text = settings_text(config, extra={"inputs": {"backbone": backbone.as_dict(), "data": str(data)}},
-                             version=package_version())
-        log(text.rstrip())
-        atomic_write_bytes(output / SETTINGS_FILE, text.encode())
+        save_settings(output, config, {"backbone": backbone.as_dict(), "data": str(data)}, log)
         figures = segment(encoder, data, config, device=torch_device, output_dir=output, log=log)
     result = {**figures, "encoder": backbone.describe(), "checkpoint": record["checkpoint"],
               "random_init": backbone.random_depth, "network": record["network"], "step": record["step"],
               "data": str(data), "layout": config.layout, "device": str(torch_device), "config": to_dict(config)}
-    for path, option in ((output / RESULT_FILE, "--output"), (json_path, "--json")):
-        if path is not None:
-            with writing(path, option):
-                path.parent.mkdir(parents=True, exist_ok=True)
-                atomic_write_bytes(path, (json.dumps(result, indent=2) + "\n").encode())
+    write_json(result, (output / RESULT_FILE, "--output"), (json_path, "--json"))
     ious = ", ".join(f"{c} {iou:.4f}" if iou is not None else f"{c} -" for c, iou in result["per_class_iou"].items())
     lines = [f"{result['protocol']} of {result['encoder']} on {data}: mIoU {result['miou']:.4f}, pixel accuracy "
              f"{result['pixel_accuracy']:.4f} ({result['num_train']} train, {result['num_val']} val images, "

@@ -17,8 +17,9 @@ import torch
 import torch.nn.functional as F
 import torchvision.transforms.v2.functional as TF
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset
 
+from relicv2.evaluation.views import epoch_batches as labelled_batches
 from relicv2.models.normalization import IMAGENET_MEAN, IMAGENET_STD
 from relicv2.shards.images import (
     ImageLoadError,
@@ -236,21 +237,8 @@ class SegmentViews(Dataset):
         return image, mask
 
 
-def collate(items: list[tuple[Tensor, Tensor] | str]) -> tuple[Tensor, Tensor, list[str]]:
-    """(images, masks, the keys of the unusable pairs); test views come one image per batch."""
-    kept = [item for item in items if not isinstance(item, str)]
-    bad = [item for item in items if isinstance(item, str)]
-    if not kept:
-        return torch.empty(0), torch.empty(0, dtype=torch.long), bad
-    return torch.stack([image for image, _ in kept]), torch.stack([mask for _, mask in kept]), bad
-
-
 def epoch_batches(views: SegmentViews, epoch: int, *, batch_size: int, workers: int) -> DataLoader:
-    """The batches of one epoch: a permutation seeded by (seed, epoch) of train views, 0..N-1 of test views
-    (one image a batch: their sizes differ)."""
-    views.epoch = epoch
-    order = (torch.randperm(len(views), generator=torch.Generator().manual_seed(views.seed * 100003 + epoch))
-             if views.train else torch.arange(len(views)))
-    return DataLoader(Subset(views, order.tolist()), batch_size=batch_size if views.train else 1, shuffle=False,
-                      num_workers=workers, collate_fn=collate, drop_last=views.train and len(views) >= batch_size,
-                      persistent_workers=False)
+    """The batches of one epoch (`views.epoch_batches`: images, masks, the keys of the unusable pairs); test
+    views come one image a batch: their sizes differ."""
+    return labelled_batches(views, epoch, batch_size=batch_size if views.train else 1, workers=workers,
+                            drop_last=views.train and len(views) >= batch_size)

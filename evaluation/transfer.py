@@ -43,21 +43,19 @@ from relicv2.evaluation.features import (
     shard_set_fingerprint,
 )
 from relicv2.evaluation.finetune import FinetuneConfig, finetune_samples
-from relicv2.evaluation.job import Backbone, load_encoder
+from relicv2.evaluation.job import Backbone, check_outputs, load_encoder, save_settings, write_json
 from relicv2.evaluation.supervised import LinearResult, accuracy_report
 from relicv2.evaluation.views import class_count, labelled_samples
 from relicv2.jobs.atomic import atomic_write_bytes
-from relicv2.jobs.config import SETTINGS_FILE, ConfigError, Presets, resolve, settings_text, to_dict
+from relicv2.jobs.config import ConfigError, Presets, resolve, to_dict
 from relicv2.jobs.device import resolve_device
 from relicv2.jobs.lock import folder_lock
 from relicv2.jobs.progress import Phase
-from relicv2.jobs.version import package_version
 from relicv2.pretrain.knn import classes
 from relicv2.pretrain.knn.classify import at_trained_size, shared_tars
 from relicv2.pretrain.knn.outcome import figure
 from relicv2.pretrain.views.config import FULL_CROP_SCALE, IMAGE_SIZE, resize_of
 from relicv2.shards.build import shards_of
-from relicv2.shards.outdir import check_output_file, check_output_folder, writing
 from relicv2.shards.sample_table import SampleTable
 from relicv2.shards.shardset import ShardSet
 from relicv2.shards.subset import class_balanced_keys, keys_and_labels
@@ -327,19 +325,14 @@ class TransferJob:
 def run_transfer(job: TransferJob, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Run (or resume) the job; the result (also `output/transfer.json` and `json_path`). Errors a user can
     cause raise ValueError subclasses (one line each)."""
-    check_output_folder(job.output, "--output")
-    if job.json_path is not None:
-        check_output_file(job.json_path, "--json")
+    check_outputs(job.output, job.json_path)
     device = resolve_device(job.device, "--device")
     with folder_lock(job.output, COMMAND):
         encoder, record = load_encoder(job.backbone)
         config = at_trained_size(job.config, record["trained_protocol"], job.given)
         inputs = {"backbone": job.backbone.as_dict(), "train": str(job.train), "test": str(job.test),
                   "val": None if job.val is None else str(job.val), "finetune": job.finetune}
-        text = settings_text(config, extra={"inputs": inputs}, version=package_version())
-        log(text.rstrip())
-        job.output.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(job.output / SETTINGS_FILE, text.encode())
+        save_settings(job.output, config, inputs, log)
         splits = open_splits(job.train, job.val, job.test, job.output, config)
         carved = splits.val is None
         identity = {"encoder": encoder_digest(encoder), "seed": config.seed,
@@ -355,12 +348,7 @@ def run_transfer(job: TransferJob, log: Callable[[str], None] = print) -> dict[s
                "network": record["network"], "step": record["step"], "inputs": inputs,
                "val_split": (f"carved: {config.val_fraction:g} of each class of train, seed {config.seed}"
                              if carved else "given"), **result, "config": to_dict(config)}
-    text = json.dumps(payload, indent=2) + "\n"
-    for path, option in ((job.output / RESULT_FILE, "--output"), (job.json_path, "--json")):
-        if path is not None:
-            with writing(path, option):  # the disk may have filled during the work
-                path.parent.mkdir(parents=True, exist_ok=True)
-                atomic_write_bytes(path, text.encode())
+    write_json(payload, (job.output / RESULT_FILE, "--output"), (job.json_path, "--json"))
     return payload
 
 

@@ -10,13 +10,14 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torchvision.transforms.v2.functional as TF
 from PIL import UnidentifiedImageError
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from relicv2.models.normalization import IMAGENET_MEAN, IMAGENET_STD
 from relicv2.pretrain.knn import classes
@@ -106,21 +107,23 @@ class LabelledViews(Dataset):
         return view, label
 
 
-def collate(items: list[tuple[Tensor, int] | str]) -> tuple[Tensor, Tensor, list[str]]:
-    """(images, labels, the keys of the undecodable items)."""
+def collate(items: list[tuple[Tensor, int | Tensor] | str]) -> tuple[Tensor, Tensor, list[str]]:
+    """(images, labels or label masks, the keys of the undecodable items)."""
     kept = [item for item in items if not isinstance(item, str)]
     bad = [item for item in items if isinstance(item, str)]
     if not kept:
         return torch.empty(0), torch.empty(0, dtype=torch.long), bad
-    return torch.stack([image for image, _ in kept]), torch.tensor([label for _, label in kept]), bad
+    images, labels = default_collate(kept)
+    return images, labels, bad
 
 
-def epoch_batches(views: LabelledViews, epoch: int, *, rank: int, world: int, batch_size: int,
-                  workers: int) -> DataLoader:
-    """This rank's batches of `views` for one epoch: every W-th from `rank` of a permutation seeded by
-    (seed, epoch) for train views, of 0..N-1 for test views."""
+def epoch_batches(views: LabelledViews | Any, epoch: int, *, batch_size: int, workers: int, rank: int = 0,
+                  world: int = 1, drop_last: bool = False) -> DataLoader:
+    """This rank's batches of `views` (any dataset with `train`, `seed` and `epoch`) for one epoch: every W-th
+    from `rank` of a permutation seeded by (seed, epoch) for train views, of 0..N-1 for test views."""
     views.epoch = epoch
     order = (torch.randperm(len(views), generator=torch.Generator().manual_seed(views.seed * 100003 + epoch))
              if views.train else torch.arange(len(views)))
     return DataLoader(torch.utils.data.Subset(views, order[rank::world].tolist()), batch_size=batch_size,
-                      shuffle=False, num_workers=workers, collate_fn=collate, persistent_workers=False)
+                      shuffle=False, num_workers=workers, collate_fn=collate, drop_last=drop_last,
+                      persistent_workers=False)
