@@ -59,12 +59,19 @@ def _xdist_worker() -> bool:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``gpu`` run only where CUDA is available (``pytest -m gpu`` on the GPU machine).
-    In one process the reduced-demo tests run last (their demo runs in the background meanwhile);
-    under xdist first, so that the worker that takes them runs the demo while the others go on."""
+    In one process the reduced-demo tests run last (their demo runs in the background meanwhile).
+    Under xdist they run first, so that the worker that takes them runs the demo while the others go on,
+    then the modules that hold a test marked ``slow``, whole (a module fixture is made once): worksteal
+    hands each worker a contiguous half of this order and an idle worker takes tests from the end of a
+    busy one's queue, so the long tests start early and the run ends on short ones, not with one worker
+    alone on a long test."""
     import torch
 
-    first = _xdist_worker()
-    items.sort(key=lambda item: item.nodeid.startswith(DEMO_TESTS) != first)  # stable: the rest keep their order
+    if _xdist_worker():
+        slow = {item.path for item in items if item.get_closest_marker("slow") is not None}
+        items.sort(key=lambda item: (not item.nodeid.startswith(DEMO_TESTS), item.path not in slow))
+    else:
+        items.sort(key=lambda item: item.nodeid.startswith(DEMO_TESTS))  # stable: the rest keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run `pytest -m gpu` on a GPU machine)")

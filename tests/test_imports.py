@@ -11,6 +11,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.paths import REPO
 
 # (modules a job imports, libraries it must not have imported), in one interpreter from the lightest step to the
@@ -40,6 +42,7 @@ print(json.dumps(found))
 """
 
 
+@pytest.mark.slow
 def test_each_job_imports_only_the_libraries_it_uses():
     done = subprocess.run([sys.executable, "-c", PROBE, json.dumps(STEPS)], capture_output=True, text=True,
                           timeout=300, cwd=REPO)

@@ -132,6 +132,7 @@ def test_saliency_handcrafted(tmp_path, signum):
     assert code == 128 + signum and _stopped_line(signum) in output, output
 
 
+@pytest.mark.slow
 def test_saliency_train_in_the_crf_phase(tmp_path, signum=signal.SIGINT):
     shards = _scene_shards(tmp_path / "scenes", 16)
     code, output = stop_job(["saliency", "train", "--shards", str(shards), "--out", str(tmp_path / "net"),
@@ -157,6 +158,7 @@ def test_build_masks(tmp_path, signum=signal.SIGTERM):
     assert code == 128 + signum and _stopped_line(signum) in output, output
 
 
+@pytest.mark.slow
 def test_pretrain_with_loader_workers(tmp_path, signum=signal.SIGTERM):
     shards = _scene_shards(tmp_path / "scenes", 32)
     code, output = stop_job([

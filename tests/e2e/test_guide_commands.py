@@ -348,6 +348,7 @@ def test_guide_command_is_valid(step: Step, tmp_path: Path):
     validate(step, tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("one_thread")  # and restores torch's thread count, which the jobs set in this process
 def test_guide_commands_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.chdir(tmp_path)

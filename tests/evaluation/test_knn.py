@@ -236,6 +236,7 @@ def _random_colours(out, name: str, count: int, seed: int):
     return _colour_set(out, name, colours, torch.randint(0, 3, (count,), generator=generator).tolist())
 
 
+@pytest.mark.slow
 def test_ranks_split_the_knn_images_and_rank_0_gets_the_single_process_result(colour_shards, tmp_path, rank_pair):
     train, val = colour_shards
     # Uneven parts (the bank's 11 samples, the broken one among them: 6 and 5) whose own nearest neighbours
@@ -274,6 +275,7 @@ def _peak_rank(rank: int, world_size: int, port: int, sets: tuple, out) -> None:
         out.write_text(json.dumps([result.num_train, grown]))
 
 
+@pytest.mark.slow
 def test_under_two_ranks_rank_0_holds_its_part_of_the_bank_not_the_whole(tmp_path):
     # Gathering the ranks' parts to rank 0 held the whole bank there, and more (10 GB at ImageNet's 1.28 M x 2048).
     bank = _wide_bank(tmp_path / "bank")

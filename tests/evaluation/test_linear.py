@@ -78,6 +78,7 @@ print(train.features.numel() * 4, (resource.getrusage(resource.RUSAGE_SELF).ru_m
 """
 
 
+@pytest.mark.slow
 def test_the_fast_head_standardises_a_batch_at_a_time_not_a_copy_of_the_bank():
     # A standardised copy of the bank held it three times at once (ImageNet's: 3 x 10 GiB).
     done = subprocess.run([sys.executable, "-c", HEAD_PEAK], capture_output=True, text=True, timeout=300, cwd=REPO)

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from relicv2 import evaluation
 
 PACKAGE = Path(evaluation.__file__).parent
@@ -67,6 +69,7 @@ def test_the_eval_package_has_no_import_cycle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]  # and finds one when there is
 
 
+@pytest.mark.slow
 def test_every_eval_module_imports_in_a_fresh_interpreter():
     names = sorted(_graph())
     done = subprocess.run([sys.executable, "-c", "; ".join(f"import {name}" for name in names)],

@@ -45,6 +45,7 @@ def _compare(path, images, expected, tmp_path):
     return encoder, info
 
 
+@pytest.mark.slow
 def test_resnet50_release_gives_the_jax_features(tmp_path, jax_process):
     path, images, expected = jax_process.submit(write_release, tmp_path, (3, 4, 6, 3), True, 1, 224, "res_net50").result()
     _, info = _compare(path, images, expected, tmp_path)
@@ -66,6 +67,7 @@ def test_resnet50_release_gives_the_jax_features(tmp_path, jax_process):
     assert np.abs(again - expected).max() / np.abs(expected).max() < 1e-4
 
 
+@pytest.mark.slow
 def test_wide_and_resnet18_shaped_releases_with_a_device_axis(tmp_path, jax_process):
     path, images, expected = jax_process.submit(write_release, tmp_path, (3, 4, 6, 3), True, 2, 64, "res_net50",
                                                 device_axis=True).result()

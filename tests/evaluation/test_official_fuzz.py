@@ -7,11 +7,14 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.paths import REPO
 
 CASES = 3000
 
 
+@pytest.mark.slow
 def test_random_release_pickles_never_crash_run_code_or_outgrow_the_file(tmp_path):
     done = subprocess.run([sys.executable, "-m", "tests.evaluation.official_fuzz", "--cases", str(CASES),
                            "--seed", "0", "--dir", str(tmp_path)], cwd=REPO, capture_output=True, text=True,

@@ -47,6 +47,7 @@ def _tars(folder: Path) -> dict[str, str]:
     return {tar.name: hashlib.sha256(tar.read_bytes()).hexdigest() for tar in sorted(folder.glob("*.tar"))}
 
 
+@pytest.mark.slow
 def test_the_corrupted_set_is_the_same_whatever_the_worker_count(tmp_path):
     write_labelled_set(tmp_path / "val", 40, seed=5, corrupt=1)
     source = resolve_shard_set(tmp_path / "val")

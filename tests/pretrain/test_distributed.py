@@ -129,6 +129,7 @@ def _make_runs(root: Path, rank_pair) -> None:
             resume=root / "two-shards-killed" / "checkpoint-000000002.pt")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(NEGATIVES))
 def test_two_gloo_ranks_match_one_process_with_the_global_batch(runs, name):
     two, one = runs / f"two-{name}", runs / f"one-{name}"

@@ -71,6 +71,7 @@ def pretrain(out: Path, shards: Path, backend: str, *extra: str, fresh: bool = F
                   *(["--fresh"] if fresh else []))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", [
     "reference",
     pytest.param("dali", marks=pytest.mark.skipif(not dali_available(), reason="NVIDIA DALI is not installed")),

@@ -46,6 +46,7 @@ def logged(out: Path, name: str = "loss") -> dict[int, float]:
     return values
 
 
+@pytest.mark.slow
 def test_fifty_steps_on_generated_data_lower_the_loss(tmp_path):
     config = tiny_config(
         tmp_path, "data.synthetic_images=64",
@@ -263,6 +264,7 @@ def plain(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_compiled_networks_train_like_eager_ones(tmp_path, plain):
     # run.compile=true goes through torch.compile: dynamo captures the online and target networks
     # and AOTAutograd the backward, as on a GPU. The aot_eager backend stops short of inductor's

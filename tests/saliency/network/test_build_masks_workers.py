@@ -175,6 +175,7 @@ def _masks_command(model: Path, shards: Path, out: Path) -> list[str]:
             "--out", str(out), "--workers", "2", "--batch", "1", "--no-progress"]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not SHM.is_dir(), reason="reads /proc and /dev/shm")
 def test_killed_job_leaves_no_worker_and_no_ring_and_resumes_byte_identical(tmp_path, tiny_model) -> None:
     samples, _ = scene_samples(48, height=120, width=160)

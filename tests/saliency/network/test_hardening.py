@@ -139,6 +139,7 @@ def _semaphores_of(pid: int) -> list[Path]:
     return [Path(mask_work.SHM_FOLDER) / f"sem.{name.lstrip('/')}" for name in names]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux") or not Path(mask_work.SHM_FOLDER).is_dir(),
                     reason="needs /dev/shm")
 def test_a_rerun_removes_the_ring_of_a_job_killed_with_its_process_group(tmp_path: Path, tiny_model: Path) -> None:
@@ -198,6 +199,7 @@ def test_a_ring_that_does_not_fit_in_dev_shm_is_refused_when_made(tmp_path: Path
     assert "left: []" in job.stdout  # the refused block is removed
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="signals a process group")
 def test_ctrl_c_is_one_line_and_exit_130_without_a_traceback_from_any_worker(tmp_path: Path, tiny_model: Path) -> None:
     samples, _ = scene_samples(96, height=120, width=160)  # 24 shards: the job is far from done when it is stopped

@@ -29,6 +29,7 @@ def _scenes(folder, seeds, masks=None, size=(48, 64)):
             Image.fromarray(mask).save(masks / f"s{seed}.png")
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_trains_on_joined_folders_and_prints_every_row(tmp_path, capsys):
     _scenes(tmp_path / "a", range(4), masks=tmp_path / "train-masks")

@@ -51,6 +51,7 @@ def _argv(tmp_path, out, *extra):
             "--set", "fuse_epochs=1", "--seeds", "0", "1", "--folds", "3", *extra]
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_scores_every_candidate_once_a_seed_and_resumes_to_the_same_rows(folders, capsys):
     out = folders / "out"
@@ -102,6 +103,7 @@ def test_scores_every_candidate_once_a_seed_and_resumes_to_the_same_rows(folders
     assert "t: fused network" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_a_recipe_with_extra_images_trains_on_its_own_shards(folders, capsys):
     _scenes(folders / "c", range(8, 12))
