@@ -109,7 +109,8 @@ def finetune_samples(
     per_rank_batch = max(1, config.batch_size // world)
     steps_per_epoch = math.ceil(math.ceil(len(train_set) / world) / per_rank_batch)
     state = (supervised.StateFile(state_path, STATE_FORMAT, config, ("workers",), what="fine-tuning",
-                                  network="model") if state_path is not None else None)
+                                  network="model", inputs=supervised.trained_on(encoder, train_samples))
+             if state_path is not None else None)
 
     batches = partial(epoch_batches, rank=rank, world=world, batch_size=per_rank_batch, workers=config.workers)
 

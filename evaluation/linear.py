@@ -177,7 +177,8 @@ def train_linear_paper(
     head = supervised.new_head(encoder.num_features, num_classes).to(device)
     steps_per_epoch = math.ceil(math.ceil(len(train_set) / world) / per_rank_batch)
     state = (supervised.StateFile(output_dir / HEAD_FILE, HEAD_FORMAT, config, ("workers", "feature_batch"),
-                                  what="linear", network="head") if output_dir is not None else None)
+                                  what="linear", network="head", inputs=supervised.trained_on(encoder, train_samples))
+             if output_dir is not None else None)
 
     def forward(images: Tensor) -> Tensor:
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):

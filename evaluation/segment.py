@@ -200,7 +200,9 @@ def segment(encoder: ResNet, data: Path, config: SegmentConfig, *, device: torch
                                 weight_decay=config.weight_decay)
     steps_per_epoch = max(1, len(train_set) // config.batch_size)
     state = (supervised.StateFile(Path(output_dir) / STATE_FILE, STATE_FORMAT, config, ("workers",),
-                                  what="segmentation", network="model") if output_dir is not None else None)
+                                  what="segmentation", network="model",
+                                  inputs=supervised.trained_on(encoder, train_pairs))
+             if output_dir is not None else None)
     train_skipped: set[str] = set()
     started = time.monotonic()
     supervised.train_classifier(

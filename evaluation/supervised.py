@@ -5,6 +5,7 @@ segmentation): `train_classifier` (per image or, with a dense loss, per pixel), 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from relicv2.evaluation.features import encoder_digest
 from relicv2.jobs.progress import Phase
 from relicv2.models.torchfile import StateDict, TorchFileError, TorchFormat
 from relicv2.pretrain.distributed import DistributedContext, all_gather_object
@@ -89,6 +91,7 @@ class StateFile:
     ignored: tuple[str, ...]  # settings that do not change the result, free to differ on resume
     what: str  # the protocol, named in messages ("linear", "fine-tuning")
     network: str  # the key the classifier's weights are saved under
+    inputs: dict[str, Any] = field(default_factory=dict)  # what it trains on (`trained_on`): others are refused
 
     @property
     def file(self) -> TorchFormat:
@@ -111,13 +114,28 @@ class StateFile:
             changed = sorted(k for k in set(saved) | set(self.options) if saved.get(k) != self.options.get(k))
             raise HeadCheckpointError(f"{self.path} was written with other {self.what} options ({', '.join(changed)}); "
                                       "use another --output folder or the same options")
+        saved_inputs = payload.get("inputs", self.inputs)  # files from before inputs were recorded: unchecked
+        if saved_inputs != self.inputs:
+            changed = sorted(k for k in set(saved_inputs) | set(self.inputs)
+                             if saved_inputs.get(k) != self.inputs.get(k))
+            raise HeadCheckpointError(f"{self.path} was written for another {' and '.join(changed)}; use another "
+                                      f"--output folder, or delete it to start the {self.what} evaluation over")
         model.load_state_dict(payload[self.network])
         optimizer.load_state_dict(payload["optimizer"])
         return payload["epoch"]
 
     def save(self, epoch: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.file.save(self.path, {"epoch": epoch, "config": self.options, self.network: model.state_dict(),
-                                   "optimizer": optimizer.state_dict()})
+        self.file.save(self.path, {"epoch": epoch, "config": self.options, "inputs": self.inputs,
+                                   self.network: model.state_dict(), "optimizer": optimizer.state_dict()})
+
+
+def trained_on(encoder: nn.Module, samples: Iterable[Any]) -> dict[str, str]:
+    """What a state file's training depends on besides its options: the encoder it starts from and the
+    training samples (a `SampleTable`, or items with a `key`), as digests of its weights and of the sorted
+    keys; a resume with either changed would report a figure that belongs to neither."""
+    keys = samples.keys() if hasattr(samples, "keys") else (item.key for item in samples)
+    names = hashlib.sha256("\n".join(sorted(keys)).encode()).hexdigest()
+    return {"encoder": encoder_digest(encoder), "training set": names}
 
 
 def train_classifier(

@@ -135,6 +135,10 @@ def test_paper_protocol_learns_and_resumes_to_the_same_head(shape_shards, tmp_pa
     with pytest.raises(HeadCheckpointError, match="other linear options"):
         evaluate_linear(PooledPixels(), train, val, dataclasses.replace(PAPER, base_lr=0.1),
                         output_dir=tmp_path / "resumed")
+    other = PooledPixels()
+    other.register_buffer("scale", torch.ones(1))  # other weights: another encoder
+    with pytest.raises(HeadCheckpointError, match="written for another encoder; use another --output folder"):
+        evaluate_linear(other, train, val, PAPER, output_dir=tmp_path / "resumed")
 
 
 def test_paper_protocol_through_dali_views(shape_shards, tmp_path):

@@ -191,10 +191,16 @@ def _fast(tmp_path: Path, *extra: str):
                                         "batch_size=3", "workers=0", "epochs=2", *extra])
 
 
+def _encoder(seed: int = 0):
+    """The same random ResNet-18 for the same seed, as `--random-init 18 --seed` gives."""
+    torch.manual_seed(seed)
+    return resnet(18)
+
+
 def test_an_interrupted_run_resumes_from_its_last_epoch_and_ends_alike(tmp_path, monkeypatch):
     data = _saliency_folder(tmp_path / "set")
     config = _fast(tmp_path)
-    whole = segment(resnet(18), data, config, device=torch.device("cpu"), output_dir=tmp_path / "whole", log=print)
+    whole = segment(_encoder(), data, config, device=torch.device("cpu"), output_dir=tmp_path / "whole", log=print)
 
     saves = []
     original = supervised.StateFile.save
@@ -206,18 +212,24 @@ def test_an_interrupted_run_resumes_from_its_last_epoch_and_ends_alike(tmp_path,
 
     monkeypatch.setattr(supervised.StateFile, "save", save_then_die)
     with pytest.raises(KeyboardInterrupt):
-        segment(resnet(18), data, config, device=torch.device("cpu"), output_dir=tmp_path / "cut", log=print)
+        segment(_encoder(), data, config, device=torch.device("cpu"), output_dir=tmp_path / "cut", log=print)
     monkeypatch.setattr(supervised.StateFile, "save", original)
     epochs_read = []
     batches = segment_module.epoch_batches
     monkeypatch.setattr(segment_module, "epoch_batches",
                         lambda views, epoch, **kw: (epochs_read.append((views.train, epoch)), batches(views, epoch, **kw))[1])
-    resumed = segment(resnet(18), data, config, device=torch.device("cpu"), output_dir=tmp_path / "cut", log=print)
+    resumed = segment(_encoder(), data, config, device=torch.device("cpu"), output_dir=tmp_path / "cut", log=print)
     assert saves == [1] and epochs_read == [(True, 1), (False, 0)]  # only the second epoch was trained again
     assert resumed["confusion"] == whole["confusion"] and resumed["miou"] == whole["miou"]
     with pytest.raises(ValueError, match="other segmentation options"):
-        segment(resnet(18), data, _fast(tmp_path, "lr=0.01"), device=torch.device("cpu"),
+        segment(_encoder(), data, _fast(tmp_path, "lr=0.01"), device=torch.device("cpu"),
                 output_dir=tmp_path / "cut", log=print)
+    # Another encoder, or other training images, in the same --output: refused, not resumed as if the same.
+    with pytest.raises(ValueError, match="written for another encoder; use another --output folder"):
+        segment(_encoder(seed=1), data, config, device=torch.device("cpu"), output_dir=tmp_path / "cut", log=print)
+    (tmp_path / "train.txt").write_text("0000\n0001\n0002\n0003\n0004\n")  # the same split file, edited
+    with pytest.raises(ValueError, match="written for another training set"):
+        segment(_encoder(), data, config, device=torch.device("cpu"), output_dir=tmp_path / "cut", log=print)
 
 
 def test_the_command_writes_the_json_and_refuses_bad_input_in_one_line(tmp_path):
