@@ -24,7 +24,7 @@ from relicv2.evaluation.views import LabelledViews, class_count, epoch_batches, 
 from relicv2.pretrain.distributed import DistributedContext, open_shard_sets
 from relicv2.pretrain.knn.classes import check_same_classes
 from relicv2.pretrain.schedules import peak_learning_rate, step_decay
-from relicv2.pretrain.views.config import FULL_CROP_SCALE, IMAGE_SIZE, resize_of
+from relicv2.pretrain.views.config import FULL_CROP_SCALE, IMAGE_SIZE, check_crop_scale, resize_of
 from relicv2.shards.reader import SampleRef
 
 STATE_FORMAT = "relicv2-finetune"
@@ -54,6 +54,10 @@ class FinetuneConfig:
             raise ValueError("epochs, batch_size must be positive and crop_size at least 8")
         if self.head_lr <= 0 or self.encoder_lr < 0 or not 0 < self.decay <= 1:
             raise ValueError("head_lr must be > 0, encoder_lr >= 0 and decay in (0, 1]")
+        if self.reference_batch < 1 or self.weight_decay < 0 or not 0 <= self.momentum < 1 or self.workers < 0:
+            raise ValueError("reference_batch must be positive, weight_decay >= 0, momentum in [0, 1) and workers "
+                             ">= 0")
+        check_crop_scale("crop_scale", self.crop_scale)
 
     @property
     def protocol(self) -> str:

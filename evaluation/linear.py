@@ -33,7 +33,7 @@ from relicv2.pretrain.distributed import DistributedContext, open_shard_sets
 from relicv2.pretrain.knn import classes
 from relicv2.pretrain.knn.classes import check_same_classes, class_names
 from relicv2.pretrain.schedules import learning_rate, peak_learning_rate
-from relicv2.pretrain.views.config import FULL_CROP_SCALE, IMAGE_SIZE, resize_of
+from relicv2.pretrain.views.config import FULL_CROP_SCALE, IMAGE_SIZE, check_crop_scale, resize_of
 from relicv2.shards.shardset import Spec
 
 PROTOCOLS = ("paper", "fast")
@@ -70,8 +70,7 @@ class LinearConfig:
             raise ValueError("linear.base_lr must be > 0, momentum in [0, 1) and weight_decay >= 0")
         if self.backend not in ("dali", "pil"):
             raise ValueError(f"linear.backend must be 'dali' or 'pil', got {self.backend!r}")
-        if not 0 < self.crop_scale[0] <= self.crop_scale[1] <= 1:
-            raise ValueError(f"linear.crop_scale must satisfy 0 < lo <= hi <= 1, got {self.crop_scale}")
+        check_crop_scale("linear.crop_scale", self.crop_scale)
 
     @property
     def name(self) -> str:

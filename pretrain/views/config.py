@@ -23,6 +23,13 @@ CROP_RATIO = (3 / 4, 4 / 3)  # a random-resized crop's range of aspect ratios (t
 FULL_CROP_SCALE = (0.08, 1.0)  # a random-resized crop's range of areas: the paper's even views, the protocols' train views
 CENTRE_CROP = 0.875  # the test view: the centre crop's side over the resized short side (224 of 256)
 BACKENDS = ("dali", "reference")
+
+
+def check_crop_scale(key: str, scale: tuple[float, float]) -> None:
+    """A random-resized crop's range of areas, (lo, hi) with 0 < lo <= hi <= 1; ValueError naming `key`."""
+    if not 0 < scale[0] <= scale[1] <= 1:
+        raise ValueError(f"{key} must satisfy 0 < lo <= hi <= 1, got {tuple(scale)}")
+
 COLOUR_KERNELS = ("auto", "select", "fused")
 OUTPUT_DTYPES = ("float32", "bfloat16")
 

@@ -137,3 +137,15 @@ def test_finetune_cli_writes_the_json_contract(shape_shards, tmp_path):
     missing = CliRunner().invoke(eval_group, ["finetune", "--random-init", "18", "--train", str(train), "--val",
                                               str(val), "--labels", str(tmp_path / "nope.txt")])
     assert missing.exit_code != 0 and "does not exist" in missing.output
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ("crop_scale=[0.5,0.1]", "crop_scale must satisfy 0 < lo <= hi <= 1"),
+    ("crop_scale=[0,1]", "crop_scale must satisfy 0 < lo <= hi <= 1"),
+    ("reference_batch=0", "reference_batch must be positive"),
+    ("momentum=1.5", "momentum in \\[0, 1\\)"),
+    ("weight_decay=-1", "weight_decay >= 0"),
+])
+def test_settings_out_of_range_are_refused_naming_the_setting(setting, message):
+    with pytest.raises(ValueError, match=message):
+        load_finetune_config("1pct", [setting])
