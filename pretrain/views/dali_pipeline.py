@@ -52,7 +52,6 @@ class SampleMask:
     coverage: DataNode  # fraction of mask pixels >= MASK_FOREGROUND_LEVEL
     maskable: DataNode  # coverage >= mask_min_coverage
     grey: DataNode  # the sample's background grey level, 0..255 (CPU)
-    has_mask: DataNode  # the sample has a mask member (CPU)
     on_gpu: bool
 
 
@@ -131,21 +130,20 @@ def _sample_mask(mask_bytes: DataNode, sample_set: SampleSet, cfg: ViewConfig, g
     # A whole 8-bit grey level, as the reference's grey image: the masking blend then never lands on a
     # rounding boundary, so every way of computing it rounds alike (both ways of `colour._colour`).
     grey = dmath.floor(_uniform(*[g * MAX for g in cfg.mask_grey_range]) + 0.5)
-    has_mask = mask_bytes.shape()[0] > 0
     zero = fn.cast(mask_bytes.shape()[0], dtype=types.FLOAT) * 0.0
     if not masks_in_play(sample_set, cfg):
-        return SampleMask(None, zero, zero >= 1.0, grey, has_mask, on_gpu=False)
+        return SampleMask(None, zero, zero >= 1.0, grey, on_gpu=False)
     if gpu and sample_set.without_mask == 0:
         image = fn.decoders.image(mask_bytes, device="mixed", output_type=types.GRAY)
         coverage = fn.reductions.mean(fn.cast(image >= MASK_FOREGROUND_LEVEL, dtype=types.FLOAT))
-        return SampleMask(image, coverage, coverage >= cfg.mask_min_coverage, grey, has_mask, on_gpu=True)
-    if has_mask:
+        return SampleMask(image, coverage, coverage >= cfg.mask_min_coverage, grey, on_gpu=True)
+    if mask_bytes.shape()[0] > 0:  # a mask member
         image = fn.decoders.image(mask_bytes, device="cpu", output_type=types.GRAY)
         coverage = fn.reductions.mean(fn.cast(image >= MASK_FOREGROUND_LEVEL, dtype=types.FLOAT))
     else:  # no mask member: a 1x1 placeholder, never used since coverage 0 is never masked
         image = fn.reshape(fn.pad(mask_bytes, shape=[1], fill_value=0), shape=[1, 1, 1], layout="HWC")
         coverage = zero
-    return SampleMask(image, coverage, coverage >= cfg.mask_min_coverage, grey, has_mask, on_gpu=False)
+    return SampleMask(image, coverage, coverage >= cfg.mask_min_coverage, grey, on_gpu=False)
 
 
 @pipeline_def(enable_conditionals=True, enable_checkpointing=True)
@@ -171,14 +169,14 @@ def _views_pipeline(sample_set: SampleSet, cfg: ViewConfig, gpu: bool, rank: int
             nodes[view_output("soft", j)] = soft
     # The image's first byte carries the reader's source info (tar:offset:member), i.e. the key, to
     # the batch (sets without a json member have keys too).
-    nodes |= {"key": image_bytes[0:1], "cls": cls, "has_mask": mask.has_mask, "coverage": mask.coverage,
+    nodes |= {"key": image_bytes[0:1], "cls": cls, "coverage": mask.coverage,
               "grey": mask.grey / MAX}
     return tuple(nodes[name] for name in output_names(sample_set, cfg))
 
 
-# The outputs of a sample (the carrier of its key, its `cls` member, whether it has a mask, the mask's
-# coverage and the background grey level in [0, 1]), and those of each view (`view_output`).
-SAMPLE_OUTPUTS = ("key", "cls", "has_mask", "coverage", "grey")
+# The outputs of a sample (the carrier of its key, its `cls` member, the mask's coverage and the background
+# grey level in [0, 1]), and those of each view (`view_output`).
+SAMPLE_OUTPUTS = ("key", "cls", "coverage", "grey")
 
 
 def view_output(what: str, view: int) -> str:
