@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import sys
 from pathlib import Path
+from types import ModuleType
 
 REPO = Path(__file__).resolve().parents[1]
 # RELICV2_SHARED_DATA points elsewhere (e.g. from a git worktree that is not beside shared/).
@@ -21,3 +24,12 @@ def setuptools_table() -> dict:
 def package_dirs() -> dict[str, Path]:
     """The installed packages' folders (the package-dir mapping)."""
     return {name: REPO / folder for name, folder in setuptools_table()["package-dir"].items()}
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """`benchmarks/NAME.py` imported as module NAME (registered first: its dataclasses look their module up)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -5,8 +5,11 @@ The saliency tests use them to check that every method ranks the object above th
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import cv2
 import numpy as np
+from PIL import Image
 
 
 def synthetic_scene(height: int = 120, width: int = 160, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -38,3 +41,14 @@ def striped_scene(height: int = 96, width: int = 128, seed: int = 0) -> tuple[np
     colour = np.array([210.0, 40.0, 40.0]) + rng.normal(0, 8, (height, width, 3))
     image = np.where(inside[..., None], colour, background)
     return np.clip(image, 0, 255).astype(np.uint8), np.where(inside, 255, 0).astype(np.uint8)
+
+
+def write_scenes(folder: Path, seeds, masks: Path | None = None, size: tuple[int, int] = (48, 64)) -> None:
+    """A `synthetic_scene` a seed as `folder/sSEED.jpg` (a new folder), its mask as `masks/sSEED.png` when given."""
+    folder.mkdir()
+    for seed in seeds:
+        rgb, mask = synthetic_scene(*size, seed=seed)
+        Image.fromarray(rgb).save(folder / f"s{seed}.jpg", quality=95)
+        if masks is not None:
+            masks.mkdir(exist_ok=True)
+            Image.fromarray(mask).save(masks / f"s{seed}.png")

@@ -2,26 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import io
-import sys
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from tests.paths import REPO
+from tests.paths import load_benchmark
 
-
-def _script():
-    spec = importlib.util.spec_from_file_location("masking_effect", REPO / "benchmarks" / "masking_effect.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-me = _script()
+me = load_benchmark("masking_effect")
 
 
 def test_identical_arms_differ_by_nothing():

@@ -2,46 +2,28 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 from PIL import Image
 
-from tests.paths import REPO
-from tests.scenes import synthetic_scene
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("saliency_quality", REPO / "benchmarks" / "saliency_quality.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _scenes(folder, seeds, masks=None, size=(48, 64)):
-    folder.mkdir()
-    for seed in seeds:
-        rgb, mask = synthetic_scene(*size, seed=seed)
-        Image.fromarray(rgb).save(folder / f"s{seed}.jpg", quality=95)
-        if masks is not None:
-            masks.mkdir(exist_ok=True)
-            Image.fromarray(mask).save(masks / f"s{seed}.png")
+from tests.paths import load_benchmark
+from tests.scenes import synthetic_scene, write_scenes
 
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_trains_on_joined_folders_and_prints_every_row(tmp_path, capsys):
-    _scenes(tmp_path / "a", range(4), masks=tmp_path / "train-masks")
-    _scenes(tmp_path / "b", range(4, 8))
-    _scenes(tmp_path / "held", range(20, 23), masks=tmp_path / "masks", size=(60, 80))  # another size than the training images
+    write_scenes(tmp_path / "a", range(4), masks=tmp_path / "train-masks")
+    write_scenes(tmp_path / "b", range(4, 8))
+    write_scenes(tmp_path / "held", range(20, 23), masks=tmp_path / "masks", size=(60, 80))  # another size than the training images
     # The masks folder may hold more than the held-out images' masks (a data set's whole folder).
     Image.fromarray(synthetic_scene(60, 80, seed=30)[1]).save(tmp_path / "masks" / "other.png")
     out = tmp_path / "out"
     argv = ["--out", str(out), "--train-images", str(tmp_path / "a"), "--train-images", str(tmp_path / "b"),
             "--heldout-images", str(tmp_path / "held"), "--heldout-masks", str(tmp_path / "masks"),
             "--train-masks", str(tmp_path / "train-masks"), "--config", "tiny", "--set", "fuse_epochs=1"]
-    script = _script()
+    script = load_benchmark("saliency_quality")
     assert script.main(argv) == 0
     printed = capsys.readouterr().out
     rows = {line.split("|")[1].strip(): line for line in printed.splitlines() if line.startswith("| ")}
@@ -70,8 +52,8 @@ def test_trains_on_joined_folders_and_prints_every_row(tmp_path, capsys):
 
 
 def test_bad_folders_are_one_line(tmp_path, capsys):
-    _scenes(tmp_path / "a", range(2))
+    write_scenes(tmp_path / "a", range(2))
     argv = ["--out", str(tmp_path / "out"), "--train-images", str(tmp_path / "a"), "--heldout-images",
             str(tmp_path / "nope"), "--heldout-masks", str(tmp_path / "a"), "--config", "tiny"]
-    assert _script().main(argv) == 2
+    assert load_benchmark("saliency_quality").main(argv) == 2
     assert "--heldout-images" in capsys.readouterr().err and not (tmp_path / "out").exists()

@@ -3,34 +3,13 @@ on the dev images once, records the rows as they come, resumes, and refuses a de
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-import sys
 
 import pytest
-from PIL import Image
 
-from tests.paths import REPO
-from tests.scenes import synthetic_scene
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("saliency_selection", REPO / "benchmarks" / "saliency_selection.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-def _scenes(folder, seeds, masks=None, size=(48, 64)):
-    folder.mkdir()
-    for seed in seeds:
-        rgb, mask = synthetic_scene(*size, seed=seed)
-        Image.fromarray(rgb).save(folder / f"s{seed}.jpg", quality=95)
-        if masks is not None:
-            masks.mkdir(exist_ok=True)
-            Image.fromarray(mask).save(masks / f"s{seed}.png")
+from tests.paths import load_benchmark
+from tests.scenes import write_scenes
 
 
 def _rows(out):
@@ -39,9 +18,9 @@ def _rows(out):
 
 @pytest.fixture
 def folders(tmp_path):
-    _scenes(tmp_path / "a", range(4))
-    _scenes(tmp_path / "b", range(4, 8))
-    _scenes(tmp_path / "dev", range(20, 26), masks=tmp_path / "masks", size=(60, 80))
+    write_scenes(tmp_path / "a", range(4))
+    write_scenes(tmp_path / "b", range(4, 8))
+    write_scenes(tmp_path / "dev", range(20, 26), masks=tmp_path / "masks", size=(60, 80))
     return tmp_path
 
 
@@ -55,7 +34,7 @@ def _argv(tmp_path, out, *extra):
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_scores_every_candidate_once_a_seed_and_resumes_to_the_same_rows(folders, capsys):
     out = folders / "out"
-    script = _script()
+    script = load_benchmark("saliency_selection")
     assert script.main(_argv(folders, out)) == 0
     printed = capsys.readouterr().out
     handcrafted = ["rbd", "mr", "dsr", "mc", "mean of handcrafted"]
@@ -106,13 +85,13 @@ def test_scores_every_candidate_once_a_seed_and_resumes_to_the_same_rows(folders
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_a_recipe_with_extra_images_trains_on_its_own_shards(folders, capsys):
-    _scenes(folders / "c", range(8, 12))
+    write_scenes(folders / "c", range(8, 12))
     out = folders / "out"
     argv = ["--out", str(out), "--train-images", str(folders / "a"), "--train-images", str(folders / "b"),
             "--dev-images", str(folders / "dev"), "--dev-masks", str(folders / "masks"), "--recipe", "t=tiny",
             "--recipe", f"more=tiny num_images=12 extra_images={folders / 'c'}", "--set", "fuse_epochs=1",
             "--seeds", "0", "--folds", "2"]
-    assert _script().main(argv) == 0
+    assert load_benchmark("saliency_selection").main(argv) == 0
     assert json.loads((out / "train" / "t" / "seed-0" / "report.json").read_text())["images"] == 8
     assert json.loads((out / "train" / "more" / "seed-0" / "report.json").read_text())["images"] == 12
     (own,) = (out / "sets").iterdir()
@@ -121,26 +100,26 @@ def test_a_recipe_with_extra_images_trains_on_its_own_shards(folders, capsys):
     assert len(list((out / "train-maps" / "mr").glob("*.png"))) == 8
     assert "| more: fused network, flip + CRF |" in capsys.readouterr().out
     # A rerun resumes; a recipe's folder that does not exist is one line.
-    assert _script().main(argv) == 0
+    assert load_benchmark("saliency_selection").main(argv) == 0
     argv[argv.index(f"more=tiny num_images=12 extra_images={folders / 'c'}")] = "gone=tiny extra_images=/nonexistent"
     capsys.readouterr()
-    assert _script().main(argv) == 2
+    assert load_benchmark("saliency_selection").main(argv) == 2
     assert "--recipe gone: extra_images=/nonexistent is not a folder" in capsys.readouterr().err
     # A recipe's own folder holding a dev image is refused as --train-images are.
     shutil.copy(folders / "dev" / "s21.jpg", folders / "c" / "copy.jpg")
     argv[argv.index("gone=tiny extra_images=/nonexistent")] = f"more=tiny extra_images={folders / 'c'}"
-    assert _script().main(argv) == 2
+    assert load_benchmark("saliency_selection").main(argv) == 2
     assert "--recipe more extra_images " in (err := capsys.readouterr().err) and "copy.jpg is the dev image s21.jpg" in err
 
 
 def test_a_dev_image_in_a_training_folder_is_refused_before_anything_runs(folders, capsys):
     shutil.copy(folders / "dev" / "s23.jpg", folders / "b" / "copy.jpg")
-    assert _script().main(_argv(folders, folders / "out")) == 2
+    assert load_benchmark("saliency_selection").main(_argv(folders, folders / "out")) == 2
     err = capsys.readouterr().err
     assert "copy.jpg is the dev image s23.jpg" in err and len(err.strip().splitlines()) == 1
     assert not (folders / "out").exists()
 
 
 def test_a_bad_recipe_is_one_line(folders, capsys):
-    assert _script().main(_argv(folders, folders / "out", "--recipe", "no preset")) == 2
+    assert load_benchmark("saliency_selection").main(_argv(folders, folders / "out", "--recipe", "no preset")) == 2
     assert "--recipe 'no preset': give NAME=PRESET" in capsys.readouterr().err
