@@ -1,5 +1,5 @@
 """`saliency build-masks` worker processes: their shared-memory ring is removed whatever happens to the job
-(done, failed, killed), a worker that dies is one clear error and the rerun resumes, a `/dev/shm` too small
+(done, failed, killed), workers that die are one clear error and the rerun resumes, a `/dev/shm` too small
 is refused up front, and a job killed with SIGKILL leaves no worker and no ring behind."""
 
 from __future__ import annotations
@@ -121,28 +121,32 @@ def test_ring_is_removed_after_a_job_and_after_a_failed_one(tmp_path, scene_shar
     assert _rings(os.getpid()) == []
 
 
-class _KillsAWorker(SquarePredictor):
-    """Kills one of the job's worker processes at its third batch (inside the second shard), as the
-    kernel's out-of-memory killer would."""
+class _KillsTheWorkers(SquarePredictor):
+    """Kills the job's worker processes at its third batch (inside the second shard), as the kernel's
+    out-of-memory killer would. All of them: a pool that keeps one worker may finish the job on it before
+    it notices the death, which is a finished job, not the error path under test. Only the children that
+    appeared after `before` are the job's (another test's pool may still be exiting in this process)."""
 
-    def __init__(self) -> None:
-        self.calls = 0
+    def __init__(self, before: set[int]) -> None:
+        self.calls, self.before = 0, before
 
     def __call__(self, squares):
         self.calls += 1
         if self.calls == 3:
-            workers = multiprocessing.active_children()
+            workers = [p for p in multiprocessing.active_children() if p.pid not in self.before]
             assert workers, "the job runs no worker process"
-            os.kill(workers[0].pid, signal.SIGKILL)
-            time.sleep(0.5)  # let the pool see it
+            for worker in workers:
+                os.kill(worker.pid, signal.SIGKILL)
+            for worker in workers:
+                worker.join(5)
         return super().__call__(squares)
 
 
-def test_a_worker_killed_under_the_job_is_one_clear_error_and_the_rerun_resumes(tmp_path, scene_shards,
-                                                                                tiny_model) -> None:
+def test_killed_workers_are_one_clear_error_and_the_rerun_resumes(tmp_path, scene_shards, tiny_model) -> None:
     shards, _ = scene_shards
+    before = {p.pid for p in multiprocessing.active_children()}
     with pytest.raises(MasksError, match=r"a worker process died while saliency build-masks made .*masked-000001.tar .*rerun the same command to resume"):
-        build_masks(_config(tiny_model, shards, tmp_path / "resumed"), Ranks(), predictor=_KillsAWorker())
+        build_masks(_config(tiny_model, shards, tmp_path / "resumed"), Ranks(), predictor=_KillsTheWorkers(before))
     assert (tmp_path / "resumed" / "masked-000000.tar").is_file()  # the shard finished before is kept
     summary = build_masks(_config(tiny_model, shards, tmp_path / "resumed"), Ranks(), predictor=SquarePredictor())
     assert (summary["shards_kept"], summary["shards_built"], summary["written"]) == (1, 2, 12)
