@@ -99,10 +99,9 @@ from relicv2.shards.driver import TarUnits, UnitOutput, run_shard_job  # noqa: E
 from relicv2.shards.images import load_gray  # noqa: E402
 from relicv2.shards.job import (  # noqa: E402
     ShardJob,
-    Unit,
     check_plan,
-    digest_of,
     merge_records,
+    tar_job,
 )
 from relicv2.shards.reader import ReadReport, read_samples  # noqa: E402
 from relicv2.shards.sample import GENERATED_MEMBERS, MASK_FOREGROUND_LEVEL, MASK_MEMBER  # noqa: E402
@@ -192,10 +191,7 @@ def random_mask_set(saliency: Path, out: Path, seed: int) -> Path:
     """Write (or resume) the random-rectangle copy of the saliency mask set `saliency` in `out`."""
     source = resolve_shard_set(saliency)
     plan = {"source": [t.name for t in source.tars], "seed": seed, "aspect": list(ASPECT), "out": str(out)}
-    units = tuple(Unit(f"{n:06d}", shard_name("masked", n), digest_of({**plan, "unit": n, "bytes": t.stat().st_size,
-                                                                       "mtime_ns": t.stat().st_mtime_ns}))
-                  for n, t in enumerate(source.tars))
-    job = ShardJob(out, out / ".random-masks", units)
+    job = tar_job(out, ".random-masks", source.tars, "masked", {"seed": seed, "aspect": list(ASPECT)})
     check_plan(job, plan, other="random masks of another set or seed")
     run_shard_job(job, RectangleWork(source, seed, plan), Ranks(), name="random masks")
     return out

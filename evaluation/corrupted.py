@@ -32,10 +32,9 @@ from relicv2.shards.images import ImageLoadError, Rejection
 from relicv2.shards.job import (
     MergeReport,
     ShardJob,
-    Unit,
     check_plan,
-    digest_of,
     merge_records,
+    tar_job,
 )
 from relicv2.shards.reader import ReadReport, read_samples
 from relicv2.shards.sample import ShardSample
@@ -166,13 +165,7 @@ def corrupt_shard_set(source: ShardSet, out: Path, spec: CorruptionSpec, *, work
     else in `workers` processes of its own. A folder holding another corrupted set is refused (PlanError)."""
     out = Path(out)
     plan = {**asdict(spec), "input_shards": [t.name for t in source.tars], "prefix": PREFIX}
-    units = []
-    for number, tar in enumerate(source.tars):
-        stat = tar.stat()
-        shard = shard_name(PREFIX, number)
-        units.append(Unit(f"{number:06d}", shard, digest_of({**asdict(spec), "shard": shard, "input": tar.name,
-                                                             "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns})))
-    job = ShardJob(out, out / STATE_DIR, tuple(units))
+    job = tar_job(out, STATE_DIR, source.tars, PREFIX, asdict(spec))
     check_plan(job, plan, other="a corrupted set made from another set or with other settings")
     name = f"corrupt {spec.corruption} {spec.severity}"
     return run_shard_job(job, CorruptWork(spec, source, out, plan, workers, pool), Ranks(), name=name, progress=progress)

@@ -27,7 +27,7 @@ from relicv2.shards.manifest import (
     rejected_table,
     write_table,
 )
-from relicv2.shards.writer import TarShard, write_info
+from relicv2.shards.writer import TarShard, shard_name, write_info
 
 POLL_S = 2.0
 PLAN_NAME = "plan.json"  # in the work folder: what the job's outputs are made from (the folder's claim)
@@ -71,6 +71,20 @@ class ShardJob:
 
     def record_path(self, unit: Unit) -> Path:
         return self.work / f"{unit.id}{RECORD_SUFFIX}"
+
+
+def tar_job(out: Path, work: str, tars: Sequence[Path], prefix: str, settings: dict) -> ShardJob:
+    """A job of one unit per input tar: unit N writes `PREFIX-NNNNNN.tar` in `out` from `tars[N]`, its records
+    in `out/work`. A unit's digest covers `settings` (what makes other outputs from the same input), its output
+    name and its input tar's name, size and modification time: a stat, so any rank can check any unit's
+    record (a unit's owner checks more, through `input_tar_identity`)."""
+    units = []
+    for number, tar in enumerate(tars):
+        stat, shard = tar.stat(), shard_name(prefix, number)
+        digest = digest_of({**settings, "shard": shard, "input": tar.name, "bytes": stat.st_size,
+                            "mtime_ns": stat.st_mtime_ns})
+        units.append(Unit(f"{number:06d}", shard, digest))
+    return ShardJob(out, out / work, tuple(units))
 
 
 def rank_units(count: int, rank: int, world_size: int) -> range:

@@ -56,19 +56,17 @@ from relicv2.shards.job import (
     PlanError,
     ShardJob,
     UnfinishedError,
-    Unit,
     check_plan,
-    digest_of,
     input_tar_identity,
     merge_records,
     rank_units,
     sha256_of,
+    tar_job,
 )
 from relicv2.shards.manifest import MANIFEST_NAME, REJECTED_NAME
 from relicv2.shards.outdir import SET_FILES, other_entries, shard_files
 from relicv2.shards.sample import MASK_MEMBER, MIN_MASK_COVERAGE
 from relicv2.shards.shardset import check_count, default_index_cache, listed_shards, shard_tars
-from relicv2.shards.writer import shard_name
 
 PREFIX = "masked"
 STATE_DIR = ".build-masks"
@@ -104,21 +102,12 @@ def check_input(tars: list[Path], out: Path) -> None:
 
 
 def masks_job(out: Path, model_sha256: str, tars: list[Path], flip: bool, crf: bool) -> tuple[ShardJob, dict]:
-    """The engine's job and plan: one unit per input tar, `masked-NNNNNN.tar` in the input's order. A
-    unit's digest covers the model (and `flip` and `crf`, which make other masks), its output name and its input
-    tar's name, size and modification time (a stat: any rank can check any unit's record); the SHA-256
-    of the input's index is checked by the rank that owns the unit (`input_tar_identity`)."""
+    """The engine's job (`tar_job`: `masked-NNNNNN.tar` in the input's order, each unit's digest over the
+    model and `flip` and `crf`, which make other masks) and its plan."""
     # Each option only when on: a job without them keeps the plan it had before they existed.
     masks = {"model_sha256": model_sha256, **({"flip": True} if flip else {}), **({"crf": True} if crf else {})}
     plan = {**masks, "input_shards": [t.name for t in tars], "prefix": PREFIX}
-    units = []
-    for number, tar in enumerate(tars):
-        stat = tar.stat()
-        shard = shard_name(PREFIX, number)
-        digest = digest_of({**masks, "shard": shard, "input": tar.name,
-                            "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns})
-        units.append(Unit(f"{number:06d}", shard, digest))
-    return ShardJob(out, out / STATE_DIR, tuple(units)), plan
+    return tar_job(out, STATE_DIR, tars, PREFIX, masks), plan
 
 
 def check_out_folder(job: ShardJob) -> None:
