@@ -13,7 +13,6 @@ from relicv2.cli.options import config_or_preset, preset_option, user_errors
 from relicv2.jobs.config import ConfigError, parse_overrides
 from relicv2.pretrain.config import KnnConfig  # light (no torch): the one owner of the kNN defaults
 from relicv2.pretrain.views.config import CENTRE_CROP
-from relicv2.shards.shardset import ShardSetError
 
 KNN = KnnConfig()
 PATH = click.Path(path_type=Path)
@@ -130,9 +129,9 @@ def _run(**job_fields: Any) -> None:
         outcome = run_eval(EvalJob(**job_fields), log=click.echo)
     except LostSamplesError as error:
         raise click.ClickException(f"{error}{ALLOW_LOST_HINT}") from None
-    except ShardSetError as error:  # --train or --val names no usable set
-        raise click.UsageError(str(error)) from None
-    except (FolderLockedError, FileNotFoundError, ValueError) as error:  # a torch file's error is a ValueError
+    # A torch file's error and a --train or --val naming no usable set (ShardSetError) are ValueErrors: exit 1,
+    # as in every other command.
+    except (FolderLockedError, FileNotFoundError, ValueError) as error:
         raise click.ClickException(str(error)) from None
     if outcome is None:  # a rank other than 0
         return

@@ -104,6 +104,17 @@ def test_a_val_set_of_other_class_folders_is_refused_by_every_evaluation_before_
         finetune(PooledPixels(), train, val3, {"x"}, FinetuneConfig())
 
 
+def test_a_folder_without_a_shard_set_is_one_line_exit_1_from_every_evaluation(built_sets, tmp_path):
+    train, _, _ = built_sets
+    empty = tmp_path / "not-a-set"
+    empty.mkdir()
+    common = ["--random-init", "18", "--train", str(train), "--val", str(empty), "--device", "cpu"]
+    for command in (["knn"], ["linear", "--preset", "fast"], ["finetune", "--labels", str(tmp_path / "keys.txt")]):
+        (tmp_path / "keys.txt").write_text("anything\n")
+        output = _one_line_error(CliRunner().invoke(eval_group, [*command, *common]))
+        assert str(empty) in output, command
+
+
 def test_sets_of_the_same_class_folders_and_sets_without_names_are_evaluated(built_sets, shape_shards):
     train, val, _ = built_sets
     result = _knn_cli("--train", str(train), "--val", str(val))
