@@ -98,7 +98,7 @@ def _folder_pairs(root: Path, split: str) -> list[Pair]:
     if split and not Path(split).is_file():
         raise SegmentDataError(f"split {split!r} is neither a subfolder of {root} (with images/ and masks/) nor a "
                                "file of image names; give one of them")
-    keys = sorted(read_key_list(split)) if split else sorted(found)
+    keys = sorted(read_key_list(split, "split file")) if split else sorted(found)
     if unknown := [key for key in keys if key not in found]:
         raise SegmentDataError(f"{split}: {len(unknown)} name(s) have no image in {images} (e.g. {unknown[0]}); "
                                "list the images' names without their extension")

@@ -86,8 +86,9 @@ def write_key_list(path: str | Path, keys: list[str], header: str = "") -> None:
         atomic_write_bytes(path, ("\n".join(lines) + "\n").encode("utf-8"))
 
 
-def read_key_list(path: str | Path) -> set[str]:
-    """The keys of a key list (blank and `#` lines ignored); each is validated like a shard key."""
+def read_key_list(path: str | Path, what: str = "key list") -> set[str]:
+    """The keys of a key list (blank and `#` lines ignored); each is validated like a shard key. `what` names
+    the file in the messages (a segmentation split file is a list of image names)."""
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"key list {path} is a folder; pass the key list file `relicv2 shards subset` wrote")
@@ -104,5 +105,5 @@ def read_key_list(path: str | Path) -> set[str]:
             raise ValueError(f"{path}:{number}: {error}") from None
         keys.add(line)
     if not keys:
-        raise ValueError(f"key list {path} holds no keys")
+        raise ValueError(f"{what} {path} holds no names")
     return keys

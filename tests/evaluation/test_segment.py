@@ -78,6 +78,9 @@ def test_folder_layout_lists_pairs_by_name_subfolder_or_list(tmp_path):
     (tmp_path / "more.txt").write_text("0001\n0009\n")
     with pytest.raises(SegmentDataError, match=r"1 name\(s\) have no image in .* \(e\.g\. 0009\)"):
         list_pairs("folder", root, str(tmp_path / "more.txt"))
+    (tmp_path / "blank.txt").write_text("# no names\n\n")
+    with pytest.raises(ValueError, match=r"^split file .*blank\.txt holds no names$"):
+        list_pairs("folder", root, str(tmp_path / "blank.txt"))
 
 
 def test_folder_layout_refuses_a_missing_mask_and_a_mask_of_another_size(tmp_path):
