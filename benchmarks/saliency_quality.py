@@ -8,7 +8,8 @@ Steps, each through the library as the `relicv2` commands run them (and each res
 4. `saliency evaluate` of each handcrafted method, the mean of the four, and the fused network
    (plain, with flip averaging, refined by its dense CRF, and averaged with the mean of the maps) against
    --heldout-masks.
-Prints the table (MAE / max-F / adaptive-F, beta^2 = 0.3) and the wall time of each step. A training folder holding
+Prints the table (MAE / max-F / adaptive-F, beta^2 = 0.3; the network's row that `saliency build-masks` writes
+with its default settings marked "(default)") and the wall time of each step. A training folder holding
 a held-out image (the same bytes, under any name) is refused. To choose among recipes and test-time options on
 labelled dev images without scoring the choice on the images it was made on: `saliency_selection.py`.
 
@@ -26,6 +27,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import fields
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -36,7 +38,11 @@ from relicv2.saliency.batch import HandcraftedConfig, run_handcrafted  # noqa: E
 from relicv2.saliency.evaluate import ModelEvaluation, evaluate_folder, evaluate_model  # noqa: E402
 from relicv2.saliency.images import list_images, write_map  # noqa: E402
 from relicv2.saliency.metrics import DatasetScores  # noqa: E402
-from relicv2.saliency.network.config import SaliencyTrainConfig, load_saliency_config  # noqa: E402
+from relicv2.saliency.network.config import (  # noqa: E402
+    BuildMasksConfig,
+    SaliencyTrainConfig,
+    load_saliency_config,
+)
 from relicv2.saliency.network.model_file import MODEL_NAME  # noqa: E402
 from relicv2.saliency.network.predictor import mean_of_maps  # noqa: E402
 from relicv2.saliency.network.report import FUSED_ROW, MEAN_ROW, format_report  # noqa: E402
@@ -90,6 +96,16 @@ NETWORK_OPTIONS = {"": {}, ", flip": {"flip": True}, " + CRF": {"crf": True}, ",
                    " + maps": {"maps": True}, ", flip + maps": {"flip": True, "maps": True}}
 
 
+DEFAULT_MARK = " (default)"  # on the row whose masks `saliency build-masks` writes with its default settings
+
+
+def default_options() -> str:
+    """The NETWORK_OPTIONS suffix of the masks `saliency build-masks` writes by default (its --flip and --crf)."""
+    defaults = {f.name: f.default for f in fields(BuildMasksConfig)}
+    wanted = {option: True for option in ("flip", "crf") if defaults[option]}
+    return next(suffix for suffix, options in NETWORK_OPTIONS.items() if options == wanted)
+
+
 def network_evaluation(model: Path, images: Path, masks: Path, maps: Path, suffix: str) -> ModelEvaluation:
     """The evaluation of the network's row named FUSED_ROW + `suffix` (NETWORK_OPTIONS) on the held-out images."""
     options = dict(NETWORK_OPTIONS[suffix])
@@ -100,7 +116,9 @@ def network_evaluation(model: Path, images: Path, masks: Path, maps: Path, suffi
 
 def format_rows(rows: dict[str, DatasetScores]) -> str:
     lines = ["| row | MAE | max-F | adaptive-F | images |", "|---|---|---|---|---|"]
-    lines += [f"| {name} | {s.mae:.3f} | {s.max_f:.3f} | {s.adaptive_f:.3f} | {s.count} |" for name, s in rows.items()]
+    marked = FUSED_ROW + default_options()
+    lines += [f"| {name}{DEFAULT_MARK if name == marked else ''} | {s.mae:.3f} | {s.max_f:.3f} | {s.adaptive_f:.3f} | "
+              f"{s.count} |" for name, s in rows.items()]
     return "\n".join(lines)
 
 

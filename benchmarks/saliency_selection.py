@@ -269,7 +269,8 @@ def summarise(rows: Rows, candidates: list[str], seeds: list[int], k: int, fold_
         for other, metric in ((MEAN_ROW, "max_f"), (MEAN_ROW, "mae"), (best, "max_f")):
             d = paired_difference(sums[name], sums[other], metric)
             cells.append(f"{d.mean:+.3f}" + ("" if d.seed_sd is None else f" ± {d.seed_sd:.3f}") + f" [{d.fold_se:.3f}]")
-        lines.append(f"| {name} | {' | '.join(cells)} |")
+        mark = quality.DEFAULT_MARK if name.endswith(f": {FUSED_ROW}{quality.default_options()}") else ""
+        lines.append(f"| {name}{mark} | {' | '.join(cells)} |")
     lines += [f"\nNested selection: each fold scored by the candidate chosen on the other {k - 1} (highest max-F)",
               "\n| seed | chosen, fold by fold | held out: max-F | MAE |", "|---|---|---|---|"]
     held = []

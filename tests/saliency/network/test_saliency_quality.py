@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -27,7 +28,8 @@ def test_trains_on_joined_folders_and_prints_every_row(tmp_path, capsys):
     assert script.main(argv) == 0
     printed = capsys.readouterr().out
     rows = {line.split("|")[1].strip(): line for line in printed.splitlines() if line.startswith("| ")}
-    expected = ["rbd", "mr", "dsr", "mc", "mean of handcrafted", "fused network", "fused network, flip",
+    # The masks build-masks writes by default (no --flip, no --crf) are marked.
+    expected = ["rbd", "mr", "dsr", "mc", "mean of handcrafted", "fused network (default)", "fused network, flip",
                 "fused network + CRF", "fused network, flip + CRF", "fused network + maps", "fused network, flip + maps"]
     assert [name for name in rows if name != "row"] == expected
     assert all(rows[name].rstrip(" |").endswith("| 3") for name in expected)  # every held-out image scored
@@ -49,6 +51,14 @@ def test_trains_on_joined_folders_and_prints_every_row(tmp_path, capsys):
     stamps = [path.stat().st_mtime_ns for path in done]
     assert script.main(argv) == 0
     assert [path.stat().st_mtime_ns for path in done] == stamps
+
+
+def test_the_default_mark_follows_build_masks_defaults(monkeypatch):
+    script = load_benchmark("saliency_quality")
+    assert script.default_options() == ""
+    both = dataclasses.make_dataclass("Masks", [("flip", bool, True), ("crf", bool, True), ("device", str, "auto")])
+    monkeypatch.setattr(script, "BuildMasksConfig", both)
+    assert script.default_options() == ", flip + CRF"
 
 
 def test_bad_folders_are_one_line(tmp_path, capsys):

@@ -58,8 +58,8 @@ def test_scores_every_candidate_once_a_seed_and_resumes_to_the_same_rows(folders
     assert rows[("rbd", None)]["max_f"] == pytest.approx(
         evaluate_folder(out / "heldout" / "maps" / "rbd", folders / "masks").max_f, abs=1e-12)
     table = {line.split("|")[1].strip(): line for line in printed.splitlines() if line.startswith("| ")}
-    assert all(name in table for name in handcrafted + network)
-    assert "± " in table["t: fused network"].split("|")[2]  # two seeds: a spread
+    assert all(name in table for name in handcrafted + network[1:]) and "t: fused network (default)" in table
+    assert "± " in table["t: fused network (default)"].split("|")[2]  # two seeds: a spread
     assert "±" not in table["rbd"].split("|")[2]  # the same maps whatever the seed
     assert "| 0 | " in printed and "| 1 | " in printed and "| all | selected pipeline |" in printed
     assert "6 dev images, 3 folds (fold seed 0), seeds 0, 1" in printed
