@@ -26,7 +26,7 @@ from relicv2.jobs.progress import Phase
 from relicv2.jobs.ranks import Ranks
 from relicv2.jobs.workers import worker_pool
 from relicv2.pretrain.knn.classes import class_names
-from relicv2.pretrain.knn.extract import test_view_image
+from relicv2.pretrain.knn.view import test_view_image
 from relicv2.shards.driver import JobReport, TarUnits, UnitOutput, run_shard_job
 from relicv2.shards.images import ImageLoadError, Rejection
 from relicv2.shards.job import (

@@ -12,27 +12,15 @@ from pathlib import Path
 
 import torch
 import torchvision.transforms.v2.functional as TF
-from PIL import Image
 from torch import Tensor, nn
-from torchvision.transforms import InterpolationMode
 
 from relicv2.jobs.progress import tracked
 from relicv2.models.normalization import IMAGENET_MEAN, IMAGENET_STD
 from relicv2.pretrain.knn.outcome import LostSamples, refuse_lost
-from relicv2.pretrain.views.config import resize_of
+from relicv2.pretrain.knn.view import test_view_image
 from relicv2.shards import ReadReport, ShardSet, iter_samples
-from relicv2.shards.images import ImageLoadError, load_image
+from relicv2.shards.images import ImageLoadError
 from relicv2.shards.sample import label_refusal
-
-
-def test_view_image(jpeg: bytes, *, crop_size: int, resize_size: int = 0, name: str = "image") -> Image.Image:
-    """Image bytes -> the test view before normalisation: the displayed image (EXIF orientation applied, as
-    in training), short side resized (bicubic) to `resize_of` the crop, centre-cropped. A bad image raises
-    ImageLoadError naming `name`."""
-    image = load_image(jpeg, name)
-    image = TF.resize(image, [resize_of(crop_size, resize_size)], interpolation=InterpolationMode.BICUBIC,
-                      antialias=True)
-    return TF.center_crop(image, [crop_size, crop_size])
 
 
 def preprocess(jpeg: bytes, *, crop_size: int, resize_size: int = 0, name: str = "image") -> Tensor:

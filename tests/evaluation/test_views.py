@@ -109,3 +109,36 @@ def test_a_resize_of_0_is_the_centre_crop_rule_on_both_view_paths(tmp_path):
     dali = [next(iter(DaliViews(tmp_path, train=False, crop_size=16, resize_size=size, batch_size=1,
                                 threads=1).epoch()))[0] for size in (0, resize_of(16), 40)]
     assert torch.equal(dali[0], dali[1]) and not torch.equal(dali[0], dali[2])
+
+
+@pytest.mark.parametrize("width, height, crop, resize", [
+    (256, 256, 16, 0), (40, 32, 16, 0), (32, 40, 16, 18), (97, 61, 24, 0), (61, 97, 24, 27), (50, 50, 32, 32),
+    (33, 80, 32, 20), (80, 33, 32, 21), (64, 48, 32, 27),  # a side shorter than the crop: padded with black
+])
+def test_the_torch_free_test_view_is_torchvisions_pixel_for_pixel(width, height, crop, resize):
+    import torchvision.transforms.v2.functional as TF
+    from torchvision.transforms import InterpolationMode
+
+    from relicv2.pretrain.knn.view import test_view_image
+    from relicv2.pretrain.views.config import resize_of
+
+    rng = torch.Generator().manual_seed(width * height + crop)
+    pixels = torch.randint(0, 256, (height, width, 3), dtype=torch.uint8, generator=rng).numpy()
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, "PNG")
+    expected = TF.center_crop(TF.resize(Image.fromarray(pixels), [resize_of(crop, resize)],
+                                        interpolation=InterpolationMode.BICUBIC, antialias=True), [crop, crop])
+    view = test_view_image(buffer.getvalue(), crop_size=crop, resize_size=resize)
+    assert view.size == (crop, crop) and view.tobytes() == expected.tobytes()
+
+
+def test_a_corruption_worker_imports_no_torch():
+    """The corruption workers only make views and corrupt them: torch's import would cost each ~0.7 GB."""
+    import subprocess
+    import sys
+
+    from tests.paths import REPO
+
+    code = "import sys, relicv2.evaluation.corrupted; print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'torchvision')))"
+    printed = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert printed.strip() == "[]"
