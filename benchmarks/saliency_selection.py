@@ -27,11 +27,17 @@ Steps, each resumable in --out (rerun the same command; a subset of recipes or s
    A paired difference separates two candidates above 2 sqrt(seed sd^2 / seeds + fold se^2): the networks'
    training noise and the draw of the images (one seed measures the second alone).
 Max-F is the maximum of the mean F curve of the images scored (`saliency.metrics.ScoreSums`), on every subset.
+5. with --coverage-shards SET (a shard set of the images the masks are for, e.g. Imagenette's val set built by
+   `shards build`): `saliency build-masks` of SET by each recipe's network of the first seed, at each of its
+   options (plain, flip, CRF, flip + CRF), into OUT/coverage/RECIPE/OPTION; printed, each candidate's mask
+   coverage (the fraction of the image at or above the foreground level, as pretraining reads it): its mean,
+   the masks below pretraining's minimum, and the histogram in tenths. A score that rises as the masks shrink
+   is a score the pretraining may not share.
 
     python benchmarks/saliency_selection.py --out OUT --train-images $DATA/msra-unlabeled \\
         [--train-images $DATA/imagenette-112/train] --dev-images $DATA/pascal-s-dev/images \\
         --dev-masks $DATA/pascal-s-dev/masks [--recipe "NAME=PRESET [KEY=VALUE ...]" ...] [--seeds 0 1 2] \\
-        [--folds 5] [--fold-seed 0] [--backbone FILE|random] [--set KEY=VALUE ...]
+        [--folds 5] [--fold-seed 0] [--backbone FILE|random] [--set KEY=VALUE ...] [--coverage-shards SET]
 
 --recipe defaults to "cpu=cpu" (the `cpu` preset); --set values apply to every recipe. A recipe's `extra_images=DIR`
 (repeatable) adds DIR to the training folders of that recipe alone: the lever "more images" in one grid.
@@ -61,10 +67,16 @@ import saliency_quality as quality  # noqa: E402
 from relicv2.jobs.atomic import atomic_write_bytes  # noqa: E402
 from relicv2.jobs.lock import FolderLockedError, folder_lock  # noqa: E402
 from relicv2.jobs.progress import Phase  # noqa: E402
+from relicv2.jobs.ranks import Ranks  # noqa: E402
 from relicv2.pretrain.checkpoint import CheckpointError  # noqa: E402
 from relicv2.saliency.evaluate import score_folder_images, score_model_images  # noqa: E402
 from relicv2.saliency.metrics import ImageScores, ScoreSums, summed  # noqa: E402
-from relicv2.saliency.network.config import SaliencyTrainConfig, load_saliency_config  # noqa: E402
+from relicv2.saliency.network.build_masks import build_masks  # noqa: E402
+from relicv2.saliency.network.config import (  # noqa: E402
+    SaliencyTrainConfig,
+    load_masks_config,
+    load_saliency_config,
+)
 from relicv2.saliency.network.model_file import MODEL_NAME  # noqa: E402
 from relicv2.saliency.network.report import FUSED_ROW, MEAN_ROW  # noqa: E402
 from relicv2.saliency.network.train import TrainJob, TrainStateError, run_train  # noqa: E402
@@ -222,7 +234,40 @@ def run(args: argparse.Namespace) -> int:
         print(f"recipes: {'; '.join(f'{r.name} = {r.spec}' for r in recipes)}; backbone {args.backbone}; "
               f"training images {', '.join(map(str, args.train_images))}")
         print(summarise(rows, candidates, args.seeds, args.folds, args.fold_seed))
+        if args.coverage_shards is not None:
+            print(coverage_table({name: stats for recipe in recipes
+                                  for name, stats in coverage(recipe, args.seeds[0], args).items()}, args.seeds[0]))
     return 0
+
+
+# The network rows `saliency build-masks` can write: NETWORK_OPTIONS' suffixes whose options are its own.
+MASK_OPTIONS = {suffix: options for suffix, options in quality.NETWORK_OPTIONS.items() if "maps" not in options}
+
+
+def coverage(recipe: Recipe, seed: int, args: argparse.Namespace) -> dict[str, dict]:
+    """Candidate name -> build-masks' summary of --coverage-shards masked by `recipe`'s network of `seed` at
+    each of MASK_OPTIONS (each job resumable in OUT/coverage)."""
+    model = args.out / "train" / recipe.name / f"seed-{seed}" / MODEL_NAME
+    found = {}
+    for suffix, options in MASK_OPTIONS.items():
+        slug = re.sub(r"[^a-z0-9]+", "-", f"plain{suffix}".lower()).strip("-")
+        config = load_masks_config(None, [], model=model, shards=args.coverage_shards,
+                                   out=args.out / "coverage" / recipe.name / slug, progress=args.progress, **options)
+        found[f"{recipe.name}: {FUSED_ROW}{suffix}"] = build_masks(config, Ranks())
+    return found
+
+
+def coverage_table(summaries: dict[str, dict], seed: int) -> str:
+    """build-masks' coverage figures of each candidate, as Markdown."""
+    lines = [f"\nMask coverage on --coverage-shards (seed {seed}'s networks; histogram: masks per tenth of coverage)",
+             "\n| candidate | masks | mean coverage | below the minimum | histogram 0-0.1, ..., 0.9-1 |",
+             "|---|---|---|---|---|"]
+    for name, summary in summaries.items():
+        mark = quality.DEFAULT_MARK if name.endswith(f": {FUSED_ROW}{quality.default_options()}") else ""
+        lines.append(f"| {name}{mark} | {summary['written']} | {summary['mean_coverage']:.3f} | "
+                     f"{summary['below_min_coverage']} (< {summary['min_coverage']}) | "
+                     f"{' '.join(map(str, summary['coverage_histogram']))} |")
+    return "\n".join(lines)
 
 
 def shared_maps(train: Path, maps: Path) -> None:
@@ -298,11 +343,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backbone", default="random", help="encoder weights (default: random)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="a setting of every recipe")
+    parser.add_argument("--coverage-shards", type=Path, metavar="SET",
+                        help="a shard set to mask with each recipe's network of the first seed: mask coverage")
     parser.add_argument("--progress", action="store_true", help="progress bars on stderr")
     args = parser.parse_args(argv)
     try:
         return run(args)
-    except (ValueError, FileNotFoundError, FolderLockedError, TrainStateError, CheckpointError) as error:
+    except (ValueError, FileNotFoundError, FolderLockedError, TrainStateError, CheckpointError) as error:  # MasksError too
         print(f"saliency_selection: {error}", file=sys.stderr)
         return 2
 

@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 
+from relicv2.shards.build import BuildConfig, build_shards
 from tests.paths import load_benchmark
 from tests.scenes import write_scenes
 
@@ -80,6 +81,24 @@ def test_scores_every_candidate_once_a_seed_and_resumes_to_the_same_rows(folders
     # The same recipe name with other settings is refused, not mixed in.
     assert script.main(_argv(folders, out, "--set", "epochs=3")) == 2
     assert "t: fused network" in capsys.readouterr().err
+
+    # Coverage: the first seed's network masks a shard set at each option build-masks has; a rerun rebuilds none.
+    build_shards(BuildConfig(input=folders / "b", out_dir=folders / "cover", progress=False, min_side=16, workers=1))
+    assert script.main(_argv(folders, out, "--coverage-shards", str(folders / "cover"))) == 0
+    printed = capsys.readouterr().out
+    cover = {line.split("|")[1].strip(): line.split("|")[2:6] for line in printed.split("Mask coverage", 1)[1].splitlines()
+             if line.startswith("| t: ")}
+    assert list(cover) == ["t: fused network (default)", "t: fused network, flip", "t: fused network + CRF",
+                           "t: fused network, flip + CRF"]
+    for name, (masks, mean, below, histogram) in cover.items():
+        assert int(masks) == 4 and 0 <= float(mean) <= 1 and sum(map(int, histogram.split())) == 4, name
+        assert 0 <= int(below.split()[0]) <= 4, name
+    info = json.loads((out / "coverage" / "t" / "plain-flip-crf" / "info.json").read_text())
+    assert info["flip"] and info["crf"] and info["mask"]["coverage_histogram"] == [int(n) for n in cover["t: fused network, flip + CRF"][3].split()]
+    tars = sorted((out / "coverage").rglob("*.tar"))
+    stamps = [t.stat().st_mtime_ns for t in tars]
+    assert script.main(_argv(folders, out, "--coverage-shards", str(folders / "cover"))) == 0
+    assert capsys.readouterr().out == printed and [t.stat().st_mtime_ns for t in tars] == stamps
 
 
 @pytest.mark.slow
