@@ -203,7 +203,7 @@ def test_kill_and_resume_gives_identical_bytes(tmp_path):
     assert len([n for n in reference if n.endswith(".tar")]) == 20
     for p in list(out.rglob("*"))[::-1]:
         p.unlink() if p.is_file() else p.rmdir()
-    code = (f"from pathlib import Path; from shards.build import BuildConfig, build_shards; "
+    code = (f"from pathlib import Path; from relicv2.shards.build import BuildConfig, build_shards; "
             f"build_shards(BuildConfig(Path({str(src)!r}), Path({str(out)!r}), max_count=16, workers=2, "
             f"min_side=16, progress=False))")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, start_new_session=True)

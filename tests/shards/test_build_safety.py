@@ -209,7 +209,7 @@ def test_impossible_numbers_are_refused_up_front(tmp_path, args):
 def test_workers_exit_when_the_job_is_killed(tmp_path):
     code = (
         "import os, time\n"
-        "from jobs.workers import worker_pool\n"
+        "from relicv2.jobs.workers import worker_pool\n"
         "pool = worker_pool(2)\n"
         "print(pool.submit(os.getpid).result(), flush=True)\n"
         "time.sleep(60)\n"
