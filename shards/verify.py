@@ -147,19 +147,22 @@ def index_problems(tar: Path, idx: Path) -> list[str]:
 
 
 def verify_shard(tar: Path, table: pa.Table | None, index_cache: Path, decode_images: bool = True
-                 ) -> tuple[int, list[str]]:
-    """(samples, problems) of one shard: it reads completely, its index agrees with it, its images decode,
-    and its samples match its manifest rows (`table`, sorted by position). Without a manifest (`table`
-    None) the index is the one beside the tar or, when it has none, the one derived into `index_cache`."""
+                 ) -> tuple[int, list[str], list[str]]:
+    """(samples, problems, keys) of one shard: it reads completely, its index agrees with it, its images
+    decode, and its samples match its manifest rows (`table`, sorted by position). Without a manifest (`table`
+    None) the index is the one beside the tar or, when it has none, the one derived into `index_cache`, and
+    `keys` are the samples' keys, for `repeated_keys` (with one, the manifest's keys are checked instead)."""
     if table is not None and not tar.is_file():
-        return 0, [f"{tar.name}: listed in the manifest but missing; rebuild the shard set"]
+        return 0, [f"{tar.name}: listed in the manifest but missing; rebuild the shard set"], []
     rows = None if table is None else table.to_pylist()  # one shard's rows as dicts: a tar's worth, never the set's
     try:
         problems = index_problems(tar, index_path(tar) if rows is not None else tar_index(tar, index_cache))
     except (ValueError, OSError) as exc:
         problems = [f"{tar.name}: no index can be derived ({exc})"]
-    report = ReadReport()
+    report, keys = ReadReport(), []
     for sample in read_samples(tar, report):  # the tar's own headers, not its index: that is checked above
+        if rows is None:
+            keys.append(sample.key)
         if rows is None and decode_images:
             problems += decode_problems(f"{tar.name}: sample {sample.key!r}", sample.members[sample.image_ext], None,
                                         sample.members.get(MASK_MEMBER))
@@ -168,7 +171,24 @@ def verify_shard(tar: Path, table: pa.Table | None, index_cache: Path, decode_im
     problems += read_problems(tar, report)
     if rows is not None and report.listed != len(rows):
         problems.append(f"{tar.name}: holds {report.listed} samples, the manifest lists {len(rows)}")
-    return report.samples, problems
+    return report.samples, problems, keys
+
+
+def repeated_keys(keys: dict[str, list[str]]) -> list[str]:
+    """One line when a key is in more than one tar (`keys`: tar name -> its samples' keys) of a set without a
+    manifest (a manifest's repeated keys are `shard_tables`' to report): a key list or an evaluation's cache
+    names a sample by its key alone."""
+    first: dict[str, str] = {}
+    repeated: dict[str, tuple[str, str]] = {}
+    for tar, names in keys.items():
+        for key in names:
+            if first.setdefault(key, tar) != tar:
+                repeated.setdefault(key, (first[key], tar))
+    if not repeated:
+        return []
+    key, (one, other) = next(iter(repeated.items()))
+    return [f"{len(repeated)} key(s) are in more than one tar, e.g. {key!r} in {one} and {other}: a sample is named "
+            "by its key (key lists, evaluation caches), so give each sample its own key"]
 
 
 VERIFIED_COLUMNS = ("key", "shard", "position", "label", "width", "height", "byte_size", "content_hash")
@@ -239,9 +259,10 @@ def verify_shard_set(directory: Path, *, workers: int = 1, decode_images: bool =
         tables = [by_shard[t.name] for t in tars]
     check = functools.partial(verify_shard, index_cache=default_index_cache(index_cache), decode_images=decode_images)
     results = in_workers(check, tars, tables, workers=workers, desc="shards verify", enabled=progress)
-    problems += [p for _, shard_problems in results for p in shard_problems]
+    problems += [p for _, shard_problems, _ in results for p in shard_problems]
     if manifest is None:
-        samples = sum(n for n, _ in results)
+        problems += repeated_keys({tar.name: keys for tar, (_, _, keys) in zip(tars, results, strict=True)})
+        samples = sum(n for n, _, _ in results)
         if samples == 0:
             problems.append(f"{directory}: its {len(tars)} shard(s) hold no samples; the set is empty")
         return VerifyReport(len(tars), samples, problems)

@@ -1,15 +1,19 @@
 """`shards verify` holds the manifest as columns: at ImageNet's size the manifest as one dict a row held
-1.5 GB even with only the checked columns (benchmarks/RESULTS.md)."""
+1.5 GB even with only the checked columns (benchmarks/RESULTS.md). Repeated keys are named, with a manifest or
+without one."""
 
 from __future__ import annotations
 
+import io
 import json
 import tracemalloc
 
 import pyarrow as pa
+from PIL import Image
 
 from relicv2.shards.manifest import MANIFEST_NAME, MANIFEST_SCHEMA, write_table
 from relicv2.shards.verify import VERIFIED_COLUMNS, manifest_problems, verify_shard_set
+from tests.tars import write_tar
 
 ROWS, PER_SHARD = 40_000, 1_000
 
@@ -58,3 +62,19 @@ def test_misplaced_positions_and_duplicate_keys_are_named_in_the_manifests_order
     assert problems[:3] == ["manifest: positions of b-000001.tar are not 0..1",
                             "manifest: positions of c-000002.tar are not 0..0",
                             "manifest: 2 duplicate key(s), e.g. 'y'"]
+
+
+def test_a_key_in_two_tars_of_a_set_without_a_manifest_is_one_line(tmp_path):
+    def jpeg() -> bytes:
+        buffer = io.BytesIO()
+        Image.new("RGB", (32, 32), (200, 10, 10)).save(buffer, "JPEG")
+        return buffer.getvalue()
+
+    write_tar(tmp_path / "a-000000.tar", [("x.jpg", jpeg()), ("y.jpg", jpeg())])
+    write_tar(tmp_path / "a-000001.tar", [("z.jpg", jpeg())])
+    assert verify_shard_set(tmp_path).ok
+    write_tar(tmp_path / "a-000002.tar", [("y.jpg", jpeg()), ("x.jpg", jpeg())])
+    report = verify_shard_set(tmp_path, workers=2)
+    assert report.samples == 5 and report.problems == [
+        "2 key(s) are in more than one tar, e.g. 'y' in a-000000.tar and a-000002.tar: a sample is named by its key "
+        "(key lists, evaluation caches), so give each sample its own key"]
