@@ -161,8 +161,7 @@ class Rows:
         return row is not None
 
     def add(self, candidate: str, seed: int | None, spec: str | None, scores: dict[str, ImageScores]) -> dict:
-        slug = re.sub(r"[^a-z0-9]+", "-", candidate.lower()).strip("-")
-        file = f"scores/{slug}.npz" if seed is None else f"scores/seed-{seed}/{slug}.npz"
+        file = f"scores/{slug(candidate)}.npz" if seed is None else f"scores/seed-{seed}/{slug(candidate)}.npz"
         stems = sorted(scores)
         buffer = io.BytesIO()
         np.savez(buffer, stems=np.array(stems), mae=[scores[s].mae for s in stems],
@@ -182,6 +181,17 @@ class Rows:
         with np.load(self.out / self.rows[(candidate, seed)]["file"]) as data:
             return {str(stem): ImageScores(float(data["mae"][i]), data["f_curve"][i], float(data["adaptive_f"][i]),
                                            float(data["s_measure"][i])) for i, stem in enumerate(data["stems"])}
+
+
+def slug(name: str) -> str:
+    """A file or folder name for a candidate or an option."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def marked(candidate: str) -> str:
+    """The candidate's name, marked when it is a network row that `build-masks` writes by default."""
+    default = candidate.endswith(f": {FUSED_ROW}{quality.default_options()}")
+    return candidate + (quality.DEFAULT_MARK if default else "")
 
 
 def network_candidates(recipe: Recipe) -> list[str]:
@@ -250,9 +260,9 @@ def coverage(recipe: Recipe, seed: int, args: argparse.Namespace) -> dict[str, d
     model = args.out / "train" / recipe.name / f"seed-{seed}" / MODEL_NAME
     found = {}
     for suffix, options in MASK_OPTIONS.items():
-        slug = re.sub(r"[^a-z0-9]+", "-", f"plain{suffix}".lower()).strip("-")
         config = load_masks_config(None, [], model=model, shards=args.coverage_shards,
-                                   out=args.out / "coverage" / recipe.name / slug, progress=args.progress, **options)
+                                   out=args.out / "coverage" / recipe.name / slug(f"plain{suffix}"),
+                                   progress=args.progress, **options)
         found[f"{recipe.name}: {FUSED_ROW}{suffix}"] = build_masks(config, Ranks())
     return found
 
@@ -263,8 +273,7 @@ def coverage_table(summaries: dict[str, dict], seed: int) -> str:
              "\n| candidate | masks | mean coverage | below the minimum | histogram 0-0.1, ..., 0.9-1 |",
              "|---|---|---|---|---|"]
     for name, summary in summaries.items():
-        mark = quality.DEFAULT_MARK if name.endswith(f": {FUSED_ROW}{quality.default_options()}") else ""
-        lines.append(f"| {name}{mark} | {summary['written']} | {summary['mean_coverage']:.3f} | "
+        lines.append(f"| {marked(name)} | {summary['written']} | {summary['mean_coverage']:.3f} | "
                      f"{summary['below_min_coverage']} (< {summary['min_coverage']}) | "
                      f"{' '.join(map(str, summary['coverage_histogram']))} |")
     return "\n".join(lines)
@@ -314,8 +323,7 @@ def summarise(rows: Rows, candidates: list[str], seeds: list[int], k: int, fold_
         for other, metric in ((MEAN_ROW, "max_f"), (MEAN_ROW, "mae"), (best, "max_f")):
             d = paired_difference(sums[name], sums[other], metric)
             cells.append(f"{d.mean:+.3f}" + ("" if d.seed_sd is None else f" ± {d.seed_sd:.3f}") + f" [{d.fold_se:.3f}]")
-        mark = quality.DEFAULT_MARK if name.endswith(f": {FUSED_ROW}{quality.default_options()}") else ""
-        lines.append(f"| {name}{mark} | {' | '.join(cells)} |")
+        lines.append(f"| {marked(name)} | {' | '.join(cells)} |")
     lines += [f"\nNested selection: each fold scored by the candidate chosen on the other {k - 1} (highest max-F)",
               "\n| seed | chosen, fold by fold | held out: max-F | MAE |", "|---|---|---|---|"]
     held = []
