@@ -257,10 +257,11 @@ def record_row(path: Path, row: dict) -> None:
 
 
 def grid_rows(out: Path, arms: list[str], seeds: list[int], measure: Callable[[str, int], dict]) -> dict:
-    """Every (arm, seed) row: read from OUT/rows.jsonl when recorded, else measured and recorded at once."""
+    """Every (arm, seed) row: read from OUT/rows.jsonl when recorded, else measured and recorded at once.
+    A seed's arms all run before the next seed's, so a grid stopped early still holds whole paired seeds."""
     rows = read_rows(out / ROWS)
-    for arm in arms:
-        for seed in seeds:
+    for seed in seeds:
+        for arm in arms:
             if (arm, seed) not in rows:
                 rows[(arm, seed)] = {"arm": arm, "seed": seed, **measure(arm, seed)}
                 record_row(out / ROWS, rows[(arm, seed)])

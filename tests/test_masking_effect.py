@@ -83,7 +83,7 @@ def test_a_recorded_row_is_not_measured_again(tmp_path):
         return {"figure": len(calls)}
 
     rows = me.grid_rows(tmp_path, ["control", "pm0.1"], [0, 1], measure)
-    assert len(calls) == 4 and rows[("pm0.1", 1)]["figure"] == 4
+    assert calls == [("control", 0), ("pm0.1", 0), ("control", 1), ("pm0.1", 1)] and rows[("pm0.1", 1)]["figure"] == 4
     # A later run with more seeds, after a kill that cut the last line short: only the new rows and the
     # cut one are measured.
     path = tmp_path / me.ROWS
@@ -91,7 +91,7 @@ def test_a_recorded_row_is_not_measured_again(tmp_path):
     path.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:10])
     calls.clear()
     rows = me.grid_rows(tmp_path, ["control", "pm0.1"], [0, 1, 2], measure)
-    assert calls == [("control", 2), ("pm0.1", 1), ("pm0.1", 2)]
+    assert calls == [("pm0.1", 1), ("control", 2), ("pm0.1", 2)]  # seed by seed: whole pairs first
     assert rows[("control", 0)]["figure"] == 1  # kept from the first run
     assert set(me.read_rows(path)) == {(arm, seed) for arm in ("control", "pm0.1") for seed in (0, 1, 2)}
 
