@@ -243,7 +243,9 @@ def _generated(job: RobustnessJob, model: Model, control: Model | None, scores: 
             counts.add(scored["num_images"])
             per_image[f"{corruption}-{severity}"] = scored["correct"]
             if control is not None:
-                base = scores.top1(control, f"control-{corruption}-{severity}", shards, stored_views=True)
+                # Named by the set alone, as the model's: the cache key holds the encoder and head, so a control
+                # scored earlier as an encoder of its own (the control arm of a grid) is read, not scored again.
+                base = scores.top1(control, f"{corruption}-{severity}", shards, stored_views=True)
                 control_errors[corruption] = control_errors.get(corruption, 0.0) + 1 - base["top1"]
             sets.update(1)
     table = corruption_table(top1, control_errors if control is not None else None)
