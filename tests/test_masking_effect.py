@@ -103,3 +103,23 @@ def test_arms_are_parsed_or_refused():
     for bad in ("pm", "pm2", "random-x", "masked"):
         with pytest.raises(ValueError):
             me.parse_arm(bad)
+
+
+def test_the_table_shows_a_spread_only_over_seeds_and_pairs_by_seed(tmp_path):
+    rng = np.random.default_rng(0)
+
+    def row(arm, seed, p_m, masks, value):
+        path = tmp_path / f"{arm}-{seed}.npz"
+        np.savez(path, bg_gap=rng.integers(-1, 2, 50).astype(float), in_c=rng.random(50))
+        return {"p_m": p_m, "masks": masks, "per_image": str(path),
+                **{figure: value for figure in (*me.PRIMARY, *me.SECONDARY)}}
+
+    rows = {("control", 0): row("control", 0, 0.0, "none", 0.40), ("control", 1): row("control", 1, 0.0, "none", 0.42),
+            ("pm0.1", 0): row("pm0.1", 0, 0.1, "saliency", 0.45)}
+    text = me.table(rows, ["control", "pm0.1"], reps=50)
+    control, masked = (next(line for line in text.splitlines() if line.startswith(f"| {arm} | 0.")) for arm in
+                       ("control", "pm0.1"))
+    assert "0.4100 ± 0.0141" in control  # two seeds: mean and sample sd
+    assert "0.4500 |" in masked and "±" not in masked  # one seed: no spread to show
+    paired = next(line for line in text.splitlines() if line.startswith("| pm0.1 | ") and "seeds" in line)
+    assert "(seeds +0.0500)" in paired and paired.count("CI [") == len(me.PRIMARY)  # paired on seed 0 alone
