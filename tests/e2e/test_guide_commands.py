@@ -53,6 +53,11 @@ NOT_RUN = {
     "make demo DATA=/path/to/images": "the same demo script on the user's images (DEMO_DATA), as `make demo`",
     "docker build -f docker/Dockerfile -t relicv2 .": "builds the GPU image (minutes, needs Docker); "
                                                      "tests/docker/test_docker.py checks the Dockerfile",
+    **dict.fromkeys(("python benchmarks/masking_effect.py --out runs/masking-effect --saliency-set threads=2",
+                     "python benchmarks/masking_effect.py --out runs/masking-effect --saliency-set threads=2 "
+                     "--seeds 0,1,2,3,4"),
+                    "the masking evidence grid (hours on 2 cores, on Imagenette-112); tests/test_masking_effect.py "
+                    "checks its arms, random masks, pairing, bootstrap and resume"),
 }
 
 # Paths of the guide -> paths in the test's working folder (relative: the commands run from that folder).
