@@ -37,15 +37,13 @@ ends with the markdown table RESULTS.md holds: mean and spread (sample sd) over 
 paired per-seed difference from the control, and for the primary figures a 95% bootstrap interval over the
 val subset's images of that difference (the per-image correctness the scorers keep, averaged over seeds).
 
-Budget: the default grid (4 arms x 3 seeds, masks included) in about 2.5 hours on the quiet 2-core CPU box.
-Hence 64 px views and ResNet-18 (the `imagenette-r18-cpu` preset), one epoch (73 steps of batch 128) an arm,
-every arm of equal length, and a fixed val subset of 1,000 images for the corruptions and composites. Per
-arm and seed ~10 min: ~6 min of pretraining (one epoch of the preset took 722 CPU-s, RESULTS "Peer baseline:
-lightly SimCLR at equal CPU time", and was past random init on kNN and linear there) and ~4 min of scoring (~78,000 images through the frozen
-encoder at ~350 img/s: 13,394 each for kNN and the linear probe, 45,000 corrupted, ~8,000 composites);
-once, ~25 min for the saliency network, ~5 min of masks and ~2 CPU-min of corruptions. Each row records its
-stages' seconds (`rows.jsonl`), the preparation its own (`prepare-seconds.json`). A GPU turns the same
-script up: --size, --epochs, --val-images and --pretrain-set.
+Budget: the default grid (4 arms x 3 seeds, masks included) in about 2.5 hours on the quiet 2-core CPU box
+(the measured time is in RESULTS "Does masking pay?"). Hence 64 px views and ResNet-18 (the `imagenette-r18-cpu`
+preset), one epoch (73 steps of batch 128) an arm, every arm of equal length, and a fixed val subset of 1,000
+images for the corruptions and composites. Per arm and seed ~9 min: ~5.7 min of pretraining and ~3 min of scoring
+(kNN and the linear probe over the whole val set, 45,000 corrupted images, ~8,000 composites); once, ~11 min for
+the saliency network and ~1 min of masks. Each row records its stages' seconds (`rows.jsonl`), the preparation
+its own (`prepare-seconds.json`). A GPU turns the same script up: --size, --epochs, --val-images and --pretrain-set.
 
     python benchmarks/masking_effect.py --out OUT [--data DIR] [--seeds 0,1,2] \\
         [--arms control,pm0.1,pm0.3,random0.1] [--size 64] [--epochs 1] [--val-images 1000]
