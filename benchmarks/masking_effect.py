@@ -439,9 +439,11 @@ def bg_gap_per_image(backgrounds: Path) -> np.ndarray:
 
 def table(rows: dict[tuple[str, int], dict], arms: list[str], *, reps: int = BOOTSTRAP) -> str:
     """The markdown tables RESULTS.md holds."""
-    def cell(values: list[float]) -> str:  # one seed has no spread to show
-        mean, sd = mean_sd(values) if values else (0.0, 0.0)
-        return "-" if not values else f"{mean:.4f}" if len(values) == 1 else f"{mean:.4f} ± {sd:.4f}"
+    def cell(values: list[float]) -> str:
+        if not values:
+            return "-"
+        mean, sd = mean_sd(values)
+        return f"{mean:.4f} ± {sd:.4f}" if len(values) > 1 else f"{mean:.4f}"  # one seed has no spread to show
 
     by_arm = {arm: {seed: row for (a, seed), row in rows.items() if a == arm} for arm in arms}
     lines = ["| arm | p_m | masks | seeds | " + " | ".join(FIGURES[f] for f in (*PRIMARY, *SECONDARY)) + " |",
