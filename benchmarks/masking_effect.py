@@ -92,6 +92,7 @@ from relicv2.saliency.network.mask_work import RawSample, finish  # noqa: E402
 from relicv2.saliency.network.model_file import MODEL_NAME  # noqa: E402
 from relicv2.saliency.network.train import TrainJob, run_train  # noqa: E402
 from relicv2.saliency.preview import PreviewConfig, write_preview  # noqa: E402
+from relicv2.saliency.selection import mean_sd  # noqa: E402
 from relicv2.shards.build import BuildConfig, build_shards  # noqa: E402
 from relicv2.shards.driver import TarUnits, UnitOutput, run_shard_job  # noqa: E402
 from relicv2.shards.images import load_gray  # noqa: E402
@@ -196,12 +197,6 @@ def random_mask_set(saliency: Path, out: Path, seed: int) -> Path:
 
 
 # --- the statistics ------------------------------------------------------------------------------------
-
-def mean_sd(values: list[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (0 for one value)."""
-    array = np.asarray(values, dtype=np.float64)
-    return float(array.mean()), float(array.std(ddof=1)) if len(array) > 1 else 0.0
-
 
 def paired_differences(arm: dict[int, float], control: dict[int, float]) -> dict[int, float]:
     """Per seed present in both, the arm's figure less the control's."""
@@ -442,8 +437,8 @@ def table(rows: dict[tuple[str, int], dict], arms: list[str], *, reps: int = BOO
     def cell(values: list[float]) -> str:
         if not values:
             return "-"
-        mean, sd = mean_sd(values)
-        return f"{mean:.4f} ± {sd:.4f}" if len(values) > 1 else f"{mean:.4f}"  # one seed has no spread to show
+        mean, sd = mean_sd(values)  # no sd for one seed: nothing to show
+        return f"{mean:.4f}" + ("" if sd is None else f" ± {sd:.4f}")
 
     by_arm = {arm: {seed: row for (a, seed), row in rows.items() if a == arm} for arm in arms}
     lines = ["| arm | p_m | masks | seeds | " + " | ".join(FIGURES[f] for f in (*PRIMARY, *SECONDARY)) + " |",
