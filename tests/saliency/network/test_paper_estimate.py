@@ -1,0 +1,30 @@
+"""benchmarks/saliency_paper_estimate.py: the work of a `saliency train` preset, counted without running it."""
+
+from __future__ import annotations
+
+from relicv2.saliency.network.config import load_saliency_config
+from tests.paths import load_benchmark
+
+
+def test_counts_every_epochs_pass_and_each_phase_one_crf():
+    script = load_benchmark("saliency_paper_estimate")
+    tiny = load_saliency_config("tiny")  # 4 methods x 1 round x 2 epochs, 2 fused epochs, 8 images
+    assert script.work(tiny) == ((4 * 1 * 2 + 2) * 8, 4 * 1 * 2 * 8)
+    paper = load_saliency_config("paper")
+    assert script.work(paper) == ((4 * 3 * 25 + 200) * 2500, 4 * 3 * 25 * 2500)
+
+
+def test_a_training_pass_costs_about_three_forwards_and_grows_with_the_pixels():
+    script = load_benchmark("saliency_paper_estimate")
+    forward = script.pass_flops(18, 1, 64, train=False)
+    assert 2.5 < script.pass_flops(18, 1, 64, train=True) / forward < 3.5
+    assert 3.5 < script.pass_flops(18, 1, 128, train=False) / forward < 4.5
+
+
+def test_prints_the_hours_at_each_rate(capsys):
+    script = load_benchmark("saliency_paper_estimate")
+    assert script.main(["--config", "tiny", "--gpu-tflops", "1", "--gpu-tflops", "2", "--crf-cpu-ms", "450",
+                        "--maps-cpu-s", "450", "--cores", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "CRFs 64 = 0.0 CPU-h" in out and "maps 60 CPU-min" in out
+    assert out.count("h in all") == 2
