@@ -82,12 +82,15 @@ def test_the_installed_project_runs_presets_by_name_from_any_directory(tmp_path)
 
 def test_every_package_folder_is_listed_for_the_wheel():
     """The wheel's package list is explicit (package-dir maps folders under the namespace): a new
-    sub-package left out of it would be missing from every installed copy."""
+    sub-package left out of it would be missing from every installed copy, and a folder of presets left out
+    is warned about at every install (Python sees it as a package)."""
     listed = set(setuptools_table()["packages"])
     found = set()
     for name, folder in package_dirs().items():
-        for init in folder.rglob("__init__.py"):
-            found.add(".".join([name, *init.parent.relative_to(folder).parts]))
+        for sub in [folder, *folder.rglob("*")]:
+            if sub.is_dir() and sub.name.isidentifier() and sub.name != "__pycache__" and any(
+                    path.is_file() for path in sub.iterdir()):
+                found.add(".".join([name, *sub.relative_to(folder).parts]))
     assert found == listed, (sorted(found - listed), sorted(listed - found))
 
 
