@@ -17,7 +17,7 @@ when done (rerun the same command to resume):
 2. the saliency network: `saliency train --config cpu --backbone random --set input_size=SIZE`. The `cpu`
    preset is the project's measured CPU network (1,240 images, one round; RESULTS "The presets"), run at the
    benchmark's image size to fit the budget (64 instead of 112 px cost .016 max-F at 1,240 images, RESULTS
-   "Levers at small scale", T -> V). A random backbone instead of the guide's bootstrap (a first pretraining
+   "Levers: what each bought", T -> V). A random backbone instead of the guide's bootstrap (a first pretraining
    without masks): an Imagenette backbone bought nothing over a random one there (N -> R), and it would cost
    a whole pretraining run. Then `saliency build-masks` of the train set and of the val subset; their
    coverage histograms (`masks-coverage.json`) and preview grids (`masks-train.png`, `masks-val.png`) are

@@ -143,7 +143,7 @@ class BuildMasksConfig:
     progress: bool = True
     merge_timeout_s: float = 3600.0  # rank 0 waits this long for the other ranks' shards
     # Average each mask with the prediction of the mirrored image, mirrored back: twice the forward, a small
-    # max-F gain on held-back PASCAL-S (benchmarks/RESULTS.md, "Levers at small scale").
+    # max-F gain on held-back PASCAL-S (benchmarks/RESULTS.md, "Levers: what each bought").
     flip: bool = False
     # Refine each mask with the dense CRF the model was trained with, at its input size, in the workers: CPU
     # time an image, and on held-back PASCAL-S a lower MAE and a higher max-F for every one-round model
