@@ -8,7 +8,7 @@ measured on the machine (benchmarks/RESULTS.md: the GPU sections and the CPU cos
 on the command line so the estimate names its source:
 
     python benchmarks/saliency_paper_estimate.py --config paper \\
-        --gpu-tflops 176 --gpu-tflops 267 --crf-cpu-ms 149 --maps-cpu-s 0.46 --cores 16
+        --gpu-tflops 174 --gpu-tflops 267 --crf-cpu-ms 149 --maps-cpu-s 0.46 --cores 16
 
 --gpu-tflops: effective FLOP rates to bracket the network's training (e.g. the compiled R50 step's and the saliency
 network's bare forward, each FLOPs an image times images a second). The CRF runs between epochs in `--cores`
@@ -27,7 +27,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from relicv2.saliency.network.config import load_saliency_config  # noqa: E402
+from relicv2.saliency.network.config import SaliencyTrainConfig, load_saliency_config  # noqa: E402
 from relicv2.saliency.network.model import SaliencyNet  # noqa: E402
 from relicv2.saliency.network.train import plan_units  # noqa: E402
 
@@ -45,7 +45,7 @@ def pass_flops(depth: int, width: int, size: int, train: bool) -> int:
     return counter.get_total_flops()
 
 
-def work(config) -> tuple[int, int]:
+def work(config: SaliencyTrainConfig) -> tuple[int, int]:
     """(training passes, dense CRFs) of a `saliency train` run of `config`: every epoch's pass over its images,
     and the CRF of each phase I epoch's predictions."""
     units = plan_units(config)
@@ -71,9 +71,8 @@ def main(argv: list[str] | None = None) -> int:
     crf_hours = crfs * args.crf_cpu_ms / 1e3 / 3600
     maps_hours = config.num_images * args.maps_cpu_s / 3600
     print(f"preset {config.preset}: ResNet-{config.depth} x{config.width} at {config.input_size} px, "
-          f"{config.num_images:,} images, {len(config.methods) * config.iterations} phase I networks x {config.epochs} "
-          f"epochs, "
-          f"{config.fuse_epochs} fused epochs")
+          f"{config.num_images:,} images, {len(config.methods) * config.iterations} phase I networks x "
+          f"{config.epochs} epochs, {config.fuse_epochs} fused epochs")
     print(f"training passes {passes:,} x {flops / 1e9:.0f} GFLOP = {total / 1e15:.3g} PFLOP; "
           f"CRFs {crfs:,} = {crf_hours:.1f} CPU-h; maps {maps_hours * 60:.0f} CPU-min")
     cpu_hours = (crf_hours + maps_hours) / args.cores
