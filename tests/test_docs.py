@@ -214,9 +214,9 @@ def test_every_results_table_names_command_machine_date_and_commit():
 def test_results_stays_a_reference():
     """Current figures only, what they replaced in git's history: the file stays short enough to read."""
     lines = RESULTS.read_text().count("\n")
-    # ~700 lines held the figures of the pipeline's stages; the evaluation families (robustness, backgrounds,
-    # transfer, segmentation, the masking evidence) each add one reference table on top.
-    assert lines < 900, f"benchmarks/RESULTS.md has {lines} lines: drop superseded rows and narration (git keeps them)"
+    # ~700 lines hold the figures of the stages and of the evaluation families (robustness, backgrounds,
+    # transfer, segmentation, the masking evidence); a new family adds its one reference table.
+    assert lines < 760, f"benchmarks/RESULTS.md has {lines} lines: drop superseded rows and narration (git keeps them)"
 
 
 def test_the_benchmarks_readme_keeps_the_gpu_runbook():
@@ -295,7 +295,7 @@ def test_the_documents_link_every_throughput_and_ratio_they_quote():
                           '[RESULTS, "Section"](../benchmarks/RESULTS.md#anchor)):\n' + "\n".join(problems))
 
 
-# A section named in prose or a comment: `RESULTS.md, "A CRF worker's start"`, `[RESULTS, "The demo"](...)`,
+# A section named in prose or a comment: `RESULTS.md, "Dense CRF cost"`, `[RESULTS, "The demo"](...)`,
 # `benchmarks/RESULTS.md ("Saliency network quality")`, and `"Dense CRF cost" and "CRF at inference"`.
 SECTION_REFERENCE = re.compile(r'RESULTS(?:\.md)?[,\s(]{1,4}"([^"\n]{1,80})"(?:\s+and\s+"([^"\n]{1,80})")?')
 

@@ -238,8 +238,8 @@ def colour_views(views: Sequence[torch.Tensor], draws: Sequence[ColourDraws], sp
 
     Every step works row by row with each row's own draws, so stacking the views of one size gives each
     view the same pixels as colouring it alone, with a third of the operators: what a launch-bound GPU
-    needs, where a CPU was slower stacked (benchmarks/RESULTS.md, "Colour stage: the views of one size as
-    one batch"). `stack` defaults to "on a GPU"; `fused` (see `_colour`) to `cfg.colour_kernels`.
+    needs, where a CPU was slower stacked (benchmarks/RESULTS.md, "Colour stage and batches made ahead,
+    CPU"). `stack` defaults to "on a GPU"; `fused` (see `_colour`) to `cfg.colour_kernels`.
     """
     on_gpu = views[0].device.type != "cpu"
     if stack is None:

@@ -18,7 +18,7 @@ from relicv2.jobs.config import build
 from relicv2.jobs.workers import worker_pool
 
 # Workers import this module (build-masks' and `CrfPool`'s), so it imports neither torch nor the network: with
-# them a spawned worker's start cost several times the CPU and memory (RESULTS.md, "A CRF worker's start").
+# them a spawned worker's start cost several times the CPU and memory (RESULTS.md, "Dense CRF cost").
 if TYPE_CHECKING:  # the config module pulls in every handcrafted method
     from relicv2.saliency.network.config import CrfConfig
 

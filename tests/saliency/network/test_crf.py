@@ -36,7 +36,7 @@ def test_crf_widths_scale_with_the_input_size() -> None:
 
 def test_the_crf_pool_matches_one_process_and_its_workers_load_no_torch() -> None:
     # A spawned worker imports the module of the functions it runs: with torch and the network, several
-    # times the CPU and memory before its first image (RESULTS.md, "A CRF worker's start").
+    # times the CPU and memory before its first image (RESULTS.md, "Dense CRF cost").
     scenes = [synthetic_scene(32, 32, seed=i) for i in range(4)]
     images = np.stack([rgb for rgb, _ in scenes])
     guesses = np.stack([cv2.GaussianBlur(mask.astype(np.float32) / 255.0, (0, 0), 3.0) for _, mask in scenes])
