@@ -11,9 +11,10 @@ on the command line so the estimate names its source:
         --gpu-tflops 174 --gpu-tflops 267 --crf-cpu-ms 149 --maps-cpu-s 0.46 --cores 16
 
 --gpu-tflops: effective FLOP rates to bracket the network's training (e.g. the compiled R50 step's and the saliency
-network's bare forward, each FLOPs an image times images a second). The CRF runs between epochs in `--cores`
-processes: give the run `--set workers=N` for N cores (the preset's default is 2). The CRF of an epoch's
-predictions runs before the next epoch, so the estimate adds the GPU's time and the CRF's.
+network's bare forward, each FLOPs an image times images a second). The CRF runs in `--cores` worker processes:
+give the run `--set workers=N` for N cores (the preset's default is 2). The CRF of a phase I epoch's predictions runs
+while the next epoch trains, so a phase I network takes, over its E epochs, one epoch's training, E - 1 times the
+longer of an epoch's training and its CRF, then the last epoch's CRF; the maps come before any training.
 """
 
 from __future__ import annotations
@@ -54,6 +55,18 @@ def work(config: SaliencyTrainConfig) -> tuple[int, int]:
     return passes, crfs
 
 
+def hours(config: SaliencyTrainConfig, train_epoch_h: float, crf_epoch_h: float, maps_h: float) -> float:
+    """Wall hours of a `saliency train` run of `config` from an epoch's training and CRF and the maps (in hours):
+    the maps, each phase I network with its CRFs overlapping its next epochs, then phase II."""
+    total = maps_h
+    for unit in plan_units(config):
+        if unit.method is None:
+            total += unit.epochs * train_epoch_h
+        else:
+            total += train_epoch_h + (unit.epochs - 1) * max(train_epoch_h, crf_epoch_h) + crf_epoch_h
+    return total
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="paper", help="a `saliency train` preset or YAML file (default: paper)")
@@ -75,11 +88,14 @@ def main(argv: list[str] | None = None) -> int:
           f"{config.epochs} epochs, {config.fuse_epochs} fused epochs")
     print(f"training passes {passes:,} x {flops / 1e9:.0f} GFLOP = {total / 1e15:.3g} PFLOP; "
           f"CRFs {crfs:,} = {crf_hours:.1f} CPU-h; maps {maps_hours * 60:.0f} CPU-min")
-    cpu_hours = (crf_hours + maps_hours) / args.cores
+    crf_epoch_h = config.num_images * args.crf_cpu_ms / 1e3 / 3600 / args.cores
     for rate in sorted(args.gpu_tflops):
         gpu_hours = total / (rate * 1e12) / 3600
+        train_epoch_h = config.num_images * flops / (rate * 1e12) / 3600
+        wall = hours(config, train_epoch_h, crf_epoch_h, maps_hours / args.cores)
         print(f"at {rate:g} TFLOP/s: the network {gpu_hours * 60:.1f} min, the CRF and maps on {args.cores} cores "
-              f"{cpu_hours * 60:.0f} min: {gpu_hours + cpu_hours:.1f} h in all")
+              f"{(crf_hours + maps_hours) / args.cores * 60:.0f} min: {wall:.1f} h in all (the CRF of an epoch "
+              f"beside the next's training)")
     return 0
 
 

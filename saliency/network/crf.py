@@ -66,6 +66,20 @@ def _crf_chunk(indices: np.ndarray, probabilities: np.ndarray) -> np.ndarray:
     return np.stack([dense_crf(images[i], p, config) for i, p in zip(indices, probabilities, strict=True)])
 
 
+class Refinement:
+    """The CRF-refined probabilities of one `CrfPool.submit`, computing in the pool meanwhile."""
+
+    def __init__(self, futures: list | None = None, done: np.ndarray | None = None):
+        self._futures, self._done = futures, done
+
+    def result(self) -> np.ndarray:
+        """The refined foreground probabilities [N, S, S], waiting for the workers."""
+        if self._done is None:
+            self._done = np.concatenate([f.result() for f in self._futures])
+            self._futures = None
+        return self._done
+
+
 class CrfPool:
     """Dense CRF over many images in worker processes; the images are sent to each worker once."""
 
@@ -75,15 +89,27 @@ class CrfPool:
         self.pool = worker_pool(workers, start_method="spawn", initializer=_init_crf_worker,
                                 initargs=(images_hwc, config)) if workers > 1 else None
 
+    def submit(self, probabilities: np.ndarray) -> Refinement:
+        """The CRF of `probabilities` [N, S, S] (image i's map at index i), refined in the workers while the caller
+        goes on (in this process, before it returns, without workers)."""
+        if self.pool is None:
+            return Refinement(done=np.stack([dense_crf(self.images[i], p, self.config)
+                                             for i, p in enumerate(probabilities)]))
+        chunks = np.array_split(np.arange(len(probabilities)), self.workers * 4)
+        return Refinement([self.pool.submit(_crf_chunk, c, probabilities[c]) for c in chunks if len(c)])
+
     def refine(self, probabilities: np.ndarray) -> np.ndarray:
         """CRF-refined foreground probabilities [N, S, S] of `probabilities` [N, S, S]."""
-        if self.pool is None:
-            return np.stack([dense_crf(self.images[i], p, self.config) for i, p in enumerate(probabilities)])
-        chunks = np.array_split(np.arange(len(probabilities)), self.workers * 4)
-        futures = [self.pool.submit(_crf_chunk, c, probabilities[c]) for c in chunks if len(c)]
-        return np.concatenate([f.result() for f in futures])
+        return self.submit(probabilities).result()
 
-    def close(self) -> None:
+    def close(self, cancel: bool = False) -> None:
+        """Stop the workers; with `cancel`, the chunks not yet started are dropped (the job was interrupted)."""
         if self.pool is not None:
-            self.pool.shutdown()
+            self.pool.shutdown(wait=True, cancel_futures=cancel)
             self.pool = None
+
+    def __enter__(self) -> CrfPool:
+        return self
+
+    def __exit__(self, exc_type, exc_value, traceback) -> None:
+        self.close(cancel=exc_type is not None)

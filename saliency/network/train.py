@@ -74,6 +74,15 @@ DONE = TorchFormat("saliency training result", fix="delete it: a rerun trains th
 FUSED_DONE = replace(DONE, fields={**DONE.fields, "model": StateDict})
 
 
+def _pending_predictions(path: Path, state: dict, shape: tuple[int, ...]) -> np.ndarray:
+    """A work file's predictions whose CRF was still running when it was written, checked against its average."""
+    pending = state["pending"]
+    if not isinstance(pending, torch.Tensor) or tuple(pending.shape) != shape:
+        found = tuple(pending.shape) if isinstance(pending, torch.Tensor) else type(pending).__name__
+        raise CURRENT.fail(path, f"is damaged: its pending predictions are {found}, not {shape}")
+    return pending.float().numpy()
+
+
 class TrainStateError(RuntimeError):
     """The output folder holds a run that this command cannot continue."""
 
@@ -247,7 +256,7 @@ class Trainer:
         optimizer = torch.optim.Adam(model.parameters(), lr=unit.lr)
         n, size = self.data.images.shape[0], self.config.input_size
         average = np.zeros((n, size, size), dtype=np.float32)
-        start, losses = 0, []
+        start, losses, pending = 0, [], None
         current = self.work / f"{unit.name}.current.pt"
         if current.is_file():
             state = CURRENT.load(current)
@@ -255,6 +264,9 @@ class Trainer:
             optimizer.load_state_dict(state["optimizer"])
             average = state["average"].float().numpy()
             start, losses = int(state["epoch"]), list(state["losses"])
+            if state.get("pending") is not None:
+                pending = self.crf.submit(_pending_predictions(current, state, average.shape))
+        keep = self.config.average_keep
         bar = Phase(f"saliency {unit.name}", unit.epochs * n, unit="img", enabled=self.job.progress,
                     initial=start * n)
         for epoch in range(start, unit.epochs):
@@ -265,13 +277,21 @@ class Trainer:
                 batch_size=self.config.batch_size, beta2=unit.beta2, device=self.device, progress=bar,
             )
             losses.append(loss)
-            if unit.method is not None:
-                keep = self.config.average_keep
-                average = keep * average + (1 - keep) * self.crf.refine(predictions)
             bar.set_postfix(loss=loss)
             state = {"epoch": epoch + 1, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                     "average": torch.from_numpy(average), "losses": losses}  # fp32: exact resume
+                     "losses": losses}
+            if unit.method is not None:
+                # The CRF of this epoch's predictions runs in the workers while the next epoch trains (on a GPU
+                # machine most of a phase I epoch is its CRF); the moving average takes each epoch's in order,
+                # so the labels are those of refining every epoch before the next.
+                if pending is not None:
+                    average = keep * average + (1 - keep) * pending.result()
+                pending = self.crf.submit(predictions)
+                state["pending"] = torch.from_numpy(predictions)  # its CRF not yet averaged: redone on resume
+            state["average"] = torch.from_numpy(average)  # fp32: exact resume
             CURRENT.save(current, state)
+        if pending is not None:
+            average = keep * average + (1 - keep) * pending.result()
         bar.close()
         result = {"losses": losses, "average": torch.from_numpy(average).half()}
         if unit.method is None:
@@ -319,11 +339,9 @@ def run_train(job: TrainJob, log: Callable[[str], None] = print) -> dict:
             print(f"saliency train: left out {key}: {reason}", file=sys.stderr)
         log(f"saliency train: {len(data.keys)} images ({len(data.skipped)} left out)")
         trainer = Trainer(job, data, checked.encoder_state, device)
-        try:
+        with trainer.crf:  # left by an exception (Ctrl-C), the CRFs not yet started are dropped
             for unit in plan_units(config):
                 trainer.run_unit(unit)
-        finally:
-            trainer.crf.close()
         model = trainer.fused_network()
         report = {"preset": config.preset, "backbone": checked.backbone, "images": len(data.keys),
                   "left_out": [list(s) for s in data.skipped], "losses": trainer.losses()}

@@ -28,3 +28,12 @@ def test_prints_the_hours_at_each_rate(capsys):
     out = capsys.readouterr().out
     assert "CRFs 64 = 0.0 CPU-h" in out and "maps 60 CPU-min" in out
     assert out.count("h in all") == 2
+
+
+def test_a_phase_one_epochs_crf_overlaps_the_next_epochs_training():
+    script = load_benchmark("saliency_paper_estimate")
+    tiny = load_saliency_config("tiny")  # 4 phase I networks x 2 epochs, then 2 fused epochs
+    # Training-bound: each network's CRFs hide behind its next epoch, all but its last.
+    assert script.hours(tiny, train_epoch_h=1.0, crf_epoch_h=0.5, maps_h=3.0) == 3 + 4 * (1 + 1 + 0.5) + 2
+    # CRF-bound: an epoch's training hides behind the CRF before it, all but the network's first.
+    assert script.hours(tiny, train_epoch_h=0.5, crf_epoch_h=1.0, maps_h=0.0) == 4 * (0.5 + 1 + 1) + 2 * 0.5

@@ -14,6 +14,7 @@ import yaml
 
 import relicv2.saliency.network.train as train_module
 from relicv2.jobs.atomic import TEMP_MARK
+from relicv2.models.torchfile import TorchFileError
 from relicv2.saliency.images import write_png
 from relicv2.saliency.network.config import load_saliency_config
 from relicv2.saliency.network.data import TrainingImages, load_training_images
@@ -80,6 +81,55 @@ def test_no_phase_one_fits_the_fused_network_to_the_maps_labels(tmp_path: Path, 
     labels = trainer.fused_labels()
     for j, m in enumerate(config.methods):
         assert torch.equal(labels[:, j].bool(), trainer.data.maps[m].float() >= config.thresholds[m]), m
+
+
+def test_an_epochs_crf_runs_in_the_workers_while_the_next_epoch_trains(tmp_path: Path, monkeypatch) -> None:
+    """Phase I's CRF of epoch e overlaps the training of epoch e + 1, and the labels are still the moving
+    average of every epoch's CRF in epoch order."""
+    from relicv2.saliency.network import crf as crf_module
+
+    size, count, epochs = 32, 6, 3
+    images, maps = [], []
+    for i in range(count):
+        rgb, mask = synthetic_scene(size, size, seed=i)
+        images.append(torch.from_numpy(rgb).permute(2, 0, 1))
+        maps.append(torch.from_numpy(mask.astype(np.float32) / 255.0).half())
+    data = TrainingImages([f"s{i}" for i in range(count)], torch.stack(images), {"rbd": torch.stack(maps)})
+    config = load_saliency_config("tiny", ["methods=rbd", "input_size=32", f"epochs={epochs}", "average_keep=0.5",
+                                           "workers=2"])
+    events, submitted = [], []
+    real_epoch, real_submit, real_result = train_module.train_epoch, crf_module.CrfPool.submit, crf_module.Refinement.result
+
+    def epoch(*args, **kwargs):
+        events.append("train")
+        return real_epoch(*args, **kwargs)
+
+    def submit(pool, probabilities):
+        events.append("crf submitted")
+        submitted.append(probabilities.copy())
+        return real_submit(pool, probabilities)
+
+    def result(refinement):
+        events.append("crf awaited")
+        return real_result(refinement)
+
+    monkeypatch.setattr(train_module, "train_epoch", epoch)
+    monkeypatch.setattr(crf_module.CrfPool, "submit", submit)
+    monkeypatch.setattr(crf_module.Refinement, "result", result)
+    job = TrainJob(shards=tmp_path, out=tmp_path / "out", config=config, backbone="random", progress=False)
+    trainer = Trainer(job, data, None)
+    with trainer.crf:
+        trainer.run_unit(train_module.plan_units(config)[0])
+    assert trainer.crf.pool is None  # closed by the with block
+    assert events == ["train", "crf submitted"] + ["train", "crf awaited", "crf submitted"] * (epochs - 1) + [
+        "crf awaited"]
+    expected = np.zeros((count, size, size), dtype=np.float32)
+    rgb = data.images.permute(0, 2, 3, 1).numpy()
+    crf = config.crf.at_size(size)
+    for predictions in submitted:
+        refined = np.stack([crf_module.dense_crf(rgb[i], p, crf) for i, p in enumerate(predictions)])
+        expected = 0.5 * expected + 0.5 * refined
+    assert torch.equal(trainer.result("rbd-it1"), torch.from_numpy(expected).half())
 
 
 @pytest.fixture
@@ -154,6 +204,31 @@ def test_train_resumes_after_a_kill_to_the_same_model(tmp_path: Path, scene_shar
     for name, tensor in whole.state_dict().items():
         assert torch.equal(tensor, resumed.state_dict()[name]), name
     assert json.loads((tmp_path / "resumed" / "report.json").read_text())["train"] == rows
+
+
+def test_a_work_file_whose_pending_predictions_do_not_fit_is_one_error_naming_it(tmp_path: Path, scene_shards,
+                                                                               monkeypatch) -> None:
+    shards, _ = scene_shards
+    real_epoch = train_module.train_epoch
+    calls = {"n": 0}
+
+    def dying_epoch(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise _Killed
+        return real_epoch(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "train_epoch", dying_epoch)
+    with pytest.raises(_Killed):
+        run_train(_job(shards, tmp_path / "out"), log=lambda _: None)
+    current = tmp_path / "out" / "work" / "mc-it1.current.pt"
+    state = train_module.CURRENT.load(current)
+    assert state["pending"].shape == state["average"].shape  # the killed epoch's CRF was not yet averaged
+    train_module.CURRENT.save(current, {**state, "pending": state["pending"][:2]})
+    monkeypatch.setattr(train_module, "train_epoch", real_epoch)
+    with pytest.raises(TorchFileError, match="pending predictions") as refused:
+        run_train(_job(shards, tmp_path / "out"), log=lambda _: None)
+    assert str(current) in str(refused.value) and "delete it" in str(refused.value)
 
 
 def test_other_settings_in_the_same_folder_are_refused(tmp_path: Path, scene_shards) -> None:
