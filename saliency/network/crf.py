@@ -98,10 +98,6 @@ class CrfPool:
         chunks = np.array_split(np.arange(len(probabilities)), self.workers * 4)
         return Refinement([self.pool.submit(_crf_chunk, c, probabilities[c]) for c in chunks if len(c)])
 
-    def refine(self, probabilities: np.ndarray) -> np.ndarray:
-        """CRF-refined foreground probabilities [N, S, S] of `probabilities` [N, S, S]."""
-        return self.submit(probabilities).result()
-
     def close(self, cancel: bool = False) -> None:
         """Stop the workers; with `cancel`, the chunks not yet started are dropped (the job was interrupted)."""
         if self.pool is not None:

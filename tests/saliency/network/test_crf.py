@@ -43,12 +43,12 @@ def test_the_crf_pool_matches_one_process_and_its_workers_load_no_torch() -> Non
     config = CrfConfig().at_size(32)
     pool = CrfPool(images, config, workers=2)
     try:
-        refined = pool.refine(guesses)
+        refined = pool.submit(guesses).result()
         workers = list(pool.pool._processes)  # the executor's worker pids
         mapped = {pid: Path(f"/proc/{pid}/maps").read_text() for pid in workers}
     finally:
         pool.close()
     assert len(workers) == 2 and not [pid for pid, maps in mapped.items() if "libtorch" in maps]
     alone = CrfPool(images, config, workers=1)  # in this process
-    assert np.array_equal(refined, alone.refine(guesses))
+    assert np.array_equal(refined, alone.submit(guesses).result())
 
