@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import signal
+from concurrent.futures.process import BrokenProcessPool
 
 import click
 
@@ -49,11 +50,16 @@ class LazyGroup(click.Group):
 class RootGroup(LazyGroup):
     """The `relicv2` group: SIGINT (Ctrl-C) or SIGTERM anywhere outside the training loop (which
     checkpoints and stops itself) ends the workers and the command with one line and exit 130 / 143,
-    not click's "Aborted!" and exit 1 (`cli.signals`)."""
+    not click's "Aborted!" and exit 1 (`cli.signals`); a worker process that died (the system's
+    out-of-memory killer, say) in any job's pool is one line and exit 1, not the pool's traceback."""
 
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except BrokenProcessPool:  # every job's pools are `jobs.workers.worker_pool`s; each job resumes
+            from relicv2.jobs.workers import worker_died
+
+            raise click.ClickException(worker_died()) from None
         except KeyboardInterrupt:
             ctx.exit(signals.stop(signal.SIGINT))
         except signals.Terminated:

@@ -35,6 +35,13 @@ def _watch_parent(parent: int) -> None:
         time.sleep(POLL_S)
 
 
+def worker_died(doing: str | None = None, kept: str = "what it finished is kept") -> str:
+    """The one line for a job whose worker process died (the kernel's out-of-memory killer, say)."""
+    during = f" while {doing}" if doing else ""
+    return (f"a worker process died{during} (killed by the system for memory? see dmesg); {kept}: rerun the same "
+            "command to resume")
+
+
 def usable_cores() -> int:
     """CPU cores this process may run on (its affinity mask under SLURM or taskset; all elsewhere)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -18,6 +18,7 @@ from relicv2.jobs.atomic import remove_stale_temps
 from relicv2.jobs.lock import folder_lock
 from relicv2.jobs.progress import Phase, tracked
 from relicv2.jobs.ranks import Ranks
+from relicv2.jobs.workers import worker_died
 from relicv2.shards.index import shard_files
 from relicv2.shards.job import (
     NOT_DONE,
@@ -146,10 +147,8 @@ def run_shard_job(job: ShardJob, work: UnitWork, ranks: Ranks, *, name: str, pro
                         written, rejected = written + len(record["manifest"]), rejected + len(record["rejected"])
                         done += 1
             except BrokenProcessPool as exc:
-                raise UnfinishedError(
-                    f"a worker process died while {name} made {job.out / job.units[todo[done]].shard} (killed "
-                    "by the system for memory? see dmesg); finished shards are kept: rerun the same command to resume"
-                ) from exc
+                raise UnfinishedError(worker_died(f"{name} made {job.out / job.units[todo[done]].shard}",
+                                                  "finished shards are kept")) from exc
             report = JobReport(len(todo), len(mine) - len(todo), written, rejected, None, tuple(repaired), kept_elsewhere,
                                bar.count, time.monotonic() - started)
             if ranks.rank != 0:

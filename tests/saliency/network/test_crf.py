@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import cv2
@@ -52,3 +56,17 @@ def test_the_crf_pool_matches_one_process_and_its_workers_load_no_torch() -> Non
     alone = CrfPool(images, config, workers=1)  # in this process
     assert np.array_equal(refined, alone.submit(guesses).result())
 
+
+
+def test_a_dead_crf_worker_ends_the_wait_with_the_pools_error() -> None:
+    """Not a hang: the error the `relicv2` command turns into one line (`tests/jobs/test_workers.py`)."""
+    scenes = [synthetic_scene(32, 32, seed=i) for i in range(4)]
+    images = np.stack([rgb for rgb, _ in scenes])
+    guesses = np.stack([mask.astype(np.float32) / 255.0 for _, mask in scenes])
+    with CrfPool(images, CrfConfig().at_size(32), workers=2) as pool:
+        pool.submit(guesses).result()  # the workers are up
+        os.kill(next(iter(pool.pool._processes)), signal.SIGKILL)  # killed by the system, say
+        deadline = time.monotonic() + 30
+        with pytest.raises(BrokenProcessPool):
+            while time.monotonic() < deadline:  # the pool notices the death within moments
+                pool.submit(guesses).result()
