@@ -47,7 +47,6 @@ def run_unit(images, config, awaited: bool, out: Path, device: str) -> tuple[flo
     import numpy as np
     import torch
 
-    from relicv2.saliency.network import crf as crf_module
     from relicv2.saliency.network.data import TrainingImages
     from relicv2.saliency.network.train import Trainer, TrainJob, plan_units
 
@@ -57,22 +56,19 @@ def run_unit(images, config, awaited: bool, out: Path, device: str) -> tuple[flo
     data = TrainingImages([f"i{k}" for k in range(len(images))], images, {"rbd": blob.expand(len(images), -1, -1)})
     job = TrainJob(shards=out, out=out, config=config, backbone="random", progress=False)
     trainer = Trainer(job, data, None, device)
-    submit = crf_module.CrfPool.submit
+    if awaited:  # this pool's CRFs finished before `submit` returns, as before the overlap
+        submit = trainer.crf.submit
 
-    def submit_and_wait(pool, probabilities):
-        refinement = submit(pool, probabilities)
-        refinement.result()
-        return refinement
+        def submit_and_wait(probabilities):
+            refinement = submit(probabilities)
+            refinement.result()
+            return refinement
 
+        trainer.crf.submit = submit_and_wait
     with trainer.crf:
-        if awaited:
-            crf_module.CrfPool.submit = submit_and_wait
-        try:
-            start = time.perf_counter()
-            trainer.run_unit(plan_units(config)[0])
-            seconds = time.perf_counter() - start
-        finally:
-            crf_module.CrfPool.submit = submit
+        start = time.perf_counter()
+        trainer.run_unit(plan_units(config)[0])
+        seconds = time.perf_counter() - start
     return seconds, trainer.result("rbd-it1")
 
 
@@ -93,14 +89,14 @@ def main(argv: list[str] | None = None) -> int:
     from relicv2.saliency.network.config import load_saliency_config
 
     torch.set_num_threads(args.threads)
-    config = load_saliency_config("cpu", ["methods=rbd", f"input_size={args.size}", f"num_images={args.count}",
-                                          f"epochs={args.epochs}", "iterations=1", f"workers={args.workers}"])
+    settings = ["methods=rbd", f"input_size={args.size}", "iterations=1", f"workers={args.workers}"]
+    config = load_saliency_config("cpu", [*settings, f"num_images={args.count}", f"epochs={args.epochs}"])
     images = photos(args.images, args.count, args.size)
     times: dict[str, list[float]] = {"awaited": [], "overlapped": []}
     labels = {}
     with tempfile.TemporaryDirectory(prefix="relicv2-crf-overlap-") as out:  # warm-up: imports, caches, allocator
-        run_unit(images[:8], load_saliency_config("tiny", ["methods=rbd", "epochs=1", "workers=2", f"input_size={args.size}"]), False, Path(out),
-                 args.device)
+        warm_up = load_saliency_config("cpu", [*settings, "num_images=8", "epochs=1"])
+        run_unit(images[:8], warm_up, False, Path(out), args.device)
     for repeat in range(args.repeats):
         for name in ("awaited", "overlapped"):
             with tempfile.TemporaryDirectory(prefix="relicv2-crf-overlap-") as out:

@@ -57,7 +57,6 @@ def test_the_crf_pool_matches_one_process_and_its_workers_load_no_torch() -> Non
     assert np.array_equal(refined, alone.submit(guesses).result())
 
 
-
 def test_a_dead_crf_worker_ends_the_wait_with_the_pools_error() -> None:
     """Not a hang: the error the `relicv2` command turns into one line (`tests/jobs/test_workers.py`)."""
     scenes = [synthetic_scene(32, 32, seed=i) for i in range(4)]

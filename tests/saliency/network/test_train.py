@@ -163,6 +163,19 @@ class _Killed(Exception):
     pass
 
 
+def _killed_one_epoch_into_mc(monkeypatch) -> None:
+    """`run_train` of `_job` killed in mc-it1's second epoch (its first one's work file written)."""
+    real_epoch, calls = train_module.train_epoch, {"n": 0}
+
+    def dying_epoch(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise _Killed
+        return real_epoch(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "train_epoch", dying_epoch)
+
+
 def test_train_resumes_after_a_kill_to_the_same_model(tmp_path: Path, scene_shards, gt_folder, held_back,
                                                      monkeypatch) -> None:
     shards, _ = scene_shards
@@ -179,16 +192,8 @@ def test_train_resumes_after_a_kill_to_the_same_model(tmp_path: Path, scene_shar
     assert set(held) == {"mc raw map", "mean of handcrafted", "fused network"}
     assert all(r["count"] == 4 and 0 <= r["mae"] <= 1 for r in held.values())  # every held-back image scored
 
-    calls = {"n": 0}
     real_epoch = train_module.train_epoch
-
-    def dying_epoch(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 2:  # mc-it1 one epoch in
-            raise _Killed
-        return real_epoch(*args, **kwargs)
-
-    monkeypatch.setattr(train_module, "train_epoch", dying_epoch)
+    _killed_one_epoch_into_mc(monkeypatch)
     with pytest.raises(_Killed):
         run_train(_job(shards, tmp_path / "resumed", gt_folder), log=lambda _: None)
     work = tmp_path / "resumed" / "work"
@@ -210,15 +215,7 @@ def test_a_work_file_whose_pending_predictions_do_not_fit_is_one_error_naming_it
                                                                                monkeypatch) -> None:
     shards, _ = scene_shards
     real_epoch = train_module.train_epoch
-    calls = {"n": 0}
-
-    def dying_epoch(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise _Killed
-        return real_epoch(*args, **kwargs)
-
-    monkeypatch.setattr(train_module, "train_epoch", dying_epoch)
+    _killed_one_epoch_into_mc(monkeypatch)
     with pytest.raises(_Killed):
         run_train(_job(shards, tmp_path / "out"), log=lambda _: None)
     current = tmp_path / "out" / "work" / "mc-it1.current.pt"
